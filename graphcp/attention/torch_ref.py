@@ -1,0 +1,75 @@
+"""Reference attention backend in plain torch, for any device.
+
+Loops over segments on the host (it reads the host copy of the metadata), so it
+runs eagerly: in graph mode it is a break. Scores are computed in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphcp.attention.base import AttentionBackend, AttentionMetadata, kv_cache_views
+
+
+def gather_segment_kv(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, pages: "list[int] | torch.Tensor", kv_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous [kv_len, H, D] K and V of one request from its pages."""
+    idx = torch.as_tensor(pages, device=k_pages.device, dtype=torch.long)
+    k = k_pages.index_select(0, idx).flatten(0, 1)[:kv_len]
+    v = v_pages.index_select(0, idx).flatten(0, 1)[:kv_len]
+    return k, v
+
+
+def bottom_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """[q_len, kv_len] bool, True where row i may see key j: j < kv_len - q_len + i + 1."""
+    rows = torch.arange(q_len, device=device).unsqueeze(1)
+    cols = torch.arange(kv_len, device=device).unsqueeze(0)
+    return cols <= rows + (kv_len - q_len)
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+    supports_full_graph = False
+
+    #: query rows per score block when LSE is asked (bounds the float32 score memory)
+    lse_block_rows = 1024
+
+    def forward(self, q, kv_cache, meta: AttentionMetadata, out, lse=None) -> None:
+        spec = self.spec
+        group = spec.num_q_heads // spec.num_kv_heads
+        k_pages, v_pages = kv_cache_views(kv_cache, spec.kv_layout)
+        cu = meta.cu_seqlens_q_host
+        pages_per_seg = -(-meta.kv_lens_host // meta.page_size)
+        for s in range(meta.num_segments):
+            q0, q1 = int(cu[s]), int(cu[s + 1])
+            kv_len = int(meta.kv_lens_host[s])
+            if q1 == q0:
+                continue
+            pages = meta.page_table_host[s, : int(pages_per_seg[s])]
+            k, v = gather_segment_kv(k_pages, v_pages, pages, kv_len)
+            qs = q[q0:q1].transpose(0, 1)  # [Hq, q, D]
+            ks = k.transpose(0, 1).repeat_interleave(group, dim=0)
+            vs = v.transpose(0, 1).repeat_interleave(group, dim=0)
+            if lse is None:
+                mask = bottom_right_causal_mask(q1 - q0, kv_len, q.device)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=spec.scale)
+                out[q0:q1] = o.transpose(0, 1).to(out.dtype)
+            else:
+                self._with_lse(qs, ks, vs, q0, q1, kv_len, out, lse)
+
+    def _with_lse(self, qs, ks, vs, q0, q1, kv_len, out, lse) -> None:
+        q_len = q1 - q0
+        kf, vf = ks.float(), vs.float()
+        for b0 in range(0, q_len, self.lse_block_rows):
+            b1 = min(q_len, b0 + self.lse_block_rows)
+            scores = torch.matmul(qs[:, b0:b1].float(), kf.transpose(1, 2)) * self.spec.scale
+            rows = torch.arange(b0, b1, device=qs.device).unsqueeze(1)
+            cols = torch.arange(kv_len, device=qs.device).unsqueeze(0)
+            scores.masked_fill_(~(cols <= rows + (kv_len - q_len)), float("-inf"))
+            row_lse = torch.logsumexp(scores, dim=-1)  # [H, rows]
+            probs = torch.exp(scores - row_lse.unsqueeze(-1))
+            o = torch.matmul(probs, vf)
+            out[q0 + b0 : q0 + b1] = o.transpose(0, 1).to(out.dtype)
+            lse[q0 + b0 : q0 + b1] = row_lse.transpose(0, 1)

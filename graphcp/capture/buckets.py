@@ -1,0 +1,119 @@
+"""Buckets: the local-row capacities the body is captured for, the selection rule
+the runner uses, and the bucket file the tuning CLI writes.
+
+A bucket is a capacity of local rows per rank. All ranks share the plan, so they
+compute the same required capacity (the largest rank's rows) and pick the same
+bucket. A batch runs eagerly when no bucket holds it, or when the chosen bucket
+would pad it by more than ``padding_factor`` (capacity / required rows).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_ALIGN = 8
+DEFAULT_PADDING_FACTOR = 2.0
+#: powers of two from 16 to 4096 local rows: any batch from 8 to 4096 rows fits within 2x
+DEFAULT_CAPACITIES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+BUCKET_FILE_VERSION = 1
+
+# reasons a forward runs eagerly (keys of the runner's fallback counters)
+FALLBACK_TOO_LARGE = "larger_than_every_bucket"
+FALLBACK_PADDING = "padding_over_factor"
+
+
+def align_up(n: "int | np.ndarray", align: int):
+    return -(-n // align) * align
+
+
+@dataclass(frozen=True)
+class Selection:
+    required: int  # the largest rank's local rows
+    capacity: int | None  # the chosen bucket, None when the forward runs eagerly
+    reason: str | None = None  # why eager, one of the FALLBACK_* keys
+
+    @property
+    def graph(self) -> bool:
+        return self.capacity is not None
+
+
+@dataclass(frozen=True)
+class BucketSet:
+    capacities: tuple[int, ...] = DEFAULT_CAPACITIES
+    align: int = DEFAULT_ALIGN
+    padding_factor: float = DEFAULT_PADDING_FACTOR
+    #: what the set was tuned for; None for the built-in schedule (fits any CP size)
+    cp_size: int | None = None
+    layout: str | None = None
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.align < 8 or self.align % 8:
+            raise ValueError(f"bucket align must be a positive multiple of 8, got {self.align}")
+        if not self.capacities:
+            raise ValueError("a bucket set needs at least one capacity")
+        caps = tuple(sorted(int(c) for c in self.capacities))
+        bad = [c for c in caps if c <= 0 or c % self.align]
+        if bad:
+            raise ValueError(f"bucket capacities {bad} are not positive multiples of align={self.align}")
+        if len(set(caps)) != len(caps):
+            raise ValueError(f"bucket capacities repeat: {list(self.capacities)}")
+        if self.padding_factor < 1.0:
+            raise ValueError(f"padding_factor must be >= 1, got {self.padding_factor}")
+        object.__setattr__(self, "capacities", caps)
+
+    @property
+    def largest(self) -> int:
+        return self.capacities[-1]
+
+    def select(self, required_rows: int) -> Selection:
+        """Smallest capacity >= ``required_rows``, unless it pads past the factor."""
+        if required_rows < 1:
+            raise ValueError(f"required rows must be >= 1, got {required_rows}")
+        i = int(np.searchsorted(self.capacities, required_rows, side="left"))
+        if i == len(self.capacities):
+            return Selection(required_rows, None, FALLBACK_TOO_LARGE)
+        cap = self.capacities[i]
+        if cap > self.padding_factor * required_rows:
+            return Selection(required_rows, None, FALLBACK_PADDING)
+        return Selection(required_rows, cap)
+
+    def check_compatible(self, cp_size: int, layout: str) -> None:
+        if self.cp_size is not None and self.cp_size != cp_size:
+            raise ValueError(f"bucket file was tuned for cp_size={self.cp_size}, this run has cp_size={cp_size}")
+        if self.layout is not None and self.layout != layout:
+            raise ValueError(f"bucket file was tuned for layout={self.layout!r}, this run uses {layout!r}")
+
+    # ---- file -----------------------------------------------------------------
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["capacities"] = list(self.capacities)
+        return {"version": BUCKET_FILE_VERSION, **d}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "BucketSet":
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read bucket file {p}: {e}") from e
+        if d.get("version") != BUCKET_FILE_VERSION:
+            raise ValueError(f"bucket file {p} has version {d.get('version')!r}, expected {BUCKET_FILE_VERSION}")
+        try:
+            return cls(
+                capacities=tuple(d["capacities"]),
+                align=int(d.get("align", DEFAULT_ALIGN)),
+                padding_factor=float(d.get("padding_factor", DEFAULT_PADDING_FACTOR)),
+                cp_size=d.get("cp_size"),
+                layout=d.get("layout"),
+                meta=d.get("meta", {}),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad bucket file {p}: {e}") from e
