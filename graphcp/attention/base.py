@@ -69,9 +69,10 @@ class AttentionMetadata:
         page_size: int,
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
-        cu = np.ascontiguousarray(cu_seqlens_q, dtype=np.int32)
-        kv = np.ascontiguousarray(kv_lens, dtype=np.int32)
-        pt = np.ascontiguousarray(page_table, dtype=np.int32)
+        # own, writable copies: torch.from_numpy shares memory with them
+        cu = np.array(cu_seqlens_q, dtype=np.int32)
+        kv = np.array(kv_lens, dtype=np.int32)
+        pt = np.array(page_table, dtype=np.int32)
         if cu.ndim != 1 or kv.ndim != 1 or cu.shape[0] != kv.shape[0] + 1:
             raise ValueError(
                 f"cu_seqlens_q must have one more entry than kv_lens; got {cu.shape} and {kv.shape}"

@@ -1,0 +1,27 @@
+"""KV exchange v1: all-gather the K/V of every rank's padded local rows, then
+write them into this rank's paged cache through the gathered slot mapping.
+
+The gathered buffer has a fixed size (C x capacity rows, rank-major), so the
+exchange is capturable; padding rows carry slot -1 and land in the scratch page.
+After it every rank holds the batch's full KV (replicated across CP).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcp.kvcache import write_kv
+from graphcp.profiling import nvtx_range
+
+
+def exchange_and_write_kv(ctx, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    with nvtx_range(f"kv_exchange[{layer}]", category="comm"):
+        kv = torch.cat([k, v], dim=1)  # [n, 2H, D]: one collective for both
+        gathered = ctx.group.all_gather_rows(kv)
+        kh = k.shape[1]
+        write_kv(ctx.kv_cache.layer(layer), gathered[:, :kh], gathered[:, kh:], ctx.kv_slots, ctx.kv_cache.layout)
+
+
+def exchanged_bytes_per_layer(capacity: int, cp_size: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """Bytes each rank receives per layer in the all-gather (for the performance ledger)."""
+    return (cp_size - 1) * capacity * 2 * num_kv_heads * head_dim * elem_bytes

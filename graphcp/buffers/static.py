@@ -1,0 +1,141 @@
+"""The CP-local static inputs and outputs of a captured body.
+
+One object owns every tensor a captured graph reads or writes on a rank,
+allocated once at the largest bucket; a bucket of capacity ``cap`` uses prefix
+views (``[:cap]`` rows, ``[:C * cap]`` gathered rows). ``fill`` copies the live
+batch in and pads the tail inertly: token 0, position 0, slot -1 (the scratch
+page), rows in no segment. The full width is re-padded every fill, so nothing of
+an earlier, larger batch survives into a later one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class BucketView:
+    """The prefix views one bucket's graph was captured on."""
+
+    capacity: int
+    input_ids: torch.Tensor  # [cap] int64
+    positions: torch.Tensor  # [cap] int64
+    kv_slots: torch.Tensor  # [C * cap] int64
+    attn_q: torch.Tensor  # [cap, Hq, D]  attention input (static so breaks pin no graph memory)
+    attn_out: torch.Tensor  # [cap, Hq, D]
+    hidden_out: torch.Tensor  # [cap, hidden]  the body's output rows
+    # full-graph attention metadata (static device tensors; segments past the batch are empty)
+    cu_seqlens_q: torch.Tensor  # [S_max + 1] int32
+    kv_lens: torch.Tensor  # [S_max] int32
+    page_table: torch.Tensor  # [S_max, P_max] int32
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+
+
+class StaticBuffers:
+    def __init__(
+        self,
+        max_capacity: int,
+        cp_size: int,
+        num_q_heads: int,
+        head_dim: int,
+        hidden_size: int,
+        max_segments: int,
+        max_pages_per_seq: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.max_capacity, self.cp_size = max_capacity, cp_size
+        self.max_segments, self.max_pages_per_seq = max_segments, max_pages_per_seq
+        dev = torch.device(device)
+        self.device = dev
+        self.input_ids = torch.zeros(max_capacity, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_capacity, dtype=torch.long, device=dev)
+        self.kv_slots = torch.full((cp_size * max_capacity,), -1, dtype=torch.long, device=dev)
+        self.attn_q = torch.zeros(max_capacity, num_q_heads, head_dim, dtype=dtype, device=dev)
+        self.attn_out = torch.zeros(max_capacity, num_q_heads, head_dim, dtype=dtype, device=dev)
+        self.hidden_out = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev)
+        self.cu_seqlens_q = torch.zeros(max_segments + 1, dtype=torch.int32, device=dev)
+        self.kv_lens = torch.zeros(max_segments, dtype=torch.int32, device=dev)
+        self.page_table = torch.zeros(max_segments, max_pages_per_seq, dtype=torch.int32, device=dev)
+        # host staging (pinned on CUDA) so fill is one copy per tensor
+        pin = dev.type == "cuda"
+        self._ids_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=pin)
+        self._pos_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=pin)
+        self._slots_host = torch.full((cp_size * max_capacity,), -1, dtype=torch.long, pin_memory=pin)
+
+    def view(self, capacity: int) -> BucketView:
+        if capacity > self.max_capacity:
+            raise ValueError(f"bucket capacity {capacity} exceeds the buffers' {self.max_capacity}")
+        c = capacity
+        return BucketView(
+            capacity=c,
+            input_ids=self.input_ids[:c],
+            positions=self.positions[:c],
+            kv_slots=self.kv_slots[: self.cp_size * c],
+            attn_q=self.attn_q[:c],
+            attn_out=self.attn_out[:c],
+            hidden_out=self.hidden_out[:c],
+            cu_seqlens_q=self.cu_seqlens_q,
+            kv_lens=self.kv_lens,
+            page_table=self.page_table,
+        )
+
+    def addresses(self) -> dict[str, int]:
+        """Data pointers of every static tensor (debug mode checks they never move)."""
+        names = ("input_ids", "positions", "kv_slots", "attn_q", "attn_out", "hidden_out",
+                 "cu_seqlens_q", "kv_lens", "page_table")
+        return {n: getattr(self, n).data_ptr() for n in names}
+
+    def fill(
+        self,
+        capacity: int,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        kv_slots: np.ndarray,
+        cu_seqlens_q: np.ndarray | None = None,
+        kv_lens: np.ndarray | None = None,
+        page_table: np.ndarray | None = None,
+    ) -> BucketView:
+        """Copy one rank's live batch into the bucket's views and pad inertly.
+
+        ``kv_slots`` is already laid out for the gathered buffer ([C * capacity],
+        -1 for padding). The segment metadata is only needed in full-graph mode.
+        """
+        n = input_ids.shape[0]
+        if n > capacity:
+            raise ValueError(f"{n} local rows do not fit bucket capacity {capacity}")
+        if kv_slots.shape[0] != self.cp_size * capacity:
+            raise ValueError(f"kv_slots has {kv_slots.shape[0]} rows, expected C x capacity = {self.cp_size * capacity}")
+        # pad the whole width, not just the bucket: no stale rows of an earlier, larger batch
+        ids, pos, slots = self._ids_host.numpy(), self._pos_host.numpy(), self._slots_host.numpy()
+        ids[:n] = input_ids
+        ids[n:] = 0
+        pos[:n] = positions
+        pos[n:] = 0
+        slots[: kv_slots.shape[0]] = kv_slots
+        slots[kv_slots.shape[0]:] = -1
+        nb = self.device.type == "cuda"
+        self.input_ids.copy_(self._ids_host, non_blocking=nb)
+        self.positions.copy_(self._pos_host, non_blocking=nb)
+        self.kv_slots.copy_(self._slots_host, non_blocking=nb)
+        if cu_seqlens_q is not None:
+            s = kv_lens.shape[0]
+            if s > self.max_segments:
+                raise ValueError(f"{s} segments exceed the buffers' {self.max_segments} (raise max_requests)")
+            if page_table.shape[1] > self.max_pages_per_seq:
+                raise ValueError(f"{page_table.shape[1]} pages per request exceed the buffers' {self.max_pages_per_seq}")
+            cu = np.full(self.max_segments + 1, cu_seqlens_q[-1], dtype=np.int32)
+            cu[: s + 1] = cu_seqlens_q
+            kv = np.zeros(self.max_segments, dtype=np.int32)
+            kv[:s] = kv_lens
+            pt = np.zeros((self.max_segments, self.max_pages_per_seq), dtype=np.int32)
+            pt[:s, : page_table.shape[1]] = page_table
+            self.cu_seqlens_q.copy_(torch.from_numpy(cu))
+            self.kv_lens.copy_(torch.from_numpy(kv))
+            self.page_table.copy_(torch.from_numpy(pt))
+        return self.view(capacity)

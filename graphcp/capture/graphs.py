@@ -1,0 +1,219 @@
+"""Graph backends: record a region of eager torch code once, replay it many times.
+
+One interface, two backends:
+
+- ``cuda``: ``torch.cuda.CUDAGraph`` segments captured on a side stream, every
+  segment of every bucket in one shared memory pool.
+- ``trace``: the CPU stand-in with CUDA-graph semantics. While a segment is
+  recorded, a ``TorchDispatchMode`` logs every dispatched op (``c10d`` and
+  ``_c10d_functional`` collectives included) with the very tensors it read and
+  wrote. Replay re-executes the log on those tensors with every non-tensor
+  argument frozen at its capture-time value, and copies each op's result into
+  the tensor capture recorded as its output, so replay writes the same storage
+  every time. A Python value read from the live batch during capture stays baked
+  in, a host sync (``.item()``) or a data-dependent shape inside a segment is an
+  error: the bugs a CUDA graph would have show up on a CPU machine.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+class GraphSegment(ABC):
+    """One captured region. ``begin``/``end`` bracket the eager code to record."""
+
+    @abstractmethod
+    def begin(self) -> None: ...
+
+    @abstractmethod
+    def end(self) -> None: ...
+
+    @abstractmethod
+    def replay(self) -> None: ...
+
+    @property
+    def num_ops(self) -> int | None:
+        """Recorded ops (trace) or graph nodes (cuda), when known."""
+        return None
+
+
+class GraphBackend(ABC):
+    name: str = "base"
+
+    @abstractmethod
+    def new_segment(self) -> GraphSegment: ...
+
+    def capture_stream(self):
+        """Context manager the whole capture of a bucket runs under."""
+        return _null()
+
+    def synchronize(self) -> None:
+        pass
+
+    def pool_bytes(self) -> int:
+        return 0
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---- trace backend (CPU stand-in) -------------------------------------------------
+_aten = torch.ops.aten
+#: ops a CUDA graph cannot hold: a host read of a device value, data-dependent shapes
+FORBIDDEN = {
+    _aten._local_scalar_dense.default: "reads a tensor value on the host (.item(), int(t), bool(t))",
+    _aten.nonzero.default: "has a data-dependent output shape",
+    _aten.masked_select.default: "has a data-dependent output shape",
+}
+#: allocations whose contents are undefined: nothing to redo on replay
+UNINITIALISED = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default}
+
+
+def _is_view(func) -> bool:
+    schema = func._schema
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+@dataclass
+class _Op:
+    func: Any
+    args: tuple
+    kwargs: dict
+    outs: list  # the tensors capture produced (the storage replay writes into)
+    skip: bool  # views and uninitialised allocations replay as nothing
+
+    def run(self) -> None:
+        res = self.func(*self.args, **self.kwargs)
+        flat, _ = tree_flatten(res)
+        ti = 0
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                cap = self.outs[ti]
+                ti += 1
+                if x is not cap and x.data_ptr() != cap.data_ptr():
+                    cap.copy_(x)
+            elif hasattr(x, "wait") and not isinstance(x, torch.Tensor):
+                x.wait()  # a c10d work handle: eager code waits on it outside the dispatcher
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, ops: list[_Op]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        why = FORBIDDEN.get(func)
+        if why is not None:
+            raise CaptureError(f"{func} inside a captured segment {why}; a CUDA graph cannot capture it")
+        res = func(*args, **kwargs)
+        flat, _ = tree_flatten(res)
+        outs = [x for x in flat if isinstance(x, torch.Tensor)]
+        skip = func in UNINITIALISED or (_is_view(func) if hasattr(func, "_schema") else False)
+        self.ops.append(_Op(func, args, kwargs, outs, skip))
+        return res
+
+
+class TraceSegment(GraphSegment):
+    def __init__(self) -> None:
+        self._log: list[_Op] = []
+        self._ops: list[_Op] = []
+        self._mode: _Recorder | None = None
+
+    def begin(self) -> None:
+        if self._mode is not None:
+            raise CaptureError("segment already recording")
+        self._mode = _Recorder(self._log)
+        self._mode.__enter__()
+
+    def end(self) -> None:
+        if self._mode is None:
+            raise CaptureError("segment not recording")
+        self._mode.__exit__(None, None, None)
+        self._mode = None
+        self._ops = [op for op in self._log if not op.skip]
+
+    def replay(self) -> None:
+        for op in self._ops:
+            op.run()
+
+    @property
+    def num_ops(self) -> int:
+        return len(self._ops)
+
+
+class TraceBackend(GraphBackend):
+    name = "trace"
+
+    def new_segment(self) -> GraphSegment:
+        return TraceSegment()
+
+
+# ---- CUDA backend -------------------------------------------------------------------
+class CudaSegment(GraphSegment):
+    def __init__(self, pool) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def begin(self) -> None:
+        self.graph.capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        self.graph.capture_end()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class CudaBackend(GraphBackend):
+    """All segments of all buckets share one pool; capture runs on a side stream."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        if not torch.cuda.is_available():
+            raise CaptureError("graph backend 'cuda' needs a CUDA device; use 'trace' on a CPU machine")
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device=device)
+
+    def new_segment(self) -> GraphSegment:
+        return CudaSegment(self.pool)
+
+    def capture_stream(self):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def pool_bytes(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+
+def make_graph_backend(name: str, device: torch.device) -> GraphBackend:
+    if name == "auto":
+        name = "cuda" if device.type == "cuda" else "trace"
+    if name == "trace":
+        return TraceBackend()
+    if name == "cuda":
+        if device.type != "cuda":
+            raise CaptureError(f"graph backend 'cuda' needs device cuda, this engine runs on {device}")
+        return CudaBackend(device)
+    raise CaptureError(f"graph backend must be auto|cuda|trace, got {name!r}")

@@ -1,0 +1,207 @@
+"""Process groups, the collectives graphcp uses, and launching ranks.
+
+One process per rank. Ranks come from ``torchrun`` (multi-node too: the usual
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` environment) or from :func:`launch`,
+graphcp's own launcher for one machine. gloo on CPU, nccl on CUDA.
+
+Failure handling: every collective runs under the group's timeout; a collective
+that fails (a peer died, or the timeout passed) raises :class:`CollectiveError`
+naming this rank, the collective and the cause. :func:`launch` watches its
+children and raises :class:`RankFailure` naming the rank that died first and why.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class CollectiveError(RuntimeError):
+    """A collective over the CP group failed: a peer rank died or timed out."""
+
+
+class RankFailure(RuntimeError):
+    """A launched rank died or raised; the message names it."""
+
+
+@dataclass
+class CPGroup:
+    """The CP group (= the TP group of the MLP). Size 1 makes every collective a no-op."""
+
+    rank: int = 0
+    size: int = 1
+    pg: Any = None  # a torch.distributed ProcessGroup, None for the default group
+    timeout_s: float = 300.0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def _fail(self, op: str, e: Exception) -> CollectiveError:
+        return CollectiveError(
+            f"rank {self.rank}/{self.size}: {op} over the CP group failed "
+            f"(a peer rank died or did not arrive within {self.timeout_s:g}s): {type(e).__name__}: {e}"
+        )
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on every rank -> [size * n, ...], rank-major."""
+        if self.size == 1:
+            return x
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        try:
+            dist.all_gather_into_tensor(out, x.contiguous(), group=self.pg)
+        except Exception as e:  # noqa: BLE001 - re-raised with the rank and the op named
+            raise self._fail("all_gather", e) from e
+        return out
+
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[size * n, ...] partial sums -> this rank's [n, ...] block of the sum."""
+        if self.size == 1:
+            return x
+        out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        try:
+            dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=self.pg)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("reduce_scatter", e) from e
+        return out
+
+    def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.size == 1:
+            return x
+        rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        try:
+            dist.all_reduce(x, op=rop, group=self.pg)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("all_reduce", e) from e
+        return x
+
+
+# ---- process-group set-up -------------------------------------------------------
+def default_backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def init_from_env(device: str = "cpu", timeout_s: float = 300.0) -> CPGroup:
+    """Join the group described by torchrun's environment (or a size-1 group)."""
+    if dist.is_initialized():
+        return CPGroup(dist.get_rank(), dist.get_world_size(), None, timeout_s)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return CPGroup(0, 1, None, timeout_s)
+    rank = int(os.environ["RANK"])
+    if device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
+    dist.init_process_group(default_backend(device), rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    return CPGroup(rank, world, None, timeout_s)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, size, port, backend, timeout_s, fn, args, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s),
+            init_method=f"tcp://127.0.0.1:{port}",
+        )
+        group = CPGroup(rank, size, None, timeout_s)
+        out = fn(group, *args)
+        results.put((rank, "ok", out))
+    except BaseException as e:  # noqa: BLE001 - reported to the launcher
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a dead peer can make teardown fail
+                pass
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    device: str = "cpu",
+    timeout_s: float = 300.0,
+    start_method: str | None = None,
+) -> list[Any]:
+    """Run ``fn(group, *args)`` on ``nprocs`` local ranks; return each rank's result.
+
+    Uses ``fork`` on CPU (fast; never after CUDA is initialised) and ``spawn``
+    otherwise. If a rank dies or raises, the others are stopped and
+    :class:`RankFailure` names the first rank that failed and why.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if start_method is None:
+        cuda_live = torch.cuda.is_available() and torch.cuda.is_initialized()
+        start_method = "fork" if device == "cpu" and not cuda_live else "spawn"
+    ctx = mp.get_context(start_method)
+    results = ctx.Queue()
+    port = free_port()
+    backend = default_backend(device)
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, nprocs, port, backend, timeout_s, fn, args, results), daemon=False)
+        for r in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    errors: list[tuple[float, int, str]] = []
+    deadline_after_failure: float | None = None
+    try:
+        while len(outputs) + len(errors) < nprocs:
+            try:
+                rank, status, payload = results.get(timeout=0.05)
+                if status == "ok":
+                    outputs[rank] = payload
+                else:
+                    errors.append((time.monotonic(), rank, payload))
+                continue
+            except queue_mod.Empty:
+                pass
+            reported = set(outputs) | {r for _, r, _ in errors}
+            for r, p in enumerate(procs):
+                if r not in reported and not p.is_alive():
+                    # died without reporting: killed, or crashed in C
+                    time.sleep(0.05)  # its last message may still be in the pipe
+                    if results.empty():
+                        how = f"killed by signal {-p.exitcode}" if (p.exitcode or 0) < 0 else f"exit code {p.exitcode}"
+                        errors.append((time.monotonic(), r, f"rank {r} died ({how}) without reporting"))
+                    break
+            if errors and deadline_after_failure is None:
+                # survivors should fail fast through CollectiveError; don't wait past the timeout
+                deadline_after_failure = time.monotonic() + timeout_s + 10
+            if deadline_after_failure is not None and time.monotonic() > deadline_after_failure:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    if errors:
+        errors.sort()
+        first_rank, first = errors[0][1], errors[0][2]
+        others = "; ".join(f"rank {r}: {msg.splitlines()[0]}" for _, r, msg in errors[1:])
+        raise RankFailure(
+            f"rank {first_rank} failed first: {first}" + (f"\nother ranks: {others}" if others else "")
+        )
+    return [outputs[r] for r in range(nprocs)]

@@ -1,0 +1,277 @@
+"""PrefillEngine: requests -> plan -> buffers -> eager body | graph replay -> outputs.
+
+SPMD: every rank of the CP group calls :meth:`PrefillEngine.prefill` with the
+same batch. Each rank runs the body on the rows the layout gives it; K/V are
+all-gathered so attention stays exact; the last-token rows are combined across
+ranks and every rank returns the same first-token logits.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from graphcp.attention.base import AttentionMetadata, AttentionSpec
+from graphcp.attention.registry import make_attention, preferred_kv_layout
+from graphcp.capture.buckets import BucketSet
+from graphcp.config import ConfigError, ParallelConfig, RuntimeConfig
+from graphcp.cp import Plan, make_layout
+from graphcp.dist import CPGroup
+from graphcp.forward_context import ForwardContext
+from graphcp.kvcache import KVHandle, PagedKVCache
+from graphcp.model.loader import load_model
+from graphcp.model.presets import resolve_model
+from graphcp.profiling import nvtx_range
+
+
+class BatchError(ValueError):
+    """A bad batch; nothing was changed."""
+
+
+class ConsistencyError(RuntimeError):
+    """Ranks were given different batches (the SPMD contract is broken)."""
+
+
+@dataclass
+class Request:
+    """New tokens of one request, optionally extending an already-cached prefix."""
+
+    tokens: Sequence[int] | np.ndarray | torch.Tensor
+    prefix: KVHandle | None = None
+
+
+@dataclass
+class ForwardInfo:
+    path: str  # "eager" | "graph"
+    capacity: int  # local rows the body ran on (bucket capacity, or the unpadded max)
+    required: int  # the largest rank's local rows
+    fallback: str | None = None  # why a graph-mode forward ran eagerly
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PrefillOutput:
+    last_logits: torch.Tensor  # float32 [R, vocab], identical on every rank
+    handles: list[KVHandle]  # each request's KV (prefix + new tokens): pass as the next chunk's prefix
+    logits: list[torch.Tensor] | None  # float32 [new_tokens_i, vocab] when asked
+    info: ForwardInfo
+
+
+@dataclass
+class _Prepared:
+    """Host-side result of planning one batch on this rank."""
+
+    plan: Plan
+    seq_ids: list[int]
+    ids: np.ndarray
+    positions: np.ndarray
+    meta: AttentionMetadata
+    slots_global: np.ndarray
+    seg_page_table: np.ndarray
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        model: str | Path = "default",
+        runtime: RuntimeConfig | None = None,
+        group: CPGroup | None = None,
+        buckets: BucketSet | None = None,
+        parallel: ParallelConfig | None = None,
+    ) -> None:
+        self.runtime = runtime or RuntimeConfig()
+        self.group = group or CPGroup()
+        self.parallel = parallel or ParallelConfig(cp_size=self.group.size)
+        if self.parallel.cp_size != self.group.size:
+            raise ConfigError(f"cp_size={self.parallel.cp_size} but the process group has {self.group.size} ranks")
+        rt = self.runtime
+        self.device = torch.device(rt.device)
+        self.dtype = rt.torch_dtype
+        self.model_dir = resolve_model(model)
+        self.cfg, self.model = load_model(
+            self.model_dir, self.dtype, self.device, rank=self.group.rank, tp_size=self.parallel.tp_size
+        )
+        self.parallel.check_model(self.cfg)
+        self.layout = make_layout(rt.layout, self.parallel.cp_size)
+        kv_layout = preferred_kv_layout(rt.attention, self.device)
+        kv_tokens = rt.kv_tokens or min(4 * self.cfg.max_position_embeddings, 1 << 16)
+        num_pages = -(-kv_tokens // rt.page_size) + 1  # + the scratch page
+        self.kv = PagedKVCache(
+            self.cfg.num_layers, num_pages, rt.page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
+            self.dtype, self.device, kv_layout,
+        )
+        spec = AttentionSpec(
+            self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, rt.page_size,
+            self.cfg.head_dim ** -0.5, kv_layout,
+        )
+        self.attention = make_attention(rt.attention, spec, self.device, max_segments=2 * rt.max_requests,
+                                        max_pages=num_pages)
+        self.max_context = self.cfg.max_position_embeddings
+        self.buckets = buckets or BucketSet()
+        self.buckets.check_compatible(self.parallel.cp_size, rt.layout)
+        self.runner = None
+        if rt.graph != "off":
+            from graphcp.capture.runner import GraphRunner  # the graph machinery only when asked for
+
+            self.runner = GraphRunner(self, self.buckets)
+
+    # ---- public API -------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def capture(self, progress: bool = False):
+        """Capture every bucket (graph mode); returns per-bucket capture stats."""
+        if self.runner is None:
+            raise ConfigError("graph='off': nothing to capture")
+        return self.runner.capture_all(progress=progress)
+
+    def release(self, handle: KVHandle) -> None:
+        self.kv.release(handle)
+
+    @torch.inference_mode()
+    def prefill(self, batch: Sequence[Request], all_logits: bool = False, force_eager: bool = False) -> PrefillOutput:
+        t0 = time.perf_counter()
+        with nvtx_range("plan", category="host"):
+            tokens = self._validate(batch)
+            extend = np.fromiter((t.shape[0] for t in tokens), dtype=np.int64, count=len(tokens))
+            prefix = np.fromiter((0 if r.prefix is None else r.prefix.num_tokens for r in batch),
+                                 dtype=np.int64, count=len(batch))
+            if self.runtime.check_consistency and self.group.distributed:
+                self._check_consistency(tokens, prefix, batch)
+            plan = self.layout.plan(extend_lens=extend, prefix_lens=prefix)
+        seq_ids = self.kv.extend([r.prefix for r in batch], extend.tolist())
+        try:
+            prep = self._prepare(plan, seq_ids, tokens)
+            t1 = time.perf_counter()
+            hidden, info = self._run_body(prep, force_eager)
+            info.timings["plan_s"] = t1 - t0
+            with nvtx_range("lm_head", category="output"):
+                last_logits = self._last_logits(prep.plan, hidden)
+                logits = self._all_logits(prep.plan, hidden) if all_logits else None
+        except BaseException:
+            self.kv.rollback(seq_ids, extend.tolist())
+            raise
+        info.timings["total_s"] = time.perf_counter() - t0
+        return PrefillOutput(last_logits, [self.kv.handle(s) for s in seq_ids], logits, info)
+
+    # ---- steps ------------------------------------------------------------------
+    def _validate(self, batch: Sequence[Request]) -> list[np.ndarray]:
+        if len(batch) == 0:
+            raise BatchError("empty batch: prefill needs at least one request")
+        if len(batch) > self.runtime.max_requests and self.runner is not None:
+            raise BatchError(f"batch has {len(batch)} requests; graph mode holds at most max_requests="
+                             f"{self.runtime.max_requests}")
+        vocab = self.cfg.vocab_size
+        out = []
+        for j, r in enumerate(batch):
+            t = r.tokens
+            t = t.cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+            if t.ndim != 1 or (t.size and t.dtype.kind not in "iu"):
+                raise BatchError(f"request {j}: tokens must be a 1-D sequence of integer ids, got {t.dtype} {t.shape}")
+            if t.size == 0:
+                raise BatchError(f"request {j} is empty: every request needs at least one new token")
+            bad = np.flatnonzero((t < 0) | (t >= vocab))
+            if bad.size:
+                p = int(bad[0])
+                raise BatchError(f"request {j}, position {p}: token id {int(t[p])} is outside the vocabulary [0, {vocab})")
+            have = 0
+            if r.prefix is not None:
+                try:
+                    self.kv.check_handle(r.prefix)
+                except (KeyError, ValueError) as e:
+                    raise BatchError(f"request {j}: {e}") from None
+                have = r.prefix.num_tokens
+            if have + t.size > self.max_context:
+                raise BatchError(f"request {j}: {have} cached + {t.size} new tokens exceed the model's context of "
+                                 f"{self.max_context}")
+            if have + t.size > self.kv.capacity_tokens:
+                raise BatchError(f"request {j}: {have + t.size} tokens exceed the KV pool of {self.kv.capacity_tokens}")
+            out.append(t.astype(np.int64, copy=False))
+        return out
+
+    def _check_consistency(self, tokens: list[np.ndarray], prefix: np.ndarray, batch) -> None:
+        """One small all-gather of a batch fingerprint (CRC32 of the token ids, the
+        lengths and the prefix handles): about 0.5 ms on gloo at 2 ranks, tens of
+        microseconds on NCCL, plus ~1 us per 4K tokens to hash."""
+        crc = 0
+        for t in tokens:
+            crc = zlib.crc32(t.tobytes(), crc)
+        shape = np.concatenate([[len(tokens)], [t.shape[0] for t in tokens], prefix,
+                                [-1 if r.prefix is None else r.prefix.seq_id for r in batch]]).astype(np.int64)
+        fp = torch.tensor([[crc, zlib.crc32(shape.tobytes()), int(shape.sum())]], dtype=torch.int64)
+        fp = fp.to(self.device)
+        allfp = self.group.all_gather_rows(fp).cpu()
+        differ = [r for r in range(self.group.size) if not torch.equal(allfp[r], allfp[self.rank])]
+        if differ:
+            raise ConsistencyError(
+                f"rank {self.rank}: ranks {differ} were given a different batch (fingerprint {allfp[self.rank].tolist()} "
+                f"vs {[allfp[r].tolist() for r in differ]}); every rank must call prefill with the same requests"
+            )
+
+    def _prepare(self, plan: Plan, seq_ids: list[int], tokens: list[np.ndarray]) -> _Prepared:
+        with nvtx_range("prepare", category="host"):
+            rp = plan.rank(self.rank)
+            flat = np.concatenate(tokens) if len(tokens) > 1 else tokens[0]
+            pt = self.kv.page_table(seq_ids)
+            seg_pt = pt[rp.seg_request]
+            meta = AttentionMetadata.from_host(rp.cu_seqlens_q, rp.seg_kv_len, seg_pt, self.kv.page_size, self.device)
+            slots = self.kv.slots(pt, plan.token_request, plan.token_position)
+            return _Prepared(plan, seq_ids, flat[rp.rows], rp.positions, meta, slots, seg_pt)
+
+    def gathered_slots(self, prep: _Prepared, capacity: int) -> np.ndarray:
+        """Cache slot of every row of the rank-major all-gather at ``capacity`` (-1 = padding)."""
+        g = np.full(self.group.size * capacity, -1, dtype=np.int64)
+        g[prep.plan.gather_index(capacity)] = prep.slots_global
+        return g
+
+    def make_context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, view=None) -> ForwardContext:
+        ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group)
+        if view is not None:
+            ctx.attn_q, ctx.attn_out = view.attn_q, view.attn_out
+        return ctx
+
+    def _run_body(self, prep: _Prepared, force_eager: bool) -> tuple[torch.Tensor, ForwardInfo]:
+        required = prep.plan.max_local_rows
+        if self.runner is not None and not force_eager:
+            out = self.runner.try_replay(prep)
+            if out is not None:
+                return out
+            fallback = self.runner.last_fallback
+        else:
+            fallback = None
+        return self.eager_body(prep, required), ForwardInfo("eager", required, required, fallback)
+
+    def eager_body(self, prep: _Prepared, capacity: int) -> torch.Tensor:
+        """The body run eagerly on ``capacity`` rows (>= the largest rank's rows)."""
+        n = prep.ids.shape[0]
+        ids = np.zeros(capacity, dtype=np.int64)
+        pos = np.zeros(capacity, dtype=np.int64)
+        ids[:n], pos[:n] = prep.ids, prep.positions
+        slots = torch.from_numpy(self.gathered_slots(prep, capacity)).to(self.device)
+        ctx = self.make_context(prep.meta, slots)
+        with nvtx_range("eager_body", category="eager"):
+            self.attention.prepare(prep.meta)
+            return self.model.body(torch.from_numpy(ids).to(self.device), torch.from_numpy(pos).to(self.device), ctx)
+
+    def _last_logits(self, plan: Plan, hidden: torch.Tensor) -> torch.Tensor:
+        mine = np.flatnonzero(plan.last_owner == self.rank)
+        rows = torch.zeros(plan.num_requests, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+        if mine.size:
+            idx = torch.from_numpy(plan.last_local_index[mine]).to(hidden.device)
+            rows[torch.from_numpy(mine).to(hidden.device)] = hidden.index_select(0, idx)
+        # every other rank contributes zeros: the sum is exactly the owner's rows
+        self.group.all_reduce_(rows)
+        return self.model.logits(rows).cpu()
+
+    def _all_logits(self, plan: Plan, hidden: torch.Tensor) -> list[torch.Tensor]:
+        everyone = self.group.all_gather_rows(hidden.contiguous())
+        rows = everyone.index_select(0, torch.from_numpy(plan.gather_index(hidden.shape[0])).to(hidden.device))
+        logits = self.model.logits(rows).cpu()
+        return list(torch.split(logits, plan.extend_lens.tolist()))

@@ -1,0 +1,34 @@
+"""Per-forward metadata, passed explicitly through the model (no globals).
+
+The model reads only its inputs (ids, positions), the weights, the KV cache and
+this object. A captured body holds the tensors of this object that are static
+buffers; live host-side metadata (the attention segments) is read by the attention
+break at replay through whatever context the replay passes in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from graphcp.attention.base import AttentionBackend, AttentionMetadata
+from graphcp.kvcache import PagedKVCache
+
+
+@dataclass
+class ForwardContext:
+    attn_meta: AttentionMetadata
+    attention: AttentionBackend
+    kv_cache: PagedKVCache
+    #: cache slot of every row of the all-gathered K/V ([C * capacity]; -1 = padding)
+    kv_slots: torch.Tensor
+    #: the CP group (collectives); a size-1 group on one rank
+    group: Any
+    #: installed by graph capture; None runs breaks inline
+    break_handler: Callable | None = None
+    #: static attention input/output rows (graph mode): breaks then read and write
+    #: static buffers, so captured graphs pin no intermediate memory for them
+    attn_q: torch.Tensor | None = None
+    attn_out: torch.Tensor | None = None

@@ -1,0 +1,182 @@
+"""Load a Hugging Face checkpoint (config.json + model.safetensors, or a sharded
+model.safetensors.index.json) into a :class:`DecoderModel`, tensor by tensor.
+
+Each rank reads only what it keeps: attention weights whole, the MLP's gate/up
+rows and down columns of its TP shard. q/k/v are fused into one projection and
+gate/up into one, so every checkpoint tensor maps to a slice of one parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from graphcp.config import DTYPES, ConfigError, ModelConfig
+from graphcp.model.layers import Rotary
+from graphcp.model.llama import DecoderModel
+
+# checkpoint tensors that carry no weights (older exports keep RoPE tables)
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class _Target:
+    param: str  # our parameter name
+    dim: int  # dim of the parameter that the slice runs along
+    start: int  # where the (possibly sharded) checkpoint slice lands
+    shard: tuple[int, int, int] | None = None  # (dim, start, length) taken from the checkpoint tensor
+
+
+def _targets(cfg: ModelConfig, rank: int, tp: int) -> dict[str, _Target]:
+    t: dict[str, _Target] = {
+        "model.embed_tokens.weight": _Target("embed_tokens.weight", 0, 0),
+        "model.norm.weight": _Target("norm.weight", 0, 0),
+    }
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = _Target("lm_head.weight", 0, 0)
+    shard = cfg.intermediate_size // tp
+    for i in range(cfg.num_layers):
+        hf, me = f"model.layers.{i}.", f"layers.{i}."
+        t[hf + "input_layernorm.weight"] = _Target(me + "input_layernorm.weight", 0, 0)
+        t[hf + "post_attention_layernorm.weight"] = _Target(me + "post_attention_layernorm.weight", 0, 0)
+        offsets = {"q_proj": 0, "k_proj": cfg.q_size, "v_proj": cfg.q_size + cfg.kv_size}
+        for name, off in offsets.items():
+            t[hf + f"self_attn.{name}.weight"] = _Target(me + "self_attn.qkv.weight", 0, off)
+            if cfg.attention_bias:
+                t[hf + f"self_attn.{name}.bias"] = _Target(me + "self_attn.qkv.bias", 0, off)
+        t[hf + "self_attn.o_proj.weight"] = _Target(me + "self_attn.o_proj.weight", 0, 0)
+        if cfg.o_bias:
+            t[hf + "self_attn.o_proj.bias"] = _Target(me + "self_attn.o_proj.bias", 0, 0)
+        if cfg.qk_norm:
+            t[hf + "self_attn.q_norm.weight"] = _Target(me + "self_attn.q_norm.weight", 0, 0)
+            t[hf + "self_attn.k_norm.weight"] = _Target(me + "self_attn.k_norm.weight", 0, 0)
+        rows = (0, rank * shard, shard)
+        t[hf + "mlp.gate_proj.weight"] = _Target(me + "mlp.gate_up.weight", 0, 0, rows)
+        t[hf + "mlp.up_proj.weight"] = _Target(me + "mlp.gate_up.weight", 0, shard, rows)
+        t[hf + "mlp.down_proj.weight"] = _Target(me + "mlp.down.weight", 1, 0, (1, rank * shard, shard))
+        if cfg.mlp_bias:
+            t[hf + "mlp.gate_proj.bias"] = _Target(me + "mlp.gate_up.bias", 0, 0, rows)
+            t[hf + "mlp.up_proj.bias"] = _Target(me + "mlp.gate_up.bias", 0, shard, rows)
+            t[hf + "mlp.down_proj.bias"] = _Target(me + "mlp.down_bias", 0, 0)
+    return t
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        return {name: model_dir / f for name, f in weight_map.items()}
+    if single.exists():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    rank: int = 0,
+    tp_size: int = 1,
+    max_positions: int | None = None,
+    on_tensor: Callable[[str], None] | None = None,
+) -> tuple[ModelConfig, DecoderModel]:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    if cfg.intermediate_size % tp_size:
+        raise ConfigError(
+            f"{model_dir}: intermediate_size={cfg.intermediate_size} does not divide by tp_size=cp_size={tp_size}"
+        )
+    declared = DTYPES.get(cfg.torch_dtype) if cfg.torch_dtype else None
+    with torch.device("meta"):
+        model = DecoderModel(cfg, tp_size, dtype, max_positions)
+    # materialise on the target device; the rotary tables are computed, not loaded
+    model = model.to_empty(device=device)
+    model.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope).to(device)
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}
+    targets = _targets(cfg, rank, tp_size)
+    files = checkpoint_files(model_dir)
+    by_file: dict[Path, list[str]] = {}
+    for name, f in files.items():
+        if IGNORED.match(name):
+            continue
+        if name not in targets:
+            raise CheckpointError(f"{f.name}: unexpected tensor {name!r} for a {cfg.family} model of this config")
+        by_file.setdefault(f, []).append(name)
+    missing = sorted(set(targets) - {n for names in by_file.values() for n in names})
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    with torch.no_grad():
+        for f, names in by_file.items():
+            if not f.exists():
+                raise CheckpointError(f"{model_dir}: index names {f.name}, which does not exist")
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in names:
+                    tgt = targets[name]
+                    sl = sf.get_slice(name)
+                    shape = tuple(sl.get_shape())
+                    st_dtype = sl.get_dtype()
+                    t = _read(sl, shape, tgt)
+                    if not t.is_floating_point():
+                        raise CheckpointError(f"{f.name}: tensor {name!r} has dtype {st_dtype}, expected a float type")
+                    if declared is not None and t.dtype != declared:
+                        raise CheckpointError(
+                            f"{f.name}: tensor {name!r} has dtype {t.dtype}, config.json declares {cfg.torch_dtype}"
+                        )
+                    p = params[tgt.param]
+                    dst = p.narrow(tgt.dim, tgt.start, t.shape[tgt.dim]) if t.dim() > tgt.dim else p
+                    if tuple(dst.shape) != tuple(t.shape) or tgt.start + t.shape[tgt.dim] > p.shape[tgt.dim]:
+                        full = _expected_shape(cfg, name)
+                        raise CheckpointError(
+                            f"{f.name}: tensor {name!r} has shape {list(shape)}, expected {list(full)}"
+                        )
+                    dst.copy_(t)
+                    filled[tgt.param] += t.numel()
+                    if on_tensor is not None:
+                        on_tensor(name)
+    for name, p in params.items():
+        if filled[name] != p.numel():
+            raise CheckpointError(f"{model_dir}: parameter {name} was only partly filled ({filled[name]}/{p.numel()})")
+    return cfg, model.eval()
+
+
+def _read(sl, shape: tuple[int, ...], tgt: _Target) -> torch.Tensor:
+    if tgt.shard is None:
+        return sl[:]
+    dim, start, length = tgt.shard
+    if dim >= len(shape) or start + length > shape[dim]:
+        # let the caller's shape check name the tensor
+        return sl[:]
+    return sl[start : start + length] if dim == 0 else sl[:, start : start + length]
+
+
+def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    h, i, qs, kvs = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    table = {
+        "embed_tokens.weight": (cfg.vocab_size, h), "lm_head.weight": (cfg.vocab_size, h),
+        "norm.weight": (h,), "layernorm.weight": (h,), "q_proj.weight": (qs, h), "k_proj.weight": (kvs, h),
+        "v_proj.weight": (kvs, h), "q_proj.bias": (qs,), "k_proj.bias": (kvs,), "v_proj.bias": (kvs,),
+        "o_proj.weight": (h, qs), "o_proj.bias": (h,), "q_norm.weight": (cfg.head_dim,),
+        "k_norm.weight": (cfg.head_dim,), "gate_proj.weight": (i, h), "up_proj.weight": (i, h),
+        "down_proj.weight": (h, i), "gate_proj.bias": (i,), "up_proj.bias": (i,), "down_proj.bias": (h,),
+    }
+    for suffix, shape in table.items():
+        if name.endswith(suffix):
+            return shape
+    return ()

@@ -1,0 +1,139 @@
+"""Built-in model presets: small configs with seeded random weights, written once
+in Hugging Face format (config.json + model.safetensors) to a cache folder and
+then loaded like any checkpoint (transformers loads the same folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+#: a small Qwen3-style model: explicit head_dim, q/k norm, GQA, tied embeddings
+PRESETS: dict[str, dict] = {
+    "default": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 8192,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # a larger config for GPU timing (not written unless asked for)
+    "qwen3-1b-like": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 32768,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 65536,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+SEED = 1234
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GRAPHCP_CACHE", Path.home() / ".cache" / "graphcp"))
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def random_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
+    """HF-named tensors for a Llama-family config, seeded (std 0.02; norms near 1)."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    d = config.get("head_dim") or h // heads
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.get("torch_dtype", "float32")]
+    qwen3 = config["model_type"] == "qwen3"
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+    def norm(n):
+        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+
+    w = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": norm(h)}
+    if not config.get("tie_word_embeddings", False):
+        w["lm_head.weight"] = rnd(v, h)
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        w[p + "input_layernorm.weight"] = norm(h)
+        w[p + "post_attention_layernorm.weight"] = norm(h)
+        w[p + "self_attn.q_proj.weight"] = rnd(heads * d, h)
+        w[p + "self_attn.k_proj.weight"] = rnd(kv * d, h)
+        w[p + "self_attn.v_proj.weight"] = rnd(kv * d, h)
+        w[p + "self_attn.o_proj.weight"] = rnd(h, heads * d)
+        if qwen3:
+            w[p + "self_attn.q_norm.weight"] = norm(d)
+            w[p + "self_attn.k_norm.weight"] = norm(d)
+        w[p + "mlp.gate_proj.weight"] = rnd(i, h)
+        w[p + "mlp.up_proj.weight"] = rnd(i, h)
+        w[p + "mlp.down_proj.weight"] = rnd(h, i)
+    return w
+
+
+def ensure_preset(name: str, root: Path | None = None) -> Path:
+    """The preset's checkpoint folder, written on first use (atomically)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+    folder = (root or cache_root()) / "models" / name
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    try:
+        config = PRESETS[name]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(random_weights(config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not (folder / "config.json").exists():  # not another process winning the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def resolve_model(name_or_dir: str | os.PathLike) -> Path:
+    """A preset name or a checkpoint folder -> the folder."""
+    s = str(name_or_dir)
+    if is_preset(s) and not Path(s).exists():
+        return ensure_preset(s)
+    p = Path(s)
+    if not p.is_dir():
+        raise FileNotFoundError(f"--model {s!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint folder")
+    return p
