@@ -13,6 +13,7 @@ children and raises :class:`RankFailure` naming the rank that died first and why
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -24,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 class CollectiveError(RuntimeError):
@@ -32,6 +34,16 @@ class CollectiveError(RuntimeError):
 
 class RankFailure(RuntimeError):
     """A launched rank died or raised; the message names it."""
+
+
+def wait_work(work) -> None:
+    """Wait for a collective with Python dispatch modes paused: what the wait
+    dispatches is part of the collective (a graph recorder replays the collective
+    and waits on it again), not ops of its own."""
+    if work is None:
+        return
+    with _disable_current_modes():
+        work.wait()
 
 
 @dataclass
@@ -59,7 +71,7 @@ class CPGroup:
             return x
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         try:
-            dist.all_gather_into_tensor(out, x.contiguous(), group=self.pg)
+            wait_work(dist.all_gather_into_tensor(out, x.contiguous(), group=self.pg, async_op=True))
         except Exception as e:  # noqa: BLE001 - re-raised with the rank and the op named
             raise self._fail("all_gather", e) from e
         return out
@@ -70,7 +82,8 @@ class CPGroup:
             return x
         out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
         try:
-            dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=self.pg)
+            wait_work(dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=self.pg,
+                                                 async_op=True))
         except Exception as e:  # noqa: BLE001
             raise self._fail("reduce_scatter", e) from e
         return out
@@ -80,7 +93,7 @@ class CPGroup:
             return x
         rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         try:
-            dist.all_reduce(x, op=rop, group=self.pg)
+            wait_work(dist.all_reduce(x, op=rop, group=self.pg, async_op=True))
         except Exception as e:  # noqa: BLE001
             raise self._fail("all_reduce", e) from e
         return x
@@ -122,7 +135,8 @@ def _rank_main(rank, size, port, backend, timeout_s, fn, args, results) -> None:
         )
         group = CPGroup(rank, size, None, timeout_s)
         out = fn(group, *args)
-        results.put((rank, "ok", out))
+        # by value: shared-memory handles would die with this process
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as e:  # noqa: BLE001 - reported to the launcher
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -170,7 +184,7 @@ def launch(
             try:
                 rank, status, payload = results.get(timeout=0.05)
                 if status == "ok":
-                    outputs[rank] = payload
+                    outputs[rank] = pickle.loads(payload)
                 else:
                     errors.append((time.monotonic(), rank, payload))
                 continue

@@ -110,16 +110,35 @@ class PrefillEngine:
             self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, rt.page_size,
             self.cfg.head_dim ** -0.5, kv_layout,
         )
-        self.attention = make_attention(rt.attention, spec, self.device, max_segments=2 * rt.max_requests,
-                                        max_pages=num_pages)
         self.max_context = self.cfg.max_position_embeddings
         self.buckets = buckets or BucketSet()
+        self.attention = make_attention(rt.attention, spec, self.device, **self._attention_limits(num_pages))
         self.buckets.check_compatible(self.parallel.cp_size, rt.layout)
         self.runner = None
         if rt.graph != "off":
             from graphcp.capture.runner import GraphRunner  # the graph machinery only when asked for
 
             self.runner = GraphRunner(self, self.buckets)
+
+    def _attention_limits(self, num_pages: int) -> dict:
+        """Static sizes the kernel backends preallocate for (each takes what it needs)."""
+        rt, C = self.runtime, self.parallel.cp_size
+        if rt.layout == "interleave" and rt.attention in ("flashinfer", "trtllm"):
+            raise ConfigError(
+                f"--attention {rt.attention} runs the zigzag layout; interleave's one-row segments make its "
+                "batch as large as the rank's rows (use --attention torch or triton with interleave)"
+            )
+        max_rows = max(self.buckets.largest, -(-num_pages * rt.page_size // C))
+        max_segments = 2 * rt.max_requests if rt.layout == "zigzag" else max_rows
+        pages_per_seq = -(-self.max_context // rt.page_size)
+        return {
+            "max_segments": max_segments,
+            # early and late zigzag segments both list their request's pages, empty segments one
+            "max_pages": 2 * num_pages + max_segments,
+            "max_pages_per_segment": pages_per_seq,
+            "max_q_rows": max_rows,
+            "dtype": self.dtype,
+        }
 
     # ---- public API -------------------------------------------------------------
     @property

@@ -13,6 +13,11 @@ One interface, two backends:
   every time. A Python value read from the live batch during capture stays baked
   in, a host sync (``.item()``) or a data-dependent shape inside a segment is an
   error: the bugs a CUDA graph would have show up on a CPU machine.
+
+Collectives: a ``c10d`` op returns a work handle; replay waits on it. Whatever
+the handle's ``wait`` dispatches (gloo's reduce_scatter copies out of a
+temporary there) belongs to the collective, so callers wait with the dispatch
+modes paused (:func:`graphcp.dist.wait_work`) and the log holds the collective alone.
 """
 
 from __future__ import annotations
@@ -90,6 +95,10 @@ def _is_view(func) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
+def _is_work(x) -> bool:
+    return not isinstance(x, torch.Tensor) and hasattr(x, "wait")
+
+
 @dataclass
 class _Op:
     func: Any
@@ -108,7 +117,7 @@ class _Op:
                 ti += 1
                 if x is not cap and x.data_ptr() != cap.data_ptr():
                     cap.copy_(x)
-            elif hasattr(x, "wait") and not isinstance(x, torch.Tensor):
+            elif _is_work(x):
                 x.wait()  # a c10d work handle: eager code waits on it outside the dispatcher
 
 

@@ -1,0 +1,3 @@
+from graphcp.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,241 @@
+"""``flashinfer``: FlashInfer's paged prefill (``BatchPrefillWithPagedKVCacheWrapper``).
+
+Phases. ``prepare(meta)`` builds the wrapper's arguments from the host copy of
+the metadata and calls ``wrapper.plan`` (host work plus small uploads into the
+wrapper's fixed device buffers); ``forward`` calls ``wrapper.run`` once per
+layer. The wrapper is built with ``use_cuda_graph=True`` and fixed buffers, so a
+``run`` captured in a graph reads whatever the latest ``plan`` wrote: full-graph
+mode is sound provided ``prepare`` (plan) runs before *every* replay.
+
+Argument contract (what ``plan`` receives):
+
+- the batch is always ``max_segments`` long (CUDA-graph mode fixes it): the
+  metadata's segments first, then inert padding segments;
+- a segment with ``q_len == 0`` (an empty zigzag block, or padding) is *inert*:
+  ``qo_indptr`` repeats, and it gets one page, the scratch page 0, with
+  ``last_page_len = 1``. FlashInfer's scheduler makes ``ceil(q_len * group /
+  tile)`` = 0 work tiles for it, so the page is never read; giving it one real
+  key keeps every derived kv length positive (0 pages with last_page_len 0
+  would give ``(0 - 1) * page_size + 0 < 0``);
+- other segments get their ``ceil(kv_len / page_size)`` pages from the page
+  table and ``last_page_len = kv_len - (pages - 1) * page_size`` (1..page_size);
+- ``causal=True``: FlashInfer aligns the causal mask bottom-right when
+  ``q_len < kv_len`` (query i of a request sees keys ``<= kv_len - q_len + i``,
+  see the custom-mask example in the wrapper's docstring), which is our segment
+  rule.
+
+The first ``plan`` of a wrapper in CUDA-graph mode fixes its row capacity
+(``total_num_rows``) and so its launch shape; the constructor therefore plans
+once with ``max_q_rows`` rows before any real plan. Padding rows of ``q`` are
+not queries: ``run`` sees ``q[:num_q_rows]`` (FlashInfer checks
+``q.shape[0] == qo_indptr[-1]``; its kernels take row counts from the device
+buffers, so a graph captured at one row count replays for another).
+
+FlashInfer returns base-2 LSE; it is converted to base e in place with a factor
+chosen per row on the device (ln 2 for real rows, exactly 1 for padding rows),
+so no live row count is baked into a captured graph and padding rows keep their
+values.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from graphcp.kvcache import SCRATCH_PAGE
+
+FLASHINFER_EXTRA = "pip install graphcp[flashinfer]"
+DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
+LN2 = math.log(2.0)
+
+
+def import_flashinfer(backend: str, submodule: str | None = None) -> ModuleType:
+    """Import FlashInfer (or ``flashinfer.<submodule>``) for ``backend``, with an
+    error that names the install extra when it is missing."""
+    name = "flashinfer" if submodule is None else f"flashinfer.{submodule}"
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise ImportError(
+            f"the {backend!r} attention backend needs FlashInfer, which could not be imported "
+            f"({e}); install it with `{FLASHINFER_EXTRA}`"
+        ) from e
+
+
+def effective_kv_lens(meta: AttentionMetadata) -> np.ndarray:
+    """kv lengths handed to the kernels: segments with no query rows become one
+    key on the scratch page (see the module docstring)."""
+    return np.where(meta.q_lens_host > 0, meta.kv_lens_host, 1).astype(np.int32)
+
+
+class Base2Lse:
+    """Converts a base-2 LSE buffer to base e for the rows of the live segments,
+    reading the row count on the device (graph-safe), leaving padding rows as
+    they were (multiplied by exactly 1)."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.rows = torch.arange(max_rows, dtype=torch.int32, device=device)
+        self.mask = torch.empty(max_rows, dtype=torch.bool, device=device)
+        self.factor = torch.empty(max_rows, dtype=torch.float32, device=device)
+        self.ln2 = torch.tensor(LN2, dtype=torch.float32, device=device)
+        self.one = torch.tensor(1.0, dtype=torch.float32, device=device)
+
+    def to_base_e(self, lse: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
+        n = lse.shape[0]
+        if n > self.rows.shape[0]:
+            raise ValueError(f"lse has {n} rows, more than the backend's max_q_rows={self.rows.shape[0]}")
+        mask, factor = self.mask[:n], self.factor[:n]
+        torch.lt(self.rows[:n], cu_seqlens_q[-1:], out=mask)
+        torch.where(mask, self.ln2, self.one, out=factor)
+        lse.mul_(factor.unsqueeze(1))
+
+
+@dataclass(frozen=True)
+class PagedPlanArgs:
+    """Host arrays for ``wrapper.plan``, padded to the wrapper's batch size."""
+
+    qo_indptr: np.ndarray  # [B + 1]
+    paged_kv_indptr: np.ndarray  # [B + 1]
+    paged_kv_indices: np.ndarray  # [paged_kv_indptr[-1]]
+    paged_kv_last_page_len: np.ndarray  # [B]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, batch: int) -> "PagedPlanArgs":
+        s = meta.num_segments
+        if s > batch:
+            raise ValueError(f"metadata has {s} segments, the backend was built for max_segments={batch}")
+        ps = meta.page_size
+        kv = effective_kv_lens(meta)
+        live = meta.q_lens_host > 0
+        pages = -(-kv // ps)
+        indices = [
+            meta.page_table_host[i, : pages[i]] if live[i] else np.array([SCRATCH_PAGE], np.int32)
+            for i in range(s)
+        ]
+        pad = batch - s  # inert padding segments: no rows, one scratch page each
+        qo = np.concatenate([meta.cu_seqlens_q_host, np.full(pad, meta.num_q_rows)])
+        counts = np.concatenate([pages, np.ones(pad, np.int64)])
+        kv_indptr = np.concatenate([[0], np.cumsum(counts)])
+        flat = np.concatenate(indices + [np.full(pad, SCRATCH_PAGE)])
+        last = np.concatenate([kv - (pages - 1) * ps, np.ones(pad, np.int64)])
+        i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+        return cls(i32(qo), i32(kv_indptr), i32(flat), i32(last))
+
+
+class FlashInferAttention(AttentionBackend):
+    name = "flashinfer"
+    supports_full_graph = True  # only with prepare() (plan) before every replay
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        device: torch.device | str = "cuda",
+        *,
+        max_segments: int,
+        max_pages: int,
+        max_q_rows: int,
+        dtype: torch.dtype = torch.bfloat16,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        flashinfer: ModuleType | None = None,
+    ) -> None:
+        super().__init__(spec)
+        if max_segments < 1 or max_q_rows < 1:
+            raise ValueError(f"max_segments and max_q_rows must be >= 1, got {max_segments}, {max_q_rows}")
+        if max_pages < max_segments:
+            raise ValueError(
+                f"max_pages={max_pages} < max_segments={max_segments}: every segment needs at least one page"
+            )
+        fi = flashinfer if flashinfer is not None else import_flashinfer(self.name)
+        self.device = dev = torch.device(device)
+        self.max_segments, self.max_pages, self.max_q_rows = max_segments, max_pages, max_q_rows
+        self.dtype = dtype
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=dev)
+        self.qo_indptr_buf = torch.zeros(max_segments + 1, **i32)
+        self.paged_kv_indptr_buf = torch.zeros(max_segments + 1, **i32)
+        self.paged_kv_indices_buf = torch.zeros(max_pages, **i32)
+        self.paged_kv_last_page_len_buf = torch.zeros(max_segments, **i32)
+        self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace,
+            spec.kv_layout,
+            use_cuda_graph=True,
+            qo_indptr_buf=self.qo_indptr_buf,
+            paged_kv_indptr_buf=self.paged_kv_indptr_buf,
+            paged_kv_indices_buf=self.paged_kv_indices_buf,
+            paged_kv_last_page_len_buf=self.paged_kv_last_page_len_buf,
+        )
+        self._lse = Base2Lse(max_q_rows, dev)
+        self._planned_rows: int | None = None
+        self._plan(self._capacity_args())
+
+    def _capacity_args(self) -> PagedPlanArgs:
+        """A plan with ``max_q_rows`` rows (all in segment 0, over one scratch
+        key): only planned, never run; it fixes the wrapper's row capacity."""
+        b = self.max_segments
+        qo = np.full(b + 1, self.max_q_rows, np.int32)
+        qo[0] = 0
+        return PagedPlanArgs(
+            qo_indptr=qo,
+            paged_kv_indptr=np.arange(b + 1, dtype=np.int32),
+            paged_kv_indices=np.full(b, SCRATCH_PAGE, np.int32),
+            paged_kv_last_page_len=np.ones(b, np.int32),
+        )
+
+    def _plan(self, a: PagedPlanArgs) -> None:
+        spec = self.spec
+        self.wrapper.plan(
+            torch.from_numpy(a.qo_indptr),
+            torch.from_numpy(a.paged_kv_indptr),
+            torch.from_numpy(a.paged_kv_indices),
+            torch.from_numpy(a.paged_kv_last_page_len),
+            spec.num_q_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.page_size,
+            causal=True,
+            sm_scale=spec.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.page_size != self.spec.page_size:
+            raise ValueError(f"metadata page_size {meta.page_size} != spec page_size {self.spec.page_size}")
+        if meta.num_q_rows > self.max_q_rows:
+            raise ValueError(f"metadata has {meta.num_q_rows} query rows, more than max_q_rows={self.max_q_rows}")
+        args = PagedPlanArgs.build(meta, self.max_segments)
+        if args.paged_kv_indices.shape[0] > self.max_pages:
+            raise ValueError(
+                f"plan needs {args.paged_kv_indices.shape[0]} page entries (pages of live segments plus "
+                f"one per empty segment), more than max_pages={self.max_pages}"
+            )
+        self._plan(args)
+        self._planned_rows = meta.num_q_rows
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        n = meta.num_q_rows
+        if self._planned_rows != n:
+            raise RuntimeError(
+                f"flashinfer backend: prepare(meta) must run before forward for this metadata "
+                f"(planned rows {self._planned_rows}, metadata rows {n})"
+            )
+        if q.dtype != self.dtype or kv_cache.dtype != self.dtype:
+            raise ValueError(f"flashinfer backend was planned for {self.dtype}, got q {q.dtype}, kv {kv_cache.dtype}")
+        if lse is None:
+            self.wrapper.run(q[:n], kv_cache, out=out[:n])
+            return
+        self.wrapper.run(q[:n], kv_cache, out=out[:n], lse=lse[:n], return_lse=True)
+        self._lse.to_base_e(lse, meta.cu_seqlens_q)

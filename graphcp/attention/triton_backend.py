@@ -1,0 +1,124 @@
+"""``triton``: our own paged prefill kernel (see :mod:`graphcp.attention.triton_kernel`).
+
+It reads every piece of metadata from device tensors and sizes its grid from the
+static row capacity of ``q``, so it can run inside a captured graph
+(``supports_full_graph``). ``prepare`` has nothing to do.
+
+On CPU it runs under the Triton interpreter (``TRITON_INTERPRET=1``, set before
+this backend is first constructed); there ``tl.dot`` on bfloat16 operands gives
+wrong results, so bfloat16 operands are upcast to float32 before each product
+when interpreting. On a GPU the products stay in bfloat16.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _import_kernel() -> ModuleType:
+    try:
+        from graphcp.attention import triton_kernel
+    except ImportError as e:  # triton missing or broken
+        raise ImportError(
+            f"the 'triton' attention backend needs the triton package ({e}); "
+            "install it with `pip install triton`"
+        ) from e
+    return triton_kernel
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+    supports_full_graph = True
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        block_m: int = 64,
+        block_n: int = 64,
+        num_warps: int = 4,
+        num_stages: int = 2,
+    ) -> None:
+        super().__init__(spec)
+        d = spec.head_dim
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"triton backend needs a power-of-two head_dim >= 16, got {d}")
+        for label, b in (("block_m", block_m), ("block_n", block_n)):
+            if b < 16 or b & (b - 1):
+                raise ValueError(f"{label} must be a power of two >= 16 (tl.dot tiles), got {b}")
+        self.block_m, self.block_n = block_m, block_n
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self._kernel = _import_kernel()
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        self._check(q, kv_cache, meta, out, lse)
+        spec = self.spec
+        k, v = kv_cache[:, 0], kv_cache[:, 1]  # [pages, *page] views
+        if spec.kv_layout == "NHD":  # page = [tokens, heads, dim]
+            k_strides = (k.stride(0), k.stride(1), k.stride(2), k.stride(3))
+            v_strides = (v.stride(0), v.stride(1), v.stride(2), v.stride(3))
+        else:  # HND: page = [heads, tokens, dim]
+            k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
+            v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+        self._kernel.launch(
+            q, k, v, out, lse, meta.cu_seqlens_q, meta.kv_lens, meta.page_table,
+            group=spec.num_q_heads // spec.num_kv_heads,
+            page_size=spec.page_size,
+            scale=spec.scale,
+            block_m=self.block_m,
+            block_n=self.block_n,
+            upcast_dot=interpreting() and q.dtype == torch.bfloat16,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+            k_strides=k_strides,
+            v_strides=v_strides,
+        )
+
+    def _check(self, q, kv_cache, meta, out, lse) -> None:
+        spec = self.spec
+        want_q = (spec.num_q_heads, spec.head_dim)
+        if q.dim() != 3 or tuple(q.shape[1:]) != want_q:
+            raise ValueError(f"q must be [rows, {want_q[0]}, {want_q[1]}], got {tuple(q.shape)}")
+        if q.dtype not in _DTYPES:
+            raise ValueError(f"q dtype {q.dtype} not supported; expected one of {_DTYPES}")
+        if kv_cache.dtype != q.dtype:
+            raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from q dtype {q.dtype}")
+        page = (
+            (spec.page_size, spec.num_kv_heads, spec.head_dim)
+            if spec.kv_layout == "NHD"
+            else (spec.num_kv_heads, spec.page_size, spec.head_dim)
+        )
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or tuple(kv_cache.shape[2:]) != page:
+            raise ValueError(
+                f"kv_cache must be [pages, 2, {', '.join(map(str, page))}] ({spec.kv_layout}), "
+                f"got {tuple(kv_cache.shape)}"
+            )
+        if out.shape != q.shape:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+        if lse is not None and (tuple(lse.shape) != tuple(q.shape[:2]) or lse.dtype != torch.float32):
+            raise ValueError(
+                f"lse must be float32 [{q.shape[0]}, {q.shape[1]}], got {lse.dtype} {tuple(lse.shape)}"
+            )
+        if meta.page_size != spec.page_size:
+            raise ValueError(f"metadata page_size {meta.page_size} != spec page_size {spec.page_size}")
+        for label, t in (("cu_seqlens_q", meta.cu_seqlens_q), ("kv_lens", meta.kv_lens), ("page_table", meta.page_table)):
+            if t.device != q.device:
+                raise ValueError(f"metadata {label} is on {t.device}, q is on {q.device}")

@@ -1,0 +1,138 @@
+"""The ``graphcp`` command: run, prefill, tune, profile."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> None:
+    p.add_argument("--model", default="default", help="checkpoint folder or preset name (default: the built-in preset)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (= TP ranks of the MLP)")
+    p.add_argument("--layout", default="zigzag", choices=["zigzag", "interleave"])
+    p.add_argument("--graph", default=default_graph, choices=["off", "breakable", "full"],
+                   help="graph mode (default: breakable where supported, i.e. the zigzag layout)")
+    p.add_argument("--graph-backend", default="auto", choices=["auto", "cuda", "trace"])
+    p.add_argument("--attention", default="torch", choices=["torch", "triton", "flashinfer", "trtllm", "auto"])
+    p.add_argument("--buckets", default=None, help="bucket file written by `graphcp tune`")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--max-requests", type=int, default=64)
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+
+
+def _spec(args):
+    from graphcp.config import RuntimeConfig
+    from graphcp.jobs import JobSpec
+
+    graph = args.graph or ("breakable" if args.layout == "zigzag" else "off")
+    rt = RuntimeConfig(
+        dtype=args.dtype, device=args.device, page_size=args.page_size, kv_tokens=args.kv_tokens,
+        attention=args.attention, graph=graph, graph_backend=args.graph_backend, layout=args.layout,
+        max_requests=args.max_requests, collective_timeout_s=args.timeout,
+    )
+    return JobSpec(args.model, rt, args.buckets, args.cp)
+
+
+def cmd_prefill(args) -> int:
+    from graphcp.jobs import prefill_job, run_ranks
+    from graphcp.requests_io import parse_requests
+
+    reqs = parse_requests(args.input)
+    res = run_ranks(prefill_job, _spec(args), reqs, args.all_logits)
+    if res is not None:
+        out = {"last_logits": res["last_logits"]}
+        if args.all_logits:
+            out["logits"] = res["logits"]
+        torch.save(out, args.output)
+        info = res["info"]
+        print(f"prefilled {len(reqs)} requests on {info['cp_size']} rank(s), layout {info['layout']}, "
+              f"path {info['path']} (local capacity {info['capacity']}) -> {args.output}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from graphcp.jobs import run_job, run_ranks
+
+    res = run_ranks(run_job, _spec(args))
+    rows = [
+        ("model", res["model"]),
+        ("ranks (CP = TP)", res["cp_size"]),
+        ("layout / graph / attention", f"{res['layout']} / {res['graph']} / {res['attention']}"),
+        ("batch", f"{res['requests']} requests, {res['tokens']} tokens"),
+        ("buckets captured", ", ".join(map(str, res["buckets"])) or "-"),
+        ("capture time", f"{res['capture_s']:.2f} s"),
+        ("eager forward", f"{res['eager_s'] * 1e3:.1f} ms, {res['ops_eager']} ops dispatched"),
+    ]
+    if "graph_s" in res:
+        rows += [
+            ("graph forward", f"{res['graph_s'] * 1e3:.1f} ms ({res['graph_path']}, bucket {res['bucket']}), "
+                              f"{res['ops_graph']} ops dispatched"),
+            ("graph vs eager", f"max |diff| {res['max_abs_diff']:.3g}, relative {res['rel_diff']:.3g}"),
+        ]
+    w = max(len(k) for k, _ in rows)
+    print("| " + "what".ljust(w) + " | value |")
+    print("|-" + "-" * w + "-|-------|")
+    for k, v in rows:
+        print(f"| {k.ljust(w)} | {v} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+    if "rel_diff" in res and not res["rel_diff"] <= 1e-5:
+        print(f"graph output differs from eager (relative {res['rel_diff']:.3g})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphcp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prefill", help="prefill the requests of a JSONL file and save the logits")
+    p.add_argument("--input", required=True, help='REQUESTS.jsonl: {"tokens": [...], "prefix": K} a line')
+    p.add_argument("--output", required=True, help="OUT.pt (torch.save dict)")
+    p.add_argument("--all-logits", action="store_true", help="also save every new token's logits")
+    _add_runtime_args(p, None)
+    p.set_defaults(func=cmd_prefill)
+
+    p = sub.add_parser("run", help="the main job on the built-in default model: capture, replay, compare")
+    _add_runtime_args(p, "breakable")
+    p.set_defaults(cp=2)
+    p.add_argument("--json", default=None, help="also write the results as JSON")
+    p.set_defaults(func=cmd_run)
+
+    try:
+        from graphcp.tune.cli import add_tune_parser
+
+        add_tune_parser(sub)
+    except ImportError:  # pragma: no cover - the tune package ships with graphcp
+        pass
+    try:
+        from graphcp.profile_cli import add_profile_parser
+
+        add_profile_parser(sub)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from graphcp.config import ConfigError
+    from graphcp.dist import RankFailure
+    from graphcp.engine import BatchError
+    from graphcp.kvcache import KVCacheFull
+    from graphcp.model.loader import CheckpointError
+    from graphcp.requests_io import RequestFileError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (RequestFileError, BatchError, KVCacheFull, ConfigError, CheckpointError, FileNotFoundError,
+            RankFailure, ValueError) as e:
+        print(f"graphcp {args.command}: error: {e}", file=sys.stderr)
+        return 2

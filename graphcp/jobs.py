@@ -1,0 +1,161 @@
+"""The jobs behind the CLI, written as per-rank functions ``fn(group, ...)`` so
+they run the same under ``torchrun`` and under graphcp's own launcher."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from graphcp.capture.buckets import BucketSet
+from graphcp.config import RuntimeConfig
+from graphcp.dist import CPGroup, init_from_env, launch
+from graphcp.engine import PrefillEngine, Request
+from graphcp.requests_io import FileRequest
+
+
+@dataclass
+class JobSpec:
+    model: str = "default"
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    buckets_file: str | None = None
+    cp_size: int = 1
+
+    def buckets(self) -> BucketSet | None:
+        return BucketSet.load(self.buckets_file) if self.buckets_file else None
+
+
+def run_ranks(fn, spec: JobSpec, *args: Any) -> Any:
+    """Run ``fn(group, spec, *args)`` on every rank; return rank 0's result.
+
+    Under torchrun (``WORLD_SIZE`` set) this process is one rank; otherwise
+    ``spec.cp_size`` local ranks are launched (cp_size 1 runs in-process).
+    """
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        group = init_from_env(spec.runtime.device, spec.runtime.collective_timeout_s)
+        if group.size != spec.cp_size:
+            raise ValueError(f"--cp {spec.cp_size} but torchrun started {group.size} ranks")
+        return fn(group, spec, *args)
+    if spec.cp_size == 1:
+        return fn(CPGroup(), spec, *args)
+    return launch(fn, spec.cp_size, spec, *args, device=spec.runtime.device,
+                  timeout_s=spec.runtime.collective_timeout_s)[0]
+
+
+def make_engine(group: CPGroup, spec: JobSpec) -> PrefillEngine:
+    return PrefillEngine(spec.model, spec.runtime, group, spec.buckets())
+
+
+def prefill_requests(engine: PrefillEngine, reqs: list[FileRequest], all_logits: bool):
+    """Prefill cached prefixes first (one forward), then every request's new tokens."""
+    handles = [None] * len(reqs)
+    with_prefix = [i for i, r in enumerate(reqs) if r.prefix > 0]
+    if with_prefix:
+        first = engine.prefill([Request(np.asarray(reqs[i].tokens[: reqs[i].prefix])) for i in with_prefix])
+        for i, h in zip(with_prefix, first.handles):
+            handles[i] = h
+    try:
+        out = engine.prefill([Request(np.asarray(r.new_tokens), h) for r, h in zip(reqs, handles)], all_logits=all_logits)
+    except BaseException:
+        for h in handles:
+            if h is not None:
+                engine.release(h)
+        raise
+    return out
+
+
+def prefill_job(group: CPGroup, spec: JobSpec, reqs: list[FileRequest], all_logits: bool) -> dict | None:
+    engine = make_engine(group, spec)
+    out = prefill_requests(engine, reqs, all_logits)
+    if group.rank != 0:
+        return None
+    result: dict[str, Any] = {"last_logits": out.last_logits.float().contiguous()}
+    if all_logits:
+        result["logits"] = [x.float().contiguous() for x in out.logits]
+    result["info"] = {"path": out.info.path, "capacity": out.info.capacity, "fallback": out.info.fallback,
+                      "cp_size": group.size, "layout": spec.runtime.layout, "graph": spec.runtime.graph}
+    return result
+
+
+def mixed_batch(vocab: int, seed: int = 0) -> list[np.ndarray]:
+    """The `graphcp run` batch: a long request, medium ones, one shorter than 2C, one single token."""
+    rng = np.random.default_rng(seed)
+    lens = [1536, 640, 300, 97, 3, 1]
+    return [rng.integers(0, vocab, n) for n in lens]
+
+
+class OpCounter:
+    """Counts ops dispatched on the host while active (what each path launches)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.count = 0
+        self._mode = _Mode()
+
+    def __enter__(self):
+        self.count = 0
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        return False
+
+
+def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
+    """`graphcp run`: capture the buckets, run a mixed batch on the graph path and
+    eagerly, compare, and time both."""
+    engine = make_engine(group, spec)
+    t0 = time.perf_counter()
+    captures = engine.capture(progress=group.rank == 0) if engine.runner is not None else []
+    capture_s = time.perf_counter() - t0
+    batch = mixed_batch(engine.cfg.vocab_size)
+
+    def forward(force_eager: bool):
+        out = engine.prefill([Request(t) for t in batch], force_eager=force_eager)
+        for h in out.handles:
+            engine.release(h)
+        return out
+
+    timings: dict[str, list[float]] = {"graph": [], "eager": []}
+    outs = {}
+    for _ in range(repeats):
+        for path in ("eager", "graph") if engine.runner is not None else ("eager",):
+            t = time.perf_counter()
+            outs[path] = forward(path == "eager")
+            timings[path].append(time.perf_counter() - t)
+    ops = {}
+    for path in outs:
+        with OpCounter() as c:
+            forward(path == "eager")
+        ops[path] = c.count
+    if group.rank != 0:
+        return None
+    res = {
+        "model": str(engine.model_dir), "cp_size": group.size, "layout": spec.runtime.layout,
+        "graph": spec.runtime.graph, "attention": engine.attention.name,
+        "tokens": int(sum(len(t) for t in batch)), "requests": len(batch),
+        "buckets": [c.capacity for c in captures], "capture_s": capture_s,
+        "captures": [vars(c) for c in captures],
+        "eager_s": float(np.median(timings["eager"])), "ops_eager": ops["eager"],
+    }
+    if "graph" in outs:
+        g, e = outs["graph"].last_logits, outs["eager"].last_logits
+        res.update(
+            graph_s=float(np.median(timings["graph"])), ops_graph=ops["graph"],
+            graph_path=outs["graph"].info.path, bucket=outs["graph"].info.capacity,
+            max_abs_diff=float((g - e).abs().max()), rel_diff=float((g - e).norm() / e.norm()),
+        )
+    return res
