@@ -1,0 +1,81 @@
+"""Interleave layout: round-robin over the flattened batch.
+
+Rank ``r`` owns global rows ``r, r + C, r + 2C, ...`` of the whole batch (the
+round-robin does not restart per request), in ascending order. Positions keep
+their original values. Every owned row is its own segment ``(j, 1, position + 1)``,
+so a rank has as many segments as rows.
+
+Balance is near perfect for long requests, but the per-row segments make it a
+poor fit for kernels that want long query runs; it is the simple baseline the
+zigzag layout is compared against.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import numpy as np
+
+from .base import Layout, Plan, RankPlan, _frozen, arange
+
+__all__ = ["InterleaveLayout", "InterleavePlan"]
+
+
+class InterleavePlan(Plan):
+    """Plan of the interleave layout (see the module docstring)."""
+
+    layout_name = "interleave"
+
+    def __init__(self, cp_size: int, extend_lens: np.ndarray, prefix_lens: np.ndarray) -> None:
+        super().__init__(cp_size, extend_lens, prefix_lens)
+        c = cp_size
+        t = self.num_tokens
+        # rank r owns ceil((T - r) / C) rows
+        self._set_local_rows([(t - r + c - 1) // c for r in range(c)])
+
+    def _build_rank(self, r: int) -> RankPlan:
+        rows = arange(self.num_tokens)[r :: self.cp_size].copy()
+        n = rows.shape[0]
+        row_request = np.searchsorted(self.cu_extend, rows, side="right") - 1
+        positions = rows + (self.prefix_lens - self.cu_extend[:-1])[row_request]
+        q = np.ones(n, dtype=np.int64)
+        kv = positions + 1
+        cu = np.arange(n + 1, dtype=np.int32)
+        _frozen(rows, row_request, positions, q, kv, cu)
+        return RankPlan(r, rows, positions, row_request, row_request, q, kv, cu)
+
+    @cached_property
+    def owner(self) -> np.ndarray:  # type: ignore[override]
+        out = arange(self.num_tokens) % self.cp_size
+        _frozen(out)
+        return out
+
+    @cached_property
+    def local_index(self) -> np.ndarray:  # type: ignore[override]
+        out = arange(self.num_tokens) // self.cp_size
+        _frozen(out)
+        return out
+
+    @cached_property
+    def _last(self) -> tuple[np.ndarray, np.ndarray]:
+        last = self.cu_extend[1:] - 1
+        owner, local = last % self.cp_size, last // self.cp_size
+        _frozen(owner, local)
+        return owner, local
+
+    @property
+    def last_owner(self) -> np.ndarray:  # type: ignore[override]
+        return self._last[0]
+
+    @property
+    def last_local_index(self) -> np.ndarray:  # type: ignore[override]
+        return self._last[1]
+
+
+class InterleaveLayout(Layout):
+    """Interleave CP layout: rank r owns flattened rows r, r+C, r+2C, ..."""
+
+    name = "interleave"
+
+    def _plan(self, extend_lens: np.ndarray, prefix_lens: np.ndarray) -> InterleavePlan:
+        return InterleavePlan(self.cp_size, extend_lens, prefix_lens)

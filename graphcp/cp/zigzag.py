@@ -1,0 +1,249 @@
+"""Zigzag layout: causal load balance by pairing an early and a late block.
+
+Each request's new tokens are split separately into ``2C`` contiguous blocks:
+``base = L // 2C`` tokens each, and the first ``L % 2C`` blocks get one more.
+Rank ``r`` owns block ``r`` (early) and block ``2C - 1 - r`` (late). Early tokens
+see little history and late tokens see a lot, so every rank gets about the same
+causal attention work (max/mean close to 1 once ``L >> 2C``).
+
+Rank ``r``'s local order: for each request in batch order, its early block's rows
+then its late block's rows. Its segments, two per request in the same order:
+
+* early ``(j, |block r|, prefix_j + |block 0..r|)``
+* late  ``(j, |block 2C-1-r|, prefix_j + |block 0..2C-1-r|)``
+
+Both are always emitted, empty or not (a request shorter than ``2C`` leaves some
+blocks empty), so every rank has exactly ``2 * R`` segments: a static metadata
+shape for captured graphs; kernels skip empty segments.
+
+Example: C = 4, extend lengths [1534, 161, 353], no prefix -> local rows
+[513, 511, 512, 512].
+
+The whole plan is computed at block granularity on ``[R, 2C + 1]`` arrays of
+block boundaries; per-token arrays come from one ``np.repeat`` each.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import numpy as np
+
+from .base import Layout, Plan, RankPlan, _frozen, arange
+
+__all__ = ["ZigzagLayout", "ZigzagPlan"]
+
+
+class _BatchTables:
+    """Index constants for one ``(cp_size, num_requests)``.
+
+    Blocks are enumerated two ways. *Global* order ``b = j * 2C + k`` (block ``k``
+    of request ``j``) is the order of the batch's rows. *Rank-major* order
+    ``f = r * 2R + 2j + e`` concatenates every rank's local order: for each request
+    ``j``, rank ``r``'s early block ``r`` (``e = 0``) then its late block
+    ``2C-1-r`` (``e = 1``). A rank's 2R segments are a contiguous slice of it.
+    """
+
+    __slots__ = (
+        "request_rm",
+        "size_offset_rm",
+        "rm_of_global",
+        "global_of_rm",
+        "owner",
+        "seg_request",
+        "last_rm_end",
+        "request_x2",
+    )
+
+    def __init__(self, cp_size: int, num_requests: int) -> None:
+        c, c2, num = cp_size, 2 * cp_size, num_requests
+        r = np.arange(c, dtype=np.int64)[:, None, None]
+        j = np.arange(num, dtype=np.int64)[None, :, None]
+        e = np.arange(2, dtype=np.int64)[None, None, :]
+        k_rm = np.where(e == 0, r, c2 - 1 - r)  # [C, 1, 2]: block k of each (r, e)
+        #: request of each rank-major block
+        self.request_rm = np.broadcast_to(j, (c, num, 2)).ravel()
+        #: 2C-1-k per rank-major block: block k of a request of length L has
+        #: (L + 2C-1-k) // 2C rows (base + 1 for the first L % 2C blocks, else base)
+        self.size_offset_rm = np.broadcast_to(c2 - 1 - k_rm, (c, num, 2)).ravel()
+        #: global block index of each rank-major block, and the inverse
+        self.global_of_rm = (j * c2 + k_rm).ravel()
+        self.rm_of_global = np.empty_like(self.global_of_rm)
+        self.rm_of_global[self.global_of_rm] = np.arange(c * num * 2, dtype=np.int64)
+        k = np.arange(c2, dtype=np.int64)
+        #: owner rank of block k (rank k or 2C-1-k)
+        self.owner = np.where(k < c, k, c2 - 1 - k)
+        #: request of each of a rank's 2R segments
+        self.seg_request = np.repeat(np.arange(num, dtype=np.int64), 2)
+        #: one past the rank-major index of block k of request 0 (add 2j for request j)
+        self.last_rm_end = np.where(k < c, k * 2 * num, (c2 - 1 - k) * 2 * num + 1) + 1
+        self.request_x2 = 2 * np.arange(num, dtype=np.int64)
+        _frozen(self.request_rm, self.size_offset_rm, self.global_of_rm, self.rm_of_global)
+        _frozen(self.owner, self.seg_request, self.last_rm_end, self.request_x2)
+
+
+class _ZigzagTables:
+    """Per-``cp_size`` cache of per-batch-size index tables."""
+
+    __slots__ = ("cp_size", "_batch")
+
+    _MAX_CACHED = 256
+
+    def __init__(self, cp_size: int) -> None:
+        self.cp_size = cp_size
+        self._batch: dict[int, _BatchTables] = {}
+
+    def batch(self, num_requests: int) -> _BatchTables:
+        tab = self._batch.get(num_requests)
+        if tab is None:
+            tab = _BatchTables(self.cp_size, num_requests)
+            if len(self._batch) >= self._MAX_CACHED:
+                self._batch.clear()
+            self._batch[num_requests] = tab
+        return tab
+
+
+class ZigzagPlan(Plan):
+    """Plan of the zigzag layout (see the module docstring).
+
+    Computed at block granularity on flat rank-major arrays (see
+    :class:`_BatchTables`): ``_q`` block sizes, ``_ends`` the running row count of
+    the concatenated local orders (``_ends[r * 2R]`` = rows of ranks before r), and
+    per block the constant *shift* global row - concatenated index (``_row_shift``;
+    ``_pos_shift`` likewise for positions). Every per-row array is one ``repeat`` of
+    a per-block value plus ``arange``.
+    """
+
+    layout_name = "zigzag"
+
+    def __init__(
+        self,
+        cp_size: int,
+        extend_lens: np.ndarray,
+        prefix_lens: np.ndarray,
+        tables: _ZigzagTables | None = None,
+    ) -> None:
+        super().__init__(cp_size, extend_lens, prefix_lens)
+        c2 = 2 * cp_size
+        num = extend_lens.shape[0]
+        nseg = 2 * num
+        nblk = cp_size * nseg
+        tab = (tables if tables is not None else _ZigzagTables(cp_size)).batch(num)
+        q = extend_lens[tab.request_rm]
+        q += tab.size_offset_rm
+        q //= c2
+        ends = np.zeros(nblk + 1, dtype=np.int64)
+        np.add.accumulate(q, out=ends[1:])
+        rank_start = ends[0:nblk:nseg]
+        local_rows = (ends[nseg::nseg] - rank_start).tolist()
+        sizes = q[tab.rm_of_global]  # global order
+        gend = np.add.accumulate(sizes)[tab.global_of_rm]  # rank-major
+        row_shift = gend - ends[1:]
+        delta = self.prefix_lens - self.cu_extend[:-1]  # position - global row
+        delta = delta[tab.request_rm]
+        pos_shift = row_shift + delta
+        kv = gend
+        kv += delta
+        _frozen(q, ends, kv)
+        d = self.__dict__
+        d["_tab"] = tab
+        d["_q"] = q
+        d["_ends"] = ends
+        d["_rank_start"] = rank_start
+        d["_sizes"] = sizes
+        d["_row_shift"] = row_shift
+        d["_pos_shift"] = pos_shift
+        d["_kv"] = kv
+        d["local_rows"] = local_rows
+        d["max_local_rows"] = max(local_rows)
+
+    # ----------------------------------------------------------------- per rank
+
+    def _build_rank(self, r: int) -> RankPlan:
+        nseg = 2 * self.num_requests
+        lo = r * nseg
+        hi = lo + nseg
+        q = self._q[lo:hi]
+        ends = self._ends[lo : hi + 1]
+        first = int(ends[0])
+        ar = arange(first + self.local_rows[r])[first:]
+        rows = self._row_shift[lo:hi].repeat(q)
+        rows += ar
+        positions = self._pos_shift[lo:hi].repeat(q)
+        positions += ar
+        seg_request = self._tab.seg_request
+        row_request = seg_request.repeat(q)
+        cu = ends - first
+        cu = cu.astype(np.int32)
+        _frozen(rows, positions, row_request, cu)
+        return RankPlan(r, rows, positions, row_request, seg_request, q, self._kv[lo:hi], cu)
+
+    # ----------------------------------------------------------------- global maps
+
+    def _gather_values(self, capacity: int) -> np.ndarray:
+        """int64 [R * 2C] in global block order: owner * capacity + local index - global row."""
+        # local index = concatenated index - rank_start[owner]
+        rank_val = arange(self.cp_size) * capacity
+        rank_val -= self._rank_start
+        val = rank_val.repeat(2 * self.num_requests)
+        val -= self._row_shift
+        return val[self._tab.rm_of_global]
+
+    @cached_property
+    def owner(self) -> np.ndarray:  # type: ignore[override]
+        owner = arange(self.cp_size).repeat(2 * self.num_requests)[self._tab.rm_of_global]
+        out = owner.repeat(self._sizes)
+        _frozen(out)
+        return out
+
+    @cached_property
+    def local_index(self) -> np.ndarray:  # type: ignore[override]
+        out = self._gather_values(0).repeat(self._sizes)
+        out += arange(self.num_tokens)
+        _frozen(out)
+        return out
+
+    def gather_index(self, capacity: int) -> np.ndarray:
+        cap = self._check_capacity(capacity)
+        out = self._gather_values(cap).repeat(self._sizes)
+        out += arange(self.num_tokens)
+        return out
+
+    def _last(self) -> tuple[np.ndarray, np.ndarray]:
+        last = self.__dict__.get("_last_cache")
+        if last is None:
+            tab = self._tab
+            # the last token is in block 2C-1 unless the request is shorter than
+            # 2C: then blocks 0..L-1 hold one token each and the last is block L-1
+            k = self.extend_lens - 1
+            np.minimum(k, 2 * self.cp_size - 1, out=k)
+            owner = tab.owner[k]
+            f = tab.last_rm_end[k]
+            f += tab.request_x2
+            local = self._ends[f]
+            local -= self._rank_start[owner]
+            local -= 1
+            _frozen(owner, local)
+            last = self.__dict__["_last_cache"] = (owner, local)
+        return last
+
+    @property
+    def last_owner(self) -> np.ndarray:  # type: ignore[override]
+        return self._last()[0]
+
+    @property
+    def last_local_index(self) -> np.ndarray:  # type: ignore[override]
+        return self._last()[1]
+
+
+class ZigzagLayout(Layout):
+    """Zigzag CP layout: rank r owns blocks r and 2C-1-r of every request."""
+
+    name = "zigzag"
+
+    def __init__(self, cp_size: int) -> None:
+        super().__init__(cp_size)
+        self._tables = _ZigzagTables(self.cp_size)
+
+    def _plan(self, extend_lens: np.ndarray, prefix_lens: np.ndarray) -> ZigzagPlan:
+        return ZigzagPlan(self.cp_size, extend_lens, prefix_lens, self._tables)
