@@ -377,7 +377,7 @@ def test_cli_measure_uses_measure_capture(tmp_path, capsys, monkeypatch):
 
     calls = []
 
-    def fake(bucket_set, cp_size):
+    def fake(bucket_set, cp_size, **kw):
         calls.append((bucket_set.capacities, cp_size))
         return [dict(capacity=c, capture_s=0.5, pool_bytes=c * 2**20) for c in bucket_set.capacities]
 

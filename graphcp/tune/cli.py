@@ -85,6 +85,8 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="histogram with the buckets, and cost vs bucket count")
     p.add_argument("--report-json", metavar="FILE", help="the full report (every row, the curve) as JSON")
     p.add_argument("--measure", action="store_true", help="capture the tuned buckets and record time and memory")
+    p.add_argument("--model", default="default", help="model captured by --measure (preset name or folder)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device --measure captures on")
     p.add_argument("--seed", type=int, default=0, help="seed of --synthetic (default 0)")
     p.set_defaults(func=run_tune)
     return p
@@ -117,12 +119,12 @@ def _check(args) -> list[str]:
     return names
 
 
-def _measure(bucket_set: BucketSet, cp_size: int) -> list[dict]:
+def _measure(bucket_set: BucketSet, cp_size: int, model: str = "default", device: str = "cpu") -> list[dict]:
     try:
         from graphcp.tune.measure import measure_capture  # lazy: needs torch and a capture backend
     except ImportError as e:
         raise TuneInputError(f"--measure needs graphcp.tune.measure: {e}") from e
-    rows = measure_capture(bucket_set, cp_size)
+    rows = measure_capture(bucket_set, cp_size, model=model, device=device)
     for r in rows:
         missing = {"capacity", "capture_s", "pool_bytes"} - set(r)
         if missing:
@@ -169,7 +171,7 @@ def _run(args: argparse.Namespace) -> int:
         max_buckets=args.max_buckets,
     )
     tuned_set = BucketSet(capacities, args.align, args.padding_factor, args.cp, args.layout)
-    measured = _measure(tuned_set, args.cp) if args.measure else None
+    measured = _measure(tuned_set, args.cp, getattr(args, "model", "default"), getattr(args, "device", "cpu")) if args.measure else None
     baselines = {n: BASELINES[n].bucket_set(args.cp, args.align, args.padding_factor) for n in names}
     report = build_report(required, tuned, tuned_set, baselines, settings, workload.summary(), measured)
 
