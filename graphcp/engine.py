@@ -157,6 +157,23 @@ class PrefillEngine:
     @torch.inference_mode()
     def prefill(self, batch: Sequence[Request], all_logits: bool = False, force_eager: bool = False) -> PrefillOutput:
         t0 = time.perf_counter()
+        prep = self.prepare_batch(batch)
+        try:
+            t1 = time.perf_counter()
+            hidden, info = self._run_body(prep, force_eager)
+            info.timings["plan_s"] = t1 - t0
+            with nvtx_range("lm_head", category="output"):
+                last_logits = self._last_logits(prep.plan, hidden)
+                logits = self._all_logits(prep.plan, hidden) if all_logits else None
+        except BaseException:
+            self.abort(prep)
+            raise
+        info.timings["total_s"] = time.perf_counter() - t0
+        return PrefillOutput(last_logits, [self.kv.handle(s) for s in prep.seq_ids], logits, info)
+
+    def prepare_batch(self, batch: Sequence[Request]) -> "_Prepared":
+        """Validate, check SPMD consistency, plan, reserve KV and build this rank's
+        host metadata. Nothing changes when it raises; :meth:`abort` undoes it."""
         with nvtx_range("plan", category="host"):
             tokens = self._validate(batch)
             extend = np.fromiter((t.shape[0] for t in tokens), dtype=np.int64, count=len(tokens))
@@ -167,18 +184,14 @@ class PrefillEngine:
             plan = self.layout.plan(extend_lens=extend, prefix_lens=prefix)
         seq_ids = self.kv.extend([r.prefix for r in batch], extend.tolist())
         try:
-            prep = self._prepare(plan, seq_ids, tokens)
-            t1 = time.perf_counter()
-            hidden, info = self._run_body(prep, force_eager)
-            info.timings["plan_s"] = t1 - t0
-            with nvtx_range("lm_head", category="output"):
-                last_logits = self._last_logits(prep.plan, hidden)
-                logits = self._all_logits(prep.plan, hidden) if all_logits else None
+            return self._prepare(plan, seq_ids, tokens)
         except BaseException:
             self.kv.rollback(seq_ids, extend.tolist())
             raise
-        info.timings["total_s"] = time.perf_counter() - t0
-        return PrefillOutput(last_logits, [self.kv.handle(s) for s in seq_ids], logits, info)
+
+    def abort(self, prep: "_Prepared") -> None:
+        """Give back the KV a prepared batch reserved (its forward failed or was dropped)."""
+        self.kv.rollback(prep.seq_ids, prep.plan.extend_lens.tolist())
 
     # ---- steps ------------------------------------------------------------------
     def _validate(self, batch: Sequence[Request]) -> list[np.ndarray]:
@@ -267,6 +280,7 @@ class PrefillEngine:
             fallback = None
         return self.eager_body(prep, required), ForwardInfo("eager", required, required, fallback)
 
+    @torch.inference_mode()
     def eager_body(self, prep: _Prepared, capacity: int) -> torch.Tensor:
         """The body run eagerly on ``capacity`` rows (>= the largest rank's rows)."""
         n = prep.ids.shape[0]

@@ -170,6 +170,7 @@ class GraphRunner:
             if moved:
                 raise ReplayInputError(f"bucket {capacity}: static buffers moved since capture: {sorted(set(moved))}")
 
+    @torch.inference_mode()
     def try_replay(self, prep):
         """Replay the bucket for this batch, or None (and the reason in
         ``last_fallback``) when it must run eagerly."""
@@ -199,6 +200,7 @@ class GraphRunner:
         info = ForwardInfo("graph", cap, sel.required, None, {"fill_s": t1 - t0, "replay_s": time.perf_counter() - t1})
         return view.hidden_out, info
 
+    @torch.inference_mode()
     def eager_on_bucket(self, prep, capacity: int) -> torch.Tensor:
         """The same body on the same static buffers, run eagerly (no capture): a
         replay must equal this bitwise."""

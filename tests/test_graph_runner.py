@@ -1,0 +1,151 @@
+"""Breakable-graph replay equals the same body run eagerly on the same bucket
+(bitwise) and the unpadded eager forward (within rounding), across CP sizes,
+prefix extends and a sequence of batch sizes; fallbacks are counted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cp_utils import rel_err
+from graphcp.capture.buckets import FALLBACK_PADDING, FALLBACK_TOO_LARGE, BucketSet
+from graphcp.capture.runner import ReplayInputError
+from graphcp.config import ConfigError, RuntimeConfig
+from graphcp.dist import launch
+from graphcp.engine import PrefillEngine, Request
+
+BUCKETS = BucketSet((16, 32, 64, 128, 256), padding_factor=64.0)  # small batches replay too
+
+
+def _engine(group=None, buckets=BUCKETS, **kw):
+    rt = RuntimeConfig(graph="breakable", kv_tokens=8192, debug_graphs=True, **kw)
+    return PrefillEngine("default", rt, group, buckets)
+
+
+def _sequence(cp: int, vocab: int, seed: int):
+    """A large batch, small ones, then both sides of a bucket boundary (64 | 65 rows)."""
+    rng = np.random.default_rng(seed)
+    big = [int(x) for x in rng.integers(1, 120 * cp, 5)]
+    return [
+        (big, [0, 13, 0, 100, 1]),
+        ([3, 1, 17], [0, 0, 5]),
+        ([cp * 64], [0]),  # exactly 64 local rows on every rank
+        ([cp * 64 + cp], [11]),  # 65: the next bucket
+        ([1], [0]),
+    ]
+
+
+def _prefixed(engine, prefix_lens, rng):
+    handles = []
+    for p in prefix_lens:
+        handles.append(engine.prefill([Request(rng.integers(0, engine.cfg.vocab_size, p))]).handles[0] if p else None)
+    return handles
+
+
+def _equality_job(group, seed: int):
+    eng = _engine(group)
+    vocab = eng.cfg.vocab_size
+    rng = np.random.default_rng(seed + 1)
+    report = []
+    for lens, prefix in _sequence(group.size, vocab, seed):
+        handles = _prefixed(eng, prefix, rng)
+        reqs = [Request(rng.integers(0, vocab, n), h) for n, h in zip(lens, handles)]
+        prep = eng.prepare_batch(reqs)
+        sel = eng.runner.select(prep.plan.max_local_rows)
+        assert sel.graph, (lens, sel)
+        same_bucket = eng.runner.eager_on_bucket(prep, sel.capacity).clone()
+        unpadded = eng.eager_body(prep, prep.plan.max_local_rows).clone()
+        hidden, info = eng.runner.try_replay(prep)
+        n = prep.ids.shape[0]
+        report.append((sel.capacity, info.path, bool(torch.equal(hidden, same_bucket)),
+                       rel_err(hidden[:n], unpadded[:n]) if n else 0.0))
+        eng.abort(prep)
+        for h in handles:
+            if h is not None:
+                eng.release(h)
+    return report, eng.runner.stats.replays
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_replay_equals_eager_on_the_same_bucket(cp):
+    results = [_equality_job(__import__("graphcp.dist").dist.CPGroup(), 3)] if cp == 1 else launch(_equality_job, cp, 3)
+    for report, replays in results:
+        caps = [r[0] for r in report]
+        assert caps[2] == 64 and caps[3] == 128  # the boundary batches land on both sides
+        for cap, path, bitwise, err in report:
+            assert path == "graph"
+            assert bitwise, f"bucket {cap}: replay differs from the eager body on the same buffers"
+            assert err <= 1e-6, f"bucket {cap}: {err}"
+
+
+def test_graph_prefill_equals_eager_prefill_logits():
+    graph, eager = _engine(), PrefillEngine("default", RuntimeConfig(kv_tokens=8192))
+    rng = np.random.default_rng(0)
+    for lens in ([200, 7, 1], [30], [90, 90]):
+        toks = [rng.integers(0, 8192, n) for n in lens]
+        a = graph.prefill([Request(t) for t in toks], all_logits=True)
+        b = eager.prefill([Request(t) for t in toks], all_logits=True)
+        assert a.info.path == "graph"
+        assert rel_err(a.last_logits, b.last_logits) <= 1e-6
+        for x, y in zip(a.logits, b.logits):
+            assert rel_err(x, y) <= 1e-6
+
+
+def test_fallbacks_run_eagerly_and_are_counted():
+    eng = _engine(buckets=BucketSet((16, 32)))
+    rng = np.random.default_rng(0)
+    ref = PrefillEngine("default", RuntimeConfig(kv_tokens=8192))
+    too_large = [rng.integers(0, 8192, 100)]
+    over_factor = [rng.integers(0, 8192, 6)]  # 6 rows: bucket 16 pads past 2x
+    for toks, reason in ((too_large, FALLBACK_TOO_LARGE), (over_factor, FALLBACK_PADDING)):
+        out = eng.prefill([Request(t) for t in toks])
+        assert out.info.path == "eager" and out.info.fallback == reason
+        assert rel_err(out.last_logits, ref.prefill([Request(t) for t in toks]).last_logits) <= 1e-6
+    assert eng.runner.stats.fallbacks == {FALLBACK_TOO_LARGE: 1, FALLBACK_PADDING: 1}
+    assert eng.runner.stats.replays == 0
+
+
+def test_capture_stats_and_largest_first():
+    eng = _engine(buckets=BucketSet((16, 32, 64)))
+    stats = eng.capture()
+    assert [s.capacity for s in stats] == [64, 32, 16]
+    for s in stats:
+        assert s.segments == eng.cfg.num_layers + 1 and s.breaks == eng.cfg.num_layers
+        assert len(s.ops_per_segment) == s.segments and all(n > 0 for n in s.ops_per_segment)
+
+
+def test_debug_mode_detects_moved_static_buffers():
+    eng = _engine(buckets=BucketSet((32,)))
+    toks = [np.arange(20)]
+    assert eng.prefill([Request(t) for t in toks]).info.path == "graph"
+    eng.runner.buffers.input_ids = torch.zeros_like(eng.runner.buffers.input_ids)  # a reallocation
+    with pytest.raises(ReplayInputError, match="moved since capture: \\['input_ids'\\]"):
+        eng.prefill([Request(t) for t in toks])
+
+
+def test_replay_rejects_inputs_unlike_the_capture():
+    eng = _engine(buckets=BucketSet((32,)))
+    eng.prefill([Request(np.arange(20))])
+    eng.runner.buffers.positions = eng.runner.buffers.positions.to(torch.int32)
+    with pytest.raises(ReplayInputError, match="positions is .*torch.int32.*captured as .*torch.int64"):
+        eng.prefill([Request(np.arange(20))])
+
+
+def test_graph_path_refuses_unsupported_configurations():
+    with pytest.raises(ConfigError, match="zigzag layout only"):
+        _engine(layout="interleave")
+    with pytest.raises(ConfigError, match="static-capacity support"):
+        PrefillEngine("default", RuntimeConfig(graph="full", kv_tokens=4096))
+    from graphcp.config import ParallelConfig
+
+    with pytest.raises(ConfigError, match="PP = 1"):
+        ParallelConfig(cp_size=2, pp_size=2)
+    with pytest.raises(ConfigError, match="TP must equal CP"):
+        ParallelConfig(cp_size=2, tp_size=1)
+
+
+def test_bucket_file_mismatch_is_an_error(tmp_path):
+    BucketSet((16, 32), cp_size=4, layout="zigzag").save(tmp_path / "b.json")
+    with pytest.raises(ValueError, match="tuned for cp_size=4, this run has cp_size=1"):
+        _engine(buckets=BucketSet.load(tmp_path / "b.json"))
