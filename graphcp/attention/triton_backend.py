@@ -38,6 +38,21 @@ def _import_kernel() -> ModuleType:
     return triton_kernel
 
 
+@torch.library.custom_op("graphcp::triton_paged_attention", mutates_args=("out", "lse"))
+def triton_paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, page_table: torch.Tensor,
+    k_strides: list[int], v_strides: list[int], group: int, page_size: int, scale: float,
+    block_m: int, block_n: int, upcast_dot: bool, num_warps: int, num_stages: int,
+) -> None:
+    _import_kernel().launch(
+        q, k, v, out, lse, cu_seqlens_q, kv_lens, page_table,
+        group=group, page_size=page_size, scale=scale, block_m=block_m, block_n=block_n,
+        upcast_dot=upcast_dot, num_warps=num_warps, num_stages=num_stages,
+        k_strides=tuple(k_strides), v_strides=tuple(v_strides),
+    )
+
+
 class TritonAttention(AttentionBackend):
     name = "triton"
     supports_full_graph = True
@@ -78,18 +93,14 @@ class TritonAttention(AttentionBackend):
         else:  # HND: page = [heads, tokens, dim]
             k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
             v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
-        self._kernel.launch(
+        # one registered op: a graph recorder (the CPU trace backend) logs and replays
+        # the launch as a unit, as a CUDA graph holds it as one kernel node
+        torch.ops.graphcp.triton_paged_attention(
             q, k, v, out, lse, meta.cu_seqlens_q, meta.kv_lens, meta.page_table,
-            group=spec.num_q_heads // spec.num_kv_heads,
-            page_size=spec.page_size,
-            scale=spec.scale,
-            block_m=self.block_m,
-            block_n=self.block_n,
-            upcast_dot=interpreting() and q.dtype == torch.bfloat16,
-            num_warps=self.num_warps,
-            num_stages=self.num_stages,
-            k_strides=k_strides,
-            v_strides=v_strides,
+            list(k_strides), list(v_strides),
+            spec.num_q_heads // spec.num_kv_heads, spec.page_size, spec.scale,
+            self.block_m, self.block_n, interpreting() and q.dtype == torch.bfloat16,
+            self.num_warps, self.num_stages,
         )
 
     def _check(self, q, kv_cache, meta, out, lse) -> None:
