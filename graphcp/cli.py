@@ -68,12 +68,13 @@ def cmd_run(args) -> int:
         ("batch", f"{res['requests']} requests, {res['tokens']} tokens"),
         ("buckets captured", ", ".join(map(str, res["buckets"])) or "-"),
         ("capture time", f"{res['capture_s']:.2f} s"),
-        ("eager forward", f"{res['eager_s'] * 1e3:.1f} ms, {res['ops_eager']} ops dispatched"),
+        ("eager forward", f"{res['eager_s'] * 1e3:.1f} ms: {res['ops_eager']} ops dispatched"),
     ]
     if "graph_s" in res:
         rows += [
-            ("graph forward", f"{res['graph_s'] * 1e3:.1f} ms ({res['graph_path']}, bucket {res['bucket']}), "
-                              f"{res['ops_graph']} ops dispatched"),
+            ("graph forward", f"{res['graph_s'] * 1e3:.1f} ms ({res['graph_path']}, bucket {res['bucket']}): "
+                              f"{res['graph_segments']} graph launches + {res['graph_breaks']} breaks, "
+                              f"{res['ops_graph']} host ops (breaks, fill, LM head)"),
             ("graph vs eager", f"max |diff| {res['max_abs_diff']:.3g}, relative {res['rel_diff']:.3g}"),
         ]
     w = max(len(k) for k, _ in rows)

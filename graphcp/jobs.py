@@ -153,8 +153,10 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
     }
     if "graph" in outs:
         g, e = outs["graph"].last_logits, outs["eager"].last_logits
+        graph = engine.runner.graphs[outs["graph"].info.capacity].graph if outs["graph"].info.path == "graph" else None
         res.update(
             graph_s=float(np.median(timings["graph"])), ops_graph=ops["graph"],
+            graph_segments=len(graph.segments) if graph else 0, graph_breaks=len(graph.breaks) if graph else 0,
             graph_path=outs["graph"].info.path, bucket=outs["graph"].info.capacity,
             max_abs_diff=float((g - e).abs().max()), rel_diff=float((g - e).norm() / e.norm()),
         )

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 
@@ -159,8 +159,10 @@ class TraceSegment(GraphSegment):
         self._ops = [op for op in self._log if not op.skip]
 
     def replay(self) -> None:
-        for op in self._ops:
-            op.run()
+        # one unit, as a CUDA graph launch is: outer dispatch modes (op counters) see none of its ops
+        with _disable_current_modes():
+            for op in self._ops:
+                op.run()
 
     @property
     def num_ops(self) -> int:

@@ -86,10 +86,25 @@ def validate_cp_size(cp_size: object) -> int:
 def validate_lengths(
     extend_lens: IntArrayLike, prefix_lens: IntArrayLike | None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Check one batch's lengths; return them as fresh int64 arrays.
+    """Check one batch's lengths; return them as fresh read-only int64 arrays.
 
     Raises ValueError naming the bad request index and value.
     """
+    if type(extend_lens) is list and (prefix_lens is None or type(prefix_lens) is list):
+        # fast path for the common case (Python lists): one conversion for both
+        num = len(extend_lens)
+        if prefix_lens is None or len(prefix_lens) == num:
+            buf = np.array(extend_lens if prefix_lens is None else extend_lens + prefix_lens)
+            if num and buf.ndim == 1 and buf.dtype == np.int64:
+                if min(extend_lens) >= 1 and (prefix_lens is None or min(prefix_lens) >= 0):
+                    if prefix_lens is None:
+                        ext, pre = buf, np.zeros(num, dtype=np.int64)
+                        _frozen(ext, pre)
+                    else:
+                        buf.setflags(write=False)
+                        ext, pre = buf[:num], buf[num:]
+                    return ext, pre
+        # otherwise fall through to the checks below, which name the problem
     ext = _as_lengths(extend_lens, "extend_lens")
     num = ext.shape[0]
     if num == 0:
@@ -103,18 +118,15 @@ def validate_lengths(
                 f"prefix_lens has {pre.shape[0]} entries but extend_lens has {num} requests; "
                 "expected one prefix length per request"
             )
-    # Python's min is cheaper than a numpy reduction on a short list
-    lo_ext = min(extend_lens) if isinstance(extend_lens, (list, tuple)) else np.minimum.reduce(ext)
-    if lo_ext < 1:
+    if np.minimum.reduce(ext) < 1:
         j = int(np.flatnonzero(ext < 1)[0])
         raise ValueError(
             f"extend_lens[{j}] = {int(ext[j])}: every request needs at least 1 new token"
         )
-    if prefix_lens is not None:
-        lo_pre = min(prefix_lens) if isinstance(prefix_lens, (list, tuple)) else np.minimum.reduce(pre)
-        if lo_pre < 0:
-            j = int(np.flatnonzero(pre < 0)[0])
-            raise ValueError(f"prefix_lens[{j}] = {int(pre[j])}: prefix lengths must be >= 0")
+    if num and np.minimum.reduce(pre) < 0:
+        j = int(np.flatnonzero(pre < 0)[0])
+        raise ValueError(f"prefix_lens[{j}] = {int(pre[j])}: prefix lengths must be >= 0")
+    _frozen(ext, pre)
     return ext, pre
 
 
@@ -148,14 +160,23 @@ class RankPlan:
         "_cu_seqlens_q",
     )
 
+    # read-only views of the slots (no setters)
     rank: int = _ro("rank", "this rank's index in the CP group")  # type: ignore[assignment]
-    rows: np.ndarray = _ro("rows", "int64 [n]: global row of each local row")  # type: ignore[assignment]
+    rows: np.ndarray = _ro(  # type: ignore[assignment]
+        "rows", "int64 [n]: global row of each local row"
+    )
     positions: np.ndarray = _ro(  # type: ignore[assignment]
         "positions", "int64 [n]: absolute position of each local row (prefix + offset)"
     )
-    row_request: np.ndarray = _ro("row_request", "int64 [n]: request of each local row")  # type: ignore[assignment]
-    seg_request: np.ndarray = _ro("seg_request", "int64 [S]: request of each segment")  # type: ignore[assignment]
-    seg_q_len: np.ndarray = _ro("seg_q_len", "int64 [S]: query rows of each segment")  # type: ignore[assignment]
+    row_request: np.ndarray = _ro(  # type: ignore[assignment]
+        "row_request", "int64 [n]: request of each local row"
+    )
+    seg_request: np.ndarray = _ro(  # type: ignore[assignment]
+        "seg_request", "int64 [S]: request of each segment"
+    )
+    seg_q_len: np.ndarray = _ro(  # type: ignore[assignment]
+        "seg_q_len", "int64 [S]: query rows of each segment"
+    )
     seg_kv_len: np.ndarray = _ro(  # type: ignore[assignment]
         "seg_kv_len", "int64 [S]: keys visible to each segment's last row (prefix included)"
     )
@@ -240,12 +261,11 @@ class Plan(ABC):
     max_local_rows: int
 
     def __init__(self, cp_size: int, extend_lens: np.ndarray, prefix_lens: np.ndarray) -> None:
-        """Takes lengths already checked by :func:`validate_lengths` (use ``Layout.plan``)."""
+        """Takes read-only lengths from :func:`validate_lengths` (use ``Layout.plan``)."""
         num = extend_lens.shape[0]
-        cu = np.empty(num + 1, dtype=np.int64)
-        cu[0] = 0
+        cu = np.zeros(num + 1, dtype=np.int64)
         np.add.accumulate(extend_lens, out=cu[1:])
-        _frozen(extend_lens, prefix_lens, cu)
+        cu.setflags(write=False)
         d = self.__dict__
         d["cp_size"] = cp_size
         d["extend_lens"] = extend_lens
@@ -336,6 +356,8 @@ class Plan(ABC):
     # ----------------------------------------------------------------- gather / padding
 
     def _check_capacity(self, capacity: int) -> int:
+        if type(capacity) is int and capacity >= self.max_local_rows:
+            return capacity
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
             raise ValueError(f"capacity must be an integer, got {capacity!r}")
         if capacity < self.max_local_rows:
@@ -358,6 +380,8 @@ class Plan(ABC):
 
     def padded_rows(self, align: int) -> int:
         """``max_local_rows`` rounded up to a multiple of ``align``."""
+        if type(align) is int and align >= 1:
+            return -(-self.max_local_rows // align) * align
         if isinstance(align, bool) or not isinstance(align, (int, np.integer)) or align < 1:
             raise ValueError(f"align must be an integer >= 1, got {align!r}")
         return -(-self.max_local_rows // int(align)) * int(align)
@@ -395,7 +419,9 @@ class Layout(ABC):
         return f"{type(self).__name__}(cp_size={self.cp_size})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.cp_size == self.cp_size  # type: ignore[attr-defined]
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return type(other) is type(self) and other.cp_size == self.cp_size
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self.cp_size))

@@ -44,17 +44,31 @@ class InterleavePlan(Plan):
         _frozen(rows, row_request, positions, q, kv, cu)
         return RankPlan(r, rows, positions, row_request, row_request, q, kv, cu)
 
+    # Global row g = i * C + r lives on rank r at local index i: viewed as an
+    # [ceil(T / C), C] grid, every global map is a broadcast, trimmed to T.
+
+    def _grid(self, col: np.ndarray, row: np.ndarray) -> np.ndarray:
+        out = np.add(row[:, None], col[None, :]).reshape(-1)[: self.num_tokens]
+        return out
+
     @cached_property
     def owner(self) -> np.ndarray:  # type: ignore[override]
-        out = arange(self.num_tokens) % self.cp_size
+        c = self.cp_size
+        out = self._grid(arange(c), np.zeros(-(-self.num_tokens // c), dtype=np.int64))
         _frozen(out)
         return out
 
     @cached_property
     def local_index(self) -> np.ndarray:  # type: ignore[override]
-        out = arange(self.num_tokens) // self.cp_size
+        c = self.cp_size
+        out = self._grid(np.zeros(c, dtype=np.int64), arange(-(-self.num_tokens // c)))
         _frozen(out)
         return out
+
+    def gather_index(self, capacity: int) -> np.ndarray:
+        cap = self._check_capacity(capacity)
+        c = self.cp_size
+        return self._grid(arange(c) * cap, arange(-(-self.num_tokens // c)))
 
     @cached_property
     def _last(self) -> tuple[np.ndarray, np.ndarray]:

@@ -19,8 +19,10 @@ shape for captured graphs; kernels skip empty segments.
 Example: C = 4, extend lengths [1534, 161, 353], no prefix -> local rows
 [513, 511, 512, 512].
 
-The whole plan is computed at block granularity on ``[R, 2C + 1]`` arrays of
-block boundaries; per-token arrays come from one ``np.repeat`` each.
+Block k of a request of length L has ``(L + 2C-1-k) // 2C`` rows (the same rule,
+without a branch). The plan is computed at block granularity (``R * 2C`` blocks,
+a few dozen numpy calls whatever the token count); per-token arrays are one
+``np.repeat`` of a per-block value plus ``arange`` each.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ class _BatchTables:
         "size_offset_rm",
         "rm_of_global",
         "global_of_rm",
-        "owner",
+        "owner_global",
         "seg_request",
-        "last_rm_end",
+        "last_owner",
+        "last_rm",
         "request_x2",
     )
 
@@ -71,15 +74,23 @@ class _BatchTables:
         self.rm_of_global = np.empty_like(self.global_of_rm)
         self.rm_of_global[self.global_of_rm] = np.arange(c * num * 2, dtype=np.int64)
         k = np.arange(c2, dtype=np.int64)
-        #: owner rank of block k (rank k or 2C-1-k)
-        self.owner = np.where(k < c, k, c2 - 1 - k)
+        owner = np.where(k < c, k, c2 - 1 - k)
+        #: owner rank of each block, global order
+        self.owner_global = np.tile(owner, num)
         #: request of each of a rank's 2R segments
         self.seg_request = np.repeat(np.arange(num, dtype=np.int64), 2)
-        #: one past the rank-major index of block k of request 0 (add 2j for request j)
-        self.last_rm_end = np.where(k < c, k * 2 * num, (c2 - 1 - k) * 2 * num + 1) + 1
+        # A request's last token is in block 2C-1 unless the request is shorter than
+        # 2C; then blocks 0..L-1 hold one token each and it is in block L-1. Indexed
+        # by m = min(L, 2C), i.e. block m - 1 (entry 0 unused):
+        k_last = np.concatenate([[0], k])
+        #: owner of the last token
+        self.last_owner = owner[k_last]
+        #: rank-major index of its block for request 0 (add 2j for request j)
+        self.last_rm = np.where(k_last < c, k_last * 2 * num, (c2 - 1 - k_last) * 2 * num + 1)
         self.request_x2 = 2 * np.arange(num, dtype=np.int64)
         _frozen(self.request_rm, self.size_offset_rm, self.global_of_rm, self.rm_of_global)
-        _frozen(self.owner, self.seg_request, self.last_rm_end, self.request_x2)
+        _frozen(self.owner_global, self.seg_request, self.last_owner, self.last_rm)
+        _frozen(self.request_x2)
 
 
 class _ZigzagTables:
@@ -107,11 +118,12 @@ class ZigzagPlan(Plan):
     """Plan of the zigzag layout (see the module docstring).
 
     Computed at block granularity on flat rank-major arrays (see
-    :class:`_BatchTables`): ``_q`` block sizes, ``_ends`` the running row count of
-    the concatenated local orders (``_ends[r * 2R]`` = rows of ranks before r), and
-    per block the constant *shift* global row - concatenated index (``_row_shift``;
-    ``_pos_shift`` likewise for positions). Every per-row array is one ``repeat`` of
-    a per-block value plus ``arange``.
+    :class:`_BatchTables`): ``_q`` block sizes = segment q_lens, ``_ends`` the
+    running row count along the concatenated local orders (``_ends[r * 2R]`` =
+    rows of ranks before r), ``_local_end`` each block's end in its owner's local
+    order, and the per-block constant *shifts* global row - local index
+    (``_row_shift``) and position - local index (``_pos_shift``). Every per-row array
+    is one ``repeat`` of a per-block value plus ``arange``.
     """
 
     layout_name = "zigzag"
@@ -129,27 +141,30 @@ class ZigzagPlan(Plan):
         nseg = 2 * num
         nblk = cp_size * nseg
         tab = (tables if tables is not None else _ZigzagTables(cp_size)).batch(num)
+        # block k of a request of length L has (L + 2C-1-k) // 2C rows
         q = extend_lens[tab.request_rm]
         q += tab.size_offset_rm
         q //= c2
         ends = np.zeros(nblk + 1, dtype=np.int64)
         np.add.accumulate(q, out=ends[1:])
         rank_start = ends[0:nblk:nseg]
-        local_rows = (ends[nseg::nseg] - rank_start).tolist()
+        local_end = ends[1:] - rank_start.repeat(nseg)
         sizes = q[tab.rm_of_global]  # global order
         gend = np.add.accumulate(sizes)[tab.global_of_rm]  # rank-major
-        row_shift = gend - ends[1:]
+        row_shift = gend - local_end
         delta = self.prefix_lens - self.cu_extend[:-1]  # position - global row
         delta = delta[tab.request_rm]
         pos_shift = row_shift + delta
         kv = gend
         kv += delta
-        _frozen(q, ends, kv)
+        q.setflags(write=False)  # exposed through RankPlan views
+        kv.setflags(write=False)
+        local_rows = local_end[nseg - 1 :: nseg].tolist()
         d = self.__dict__
         d["_tab"] = tab
         d["_q"] = q
         d["_ends"] = ends
-        d["_rank_start"] = rank_start
+        d["_local_end"] = local_end
         d["_sizes"] = sizes
         d["_row_shift"] = row_shift
         d["_pos_shift"] = pos_shift
@@ -164,35 +179,33 @@ class ZigzagPlan(Plan):
         lo = r * nseg
         hi = lo + nseg
         q = self._q[lo:hi]
-        ends = self._ends[lo : hi + 1]
-        first = int(ends[0])
-        ar = arange(first + self.local_rows[r])[first:]
+        ar = arange(self.local_rows[r])
         rows = self._row_shift[lo:hi].repeat(q)
         rows += ar
         positions = self._pos_shift[lo:hi].repeat(q)
         positions += ar
         seg_request = self._tab.seg_request
         row_request = seg_request.repeat(q)
-        cu = ends - first
+        ends = self._ends[lo : hi + 1]
+        cu = ends - ends[0]
         cu = cu.astype(np.int32)
-        _frozen(rows, positions, row_request, cu)
+        rows.setflags(write=False)
+        positions.setflags(write=False)
+        row_request.setflags(write=False)
+        cu.setflags(write=False)
         return RankPlan(r, rows, positions, row_request, seg_request, q, self._kv[lo:hi], cu)
 
     # ----------------------------------------------------------------- global maps
 
     def _gather_values(self, capacity: int) -> np.ndarray:
-        """int64 [R * 2C] in global block order: owner * capacity + local index - global row."""
-        # local index = concatenated index - rank_start[owner]
-        rank_val = arange(self.cp_size) * capacity
-        rank_val -= self._rank_start
-        val = rank_val.repeat(2 * self.num_requests)
-        val -= self._row_shift
-        return val[self._tab.rm_of_global]
+        """int64 [R * 2C], global block order: owner * capacity + local index - global row."""
+        val = self._tab.owner_global * capacity
+        val -= self._row_shift[self._tab.rm_of_global]
+        return val
 
     @cached_property
     def owner(self) -> np.ndarray:  # type: ignore[override]
-        owner = arange(self.cp_size).repeat(2 * self.num_requests)[self._tab.rm_of_global]
-        out = owner.repeat(self._sizes)
+        out = self._tab.owner_global.repeat(self._sizes)
         _frozen(out)
         return out
 
@@ -213,17 +226,14 @@ class ZigzagPlan(Plan):
         last = self.__dict__.get("_last_cache")
         if last is None:
             tab = self._tab
-            # the last token is in block 2C-1 unless the request is shorter than
-            # 2C: then blocks 0..L-1 hold one token each and the last is block L-1
-            k = self.extend_lens - 1
-            np.minimum(k, 2 * self.cp_size - 1, out=k)
-            owner = tab.owner[k]
-            f = tab.last_rm_end[k]
+            m = np.minimum(self.extend_lens, 2 * self.cp_size)
+            owner = tab.last_owner[m]
+            f = tab.last_rm[m]
             f += tab.request_x2
-            local = self._ends[f]
-            local -= self._rank_start[owner]
+            local = self._local_end[f]
             local -= 1
-            _frozen(owner, local)
+            owner.setflags(write=False)
+            local.setflags(write=False)
             last = self.__dict__["_last_cache"] = (owner, local)
         return last
 
