@@ -212,7 +212,9 @@ def launch(
                 p.terminate()
                 p.join(timeout=5)
     if errors:
-        errors.sort()
+        # the cause is a rank that died or raised on its own; a CollectiveError is a
+        # survivor noticing it (and may reach the queue first)
+        errors.sort(key=lambda e: (e[2].startswith("CollectiveError"), e[0]))
         first_rank, first = errors[0][1], errors[0][2]
         others = "; ".join(f"rank {r}: {msg.splitlines()[0]}" for _, r, msg in errors[1:])
         raise RankFailure(

@@ -1,0 +1,59 @@
+"""`graphcp prefill --cp N` writes the same OUT.pt as one rank; `graphcp run`
+runs the main job at CP = 2 and checks graph against eager."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from cp_utils import rel_err
+from graphcp.capture.buckets import BucketSet
+from graphcp.cli import main
+
+
+@pytest.fixture()
+def requests_file(tmp_path):
+    rng = np.random.default_rng(3)
+    lines = [
+        {"tokens": rng.integers(0, 8192, 130).tolist(), "prefix": 50},
+        {"tokens": rng.integers(0, 8192, 3).tolist()},
+        {"tokens": [42]},
+        {"tokens": rng.integers(0, 8192, 77).tolist(), "prefix": 1},
+    ]
+    p = tmp_path / "req.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return p
+
+
+@pytest.mark.parametrize("layout,graph", [("zigzag", "breakable"), ("interleave", "off")])
+def test_prefill_cp2_writes_the_same_out_as_one_rank(tmp_path, requests_file, layout, graph):
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    base = ["prefill", "--model", "default", "--input", str(requests_file), "--all-logits", "--kv-tokens", "4096"]
+    assert main(base + ["--output", str(one), "--graph", "off"]) == 0
+    assert main(base + ["--output", str(two), "--cp", "2", "--layout", layout, "--graph", graph]) == 0
+    a, b = torch.load(one), torch.load(two)
+    assert set(a) == set(b) == {"last_logits", "logits"}
+    assert a["last_logits"].dtype == torch.float32 and a["last_logits"].shape == (4, 8192)
+    assert rel_err(b["last_logits"], a["last_logits"]) <= 1e-5
+    assert [x.shape[0] for x in b["logits"]] == [80, 3, 1, 76]
+    for x, y in zip(b["logits"], a["logits"]):
+        assert rel_err(x, y) <= 1e-5
+
+
+def test_run_main_job_cp2(tmp_path, capsys):
+    buckets = tmp_path / "b.json"
+    BucketSet((512, 1536)).save(buckets)  # fewer buckets than the default, to keep CI short
+    out = tmp_path / "run.json"
+    assert main(["run", "--buckets", str(buckets), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["cp_size"] == 2 and res["graph_path"] == "graph"
+    assert res["buckets"] == [1536, 512]
+    assert res["rel_diff"] <= 1e-5
+    # one segment per layer boundary plus one break per layer
+    assert res["graph_breaks"] == 4 and res["graph_segments"] == 5
+    table = capsys.readouterr().out
+    for row in ("buckets captured", "capture time", "eager forward", "graph forward", "graph vs eager"):
+        assert row in table

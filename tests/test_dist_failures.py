@@ -1,0 +1,86 @@
+"""Rank death and SPMD violations end with errors that name the rank and the cause."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from graphcp.config import RuntimeConfig
+from graphcp.dist import RankFailure, launch
+from graphcp.engine import ConsistencyError, PrefillEngine, Request
+
+TIMEOUT_S = 20.0
+
+
+def _die_mid_forward(group):
+    eng = PrefillEngine("default", RuntimeConfig(kv_tokens=2048, collective_timeout_s=TIMEOUT_S), group)
+    if group.rank == 1:
+        layer = eng.model.layers[2]
+        original = layer.forward
+
+        def forward(*args, **kwargs):  # rank 1 is killed inside layer 2 of the forward
+            os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+
+        layer.forward = forward
+    eng.prefill([Request(np.arange(100))])
+    return "finished"
+
+
+def test_killed_rank_stops_the_others_with_the_documented_error():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as err:
+        launch(_die_mid_forward, 2, timeout_s=TIMEOUT_S)
+    elapsed = time.monotonic() - t0
+    msg = str(err.value)
+    assert "rank 1 failed first: rank 1 died (killed by signal 9)" in msg
+    # the survivor stopped on its own, with the collective and its rank named
+    assert "rank 0: CollectiveError: rank 0/2:" in msg and "over the CP group failed" in msg
+    assert elapsed < TIMEOUT_S + 10
+
+
+def _different_batches(group):
+    eng = PrefillEngine("default", RuntimeConfig(kv_tokens=2048), group)
+    toks = np.arange(50) + group.rank  # rank 1's tokens differ
+    before = eng.kv.snapshot()
+    try:
+        eng.prefill([Request(toks)])
+    except ConsistencyError as e:
+        return str(e), eng.kv.snapshot() == before
+    return None, None
+
+
+def test_ranks_given_different_batches_get_a_clear_error():
+    for rank, (msg, unchanged) in enumerate(launch(_different_batches, 2)):
+        assert msg is not None and f"rank {rank}: ranks [{1 - rank}] were given a different batch" in msg
+        assert unchanged  # the KV pool is untouched
+
+
+def _different_lengths(group):
+    eng = PrefillEngine("default", RuntimeConfig(kv_tokens=2048), group)
+    lens = [10, 5] if group.rank == 0 else [5, 10]  # same tokens overall, split differently
+    toks = np.arange(15)
+    reqs = [Request(toks[: lens[0]]), Request(toks[lens[0]:])]
+    try:
+        eng.prefill(reqs)
+    except ConsistencyError:
+        return True
+    return False
+
+
+def test_guard_catches_a_different_split_of_the_same_tokens():
+    assert all(launch(_different_lengths, 2))
+
+
+def _same_batch(group):
+    eng = PrefillEngine("default", RuntimeConfig(kv_tokens=2048), group)
+    return eng.prefill([Request(np.arange(30))]).last_logits
+
+
+def test_guard_passes_matching_batches():
+    a, b = launch(_same_batch, 2)
+    assert (a == b).all()
