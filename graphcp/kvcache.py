@@ -132,20 +132,25 @@ class PagedKVCache:
             else:
                 sid, seq = h.seq_id, self._seqs[h.seq_id]
             grow = self.pages_for(seq.num_tokens + n) - len(seq.pages)
-            for _ in range(grow):
-                seq.pages.append(self._free.pop())
+            if grow:
+                taken = self._free[-grow:]  # slices, not a pop per page: batches take thousands
+                del self._free[-grow:]
+                seq.pages.extend(reversed(taken))
             seq.num_tokens += n
             ids.append(sid)
         return ids
 
     def rollback(self, seq_ids: list[int], new_tokens: list[int]) -> None:
-        """Undo an :meth:`extend` (a forward that failed after reserving)."""
-        for sid, n in zip(seq_ids, new_tokens):
+        """Undo an :meth:`extend` (a forward that failed after reserving). Sequences are
+        undone last-first and pages pushed back in reverse pop order, so the free list
+        (its order included) is exactly what it was before the extend."""
+        for sid, n in reversed(list(zip(seq_ids, new_tokens))):
             seq = self._seqs[sid]
             seq.num_tokens -= n
             keep = self.pages_for(seq.num_tokens)
-            while len(seq.pages) > keep:
-                self._free.append(seq.pages.pop())
+            if len(seq.pages) > keep:
+                self._free.extend(reversed(seq.pages[keep:]))
+                del seq.pages[keep:]
             if seq.num_tokens == 0:
                 del self._seqs[sid]
 
@@ -178,7 +183,9 @@ class PagedKVCache:
     def slots(self, page_table: np.ndarray, row_seq: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cache slot of each token: ``page_table[row_seq, pos // ps] * ps + pos % ps``."""
         ps = self.page_size
-        return page_table[row_seq, positions // ps].astype(np.int64) * ps + positions % ps
+        page_idx, offset = np.divmod(positions, ps)
+        flat = page_table.ravel().astype(np.int64)
+        return flat[row_seq * page_table.shape[1] + page_idx] * ps + offset
 
 
 def write_kv(
