@@ -46,6 +46,13 @@ def wait_work(work) -> None:
         work.wait()
 
 
+def _async(x: torch.Tensor) -> bool:
+    # CPU (gloo, the trace recorder): issue async and wait with modes paused. CUDA
+    # (nccl, possibly under CUDA-graph capture): the plain synchronous call, the form
+    # NCCL graph capture is known to support
+    return x.device.type != "cuda"
+
+
 @dataclass
 class CPGroup:
     """The CP group (= the TP group of the MLP). Size 1 makes every collective a no-op."""
@@ -71,7 +78,7 @@ class CPGroup:
             return x
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         try:
-            wait_work(dist.all_gather_into_tensor(out, x.contiguous(), group=self.pg, async_op=True))
+            wait_work(dist.all_gather_into_tensor(out, x.contiguous(), group=self.pg, async_op=_async(x)))
         except Exception as e:  # noqa: BLE001 - re-raised with the rank and the op named
             raise self._fail("all_gather", e) from e
         return out
@@ -83,7 +90,7 @@ class CPGroup:
         out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
         try:
             wait_work(dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=self.pg,
-                                                 async_op=True))
+                                                 async_op=_async(x)))
         except Exception as e:  # noqa: BLE001
             raise self._fail("reduce_scatter", e) from e
         return out
@@ -93,7 +100,7 @@ class CPGroup:
             return x
         rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         try:
-            wait_work(dist.all_reduce(x, op=rop, group=self.pg, async_op=True))
+            wait_work(dist.all_reduce(x, op=rop, group=self.pg, async_op=_async(x)))
         except Exception as e:  # noqa: BLE001
             raise self._fail("all_reduce", e) from e
         return x

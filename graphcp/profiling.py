@@ -1,48 +1,143 @@
-"""NVTX ranges (the ``nvtx`` package: works without a GPU, ~0.2 us a range) that
-also feed ``torch.profiler`` when one is recording, so an ``nsys`` timeline and a
+"""NVTX ranges that also feed ``torch.profiler``, so an ``nsys`` timeline and a
 CPU Chrome trace carry the same names.
 
-Everything graphcp marks lives in the NVTX domain ``graphcp``; the category says
-which kind of range it is (see profiles/README.md for the naming scheme).
+One helper, :func:`nvtx_range`, marks everything: NVTX domain ``graphcp``, one
+NVTX category per kind of range, and while a torch profiler records, a
+``graphcp:<name>`` event (``nsys`` shows the domain the same way, so both
+tools read ``graphcp:replay[256]``). :data:`RANGES` is the naming scheme;
+profiles/README.md explains how to read it.
+
+Cost with no profiler attached (the serving case): one dict lookup and two
+flag tests, ~0.1 us a range (``benchmarks/bench_profiling.py``). The ``nvtx``
+package hands out a no-op domain when no tool is attached, and we check that
+once at import instead of calling into it on every range.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import nvtx
-import torch
+import torch.autograd.profiler as _torch_prof
 
 DOMAIN = "graphcp"
-CATEGORIES = ("host", "graph", "segment", "break", "comm", "eager", "capture", "output")
+PREFIX = f"{DOMAIN}:"  # torch.profiler event names, and how nsys shows a domain's ranges
 
+
+@dataclass(frozen=True)
+class RangeKind:
+    category: str
+    meaning: str
+
+
+#: the naming scheme: family -> kind. A name is the family, or ``family[<index>]``.
+RANGES: dict[str, RangeKind] = {
+    "prefill": RangeKind("forward", "one PrefillEngine.prefill call, validation to logits: the forward"),
+    "plan": RangeKind("host", "validate the batch, SPMD fingerprint check, layout plan"),
+    "prepare": RangeKind("host", "this rank's rows, token ids, KV slots and attention metadata"),
+    "select": RangeKind("host", "bucket selection (graph modes)"),
+    "fill": RangeKind("host", "copy the live batch into the static buffers, check them against capture"),
+    "replay": RangeKind("graph", "replay[<capacity>]: one replay of a bucket's body (segments and breaks)"),
+    "segment": RangeKind("segment", "segment[<i>]: captured graph segment i, the work that leads into attention[i]"),
+    "attention": RangeKind("break", "attention[<layer>]: attention of one layer (the eager break in a replay)"),
+    "kv_exchange": RangeKind("comm", "kv_exchange[<layer>]: K/V all-gather + cache write (eager and capture only)"),
+    "eager_body": RangeKind("eager", "the body run eagerly (graph off, or a graph-mode fallback)"),
+    "layer": RangeKind("eager", "layer[<i>]: one decoder layer run eagerly"),
+    "capture": RangeKind("capture", "capture[<capacity>]: warm-up and capture of one bucket"),
+    "lm_head": RangeKind("output", "gather the last-token rows across ranks, LM head"),
+    "measure": RangeKind("profile", "the measured window of `graphcp profile` (not in the library)"),
+}
+CATEGORIES = tuple(dict.fromkeys(k.category for k in RANGES.values()))
+
+
+def family(name: str) -> str:
+    """``"attention[3]"`` -> ``"attention"``."""
+    return name.split("[", 1)[0]
+
+
+def index(name: str) -> int | None:
+    """``"attention[3]"`` -> 3; ``None`` for a name without an index."""
+    _, sep, rest = name.partition("[")
+    return int(rest.rstrip("]")) if sep and rest.rstrip("]").isdigit() else None
+
+
+# ---- NVTX: resolved once. nvtx returns a dummy domain when no tool is attached --------
 _domain = nvtx.get_domain(DOMAIN)
-_attr_cache: dict[tuple[str, str], object] = {}
+_handle = getattr(_domain, "handle", None)  # None: no tool attached, skip NVTX entirely
+try:
+    from nvtx._lib.lib import pop_range as _pop, push_range as _push  # module-level: no kwargs parsing
+except ImportError:  # pragma: no cover - older nvtx
+    _push = lambda attrs, handle: _domain.push_range(attrs)  # noqa: E731
+    _pop = lambda handle: _domain.pop_range()  # noqa: E731
+
+# torch.profiler event: _RecordFunctionFast skips the dispatcher, so a graph being
+# captured by the trace backend (a TorchDispatchMode) never records it as an op
+try:
+    from torch._C._profiler import _RecordFunctionFast as _record
+except ImportError:  # pragma: no cover - older torch
+    from torch.profiler import record_function as _record
 
 
-class nvtx_range:
-    """``with nvtx_range("replay", category="graph"):`` - one NVTX push/pop, plus a
-    ``torch.profiler`` record_function while a profiler is recording."""
+class _Range:
+    """One cached range object per name: entering it costs two flag tests when no
+    profiler is attached. ``_open`` is a stack, so a name may nest in itself."""
 
-    __slots__ = ("_attrs", "_name", "_rf")
+    __slots__ = ("name", "category", "_attrs", "_label", "_open")
 
-    def __init__(self, name: str, category: str = "host") -> None:
-        key = (name, category)
-        attrs = _attr_cache.get(key)
-        if attrs is None:
-            attrs = _domain.get_event_attributes(message=name, category=category)
-            _attr_cache[key] = attrs
-        self._attrs = attrs
-        self._name = name
-        self._rf = None
+    def __init__(self, name: str, category: str) -> None:
+        self.name, self.category = name, category
+        self._label = PREFIX + name
+        self._attrs = _domain.get_event_attributes(message=name, category=category) if _handle is not None else None
+        self._open: list = []
 
-    def __enter__(self) -> "nvtx_range":
-        _domain.push_range(self._attrs)
-        if torch.autograd._profiler_enabled():
-            self._rf = torch.profiler.record_function(f"{DOMAIN}:{self._name}")
-            self._rf.__enter__()
+    def __enter__(self) -> "_Range":
+        if _handle is not None:
+            _push(self._attrs, _handle)
+        # a plain module flag that torch.profiler sets on start: cheaper than asking C++
+        if _torch_prof._is_profiler_enabled:
+            rf = _record(self._label)
+            rf.__enter__()
+            self._open.append(rf)
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self._rf is not None:
-            self._rf.__exit__(*exc)
-            self._rf = None
-        _domain.pop_range()
+    def __exit__(self, *exc) -> bool:
+        if self._open:
+            self._open.pop().__exit__(*exc)
+        if _handle is not None:
+            _pop(_handle)
+        return False
+
+    def __repr__(self) -> str:
+        return f"nvtx_range({self.name!r}, category={self.category!r})"
+
+
+_ranges: dict[str, _Range] = {}
+
+
+def _new_range(name: str, category: str | None) -> _Range:
+    kind = RANGES.get(family(name))
+    if category is None:
+        category = kind.category if kind is not None else "host"
+    elif kind is not None and kind.category != category:
+        raise ValueError(f"range {name!r} is category {kind.category!r} in graphcp.profiling.RANGES, not {category!r}")
+    r = _ranges[name] = _Range(name, category)
+    return r
+
+
+def nvtx_range(name: str, category: str | None = None) -> _Range:
+    """``with nvtx_range("replay[256]", category="graph"):`` - one NVTX push/pop in
+    domain ``graphcp`` (when a tool is attached) and a ``graphcp:<name>`` torch
+    profiler event (while one records). ``category`` defaults to the one
+    :data:`RANGES` gives the name's family; a name keeps one category."""
+    r = _ranges.get(name)
+    if r is None or (category is not None and category != r.category):
+        return _new_range(name, category)
+    return r
+
+
+def _use_domain(domain) -> None:
+    """Benchmarks and tests only: route ranges to ``domain`` (an ``nvtx`` Domain, or
+    the dummy one to turn NVTX off) and forget the cached ranges."""
+    global _domain, _handle
+    _domain, _handle = domain, getattr(domain, "handle", None)
+    _ranges.clear()

@@ -176,7 +176,8 @@ class GraphRunner:
         ``last_fallback``) when it must run eagerly."""
         from graphcp.engine import ForwardInfo  # engine imports the runner lazily; no cycle at import time
 
-        sel = self.select(prep.plan.max_local_rows)
+        with nvtx_range("select", category="host"):
+            sel = self.select(prep.plan.max_local_rows)
         if not sel.graph:
             self.last_fallback = sel.reason
             self.stats.eager += 1

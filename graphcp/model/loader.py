@@ -132,6 +132,13 @@ def load_model(
                     sl = sf.get_slice(name)
                     shape = tuple(sl.get_shape())
                     st_dtype = sl.get_dtype()
+                    full = _expected_shape(cfg, name)
+                    if shape != full:
+                        # checked on the whole checkpoint tensor: a wrong size along a fused or
+                        # sharded dim would otherwise fit its slice (or run past it)
+                        raise CheckpointError(
+                            f"{f.name}: tensor {name!r} has shape {list(shape)}, expected {list(full)}"
+                        )
                     t = _read(sl, shape, tgt)
                     if not t.is_floating_point():
                         raise CheckpointError(f"{f.name}: tensor {name!r} has dtype {st_dtype}, expected a float type")
@@ -170,13 +177,12 @@ def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     h, i, qs, kvs = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     table = {
         "embed_tokens.weight": (cfg.vocab_size, h), "lm_head.weight": (cfg.vocab_size, h),
-        "norm.weight": (h,), "layernorm.weight": (h,), "q_proj.weight": (qs, h), "k_proj.weight": (kvs, h),
+        "norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "q_proj.weight": (qs, h), "k_proj.weight": (kvs, h),
         "v_proj.weight": (kvs, h), "q_proj.bias": (qs,), "k_proj.bias": (kvs,), "v_proj.bias": (kvs,),
         "o_proj.weight": (h, qs), "o_proj.bias": (h,), "q_norm.weight": (cfg.head_dim,),
         "k_norm.weight": (cfg.head_dim,), "gate_proj.weight": (i, h), "up_proj.weight": (i, h),
         "down_proj.weight": (h, i), "gate_proj.bias": (i,), "up_proj.bias": (i,), "down_proj.bias": (h,),
     }
-    for suffix, shape in table.items():
-        if name.endswith(suffix):
-            return shape
-    return ()
+    # match the last two name components exactly: "q_norm.weight" must not match "norm.weight"
+    return table.get(".".join(name.split(".")[-2:]), ())
