@@ -1,0 +1,205 @@
+"""``graphcp profile``: warm up, then profile a measured workload, per rank.
+
+CPU (``--tool torch``, the default there): every rank runs under
+``torch.profiler`` and writes ``trace_rank<r>.json`` (open it in Perfetto) and
+``summary_rank<r>.json``; rank 0's launcher merges them into ``summary.md`` and
+``summary.json``. CUDA (``--tool nsys``, the default there): re-run under
+``nsys profile`` and summarise the NVTX ranges of the report the same way; with
+no ``nsys`` on PATH, print the commands to run. See profiles/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+#: the default workload: six small CP batches (mixed sizes, two with cached
+#: prefixes) that land in the 128- and 256-row buckets at CP = 2: a few
+#: seconds on a laptop CPU with the default model, two cheap captures.
+DEFAULT_BATCHES: list[tuple[list[int], list[int]]] = [
+    ([384], [0]),
+    ([160, 96, 48, 7, 1], [0, 0, 0, 0, 0]),
+    ([256], [256]),
+    ([120, 120, 60], [0, 200, 0]),
+    ([128, 64, 33, 15], [0, 0, 0, 0]),
+    ([448], [0]),
+]
+TOOLS = ("auto", "torch", "nsys", "nvtx")
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    from graphcp.cli import _add_runtime_args
+
+    p = subparsers.add_parser("profile", help="profile a workload: per-rank traces and a range summary",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_runtime_args(p, "breakable")
+    p.set_defaults(cp=2)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--workload", default=None, help='JSONL: {"extend": [...], "prefix": [...]} a batch a line')
+    src.add_argument("--synthetic", default=None, help="NAME[:k=v,...], see python -m graphcp.tune.workload")
+    p.add_argument("--seed", type=int, default=0, help="token ids and synthetic workloads")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured passes over the workload (captures happen here)")
+    p.add_argument("--iters", type=int, default=2, help="measured passes over the workload")
+    p.add_argument("--max-batches", type=int, default=None, help="use the first N batches of the workload")
+    p.add_argument("--out", required=True, help="output folder: summary.md/json, summary_rank<r>.json, traces")
+    p.add_argument("--trace-dir", default=None, help="where the Chrome traces go (default: --out)")
+    p.add_argument("--tool", default="auto", choices=TOOLS,
+                   help="auto: torch on CPU, nsys on CUDA; nvtx: ranges only (run under your own nsys)")
+    p.add_argument("--from-nsys", default=None, nargs="+", metavar="REPORT",
+                   help="summarise existing .nsys-rep reports (or their nvtx_pushpop_trace CSVs) into --out")
+    p.add_argument("--label", default=None, help="title of summary.md (default: <device>-cp<N>-<graph>)")
+    p.set_defaults(func=cmd_profile)
+    return p
+
+
+# ---- pieces a test can check ------------------------------------------------------------
+def load_batches(args) -> tuple[list[tuple[list[int], list[int]]], str]:
+    """(batches, description) from --workload / --synthetic, or the default workload."""
+    from graphcp.tune.workload import load_workload
+
+    if args.workload is None and args.synthetic is None:
+        batches, desc = list(DEFAULT_BATCHES), "default (graphcp.profile_cli.DEFAULT_BATCHES)"
+    else:
+        w = load_workload(args.workload, args.synthetic, args.seed)
+        batches = [w.batch(b) for b in range(w.n_batches)]
+        desc = args.workload or f"synthetic {args.synthetic} (seed {args.seed})"
+    if args.max_batches is not None:
+        if args.max_batches < 1:
+            raise ValueError(f"--max-batches must be >= 1, got {args.max_batches}")
+        batches = batches[: args.max_batches]
+    return batches, desc
+
+
+def resolve_tool(args) -> str:
+    if args.tool != "auto":
+        return args.tool
+    return "nsys" if args.device.startswith("cuda") else "torch"
+
+
+def label(args) -> str:
+    graph = args.graph or "breakable"
+    return args.label or f"{args.device}-cp{args.cp}-{'eager' if graph == 'off' else graph}"
+
+
+def inner_args(args) -> list[str]:
+    """The same run as explicit arguments, with ``--tool nvtx``: what nsys re-runs."""
+    out = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--cp", str(args.cp),
+           "--layout", args.layout, "--graph", args.graph or "breakable", "--graph-backend", args.graph_backend,
+           "--attention", args.attention, "--page-size", str(args.page_size), "--max-requests", str(args.max_requests),
+           "--timeout", str(args.timeout), "--seed", str(args.seed), "--warmup", str(args.warmup),
+           "--iters", str(args.iters), "--out", str(args.out), "--tool", "nvtx", "--label", label(args)]
+    for flag, value in (("--buckets", args.buckets), ("--kv-tokens", args.kv_tokens), ("--workload", args.workload),
+                        ("--synthetic", args.synthetic), ("--max-batches", args.max_batches)):
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def run_config(args, desc: str, batches) -> dict:
+    return {
+        "label": label(args), "model": args.model, "device": args.device, "cp": args.cp,
+        "graph": args.graph or "breakable", "layout": args.layout, "attention": args.attention,
+        "dtype": args.dtype, "workload": desc, "batches": len(batches),
+        "tokens_per_pass": int(sum(sum(e) for e, _ in batches)), "warmup": args.warmup, "iters": args.iters,
+        "torch": torch.__version__.split("+")[0], "host": f"{platform.machine()}, {_cpu_count()} CPUs",
+    }
+
+
+def _cpu_count() -> int:
+    import os
+
+    return os.cpu_count() or 1
+
+
+# ---- the command -------------------------------------------------------------------------
+def cmd_profile(args) -> int:
+    from graphcp import profile_nsys as nsys
+    from graphcp.profile_summary import RankProfile, merge, write_summary
+
+    if args.warmup < 0 or args.iters < 1:
+        raise ValueError(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches, desc = load_batches(args)
+    config = run_config(args, desc, batches)
+
+    if args.from_nsys is not None:
+        return _summarise_nsys([Path(r) for r in args.from_nsys], out, config)
+    tool = resolve_tool(args)
+    if tool == "nsys":
+        exe = nsys.which_nsys()
+        prof = nsys.profile_cmd(out, inner_args(args), nsys=exe or "nsys")
+        if exe is None:
+            print("nsys is not on PATH; run these to profile with Nsight Systems:")
+            print("  " + nsys.shell(prof))
+            print("  " + nsys.shell(["graphcp", "profile", "--from-nsys", nsys.report_base(out) + ".nsys-rep",
+                                     "--out", str(out)]))
+            print("(or profile with torch.profiler instead: --tool torch)")
+            return 2
+        rc = subprocess.run(prof).returncode
+        if rc != 0:
+            print(f"graphcp profile: nsys profile exited with status {rc}: {nsys.shell(prof)}", file=sys.stderr)
+            return rc
+        return _summarise_nsys([Path(nsys.report_base(out) + ".nsys-rep")], out, config)
+
+    from graphcp.cli import _spec
+    from graphcp.jobs import run_ranks
+    from graphcp.profile_job import ProfileJob, profile_rank
+
+    trace_dir = Path(args.trace_dir or out)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    job = ProfileJob(batches, str(out), str(trace_dir), args.warmup, args.iters, tool, args.seed)
+    res = run_ranks(profile_rank, _spec(args), job)
+    if tool == "nvtx":  # an outer nsys holds the data; it summarises
+        print(f"ran {args.iters} measured passes with NVTX ranges only (tool nvtx)")
+        return 0
+    if res is None:  # a non-zero torchrun rank
+        return 0
+    summary = merge([RankProfile.from_json(d) for d in res], config)
+    _report(write_summary(out, summary), summary, trace_dir)
+    return 0
+
+
+def _summarise_nsys(reports: list[Path], out: Path, config: dict) -> int:
+    from graphcp import profile_nsys as nsys
+    from graphcp.profile_summary import merge, rank_profile, write_rank, write_summary
+
+    csvs = []
+    for report in reports:
+        if report.suffix == ".csv":
+            csvs.append(report)
+            continue
+        if not report.is_file():
+            raise FileNotFoundError(f"nsys report {report} not found")
+        prefix = out / report.name.removesuffix(".nsys-rep")
+        exe = nsys.which_nsys()
+        if exe is None:
+            raise ValueError(f"nsys is not on PATH; export the CSV elsewhere with: "
+                             f"{nsys.shell(nsys.stats_cmd(report, prefix))}, then pass it to --from-nsys")
+        csvs.append(nsys.csv_path(prefix))
+        csvs[-1].unlink(missing_ok=True)  # nsys stats skips an export whose file exists
+        if subprocess.run(nsys.stats_cmd(report, prefix, exe)).returncode != 0:
+            raise ValueError(f"nsys stats failed on {report}: {nsys.shell(nsys.stats_cmd(report, prefix, exe))}")
+    per_rank = nsys.events_from_pushpop_csv(csvs, nsys.read_rank_pids(out))
+    ranks = [rank_profile(r, evs, meta={"source": ", ".join(map(str, reports))}) for r, evs in per_rank.items()]
+    for rp in ranks:
+        write_rank(out, rp)
+    summary = merge(ranks, {**config, "tool": "nsys"})
+    _report(write_summary(out, summary), summary, None)
+    return 0
+
+
+def _report(paths, summary: dict, trace_dir: Path | None) -> None:
+    fwd = summary["forward"]
+    print(f"profiled {fwd['count']} forwards on {len(summary['ranks'])} rank(s): "
+          f"{fwd['total_ms']:.1f} ms in `prefill` per rank")
+    for p in paths:
+        print(f"  {p}")
+    if trace_dir is not None:
+        print(f"  Chrome traces: {trace_dir}/trace_rank<r>.json (open in https://ui.perfetto.dev)")
+    sys.stdout.flush()
