@@ -6,6 +6,7 @@ runs eagerly: in graph mode it is a break. Scores are computed in float32.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +30,33 @@ def bottom_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> t
     return cols <= rows + (kv_len - q_len)
 
 
+def coalesced_segments(meta: AttentionMetadata) -> list[tuple[int, int, int, np.ndarray]]:
+    """The non-empty segments as ``(q0, q1, kv_len, pages)``, with back-to-back segments
+    of one request merged: segment s+1 continues segment s when its first row sits at
+    position ``kv_len[s]`` (``kv_len[s+1] - q_len[s+1] == kv_len[s]``) of the same
+    request (its pages start with s's pages; requests never share pages). Bottom-right
+    causal attention of the merged rows is exactly that of the two parts, so this
+    changes no result. It matters at CP = 1, where zigzag splits every request into an
+    early and a late block on the one rank: one causal segment of the whole request
+    instead of a causal half plus a masked one (~25% less attention work, no mask)."""
+    cu, kv_lens, table = meta.cu_seqlens_q_host, meta.kv_lens_host, meta.page_table_host
+    runs: list[list] = []
+    for s in range(meta.num_segments):
+        q0, q1, kv_len = int(cu[s]), int(cu[s + 1]), int(kv_lens[s])
+        if q1 == q0:
+            continue
+        n_pages = -(-kv_len // meta.page_size)
+        if runs:
+            r = runs[-1]
+            prev_pages = -(-r[2] // meta.page_size)
+            if (r[1] == q0 and kv_len - (q1 - q0) == r[2] and n_pages >= prev_pages
+                    and np.array_equal(table[s, :prev_pages], r[3][:prev_pages])):
+                r[1], r[2], r[3] = q1, kv_len, table[s, :n_pages]
+                continue
+        runs.append([q0, q1, kv_len, table[s, :n_pages]])
+    return [tuple(r) for r in runs]
+
+
 class TorchAttention(AttentionBackend):
     name = "torch"
     supports_full_graph = False
@@ -40,14 +68,7 @@ class TorchAttention(AttentionBackend):
         spec = self.spec
         group = spec.num_q_heads // spec.num_kv_heads
         k_pages, v_pages = kv_cache_views(kv_cache, spec.kv_layout)
-        cu = meta.cu_seqlens_q_host
-        pages_per_seg = -(-meta.kv_lens_host // meta.page_size)
-        for s in range(meta.num_segments):
-            q0, q1 = int(cu[s]), int(cu[s + 1])
-            kv_len = int(meta.kv_lens_host[s])
-            if q1 == q0:
-                continue
-            pages = meta.page_table_host[s, : int(pages_per_seg[s])]
+        for q0, q1, kv_len, pages in coalesced_segments(meta):
             k, v = gather_segment_kv(k_pages, v_pages, pages, kv_len)
             qs = q[q0:q1].transpose(0, 1)  # [Hq, q, D]
             ks = k.transpose(0, 1).repeat_interleave(group, dim=0)

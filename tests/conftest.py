@@ -1,0 +1,137 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints of every supported family.
+
+``hf_model_dir(family, tied, dtype)`` builds (once per session and argument set) a
+2-layer model with transformers' own config class, randomises every weight so that
+biases, norms and q/k norms all matter, and saves it with ``save_pretrained``
+(safetensors). transformers is imported lazily, inside the factory, so test files
+that never build a model do not pay for (or get side effects from) the import.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...`
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+#: shared tiny shape: 4 heads / 2 KV heads (GQA), intermediate divisible by 2 and 4
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def hf_config(family: str, tied: bool, **overrides):
+    """transformers config for one tiny model of ``family``."""
+    import transformers
+
+    kw = dict(TINY, tie_word_embeddings=tied)
+    if family == "llama":
+        # llama3 RoPE scaling, and Llama's attention_bias (q/k/v *and* o_proj) plus mlp_bias
+        kw.update(rope_scaling=dict(LLAMA3_ROPE), rope_theta=10000.0, attention_bias=True, mlp_bias=True)
+        cls = transformers.LlamaConfig
+    elif family == "mistral":
+        kw.update(sliding_window=None, rope_theta=10000.0)
+        cls = transformers.MistralConfig
+    elif family == "qwen2":
+        kw.update(rope_theta=10000.0)  # q/k/v bias always on
+        cls = transformers.Qwen2Config
+    elif family == "qwen3":
+        kw.update(head_dim=32, rope_theta=1000000.0)  # explicit head_dim != hidden / heads, q/k norm
+        cls = transformers.Qwen3Config
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def randomise_(model: torch.nn.Module, seed: int) -> None:
+    """Non-trivial weights: matrices ~ N(0, 1/fan_in) (attention scores of order 1,
+    so attention is far from uniform), norms 1 + N(0, 0.2^2), biases N(0, 0.2^2).
+    HF's init leaves biases at zero and norms at one, which would test neither."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if p.ndim == 2:
+                p.copy_(noise * p.shape[1] ** -0.5)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            else:  # biases
+                p.copy_(0.2 * noise)
+
+
+def build_hf_model(family: str, tied: bool, dtype: str = "float32", seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family, tied, **overrides), dtype=torch.float32)
+    randomise_(model, seed)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory):
+    """Factory ``hf_model_dir(family, tied=False, dtype="float32", *, shard_size=None, **config_overrides)``
+    -> folder with config.json + safetensors weights (sharded with an index when
+    ``shard_size`` is given, e.g. "50KB"). Built once per argument set."""
+    cache: dict = {}
+
+    def make(family: str, tied: bool = False, dtype: str = "float32", *, shard_size: str | None = None,
+             **overrides) -> Path:
+        key = (family, tied, dtype, shard_size, tuple(sorted(overrides.items())))
+        if key not in cache:
+            name = f"{family}-{'tied' if tied else 'untied'}-{dtype}" + (f"-shard{shard_size}" if shard_size else "")
+            if overrides:
+                name += "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+            folder = tmp_path_factory.mktemp(name)
+            model = build_hf_model(family, tied, dtype, **overrides)
+            kw = {"max_shard_size": shard_size} if shard_size else {}
+            model.save_pretrained(folder, **kw)
+            cache[key] = folder
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """Factory ``hf_model(folder, dtype)``: the transformers model of a checkpoint folder
+    (eval mode, eager attention is not forced; sdpa is transformers' CPU default)."""
+    cache: dict = {}
+
+    def load(folder: Path, dtype: str = "float32"):
+        key = (str(folder), dtype)
+        if key not in cache:
+            from transformers import AutoModelForCausalLM
+
+            cache[key] = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+        return cache[key]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The built-in default preset, cached once in the user's graphcp cache."""
+    from graphcp.model.presets import ensure_preset
+
+    return ensure_preset("default")

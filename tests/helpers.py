@@ -1,0 +1,26 @@
+"""Small helpers shared by the tests (import as ``from helpers import ...``)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (Frobenius norms, in float64); ``b`` is the reference."""
+    a = torch.as_tensor(a).detach().to(torch.float64)
+    b = torch.as_tensor(b).detach().to(torch.float64)
+    if a.shape != b.shape:
+        raise AssertionError(f"shape mismatch: {tuple(a.shape)} vs reference {tuple(b.shape)}")
+    ref = b.norm()
+    if ref == 0:
+        return float((a - b).norm())
+    return float((a - b).norm() / ref)
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    """A private copy of a checkpoint folder (for tests that corrupt it)."""
+    shutil.copytree(src, dst)
+    return dst
