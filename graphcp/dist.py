@@ -46,6 +46,10 @@ def wait_work(work) -> None:
         work.wait()
 
 
+# torch 2.13 renamed reduce_scatter_tensor (now deprecated); older releases only have the old name
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _async(x: torch.Tensor) -> bool:
     # CPU (gloo, the trace recorder): issue async and wait with modes paused. CUDA
     # (nccl, possibly under CUDA-graph capture): the plain synchronous call, the form
@@ -89,8 +93,8 @@ class CPGroup:
             return x
         out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
         try:
-            wait_work(dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=self.pg,
-                                                 async_op=_async(x)))
+            wait_work(_reduce_scatter(out, x.contiguous(), op=dist.ReduceOp.SUM, group=self.pg,
+                                      async_op=_async(x)))
         except Exception as e:  # noqa: BLE001
             raise self._fail("reduce_scatter", e) from e
         return out

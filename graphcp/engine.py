@@ -264,7 +264,8 @@ class PrefillEngine:
             flat = np.concatenate(tokens) if len(tokens) > 1 else tokens[0]
             pt = self.kv.page_table(seq_ids)
             seg_pt = pt[rp.seg_request]
-            meta = AttentionMetadata.from_host(rp.cu_seqlens_q, rp.seg_kv_len, seg_pt, self.kv.page_size, self.device)
+            meta = AttentionMetadata.from_host(rp.cu_seqlens_q, rp.seg_kv_len, seg_pt, self.kv.page_size, self.device,
+                                              validate=False)
             slots = self.kv.slots(pt, plan.token_request, plan.token_position)
             return _Prepared(plan, seq_ids, flat[rp.rows], rp.positions, meta, slots, seg_pt)
 

@@ -172,7 +172,7 @@ class PagedKVCache:
     def page_table(self, seq_ids: list[int], width: int | None = None) -> np.ndarray:
         """[len(seq_ids), width] int32 page ids, padded with the scratch page."""
         rows = [self._seqs[s].pages for s in seq_ids]
-        w = max([len(r) for r in rows] + [1]) if width is None else width
+        w = max(max(map(len, rows), default=1), 1) if width is None else width
         table = np.full((len(rows), w), SCRATCH_PAGE, dtype=np.int32)
         for i, r in enumerate(rows):
             if len(r) > w:
@@ -183,8 +183,16 @@ class PagedKVCache:
     def slots(self, page_table: np.ndarray, row_seq: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cache slot of each token: ``page_table[row_seq, pos // ps] * ps + pos % ps``."""
         ps = self.page_size
-        page_idx, offset = np.divmod(positions, ps)
         flat = page_table.ravel().astype(np.int64)
+        if ps & (ps - 1) == 0:  # power of two: shifts instead of a division
+            shift = ps.bit_length() - 1
+            idx = row_seq * page_table.shape[1]
+            idx += positions >> shift
+            out = flat[idx]
+            out <<= shift
+            out += positions & (ps - 1)
+            return out
+        page_idx, offset = np.divmod(positions, ps)
         return flat[row_seq * page_table.shape[1] + page_idx] * ps + offset
 
 

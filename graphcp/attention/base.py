@@ -68,29 +68,24 @@ class AttentionMetadata:
         page_table: np.ndarray,
         page_size: int,
         device: torch.device | str = "cpu",
+        validate: bool = True,
     ) -> "AttentionMetadata":
+        """``validate=False`` skips the consistency checks, for metadata a layout
+        built (the engine's per-forward path; the layouts are property-tested)."""
         # own, writable copies: torch.from_numpy shares memory with them
         cu = np.array(cu_seqlens_q, dtype=np.int32)
         kv = np.array(kv_lens, dtype=np.int32)
         pt = np.array(page_table, dtype=np.int32)
-        if cu.ndim != 1 or kv.ndim != 1 or cu.shape[0] != kv.shape[0] + 1:
-            raise ValueError(
-                f"cu_seqlens_q must have one more entry than kv_lens; got {cu.shape} and {kv.shape}"
-            )
-        if pt.ndim != 2 or pt.shape[0] != kv.shape[0]:
-            raise ValueError(f"page_table must be [num_segments={kv.shape[0]}, pages]; got {pt.shape}")
         q_lens = np.diff(cu)
-        if (q_lens < 0).any() or (q_lens > kv).any():
-            raise ValueError("every segment needs 0 <= q_len <= kv_len")
-        if kv.size and int(kv.max()) > pt.shape[1] * page_size:
-            raise ValueError(
-                f"kv_len {int(kv.max())} exceeds the page table's {pt.shape[1]} pages of {page_size}"
-            )
+        if validate:
+            cls._validate(cu, kv, pt, q_lens, page_size)
         dev = torch.device(device)
+        on_cpu = dev.type == "cpu"
+        cu_t, kv_t, pt_t = torch.from_numpy(cu), torch.from_numpy(kv), torch.from_numpy(pt)
         return cls(
-            cu_seqlens_q=torch.from_numpy(cu).to(dev),
-            kv_lens=torch.from_numpy(kv).to(dev),
-            page_table=torch.from_numpy(pt).to(dev),
+            cu_seqlens_q=cu_t if on_cpu else cu_t.to(dev),
+            kv_lens=kv_t if on_cpu else kv_t.to(dev),
+            page_table=pt_t if on_cpu else pt_t.to(dev),
             cu_seqlens_q_host=cu,
             kv_lens_host=kv,
             page_table_host=pt,
@@ -98,6 +93,21 @@ class AttentionMetadata:
             max_q_len=int(q_lens.max()) if q_lens.size else 0,
             max_kv_len=int(kv.max()) if kv.size else 0,
         )
+
+    @staticmethod
+    def _validate(cu: np.ndarray, kv: np.ndarray, pt: np.ndarray, q_lens: np.ndarray, page_size: int) -> None:
+        if cu.ndim != 1 or kv.ndim != 1 or cu.shape[0] != kv.shape[0] + 1:
+            raise ValueError(
+                f"cu_seqlens_q must have one more entry than kv_lens; got {cu.shape} and {kv.shape}"
+            )
+        if pt.ndim != 2 or pt.shape[0] != kv.shape[0]:
+            raise ValueError(f"page_table must be [num_segments={kv.shape[0]}, pages]; got {pt.shape}")
+        if (q_lens < 0).any() or (q_lens > kv).any():
+            raise ValueError("every segment needs 0 <= q_len <= kv_len")
+        if kv.size and int(kv.max()) > pt.shape[1] * page_size:
+            raise ValueError(
+                f"kv_len {int(kv.max())} exceeds the page table's {pt.shape[1]} pages of {page_size}"
+            )
 
 
 @dataclass(frozen=True)

@@ -62,13 +62,24 @@ class StaticBuffers:
         self.cu_seqlens_q = torch.zeros(max_segments + 1, dtype=torch.int32, device=dev)
         self.kv_lens = torch.zeros(max_segments, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_segments, max_pages_per_seq, dtype=torch.int32, device=dev)
-        # host staging (pinned on CUDA) so fill is one copy per tensor
-        pin = dev.type == "cuda"
-        self._ids_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=pin)
-        self._pos_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=pin)
-        self._slots_host = torch.full((cp_size * max_capacity,), -1, dtype=torch.long, pin_memory=pin)
+        # host staging: on CPU the static tensors themselves (numpy views share their
+        # memory, so a fill is in place); on CUDA pinned copies, uploaded per bucket
+        self._views: dict[int, BucketView] = {}
+        self._staged = dev.type == "cuda"
+        if self._staged:
+            self._ids_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=True)
+            self._pos_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=True)
+            self._slots_host = torch.full((cp_size * max_capacity,), -1, dtype=torch.long, pin_memory=True)
+        else:
+            self._ids_host, self._pos_host, self._slots_host = self.input_ids, self.positions, self.kv_slots
 
     def view(self, capacity: int) -> BucketView:
+        v = self._views.get(capacity)
+        if v is None:
+            v = self._views[capacity] = self._make_view(capacity)
+        return v
+
+    def _make_view(self, capacity: int) -> BucketView:
         if capacity > self.max_capacity:
             raise ValueError(f"bucket capacity {capacity} exceeds the buffers' {self.max_capacity}")
         c = capacity
@@ -96,46 +107,53 @@ class StaticBuffers:
         capacity: int,
         input_ids: np.ndarray,
         positions: np.ndarray,
-        kv_slots: np.ndarray,
+        kv_slot_index: np.ndarray,
+        kv_slot_values: np.ndarray,
         cu_seqlens_q: np.ndarray | None = None,
         kv_lens: np.ndarray | None = None,
         page_table: np.ndarray | None = None,
     ) -> BucketView:
         """Copy one rank's live batch into the bucket's views and pad inertly.
 
-        ``kv_slots`` is already laid out for the gathered buffer ([C * capacity],
-        -1 for padding). The segment metadata is only needed in full-graph mode.
+        The gathered slot mapping ([C * capacity], rank-major) is -1 everywhere but
+        at ``kv_slot_index``, which gets ``kv_slot_values``. Only the bucket's own
+        prefix is written: a graph of capacity ``cap`` reads nothing past it, and
+        every row of it is rewritten, so nothing of an earlier batch survives into
+        what a later one reads. Segment metadata is only needed in full-graph mode.
         """
         n = input_ids.shape[0]
         if n > capacity:
             raise ValueError(f"{n} local rows do not fit bucket capacity {capacity}")
-        if kv_slots.shape[0] != self.cp_size * capacity:
-            raise ValueError(f"kv_slots has {kv_slots.shape[0]} rows, expected C x capacity = {self.cp_size * capacity}")
-        # pad the whole width, not just the bucket: no stale rows of an earlier, larger batch
+        if capacity > self.max_capacity:
+            raise ValueError(f"bucket capacity {capacity} exceeds the buffers' {self.max_capacity}")
+        g = self.cp_size * capacity
         ids, pos, slots = self._ids_host.numpy(), self._pos_host.numpy(), self._slots_host.numpy()
         ids[:n] = input_ids
-        ids[n:] = 0
+        ids[n:capacity] = 0
         pos[:n] = positions
-        pos[n:] = 0
-        slots[: kv_slots.shape[0]] = kv_slots
-        slots[kv_slots.shape[0]:] = -1
-        nb = self.device.type == "cuda"
-        self.input_ids.copy_(self._ids_host, non_blocking=nb)
-        self.positions.copy_(self._pos_host, non_blocking=nb)
-        self.kv_slots.copy_(self._slots_host, non_blocking=nb)
+        pos[n:capacity] = 0
+        slots[:g] = -1
+        slots[kv_slot_index] = kv_slot_values
+        if self._staged:
+            self.input_ids[:capacity].copy_(self._ids_host[:capacity], non_blocking=True)
+            self.positions[:capacity].copy_(self._pos_host[:capacity], non_blocking=True)
+            self.kv_slots[:g].copy_(self._slots_host[:g], non_blocking=True)
         if cu_seqlens_q is not None:
-            s = kv_lens.shape[0]
-            if s > self.max_segments:
-                raise ValueError(f"{s} segments exceed the buffers' {self.max_segments} (raise max_requests)")
-            if page_table.shape[1] > self.max_pages_per_seq:
-                raise ValueError(f"{page_table.shape[1]} pages per request exceed the buffers' {self.max_pages_per_seq}")
-            cu = np.full(self.max_segments + 1, cu_seqlens_q[-1], dtype=np.int32)
-            cu[: s + 1] = cu_seqlens_q
-            kv = np.zeros(self.max_segments, dtype=np.int32)
-            kv[:s] = kv_lens
-            pt = np.zeros((self.max_segments, self.max_pages_per_seq), dtype=np.int32)
-            pt[:s, : page_table.shape[1]] = page_table
-            self.cu_seqlens_q.copy_(torch.from_numpy(cu))
-            self.kv_lens.copy_(torch.from_numpy(kv))
-            self.page_table.copy_(torch.from_numpy(pt))
+            self._fill_segments(cu_seqlens_q, kv_lens, page_table)
         return self.view(capacity)
+
+    def _fill_segments(self, cu_seqlens_q: np.ndarray, kv_lens: np.ndarray, page_table: np.ndarray) -> None:
+        s = kv_lens.shape[0]
+        if s > self.max_segments:
+            raise ValueError(f"{s} segments exceed the buffers' {self.max_segments} (raise max_requests)")
+        if page_table.shape[1] > self.max_pages_per_seq:
+            raise ValueError(f"{page_table.shape[1]} pages per request exceed the buffers' {self.max_pages_per_seq}")
+        cu = np.full(self.max_segments + 1, cu_seqlens_q[-1], dtype=np.int32)
+        cu[: s + 1] = cu_seqlens_q
+        kv = np.zeros(self.max_segments, dtype=np.int32)
+        kv[:s] = kv_lens
+        pt = np.zeros((self.max_segments, self.max_pages_per_seq), dtype=np.int32)
+        pt[:s, : page_table.shape[1]] = page_table
+        self.cu_seqlens_q.copy_(torch.from_numpy(cu))
+        self.kv_lens.copy_(torch.from_numpy(kv))
+        self.page_table.copy_(torch.from_numpy(pt))

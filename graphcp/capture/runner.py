@@ -105,10 +105,9 @@ class GraphRunner:
         )
 
     def _fill_inert(self, capacity: int) -> BucketView:
-        C = self.engine.group.size
         empty = np.zeros(0, dtype=np.int64)
         seg = (np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros((0, 1), np.int32)) if self.full else (None,) * 3
-        return self.buffers.fill(capacity, empty, empty, np.full(C * capacity, -1, np.int64), *seg)
+        return self.buffers.fill(capacity, empty, empty, empty, empty, *seg)
 
     def capture_bucket(self, capacity: int) -> BucketCaptureStats:
         eng = self.engine
@@ -151,7 +150,8 @@ class GraphRunner:
 
     def fill(self, prep, capacity: int) -> BucketView:
         seg = (prep.meta.cu_seqlens_q_host, prep.meta.kv_lens_host, prep.seg_page_table) if self.full else (None,) * 3
-        return self.buffers.fill(capacity, prep.ids, prep.positions, self.engine.gathered_slots(prep, capacity), *seg)
+        return self.buffers.fill(capacity, prep.ids, prep.positions, prep.plan.gather_index(capacity), prep.slots_global,
+                                 *seg)
 
     def _check(self, capacity: int, view: BucketView) -> None:
         want = self.graphs[capacity].signature
