@@ -64,20 +64,25 @@ class StaticBuffers:
         self.page_table = torch.zeros(max_segments, max_pages_per_seq, dtype=torch.int32, device=dev)
         # host staging: on CPU the static tensors themselves (numpy views share their
         # memory, so a fill is in place); on CUDA pinned copies, uploaded per bucket
-        self._views: dict[int, BucketView] = {}
+        self._views: dict[int, tuple[tuple, BucketView]] = {}
         self._staged = dev.type == "cuda"
         if self._staged:
             self._ids_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=True)
             self._pos_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=True)
             self._slots_host = torch.full((cp_size * max_capacity,), -1, dtype=torch.long, pin_memory=True)
-        else:
-            self._ids_host, self._pos_host, self._slots_host = self.input_ids, self.positions, self.kv_slots
+
+    def _bases(self) -> tuple:
+        return (self.input_ids, self.positions, self.kv_slots, self.attn_q, self.attn_out, self.hidden_out,
+                self.cu_seqlens_q, self.kv_lens, self.page_table)
 
     def view(self, capacity: int) -> BucketView:
-        v = self._views.get(capacity)
-        if v is None:
-            v = self._views[capacity] = self._make_view(capacity)
-        return v
+        """Prefix views of the bucket (cached; rebuilt if a buffer was replaced, so
+        the runner's checks see what a replay would really read)."""
+        bases = self._bases()
+        hit = self._views.get(capacity)
+        if hit is None or any(a is not b for a, b in zip(hit[0], bases)):
+            hit = self._views[capacity] = (bases, self._make_view(capacity))
+        return hit[1]
 
     def _make_view(self, capacity: int) -> BucketView:
         if capacity > self.max_capacity:
@@ -127,7 +132,10 @@ class StaticBuffers:
         if capacity > self.max_capacity:
             raise ValueError(f"bucket capacity {capacity} exceeds the buffers' {self.max_capacity}")
         g = self.cp_size * capacity
-        ids, pos, slots = self._ids_host.numpy(), self._pos_host.numpy(), self._slots_host.numpy()
+        if self._staged:
+            ids, pos, slots = self._ids_host.numpy(), self._pos_host.numpy(), self._slots_host.numpy()
+        else:
+            ids, pos, slots = self.input_ids.numpy(), self.positions.numpy(), self.kv_slots.numpy()
         ids[:n] = input_ids
         ids[n:capacity] = 0
         pos[:n] = positions
