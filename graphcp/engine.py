@@ -201,9 +201,9 @@ class PrefillEngine:
     def _validate(self, batch: Sequence[Request]) -> list[np.ndarray]:
         if len(batch) == 0:
             raise BatchError("empty batch: prefill needs at least one request")
-        if len(batch) > self.runtime.max_requests and self.runner is not None:
-            raise BatchError(f"batch has {len(batch)} requests; graph mode holds at most max_requests="
-                             f"{self.runtime.max_requests}")
+        if len(batch) > self.runtime.max_requests and self.attention.name in ("flashinfer", "trtllm"):
+            raise BatchError(f"batch has {len(batch)} requests; the {self.attention.name} backend was sized for "
+                             f"max_requests={self.runtime.max_requests} (raise --max-requests)")
         vocab = self.cfg.vocab_size
         out = []
         for j, r in enumerate(batch):

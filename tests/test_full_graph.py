@@ -59,3 +59,20 @@ def test_triton_backend_in_breakable_mode_matches_torch():
     y = b.prefill([Request(t) for t in toks]).last_logits
     assert rel_err(x, y) <= 1e-5
     assert torch.isfinite(x).all()
+
+
+def test_more_requests_than_static_segments_fall_back_in_full_mode():
+    from graphcp.capture.buckets import FALLBACK_REQUESTS
+
+    full = PrefillEngine("default", RuntimeConfig(graph="full", attention="triton", kv_tokens=1024, max_requests=1),
+                         None, BucketSet((16,), padding_factor=16.0))
+    reqs = [Request(np.arange(3)), Request(np.arange(4) + 9)]
+    out = full.prefill(reqs)
+    assert out.info.path == "eager" and out.info.fallback == FALLBACK_REQUESTS
+    ref = PrefillEngine("default", RuntimeConfig(kv_tokens=1024)).prefill(reqs)
+    assert rel_err(out.last_logits, ref.last_logits) <= 1e-5
+    # breakable graphs read live metadata: any number of requests replays
+    brk = PrefillEngine("default", RuntimeConfig(graph="breakable", kv_tokens=1024, max_requests=1), None,
+                        BucketSet((16,), padding_factor=16.0))
+    out = brk.prefill(reqs)
+    assert out.info.path == "graph" and rel_err(out.last_logits, ref.last_logits) <= 1e-6

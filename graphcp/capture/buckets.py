@@ -24,6 +24,7 @@ BUCKET_FILE_VERSION = 1
 # reasons a forward runs eagerly (keys of the runner's fallback counters)
 FALLBACK_TOO_LARGE = "larger_than_every_bucket"
 FALLBACK_PADDING = "padding_over_factor"
+FALLBACK_REQUESTS = "more_requests_than_static_segments"  # full-graph mode only
 
 
 def align_up(n: "int | np.ndarray", align: int):

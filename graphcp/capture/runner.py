@@ -19,7 +19,7 @@ import torch
 from graphcp.attention.base import AttentionMetadata
 from graphcp.buffers.static import BucketView, StaticBuffers
 from graphcp.capture.breakable import BreakableGraph, capture_breakable
-from graphcp.capture.buckets import BucketSet
+from graphcp.capture.buckets import FALLBACK_REQUESTS, BucketSet, Selection
 from graphcp.capture.graphs import make_graph_backend
 from graphcp.config import ConfigError
 from graphcp.profiling import nvtx_range
@@ -178,6 +178,9 @@ class GraphRunner:
 
         with nvtx_range("select", category="host"):
             sel = self.select(prep.plan.max_local_rows)
+            if sel.graph and self.full and prep.meta.num_segments > self.buffers.max_segments:
+                # a full graph reads static segment metadata sized for max_requests
+                sel = Selection(sel.required, None, FALLBACK_REQUESTS)
         if not sel.graph:
             self.last_fallback = sel.reason
             self.stats.eager += 1
