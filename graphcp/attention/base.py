@@ -76,16 +76,15 @@ class AttentionMetadata:
         cu = np.array(cu_seqlens_q, dtype=np.int32)
         kv = np.array(kv_lens, dtype=np.int32)
         pt = np.array(page_table, dtype=np.int32)
-        q_lens = np.diff(cu)
+        q_lens = cu[1:] - cu[:-1]
         if validate:
             cls._validate(cu, kv, pt, q_lens, page_size)
-        dev = torch.device(device)
-        on_cpu = dev.type == "cpu"
+        on_cpu = device == "cpu" or getattr(device, "type", None) == "cpu"
         cu_t, kv_t, pt_t = torch.from_numpy(cu), torch.from_numpy(kv), torch.from_numpy(pt)
         return cls(
-            cu_seqlens_q=cu_t if on_cpu else cu_t.to(dev),
-            kv_lens=kv_t if on_cpu else kv_t.to(dev),
-            page_table=pt_t if on_cpu else pt_t.to(dev),
+            cu_seqlens_q=cu_t if on_cpu else cu_t.to(device),
+            kv_lens=kv_t if on_cpu else kv_t.to(device),
+            page_table=pt_t if on_cpu else pt_t.to(device),
             cu_seqlens_q_host=cu,
             kv_lens_host=kv,
             page_table_host=pt,

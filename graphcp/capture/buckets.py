@@ -9,6 +9,7 @@ would pad it by more than ``padding_factor`` (capacity / required rows).
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,7 +76,7 @@ class BucketSet:
         """Smallest capacity >= ``required_rows``, unless it pads past the factor."""
         if required_rows < 1:
             raise ValueError(f"required rows must be >= 1, got {required_rows}")
-        i = int(np.searchsorted(self.capacities, required_rows, side="left"))
+        i = bisect.bisect_left(self.capacities, required_rows)  # per forward: no numpy round trip
         if i == len(self.capacities):
             return Selection(required_rows, None, FALLBACK_TOO_LARGE)
         cap = self.capacities[i]
