@@ -46,8 +46,9 @@ def wait_work(work) -> None:
         work.wait()
 
 
-# torch 2.13 renamed reduce_scatter_tensor (now deprecated); older releases only have the old name
+# torch 2.13 renamed these (the old names warn); older releases only have the old names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _async(x: torch.Tensor) -> bool:
@@ -82,7 +83,7 @@ class CPGroup:
             return x
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         try:
-            wait_work(dist.all_gather_into_tensor(out, x.contiguous(), group=self.pg, async_op=_async(x)))
+            wait_work(_all_gather(out, x.contiguous(), group=self.pg, async_op=_async(x)))
         except Exception as e:  # noqa: BLE001 - re-raised with the rank and the op named
             raise self._fail("all_gather", e) from e
         return out
