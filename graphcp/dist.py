@@ -141,6 +141,8 @@ def _rank_main(rank, size, port, backend, timeout_s, fn, args, results) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     try:
+        if backend == "nccl":  # one GPU a rank; "cuda" then means this rank's device
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s),
             init_method=f"tcp://127.0.0.1:{port}",
