@@ -57,3 +57,23 @@ def test_run_main_job_cp2(tmp_path, capsys):
     table = capsys.readouterr().out
     for row in ("buckets captured", "capture time", "eager forward", "graph forward", "graph vs eager"):
         assert row in table
+
+
+def test_prefill_under_torchrun_matches_one_rank(tmp_path, requests_file):
+    """Each torchrun process is one rank (gloo on CPU); rank 0 writes OUT.pt."""
+    import os
+    import subprocess
+    import sys
+
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    base = ["prefill", "--model", "default", "--input", str(requests_file), "--kv-tokens", "4096"]
+    assert main(base + ["--output", str(one), "--graph", "off"]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    from graphcp.dist import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "graphcp", *base, "--output", str(two), "--cp", "2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = torch.load(one), torch.load(two)
+    assert rel_err(b["last_logits"], a["last_logits"]) <= 1e-5
