@@ -75,6 +75,7 @@ def cmd_run(args) -> int:
             ("graph forward", f"{res['graph_s'] * 1e3:.1f} ms ({res['graph_path']}, bucket {res['bucket']}): "
                               f"{res['graph_segments']} graph launches + {res['graph_breaks']} breaks, "
                               f"{res['ops_graph']} host ops (breaks, fill, LM head)"),
+            ("KV received per layer", f"{res['kv_bytes_per_layer'] / 2**20:.2f} MiB a rank (all-gather of the bucket)"),
             ("graph vs eager", f"max |diff| {res['max_abs_diff']:.3g}, relative {res['rel_diff']:.3g}"),
         ]
     w = max(len(k) for k, _ in rows)

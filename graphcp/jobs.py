@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from graphcp.attention.exchange import exchanged_bytes_per_layer
 from graphcp.capture.buckets import BucketSet
 from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup, init_from_env, launch
@@ -154,6 +155,9 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
     if "graph" in outs:
         g, e = outs["graph"].last_logits, outs["eager"].last_logits
         graph = engine.runner.graphs[outs["graph"].info.capacity].graph if outs["graph"].info.path == "graph" else None
+        cfg = engine.cfg
+        res["kv_bytes_per_layer"] = exchanged_bytes_per_layer(
+            outs["graph"].info.capacity, group.size, cfg.num_kv_heads, cfg.head_dim, engine.dtype.itemsize)
         res.update(
             graph_s=float(np.median(timings["graph"])), ops_graph=ops["graph"],
             graph_segments=len(graph.segments) if graph else 0, graph_breaks=len(graph.breaks) if graph else 0,

@@ -54,6 +54,8 @@ def test_run_main_job_cp2(tmp_path, capsys):
     assert res["rel_diff"] <= 1e-5
     # one segment per layer boundary plus one break per layer
     assert res["graph_breaks"] == 4 and res["graph_segments"] == 5
+    # (C - 1) x capacity rows of K and V, 2 kv heads x 64 dims, float32
+    assert res["kv_bytes_per_layer"] == 1 * 1536 * 2 * 2 * 64 * 4
     table = capsys.readouterr().out
     for row in ("buckets captured", "capture time", "eager forward", "graph forward", "graph vs eager"):
         assert row in table
