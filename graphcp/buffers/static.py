@@ -160,8 +160,9 @@ class StaticBuffers:
         cu[: s + 1] = cu_seqlens_q
         kv = np.zeros(self.max_segments, dtype=np.int32)
         kv[:s] = kv_lens
-        pt = np.zeros((self.max_segments, self.max_pages_per_seq), dtype=np.int32)
-        pt[:s, : page_table.shape[1]] = page_table
         self.cu_seqlens_q.copy_(torch.from_numpy(cu))
         self.kv_lens.copy_(torch.from_numpy(kv))
-        self.page_table.copy_(torch.from_numpy(pt))
+        # only the live block: a kernel reads page p of segment s only when p * page_size < kv_lens[s],
+        # and every other entry belongs to an empty segment or lies past its kv length
+        w = page_table.shape[1]
+        self.page_table[:s, :w].copy_(torch.from_numpy(np.ascontiguousarray(page_table, dtype=np.int32)))

@@ -87,12 +87,21 @@ class GraphRunner:
         self.last_fallback: str | None = None
         self.debug = rt.debug_graphs
         self._addresses = self.buffers.addresses()
+        self._static_metas: dict[int, AttentionMetadata] = {}  # built once a bucket, not per replay
 
     # ---- capture ----------------------------------------------------------------
     def _static_meta(self, view: BucketView) -> AttentionMetadata:
         """Metadata for capture. Breakable: an empty batch (the break reads live
         metadata at replay). Full graph: the static device buffers, whose host
         fields are static bounds (a captured kernel may size its grid by them)."""
+        cached = self._static_metas.get(view.capacity)
+        if cached is not None:
+            return cached
+        meta = self._build_static_meta(view)
+        self._static_metas[view.capacity] = meta
+        return meta
+
+    def _build_static_meta(self, view: BucketView) -> AttentionMetadata:
         S = self.buffers.max_segments
         if not self.full:
             return AttentionMetadata.from_host(np.zeros(1), np.zeros(0), np.zeros((0, 1)), self.engine.kv.page_size,
