@@ -149,3 +149,12 @@ def test_bucket_file_mismatch_is_an_error(tmp_path):
     BucketSet((16, 32), cp_size=4, layout="zigzag").save(tmp_path / "b.json")
     with pytest.raises(ValueError, match="tuned for cp_size=4, this run has cp_size=1"):
         _engine(buckets=BucketSet.load(tmp_path / "b.json"))
+
+
+def test_replacing_a_buffer_is_caught_without_debug_mode():
+    eng = PrefillEngine("default", RuntimeConfig(graph="breakable", kv_tokens=2048), None, BucketSet((32,)))
+    eng.prefill([Request(np.arange(20))])
+    eng.prefill([Request(np.arange(20))])  # checked once, then trusted while the buffers stay
+    eng.runner.buffers.positions = eng.runner.buffers.positions.to(torch.int32)
+    with pytest.raises(ReplayInputError, match="positions is .*torch.int32.*captured as .*torch.int64"):
+        eng.prefill([Request(np.arange(20))])
