@@ -48,10 +48,11 @@ def test_zigzag_plan_one_rank(benchmark, case):
         rp = plan.rank(rank)
         # what the engine reads: rows, positions and segment metadata of its rank,
         # the gather index for its bucket, and where each request's last token is
-        meta = (rp.rows, rp.positions, rp.row_request, rp.seg_request, rp.seg_q_len,
-                rp.seg_kv_len, rp.cu_seqlens_q)
-        gather = plan.gather_index(plan.padded_rows(8))
-        return plan, meta, gather, plan.last_owner, plan.last_local_index
+        meta = (rp.rows, rp.positions, rp.seg_request, rp.seg_q_len, rp.seg_kv_len, rp.cu_seqlens_q)
+        # where every rank's rows land in the KV all-gather (block runs: the engine
+        # turns them into the gathered slot mapping with the page table)
+        blocks = plan.gather_blocks
+        return plan, meta, blocks, plan.last_owner, plan.last_local_index
 
     plan = one_rank()[0]
     benchmark(one_rank)

@@ -27,7 +27,7 @@ class InterleavePlan(Plan):
     layout_name = "interleave"
 
     def __init__(self, cp_size: int, extend_lens: np.ndarray, prefix_lens: np.ndarray) -> None:
-        super().__init__(cp_size, extend_lens, prefix_lens)
+        super().__init__(cp_size, extend_lens, prefix_lens, int(np.add.reduce(extend_lens)))
         c = cp_size
         t = self.num_tokens
         # rank r owns ceil((T - r) / C) rows

@@ -31,7 +31,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .base import Layout, Plan, RankPlan, _frozen, arange
+from .base import GatherBlocks, Layout, Plan, RankPlan, _frozen, arange
 
 __all__ = ["ZigzagLayout", "ZigzagPlan"]
 
@@ -56,6 +56,8 @@ class _BatchTables:
         "last_owner",
         "last_rm",
         "request_x2",
+        "owner_rm",
+        "zeros",
     )
 
     def __init__(self, cp_size: int, num_requests: int) -> None:
@@ -66,6 +68,9 @@ class _BatchTables:
         k_rm = np.where(e == 0, r, c2 - 1 - r)  # [C, 1, 2]: block k of each (r, e)
         #: request of each rank-major block
         self.request_rm = np.broadcast_to(j, (c, num, 2)).ravel()
+        #: owner rank of each rank-major block
+        self.owner_rm = np.broadcast_to(r, (c, num, 2)).ravel()
+        self.zeros = np.zeros(num, dtype=np.int64)
         #: 2C-1-k per rank-major block: block k of a request of length L has
         #: (L + 2C-1-k) // 2C rows (base + 1 for the first L % 2C blocks, else base)
         self.size_offset_rm = np.broadcast_to(c2 - 1 - k_rm, (c, num, 2)).ravel()
@@ -90,7 +95,7 @@ class _BatchTables:
         self.request_x2 = 2 * np.arange(num, dtype=np.int64)
         _frozen(self.request_rm, self.size_offset_rm, self.global_of_rm, self.rm_of_global)
         _frozen(self.owner_global, self.seg_request, self.last_owner, self.last_rm)
-        _frozen(self.request_x2)
+        _frozen(self.request_x2, self.zeros)
 
 
 class _ZigzagTables:
@@ -135,7 +140,6 @@ class ZigzagPlan(Plan):
         prefix_lens: np.ndarray,
         tables: _ZigzagTables | None = None,
     ) -> None:
-        super().__init__(cp_size, extend_lens, prefix_lens)
         c2 = 2 * cp_size
         num = extend_lens.shape[0]
         nseg = 2 * num
@@ -147,14 +151,21 @@ class ZigzagPlan(Plan):
         q //= c2
         ends = np.zeros(nblk + 1, dtype=np.int64)
         np.add.accumulate(q, out=ends[1:])
+        super().__init__(cp_size, extend_lens, prefix_lens, int(ends[-1]))
         rank_start = ends[0:nblk:nseg]
         local_end = ends[1:] - rank_start.repeat(nseg)
         sizes = q[tab.rm_of_global]  # global order
-        gend = np.add.accumulate(sizes)[tab.global_of_rm]  # rank-major
-        row_shift = gend - local_end
-        delta = self.prefix_lens - self.cu_extend[:-1]  # position - global row
+        gend = np.add.accumulate(sizes)
+        # position - global row, per request: prefix - first global row
+        delta = prefix_lens + extend_lens
+        delta -= gend[c2 - 1 :: c2]
+        gend = gend[tab.global_of_rm]  # rank-major
+        # per block: global row - local index, position - local index (one array, so a
+        # rank's per-row values are a single 2-D repeat)
+        shift = np.empty((2, nblk), dtype=np.int64)
+        np.subtract(gend, local_end, out=shift[0])
         delta = delta[tab.request_rm]
-        pos_shift = row_shift + delta
+        np.add(shift[0], delta, out=shift[1])
         kv = gend
         kv += delta
         q.setflags(write=False)  # exposed through RankPlan views
@@ -166,8 +177,7 @@ class ZigzagPlan(Plan):
         d["_ends"] = ends
         d["_local_end"] = local_end
         d["_sizes"] = sizes
-        d["_row_shift"] = row_shift
-        d["_pos_shift"] = pos_shift
+        d["_shift"] = shift
         d["_kv"] = kv
         d["local_rows"] = local_rows
         d["max_local_rows"] = max(local_rows)
@@ -179,28 +189,21 @@ class ZigzagPlan(Plan):
         lo = r * nseg
         hi = lo + nseg
         q = self._q[lo:hi]
-        ar = arange(self.local_rows[r])
-        rows = self._row_shift[lo:hi].repeat(q)
-        rows += ar
-        positions = self._pos_shift[lo:hi].repeat(q)
-        positions += ar
-        seg_request = self._tab.seg_request
-        row_request = seg_request.repeat(q)
+        per_row = self._shift[:, lo:hi].repeat(q, axis=1)  # [2, n]: row, position
+        per_row += arange(self.local_rows[r])
+        per_row.setflags(write=False)
+        rows, positions = per_row
         ends = self._ends[lo : hi + 1]
-        cu = ends - ends[0]
-        cu = cu.astype(np.int32)
-        rows.setflags(write=False)
-        positions.setflags(write=False)
-        row_request.setflags(write=False)
+        cu = (ends - ends[0]).astype(np.int32)
         cu.setflags(write=False)
-        return RankPlan(r, rows, positions, row_request, seg_request, q, self._kv[lo:hi], cu)
+        return RankPlan(r, rows, positions, None, self._tab.seg_request, q, self._kv[lo:hi], cu)
 
     # ----------------------------------------------------------------- global maps
 
     def _gather_values(self, capacity: int) -> np.ndarray:
         """int64 [R * 2C], global block order: owner * capacity + local index - global row."""
         val = self._tab.owner_global * capacity
-        val -= self._row_shift[self._tab.rm_of_global]
+        val -= self._shift[0][self._tab.rm_of_global]
         return val
 
     @cached_property
@@ -226,16 +229,38 @@ class ZigzagPlan(Plan):
         last = self.__dict__.get("_last_cache")
         if last is None:
             tab = self._tab
-            m = np.minimum(self.extend_lens, 2 * self.cp_size)
-            owner = tab.last_owner[m]
-            f = tab.last_rm[m]
-            f += tab.request_x2
-            local = self._local_end[f]
-            local -= 1
-            owner.setflags(write=False)
+            c2 = 2 * self.cp_size
+            if min(self.extend_lens.tolist()) >= c2:
+                # every last token is in block 2C-1: rank 0's late block of its request
+                owner = tab.zeros
+                local = self._local_end[1 : 2 * self.num_requests : 2] - 1
+            else:
+                m = np.minimum(self.extend_lens, c2)
+                owner = tab.last_owner[m]
+                f = tab.last_rm[m]
+                f += tab.request_x2
+                local = self._local_end[f]
+                local -= 1
+                owner.setflags(write=False)
             local.setflags(write=False)
             last = self.__dict__["_last_cache"] = (owner, local)
         return last
+
+    @cached_property
+    def cu_extend(self) -> np.ndarray:  # type: ignore[override]
+        cu = np.zeros(self.num_requests + 1, dtype=np.int64)
+        c2 = 2 * self.cp_size
+        cu[1:] = np.add.accumulate(self._sizes)[c2 - 1 :: c2]
+        _frozen(cu)
+        return cu
+
+    def _build_gather_blocks(self) -> GatherBlocks:
+        tab = self._tab
+        q = self._q
+        local_start = self._local_end - q
+        position = self._kv - q
+        _frozen(local_start, position)
+        return GatherBlocks(tab.request_rm, position, q, tab.owner_rm, local_start)
 
     @property
     def last_owner(self) -> np.ndarray:  # type: ignore[override]
