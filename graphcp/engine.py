@@ -105,6 +105,8 @@ class PrefillEngine:
         self.kv = PagedKVCache(
             self.cfg.num_layers, num_pages, rt.page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
             self.dtype, self.device, kv_layout,
+            # no request outgrows the model's context (prefill checks it before extend)
+            max_pages_per_seq=min(num_pages - 1, -(-self.cfg.max_position_embeddings // rt.page_size)),
         )
         spec = AttentionSpec(
             self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, rt.page_size,

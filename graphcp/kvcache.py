@@ -15,6 +15,14 @@ at offset ``p % page_size``; its *slot* is ``page * page_size + offset``.
 
 Page 0 is the scratch page: it is never handed to a request, so a write aimed at
 slot -1 (padding) can be redirected to slot 0 and keep the write's shape static.
+
+Page table
+----------
+The allocator keeps one dense ``int32`` table ``[rows, max_pages_per_seq]``: each live
+sequence owns a row holding its ``pages`` followed by the scratch page. Every
+allocator call keeps it exactly in step with the page lists, so the per-forward
+:meth:`PagedKVCache.page_table` is one numpy gather, not a Python loop per request.
+Rows are recycled; when none is free the table doubles its rows.
 """
 
 from __future__ import annotations
@@ -45,7 +53,11 @@ class KVHandle:
 @dataclass
 class _Sequence:
     num_tokens: int
+    row: int  # its row of the dense page table
     pages: list[int] = field(default_factory=list)
+
+
+_INITIAL_ROWS = 16
 
 
 class PagedKVCache:
@@ -59,6 +71,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         layout: KVLayout = "NHD",
+        max_pages_per_seq: int | None = None,
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {num_pages}")
@@ -66,6 +79,10 @@ class PagedKVCache:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if layout not in ("NHD", "HND"):
             raise ValueError(f"layout must be 'NHD' or 'HND', got {layout!r}")
+        if max_pages_per_seq is None:
+            max_pages_per_seq = num_pages - 1
+        if max_pages_per_seq < 1:
+            raise ValueError(f"max_pages_per_seq must be >= 1, got {max_pages_per_seq}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.layout = num_kv_heads, head_dim, layout
         page = (page_size, num_kv_heads, head_dim) if layout == "NHD" else (num_kv_heads, page_size, head_dim)
@@ -74,6 +91,10 @@ class PagedKVCache:
         self._free: list[int] = list(range(num_pages - 1, SCRATCH_PAGE, -1))
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
+        # the dense page table; _row_pages[r] = len(pages) of row r's sequence (0 when free)
+        self._table = np.full((_INITIAL_ROWS, max_pages_per_seq), SCRATCH_PAGE, dtype=np.int32)
+        self._row_pages = np.zeros(_INITIAL_ROWS, dtype=np.int64)
+        self._free_rows: list[int] = list(range(_INITIAL_ROWS - 1, -1, -1))  # LIFO, low rows first
 
     # ---- capacity -------------------------------------------------------------
     @property
@@ -90,6 +111,35 @@ class PagedKVCache:
 
     def layer(self, i: int) -> torch.Tensor:
         return self.pool[i]
+
+    @property
+    def table_width(self) -> int:
+        """Most pages one sequence may hold (the dense table's columns)."""
+        return self._table.shape[1]
+
+    @property
+    def table(self) -> np.ndarray:
+        """The dense ``[rows, table_width]`` int32 page table, as a read-only view. Row
+        ``r`` is valid only while its sequence is live; the table is reallocated when it
+        grows, so do not hold the view across :meth:`extend`."""
+        view = self._table.view()
+        view.flags.writeable = False
+        return view
+
+    def _take_row(self) -> int:
+        if not self._free_rows:  # double the rows; the new ones are handed out low first
+            n, w = self._table.shape
+            table = np.full((2 * n, w), SCRATCH_PAGE, dtype=np.int32)
+            table[:n] = self._table
+            self._table = table
+            self._row_pages = np.concatenate([self._row_pages, np.zeros(n, dtype=np.int64)])
+            self._free_rows = list(range(2 * n - 1, n - 1, -1))
+        return self._free_rows.pop()
+
+    def _truncate(self, seq: _Sequence, keep: int) -> None:
+        """Drop ``seq``'s pages past ``keep`` from its row (the page list is the caller's)."""
+        self._table[seq.row, keep : len(seq.pages)] = SCRATCH_PAGE
+        self._row_pages[seq.row] = keep
 
     # ---- allocation -----------------------------------------------------------
     def check_handle(self, handle: KVHandle) -> None:
@@ -109,7 +159,8 @@ class PagedKVCache:
             raise ValueError("prefixes and new_tokens must have the same length")
         seen: set[int] = set()
         need = 0
-        for h, n in zip(prefixes, new_tokens):
+        width = self._table.shape[1]
+        for i, (h, n) in enumerate(zip(prefixes, new_tokens)):
             have = 0
             if h is not None:
                 self.check_handle(h)
@@ -117,7 +168,14 @@ class PagedKVCache:
                     raise ValueError(f"KV handle seq_id={h.seq_id} is the prefix of two requests in one batch")
                 seen.add(h.seq_id)
                 have = h.num_tokens
-            need += self.pages_for(have + n) - self.pages_for(have)
+            total = self.pages_for(have + n)
+            if total > width:
+                what = "a new sequence" if h is None else f"sequence {h.seq_id}"
+                raise KVCacheFull(
+                    f"KV cache full: request {i} ({what}, {have} + {n} tokens) needs {total} pages of "
+                    f"{self.page_size} tokens, the page table holds at most {width} per sequence"
+                )
+            need += total - self.pages_for(have)
         if need > len(self._free):
             raise KVCacheFull(
                 f"KV cache full: the batch needs {need} more pages of {self.page_size} tokens, "
@@ -126,16 +184,20 @@ class PagedKVCache:
         ids = []
         for h, n in zip(prefixes, new_tokens):
             if h is None:
-                sid, seq = self._next_id, _Sequence(0)
+                sid, seq = self._next_id, _Sequence(0, self._take_row())
                 self._next_id += 1
                 self._seqs[sid] = seq
             else:
                 sid, seq = h.seq_id, self._seqs[h.seq_id]
-            grow = self.pages_for(seq.num_tokens + n) - len(seq.pages)
+            have = len(seq.pages)
+            grow = self.pages_for(seq.num_tokens + n) - have
             if grow:
                 taken = self._free[-grow:]  # slices, not a pop per page: batches take thousands
                 del self._free[-grow:]
-                seq.pages.extend(reversed(taken))
+                taken.reverse()
+                seq.pages.extend(taken)
+                self._table[seq.row, have : have + grow] = taken
+                self._row_pages[seq.row] = have + grow
             seq.num_tokens += n
             ids.append(sid)
         return ids
@@ -150,9 +212,11 @@ class PagedKVCache:
             keep = self.pages_for(seq.num_tokens)
             if len(seq.pages) > keep:
                 self._free.extend(reversed(seq.pages[keep:]))
+                self._truncate(seq, keep)
                 del seq.pages[keep:]
             if seq.num_tokens == 0:
                 del self._seqs[sid]
+                self._free_rows.append(seq.row)  # undone last-first: the row free list is restored too
 
     def handle(self, seq_id: int) -> KVHandle:
         seq = self._seqs[seq_id]
@@ -163,22 +227,41 @@ class PagedKVCache:
         if seq is None:
             raise KeyError(f"KV handle seq_id={handle.seq_id} is not live (already released?)")
         self._free.extend(reversed(seq.pages))
+        self._truncate(seq, 0)
+        self._free_rows.append(seq.row)
 
     def snapshot(self) -> tuple:
         """Allocator state, for tests that assert a failed call changed nothing."""
         return (tuple(self._free), tuple((k, v.num_tokens, tuple(v.pages)) for k, v in sorted(self._seqs.items())))
 
     # ---- metadata -------------------------------------------------------------
+    def table_rows(self, seq_ids: list[int]) -> np.ndarray:
+        """[len(seq_ids)] int64: each live sequence's row of :attr:`table`."""
+        seqs = self._seqs
+        return np.array([seqs[s].row for s in seq_ids], dtype=np.int64)
+
     def page_table(self, seq_ids: list[int], width: int | None = None) -> np.ndarray:
-        """[len(seq_ids), width] int32 page ids, padded with the scratch page."""
-        rows = [self._seqs[s].pages for s in seq_ids]
-        w = max(max(map(len, rows), default=1), 1) if width is None else width
-        table = np.full((len(rows), w), SCRATCH_PAGE, dtype=np.int32)
-        for i, r in enumerate(rows):
-            if len(r) > w:
-                raise ValueError(f"sequence {seq_ids[i]} has {len(r)} pages, page table width is {w}")
-            table[i, : len(r)] = r
-        return table
+        """[len(seq_ids), width] int32 page ids, padded with the scratch page (a fresh
+        array). ``width`` defaults to the most pages any of these sequences holds (>= 1)."""
+        rows = self.table_rows(seq_ids)
+        n_pages = self._row_pages.take(rows).tolist()  # max() of a short list beats a numpy reduction
+        most = max(n_pages, default=0)
+        if width is None:
+            width = max(most, 1)
+        elif most > width:
+            i = next(i for i, n in enumerate(n_pages) if n > width)
+            raise ValueError(f"sequence {seq_ids[i]} has {n_pages[i]} pages, page table width is {width}")
+        return self.page_table_rows(rows, width)
+
+    def page_table_rows(self, rows: np.ndarray, width: int) -> np.ndarray:
+        """:meth:`page_table` from :meth:`table_rows`, unchecked (the hot path): a fresh
+        [len(rows), width] int32 array; columns past :attr:`table_width` are scratch."""
+        w = self._table.shape[1]
+        if width <= w:
+            return self._table[:, :width].take(rows, axis=0)  # take: faster than table[rows, :width]
+        out = np.full((len(rows), width), SCRATCH_PAGE, dtype=np.int32)
+        out[:, :w] = self._table.take(rows, axis=0)
+        return out
 
     def slots(self, page_table: np.ndarray, row_seq: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cache slot of each token: ``page_table[row_seq, pos // ps] * ps + pos % ps``."""
