@@ -49,13 +49,13 @@ def test_plan_and_fill_16_requests_cp8(benchmark, host_engine, kind):
     lens = _lens(kind)
     reqs = _requests(lens)
     eng = host_engine
-    tokens = eng._validate(reqs)
+    flat, _ = eng._validate(reqs)
     extend, prefix = np.asarray(lens, dtype=np.int64), np.zeros(16, dtype=np.int64)
     seq_ids = eng.kv.extend([None] * 16, extend.tolist())
 
     def plan_and_fill():
         plan = eng.layout.plan(extend_lens=extend, prefix_lens=prefix)
-        prep = eng._prepare(plan, seq_ids, tokens)
+        prep = eng._prepare(plan, seq_ids, flat)
         eng.runner.fill(prep, eng.runner.select(plan.max_local_rows).capacity)
 
     benchmark.group = "host preparation"

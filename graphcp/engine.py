@@ -69,10 +69,10 @@ class _Prepared:
 
     plan: Plan
     seq_ids: list[int]
-    ids: np.ndarray
-    positions: np.ndarray
+    ids: np.ndarray  # [n] this rank's rows: token ids,
+    positions: np.ndarray  # [n] absolute positions
+    slots: np.ndarray  # [n] and KV cache slots (the exchange all-gathers them with the rows)
     meta: AttentionMetadata
-    slots_global: np.ndarray
     seg_page_table: np.ndarray
 
 
@@ -181,16 +181,15 @@ class PrefillEngine:
         """Validate, check SPMD consistency, plan, reserve KV and build this rank's
         host metadata. Nothing changes when it raises; :meth:`abort` undoes it."""
         with nvtx_range("plan", category="host"):
-            tokens = self._validate(batch)
-            extend = np.fromiter((t.shape[0] for t in tokens), dtype=np.int64, count=len(tokens))
+            flat, extend = self._validate(batch)
             prefix = np.fromiter((0 if r.prefix is None else r.prefix.num_tokens for r in batch),
                                  dtype=np.int64, count=len(batch))
             if self.runtime.check_consistency and self.group.distributed:
-                self._check_consistency(tokens, prefix, batch)
+                self._check_consistency(flat, extend, prefix, batch)
             plan = self.layout.plan(extend_lens=extend, prefix_lens=prefix)
         seq_ids = self.kv.extend([r.prefix for r in batch], extend.tolist())
         try:
-            return self._prepare(plan, seq_ids, tokens)
+            return self._prepare(plan, seq_ids, flat)
         except BaseException:
             self.kv.rollback(seq_ids, extend.tolist())
             raise
@@ -200,7 +199,9 @@ class PrefillEngine:
         self.kv.rollback(prep.seq_ids, prep.plan.extend_lens.tolist())
 
     # ---- steps ------------------------------------------------------------------
-    def _validate(self, batch: Sequence[Request]) -> list[np.ndarray]:
+    def _validate(self, batch: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's token ids, flattened in batch order (int64), and each request's
+        number of new tokens; BatchError naming the request when something is wrong."""
         if len(batch) == 0:
             raise BatchError("empty batch: prefill needs at least one request")
         if len(batch) > self.runtime.max_requests and self.attention.name in ("flashinfer", "trtllm"):
@@ -239,16 +240,14 @@ class PrefillEngine:
                     raise BatchError(
                         f"request {j}, position {p}: token id {int(t[p])} is outside the vocabulary [0, {vocab})"
                     )
-        return out
+        return flat, np.fromiter((t.shape[0] for t in out), dtype=np.int64, count=len(out))
 
-    def _check_consistency(self, tokens: list[np.ndarray], prefix: np.ndarray, batch) -> None:
+    def _check_consistency(self, flat: np.ndarray, extend: np.ndarray, prefix: np.ndarray, batch) -> None:
         """One small all-gather of a batch fingerprint (CRC32 of the token ids, the
         lengths and the prefix handles): about 0.5 ms on gloo at 2 ranks, tens of
         microseconds on NCCL, plus ~1 us per 4K tokens to hash."""
-        crc = 0
-        for t in tokens:
-            crc = zlib.crc32(t.tobytes(), crc)
-        shape = np.concatenate([[len(tokens)], [t.shape[0] for t in tokens], prefix,
+        crc = zlib.crc32(flat.data)
+        shape = np.concatenate([[len(batch)], extend, prefix,
                                 [-1 if r.prefix is None else r.prefix.seq_id for r in batch]]).astype(np.int64)
         fp = torch.tensor([[crc, zlib.crc32(shape.tobytes()), int(shape.sum())]], dtype=torch.int64)
         fp = fp.to(self.device)
@@ -260,22 +259,20 @@ class PrefillEngine:
                 f"vs {[allfp[r].tolist() for r in differ]}); every rank must call prefill with the same requests"
             )
 
-    def _prepare(self, plan: Plan, seq_ids: list[int], tokens: list[np.ndarray]) -> _Prepared:
+    def _prepare(self, plan: Plan, seq_ids: list[int], flat: np.ndarray) -> _Prepared:
+        """This rank's host inputs for one planned batch (``flat``: the batch's token
+        ids in batch order, as :meth:`_validate` returns them)."""
         with nvtx_range("prepare", category="host"):
             rp = plan.rank(self.rank)
-            flat = np.concatenate(tokens) if len(tokens) > 1 else tokens[0]
-            pt = self.kv.page_table(seq_ids)
-            seg_pt = pt[rp.seg_request]
+            seq_rows = self.kv.table_rows(seq_ids)
+            # this rank's segments read pages up to their kv lengths only
+            max_kv = max(rp.seg_kv_len.tolist(), default=0)
+            seg_pt = self.kv.page_table_rows(seq_rows[rp.seg_request], max(1, self.kv.pages_for(max_kv)))
             meta = AttentionMetadata.from_host(rp.cu_seqlens_q, rp.seg_kv_len, seg_pt, self.kv.page_size, self.device,
-                                              validate=False)
-            slots = self.kv.slots(pt, plan.token_request, plan.token_position)
-            return _Prepared(plan, seq_ids, flat[rp.rows], rp.positions, meta, slots, seg_pt)
-
-    def gathered_slots(self, prep: _Prepared, capacity: int) -> np.ndarray:
-        """Cache slot of every row of the rank-major all-gather at ``capacity`` (-1 = padding)."""
-        g = np.full(self.group.size * capacity, -1, dtype=np.int64)
-        g[prep.plan.gather_index(capacity)] = prep.slots_global
-        return g
+                                              validate=False, max_q_len=max(rp.seg_q_len.tolist(), default=0),
+                                              max_kv_len=max_kv)
+            slots = self.kv.slots(seq_rows, rp.row_request, rp.positions)
+            return _Prepared(plan, seq_ids, flat[rp.rows], rp.positions, slots, meta, meta.page_table_host)
 
     def make_context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, view=None) -> ForwardContext:
         ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group)
@@ -300,9 +297,9 @@ class PrefillEngine:
         n = prep.ids.shape[0]
         ids = np.zeros(capacity, dtype=np.int64)
         pos = np.zeros(capacity, dtype=np.int64)
-        ids[:n], pos[:n] = prep.ids, prep.positions
-        slots = torch.from_numpy(self.gathered_slots(prep, capacity)).to(self.device)
-        ctx = self.make_context(prep.meta, slots)
+        slots = np.full(capacity, -1, dtype=np.int64)
+        ids[:n], pos[:n], slots[:n] = prep.ids, prep.positions, prep.slots
+        ctx = self.make_context(prep.meta, torch.from_numpy(slots).to(self.device))
         with nvtx_range("eager_body", category="eager"):
             self.attention.prepare(prep.meta)
             return self.model.body(torch.from_numpy(ids).to(self.device), torch.from_numpy(pos).to(self.device), ctx)

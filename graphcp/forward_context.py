@@ -22,7 +22,7 @@ class ForwardContext:
     attn_meta: AttentionMetadata
     attention: AttentionBackend
     kv_cache: PagedKVCache
-    #: cache slot of every row of the all-gathered K/V ([C * capacity]; -1 = padding)
+    #: cache slot of each of this rank's (padded) rows ([capacity]; -1 = padding)
     kv_slots: torch.Tensor
     #: the CP group (collectives); a size-1 group on one rank
     group: Any
@@ -32,3 +32,6 @@ class ForwardContext:
     #: static buffers, so captured graphs pin no intermediate memory for them
     attn_q: torch.Tensor | None = None
     attn_out: torch.Tensor | None = None
+    #: every rank's ``kv_slots``, rank-major ([C * capacity]): set by the body's
+    #: first step each run (so a captured body records the collective that makes it)
+    gathered_kv_slots: torch.Tensor | None = None

@@ -263,21 +263,19 @@ class PagedKVCache:
         out[:, :w] = self._table.take(rows, axis=0)
         return out
 
-    def slots(self, page_table: np.ndarray, row_seq: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Cache slot of each token: ``page_table[row_seq, pos // ps] * ps + pos % ps``."""
-        ps = self.page_size
-        flat = page_table.ravel().astype(np.int64)
-        if ps & (ps - 1) == 0:  # power of two: shifts instead of a division
-            shift = ps.bit_length() - 1
-            idx = row_seq * page_table.shape[1]
-            idx += positions >> shift
-            out = flat[idx]
-            out <<= shift
-            out += positions & (ps - 1)
-            return out
-        page_idx, offset = np.divmod(positions, ps)
-        return flat[row_seq * page_table.shape[1] + page_idx] * ps + offset
 
+    def slots(self, seq_rows: np.ndarray, row_request: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """int64 [n]: the cache slot of each token, ``page * page_size + position % page_size``
+        with ``page`` the entry of the token's request in the dense table: ``seq_rows[j]``
+        is request ``j``'s table row (:meth:`table_rows`), ``row_request[i]`` token
+        ``i``'s request. Its pages must be reserved (:meth:`extend`)."""
+        ps, table = self.page_size, self._table
+        idx = seq_rows[row_request]
+        idx *= table.shape[1]
+        idx += positions // ps
+        out = np.multiply(table.reshape(-1)[idx], ps, dtype=np.int64)
+        out += positions % ps
+        return out
 
 def write_kv(
     kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, layout: KVLayout

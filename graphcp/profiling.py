@@ -41,6 +41,8 @@ RANGES: dict[str, RangeKind] = {
     "replay": RangeKind("graph", "replay[<capacity>]: one replay of a bucket's body (segments and breaks)"),
     "segment": RangeKind("segment", "segment[<i>]: captured graph segment i, the work that leads into attention[i]"),
     "attention": RangeKind("break", "attention[<layer>]: attention of one layer (the eager break in a replay)"),
+    "kv_slots_gather": RangeKind("comm", "all-gather of every rank's KV slot mapping, once per forward "
+                                 "(eager and capture only)"),
     "kv_exchange": RangeKind("comm", "kv_exchange[<layer>]: K/V all-gather + cache write (eager and capture only)"),
     "eager_body": RangeKind("eager", "the body run eagerly (graph off, or a graph-mode fallback)"),
     "layer": RangeKind("eager", "layer[<i>]: one decoder layer run eagerly"),

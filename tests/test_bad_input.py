@@ -386,7 +386,9 @@ def test_page_table_and_slots():
     assert pt[0].tolist() == list(pa) and pt[1].tolist() == [pb[0], SCRATCH_PAGE, SCRATCH_PAGE]
     rows, pos = np.array([0, 0, 0, 1]), np.array([0, 5, 8, 1])
     want = [pa[0] * 4, pa[1] * 4 + 1, pa[2] * 4, pb[0] * 4 + 1]
-    assert kv.slots(pt, rows, pos).tolist() == want
+    assert kv.slots(kv.table_rows([a, b]), rows, pos).tolist() == want
+    # requests index table rows: the same tokens with the batch order swapped
+    assert kv.slots(kv.table_rows([b, a]), 1 - rows, pos).tolist() == want
     with pytest.raises(ValueError, match="3 pages, page table width is 2"):
         kv.page_table([a], width=2)
 

@@ -24,7 +24,7 @@ import torch._dynamo  # noqa: E402,F401
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "profiles" / "README.md"
 LAYERS = 4  # the default model
-EAGER_NAMES = {"prefill", "plan", "prepare", "eager_body", "lm_head", "measure",
+EAGER_NAMES = {"prefill", "plan", "prepare", "eager_body", "kv_slots_gather", "lm_head", "measure",
                *(f"{f}[{i}]" for f in ("layer", "kv_exchange", "attention") for i in range(LAYERS))}
 GRAPH_NAMES = {"prefill", "plan", "prepare", "select", "fill", "lm_head", "measure",
                *(f"attention[{i}]" for i in range(LAYERS)), *(f"segment[{i}]" for i in range(LAYERS + 1))}

@@ -18,31 +18,28 @@ def test_views_are_prefixes_of_one_allocation():
     b = _buffers()
     v16, v64 = b.view(16), b.view(64)
     assert v16.input_ids.data_ptr() == v64.input_ids.data_ptr() == b.input_ids.data_ptr()
-    assert v16.input_ids.shape == (16,) and v16.kv_slots.shape == (32,) and v64.kv_slots.shape == (128,)
+    assert v16.input_ids.shape == (16,) and v16.kv_slots.shape == (16,) and v64.kv_slots.shape == (64,)
     assert v16.attn_q.shape == (16, 2, 4) and v16.hidden_out.shape == (16, 8)
 
 
 def test_fill_pads_inertly_and_nothing_of_a_larger_batch_leaks():
     b = _buffers()
     big = np.arange(1, 51)
-    b.fill(64, big, big + 100, np.arange(100), np.arange(100) + 7)
+    b.fill(64, big, big + 100, big + 7)
     ids = np.array([5, 6, 7])
-    gather_index = np.array([0, 1, 16])  # rank 0 rows 0-1, rank 1 row 0, at capacity 16
-    v = b.fill(16, ids, ids + 1, gather_index, np.array([40, 41, 42]))
+    v = b.fill(16, ids, ids + 1, np.array([40, 41, 42]))
     assert v.input_ids.tolist() == [5, 6, 7] + [0] * 13
     assert v.positions.tolist() == [6, 7, 8] + [0] * 13
-    want = [-1] * 32
-    want[0], want[1], want[16] = 40, 41, 42
-    assert v.kv_slots.tolist() == want
+    assert v.kv_slots.tolist() == [40, 41, 42] + [-1] * 13
     # and back to the larger bucket with a small batch: its whole prefix is rewritten
-    v = b.fill(64, ids, ids, np.array([0]), np.array([3]))
-    assert v.input_ids[3:].eq(0).all() and v.positions[3:].eq(0).all()
+    v = b.fill(64, ids[:1], ids[:1], np.array([3]))
+    assert v.input_ids[1:].eq(0).all() and v.positions[1:].eq(0).all()
     assert v.kv_slots[1:].eq(-1).all() and int(v.kv_slots[0]) == 3
 
 
 def test_full_graph_segment_metadata_pads_with_empty_segments():
     b = _buffers()
-    b.fill(16, np.arange(5), np.arange(5), np.arange(5), np.arange(5),
+    b.fill(16, np.arange(5), np.arange(5), np.arange(5),
            np.array([0, 3, 5]), np.array([3, 9]), np.array([[1, 2], [3, 4]]))
     assert b.cu_seqlens_q.tolist() == [0, 3, 5, 5, 5, 5, 5]  # empty segments past the batch
     assert b.kv_lens.tolist() == [3, 9, 0, 0, 0, 0]
@@ -52,7 +49,9 @@ def test_full_graph_segment_metadata_pads_with_empty_segments():
 def test_fill_rejects_what_does_not_fit():
     b = _buffers()
     with pytest.raises(ValueError, match="20 local rows do not fit bucket capacity 16"):
-        b.fill(16, np.arange(20), np.arange(20), np.arange(0), np.arange(0))
+        b.fill(16, np.arange(20), np.arange(20), np.arange(20))
+    with pytest.raises(ValueError, match="one entry per local row; got 2, 2 and 3"):
+        b.fill(16, np.arange(2), np.arange(2), np.arange(3))
     with pytest.raises(ValueError, match="7 segments exceed the buffers' 6"):
-        b.fill(16, np.arange(1), np.arange(1), np.arange(0), np.arange(0), np.zeros(8, int), np.ones(7, int),
+        b.fill(16, np.arange(1), np.arange(1), np.arange(1), np.zeros(8, int), np.ones(7, int),
                np.zeros((7, 1), int))

@@ -26,26 +26,86 @@ KVLayout = Literal["NHD", "HND"]
 LSE_BASE = "e"
 
 
-@dataclass(frozen=True)
 class AttentionMetadata:
     """Segments of one rank's query rows for one forward.
 
-    Device tensors (int32, on the model's device) are what kernels read; the host
-    arrays are what host-side planners and the torch reference loop over.
-    ``page_table[s, p]`` is the cache page holding positions
+    The host arrays (int32) are what host-side planners and the torch reference
+    read; the device tensors (int32, on the model's device) are what kernels read.
+    The device tensors are made on first use, from one packed host buffer in a
+    single transfer, so a forward whose backend reads only the host side pays
+    nothing for them. ``page_table[s, p]`` is the cache page holding positions
     ``[p * page_size, (p + 1) * page_size)`` of segment ``s``'s request; entries
-    past the request's pages are 0 (the scratch page) and never read.
+    past the request's pages are 0 (the scratch page) and never read. Read-only.
     """
 
-    cu_seqlens_q: torch.Tensor  # int32 [S + 1]
-    kv_lens: torch.Tensor  # int32 [S]
-    page_table: torch.Tensor  # int32 [S, max_pages]
+    __slots__ = ("cu_seqlens_q_host", "kv_lens_host", "page_table_host", "page_size", "max_q_len", "max_kv_len",
+                 "device", "_packed", "_tensors")
+
     cu_seqlens_q_host: np.ndarray  # int32 [S + 1]
     kv_lens_host: np.ndarray  # int32 [S]
     page_table_host: np.ndarray  # int32 [S, max_pages]
     page_size: int
     max_q_len: int
     max_kv_len: int
+    device: torch.device
+
+    def __init__(
+        self,
+        cu_seqlens_q_host: np.ndarray,
+        kv_lens_host: np.ndarray,
+        page_table_host: np.ndarray,
+        page_size: int,
+        max_q_len: int,
+        max_kv_len: int,
+        device: torch.device | str = "cpu",
+        device_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        _packed: np.ndarray | None = None,
+    ) -> None:
+        """Use :meth:`from_host`; this constructor takes ready int32 host arrays and,
+        optionally, the device tensors (static graph buffers, say) to report."""
+        set_ = object.__setattr__
+        set_(self, "cu_seqlens_q_host", cu_seqlens_q_host)
+        set_(self, "kv_lens_host", kv_lens_host)
+        set_(self, "page_table_host", page_table_host)
+        set_(self, "page_size", page_size)
+        set_(self, "max_q_len", max_q_len)
+        set_(self, "max_kv_len", max_kv_len)
+        set_(self, "device", device)
+        set_(self, "_packed", _packed)
+        set_(self, "_tensors", device_tensors)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"AttentionMetadata is read-only; cannot set {name!r}")
+
+    def _device_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = self._tensors
+        if t is None:
+            s, width = self.page_table_host.shape
+            packed = self._packed
+            if packed is None:
+                packed = np.concatenate([self.cu_seqlens_q_host, self.kv_lens_host, self.page_table_host.reshape(-1)])
+            buf = torch.from_numpy(packed)
+            dev = self.device
+            if not (dev == "cpu" or getattr(dev, "type", None) == "cpu"):
+                buf = buf.to(dev)
+            t = (buf[: s + 1], buf[s + 1 : 2 * s + 1], buf[2 * s + 1 :].view(s, width))
+            object.__setattr__(self, "_tensors", t)
+        return t
+
+    @property
+    def cu_seqlens_q(self) -> torch.Tensor:
+        """int32 [S + 1] on the device."""
+        return self._device_tensors()[0]
+
+    @property
+    def kv_lens(self) -> torch.Tensor:
+        """int32 [S] on the device."""
+        return self._device_tensors()[1]
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        """int32 [S, max_pages] on the device."""
+        return self._device_tensors()[2]
 
     @property
     def num_segments(self) -> int:
@@ -60,6 +120,10 @@ class AttentionMetadata:
     def q_lens_host(self) -> np.ndarray:
         return np.diff(self.cu_seqlens_q_host)
 
+    def __repr__(self) -> str:
+        return (f"AttentionMetadata(num_segments={self.num_segments}, num_q_rows={self.num_q_rows}, "
+                f"max_q_len={self.max_q_len}, max_kv_len={self.max_kv_len}, page_size={self.page_size})")
+
     @classmethod
     def from_host(
         cls,
@@ -69,36 +133,36 @@ class AttentionMetadata:
         page_size: int,
         device: torch.device | str = "cpu",
         validate: bool = True,
+        max_q_len: int | None = None,
+        max_kv_len: int | None = None,
     ) -> "AttentionMetadata":
-        """``validate=False`` skips the consistency checks, for metadata a layout
-        built (the engine's per-forward path; the layouts are property-tested)."""
-        # own, writable copies: torch.from_numpy shares memory with them
-        cu = np.array(cu_seqlens_q, dtype=np.int32)
-        kv = np.array(kv_lens, dtype=np.int32)
-        pt = np.array(page_table, dtype=np.int32)
-        q_lens = cu[1:] - cu[:-1]
+        """Metadata from host arrays (any integer dtype), copied into one packed
+        int32 buffer (the host fields are views of it). ``validate=False`` skips the
+        consistency checks, for metadata a layout built (the engine's per-forward
+        path; the layouts are property-tested), and the caller may pass the maxima
+        it already knows."""
+        cu, kv, pt = np.asarray(cu_seqlens_q), np.asarray(kv_lens), np.asarray(page_table)
         if validate:
-            cls._validate(cu, kv, pt, q_lens, page_size)
-        on_cpu = device == "cpu" or getattr(device, "type", None) == "cpu"
-        cu_t, kv_t, pt_t = torch.from_numpy(cu), torch.from_numpy(kv), torch.from_numpy(pt)
-        return cls(
-            cu_seqlens_q=cu_t if on_cpu else cu_t.to(device),
-            kv_lens=kv_t if on_cpu else kv_t.to(device),
-            page_table=pt_t if on_cpu else pt_t.to(device),
-            cu_seqlens_q_host=cu,
-            kv_lens_host=kv,
-            page_table_host=pt,
-            page_size=page_size,
-            max_q_len=int(q_lens.max()) if q_lens.size else 0,
-            max_kv_len=int(kv.max()) if kv.size else 0,
-        )
+            cls._validate(cu, kv, pt, page_size)
+        s, width = kv.shape[0], pt.shape[1]
+        buf = np.empty(2 * s + 1 + s * width, dtype=np.int32)
+        cu_h, kv_h, pt_h = buf[: s + 1], buf[s + 1 : 2 * s + 1], buf[2 * s + 1 :].reshape(s, width)
+        cu_h[:] = cu
+        kv_h[:] = kv
+        pt_h[:] = pt
+        if max_q_len is None:
+            max_q_len = int(np.maximum.reduce(cu_h[1:] - cu_h[:-1])) if s else 0
+        if max_kv_len is None:
+            max_kv_len = int(np.maximum.reduce(kv_h)) if s else 0
+        return cls(cu_h, kv_h, pt_h, page_size, max_q_len, max_kv_len, device, _packed=buf)
 
     @staticmethod
-    def _validate(cu: np.ndarray, kv: np.ndarray, pt: np.ndarray, q_lens: np.ndarray, page_size: int) -> None:
+    def _validate(cu: np.ndarray, kv: np.ndarray, pt: np.ndarray, page_size: int) -> None:
         if cu.ndim != 1 or kv.ndim != 1 or cu.shape[0] != kv.shape[0] + 1:
             raise ValueError(
                 f"cu_seqlens_q must have one more entry than kv_lens; got {cu.shape} and {kv.shape}"
             )
+        q_lens = cu[1:] - cu[:-1]
         if pt.ndim != 2 or pt.shape[0] != kv.shape[0]:
             raise ValueError(f"page_table must be [num_segments={kv.shape[0]}, pages]; got {pt.shape}")
         if (q_lens < 0).any() or (q_lens > kv).any():

@@ -2,10 +2,11 @@
 
 One object owns every tensor a captured graph reads or writes on a rank,
 allocated once at the largest bucket; a bucket of capacity ``cap`` uses prefix
-views (``[:cap]`` rows, ``[:C * cap]`` gathered rows). ``fill`` copies the live
-batch in and pads the tail inertly: token 0, position 0, slot -1 (the scratch
-page), rows in no segment. The full width is re-padded every fill, so nothing of
-an earlier, larger batch survives into a later one.
+views (``[:cap]`` rows). All of it is CP-local, this rank's rows only: the KV
+exchange all-gathers the slot mapping inside the body. ``fill`` copies the live
+batch in and pads the bucket's tail inertly: token 0, position 0, slot -1 (the
+scratch page), rows in no segment, so nothing of an earlier, larger batch
+survives into what a later one reads.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class BucketView:
     capacity: int
     input_ids: torch.Tensor  # [cap] int64
     positions: torch.Tensor  # [cap] int64
-    kv_slots: torch.Tensor  # [C * cap] int64
+    kv_slots: torch.Tensor  # [cap] int64: cache slot of each local row (-1 = padding)
     attn_q: torch.Tensor  # [cap, Hq, D]  attention input (static so breaks pin no graph memory)
     attn_out: torch.Tensor  # [cap, Hq, D]
     hidden_out: torch.Tensor  # [cap, hidden]  the body's output rows
@@ -55,7 +56,7 @@ class StaticBuffers:
         self.device = dev
         self.input_ids = torch.zeros(max_capacity, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_capacity, dtype=torch.long, device=dev)
-        self.kv_slots = torch.full((cp_size * max_capacity,), -1, dtype=torch.long, device=dev)
+        self.kv_slots = torch.full((max_capacity,), -1, dtype=torch.long, device=dev)
         self.attn_q = torch.zeros(max_capacity, num_q_heads, head_dim, dtype=dtype, device=dev)
         self.attn_out = torch.zeros(max_capacity, num_q_heads, head_dim, dtype=dtype, device=dev)
         self.hidden_out = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev)
@@ -69,7 +70,21 @@ class StaticBuffers:
         if self._staged:
             self._ids_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=True)
             self._pos_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=True)
-            self._slots_host = torch.full((cp_size * max_capacity,), -1, dtype=torch.long, pin_memory=True)
+            self._slots_host = torch.full((max_capacity,), -1, dtype=torch.long, pin_memory=True)
+        self._host_cache: tuple = ((), ())
+
+    def _host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """numpy views of what fill writes: the pinned staging copies on CUDA, the
+        static tensors themselves on CPU (re-derived if a tensor was replaced)."""
+        if self._staged:
+            tensors = (self._ids_host, self._pos_host, self._slots_host)
+        else:
+            tensors = (self.input_ids, self.positions, self.kv_slots)
+        cached, arrays = self._host_cache
+        if len(cached) != 3 or any(a is not b for a, b in zip(cached, tensors)):
+            arrays = tuple(t.numpy() for t in tensors)
+            self._host_cache = (tensors, arrays)
+        return arrays
 
     def _bases(self) -> tuple:
         return (self.input_ids, self.positions, self.kv_slots, self.attn_q, self.attn_out, self.hidden_out,
@@ -92,7 +107,7 @@ class StaticBuffers:
             capacity=c,
             input_ids=self.input_ids[:c],
             positions=self.positions[:c],
-            kv_slots=self.kv_slots[: self.cp_size * c],
+            kv_slots=self.kv_slots[:c],
             attn_q=self.attn_q[:c],
             attn_out=self.attn_out[:c],
             hidden_out=self.hidden_out[:c],
@@ -112,40 +127,42 @@ class StaticBuffers:
         capacity: int,
         input_ids: np.ndarray,
         positions: np.ndarray,
-        kv_slot_index: np.ndarray,
-        kv_slot_values: np.ndarray,
+        kv_slots: np.ndarray,
         cu_seqlens_q: np.ndarray | None = None,
         kv_lens: np.ndarray | None = None,
         page_table: np.ndarray | None = None,
     ) -> BucketView:
-        """Copy one rank's live batch into the bucket's views and pad inertly.
+        """Copy one rank's live rows (token ids, positions, KV cache slots) into the
+        bucket's views and pad inertly (0, 0, -1).
 
-        The gathered slot mapping ([C * capacity], rank-major) is -1 everywhere but
-        at ``kv_slot_index``, which gets ``kv_slot_values``. Only the bucket's own
-        prefix is written: a graph of capacity ``cap`` reads nothing past it, and
-        every row of it is rewritten, so nothing of an earlier batch survives into
-        what a later one reads. Segment metadata is only needed in full-graph mode.
+        Everything is CP-local: the KV exchange all-gathers the slots with the rows,
+        so a rank's host work is proportional to its own rows, not the batch's.
+        Only the bucket's own prefix is written: a graph of capacity ``cap`` reads
+        nothing past it, and every row of it is rewritten, so nothing of an earlier
+        batch survives into what a later one reads. Segment metadata is only needed
+        in full-graph mode.
         """
         n = input_ids.shape[0]
         if n > capacity:
             raise ValueError(f"{n} local rows do not fit bucket capacity {capacity}")
         if capacity > self.max_capacity:
             raise ValueError(f"bucket capacity {capacity} exceeds the buffers' {self.max_capacity}")
-        g = self.cp_size * capacity
-        if self._staged:
-            ids, pos, slots = self._ids_host.numpy(), self._pos_host.numpy(), self._slots_host.numpy()
-        else:
-            ids, pos, slots = self.input_ids.numpy(), self.positions.numpy(), self.kv_slots.numpy()
+        if positions.shape[0] != n or kv_slots.shape[0] != n:
+            raise ValueError(
+                f"input_ids, positions and kv_slots must have one entry per local row; got {n}, "
+                f"{positions.shape[0]} and {kv_slots.shape[0]}"
+            )
+        ids, pos, slots = self._host_arrays()
         ids[:n] = input_ids
         ids[n:capacity] = 0
         pos[:n] = positions
         pos[n:capacity] = 0
-        slots[:g] = -1
-        slots[kv_slot_index] = kv_slot_values
+        slots[:n] = kv_slots
+        slots[n:capacity] = -1
         if self._staged:
             self.input_ids[:capacity].copy_(self._ids_host[:capacity], non_blocking=True)
             self.positions[:capacity].copy_(self._pos_host[:capacity], non_blocking=True)
-            self.kv_slots[:g].copy_(self._slots_host[:g], non_blocking=True)
+            self.kv_slots[:capacity].copy_(self._slots_host[:capacity], non_blocking=True)
         if cu_seqlens_q is not None:
             self._fill_segments(cu_seqlens_q, kv_lens, page_table)
         return self.view(capacity)

@@ -108,16 +108,16 @@ class GraphRunner:
             return AttentionMetadata.from_host(np.zeros(1), np.zeros(0), np.zeros((0, 1)), self.engine.kv.page_size,
                                                self.engine.device)
         return AttentionMetadata(
-            cu_seqlens_q=view.cu_seqlens_q, kv_lens=view.kv_lens, page_table=view.page_table,
             cu_seqlens_q_host=np.zeros(S + 1, dtype=np.int32), kv_lens_host=np.zeros(S, dtype=np.int32),
             page_table_host=np.zeros((S, self.max_pages), dtype=np.int32), page_size=self.engine.kv.page_size,
             max_q_len=view.capacity, max_kv_len=self.max_pages * self.engine.kv.page_size,
+            device=self.engine.device, device_tensors=(view.cu_seqlens_q, view.kv_lens, view.page_table),
         )
 
     def _fill_inert(self, capacity: int) -> BucketView:
         empty = np.zeros(0, dtype=np.int64)
         seg = (np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros((0, 1), np.int32)) if self.full else (None,) * 3
-        return self.buffers.fill(capacity, empty, empty, empty, empty, *seg)
+        return self.buffers.fill(capacity, empty, empty, empty, *seg)
 
     def capture_bucket(self, capacity: int) -> BucketCaptureStats:
         eng = self.engine
@@ -160,8 +160,7 @@ class GraphRunner:
 
     def fill(self, prep, capacity: int) -> BucketView:
         seg = (prep.meta.cu_seqlens_q_host, prep.meta.kv_lens_host, prep.seg_page_table) if self.full else (None,) * 3
-        return self.buffers.fill(capacity, prep.ids, prep.positions, prep.plan.gather_index(capacity), prep.slots_global,
-                                 *seg)
+        return self.buffers.fill(capacity, prep.ids, prep.positions, prep.slots, *seg)
 
     def _check(self, capacity: int, view: BucketView) -> None:
         # the same view object as last time means no buffer was replaced since that check

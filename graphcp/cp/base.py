@@ -28,11 +28,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from functools import cached_property
 from operator import attrgetter
-from typing import NamedTuple, Sequence, Union
+from typing import Sequence, Union
 
 import numpy as np
 
-__all__ = ["GatherBlocks", "Layout", "Plan", "RankPlan", "causal_work_per_rank", "IntArrayLike"]
+__all__ = ["Layout", "Plan", "RankPlan", "causal_work_per_rank", "IntArrayLike"]
 
 IntArrayLike = Union[Sequence[int], np.ndarray]
 
@@ -161,7 +161,7 @@ class RankPlan:
     """What one rank needs for one batch: its rows in local order and its segments.
 
     ``rows``, ``positions`` and ``row_request`` have one entry per local row
-    (unpadded); a layout may pass ``row_request=None`` to derive it on first use. Segments are contiguous runs of local rows: segment ``s`` covers
+    (unpadded). Segments are contiguous runs of local rows: segment ``s`` covers
     local rows ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1]``, attends request
     ``seg_request[s]`` and sees ``seg_kv_len[s]`` keys at its last row (bottom-right
     causal alignment, prefix included). Segments may be empty (``q_len == 0``):
@@ -188,6 +188,9 @@ class RankPlan:
     positions: np.ndarray = _ro(  # type: ignore[assignment]
         "positions", "int64 [n]: absolute position of each local row (prefix + offset)"
     )
+    row_request: np.ndarray = _ro(  # type: ignore[assignment]
+        "row_request", "int64 [n]: request of each local row"
+    )
     seg_request: np.ndarray = _ro(  # type: ignore[assignment]
         "seg_request", "int64 [S]: request of each segment"
     )
@@ -206,7 +209,7 @@ class RankPlan:
         rank: int,
         rows: np.ndarray,
         positions: np.ndarray,
-        row_request: np.ndarray | None,
+        row_request: np.ndarray,
         seg_request: np.ndarray,
         seg_q_len: np.ndarray,
         seg_kv_len: np.ndarray,
@@ -220,15 +223,6 @@ class RankPlan:
         self._seg_q_len = seg_q_len
         self._seg_kv_len = seg_kv_len
         self._cu_seqlens_q = cu_seqlens_q
-
-    @property
-    def row_request(self) -> np.ndarray:
-        """int64 [n]: request of each local row (derived from the segments on first use)."""
-        out = self._row_request
-        if out is None:
-            out = self._row_request = self._seg_request.repeat(self._seg_q_len)
-            out.setflags(write=False)
-        return out
 
     @property
     def num_rows(self) -> int:
@@ -250,28 +244,6 @@ class RankPlan:
             f"RankPlan(rank={self.rank}, num_rows={self.num_rows}, "
             f"num_segments={self.num_segments})"
         )
-
-
-# --------------------------------------------------------------------------- GatherBlocks
-
-
-class GatherBlocks(NamedTuple):
-    """A plan's rows as *blocks*: runs of consecutive positions of one request that
-    sit on consecutive local rows of one rank.
-
-    Blocks are listed in rank-major local order (rank 0's blocks in its local order,
-    then rank 1's, ...), so after a rank-major all-gather padded to ``capacity``
-    block ``b`` covers gathered rows ``owner[b] * capacity + local_start[b]`` onward,
-    ascending in ``b``. Blocks may be empty (``length == 0``). This is what lets the
-    KV slot mapping of the gathered rows be computed per page run instead of per
-    token (:mod:`graphcp.kv_slots`). All arrays int64 [N], read-only.
-    """
-
-    request: np.ndarray  # request of the block
-    position: np.ndarray  # absolute position of its first row
-    length: np.ndarray  # rows
-    owner: np.ndarray  # rank holding it
-    local_start: np.ndarray  # its first row's index in the owner's local order
 
 
 # --------------------------------------------------------------------------- Plan
@@ -430,26 +402,6 @@ class Plan(ABC):
         out = self.owner * cap
         out += self.local_index
         return out
-
-    @property
-    def gather_blocks(self) -> GatherBlocks:
-        """This plan's rows as :class:`GatherBlocks` (computed on first use)."""
-        blocks = self.__dict__.get("_gather_blocks")
-        if blocks is None:
-            blocks = self.__dict__["_gather_blocks"] = self._build_gather_blocks()
-        return blocks
-
-    def _build_gather_blocks(self) -> GatherBlocks:
-        """The generic version makes every row its own block; layouts whose ranks own
-        longer runs override it."""
-        ranks = self.ranks()
-        request = np.concatenate([rp.row_request for rp in ranks])
-        position = np.concatenate([rp.positions for rp in ranks])
-        owner = np.repeat(arange(self.cp_size), self.local_rows)
-        local = np.concatenate([arange(n) for n in self.local_rows])
-        length = np.ones(self.num_tokens, dtype=np.int64)
-        _frozen(request, position, owner, local, length)
-        return GatherBlocks(request, position, length, owner, local)
 
     def padded_rows(self, align: int) -> int:
         """``max_local_rows`` rounded up to a multiple of ``align``."""

@@ -31,7 +31,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .base import GatherBlocks, Layout, Plan, RankPlan, _frozen, arange
+from .base import Layout, Plan, RankPlan, _frozen, arange
 
 __all__ = ["ZigzagLayout", "ZigzagPlan"]
 
@@ -56,7 +56,6 @@ class _BatchTables:
         "last_owner",
         "last_rm",
         "request_x2",
-        "owner_rm",
         "zeros",
     )
 
@@ -68,8 +67,6 @@ class _BatchTables:
         k_rm = np.where(e == 0, r, c2 - 1 - r)  # [C, 1, 2]: block k of each (r, e)
         #: request of each rank-major block
         self.request_rm = np.broadcast_to(j, (c, num, 2)).ravel()
-        #: owner rank of each rank-major block
-        self.owner_rm = np.broadcast_to(r, (c, num, 2)).ravel()
         self.zeros = np.zeros(num, dtype=np.int64)
         #: 2C-1-k per rank-major block: block k of a request of length L has
         #: (L + 2C-1-k) // 2C rows (base + 1 for the first L % 2C blocks, else base)
@@ -126,9 +123,9 @@ class ZigzagPlan(Plan):
     :class:`_BatchTables`): ``_q`` block sizes = segment q_lens, ``_ends`` the
     running row count along the concatenated local orders (``_ends[r * 2R]`` =
     rows of ranks before r), ``_local_end`` each block's end in its owner's local
-    order, and the per-block constant *shifts* global row - local index
-    (``_row_shift``) and position - local index (``_pos_shift``). Every per-row array
-    is one ``repeat`` of a per-block value plus ``arange``.
+    order, and ``_shift`` [3, blocks]: per block, global row - local index,
+    position - local index and the request. A rank's per-row arrays (rows,
+    positions, requests) are one 2-D ``repeat`` of its slice plus ``arange``.
     """
 
     layout_name = "zigzag"
@@ -160,12 +157,13 @@ class ZigzagPlan(Plan):
         delta = prefix_lens + extend_lens
         delta -= gend[c2 - 1 :: c2]
         gend = gend[tab.global_of_rm]  # rank-major
-        # per block: global row - local index, position - local index (one array, so a
-        # rank's per-row values are a single 2-D repeat)
-        shift = np.empty((2, nblk), dtype=np.int64)
+        # per block: global row - local index, position - local index, request (one
+        # array, so a rank's per-row values are a single 2-D repeat)
+        shift = np.empty((3, nblk), dtype=np.int64)
         np.subtract(gend, local_end, out=shift[0])
         delta = delta[tab.request_rm]
         np.add(shift[0], delta, out=shift[1])
+        shift[2] = tab.request_rm
         kv = gend
         kv += delta
         q.setflags(write=False)  # exposed through RankPlan views
@@ -189,14 +187,14 @@ class ZigzagPlan(Plan):
         lo = r * nseg
         hi = lo + nseg
         q = self._q[lo:hi]
-        per_row = self._shift[:, lo:hi].repeat(q, axis=1)  # [2, n]: row, position
-        per_row += arange(self.local_rows[r])
+        per_row = self._shift[:, lo:hi].repeat(q, axis=1)  # [3, n]: row, position, request
+        per_row[:2] += arange(self.local_rows[r])
         per_row.setflags(write=False)
-        rows, positions = per_row
+        rows, positions, row_request = per_row
         ends = self._ends[lo : hi + 1]
         cu = (ends - ends[0]).astype(np.int32)
         cu.setflags(write=False)
-        return RankPlan(r, rows, positions, None, self._tab.seg_request, q, self._kv[lo:hi], cu)
+        return RankPlan(r, rows, positions, row_request, self._tab.seg_request, q, self._kv[lo:hi], cu)
 
     # ----------------------------------------------------------------- global maps
 
@@ -253,14 +251,6 @@ class ZigzagPlan(Plan):
         cu[1:] = np.add.accumulate(self._sizes)[c2 - 1 :: c2]
         _frozen(cu)
         return cu
-
-    def _build_gather_blocks(self) -> GatherBlocks:
-        tab = self._tab
-        q = self._q
-        local_start = self._local_end - q
-        position = self._kv - q
-        _frozen(local_start, position)
-        return GatherBlocks(tab.request_rm, position, q, tab.owner_rm, local_start)
 
     @property
     def last_owner(self) -> np.ndarray:  # type: ignore[override]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.attention.exchange import exchange_and_write_kv
+from graphcp.attention.exchange import exchange_and_write_kv, gather_kv_slots
 from graphcp.config import ModelConfig
 from graphcp.forward_context import ForwardContext
 from graphcp.graph_break import graph_break
@@ -85,6 +85,7 @@ class DecoderModel(nn.Module):
 
     def body(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Local rows in, final-normed hidden states of the same rows out."""
+        gather_kv_slots(ctx)
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             with nvtx_range(f"layer[{i}]", category="eager"):
