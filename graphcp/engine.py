@@ -265,14 +265,18 @@ class PrefillEngine:
         with nvtx_range("prepare", category="host"):
             rp = plan.rank(self.rank)
             seq_rows = self.kv.table_rows(seq_ids)
-            # this rank's segments read pages up to their kv lengths only
-            max_kv = max(rp.seg_kv_len.tolist(), default=0)
-            seg_pt = self.kv.page_table_rows(seq_rows[rp.seg_request], max(1, self.kv.pages_for(max_kv)))
-            meta = AttentionMetadata.from_host(rp.cu_seqlens_q, rp.seg_kv_len, seg_pt, self.kv.page_size, self.device,
-                                              validate=False, max_q_len=max(rp.seg_q_len.tolist(), default=0),
-                                              max_kv_len=max_kv)
+            # attention metadata written in place into one packed buffer; this rank's
+            # segments read pages up to their kv lengths only
+            kv_lens = rp.seg_kv_len
+            max_kv = max(kv_lens.tolist(), default=0)
+            buf, cu, kv, pt = AttentionMetadata.host_buffers(kv_lens.shape[0], max(1, self.kv.pages_for(max_kv)))
+            cu[:] = rp.cu_seqlens_q
+            kv[:] = kv_lens
+            self.kv.page_table_rows(seq_rows[rp.seg_request], pt.shape[1], out=pt)
+            meta = AttentionMetadata(cu, kv, pt, self.kv.page_size, max(rp.seg_q_len.tolist(), default=0), max_kv,
+                                     self.device, _packed=buf)
             slots = self.kv.slots(seq_rows, rp.row_request, rp.positions)
-            return _Prepared(plan, seq_ids, flat[rp.rows], rp.positions, slots, meta, meta.page_table_host)
+            return _Prepared(plan, seq_ids, flat[rp.rows], rp.positions, slots, meta, pt)
 
     def make_context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, view=None) -> ForwardContext:
         ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group)

@@ -84,6 +84,7 @@ class PagedKVCache:
         if max_pages_per_seq < 1:
             raise ValueError(f"max_pages_per_seq must be >= 1, got {max_pages_per_seq}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self._page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else None
         self.num_kv_heads, self.head_dim, self.layout = num_kv_heads, head_dim, layout
         page = (page_size, num_kv_heads, head_dim) if layout == "NHD" else (num_kv_heads, page_size, head_dim)
         self.pool = torch.zeros((num_layers, num_pages, 2, *page), dtype=dtype, device=device)
@@ -253,16 +254,19 @@ class PagedKVCache:
             raise ValueError(f"sequence {seq_ids[i]} has {n_pages[i]} pages, page table width is {width}")
         return self.page_table_rows(rows, width)
 
-    def page_table_rows(self, rows: np.ndarray, width: int) -> np.ndarray:
-        """:meth:`page_table` from :meth:`table_rows`, unchecked (the hot path): a fresh
-        [len(rows), width] int32 array; columns past :attr:`table_width` are scratch."""
+    def page_table_rows(self, rows: np.ndarray, width: int, out: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`page_table` from :meth:`table_rows`, unchecked (the hot path): a
+        [len(rows), width] int32 array (``out`` when given); columns past
+        :attr:`table_width` are scratch."""
         w = self._table.shape[1]
         if width <= w:
-            return self._table[:, :width].take(rows, axis=0)  # take: faster than table[rows, :width]
-        out = np.full((len(rows), width), SCRATCH_PAGE, dtype=np.int32)
-        out[:, :w] = self._table.take(rows, axis=0)
+            # take: faster than table[rows, :width]; into out, no second copy
+            return self._table[:, :width].take(rows, axis=0, out=out)
+        if out is None:
+            out = np.empty((len(rows), width), dtype=np.int32)
+        out[:, w:] = SCRATCH_PAGE
+        self._table.take(rows, axis=0, out=out[:, :w])
         return out
-
 
     def slots(self, seq_rows: np.ndarray, row_request: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """int64 [n]: the cache slot of each token, ``page * page_size + position % page_size``
@@ -272,9 +276,15 @@ class PagedKVCache:
         ps, table = self.page_size, self._table
         idx = seq_rows[row_request]
         idx *= table.shape[1]
-        idx += positions // ps
-        out = np.multiply(table.reshape(-1)[idx], ps, dtype=np.int64)
-        out += positions % ps
+        shift = self._page_shift
+        if shift is not None:  # a power-of-two page: shifts and masks, not divisions
+            idx += positions >> shift
+            out = np.left_shift(table.reshape(-1).take(idx), shift, dtype=np.int64)
+            out |= positions & (ps - 1)
+        else:
+            idx += positions // ps
+            out = np.multiply(table.reshape(-1).take(idx), ps, dtype=np.int64)
+            out += positions % ps
         return out
 
 def write_kv(

@@ -124,6 +124,15 @@ class AttentionMetadata:
         return (f"AttentionMetadata(num_segments={self.num_segments}, num_q_rows={self.num_q_rows}, "
                 f"max_q_len={self.max_q_len}, max_kv_len={self.max_kv_len}, page_size={self.page_size})")
 
+    @staticmethod
+    def host_buffers(num_segments: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """A packed int32 buffer and its cu_seqlens_q [S + 1], kv_lens [S] and page
+        table [S, width] views, for a caller that writes them in place and then passes
+        the views and ``_packed=buffer`` to the constructor (the engine's hot path)."""
+        s = num_segments
+        buf = np.empty(2 * s + 1 + s * width, dtype=np.int32)
+        return buf, buf[: s + 1], buf[s + 1 : 2 * s + 1], buf[2 * s + 1 :].reshape(s, width)
+
     @classmethod
     def from_host(
         cls,
@@ -144,9 +153,8 @@ class AttentionMetadata:
         cu, kv, pt = np.asarray(cu_seqlens_q), np.asarray(kv_lens), np.asarray(page_table)
         if validate:
             cls._validate(cu, kv, pt, page_size)
-        s, width = kv.shape[0], pt.shape[1]
-        buf = np.empty(2 * s + 1 + s * width, dtype=np.int32)
-        cu_h, kv_h, pt_h = buf[: s + 1], buf[s + 1 : 2 * s + 1], buf[2 * s + 1 :].reshape(s, width)
+        s = kv.shape[0]
+        buf, cu_h, kv_h, pt_h = cls.host_buffers(s, pt.shape[1])
         cu_h[:] = cu
         kv_h[:] = kv
         pt_h[:] = pt

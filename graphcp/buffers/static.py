@@ -12,6 +12,7 @@ survives into what a later one reads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import is_
 
 import numpy as np
 import torch
@@ -81,7 +82,7 @@ class StaticBuffers:
         else:
             tensors = (self.input_ids, self.positions, self.kv_slots)
         cached, arrays = self._host_cache
-        if len(cached) != 3 or any(a is not b for a, b in zip(cached, tensors)):
+        if len(cached) != 3 or not all(map(is_, cached, tensors)):
             arrays = tuple(t.numpy() for t in tensors)
             self._host_cache = (tensors, arrays)
         return arrays
@@ -95,7 +96,7 @@ class StaticBuffers:
         the runner's checks see what a replay would really read)."""
         bases = self._bases()
         hit = self._views.get(capacity)
-        if hit is None or any(a is not b for a, b in zip(hit[0], bases)):
+        if hit is None or not all(map(is_, hit[0], bases)):
             hit = self._views[capacity] = (bases, self._make_view(capacity))
         return hit[1]
 

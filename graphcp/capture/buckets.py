@@ -13,6 +13,7 @@ import bisect
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,8 +33,9 @@ def align_up(n: "int | np.ndarray", align: int):
     return -(-n // align) * align
 
 
-@dataclass(frozen=True)
-class Selection:
+class Selection(NamedTuple):
+    """One forward's bucket choice (a tuple: made per forward, so cheap to build)."""
+
     required: int  # the largest rank's local rows
     capacity: int | None  # the chosen bucket, None when the forward runs eagerly
     reason: str | None = None  # why eager, one of the FALLBACK_* keys

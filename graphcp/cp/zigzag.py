@@ -48,7 +48,8 @@ class _BatchTables:
 
     __slots__ = (
         "request_rm",
-        "size_offset_rm",
+        "size_offset",
+        "shift_template",
         "rm_of_global",
         "global_of_rm",
         "owner_global",
@@ -68,9 +69,12 @@ class _BatchTables:
         #: request of each rank-major block
         self.request_rm = np.broadcast_to(j, (c, num, 2)).ravel()
         self.zeros = np.zeros(num, dtype=np.int64)
-        #: 2C-1-k per rank-major block: block k of a request of length L has
-        #: (L + 2C-1-k) // 2C rows (base + 1 for the first L % 2C blocks, else base)
-        self.size_offset_rm = np.broadcast_to(c2 - 1 - k_rm, (c, num, 2)).ravel()
+        #: 2C-1-k per block k: block k of a request of length L has (L + 2C-1-k) // 2C
+        #: rows (base + 1 for the first L % 2C blocks, else base)
+        self.size_offset = np.arange(c2 - 1, -1, -1, dtype=np.int64)
+        #: a plan's [3, blocks] shift table before its per-batch rows are written
+        self.shift_template = np.zeros((3, c * num * 2), dtype=np.int64)
+        self.shift_template[2] = self.request_rm
         #: global block index of each rank-major block, and the inverse
         self.global_of_rm = (j * c2 + k_rm).ravel()
         self.rm_of_global = np.empty_like(self.global_of_rm)
@@ -90,7 +94,7 @@ class _BatchTables:
         #: rank-major index of its block for request 0 (add 2j for request j)
         self.last_rm = np.where(k_last < c, k_last * 2 * num, (c2 - 1 - k_last) * 2 * num + 1)
         self.request_x2 = 2 * np.arange(num, dtype=np.int64)
-        _frozen(self.request_rm, self.size_offset_rm, self.global_of_rm, self.rm_of_global)
+        _frozen(self.request_rm, self.size_offset, self.shift_template, self.global_of_rm, self.rm_of_global)
         _frozen(self.owner_global, self.seg_request, self.last_owner, self.last_rm)
         _frozen(self.request_x2, self.zeros)
 
@@ -120,10 +124,8 @@ class ZigzagPlan(Plan):
     """Plan of the zigzag layout (see the module docstring).
 
     Computed at block granularity on flat rank-major arrays (see
-    :class:`_BatchTables`): ``_q`` block sizes = segment q_lens, ``_ends`` the
-    running row count along the concatenated local orders (``_ends[r * 2R]`` =
-    rows of ranks before r), ``_local_end`` each block's end in its owner's local
-    order, and ``_shift`` [3, blocks]: per block, global row - local index,
+    :class:`_BatchTables`): ``_q`` block sizes = segment q_lens, ``_local_end``
+    each block's end in its owner's local order, and ``_shift`` [3, blocks]: per block, global row - local index,
     position - local index and the request. A rank's per-row arrays (rows,
     positions, requests) are one 2-D ``repeat`` of its slice plus ``arange``.
     """
@@ -140,30 +142,26 @@ class ZigzagPlan(Plan):
         c2 = 2 * cp_size
         num = extend_lens.shape[0]
         nseg = 2 * num
-        nblk = cp_size * nseg
         tab = (tables if tables is not None else _ZigzagTables(cp_size)).batch(num)
         # block k of a request of length L has (L + 2C-1-k) // 2C rows
-        q = extend_lens[tab.request_rm]
-        q += tab.size_offset_rm
-        q //= c2
-        ends = np.zeros(nblk + 1, dtype=np.int64)
-        np.add.accumulate(q, out=ends[1:])
-        super().__init__(cp_size, extend_lens, prefix_lens, int(ends[-1]))
-        rank_start = ends[0:nblk:nseg]
-        local_end = ends[1:] - rank_start.repeat(nseg)
-        sizes = q[tab.rm_of_global]  # global order
+        sizes = extend_lens[:, None] + tab.size_offset  # [R, 2C], global order
+        sizes //= c2
+        sizes = sizes.reshape(-1)
+        q = sizes[tab.global_of_rm]  # rank-major
+        # each block's end in its owner's local order
+        local_end = np.add.accumulate(q.reshape(cp_size, nseg), axis=1).reshape(-1)
         gend = np.add.accumulate(sizes)
+        super().__init__(cp_size, extend_lens, prefix_lens, int(gend[-1]))
         # position - global row, per request: prefix - first global row
         delta = prefix_lens + extend_lens
         delta -= gend[c2 - 1 :: c2]
         gend = gend[tab.global_of_rm]  # rank-major
         # per block: global row - local index, position - local index, request (one
         # array, so a rank's per-row values are a single 2-D repeat)
-        shift = np.empty((3, nblk), dtype=np.int64)
+        shift = tab.shift_template.copy()  # row 2 already holds the requests
         np.subtract(gend, local_end, out=shift[0])
         delta = delta[tab.request_rm]
         np.add(shift[0], delta, out=shift[1])
-        shift[2] = tab.request_rm
         kv = gend
         kv += delta
         q.setflags(write=False)  # exposed through RankPlan views
@@ -172,7 +170,6 @@ class ZigzagPlan(Plan):
         d = self.__dict__
         d["_tab"] = tab
         d["_q"] = q
-        d["_ends"] = ends
         d["_local_end"] = local_end
         d["_sizes"] = sizes
         d["_shift"] = shift
@@ -191,8 +188,8 @@ class ZigzagPlan(Plan):
         per_row[:2] += arange(self.local_rows[r])
         per_row.setflags(write=False)
         rows, positions, row_request = per_row
-        ends = self._ends[lo : hi + 1]
-        cu = (ends - ends[0]).astype(np.int32)
+        cu = np.zeros(nseg + 1, dtype=np.int32)
+        cu[1:] = self._local_end[lo:hi]
         cu.setflags(write=False)
         return RankPlan(r, rows, positions, row_request, self._tab.seg_request, q, self._kv[lo:hi], cu)
 
