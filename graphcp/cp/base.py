@@ -116,15 +116,13 @@ def validate_lengths(
     ):
         # fast path for int64 vectors (what the engine passes): one copy for both
         num = extend_lens.shape[0]
-        if num:
-            if prefix_lens is None:
-                buf = np.concatenate((extend_lens, np.zeros(num, dtype=np.int64)))
-            else:
-                buf = np.concatenate((extend_lens, prefix_lens))
-            ext, pre = buf[:num], buf[num:]
-            if np.minimum.reduce(ext) >= 1 and np.minimum.reduce(pre) >= 0:
-                buf.setflags(write=False)
-                return buf[:num], buf[num:]
+        if num and min(extend_lens.tolist()) >= 1 and (prefix_lens is None or min(prefix_lens.tolist()) >= 0):
+            buf = np.zeros(2 * num, dtype=np.int64)
+            buf[:num] = extend_lens
+            if prefix_lens is not None:
+                buf[num:] = prefix_lens
+            buf.setflags(write=False)
+            return buf[:num], buf[num:]
     ext = _as_lengths(extend_lens, "extend_lens")
     num = ext.shape[0]
     if num == 0:
