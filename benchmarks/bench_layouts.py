@@ -4,8 +4,9 @@ Run: ``pytest benchmarks/bench_layouts.py --benchmark-only``.
 
 1. ``test_zigzag_plan_one_rank``: everything one rank's engine reads from the layout
    for a batch of 16 requests at C = 8 -- the plan (every rank's row count, hence
-   the bucket), its own RankPlan (rows, positions, row requests, segments,
-   cu_seqlens) and the last-token owners. The O(T) gather index is not on this
+   the bucket), its own RankPlan (rows, positions, segments, cu_seqlens) and the
+   last-token owners (``PrefillEngine._prepare`` and ``_last_logits`` read exactly
+   these; ``row_request`` is derived on first use and the engine does not ask). The O(T) gather index is not on this
    path: the KV exchange all-gathers each rank's own slot mapping, and only
    all-token logits (tests) use ``gather_index``. Target (issue acceptance):
    median < 40 us on the 2-core dev machine.
@@ -51,8 +52,7 @@ def test_zigzag_plan_one_rank(benchmark, case):
         rp = plan.rank(rank)
         # what the engine reads: rows, positions and segment metadata of its rank,
         # the gather index for its bucket, and where each request's last token is
-        meta = (rp.rows, rp.positions, rp.row_request, rp.seg_request, rp.seg_q_len, rp.seg_kv_len,
-                rp.cu_seqlens_q)
+        meta = (rp.rows, rp.positions, rp.seg_request, rp.seg_q_len, rp.seg_kv_len, rp.cu_seqlens_q)
         # the bucket (every rank's row count) and where each request's last token is
         bucket = plan.padded_rows(8)
         return plan, meta, bucket, plan.last_owner, plan.last_local_index

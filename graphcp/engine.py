@@ -275,7 +275,7 @@ class PrefillEngine:
             self.kv.page_table_rows(seq_rows[rp.seg_request], pt.shape[1], out=pt)
             meta = AttentionMetadata(cu, kv, pt, self.kv.page_size, max(rp.seg_q_len.tolist(), default=0), max_kv,
                                      self.device, _packed=buf)
-            slots = self.kv.slots(seq_rows, rp.row_request, rp.positions)
+            slots = self.kv.slots(seq_rows, rp.positions, rp.seg_request, rp.seg_q_len)
             return _Prepared(plan, seq_ids, flat[rp.rows], rp.positions, slots, meta, pt)
 
     def make_context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, view=None) -> ForwardContext:

@@ -268,23 +268,33 @@ class PagedKVCache:
         self._table.take(rows, axis=0, out=out[:, :w])
         return out
 
-    def slots(self, seq_rows: np.ndarray, row_request: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """int64 [n]: the cache slot of each token, ``page * page_size + position % page_size``
-        with ``page`` the entry of the token's request in the dense table: ``seq_rows[j]``
-        is request ``j``'s table row (:meth:`table_rows`), ``row_request[i]`` token
-        ``i``'s request. Its pages must be reserved (:meth:`extend`)."""
+    def slots(
+        self, seq_rows: np.ndarray, positions: np.ndarray, run_request: np.ndarray, run_length: np.ndarray
+    ) -> np.ndarray:
+        """int64 [n]: the cache slot of each token, ``page * page_size + position % page_size``.
+
+        The tokens come in runs (a rank's segments, say): run ``s`` is ``run_length[s]``
+        consecutive tokens of request ``run_request[s]``, and ``seq_rows[j]`` is request
+        ``j``'s row of the dense table (:meth:`table_rows`). The pages must be reserved
+        (:meth:`extend`). Per token: one add, one table lookup and a few bit operations.
+        """
         ps, table = self.page_size, self._table
-        idx = seq_rows[row_request]
-        idx *= table.shape[1]
+        # virtual position: a request's positions offset by its table row, so that
+        # vpos // page_size indexes the flattened table and vpos % page_size is the offset
+        base = seq_rows[run_request]
+        base *= table.shape[1] * ps
+        vpos = base.repeat(run_length)
+        vpos += positions
+        flat = table.reshape(-1)
         shift = self._page_shift
         if shift is not None:  # a power-of-two page: shifts and masks, not divisions
-            idx += positions >> shift
-            out = np.left_shift(table.reshape(-1).take(idx), shift, dtype=np.int64)
-            out |= positions & (ps - 1)
+            out = np.left_shift(flat.take(vpos >> shift), shift, dtype=np.int64)
+            vpos &= ps - 1
+            out |= vpos
         else:
-            idx += positions // ps
-            out = np.multiply(table.reshape(-1).take(idx), ps, dtype=np.int64)
-            out += positions % ps
+            out = np.multiply(flat.take(vpos // ps), ps, dtype=np.int64)
+            vpos %= ps
+            out += vpos
         return out
 
 def write_kv(

@@ -386,9 +386,20 @@ def test_page_table_and_slots():
     assert pt[0].tolist() == list(pa) and pt[1].tolist() == [pb[0], SCRATCH_PAGE, SCRATCH_PAGE]
     rows, pos = np.array([0, 0, 0, 1]), np.array([0, 5, 8, 1])
     want = [pa[0] * 4, pa[1] * 4 + 1, pa[2] * 4, pb[0] * 4 + 1]
-    assert kv.slots(kv.table_rows([a, b]), rows, pos).tolist() == want
+    ones = np.ones(4, dtype=np.int64)
+    assert kv.slots(kv.table_rows([a, b]), pos, rows, ones).tolist() == want
     # requests index table rows: the same tokens with the batch order swapped
-    assert kv.slots(kv.table_rows([b, a]), 1 - rows, pos).tolist() == want
+    assert kv.slots(kv.table_rows([b, a]), pos, 1 - rows, ones).tolist() == want
+    # runs of consecutive tokens: a's first 6 positions and b's 2
+    want = [pa[p // 4] * 4 + p % 4 for p in range(6)] + [pb[0] * 4, pb[0] * 4 + 1]
+    got = kv.slots(kv.table_rows([a, b]), np.array([0, 1, 2, 3, 4, 5, 0, 1]), np.array([0, 1]), np.array([6, 2]))
+    assert got.tolist() == want
+    # a page size that is not a power of two takes the division path
+    kv3 = _cache(num_pages=8, page_size=3)
+    c = kv3.extend([None], [7])[0]
+    pc = kv3.handle(c).pages
+    got = kv3.slots(kv3.table_rows([c]), np.arange(7), np.array([0]), np.array([7]))
+    assert got.tolist() == [pc[p // 3] * 3 + p % 3 for p in range(7)]
     with pytest.raises(ValueError, match="3 pages, page table width is 2"):
         kv.page_table([a], width=2)
 

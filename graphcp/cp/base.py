@@ -159,7 +159,7 @@ class RankPlan:
     """What one rank needs for one batch: its rows in local order and its segments.
 
     ``rows``, ``positions`` and ``row_request`` have one entry per local row
-    (unpadded). Segments are contiguous runs of local rows: segment ``s`` covers
+    (unpadded); a layout may pass ``row_request=None`` to derive it on first use. Segments are contiguous runs of local rows: segment ``s`` covers
     local rows ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1]``, attends request
     ``seg_request[s]`` and sees ``seg_kv_len[s]`` keys at its last row (bottom-right
     causal alignment, prefix included). Segments may be empty (``q_len == 0``):
@@ -186,9 +186,6 @@ class RankPlan:
     positions: np.ndarray = _ro(  # type: ignore[assignment]
         "positions", "int64 [n]: absolute position of each local row (prefix + offset)"
     )
-    row_request: np.ndarray = _ro(  # type: ignore[assignment]
-        "row_request", "int64 [n]: request of each local row"
-    )
     seg_request: np.ndarray = _ro(  # type: ignore[assignment]
         "seg_request", "int64 [S]: request of each segment"
     )
@@ -207,7 +204,7 @@ class RankPlan:
         rank: int,
         rows: np.ndarray,
         positions: np.ndarray,
-        row_request: np.ndarray,
+        row_request: np.ndarray | None,
         seg_request: np.ndarray,
         seg_q_len: np.ndarray,
         seg_kv_len: np.ndarray,
@@ -221,6 +218,15 @@ class RankPlan:
         self._seg_q_len = seg_q_len
         self._seg_kv_len = seg_kv_len
         self._cu_seqlens_q = cu_seqlens_q
+
+    @property
+    def row_request(self) -> np.ndarray:
+        """int64 [n]: request of each local row (derived from the segments on first use)."""
+        out = self._row_request
+        if out is None:
+            out = self._row_request = self._seg_request.repeat(self._seg_q_len)
+            out.setflags(write=False)
+        return out
 
     @property
     def num_rows(self) -> int:

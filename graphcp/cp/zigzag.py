@@ -49,7 +49,6 @@ class _BatchTables:
     __slots__ = (
         "request_rm",
         "size_offset",
-        "shift_template",
         "rm_of_global",
         "global_of_rm",
         "owner_global",
@@ -72,9 +71,6 @@ class _BatchTables:
         #: 2C-1-k per block k: block k of a request of length L has (L + 2C-1-k) // 2C
         #: rows (base + 1 for the first L % 2C blocks, else base)
         self.size_offset = np.arange(c2 - 1, -1, -1, dtype=np.int64)
-        #: a plan's [3, blocks] shift table before its per-batch rows are written
-        self.shift_template = np.zeros((3, c * num * 2), dtype=np.int64)
-        self.shift_template[2] = self.request_rm
         #: global block index of each rank-major block, and the inverse
         self.global_of_rm = (j * c2 + k_rm).ravel()
         self.rm_of_global = np.empty_like(self.global_of_rm)
@@ -94,7 +90,7 @@ class _BatchTables:
         #: rank-major index of its block for request 0 (add 2j for request j)
         self.last_rm = np.where(k_last < c, k_last * 2 * num, (c2 - 1 - k_last) * 2 * num + 1)
         self.request_x2 = 2 * np.arange(num, dtype=np.int64)
-        _frozen(self.request_rm, self.size_offset, self.shift_template, self.global_of_rm, self.rm_of_global)
+        _frozen(self.request_rm, self.size_offset, self.global_of_rm, self.rm_of_global)
         _frozen(self.owner_global, self.seg_request, self.last_owner, self.last_rm)
         _frozen(self.request_x2, self.zeros)
 
@@ -125,9 +121,9 @@ class ZigzagPlan(Plan):
 
     Computed at block granularity on flat rank-major arrays (see
     :class:`_BatchTables`): ``_q`` block sizes = segment q_lens, ``_local_end``
-    each block's end in its owner's local order, and ``_shift`` [3, blocks]: per block, global row - local index,
-    position - local index and the request. A rank's per-row arrays (rows,
-    positions, requests) are one 2-D ``repeat`` of its slice plus ``arange``.
+    each block's end in its owner's local order, and ``_shift`` [2, blocks]: per
+    block, global row - local index and position - local index. A rank's rows and
+    positions are one 2-D ``repeat`` of its slice plus ``arange``.
     """
 
     layout_name = "zigzag"
@@ -156,9 +152,9 @@ class ZigzagPlan(Plan):
         delta = prefix_lens + extend_lens
         delta -= gend[c2 - 1 :: c2]
         gend = gend[tab.global_of_rm]  # rank-major
-        # per block: global row - local index, position - local index, request (one
-        # array, so a rank's per-row values are a single 2-D repeat)
-        shift = tab.shift_template.copy()  # row 2 already holds the requests
+        # per block: global row - local index, position - local index (one array, so
+        # a rank's per-row values are a single 2-D repeat)
+        shift = np.empty((2, sizes.shape[0]), dtype=np.int64)
         np.subtract(gend, local_end, out=shift[0])
         delta = delta[tab.request_rm]
         np.add(shift[0], delta, out=shift[1])
@@ -184,14 +180,14 @@ class ZigzagPlan(Plan):
         lo = r * nseg
         hi = lo + nseg
         q = self._q[lo:hi]
-        per_row = self._shift[:, lo:hi].repeat(q, axis=1)  # [3, n]: row, position, request
-        per_row[:2] += arange(self.local_rows[r])
+        per_row = self._shift[:, lo:hi].repeat(q, axis=1)  # [2, n]: row, position
+        per_row += arange(self.local_rows[r])
         per_row.setflags(write=False)
-        rows, positions, row_request = per_row[0], per_row[1], per_row[2]  # (unpacking iterates: slower)
+        rows, positions = per_row[0], per_row[1]  # (unpacking iterates: slower)
         cu = np.zeros(nseg + 1, dtype=np.int32)
         cu[1:] = self._local_end[lo:hi]
         cu.setflags(write=False)
-        return RankPlan(r, rows, positions, row_request, self._tab.seg_request, q, self._kv[lo:hi], cu)
+        return RankPlan(r, rows, positions, None, self._tab.seg_request, q, self._kv[lo:hi], cu)
 
     # ----------------------------------------------------------------- global maps
 
