@@ -37,6 +37,25 @@ def test_fill_pads_inertly_and_nothing_of_a_larger_batch_leaks():
     assert v.kv_slots[1:].eq(-1).all() and int(v.kv_slots[0]) == 3
 
 
+def test_fill_repads_what_earlier_fills_dirtied_across_bucket_sizes():
+    """Fill re-pads only rows an earlier fill may have left live; check against a
+    full re-pad over a random sequence of bucket sizes and batch sizes."""
+    b = _buffers(cap=64)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        cap = int(rng.choice([8, 16, 32, 64]))
+        n = int(rng.integers(0, cap + 1))
+        ids = rng.integers(1, 100, n)
+        v = b.fill(cap, ids, ids + 1, ids + 2)
+        assert v.input_ids.tolist() == ids.tolist() + [0] * (cap - n)
+        assert v.positions.tolist() == (ids + 1).tolist() + [0] * (cap - n)
+        assert v.kv_slots.tolist() == (ids + 2).tolist() + [-1] * (cap - n)
+    # a replaced tensor holds unknown rows: the next fill pads the whole bucket
+    b.input_ids = torch.full_like(b.input_ids, 7)
+    v = b.fill(64, np.arange(2), np.arange(2), np.arange(2))
+    assert v.input_ids[2:].eq(0).all()
+
+
 def test_full_graph_segment_metadata_pads_with_empty_segments():
     b = _buffers()
     b.fill(16, np.arange(5), np.arange(5), np.arange(5),

@@ -73,6 +73,9 @@ class StaticBuffers:
             self._pos_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=True)
             self._slots_host = torch.full((max_capacity,), -1, dtype=torch.long, pin_memory=True)
         self._host_cache: tuple = ((), ())
+        #: rows [0, _dirty) of the host inputs may hold a batch; past it they are inert
+        #: (as allocated: token 0, position 0, slot -1)
+        self._dirty = 0
 
     def _host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """numpy views of what fill writes: the pinned staging copies on CUDA, the
@@ -84,6 +87,8 @@ class StaticBuffers:
         cached, arrays = self._host_cache
         if len(cached) != 3 or not all(map(is_, cached, tensors)):
             arrays = tuple(t.numpy() for t in tensors)
+            if cached:
+                self._dirty = self.max_capacity  # a replaced tensor: nothing known to be inert
             self._host_cache = (tensors, arrays)
         return arrays
 
@@ -155,11 +160,17 @@ class StaticBuffers:
             )
         ids, pos, slots = self._host_arrays()
         ids[:n] = input_ids
-        ids[n:capacity] = 0
         pos[:n] = positions
-        pos[n:capacity] = 0
         slots[:n] = kv_slots
-        slots[n:capacity] = -1
+        # re-pad only the rows an earlier fill may have left live: the rest is inert
+        dirty = self._dirty
+        end = min(capacity, dirty)
+        if end > n:
+            ids[n:end] = 0
+            pos[n:end] = 0
+            slots[n:end] = -1
+        # rows past this bucket keep what they held; within it only the first n are live
+        self._dirty = dirty if dirty > capacity else n
         if self._staged:
             self.input_ids[:capacity].copy_(self._ids_host[:capacity], non_blocking=True)
             self.positions[:capacity].copy_(self._pos_host[:capacity], non_blocking=True)
