@@ -10,6 +10,7 @@ model at CP = 2 under 60 s. Numbers go to extra_info; run with
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -34,8 +35,8 @@ def _requests(lens, seed=0):
     return [Request(rng.integers(0, 8192, n)) for n in lens]
 
 
-def _lens(kind: str) -> np.ndarray:
-    rng = np.random.default_rng(1)
+def _lens(kind: str, seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
     return rng.integers(64, 513, 16) if "64" in kind else rng.integers(1, 2001, 16)
 
 
@@ -44,24 +45,32 @@ KINDS = ["16 requests, 64..512 tokens", "16 requests, 1..2000 tokens"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_plan_and_fill_16_requests_cp8(benchmark, host_engine, kind):
-    """The issue's measure: plan (layout + this rank's metadata, slot mapping) and
-    fill (static buffers of the bucket), with the batch's KV already reserved."""
-    lens = _lens(kind)
-    reqs = _requests(lens)
+    """The issue's measure: plan (layout + this rank's metadata, KV slots, attention
+    metadata) and fill (static buffers of the bucket), with the batch's KV already
+    reserved. Calls alternate between two different batches of the kind (prefixes
+    included), so nothing of one call's work is left for the next to reuse."""
     eng = host_engine
-    flat, _ = eng._validate(reqs)
-    extend, prefix = np.asarray(lens, dtype=np.int64), np.zeros(16, dtype=np.int64)
-    seq_ids = eng.kv.extend([None] * 16, extend.tolist())
+    batches = []
+    for seed in (1, 2):
+        lens = _lens(kind, seed)
+        flat, _ = eng._validate(_requests(lens, seed))
+        extend = np.asarray(lens, dtype=np.int64)
+        prefix = np.random.default_rng(seed).integers(0, 65, 16)
+        seq_ids = eng.kv.extend([None] * 16, (prefix + extend).tolist())  # prefix + new tokens reserved
+        batches.append((extend, prefix, seq_ids, flat))
+    turn = itertools.cycle(batches)
 
     def plan_and_fill():
+        extend, prefix, seq_ids, flat = next(turn)
         plan = eng.layout.plan(extend_lens=extend, prefix_lens=prefix)
         prep = eng._prepare(plan, seq_ids, flat)
         eng.runner.fill(prep, eng.runner.select(plan.max_local_rows).capacity)
 
     benchmark.group = "host preparation"
     benchmark(plan_and_fill)
-    eng.kv.rollback(seq_ids, extend.tolist())
-    benchmark.extra_info.update(tokens=int(sum(lens)), target_us=100)
+    for extend, prefix, seq_ids, _ in reversed(batches):
+        eng.kv.rollback(seq_ids, (prefix + extend).tolist())
+    benchmark.extra_info.update(tokens=[int(b[0].sum()) for b in batches], target_us=100)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -18,6 +18,8 @@ Run: ``pytest benchmarks/bench_layouts.py --benchmark-only``.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -43,15 +45,16 @@ def _batch(
 @pytest.mark.parametrize("case", list(PLAN_CASES))
 def test_zigzag_plan_one_rank(benchmark, case):
     cp, num, lens, max_prefix = PLAN_CASES[case]
-    ext, pre = _batch(0, num, lens, max_prefix)
+    # two different batches of the case, alternating: no call reuses the last one's work
+    batches = itertools.cycle([_batch(seed, num, lens, max_prefix) for seed in (0, 1)])
     layout = ZigzagLayout(cp)
     rank = 3
 
     def one_rank():
+        ext, pre = next(batches)
         plan = layout.plan(ext, pre)
         rp = plan.rank(rank)
         # what the engine reads: rows, positions and segment metadata of its rank,
-        # the gather index for its bucket, and where each request's last token is
         meta = (rp.rows, rp.positions, rp.seg_request, rp.seg_q_len, rp.seg_kv_len, rp.cu_seqlens_q)
         # the bucket (every rank's row count) and where each request's last token is
         bucket = plan.padded_rows(8)
