@@ -89,8 +89,9 @@ def validate_cp_size(cp_size: object) -> int:
 
 def validate_lengths(
     extend_lens: IntArrayLike, prefix_lens: IntArrayLike | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Check one batch's lengths; return them as fresh read-only int64 arrays.
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Check one batch's lengths; return them as fresh read-only int64 arrays, and
+    the smallest extend length (which the checks find anyway; layouts branch on it).
 
     Raises ValueError naming the bad request index and value.
     """
@@ -100,14 +101,15 @@ def validate_lengths(
         if prefix_lens is None or len(prefix_lens) == num:
             buf = np.array(extend_lens if prefix_lens is None else extend_lens + prefix_lens)
             if num and buf.ndim == 1 and buf.dtype == np.int64:
-                if min(extend_lens) >= 1 and (prefix_lens is None or min(prefix_lens) >= 0):
+                least = min(extend_lens)
+                if least >= 1 and (prefix_lens is None or min(prefix_lens) >= 0):
                     if prefix_lens is None:
                         ext, pre = buf, np.zeros(num, dtype=np.int64)
                         _frozen(ext, pre)
                     else:
                         buf.setflags(write=False)
                         ext, pre = buf[:num], buf[num:]
-                    return ext, pre
+                    return ext, pre, least
         # otherwise fall through to the checks below, which name the problem
     elif type(extend_lens) is np.ndarray and _is_int64_vector(extend_lens) and (
         prefix_lens is None
@@ -116,13 +118,14 @@ def validate_lengths(
     ):
         # fast path for int64 vectors (what the engine passes): one copy for both
         num = extend_lens.shape[0]
-        if num and min(extend_lens.tolist()) >= 1 and (prefix_lens is None or min(prefix_lens.tolist()) >= 0):
+        least = min(extend_lens.tolist()) if num else 0
+        if least >= 1 and (prefix_lens is None or min(prefix_lens.tolist()) >= 0):
             buf = np.zeros(2 * num, dtype=np.int64)
             buf[:num] = extend_lens
             if prefix_lens is not None:
                 buf[num:] = prefix_lens
             buf.setflags(write=False)
-            return buf[:num], buf[num:]
+            return buf[:num], buf[num:], least
     ext = _as_lengths(extend_lens, "extend_lens")
     num = ext.shape[0]
     if num == 0:
@@ -145,7 +148,7 @@ def validate_lengths(
         j = int(np.flatnonzero(pre < 0)[0])
         raise ValueError(f"prefix_lens[{j}] = {int(pre[j])}: prefix lengths must be >= 0")
     _frozen(ext, pre)
-    return ext, pre
+    return ext, pre, int(np.minimum.reduce(ext))
 
 
 # --------------------------------------------------------------------------- RankPlan
@@ -437,12 +440,12 @@ class Layout(ABC):
         Raises ValueError for an empty batch, an extend length < 1, a negative
         prefix length or mismatched lengths, naming the bad request and value.
         """
-        ext, pre = validate_lengths(extend_lens, prefix_lens)
-        return self._plan(ext, pre)
+        ext, pre, least = validate_lengths(extend_lens, prefix_lens)
+        return self._plan(ext, pre, least)
 
     @abstractmethod
-    def _plan(self, extend_lens: np.ndarray, prefix_lens: np.ndarray) -> Plan:
-        """Build the plan from validated int64 lengths."""
+    def _plan(self, extend_lens: np.ndarray, prefix_lens: np.ndarray, min_extend: int) -> Plan:
+        """Build the plan from validated int64 lengths (``min_extend``: the smallest)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(cp_size={self.cp_size})"

@@ -91,5 +91,5 @@ class InterleaveLayout(Layout):
 
     name = "interleave"
 
-    def _plan(self, extend_lens: np.ndarray, prefix_lens: np.ndarray) -> InterleavePlan:
+    def _plan(self, extend_lens: np.ndarray, prefix_lens: np.ndarray, min_extend: int) -> InterleavePlan:
         return InterleavePlan(self.cp_size, extend_lens, prefix_lens)

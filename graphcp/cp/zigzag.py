@@ -134,6 +134,7 @@ class ZigzagPlan(Plan):
         extend_lens: np.ndarray,
         prefix_lens: np.ndarray,
         tables: _ZigzagTables | None = None,
+        min_extend: int | None = None,
     ) -> None:
         c2 = 2 * cp_size
         num = extend_lens.shape[0]
@@ -165,6 +166,7 @@ class ZigzagPlan(Plan):
         local_rows = local_end[nseg - 1 :: nseg].tolist()
         d = self.__dict__
         d["_tab"] = tab
+        d["_min_extend"] = min(extend_lens.tolist()) if min_extend is None else min_extend
         d["_q"] = q
         d["_local_end"] = local_end
         d["_sizes"] = sizes
@@ -221,7 +223,7 @@ class ZigzagPlan(Plan):
         if last is None:
             tab = self._tab
             c2 = 2 * self.cp_size
-            if min(self.extend_lens.tolist()) >= c2:
+            if self._min_extend >= c2:
                 # every last token is in block 2C-1: rank 0's late block of its request
                 owner = tab.zeros
                 local = self._local_end[1 : 2 * self.num_requests : 2] - 1
@@ -263,5 +265,5 @@ class ZigzagLayout(Layout):
         super().__init__(cp_size)
         self._tables = _ZigzagTables(self.cp_size)
 
-    def _plan(self, extend_lens: np.ndarray, prefix_lens: np.ndarray) -> ZigzagPlan:
-        return ZigzagPlan(self.cp_size, extend_lens, prefix_lens, self._tables)
+    def _plan(self, extend_lens: np.ndarray, prefix_lens: np.ndarray, min_extend: int) -> ZigzagPlan:
+        return ZigzagPlan(self.cp_size, extend_lens, prefix_lens, self._tables, min_extend)
