@@ -85,7 +85,7 @@ class StaticBuffers:
         else:
             tensors = (self.input_ids, self.positions, self.kv_slots)
         cached, arrays = self._host_cache
-        if len(cached) != 3 or not all(map(is_, cached, tensors)):
+        if not cached or not all(map(is_, cached, tensors)):
             arrays = tuple(t.numpy() for t in tensors)
             if cached:
                 self._dirty = self.max_capacity  # a replaced tensor: nothing known to be inert

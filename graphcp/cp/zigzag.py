@@ -239,14 +239,6 @@ class ZigzagPlan(Plan):
             last = self.__dict__["_last_cache"] = (owner, local)
         return last
 
-    @cached_property
-    def cu_extend(self) -> np.ndarray:  # type: ignore[override]
-        cu = np.zeros(self.num_requests + 1, dtype=np.int64)
-        c2 = 2 * self.cp_size
-        cu[1:] = np.add.accumulate(self._sizes)[c2 - 1 :: c2]
-        _frozen(cu)
-        return cu
-
     @property
     def last_owner(self) -> np.ndarray:  # type: ignore[override]
         return self._last()[0]
