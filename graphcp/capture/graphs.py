@@ -85,14 +85,32 @@ FORBIDDEN = {
     _aten._local_scalar_dense.default: "reads a tensor value on the host (.item(), int(t), bool(t))",
     _aten.nonzero.default: "has a data-dependent output shape",
     _aten.masked_select.default: "has a data-dependent output shape",
+    _aten.equal.default: "reads a comparison of tensor values on the host (torch.equal)",
 }
 #: allocations whose contents are undefined: nothing to redo on replay
 UNINITIALISED = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default}
 
 
-def _is_view(func) -> bool:
-    schema = func._schema
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def replays_as_nothing(func, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> bool:
+    """Whether a recorded op can be skipped at replay: an uninitialised allocation,
+    or an op that mutates nothing and returns only tensors that share storage with
+    its inputs (a view, or an input itself). Decided by fact, never by the schema:
+    ``x.float()`` arrives as ``aten.to.dtype`` whose schema says "may alias", and it
+    copies when the dtype changes (as ``reshape``, ``contiguous``, ``type_as`` and
+    ``to(device)`` sometimes do); skipping such a copy replays stale capture data."""
+    if func in UNINITIALISED:
+        return True
+    schema = getattr(func, "_schema", None)
+    if schema is None or schema.is_mutable or not outs:
+        return False
+    if func.namespace == "_c10d_functional":  # wait_tensor returns its input, but the wait is the point
+        return False
+    shared = _storages(inputs)
+    return all(o.numel() == 0 or o.untyped_storage().data_ptr() in shared for o in outs)
 
 
 def _is_work(x) -> bool:
@@ -134,7 +152,8 @@ class _Recorder(TorchDispatchMode):
         res = func(*args, **kwargs)
         flat, _ = tree_flatten(res)
         outs = [x for x in flat if isinstance(x, torch.Tensor)]
-        skip = func in UNINITIALISED or (_is_view(func) if hasattr(func, "_schema") else False)
+        inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        skip = replays_as_nothing(func, inputs, outs)
         self.ops.append(_Op(func, args, kwargs, outs, skip))
         return res
 
