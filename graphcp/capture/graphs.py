@@ -87,6 +87,9 @@ FORBIDDEN = {
     _aten.masked_select.default: "has a data-dependent output shape",
     _aten.equal.default: "reads a comparison of tensor values on the host (torch.equal)",
 }
+#: collectives write their outputs in place (or return their input, as wait_tensor
+#: does) with schemas that declare no mutation: always replayed
+COMMUNICATION = ("c10d", "_c10d_functional")
 #: allocations whose contents are undefined: nothing to redo on replay
 UNINITIALISED = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default}
 
@@ -107,7 +110,7 @@ def replays_as_nothing(func, inputs: list[torch.Tensor], outs: list[torch.Tensor
     schema = getattr(func, "_schema", None)
     if schema is None or schema.is_mutable or not outs:
         return False
-    if func.namespace == "_c10d_functional":  # wait_tensor returns its input, but the wait is the point
+    if func.namespace in COMMUNICATION:
         return False
     shared = _storages(inputs)
     return all(o.numel() == 0 or o.untyped_storage().data_ptr() in shared for o in outs)
