@@ -234,6 +234,10 @@ class RuntimeConfig:
     #: requests a captured body holds (static segment metadata capacity)
     max_requests: int = 64
     debug_graphs: bool = False
+    #: replay each new bucket once on a synthetic batch and compare it bitwise with the
+    #: same-bucket eager body (CaptureError on a difference); None: on for the trace
+    #: graph backend, off for cuda (where it costs about two forwards per bucket)
+    verify_capture: bool | None = None
     check_consistency: bool = True
     collective_timeout_s: float = 300.0
     extra: dict = field(default_factory=dict, compare=False)

@@ -4,6 +4,8 @@ Capture: largest bucket first (so later, smaller captures reuse the shared
 pool), warm-up runs before each capture, one :class:`BreakableGraph` per bucket.
 Replay: select the bucket from the plan, fill the static buffers, check the
 inputs against what was captured, run the host-side attention planning, replay.
+Self-check (``RuntimeConfig.verify_capture``): each new bucket is replayed once on
+a synthetic batch and compared bitwise with the same-bucket eager body.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from graphcp.attention.base import AttentionMetadata
 from graphcp.buffers.static import BucketView, StaticBuffers
 from graphcp.capture.breakable import BreakableGraph, capture_breakable
 from graphcp.capture.buckets import FALLBACK_REQUESTS, BucketSet, Selection
-from graphcp.capture.graphs import make_graph_backend
+from graphcp.capture.graphs import CaptureError, make_graph_backend
+from graphcp.capture.selfcheck import first_difference, synthetic_batch
 from graphcp.config import ConfigError
 from graphcp.profiling import nvtx_range
 
@@ -40,6 +43,9 @@ class BucketCaptureStats:
     breaks: int
     ops_per_segment: list
     pool_bytes: int = 0
+    #: the capture self-check: its time (None: not run) and why it was skipped
+    verify_s: float | None = None
+    verify_skipped: str | None = None
 
 
 @dataclass
@@ -86,6 +92,8 @@ class GraphRunner:
         self.stats = RunnerStats()
         self.last_fallback: str | None = None
         self.debug = rt.debug_graphs
+        # on by default where it is cheap and the stand-in is what is being trusted
+        self.verify = rt.verify_capture if rt.verify_capture is not None else self.backend.name == "trace"
         self._addresses = self.buffers.addresses()
         self._static_metas: dict[int, AttentionMetadata] = {}  # built once a bucket, not per replay
         self._checked: dict[int, BucketView] = {}  # views whose inputs were checked against the capture
@@ -142,8 +150,55 @@ class GraphRunner:
             self.graphs[capacity] = _Captured(graph, _signature(view))
             st = BucketCaptureStats(capacity, time.perf_counter() - t0, len(graph.segments), len(graph.breaks),
                                     graph.ops_per_segment, self.backend.pool_bytes() - pool0)
+            if self.verify:
+                t1 = time.perf_counter()
+                st.verify_skipped = self.self_check(capacity)
+                st.verify_s = time.perf_counter() - t1
             self.stats.captures.append(st)
             return st
+
+    def self_check(self, capacity: int) -> str | None:
+        """Replay bucket ``capacity`` on a synthetic batch and compare its body rows
+        and the KV pages it wrote, bitwise, with the same body run eagerly on the
+        same bucket. Raises CaptureError (on every rank) on a difference; returns why
+        it was skipped, or None. Leaves the KV pool as it found it."""
+        from graphcp.engine import Request  # the batch types live with the engine (for now)
+
+        eng, kv = self.engine, self.engine.kv
+        spec = synthetic_batch(capacity, eng.layout, kv.num_free_pages, kv.page_size,
+                               eng.runtime.max_requests, eng.max_context)
+        if spec is None:
+            return f"the KV pool has {kv.num_free_pages} free pages"
+        rng = np.random.default_rng(capacity)
+        vocab = eng.cfg.vocab_size
+        prefix = None
+        if spec.prefix_len:
+            prefix = eng.prefill([Request(rng.integers(0, vocab, spec.prefix_len))], force_eager=True).handles[0]
+        try:
+            prep = eng.prepare_batch([Request(rng.integers(0, vocab, n), prefix if j == 0 else None)
+                                      for j, n in enumerate(spec.extend_lens)])
+            try:
+                pages = torch.tensor([p for s in prep.seq_ids for p in kv.handle(s).pages], device=eng.device)
+                before = kv.pool.index_select(1, pages)
+                got = self.replay(prep, capacity).clone(), kv.pool.index_select(1, pages)
+                kv.pool.index_copy_(1, pages, before)  # the eager body starts from the same cache
+                want = self.eager_on_bucket(prep, capacity), kv.pool.index_select(1, pages)
+                problem = first_difference({"hidden_out": (got[0], want[0]), "kv_cache": (got[1], want[1])})
+            finally:
+                eng.abort(prep)
+        finally:
+            if prefix is not None:
+                eng.release(prefix)
+        # every rank raises, so none is left waiting in a collective
+        failed = torch.tensor([problem is not None], dtype=torch.int64, device=eng.device)
+        eng.group.all_reduce_(failed, "max")
+        if failed.item():
+            raise CaptureError(
+                f"rank {eng.rank}: capture self-check of bucket {capacity}: the replay differs from the same "
+                f"body run eagerly on a synthetic batch ({len(spec.extend_lens)} requests, {spec.num_tokens} tokens): "
+                + (problem or "another rank's output differs")
+            )
+        return None
 
     def capture_all(self, progress: bool = False) -> list[BucketCaptureStats]:
         caps = sorted(self.buckets.capacities, reverse=True)
@@ -202,20 +257,28 @@ class GraphRunner:
         cap = sel.capacity
         if cap not in self.graphs:
             self.capture_bucket(cap)
-        t0 = time.perf_counter()
-        with nvtx_range("fill", category="host"):
-            view = self.fill(prep, cap)
-            self._check(cap, view)
-        t1 = time.perf_counter()
-        ctx = self.engine.make_context(prep.meta if not self.full else self._static_meta(view), view.kv_slots, view)
-        with nvtx_range(f"replay[{cap}]", category="graph"):
-            self.engine.attention.prepare(prep.meta)
-            self.graphs[cap].graph.replay(ctx)
+        timings: dict[str, float] = {}
+        hidden = self.replay(prep, cap, timings)
         self.stats.replays += 1
         self.stats.replays_per_bucket[cap] += 1
         self.last_fallback = None
-        info = ForwardInfo("graph", cap, sel.required, None, {"fill_s": t1 - t0, "replay_s": time.perf_counter() - t1})
-        return view.hidden_out, info
+        return hidden, ForwardInfo("graph", cap, sel.required, None, timings)
+
+    def replay(self, prep, capacity: int, timings: dict | None = None) -> torch.Tensor:
+        """Fill bucket ``capacity`` with a prepared batch and replay its graph; the
+        body's output rows (a static view)."""
+        t0 = time.perf_counter()
+        with nvtx_range("fill", category="host"):
+            view = self.fill(prep, capacity)
+            self._check(capacity, view)
+        t1 = time.perf_counter()
+        ctx = self.engine.make_context(prep.meta if not self.full else self._static_meta(view), view.kv_slots, view)
+        with nvtx_range(f"replay[{capacity}]", category="graph"):
+            self.engine.attention.prepare(prep.meta)
+            self.graphs[capacity].graph.replay(ctx)
+        if timings is not None:
+            timings.update(fill_s=t1 - t0, replay_s=time.perf_counter() - t1)
+        return view.hidden_out
 
     @torch.inference_mode()
     def eager_on_bucket(self, prep, capacity: int) -> torch.Tensor:
