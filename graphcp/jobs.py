@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -115,9 +115,38 @@ class OpCounter:
         return False
 
 
+def compare_paths(engine: PrefillEngine, batch: list[np.ndarray]) -> dict:
+    """The batch on the graph path against eager: the replay against the same body run
+    eagerly on the same bucket (must be bitwise equal), and the logits against the
+    unpadded eager forward (equal within the rounding of matmuls over padded rows)."""
+    reqs = [Request(t) for t in batch]
+    runner = engine.runner
+    prep = engine.prepare_batch(reqs)
+    try:
+        sel = runner.select(prep.plan.max_local_rows)
+        bitwise = None
+        if sel.graph:
+            if sel.capacity not in runner.graphs:
+                runner.capture_bucket(sel.capacity)
+            same_bucket = runner.eager_on_bucket(prep, sel.capacity).clone()
+            bitwise = bool(torch.equal(runner.replay(prep, sel.capacity), same_bucket))
+    finally:
+        engine.abort(prep)
+    outs = {}
+    for path in ("graph", "eager"):
+        outs[path] = engine.prefill(reqs, force_eager=path == "eager")
+        for h in outs[path].handles:
+            engine.release(h)
+    g, e = outs["graph"].last_logits, outs["eager"].last_logits
+    return {"dtype": engine.runtime.dtype, "path": outs["graph"].info.path, "bucket": outs["graph"].info.capacity,
+            "same_bucket_bitwise": bitwise, "max_abs_diff": float((g - e).abs().max()),
+            "rel_diff": float((g - e).norm() / e.norm())}
+
+
 def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
     """`graphcp run`: capture the buckets, run a mixed batch on the graph path and
-    eagerly, compare, and time both."""
+    eagerly, compare, and time both; then the same comparison in the other float
+    dtype (float32 and bfloat16 round differently, and a replay bug can hide in one)."""
     engine = make_engine(group, spec)
     t0 = time.perf_counter()
     captures = engine.capture(progress=group.rank == 0) if engine.runner is not None else []
@@ -142,18 +171,25 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         with OpCounter() as c:
             forward(path == "eager")
         ops[path] = c.count
+    comparisons = []
+    if engine.runner is not None:
+        comparisons.append(compare_paths(engine, batch))
+        other = "bfloat16" if spec.runtime.dtype != "bfloat16" else "float32"
+        twin = PrefillEngine(spec.model, replace(spec.runtime, dtype=other), group, spec.buckets())
+        comparisons.append(compare_paths(twin, batch))
     if group.rank != 0:
         return None
     res = {
         "model": str(engine.model_dir), "cp_size": group.size, "layout": spec.runtime.layout,
-        "graph": spec.runtime.graph, "attention": engine.attention.name,
+        "graph": spec.runtime.graph, "attention": engine.attention.name, "dtype": spec.runtime.dtype,
         "tokens": int(sum(len(t) for t in batch)), "requests": len(batch),
         "buckets": [c.capacity for c in captures], "capture_s": capture_s,
+        "verify_s": sum(c.verify_s or 0.0 for c in captures),
         "captures": [vars(c) for c in captures],
         "eager_s": float(np.median(timings["eager"])), "ops_eager": ops["eager"],
+        "comparisons": comparisons,
     }
     if "graph" in outs:
-        g, e = outs["graph"].last_logits, outs["eager"].last_logits
         graph = engine.runner.graphs[outs["graph"].info.capacity].graph if outs["graph"].info.path == "graph" else None
         cfg = engine.cfg
         res["kv_bytes_per_layer"] = exchanged_bytes_per_layer(
@@ -162,6 +198,6 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
             graph_s=float(np.median(timings["graph"])), ops_graph=ops["graph"],
             graph_segments=len(graph.segments) if graph else 0, graph_breaks=len(graph.breaks) if graph else 0,
             graph_path=outs["graph"].info.path, bucket=outs["graph"].info.capacity,
-            max_abs_diff=float((g - e).abs().max()), rel_diff=float((g - e).norm() / e.norm()),
+            max_abs_diff=comparisons[0]["max_abs_diff"], rel_diff=comparisons[0]["rel_diff"],
         )
     return res

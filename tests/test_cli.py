@@ -152,3 +152,11 @@ def test_prefill_help_and_usage_errors(capsys):
     with pytest.raises(SystemExit) as e:
         main(["prefill"])  # --input / --output missing: argparse's usage error
     assert e.value.code == 2 and "required" in capsys.readouterr().err
+
+
+def test_verify_capture_flag_reaches_the_runtime_config():
+    from graphcp.cli import _spec, build_parser
+
+    for flag, want in (((), None), (("--verify-capture",), True), (("--no-verify-capture",), False)):
+        args = build_parser().parse_args(["prefill", "--input", "r.jsonl", "--output", "o.pt", *flag])
+        assert _spec(args).runtime.verify_capture is want

@@ -264,6 +264,7 @@ class GraphRunner:
         self.last_fallback = None
         return hidden, ForwardInfo("graph", cap, sel.required, None, timings)
 
+    @torch.inference_mode()
     def replay(self, prep, capacity: int, timings: dict | None = None) -> torch.Tensor:
         """Fill bucket ``capacity`` with a prepared batch and replay its graph; the
         body's output rows (a static view)."""
