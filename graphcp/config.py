@@ -94,7 +94,8 @@ class ModelConfig:
         and what was expected."""
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: expected a JSON object (the model's config), got {type(d).__name__}")
-        archs = d.get("architectures") or []
+        archs = d.get("architectures")
+        archs = [] if archs is None else archs
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             raise ConfigError(f"{source}: architectures must be a list of class names, got {archs!r}"[:300])
         family = None

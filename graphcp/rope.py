@@ -148,8 +148,14 @@ def rope_from_hf(d: dict[str, Any], source: str, max_position_embeddings: int | 
     params = _rope_dict(d, "rope_parameters", source)
     scaling = _rope_dict(d, "rope_scaling", source)
     top_theta = d.get("rope_theta")
+    if top_theta is not None:
+        top_theta = check_float(top_theta, "rope_theta", lo=1, lo_open=True, where=source)
     default_theta = 10000.0 if top_theta is None else top_theta
-    for p in (params, scaling):
+    for key, p in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if p and top_theta is not None and p.get("rope_theta", top_theta) != top_theta:
+            # transformers keeps the dict's and ignores the top-level one: a contradiction in the file
+            raise ConfigError(f"{source}: rope_theta={top_theta} disagrees with {key}'s rope_theta="
+                              f"{p['rope_theta']!r}; give it once")
         if p:
             p.setdefault("rope_type", "default")
             p.setdefault("rope_theta", default_theta)
