@@ -7,7 +7,7 @@ keeps its bytes.
 Most cases run in-process through ``graphcp.cli.main`` (a subprocess costs seconds);
 four run as real processes, one of them at ``--cp 2``. Counts: request files 51,
 engine-level requests 12 (2 at CP 2), config.json 47, checkpoints 10, prefill flags
-28, bucket files 16, tune 53: 217 in-process (each category asserts its minimum).
+29, bucket files 16, tune 53: 218 in-process (each category asserts its minimum).
 """
 
 from __future__ import annotations
@@ -277,6 +277,8 @@ def test_generated_prefill_flags(capsys, tmp_path, model_dir):
         (["--kv-tokens", v], rf"kv_tokens must be {w}") for v, w in
         (("0", ">= 1"), ("-1", ">= 1"), ("-16", ">= 1"), (str(2**31), "<= 2147483647"), (str(2**40), "<="))
     ] + [
+        (["--kv-tokens", str(2**31 - 1)], r"kv_tokens=2147483647: a KV pool of .* tokens needs .* GiB, more than"),
+    ] + [
         (["--page-size", v], r"page_size must be") for v in ("0", "-1", "5000", str(10**9))
     ] + [
         (["--max-requests", v], r"max_requests must be") for v in ("0", "-5", str(10**6))
@@ -434,3 +436,23 @@ def test_a_bug_is_not_reported_as_bad_input(capsys, tmp_path, model_dir, monkeyp
     req.write_text('{"tokens": [1]}\n')
     with pytest.raises(ZeroDivisionError):
         main(["prefill", "--model", str(model_dir), "--input", str(req), "--output", str(tmp_path / "o.pt")])
+
+
+def test_a_bug_in_a_rank_surfaces_with_its_traceback(capsys, tmp_path, model_dir, monkeypatch):
+    """At --cp 2 a rank's bug is re-raised (RankFailure flagged rank_bug), with the
+    rank's traceback on stderr: not a one-line 'bad input'."""
+    import graphcp.jobs
+    from graphcp.dist import RankFailure
+
+    def broken(engine, reqs, all_logits):
+        return {}["no such key"]
+
+    monkeypatch.setattr(graphcp.jobs, "prefill_requests", broken)  # fork: the ranks see it too
+    req = tmp_path / "r.jsonl"
+    req.write_text('{"tokens": [1]}\n')
+    with pytest.raises(RankFailure) as e:
+        main(["prefill", "--model", str(model_dir), "--input", str(req), "--output", str(tmp_path / "o.pt"),
+              "--cp", "2", "--graph", "off"])
+    assert e.value.rank_bug and "KeyError" in str(e.value) and len(str(e.value).splitlines()) == 1
+    err = capsys.readouterr().err
+    assert "--- rank " in err and "Traceback" in err and "in broken" in err
