@@ -16,6 +16,16 @@ from pathlib import Path
 import torch
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors follow the error contract too: one line, exit code 2 (subcommand
+    parsers inherit this class)."""
+
+    def error(self, message: str):
+        from graphcp.errors import one_line
+
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
 def _add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> None:
     p.add_argument("--model", default="default", help="checkpoint folder or preset name (default: the built-in preset)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -130,7 +140,7 @@ def cmd_run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="graphcp", description=__doc__,
+    parser = _Parser(prog="graphcp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", default=False,
                         help="print tracebacks of graphcp's errors (also GRAPHCP_DEBUG=1)")

@@ -394,6 +394,21 @@ def test_generated_tune(capsys, tmp_path):
     _check_all(cases, capsys, minimum=45)
 
 
+def test_usage_errors_are_one_line_too(capsys, tmp_path):
+    """argparse's own errors (unparsable values, unknown or missing flags) keep the
+    contract: exit code 2, one line."""
+    for argv in (["prefill", "--input", "r", "--output", "o", "--kv-tokens", "abc"],
+                 ["prefill", "--input", "r", "--output", "o", "--cp", "1.5"],
+                 ["prefill", "--input", "r"], ["prefill", "--input", "r", "--output", "o", "--dtype", "float64"],
+                 ["prefill", "--input", "r", "--output", "o", "--no-such-flag"],
+                 ["tune", "--synthetic", "short", "--cp", "two", "--output", "o"], ["launch-rockets"], []):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and "error: " in err, (argv, err)
+        assert "--help" in err
+
+
 # ---- real processes -------------------------------------------------------------------------------------
 def test_subprocess_runs_print_one_line(tmp_path, model_dir):
     """The installed entry point behaves as main() does, at CP 1 and CP 2, and a
