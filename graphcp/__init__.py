@@ -5,13 +5,20 @@ from graphcp.config import ModelConfig, ParallelConfig, RuntimeConfig
 from graphcp.cp import InterleaveLayout, ZigzagLayout, make_layout
 from graphcp.dist import CPGroup, init_from_env, launch
 from graphcp.engine import PrefillEngine, PrefillOutput, Request
-from graphcp.kvcache import KVHandle
+from graphcp.errors import BatchError, ConfigError, GraphcpError, InputError
+from graphcp.kvcache import KVCacheFull, KVHandle, KVHandleError
 
 __all__ = [
+    "BatchError",
     "BucketSet",
     "CPGroup",
+    "ConfigError",
+    "GraphcpError",
+    "InputError",
     "InterleaveLayout",
+    "KVCacheFull",
     "KVHandle",
+    "KVHandleError",
     "ModelConfig",
     "ParallelConfig",
     "PrefillEngine",

@@ -1,13 +1,29 @@
-"""The ``graphcp`` command: run, prefill, tune, profile."""
+"""The ``graphcp`` command: run, prefill, tune, profile.
+
+Exit codes: 0 done; 2 bad input (one ``graphcp CMD: error: ...`` line on stderr,
+nothing written or changed); 1 a failed run (one line) or a bug (a traceback).
+``--debug`` or ``GRAPHCP_DEBUG=1`` adds tracebacks (each failing rank's too).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors follow the error contract too: one line, exit code 2 (subcommand
+    parsers inherit this class)."""
+
+    def error(self, message: str):
+        from graphcp.errors import one_line
+
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def _add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> None:
@@ -43,17 +59,44 @@ def _spec(args):
     return JobSpec(args.model, rt, args.buckets, args.cp)
 
 
+def _preflight(spec) -> None:
+    """What can be refused before ranks start, in this process: the parallel config, the
+    model's config.json against it, and the bucket file (each rank would fail the same
+    way, only later and N times)."""
+    from graphcp.config import ModelConfig, ParallelConfig
+    from graphcp.model.presets import resolve_model
+
+    parallel = ParallelConfig(cp_size=spec.cp_size)
+    parallel.check_model(ModelConfig.from_file(resolve_model(spec.model) / "config.json"))
+    spec.buckets()
+
+
+def _save(obj, path: str) -> None:
+    """torch.save through a temporary file: an old OUT.pt is replaced whole or not at all."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def cmd_prefill(args) -> int:
+    from graphcp.checks import check_output_path
     from graphcp.jobs import prefill_job, run_ranks
     from graphcp.requests_io import parse_requests
 
+    check_output_path(args.output, "--output")  # before any work: not after the forward
+    spec = _spec(args)
     reqs = parse_requests(args.input)
-    res = run_ranks(prefill_job, _spec(args), reqs, args.all_logits)
+    _preflight(spec)
+    res = run_ranks(prefill_job, spec, reqs, args.all_logits)
     if res is not None:
         out = {"last_logits": res["last_logits"]}
         if args.all_logits:
             out["logits"] = res["logits"]
-        torch.save(out, args.output)
+        _save(out, args.output)
         info = res["info"]
         print(f"prefilled {len(reqs)} requests on {info['cp_size']} rank(s), layout {info['layout']}, "
               f"path {info['path']} (local capacity {info['capacity']}) -> {args.output}")
@@ -65,11 +108,16 @@ RUN_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def cmd_run(args) -> int:
+    from graphcp.checks import check_output_path
     from graphcp.jobs import run_job, run_ranks
 
     if args.verify_capture is None:
         args.verify_capture = True  # the main job shows the self-check whatever the backend
-    res = run_ranks(run_job, _spec(args))
+    if args.json:
+        check_output_path(args.json, "--json")
+    spec = _spec(args)
+    _preflight(spec)
+    res = run_ranks(run_job, spec)
     rows = [
         ("model", res["model"]),
         ("ranks (CP = TP)", res["cp_size"]),
@@ -111,7 +159,10 @@ def cmd_run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="graphcp", description=__doc__)
+    parser = _Parser(prog="graphcp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", default=False,
+                        help="print tracebacks of graphcp's errors (also GRAPHCP_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prefill", help="prefill the requests of a JSONL file and save the logits")
@@ -139,21 +190,21 @@ def build_parser() -> argparse.ArgumentParser:
         add_profile_parser(sub)
     except ImportError:
         pass
+    for p in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the top-level value
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from graphcp.config import ConfigError
-    from graphcp.dist import RankFailure
-    from graphcp.engine import BatchError
-    from graphcp.kvcache import KVCacheFull
-    from graphcp.model.loader import CheckpointError
-    from graphcp.requests_io import RequestFileError
+    """The command line. graphcp's own errors become one stderr line and exit code 2
+    (bad input) or 1 (a failed run); anything else is a bug and surfaces as one."""
+    from graphcp.errors import report
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (RequestFileError, BatchError, KVCacheFull, ConfigError, CheckpointError, FileNotFoundError,
-            RankFailure, ValueError) as e:
-        print(f"graphcp {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # noqa: BLE001 - graphcp's errors are reported, the rest re-raised
+        code = report(f"graphcp {args.command}", e, args.debug)
+        if code is None:
+            raise
+        return code

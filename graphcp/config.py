@@ -7,12 +7,15 @@ is decided before the first batch.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from graphcp.checks import MAX_CP, MAX_TOKENS, check_bool, check_float, check_int, check_str
+from graphcp.errors import ConfigError
+from graphcp.rope import RopeConfig, rope_from_hf
 
 #: HF ``architectures`` entries (and ``model_type`` fallbacks) this decoder covers
 SUPPORTED_ARCHITECTURES = {
@@ -22,46 +25,22 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ConfigError(ValueError):
-    pass
+#: sane upper bounds on model sizes (far above any real checkpoint)
+MAX_VOCAB = 1 << 24
+MAX_HIDDEN = 1 << 17
+MAX_INTERMEDIATE = 1 << 20
+MAX_LAYERS = 4096
+MAX_HEADS = 4096
+MAX_HEAD_DIM = 4096
+MAX_POSITIONS = 1 << 24  # the RoPE tables hold every position
 
 
 def parse_dtype(name: "str | torch.dtype") -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def inv_freq(self, head_dim: int) -> torch.Tensor:
-        """float32 [head_dim // 2] inverse frequencies, llama3 scaling applied; computed
-        in the same order of operations as transformers so the tables agree bitwise."""
-        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if self.rope_type == "llama3":
-            low_wl = self.original_max_position_embeddings / self.low_freq_factor
-            high_wl = self.original_max_position_embeddings / self.high_freq_factor
-            wavelen = 2 * math.pi / inv
-            smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
-                self.high_freq_factor - self.low_freq_factor
-            )
-            scaled = torch.where(wavelen > low_wl, inv / self.factor, inv)
-            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-            mid = ~(wavelen < high_wl) * ~(wavelen > low_wl)
-            inv = torch.where(mid, smoothed, scaled)
-        return inv
+    if not isinstance(name, str) or name not in DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -85,10 +64,16 @@ class ModelConfig:
     torch_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        w = "ModelConfig"
+        for name, hi in (("vocab_size", MAX_VOCAB), ("hidden_size", MAX_HIDDEN), ("intermediate_size", MAX_INTERMEDIATE),
+                         ("num_layers", MAX_LAYERS), ("num_heads", MAX_HEADS), ("num_kv_heads", MAX_HEADS),
+                         ("head_dim", MAX_HEAD_DIM), ("max_position_embeddings", MAX_POSITIONS)):
+            check_int(getattr(self, name), name, lo=1, hi=hi, where=w)
+        if self.head_dim % 2:
+            raise ConfigError(f"{w}: head_dim must be even (RoPE rotates halves), got {self.head_dim}")
+        check_float(self.rms_norm_eps, "rms_norm_eps", lo=0.0, hi=1.0, where=w)
+        if not isinstance(self.rope, RopeConfig):
+            raise ConfigError(f"{w}: rope must be a RopeConfig, got {self.rope!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
@@ -104,7 +89,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        archs = d.get("architectures") or []
+        """Read a Hugging Face config.json. Every key graphcp reads is type- and
+        range-checked; a bad one is a ConfigError naming the file, the key, the value
+        and what was expected."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object (the model's config), got {type(d).__name__}")
+        archs = d.get("architectures")
+        archs = [] if archs is None else archs
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ConfigError(f"{source}: architectures must be a list of class names, got {archs!r}"[:300])
         family = None
         if archs:
             unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
@@ -116,77 +109,85 @@ class ModelConfig:
             family = SUPPORTED_ARCHITECTURES[archs[0]]
         else:
             family = d.get("model_type")
-            if family not in SUPPORTED_ARCHITECTURES.values():
+            if not isinstance(family, str) or family not in SUPPORTED_ARCHITECTURES.values():
                 raise ConfigError(
                     f"{source}: no architectures entry and unsupported model_type {family!r}; "
                     f"graphcp supports {sorted(SUPPORTED_ARCHITECTURES)}"
                 )
+
+        def num(key: str, hi: int, default: Any = ...) -> int:
+            # a missing key takes its default; an optional key set to null too (as transformers)
+            if key not in d or (d[key] is None and default is not ...):
+                if default is ...:
+                    raise ConfigError(f"{source}: missing required key {key!r}")
+                return default
+            return check_int(d[key], key, lo=1, hi=hi, where=source)
+
+        def flag(key: str, default: bool) -> bool:
+            v = d.get(key)
+            return default if v is None else check_bool(v, key, where=source)
+
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        max_pos = num("max_position_embeddings", MAX_POSITIONS, None)
         window = d.get("sliding_window")
-        use_window = d.get("use_sliding_window", family == "mistral")
-        if window is not None and use_window and window < d.get("max_position_embeddings", 0):
+        if window is not None:
+            window = check_int(window, "sliding_window", lo=0, hi=MAX_TOKENS, where=source)
+        use_window = flag("use_sliding_window", family == "mistral")
+        if window is not None and use_window and window < (max_pos or 0):
             raise ConfigError(
                 f"{source}: sliding_window={window} attention is not supported (graphcp attends the full context)"
             )
-        try:
-            heads = int(d["num_attention_heads"])
-            hidden = int(d["hidden_size"])
-            rope = _rope_from_hf(d)
-            return cls(
-                family=family,
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope=rope,
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
-                o_bias=family != "qwen2" and bool(d.get("attention_bias", False)),
-                qk_norm=family == "qwen3",
-                mlp_bias=bool(d.get("mlp_bias", False)),
-                torch_dtype=d.get("torch_dtype") or d.get("dtype"),
-            )
-        except KeyError as e:
-            raise ConfigError(f"{source}: missing required key {e.args[0]!r}") from None
+        heads = num("num_attention_heads", MAX_HEADS)
+        hidden = num("hidden_size", MAX_HIDDEN)
+        head_dim = num("head_dim", MAX_HEAD_DIM, None)
+        if head_dim is None:
+            head_dim = hidden // heads
+            if head_dim < 2:
+                raise ConfigError(f"{source}: hidden_size={hidden} // num_attention_heads={heads} gives head_dim "
+                                  f"{head_dim}; expected >= 2 (or give head_dim)")
+        if head_dim % 2:
+            raise ConfigError(f"{source}: head_dim must be even (RoPE rotates halves), got {head_dim}")
+        eps = d.get("rms_norm_eps")
+        dtype = d.get("torch_dtype") or d.get("dtype")
+        if dtype is not None:
+            check_str(dtype, "torch_dtype", where=source)
+        attention_bias = flag("attention_bias", False)
+        return cls(
+            family=family,
+            vocab_size=num("vocab_size", MAX_VOCAB),
+            hidden_size=hidden,
+            intermediate_size=num("intermediate_size", MAX_INTERMEDIATE),
+            num_layers=num("num_hidden_layers", MAX_LAYERS),
+            num_heads=heads,
+            num_kv_heads=num("num_key_value_heads", MAX_HEADS, heads),
+            head_dim=head_dim,
+            rms_norm_eps=1e-6 if eps is None else check_float(eps, "rms_norm_eps", lo=0.0, hi=1.0, where=source),
+            rope=rope_from_hf(d, source, max_pos),
+            max_position_embeddings=4096 if max_pos is None else max_pos,
+            tie_word_embeddings=flag("tie_word_embeddings", False),
+            attention_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
+            qk_norm=family == "qwen3",
+            mlp_bias=flag("mlp_bias", False),
+            torch_dtype=dtype,
+        )
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
         p = Path(path)
         try:
-            d = json.loads(p.read_text())
+            d = json.loads(p.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"no config.json at {p}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read {p}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p}: not valid JSON ({e})") from None
         return cls.from_hf_dict(d, source=str(p))
-
-
-def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
-    # transformers 5 writes rope_parameters (theta inside); 4.x writes rope_theta + rope_scaling
-    params = dict(d.get("rope_parameters") or {})
-    scaling = d.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    if rope_type == "llama3":
-        return RopeConfig(
-            theta=theta,
-            rope_type="llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    raise ConfigError(f"rope type {rope_type!r} is not supported (only 'default' and 'llama3')")
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,7 @@ class ParallelConfig:
     pp_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.cp_size < 1:
-            raise ConfigError(f"cp_size must be >= 1, got {self.cp_size}")
+        check_int(self.cp_size, "cp_size", lo=1, hi=MAX_CP, where="ParallelConfig")
         if self.tp_size is None:
             object.__setattr__(self, "tp_size", self.cp_size)
         if self.pp_size != 1:
@@ -218,6 +218,11 @@ class ParallelConfig:
                 f"intermediate_size={m.intermediate_size} does not divide by tp_size=cp_size={self.tp_size}; "
                 "the MLP is column/row-parallel over the CP group"
             )
+
+
+MAX_PAGE_SIZE = 4096
+MAX_REQUESTS = 1 << 16
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -244,18 +249,24 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        check_str(self.device, "device", where="RuntimeConfig")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.page_size < 1:
-            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+        check_int(self.page_size, "page_size", lo=1, hi=MAX_PAGE_SIZE, where="RuntimeConfig")
+        if self.kv_tokens is not None:  # 0 is not "the default": None is
+            check_int(self.kv_tokens, "kv_tokens", lo=1, hi=MAX_TOKENS, where="RuntimeConfig")
         if self.graph not in ("off", "breakable", "full"):
             raise ConfigError(f"graph must be off|breakable|full, got {self.graph!r}")
         if self.graph_backend not in ("auto", "cuda", "trace"):
             raise ConfigError(f"graph_backend must be auto|cuda|trace, got {self.graph_backend!r}")
         if self.layout not in ("zigzag", "interleave"):
             raise ConfigError(f"layout must be zigzag|interleave, got {self.layout!r}")
-        if self.max_requests < 1:
-            raise ConfigError(f"max_requests must be >= 1, got {self.max_requests}")
+        check_int(self.max_requests, "max_requests", lo=1, hi=MAX_REQUESTS, where="RuntimeConfig")
+        check_str(self.attention, "attention", where="RuntimeConfig")
+        check_bool(self.debug_graphs, "debug_graphs", where="RuntimeConfig")
+        check_bool(self.check_consistency, "check_consistency", where="RuntimeConfig")
+        check_float(self.collective_timeout_s, "collective_timeout_s", lo=0, lo_open=True, hi=MAX_TIMEOUT_S,
+                    where="RuntimeConfig")
 
     @property
     def torch_dtype(self) -> torch.dtype:

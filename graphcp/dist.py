@@ -27,13 +27,37 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import _disable_current_modes
 
+from graphcp.errors import GraphcpError, one_line
 
-class CollectiveError(RuntimeError):
+
+class CollectiveError(GraphcpError, RuntimeError):
     """A collective over the CP group failed: a peer rank died or timed out."""
 
 
-class RankFailure(RuntimeError):
-    """A launched rank died or raised; the message names it."""
+class RankFailure(GraphcpError, RuntimeError):
+    """A launched rank died or raised. The message is one line naming the rank that
+    failed first and what it raised; ``cause`` is that exception (when it could be sent
+    back), ``tracebacks`` each failing rank's traceback (``graphcp --debug`` prints
+    them), and ``rank_bug`` says the rank raised something that is not a graphcp error
+    (a bug: the command line lets it surface with its traceback)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None, tracebacks: dict[int, str] | None = None,
+                 rank_bug: bool = False) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.tracebacks = tracebacks or {}
+        self.rank_bug = rank_bug
+
+
+def _error_report(e: BaseException) -> dict:
+    """What a rank sends back about its exception: picklable, whatever ``e`` is."""
+    try:
+        cause = pickle.dumps(e)
+        pickle.loads(cause)  # an exception whose class cannot be rebuilt is sent as text only
+    except Exception:  # noqa: BLE001
+        cause = None
+    return {"summary": f"{type(e).__name__}: {one_line(e)}", "cause": cause, "traceback": traceback.format_exc(),
+            "graphcp": isinstance(e, GraphcpError), "collective": isinstance(e, CollectiveError)}
 
 
 def wait_work(work) -> None:
@@ -152,7 +176,7 @@ def _rank_main(rank, size, port, backend, timeout_s, fn, args, results) -> None:
         # by value: shared-memory handles would die with this process
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as e:  # noqa: BLE001 - reported to the launcher
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        results.put((rank, "error", _error_report(e)))
     finally:
         if dist.is_initialized():
             try:
@@ -211,7 +235,9 @@ def launch(
                     time.sleep(0.05)  # its last message may still be in the pipe
                     if results.empty():
                         how = f"killed by signal {-p.exitcode}" if (p.exitcode or 0) < 0 else f"exit code {p.exitcode}"
-                        errors.append((time.monotonic(), r, f"rank {r} died ({how}) without reporting"))
+                        errors.append((time.monotonic(), r, {"summary": f"rank {r} died ({how}) without reporting",
+                                                             "cause": None, "traceback": "", "graphcp": True,
+                                                             "collective": False}))
                     break
             if errors and deadline_after_failure is None:
                 # survivors should fail fast through CollectiveError; don't wait past the timeout
@@ -228,10 +254,12 @@ def launch(
     if errors:
         # the cause is a rank that died or raised on its own; a CollectiveError is a
         # survivor noticing it (and may reach the queue first)
-        errors.sort(key=lambda e: (e[2].startswith("CollectiveError"), e[0]))
+        errors.sort(key=lambda e: (e[2]["collective"], e[0]))
         first_rank, first = errors[0][1], errors[0][2]
-        others = "; ".join(f"rank {r}: {msg.splitlines()[0]}" for _, r, msg in errors[1:])
+        others = "; ".join(f"rank {r}: {rep['summary']}" for _, r, rep in errors[1:])
+        cause = pickle.loads(first["cause"]) if first["cause"] is not None else None
         raise RankFailure(
-            f"rank {first_rank} failed first: {first}" + (f"\nother ranks: {others}" if others else "")
+            f"rank {first_rank} failed first: {first['summary']}" + (f" (other ranks: {others})" if others else ""),
+            cause, {r: rep["traceback"] for _, r, rep in errors if rep["traceback"]}, rank_bug=not first["graphcp"],
         )
     return [outputs[r] for r in range(nprocs)]

@@ -8,8 +8,10 @@ ranks and every rank returns the same first-token logits.
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -23,18 +25,15 @@ from graphcp.capture.buckets import BucketSet
 from graphcp.config import ConfigError, ParallelConfig, RuntimeConfig
 from graphcp.cp import Plan, make_layout
 from graphcp.dist import CPGroup
+from graphcp.errors import BatchError, GraphcpError
 from graphcp.forward_context import ForwardContext
-from graphcp.kvcache import KVHandle, PagedKVCache
+from graphcp.kvcache import KVHandle, KVHandleError, PagedKVCache
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
 from graphcp.profiling import nvtx_range
 
 
-class BatchError(ValueError):
-    """A bad batch; nothing was changed."""
-
-
-class ConsistencyError(RuntimeError):
+class ConsistencyError(GraphcpError, RuntimeError):
     """Ranks were given different batches (the SPMD contract is broken)."""
 
 
@@ -100,8 +99,9 @@ class PrefillEngine:
         self.parallel.check_model(self.cfg)
         self.layout = make_layout(rt.layout, self.parallel.cp_size)
         kv_layout = preferred_kv_layout(rt.attention, self.device)
-        kv_tokens = rt.kv_tokens or min(4 * self.cfg.max_position_embeddings, 1 << 16)
+        kv_tokens = rt.kv_tokens if rt.kv_tokens is not None else min(4 * self.cfg.max_position_embeddings, 1 << 16)
         num_pages = -(-kv_tokens // rt.page_size) + 1  # + the scratch page
+        self._check_pool_fits(num_pages)
         self.kv = PagedKVCache(
             self.cfg.num_layers, num_pages, rt.page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
             self.dtype, self.device, kv_layout,
@@ -114,13 +114,35 @@ class PrefillEngine:
         )
         self.max_context = self.cfg.max_position_embeddings
         self.buckets = buckets or BucketSet()
-        self.attention = make_attention(rt.attention, spec, self.device, **self._attention_limits(num_pages))
+        limits = self._attention_limits(num_pages)
+        try:
+            self.attention = make_attention(rt.attention, spec, self.device, **limits)
+        except (ValueError, ImportError) as e:  # a backend refusing this model or device, or not installed
+            raise ConfigError(f"--attention {rt.attention}: {e}") from e
         self.buckets.check_compatible(self.parallel.cp_size, rt.layout)
         self.runner = None
         if rt.graph != "off":
             from graphcp.capture.runner import GraphRunner  # the graph machinery only when asked for
 
             self.runner = GraphRunner(self, self.buckets)
+
+    def _check_pool_fits(self, num_pages: int) -> None:
+        """Refuse a KV pool larger than the device's memory up front (a clear error,
+        not an allocator failure or the OOM killer halfway through zeroing it)."""
+        rt, cfg = self.runtime, self.cfg
+        need = cfg.num_layers * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        if self.device.type == "cuda":
+            have = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            try:
+                have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (AttributeError, ValueError, OSError):  # not POSIX: let the allocator decide
+                return
+        if need > have:
+            raise ConfigError(
+                f"kv_tokens={rt.kv_tokens}: a KV pool of {(num_pages - 1) * rt.page_size} tokens needs "
+                f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB {self.device.type} memory (lower --kv-tokens)"
+            )
 
     def _attention_limits(self, num_pages: int) -> dict:
         """Static sizes the kernel backends preallocate for (each takes what it needs)."""
@@ -154,6 +176,8 @@ class PrefillEngine:
         return self.runner.capture_all(progress=progress)
 
     def release(self, handle: KVHandle) -> None:
+        """Free a handle's KV pages; KVHandleError (a BatchError) for a handle that is
+        not live here (released already, or from another engine)."""
         self.kv.release(handle)
 
     @torch.inference_mode()
@@ -201,7 +225,10 @@ class PrefillEngine:
     # ---- steps ------------------------------------------------------------------
     def _validate(self, batch: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
         """The batch's token ids, flattened in batch order (int64), and each request's
-        number of new tokens; BatchError naming the request when something is wrong."""
+        number of new tokens; BatchError naming the request when something is wrong
+        (types included: every refused batch is a BatchError, and changes nothing)."""
+        if isinstance(batch, (str, bytes)) or not isinstance(batch, SequenceABC):
+            raise BatchError(f"a batch must be a list of graphcp.Request, got {type(batch).__name__}")
         if len(batch) == 0:
             raise BatchError("empty batch: prefill needs at least one request")
         if len(batch) > self.runtime.max_requests and self.attention.name in ("flashinfer", "trtllm"):
@@ -209,20 +236,24 @@ class PrefillEngine:
                              f"max_requests={self.runtime.max_requests} (raise --max-requests)")
         vocab = self.cfg.vocab_size
         out = []
+        extended: dict[int, int] = {}  # seq_id -> the request extending it
         for j, r in enumerate(batch):
-            t = r.tokens
-            t = t.cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
-            if t.ndim != 1 or (t.size and t.dtype.kind not in "iu"):
-                raise BatchError(f"request {j}: tokens must be a 1-D sequence of integer ids, got {t.dtype} {t.shape}")
+            if not isinstance(r, Request):
+                raise BatchError(f"batch item {j}: expected a graphcp.Request, got {type(r).__name__} "
+                                 "(wrap token ids as Request(tokens))")
+            t = _token_array(r.tokens, j)
             if t.size == 0:
                 raise BatchError(f"request {j} is empty: every request needs at least one new token")
             have = 0
             if r.prefix is not None:
                 try:
                     self.kv.check_handle(r.prefix)
-                except (KeyError, ValueError) as e:
-                    # e.args[0]: str() of a KeyError would wrap the message in quotes
-                    raise BatchError(f"request {j}: {e.args[0] if e.args else e}") from None
+                except KVHandleError as e:
+                    raise KVHandleError(f"request {j}: {e}") from None
+                first = extended.setdefault(r.prefix.seq_id, j)
+                if first != j:
+                    raise KVHandleError(f"requests {first} and {j} both extend KV handle seq_id={r.prefix.seq_id}; "
+                                        "a sequence can be extended once per batch")
                 have = r.prefix.num_tokens
             if have + t.size > self.max_context:
                 raise BatchError(f"request {j}: {have} cached + {t.size} new tokens exceed the model's context of "
@@ -323,3 +354,26 @@ class PrefillEngine:
         rows = everyone.index_select(0, torch.from_numpy(plan.gather_index(hidden.shape[0])).to(hidden.device))
         logits = self.model.logits(rows).cpu()
         return list(torch.split(logits, plan.extend_lens.tolist()))
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _token_array(tokens, j: int) -> np.ndarray:
+    """A request's token ids as a 1-D integer ndarray; BatchError naming the request for
+    anything else (ragged or nested lists, floats, strings, bools, objects)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise BatchError(f"request {j}: tokens must be a 1-D sequence of integer ids, got a {tokens.dtype} tensor")
+        t = tokens.detach().cpu().numpy()
+    else:
+        try:
+            t = np.asarray(tokens)
+        except (ValueError, TypeError, OverflowError) as e:  # ragged lists, unconvertible items
+            raise BatchError(f"request {j}: tokens must be a 1-D sequence of integer ids ({e})") from None
+    if t.ndim != 1 or (t.size and t.dtype.kind not in "iu"):
+        raise BatchError(f"request {j}: tokens must be a 1-D sequence of integer ids, got {t.dtype} {t.shape}")
+    if t.dtype.kind == "u" and t.size and int(t.max()) > _INT64_MAX:  # would wrap to negative ids
+        p = int(np.argmax(t > _INT64_MAX))
+        raise BatchError(f"request {j}, position {p}: token id {int(t[p])} is outside the vocabulary")
+    return t

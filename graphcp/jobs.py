@@ -13,7 +13,7 @@ import torch
 
 from graphcp.attention.exchange import exchanged_bytes_per_layer
 from graphcp.capture.buckets import BucketSet
-from graphcp.config import RuntimeConfig
+from graphcp.config import ConfigError, RuntimeConfig
 from graphcp.dist import CPGroup, init_from_env, launch
 from graphcp.engine import PrefillEngine, Request
 from graphcp.requests_io import FileRequest
@@ -39,7 +39,7 @@ def run_ranks(fn, spec: JobSpec, *args: Any) -> Any:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         group = init_from_env(spec.runtime.device, spec.runtime.collective_timeout_s)
         if group.size != spec.cp_size:
-            raise ValueError(f"--cp {spec.cp_size} but torchrun started {group.size} ranks")
+            raise ConfigError(f"--cp {spec.cp_size} but torchrun started {group.size} ranks")
         return fn(group, spec, *args)
     if spec.cp_size == 1:
         return fn(CPGroup(), spec, *args)

@@ -27,27 +27,39 @@ Rows are recycled; when none is free the table doubles its rows.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from graphcp.attention.base import KVLayout
+from graphcp.errors import BatchError
 
 SCRATCH_PAGE = 0
 
 
-class KVCacheFull(RuntimeError):
-    """Not enough free pages; the pool is unchanged."""
+class KVCacheFull(BatchError, RuntimeError):
+    """Not enough free pages for a batch; the pool is unchanged. A BatchError (and,
+    as before, a RuntimeError)."""
+
+
+class KVHandleError(BatchError):
+    """A prefix handle the cache refuses: released, stale (extended since), given twice
+    in one batch, not a handle, or issued by another cache. Nothing was changed."""
 
 
 @dataclass(frozen=True)
 class KVHandle:
-    """A request's cached KV as of one forward: pass it as the prefix of the next chunk."""
+    """A request's cached KV as of one forward: pass it as the prefix of the next chunk,
+    to the engine (cache) that returned it."""
 
     seq_id: int
     num_tokens: int
     pages: tuple[int, ...]
+    #: the identity of the cache that issued it: a handle from another engine is
+    #: refused even when its seq_id and token count match a live sequence here
+    cache_id: str = ""
 
 
 @dataclass
@@ -92,6 +104,7 @@ class PagedKVCache:
         self._free: list[int] = list(range(num_pages - 1, SCRATCH_PAGE, -1))
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
+        self.cache_id = uuid.uuid4().hex  # stamped on every handle this cache issues
         # the dense page table; _row_pages[r] = len(pages) of row r's sequence (0 when free)
         self._table = np.full((_INITIAL_ROWS, max_pages_per_seq), SCRATCH_PAGE, dtype=np.int32)
         self._row_pages = np.zeros(_INITIAL_ROWS, dtype=np.int64)
@@ -144,11 +157,18 @@ class PagedKVCache:
 
     # ---- allocation -----------------------------------------------------------
     def check_handle(self, handle: KVHandle) -> None:
+        """KVHandleError unless ``handle`` is a live, current handle issued by this cache."""
+        if not isinstance(handle, KVHandle):
+            raise KVHandleError(f"a prefix must be a KVHandle returned by this engine (or None), "
+                                f"got {type(handle).__name__} {handle!r}"[:200])
+        if handle.cache_id != self.cache_id:
+            raise KVHandleError(f"KV handle seq_id={handle.seq_id} was issued by another KV cache (another engine); "
+                                "pass a handle only to the engine that returned it")
         seq = self._seqs.get(handle.seq_id)
         if seq is None:
-            raise KeyError(f"KV handle seq_id={handle.seq_id} is not live (released, or from another cache)")
+            raise KVHandleError(f"KV handle seq_id={handle.seq_id} is not live (released, or its forward failed)")
         if seq.num_tokens != handle.num_tokens:
-            raise ValueError(
+            raise KVHandleError(
                 f"KV handle seq_id={handle.seq_id} is stale: it holds {handle.num_tokens} tokens, "
                 f"the cache now holds {seq.num_tokens} (it was extended since)"
             )
@@ -166,7 +186,7 @@ class PagedKVCache:
             if h is not None:
                 self.check_handle(h)
                 if h.seq_id in seen:
-                    raise ValueError(f"KV handle seq_id={h.seq_id} is the prefix of two requests in one batch")
+                    raise KVHandleError(f"KV handle seq_id={h.seq_id} is the prefix of two requests in one batch")
                 seen.add(h.seq_id)
                 have = h.num_tokens
             total = self.pages_for(have + n)
@@ -221,12 +241,14 @@ class PagedKVCache:
 
     def handle(self, seq_id: int) -> KVHandle:
         seq = self._seqs[seq_id]
-        return KVHandle(seq_id, seq.num_tokens, tuple(seq.pages))
+        return KVHandle(seq_id, seq.num_tokens, tuple(seq.pages), self.cache_id)
 
     def release(self, handle: KVHandle) -> None:
+        if not isinstance(handle, KVHandle) or handle.cache_id != self.cache_id:
+            self.check_handle(handle)  # raises, naming what is wrong
         seq = self._seqs.pop(handle.seq_id, None)
         if seq is None:
-            raise KeyError(f"KV handle seq_id={handle.seq_id} is not live (already released?)")
+            raise KVHandleError(f"KV handle seq_id={handle.seq_id} is not live (already released?)")
         self._free.extend(reversed(seq.pages))
         self._truncate(seq, 0)
         self._free_rows.append(seq.row)

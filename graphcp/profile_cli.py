@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from graphcp.errors import InputError
+
 #: the default workload: six small CP batches (mixed sizes, two with cached
 #: prefixes) that land in the 128- and 256-row buckets at CP = 2: a few
 #: seconds on a laptop CPU with the default model, two cheap captures.
@@ -70,7 +72,7 @@ def load_batches(args) -> tuple[list[tuple[list[int], list[int]]], str]:
         desc = args.workload or f"synthetic {args.synthetic} (seed {args.seed})"
     if args.max_batches is not None:
         if args.max_batches < 1:
-            raise ValueError(f"--max-batches must be >= 1, got {args.max_batches}")
+            raise InputError(f"--max-batches must be >= 1, got {args.max_batches}")
         batches = batches[: args.max_batches]
     return batches, desc
 
@@ -122,7 +124,7 @@ def cmd_profile(args) -> int:
     from graphcp.profile_summary import RankProfile, merge, write_summary
 
     if args.warmup < 0 or args.iters < 1:
-        raise ValueError(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
+        raise InputError(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     batches, desc = load_batches(args)
@@ -175,16 +177,16 @@ def _summarise_nsys(reports: list[Path], out: Path, config: dict) -> int:
             csvs.append(report)
             continue
         if not report.is_file():
-            raise FileNotFoundError(f"nsys report {report} not found")
+            raise InputError(f"nsys report {report} not found")
         prefix = out / report.name.removesuffix(".nsys-rep")
         exe = nsys.which_nsys()
         if exe is None:
-            raise ValueError(f"nsys is not on PATH; export the CSV elsewhere with: "
+            raise InputError(f"nsys is not on PATH; export the CSV elsewhere with: "
                              f"{nsys.shell(nsys.stats_cmd(report, prefix))}, then pass it to --from-nsys")
         csvs.append(nsys.csv_path(prefix))
         csvs[-1].unlink(missing_ok=True)  # nsys stats skips an export whose file exists
         if subprocess.run(nsys.stats_cmd(report, prefix, exe)).returncode != 0:
-            raise ValueError(f"nsys stats failed on {report}: {nsys.shell(nsys.stats_cmd(report, prefix, exe))}")
+            raise InputError(f"nsys stats failed on {report}: {nsys.shell(nsys.stats_cmd(report, prefix, exe))}")
     per_rank = nsys.events_from_pushpop_csv(csvs, nsys.read_rank_pids(out))
     ranks = [rank_profile(r, evs, meta={"source": ", ".join(map(str, reports))}) for r, evs in per_rank.items()]
     for rp in ranks:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from graphcp.dist import CPGroup
+from graphcp.errors import InputError
 from graphcp.engine import PrefillEngine, Request
 from graphcp.kvcache import KVCacheFull, KVHandle
 from graphcp.profile_nsys import write_rank_pids
@@ -53,7 +54,7 @@ def _setup(engine: PrefillEngine, job: ProfileJob) -> list[_Batch]:
             try:
                 res = engine.prefill([Request(rng.integers(0, vocab, pre[i])) for i in with_prefix])
             except KVCacheFull as e:
-                raise ValueError(f"the workload's cached prefixes do not fit the KV pool ({e}); "
+                raise InputError(f"the workload's cached prefixes do not fit the KV pool ({e}); "
                                  "pass a larger --kv-tokens or fewer --max-batches") from None
             for i, h in zip(with_prefix, res.handles):
                 batch.prefixes[i] = h

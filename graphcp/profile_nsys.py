@@ -20,6 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from graphcp.errors import InputError
 from graphcp.profile_summary import RangeEvent
 from graphcp.profiling import PREFIX
 
@@ -74,9 +75,9 @@ def events_from_pushpop_csv(paths: list[str | Path], pids: list[int] | None = No
             with open(path, newline="") as f:
                 rows = list(csv.DictReader(f))
         except OSError as e:
-            raise ValueError(f"cannot read nsys CSV {path}: {e}") from e
+            raise InputError(f"cannot read nsys CSV {path}: {e}") from e
         if rows and not {"Start (ns)", "Duration (ns)", "Name", "PID"} <= set(rows[0]):
-            raise ValueError(f"{path}: not an {REPORT} CSV (columns {sorted(rows[0])})")
+            raise InputError(f"{path}: not an {REPORT} CSV (columns {sorted(rows[0])})")
         for row in rows:
             name = row["Name"]
             if not name.startswith(PREFIX):  # nsys shows a domain's ranges as "<domain>:<message>"

@@ -6,13 +6,18 @@ forward; the rest extends that cached prefix.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from graphcp.errors import InputError
+from graphcp.jsonl import read_jsonl
 
-class RequestFileError(ValueError):
-    pass
+#: token ids must fit int64 (the vocabulary check, which names the position, comes later)
+_ID_RANGE = (-(2**63), 2**63 - 1)
+
+
+class RequestFileError(InputError):
+    """A malformed REQUESTS.jsonl; the message names the file and line."""
 
 
 @dataclass(frozen=True)
@@ -27,24 +32,17 @@ class FileRequest:
 
 def parse_requests(path: str | Path) -> list[FileRequest]:
     p = Path(path)
-    try:
-        lines = p.read_text().splitlines()
-    except OSError as e:
-        raise RequestFileError(f"cannot read {p}: {e}") from None
     out: list[FileRequest] = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{p.name} line {n}"
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RequestFileError(f"{where}: not valid JSON ({e.msg})") from None
+    for where, d in read_jsonl(p, RequestFileError, "{name} line {line}", "request file"):
         if not isinstance(d, dict) or "tokens" not in d:
             raise RequestFileError(f'{where}: expected an object with "tokens" (and optionally "prefix")')
         toks, prefix = d["tokens"], d.get("prefix", 0)
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise RequestFileError(f'{where}: "tokens" must be a list of integer ids')
+        lo, hi = _ID_RANGE
+        bad = next((i for i, t in enumerate(toks) if not lo <= t <= hi), None)
+        if bad is not None:
+            raise RequestFileError(f"{where}: token id {toks[bad]} at position {bad} does not fit 64 bits")
         if not toks:
             raise RequestFileError(f"{where}: empty request (no tokens)")
         if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:

@@ -18,7 +18,7 @@ from helpers import rel_err
 from graphcp.cli import main
 from graphcp.config import RuntimeConfig
 from graphcp.engine import BatchError, PrefillEngine, Request
-from graphcp.kvcache import SCRATCH_PAGE, KVCacheFull, KVHandle, PagedKVCache, write_kv
+from graphcp.kvcache import SCRATCH_PAGE, KVCacheFull, KVHandle, KVHandleError, PagedKVCache, write_kv
 from graphcp.requests_io import RequestFileError, parse_requests
 
 VOCAB = 512
@@ -43,7 +43,7 @@ def clean(engine):
     yield engine
     live = engine.kv.snapshot()[1]
     for sid, n, pages in live:
-        engine.kv.release(KVHandle(sid, n, pages))
+        engine.kv.release(KVHandle(sid, n, pages, engine.kv.cache_id))
     assert not live, f"the test left live sequences: {live}"
 
 
@@ -105,7 +105,7 @@ def test_released_prefix_handle(clean):
     clean.release(h)
     msg = _rejects(clean, [Request(toks(5), prefix=h)], BatchError, r"^request 0: KV handle .*not live")
     assert f"seq_id={h.seq_id}" in msg and "released" in msg
-    with pytest.raises(KeyError, match="not live"):
+    with pytest.raises(KVHandleError, match="not live"):
         clean.release(h)  # twice
 
 
@@ -123,8 +123,9 @@ def test_stale_prefix_handle(clean):
 def test_same_prefix_twice_in_one_batch(clean):
     a = clean.prefill([Request(toks(20))]).handles[0]
     try:
-        _rejects(clean, [Request(toks(3), prefix=a), Request(toks(4), prefix=a)], ValueError,
-                 r"prefix of two requests")
+        # a BatchError like every refused batch, naming both requests
+        _rejects(clean, [Request(toks(3), prefix=a), Request(toks(4), prefix=a)], KVHandleError,
+                 r"requests 0 and 1 both extend KV handle")
     finally:
         clean.release(a)
 
@@ -338,7 +339,7 @@ def test_release_frees_pages_and_they_are_reused():
     c = kv.handle(kv.extend([None], [7])[0])
     assert c.pages == a.pages  # LIFO: the freed pages come back first, in the same order
     assert c.seq_id != a.seq_id  # ids are not reused: a's handle stays dead
-    with pytest.raises(KeyError, match="not live"):
+    with pytest.raises(KVHandleError, match="not live"):
         kv.check_handle(a)
     kv.release(b)
     kv.release(c)

@@ -479,3 +479,17 @@ def test_cli_workload_over_max_capacity(tmp_path, capsys):
     )
     assert "all run eagerly" in capsys.readouterr().err
     assert BucketSet.load(tmp_path / "c.json").capacities == (1024,)
+
+
+def test_required_rows_in_blocks_equals_one_pass(monkeypatch):
+    """Large CP: required rows are computed over blocks of batches (bounded memory);
+    the result is the same as one pass over the whole workload."""
+    from graphcp.tune import required
+
+    w = synthetic("short:batches=700", seed=5)
+    for cp in (1, 3, 64):
+        whole = required.rank_rows(w, cp).max(axis=1)
+        monkeypatch.setattr(required, "_BLOCK_CELLS", 2 * cp * 7 + 3)  # blocks of 7 batches, a short last one
+        np.testing.assert_array_equal(required.required_rows(w, cp), whole)
+        monkeypatch.undo()
+

@@ -17,11 +17,18 @@ from typing import NamedTuple
 
 import numpy as np
 
+from graphcp.checks import MAX_CP, check_choice, check_float, check_int
+from graphcp.errors import ConfigError
+
 DEFAULT_ALIGN = 8
 DEFAULT_PADDING_FACTOR = 2.0
 #: powers of two from 16 to 4096 local rows: any batch from 8 to 4096 rows fits within 2x
 DEFAULT_CAPACITIES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 BUCKET_FILE_VERSION = 1
+#: local rows: the static buffers are sized by the largest bucket
+MAX_BUCKET_CAPACITY = 1 << 20
+MAX_BUCKETS_IN_SET = 4096
+LAYOUTS = ("zigzag", "interleave")
 
 # reasons a forward runs eagerly (keys of the runner's fallback counters)
 FALLBACK_TOO_LARGE = "larger_than_every_bucket"
@@ -56,18 +63,8 @@ class BucketSet:
     meta: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.align < 8 or self.align % 8:
-            raise ValueError(f"bucket align must be a positive multiple of 8, got {self.align}")
-        if not self.capacities:
-            raise ValueError("a bucket set needs at least one capacity")
-        caps = tuple(sorted(int(c) for c in self.capacities))
-        bad = [c for c in caps if c <= 0 or c % self.align]
-        if bad:
-            raise ValueError(f"bucket capacities {bad} are not positive multiples of align={self.align}")
-        if len(set(caps)) != len(caps):
-            raise ValueError(f"bucket capacities repeat: {list(self.capacities)}")
-        if self.padding_factor < 1.0:
-            raise ValueError(f"padding_factor must be >= 1, got {self.padding_factor}")
+        caps = _check_fields("BucketSet", self.capacities, self.align, self.padding_factor, self.cp_size, self.layout,
+                             self.meta)
         object.__setattr__(self, "capacities", caps)
 
     @property
@@ -88,9 +85,9 @@ class BucketSet:
 
     def check_compatible(self, cp_size: int, layout: str) -> None:
         if self.cp_size is not None and self.cp_size != cp_size:
-            raise ValueError(f"bucket file was tuned for cp_size={self.cp_size}, this run has cp_size={cp_size}")
+            raise ConfigError(f"bucket file was tuned for cp_size={self.cp_size}, this run has cp_size={cp_size}")
         if self.layout is not None and self.layout != layout:
-            raise ValueError(f"bucket file was tuned for layout={self.layout!r}, this run uses {layout!r}")
+            raise ConfigError(f"bucket file was tuned for layout={self.layout!r}, this run uses {layout!r}")
 
     # ---- file -----------------------------------------------------------------
     def to_json(self) -> dict:
@@ -105,19 +102,47 @@ class BucketSet:
     def load(cls, path: str | Path) -> "BucketSet":
         p = Path(path)
         try:
-            d = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read bucket file {p}: {e}") from e
+            d = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8, bad JSON, a huge integer
+            raise ConfigError(f"cannot read bucket file {p}: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"bucket file {p}: expected a JSON object with \"capacities\" (as graphcp tune writes), "
+                              f"got a {type(d).__name__}")
         if d.get("version") != BUCKET_FILE_VERSION:
-            raise ValueError(f"bucket file {p} has version {d.get('version')!r}, expected {BUCKET_FILE_VERSION}")
-        try:
-            return cls(
-                capacities=tuple(d["capacities"]),
-                align=int(d.get("align", DEFAULT_ALIGN)),
-                padding_factor=float(d.get("padding_factor", DEFAULT_PADDING_FACTOR)),
-                cp_size=d.get("cp_size"),
-                layout=d.get("layout"),
-                meta=d.get("meta", {}),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"bad bucket file {p}: {e}") from e
+            raise ConfigError(f"bucket file {p} has version {d.get('version')!r}, expected {BUCKET_FILE_VERSION}")
+        if "capacities" not in d:
+            raise ConfigError(f"bucket file {p}: missing \"capacities\"")
+        if not isinstance(d["capacities"], list):
+            raise ConfigError(f"bucket file {p}: capacities must be a list of integers, got {d['capacities']!r}"[:300])
+        fields = dict(capacities=d["capacities"], align=d.get("align", DEFAULT_ALIGN),
+                      padding_factor=d.get("padding_factor", DEFAULT_PADDING_FACTOR), cp_size=d.get("cp_size"),
+                      layout=d.get("layout"), meta=d.get("meta", {}))
+        _check_fields(f"bucket file {p}", **fields)  # names the file, not the class
+        return cls(**{**fields, "capacities": tuple(fields["capacities"])})
+
+
+def _check_fields(where: str, capacities, align, padding_factor, cp_size, layout, meta) -> tuple[int, ...]:
+    """Every field of a bucket set, typed and ranged; returns the sorted capacities."""
+    if check_int(align, "align", lo=8, hi=MAX_BUCKET_CAPACITY, where=where) % 8:
+        raise ConfigError(f"{where}: bucket align must be a positive multiple of 8, got {align}")
+    if isinstance(capacities, (str, bytes, dict)) or not hasattr(capacities, "__len__"):
+        raise ConfigError(f"{where}: capacities must be a list of integers, got {capacities!r}"[:300])
+    if not len(capacities):
+        raise ConfigError(f"{where}: a bucket set needs at least one capacity")
+    if len(capacities) > MAX_BUCKETS_IN_SET:
+        raise ConfigError(f"{where}: {len(capacities)} capacities; expected at most {MAX_BUCKETS_IN_SET}")
+    caps = tuple(sorted(check_int(c, "capacities entry", lo=1, hi=MAX_BUCKET_CAPACITY, where=where)
+                        for c in capacities))
+    bad = [c for c in caps if c % align]
+    if bad:
+        raise ConfigError(f"{where}: bucket capacities {bad} are not positive multiples of align={align}")
+    if len(set(caps)) != len(caps):
+        raise ConfigError(f"{where}: bucket capacities repeat: {list(capacities)}")
+    check_float(padding_factor, "padding_factor", lo=1.0, where=where)
+    if cp_size is not None:
+        check_int(cp_size, "cp_size", lo=1, hi=MAX_CP, where=where)
+    if layout is not None:
+        check_choice(layout, "layout", LAYOUTS, where=where)
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{where}: meta must be an object, got {type(meta).__name__}")
+    return caps

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphcp.config import RopeConfig
+from graphcp.rope import RopeConfig
 
 
 class RMSNorm(nn.Module):
@@ -36,8 +36,9 @@ class Rotary(nn.Module):
         inv = rope.inv_freq(head_dim)
         freqs = torch.arange(max_positions, dtype=torch.int64).float().unsqueeze(1) * inv.unsqueeze(0)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # YaRN's attention factor scales cos and sin (as transformers does); 1.0 otherwise
+        self.register_buffer("cos", emb.cos() * rope.attention_factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * rope.attention_factor, persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q [n, Hq, D], k [n, Hk, D]; rotate-half convention (as HF)."""

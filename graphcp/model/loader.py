@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from graphcp.config import DTYPES, ConfigError, ModelConfig
+from graphcp.errors import InputError
 from graphcp.model.layers import Rotary
 from graphcp.model.llama import DecoderModel
 
@@ -25,8 +27,23 @@ from graphcp.model.llama import DecoderModel
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-class CheckpointError(ValueError):
-    pass
+class CheckpointError(InputError):
+    """A checkpoint folder graphcp cannot load; the message names the file and tensor."""
+
+
+@contextmanager
+def _reading(path: Path, what: str = "") -> Iterator[None]:
+    """Turn the safetensors library's errors on a corrupt file (truncated, empty,
+    garbage, a bad header) into a CheckpointError naming the file."""
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file{what} ({e})") from None
+
+
+def _open(path: Path):
+    with _reading(path):
+        return safe_open(str(path), framework="pt", device="cpu")
 
 
 @dataclass(frozen=True)
@@ -77,12 +94,17 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     single = model_dir / "model.safetensors"
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and v and "/" not in v and v not in (".", "..")
+            for k, v in weight_map.items()
+        ):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names in the same folder")
         return {name: model_dir / f for name, f in weight_map.items()}
     if single.exists():
-        with safe_open(str(single), framework="pt") as f:
+        with _open(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
@@ -126,12 +148,13 @@ def load_model(
         for f, names in by_file.items():
             if not f.exists():
                 raise CheckpointError(f"{model_dir}: index names {f.name}, which does not exist")
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
+            with _open(f) as sf:
                 for name in names:
                     tgt = targets[name]
-                    sl = sf.get_slice(name)
-                    shape = tuple(sl.get_shape())
-                    st_dtype = sl.get_dtype()
+                    with _reading(f, f" at tensor {name!r}"):
+                        sl = sf.get_slice(name)
+                        shape = tuple(sl.get_shape())
+                        st_dtype = sl.get_dtype()
                     full = _expected_shape(cfg, name)
                     if shape != full:
                         # checked on the whole checkpoint tensor: a wrong size along a fused or
@@ -139,7 +162,8 @@ def load_model(
                         raise CheckpointError(
                             f"{f.name}: tensor {name!r} has shape {list(shape)}, expected {list(full)}"
                         )
-                    t = _read(sl, shape, tgt)
+                    with _reading(f, f" at tensor {name!r}"):
+                        t = _read(sl, shape, tgt)
                     if not t.is_floating_point():
                         raise CheckpointError(f"{f.name}: tensor {name!r} has dtype {st_dtype}, expected a float type")
                     if declared is not None and t.dtype != declared:

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from graphcp.errors import ConfigError
+
 #: a small Qwen3-style model: explicit head_dim, q/k norm, GQA, tied embeddings
 PRESETS: dict[str, dict] = {
     "default": {
@@ -107,7 +109,7 @@ def random_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
 def ensure_preset(name: str, root: Path | None = None) -> Path:
     """The preset's checkpoint folder, written on first use (atomically)."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
     folder = (root or cache_root()) / "models" / name
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         return folder
@@ -135,5 +137,5 @@ def resolve_model(name_or_dir: str | os.PathLike) -> Path:
         return ensure_preset(s)
     p = Path(s)
     if not p.is_dir():
-        raise FileNotFoundError(f"--model {s!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint folder")
+        raise ConfigError(f"--model {s!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint folder")
     return p

@@ -17,18 +17,26 @@ import time
 
 import numpy as np
 
-from graphcp.capture.buckets import DEFAULT_PADDING_FACTOR, BucketSet
+from graphcp.capture.buckets import DEFAULT_PADDING_FACTOR, MAX_BUCKET_CAPACITY, BucketSet
+from graphcp.checks import MAX_CP, check_float, check_int, check_output_path
+from graphcp.errors import InputError, report
 from graphcp.tune.baselines import BASELINES
 from graphcp.tune.optimise import CostModel, optimise
 from graphcp.tune.report import build_report
 from graphcp.tune.required import LAYOUTS, required_rows
-from graphcp.tune.workload import WorkloadError, load_workload
+from graphcp.tune.workload import load_workload
 
 DEFAULT_MAX_BUCKETS = 8
 DEFAULT_MAX_CAPACITY = 8192  # local rows; the static buffers are sized by the largest bucket
 
 
-class TuneInputError(ValueError):
+MAX_BUCKETS = 1024
+MAX_ALIGN = 1 << 16
+MAX_FACTOR = 1e6  # padding factor, eager penalty
+MAX_SEED = 2**63 - 1
+
+
+class TuneInputError(InputError):
     """Bad command-line input; reported on stderr with exit code 2."""
 
 
@@ -93,23 +101,29 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _check(args) -> list[str]:
-    if args.cp < 1:
-        raise TuneInputError(f"--cp must be >= 1, got {args.cp}")
-    if args.max_buckets < 1:
-        raise TuneInputError(f"--max-buckets must be >= 1, got {args.max_buckets}")
-    if args.align < 8 or args.align % 8:
+    """Every flag type-, range- and finiteness-checked (NaN and inf pass no range check
+    silently: they are refused by name), and the outputs writable, before any work."""
+    err = TuneInputError
+    check_int(args.cp, "--cp", lo=1, hi=MAX_CP, err=err)
+    check_int(args.max_buckets, "--max-buckets", lo=1, hi=MAX_BUCKETS, err=err)
+    if check_int(args.align, "--align", lo=8, hi=MAX_ALIGN, err=err) % 8:
         raise TuneInputError(f"--align must be a positive multiple of 8, got {args.align}")
     if args.max_capacity < args.align:
         raise TuneInputError(f"--max-capacity must be >= --align ({args.align}), got {args.max_capacity}")
-    if args.padding_factor < 1:
-        raise TuneInputError(f"--padding-factor must be >= 1, got {args.padding_factor}")
-    if args.eager_penalty is not None and args.eager_penalty < args.padding_factor:
-        raise TuneInputError(
-            f"--eager-penalty must be >= --padding-factor ({args.padding_factor}), got {args.eager_penalty}; "
-            "if eager is cheaper than that much padding, lower --padding-factor"
-        )
-    if args.bucket_cost < 0:
-        raise TuneInputError(f"--bucket-cost must be >= 0, got {args.bucket_cost}")
+    check_int(args.max_capacity, "--max-capacity", hi=MAX_BUCKET_CAPACITY, err=err)
+    check_float(args.padding_factor, "--padding-factor", lo=1, hi=MAX_FACTOR, err=err)
+    if args.eager_penalty is not None:
+        check_float(args.eager_penalty, "--eager-penalty", hi=MAX_FACTOR, err=err)
+        if args.eager_penalty < args.padding_factor:
+            raise TuneInputError(
+                f"--eager-penalty must be >= --padding-factor ({args.padding_factor}), got {args.eager_penalty}; "
+                "if eager is cheaper than that much padding, lower --padding-factor"
+            )
+    check_float(args.bucket_cost, "--bucket-cost", lo=0, hi=float(MAX_BUCKET_CAPACITY), err=err)
+    check_int(args.seed, "--seed", lo=0, hi=MAX_SEED, err=err)
+    for flag, path in (("--output", args.output), ("--plot", args.plot), ("--report-json", args.report_json)):
+        if path is not None:
+            check_output_path(path, flag, err=err)
     names = (
         [] if args.baselines.strip().lower() == "none" else [s.strip() for s in args.baselines.split(",") if s.strip()]
     )
@@ -138,9 +152,8 @@ def _measure(bucket_set: BucketSet, cp_size: int, model: str = "default", device
 def run_tune(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except (TuneInputError, WorkloadError, ValueError, OSError) as e:  # OSError: cannot write an output
-        print(f"graphcp tune: error: {e}", file=sys.stderr)
-        return 2
+    except InputError as e:  # graphcp's own input errors only: anything else is a bug and surfaces
+        return report("graphcp tune", e, getattr(args, "debug", False))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -58,6 +58,10 @@ def rank_rows(workload: Workload, cp_size: int, layout: str = "zigzag") -> np.nd
     raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
 
 
+#: zigzag works on (batches, 2C) arrays; batches are taken in blocks of about this many cells
+_BLOCK_CELLS = 1 << 22
+
+
 def required_rows(workload: Workload, cp_size: int, layout: str = "zigzag") -> np.ndarray:
     """Largest rank's local rows per batch (raw, not aligned): what BucketSet.select receives."""
     if layout == "interleave":  # rank 0 always has the most; skip the (n, C) matrix
@@ -65,4 +69,13 @@ def required_rows(workload: Workload, cp_size: int, layout: str = "zigzag") -> n
             raise ValueError(f"cp_size must be >= 1, got {cp_size}")
         t = workload.batch_tokens()
         return -(-t // cp_size)
-    return rank_rows(workload, cp_size, layout).max(axis=1)
+    if layout != "zigzag" or workload.n_batches * 2 * cp_size <= _BLOCK_CELLS:
+        return rank_rows(workload, cp_size, layout).max(axis=1)
+    # large C: blocks of batches, so memory stays bounded by the block, not batches x 2C
+    block = max(1, _BLOCK_CELLS // (2 * cp_size))
+    offs, out = workload.offsets, []
+    for b0 in range(0, workload.n_batches, block):
+        b1 = min(workload.n_batches, b0 + block)
+        lo, hi = offs[b0], offs[b1]
+        out.append(zigzag_rank_rows(workload.extend[lo:hi], offs[b0 : b1 + 1] - lo, cp_size).max(axis=1))
+    return np.concatenate(out)

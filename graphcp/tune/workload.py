@@ -18,14 +18,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from graphcp.checks import MAX_TOKENS, check_float, check_int
+from graphcp.errors import InputError
+from graphcp.jsonl import read_jsonl
 
-class WorkloadError(ValueError):
+#: a request's extend or prefix length: far above any context, and small enough that
+#: no per-batch or per-workload sum can overflow int64
+MAX_LENGTH = MAX_TOKENS
+#: synthetic workloads: at most this many batches, and this many requests expected in all
+MAX_SYNTHETIC_BATCHES = 1_000_000
+MAX_SYNTHETIC_REQUESTS = 10_000_000
+
+
+class WorkloadError(InputError):
     """A workload file or spec is malformed; the message names where and why."""
 
 
@@ -46,10 +58,17 @@ class Workload:
             raise WorkloadError("a workload needs at least one batch")
         if np.any(np.diff(self.offsets) < 1):
             raise WorkloadError("every batch needs at least one request")
+        for name in ("extend", "prefix", "offsets"):
+            if getattr(self, name).dtype.kind not in "iu":
+                raise WorkloadError(f"{name} must hold integers, got dtype {getattr(self, name).dtype}")
         if np.any(self.extend < 1):
             raise WorkloadError(f"extend lengths must be >= 1, got {int(self.extend.min())}")
         if np.any(self.prefix < 0):
             raise WorkloadError(f"prefix lengths must be >= 0, got {int(self.prefix.min())}")
+        for name in ("extend", "prefix"):
+            arr = getattr(self, name)
+            if arr.size and int(arr.max()) > MAX_LENGTH:
+                raise WorkloadError(f"{name} lengths must be <= {MAX_LENGTH}, got {int(arr.max())}")
 
     @property
     def n_batches(self) -> int:
@@ -122,14 +141,16 @@ class Workload:
 # ---- JSONL ------------------------------------------------------------------------
 def _int_list(value, key: str, where: str, minimum: int) -> list[int]:
     if not isinstance(value, list) or not value:
-        raise WorkloadError(f"{where}: {key!r} must be a non-empty list of integers, got {value!r}")
+        raise WorkloadError(f"{where}: {key!r} must be a non-empty list of integers, got {value!r}"[:300])
     for v in value:
         # bool is an int subclass; true/false are not lengths
         if isinstance(v, bool) or not isinstance(v, int):
-            raise WorkloadError(f"{where}: {key!r} must hold integers, got {v!r}")
+            raise WorkloadError(f"{where}: {key!r} must hold integers, got {v!r}"[:300])
         if v < minimum:
             what = "positive" if minimum == 1 else "non-negative"
             raise WorkloadError(f"{where}: {key!r} lengths must be {what} (>= {minimum}), got {v}")
+        if v > MAX_LENGTH:  # past int64 once summed or converted: refused here, not overflowed later
+            raise WorkloadError(f"{where}: {key!r} lengths must be <= {MAX_LENGTH}, got {v}")
     return value
 
 
@@ -138,6 +159,11 @@ def parse_batch_line(line: str, where: str) -> tuple[list[int], list[int]]:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise WorkloadError(f'{where}: not valid JSON ({e.msg}); expected {{"extend": [...], "prefix": [...]}}') from e
+    return parse_batch(obj, where)
+
+
+def parse_batch(obj, where: str) -> tuple[list[int], list[int]]:
+    """One batch from its parsed JSON line (``where`` names the file and line)."""
     if not isinstance(obj, dict):
         raise WorkloadError(
             f"{where}: expected a JSON object with 'extend' (and optional 'prefix'), got {type(obj).__name__}"
@@ -160,14 +186,7 @@ def parse_batch_line(line: str, where: str) -> tuple[list[int], list[int]]:
 
 def load_jsonl(path: str | Path) -> Workload:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise WorkloadError(f"cannot read workload file {p}: {e.strerror or e}") from e
-    batches = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            batches.append(parse_batch_line(line, f"{p}:{n}"))
+    batches = [parse_batch(obj, where) for where, obj in read_jsonl(p, WorkloadError, "{path}:{line}", "workload file")]
     if not batches:
         raise WorkloadError(f"workload file {p} has no batches")
     return Workload.from_batches(batches, name=p.stem, source={"file": str(p)})
@@ -283,19 +302,37 @@ def parse_spec(spec: str) -> tuple[str, dict]:
                 f"expected one of {sorted(defaults)} or seed"
             )
         params[key] = _parse_number(spec, key, raw, type(defaults[key]))
-    for key in ("batches", "budget", "chunk", "max_len"):
-        if key in params and params[key] < 1:
-            raise WorkloadError(f"synthetic spec {spec!r}: {key} must be >= 1, got {params[key]}")
-    for key in ("median", "reqs"):
-        if key in params and params[key] <= 0:
-            raise WorkloadError(f"synthetic spec {spec!r}: {key} must be > 0, got {params[key]}")
-    if params.get("load", 1.0) <= 0:
-        raise WorkloadError(f"synthetic spec {spec!r}: load must be > 0, got {params['load']}")
+    for key, value in params.items():
+        lo, hi, lo_open = _RANGES[key]
+        # NaN and inf fail every comparison: refused by name, not let through
+        check = check_float if isinstance(value, float) else check_int
+        kw = {"lo_open": lo_open} if check is check_float else {}
+        check(value, key, lo=lo, hi=hi, where=f"synthetic spec {spec!r}", err=WorkloadError, **kw)
+    expected = params["batches"] * _requests_per_batch(name, params)
+    if expected > MAX_SYNTHETIC_REQUESTS:
+        raise WorkloadError(f"synthetic spec {spec!r}: about {expected:.3g} requests in all; expected at most "
+                            f"{MAX_SYNTHETIC_REQUESTS} (fewer batches, or longer requests)")
     return name, params
+
+
+#: parameter -> (low, high, low excluded)
+_RANGES = {
+    "batches": (1, MAX_SYNTHETIC_BATCHES, False), "budget": (1, MAX_LENGTH, False), "chunk": (1, MAX_LENGTH, False),
+    "max_len": (1, MAX_LENGTH, False), "median": (0.0, float(MAX_LENGTH), True), "sigma": (0.0, 10.0, False),
+    "load": (0.0, 100.0, True), "reqs": (0.0, 65536.0, True), "hit": (0.0, 1.0, False), "seed": (0, 2**63 - 1, False),
+}
+
+
+def _requests_per_batch(name: str, params: dict) -> float:
+    if name == "longctx":  # Poisson arrivals of load x budget tokens a step, of mean length median e^(s^2/2)
+        return max(1.0, params["load"] * params["budget"] / (params["median"] * math.exp(params["sigma"] ** 2 / 2)))
+    return params.get("reqs", 1.0)
 
 
 def _parse_number(spec: str, key: str, raw: str, typ: type):
     try:
+        if len(raw.strip()) > 40:
+            raise ValueError(raw)
         return typ(raw) if typ is float else int(raw)
     except ValueError:
         raise WorkloadError(f"synthetic spec {spec!r}: {key}={raw!r} is not a valid {typ.__name__}") from None

@@ -1,0 +1,103 @@
+"""Typed, ranged reads of configuration values and flags: one place that decides what
+a bad value is and says so.
+
+Each check returns the value as a plain Python number/bool/str or raises an
+:class:`~graphcp.errors.InputError` subclass whose message names where the value came
+from (a file, a config class, a flag), the key, the value, and what was expected:
+``config.json: num_hidden_layers must be an integer in [1, 4096], got 'two'``.
+No torch here: the tuner uses these without the runtime.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from graphcp.errors import ConfigError, InputError
+
+#: sane upper bounds: far above any real model or deployment, low enough that a
+#: typo fails here instead of in an allocation or an int64 overflow
+MAX_TOKENS = 2**31 - 1  # a request, a context, a KV pool (page ids are int32)
+MAX_CP = 1024
+
+
+def _short(value: Any) -> str:
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _fail(err: type, where: str | None, key: str, expected: str, value: Any) -> InputError:
+    return err(f"{where + ': ' if where else ''}{key} must be {expected}, got {_short(value)}")
+
+
+def _bounds(err: type, where: str | None, key: str, v: float, value: Any, lo, hi, lo_open: bool = False) -> None:
+    """Name the bound that was crossed (the low one, or the high one)."""
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise _fail(err, where, key, f"{'>' if lo_open else '>='} {lo}", value)
+    if hi is not None and v > hi:
+        raise _fail(err, where, key, f"<= {hi}", value)
+
+
+def check_int(value: Any, key: str, *, lo: int | None = None, hi: int | None = None, where: str | None = None,
+              err: type = ConfigError) -> int:
+    # bool is an int subclass, but JSON true is not a size; 4096.0 is not an integer either
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _fail(err, where, key, "an integer", value)
+    v = int(value)
+    _bounds(err, where, key, v, value, lo, hi)
+    return v
+
+
+def check_float(value: Any, key: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+                where: str | None = None, err: type = ConfigError) -> float:
+    """A finite real number (NaN and inf fail every range check silently, so they are
+    refused outright)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(err, where, key, "a number", value)
+    v = float(value)
+    if not math.isfinite(v):
+        raise _fail(err, where, key, "a finite number", value)
+    _bounds(err, where, key, v, value, lo, hi, lo_open)
+    return v
+
+
+def check_bool(value: Any, key: str, *, where: str | None = None, err: type = ConfigError) -> bool:
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":  # numpy's bool too
+        raise _fail(err, where, key, "true or false", value)
+    return bool(value)
+
+
+def check_str(value: Any, key: str, *, where: str | None = None, err: type = ConfigError) -> str:
+    if not isinstance(value, str):
+        raise _fail(err, where, key, "a string", value)
+    return value
+
+
+def check_choice(value: Any, key: str, choices: Iterable[str], *, where: str | None = None,
+                 err: type = ConfigError) -> str:
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        raise _fail(err, where, key, "one of " + ", ".join(repr(c) for c in choices), value)
+    return value
+
+
+def check_output_path(path: str | os.PathLike, flag: str, err: type = InputError) -> Path:
+    """Refuse an output path that cannot be written, before any work is done: a
+    missing folder, a path naming a folder, an unwritable file or folder. Nothing is
+    created (an old file stays as it is until the run succeeds)."""
+    p = Path(path)
+    if str(path) == "" or p.is_dir():
+        raise err(f"{flag} {str(path)!r} is a folder; expected a file path")
+    parent = p.parent
+    if not parent.exists():
+        raise err(f"{flag} {str(path)!r}: folder {str(parent)!r} does not exist")
+    if not parent.is_dir():
+        raise err(f"{flag} {str(path)!r}: {str(parent)!r} is not a folder")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise err(f"{flag} {str(path)!r}: the file is not writable")
+    if not p.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise err(f"{flag} {str(path)!r}: cannot create files in {str(parent)!r}")
+    return p
