@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from graphcp.config import RuntimeConfig
-from graphcp.engine import PrefillEngine, Request
+from graphcp import PrefillEngine, Request
 from graphcp.model.presets import ensure_preset
 
 SIZES = (256, 1024, 4096)

@@ -81,9 +81,9 @@ def test_whole_host_preparation_16_requests_cp8(benchmark, host_engine, kind):
     eng = host_engine
 
     def prepare_and_fill():
-        prep = eng.prepare_batch(reqs)
+        prep = eng.preparer.prepare(reqs)
         eng.runner.fill(prep, eng.runner.select(prep.plan.max_local_rows).capacity)
-        eng.abort(prep)
+        eng.preparer.abort(prep)
 
     benchmark.group = "host preparation"
     benchmark(prepare_and_fill)

@@ -4,7 +4,8 @@ from graphcp.capture.buckets import BucketSet
 from graphcp.config import ModelConfig, ParallelConfig, RuntimeConfig
 from graphcp.cp import InterleaveLayout, ZigzagLayout, make_layout
 from graphcp.dist import CPGroup, init_from_env, launch
-from graphcp.engine import PrefillEngine, PrefillOutput, Request
+from graphcp.batch import ConsistencyError, ForwardInfo, PrefillOutput, Request
+from graphcp.engine import PrefillEngine
 from graphcp.errors import BatchError, ConfigError, GraphcpError, InputError
 from graphcp.kvcache import KVCacheFull, KVHandle, KVHandleError
 
@@ -13,6 +14,8 @@ __all__ = [
     "BucketSet",
     "CPGroup",
     "ConfigError",
+    "ConsistencyError",
+    "ForwardInfo",
     "GraphcpError",
     "InputError",
     "InterleaveLayout",

@@ -7,7 +7,7 @@ is decided before the first batch.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,17 @@ import torch
 
 from graphcp.checks import MAX_CP, MAX_TOKENS, check_bool, check_float, check_int, check_str
 from graphcp.errors import ConfigError
+from graphcp.options import (
+    ATTENTION_BACKENDS,
+    GRAPH_BACKENDS,
+    GRAPH_MODES,
+    LAYOUTS,
+    AttentionName,
+    DtypeName,
+    GraphBackendName,
+    GraphMode,
+    LayoutName,
+)
 from graphcp.rope import RopeConfig, rope_from_hf
 
 #: HF ``architectures`` entries (and ``model_type`` fallbacks) this decoder covers
@@ -25,6 +36,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 #: sane upper bounds on model sizes (far above any real checkpoint)
 MAX_VOCAB = 1 << 24
 MAX_HIDDEN = 1 << 17
@@ -192,31 +204,32 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """CP and TP degrees. The graph path needs PP = 1 and CP = TP (the MLP is
-    tensor-parallel over the CP group)."""
+    """The parallel degrees graphcp honours, validated up front: ``cp_size`` ranks of
+    context parallelism, whose group is also the tensor-parallel group of the MLP
+    (TP = CP; attention weights are whole on every rank). Degrees that graphcp does
+    not run yet have no field here, so none can be set and silently ignored; new
+    kinds of parallelism add their degree here, with the world size to match."""
 
     cp_size: int = 1
-    tp_size: int | None = None  # None: equal to cp_size
-    pp_size: int = 1
 
     def __post_init__(self) -> None:
         check_int(self.cp_size, "cp_size", lo=1, hi=MAX_CP, where="ParallelConfig")
-        if self.tp_size is None:
-            object.__setattr__(self, "tp_size", self.cp_size)
-        if self.pp_size != 1:
-            raise ConfigError(f"pp_size={self.pp_size}: graphcp runs with PP = 1 only")
-        if self.tp_size != self.cp_size:
-            raise ConfigError(
-                f"tp_size={self.tp_size} != cp_size={self.cp_size}: graphcp runs the MLP tensor-parallel "
-                "over the CP group, so TP must equal CP"
-            )
 
-    def check_model(self, m: ModelConfig) -> None:
-        """Reject a model whose sharded sizes do not divide by the TP degree."""
+    @property
+    def tp_size(self) -> int:
+        """The MLP's tensor-parallel degree: the CP group's size."""
+        return self.cp_size
+
+    @property
+    def world_size(self) -> int:
+        return self.cp_size
+
+    def check_model(self, m: ModelConfig, source: str = "the model") -> None:
+        """Refuse a model whose sharded sizes do not divide by the TP degree."""
         if m.intermediate_size % self.tp_size:
             raise ConfigError(
-                f"intermediate_size={m.intermediate_size} does not divide by tp_size=cp_size={self.tp_size}; "
-                "the MLP is column/row-parallel over the CP group"
+                f"{source}: intermediate_size={m.intermediate_size} does not divide by tp_size=cp_size="
+                f"{self.tp_size}; the MLP is column/row-parallel over the CP group"
             )
 
 
@@ -227,15 +240,18 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    dtype: str = "float32"
-    device: str = "cpu"
+    """How a PrefillEngine runs (everything but the model and the parallel degrees).
+    Frozen and checked on construction; errors name the field."""
+
+    dtype: DtypeName = "float32"
+    device: str = "cpu"  # cpu | cuda | cuda:N
     page_size: int = 16
     #: KV pool size in tokens (rounded up to pages); None: enough for max_position_embeddings x 4
     kv_tokens: int | None = None
-    attention: str = "torch"  # torch | triton | flashinfer | trtllm | auto
-    graph: str = "off"  # off | breakable | full
-    graph_backend: str = "auto"  # auto | cuda | trace
-    layout: str = "zigzag"  # zigzag | interleave
+    attention: AttentionName = "torch"
+    graph: GraphMode = "off"
+    graph_backend: GraphBackendName = "auto"
+    layout: LayoutName = "zigzag"
     #: requests a captured body holds (static segment metadata capacity)
     max_requests: int = 64
     debug_graphs: bool = False
@@ -245,7 +261,6 @@ class RuntimeConfig:
     verify_capture: bool | None = None
     check_consistency: bool = True
     collective_timeout_s: float = 300.0
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -255,14 +270,12 @@ class RuntimeConfig:
         check_int(self.page_size, "page_size", lo=1, hi=MAX_PAGE_SIZE, where="RuntimeConfig")
         if self.kv_tokens is not None:  # 0 is not "the default": None is
             check_int(self.kv_tokens, "kv_tokens", lo=1, hi=MAX_TOKENS, where="RuntimeConfig")
-        if self.graph not in ("off", "breakable", "full"):
-            raise ConfigError(f"graph must be off|breakable|full, got {self.graph!r}")
-        if self.graph_backend not in ("auto", "cuda", "trace"):
-            raise ConfigError(f"graph_backend must be auto|cuda|trace, got {self.graph_backend!r}")
-        if self.layout not in ("zigzag", "interleave"):
-            raise ConfigError(f"layout must be zigzag|interleave, got {self.layout!r}")
+        for name, allowed in (("graph", GRAPH_MODES), ("graph_backend", GRAPH_BACKENDS), ("layout", LAYOUTS),
+                              ("attention", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"RuntimeConfig.{name} must be one of {', '.join(allowed)}, "
+                                  f"got {getattr(self, name)!r}")
         check_int(self.max_requests, "max_requests", lo=1, hi=MAX_REQUESTS, where="RuntimeConfig")
-        check_str(self.attention, "attention", where="RuntimeConfig")
         check_bool(self.debug_graphs, "debug_graphs", where="RuntimeConfig")
         check_bool(self.check_consistency, "check_consistency", where="RuntimeConfig")
         check_float(self.collective_timeout_s, "collective_timeout_s", lo=0, lo_open=True, hi=MAX_TIMEOUT_S,

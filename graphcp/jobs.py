@@ -15,7 +15,8 @@ from graphcp.attention.exchange import exchanged_bytes_per_layer
 from graphcp.capture.buckets import BucketSet
 from graphcp.config import ConfigError, RuntimeConfig
 from graphcp.dist import CPGroup, init_from_env, launch
-from graphcp.engine import PrefillEngine, Request
+from graphcp.batch import Request
+from graphcp.engine import PrefillEngine
 from graphcp.requests_io import FileRequest
 
 
@@ -121,7 +122,7 @@ def compare_paths(engine: PrefillEngine, batch: list[np.ndarray]) -> dict:
     unpadded eager forward (equal within the rounding of matmuls over padded rows)."""
     reqs = [Request(t) for t in batch]
     runner = engine.runner
-    prep = engine.prepare_batch(reqs)
+    prep = engine.preparer.prepare(reqs)
     try:
         sel = runner.select(prep.plan.max_local_rows)
         bitwise = None
@@ -131,7 +132,7 @@ def compare_paths(engine: PrefillEngine, batch: list[np.ndarray]) -> dict:
             same_bucket = runner.eager_on_bucket(prep, sel.capacity).clone()
             bitwise = bool(torch.equal(runner.replay(prep, sel.capacity), same_bucket))
     finally:
-        engine.abort(prep)
+        engine.preparer.abort(prep)
     outs = {}
     for path in ("graph", "eager"):
         outs[path] = engine.prefill(reqs, force_eager=path == "eager")

@@ -16,7 +16,8 @@ import torch
 
 from graphcp.dist import CPGroup
 from graphcp.errors import InputError
-from graphcp.engine import PrefillEngine, Request
+from graphcp.batch import Request
+from graphcp.engine import PrefillEngine
 from graphcp.kvcache import KVCacheFull, KVHandle
 from graphcp.profile_nsys import write_rank_pids
 from graphcp.profile_summary import events_from_chrome_trace, rank_profile, write_rank

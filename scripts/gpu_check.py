@@ -440,7 +440,7 @@ def _row(model: str, backend: str, path: str, tokens: int, **kw) -> dict:
 def _measure(engine, tokens: np.ndarray, path: str, st: Settings, budget: Budget, row: dict) -> Any:
     """Warm up, then time ``st.repeats`` prefills (fewer when they would not fit
     ``st.item_cap_s`` or the budget). Returns the last output."""
-    from graphcp.engine import Request
+    from graphcp import Request
 
     device = engine.device
     force_eager = path == "eager"
@@ -493,7 +493,7 @@ def _measure(engine, tokens: np.ndarray, path: str, st: Settings, budget: Budget
 def _engine(model_dir: Path, backend: str, graph: str, st: Settings, kv_tokens: int, caps: tuple[int, ...]):
     from graphcp.capture.buckets import BucketSet
     from graphcp.config import RuntimeConfig
-    from graphcp.engine import PrefillEngine
+    from graphcp import PrefillEngine
 
     rt = RuntimeConfig(device=st.device, dtype=st.timing_dtype, graph=graph, attention=backend,
                        kv_tokens=kv_tokens, page_size=st.page_size, graph_backend=st.graph_backend, max_requests=4)
@@ -599,7 +599,7 @@ def count_paths(model_label: str, model_dir: Path, backend: str, st: Settings, b
     the timing: the profiler (CUPTI) attaching to CUDA graphs is the riskiest
     step of the run, so nothing else waits behind it."""
     from graphcp.capture.buckets import align_up
-    from graphcp.engine import Request
+    from graphcp import Request
 
     device = torch.device(st.device)
     n = min(st.sizes)

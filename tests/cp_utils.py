@@ -47,7 +47,7 @@ def batch(rng: np.random.Generator, vocab: int, lens, prefix_lens=None):
 
 def run_batch(engine, reqs, all_logits=True):
     """Prefill the prefixes (one forward), then the new tokens extending them."""
-    from graphcp.engine import Request
+    from graphcp import Request
 
     handles = [None] * len(reqs)
     idx = [i for i, (p, _) in enumerate(reqs) if p is not None]

@@ -17,7 +17,7 @@ from helpers import rel_err
 
 from graphcp.cli import main
 from graphcp.config import RuntimeConfig
-from graphcp.engine import BatchError, PrefillEngine, Request
+from graphcp import BatchError, PrefillEngine, Request
 from graphcp.kvcache import SCRATCH_PAGE, KVCacheFull, KVHandle, KVHandleError, PagedKVCache, write_kv
 from graphcp.requests_io import RequestFileError, parse_requests
 

@@ -19,7 +19,7 @@ from graphcp.capture.selfcheck import first_difference, synthetic_batch
 from graphcp.config import RuntimeConfig
 from graphcp.cp import ZigzagLayout
 from graphcp.dist import launch
-from graphcp.engine import PrefillEngine, Request
+from graphcp import PrefillEngine, Request
 
 DTYPES = ("float32", "bfloat16")
 BUCKETS = BucketSet((32, 64), padding_factor=8.0)

@@ -18,7 +18,7 @@ from helpers import rel_err
 
 from graphcp.cli import main
 from graphcp.config import RuntimeConfig
-from graphcp.engine import PrefillEngine, Request
+from graphcp import PrefillEngine, Request
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}

@@ -11,7 +11,7 @@ import torch
 from cp_utils import batch, rel_err, run_batch, write_tiny_llama
 from graphcp.config import RuntimeConfig
 from graphcp.dist import launch
-from graphcp.engine import PrefillEngine
+from graphcp import PrefillEngine
 from graphcp.model.presets import ensure_preset
 
 LENS = [300, 1, 5, 64, 2, 129]

@@ -11,7 +11,7 @@ import pytest
 
 from graphcp.config import RuntimeConfig
 from graphcp.dist import RankFailure, launch
-from graphcp.engine import ConsistencyError, PrefillEngine, Request
+from graphcp import ConsistencyError, PrefillEngine, Request
 
 TIMEOUT_S = 20.0
 

@@ -20,7 +20,7 @@ import torch
 
 from graphcp.cli import main
 from graphcp.config import ConfigError, RuntimeConfig
-from graphcp.engine import BatchError, PrefillEngine, Request
+from graphcp import BatchError, PrefillEngine, Request
 from graphcp.kvcache import KVHandle
 
 VOCAB = 512  # the tiny checkpoints of conftest.py

@@ -18,7 +18,7 @@ from cp_utils import rel_err  # noqa: E402
 from graphcp.capture.buckets import BucketSet  # noqa: E402
 from graphcp.config import RuntimeConfig  # noqa: E402
 from graphcp.dist import launch  # noqa: E402
-from graphcp.engine import PrefillEngine, Request  # noqa: E402
+from graphcp import PrefillEngine, Request  # noqa: E402
 
 BUCKETS = BucketSet((16, 64), padding_factor=16.0)
 #: triton vs the torch reference, and padded vs unpadded rows: rounding only
@@ -42,12 +42,12 @@ def _job(group, graph: str, dtype: str):
         reqs = [Request(rng.integers(0, 8192, n), h if i == 0 else None) for i, n in enumerate(lens)]
         bitwise = None
         if eng.runner is not None:  # replay vs the same body run eagerly on the same bucket
-            prep = eng.prepare_batch(reqs)
+            prep = eng.preparer.prepare(reqs)
             cap = eng.runner.select(prep.plan.max_local_rows).capacity
             same_bucket = eng.runner.eager_on_bucket(prep, cap).clone()
             hidden, _ = eng.runner.try_replay(prep)
             bitwise = bool(torch.equal(hidden, same_bucket))
-            eng.abort(prep)
+            eng.preparer.abort(prep)
         o = eng.prefill(reqs, all_logits=True)
         segs = [g.graph.breaks for g in eng.runner.graphs.values()] if eng.runner else []
         out.append((o.info.path, o.last_logits, o.logits, [len(b) for b in segs], bitwise))
@@ -75,11 +75,11 @@ def test_triton_backend_in_breakable_mode_matches_torch(dtype):
     b = PrefillEngine("default", RuntimeConfig(kv_tokens=2048, dtype=dtype))
     toks = [np.arange(50) % 8192, np.arange(7) + 100]
     a.capture()
-    prep = a.prepare_batch([Request(t) for t in toks])
+    prep = a.preparer.prepare([Request(t) for t in toks])
     same_bucket = a.runner.eager_on_bucket(prep, 64).clone()
     hidden, info = a.runner.try_replay(prep)
     assert info.capacity == 64 and torch.equal(hidden, same_bucket)
-    a.abort(prep)
+    a.preparer.abort(prep)
     x = a.prefill([Request(t) for t in toks]).last_logits
     y = b.prefill([Request(t) for t in toks]).last_logits
     assert rel_err(x, y) <= TOL[dtype]

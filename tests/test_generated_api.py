@@ -20,7 +20,7 @@ from helpers import rel_err
 
 from graphcp.config import RuntimeConfig
 from graphcp.dist import launch
-from graphcp.engine import PrefillEngine, Request
+from graphcp import PrefillEngine, Request
 from graphcp.errors import BatchError
 from graphcp.kvcache import KVHandle
 

@@ -15,7 +15,7 @@ from helpers import rel_err
 from graphcp.capture.buckets import BucketSet
 from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup, launch
-from graphcp.engine import PrefillEngine, Request
+from graphcp import PrefillEngine, Request
 
 #: transformers in bfloat16 vs graphcp in bfloat16 (as tests/test_hf_parity.py)
 TOL_HF = 2e-2

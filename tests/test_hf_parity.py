@@ -16,7 +16,7 @@ from conftest import FAMILIES
 from helpers import rel_err
 
 from graphcp.config import RuntimeConfig
-from graphcp.engine import PrefillEngine, Request
+from graphcp import PrefillEngine, Request
 
 #: relative error (Frobenius) of graphcp's logits against transformers'
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}

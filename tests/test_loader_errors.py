@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from helpers import copy_model, rel_err
 
 from graphcp.config import ConfigError, RuntimeConfig
-from graphcp.engine import PrefillEngine, Request
+from graphcp import PrefillEngine, Request
 from graphcp.model.loader import CheckpointError, load_model
 
 F32 = torch.float32

@@ -17,7 +17,7 @@ from conftest import build_hf_model
 from helpers import rel_err
 
 from graphcp.config import ConfigError, ModelConfig, RopeConfig, RuntimeConfig
-from graphcp.engine import PrefillEngine, Request
+from graphcp import PrefillEngine, Request
 from graphcp.model.layers import Rotary
 
 #: the acceptance bound in float32; bfloat16 as the other bf16 parity tests

@@ -22,7 +22,7 @@ def test_tuned_bucket_file_round_trips_into_the_runner(tmp_path):
 
     from graphcp.cli import main
     from graphcp.config import RuntimeConfig
-    from graphcp.engine import PrefillEngine, Request
+    from graphcp import PrefillEngine, Request
 
     workload = tmp_path / "w.jsonl"
     workload.write_text("\n".join(json.dumps({"extend": [n]}) for n in (40, 90, 100, 200, 210)) + "\n")

@@ -18,9 +18,10 @@ from collections.abc import Callable
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionSpec, KVLayout
+from graphcp.options import ATTENTION_BACKENDS
 
-BACKENDS = ("torch", "triton", "flashinfer", "trtllm")
-NAMES = BACKENDS + ("auto",)
+NAMES = ATTENTION_BACKENDS
+BACKENDS = tuple(n for n in NAMES if n != "auto")
 
 Capability = Callable[[torch.device], tuple[int, int]]
 

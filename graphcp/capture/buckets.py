@@ -19,6 +19,7 @@ import numpy as np
 
 from graphcp.checks import MAX_CP, check_choice, check_float, check_int
 from graphcp.errors import ConfigError
+from graphcp.options import LAYOUTS
 
 DEFAULT_ALIGN = 8
 DEFAULT_PADDING_FACTOR = 2.0
@@ -28,7 +29,6 @@ BUCKET_FILE_VERSION = 1
 #: local rows: the static buffers are sized by the largest bucket
 MAX_BUCKET_CAPACITY = 1 << 20
 MAX_BUCKETS_IN_SET = 4096
-LAYOUTS = ("zigzag", "interleave")
 
 # reasons a forward runs eagerly (keys of the runner's fallback counters)
 FALLBACK_TOO_LARGE = "larger_than_every_bucket"

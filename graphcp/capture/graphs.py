@@ -30,9 +30,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from graphcp.errors import ConfigError, GraphcpError
+from graphcp.options import GRAPH_BACKENDS
 
-class CaptureError(RuntimeError):
-    pass
+
+class CaptureError(GraphcpError, RuntimeError):
+    """A body that cannot be captured, or a capture whose replay differs from eager."""
 
 
 class GraphSegment(ABC):
@@ -221,7 +224,7 @@ class CudaBackend(GraphBackend):
 
     def __init__(self, device: torch.device) -> None:
         if not torch.cuda.is_available():
-            raise CaptureError("graph backend 'cuda' needs a CUDA device; use 'trace' on a CPU machine")
+            raise ConfigError("RuntimeConfig.graph_backend='cuda' needs a CUDA device; use 'trace' on a CPU machine")
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=device)
@@ -241,12 +244,12 @@ class CudaBackend(GraphBackend):
 
 
 def make_graph_backend(name: str, device: torch.device) -> GraphBackend:
+    if name not in GRAPH_BACKENDS:
+        raise ConfigError(f"RuntimeConfig.graph_backend must be one of {', '.join(GRAPH_BACKENDS)}, got {name!r}")
     if name == "auto":
         name = "cuda" if device.type == "cuda" else "trace"
     if name == "trace":
         return TraceBackend()
-    if name == "cuda":
-        if device.type != "cuda":
-            raise CaptureError(f"graph backend 'cuda' needs device cuda, this engine runs on {device}")
-        return CudaBackend(device)
-    raise CaptureError(f"graph backend must be auto|cuda|trace, got {name!r}")
+    if device.type != "cuda":
+        raise ConfigError(f"RuntimeConfig.graph_backend='cuda' needs device cuda, this engine runs on {device}")
+    return CudaBackend(device)

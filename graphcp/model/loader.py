@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
-from graphcp.config import DTYPES, ConfigError, ModelConfig
+from graphcp.config import DTYPES, ModelConfig, ParallelConfig
 from graphcp.errors import InputError
 from graphcp.model.layers import Rotary
 from graphcp.model.llama import DecoderModel
@@ -120,10 +120,7 @@ def load_model(
 ) -> tuple[ModelConfig, DecoderModel]:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    if cfg.intermediate_size % tp_size:
-        raise ConfigError(
-            f"{model_dir}: intermediate_size={cfg.intermediate_size} does not divide by tp_size=cp_size={tp_size}"
-        )
+    ParallelConfig(cp_size=tp_size).check_model(cfg, str(model_dir))
     declared = DTYPES.get(cfg.torch_dtype) if cfg.torch_dtype else None
     with torch.device("meta"):
         model = DecoderModel(cfg, tp_size, dtype, max_positions)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphcp.options import LAYOUTS
 from graphcp.tune.workload import Workload
 
-LAYOUTS = ("zigzag", "interleave")
 
 
 def zigzag_rank_rows(extend: np.ndarray, offsets: np.ndarray, cp_size: int) -> np.ndarray:

@@ -1,0 +1,60 @@
+"""The transformer body and what it runs against: the one way to run it.
+
+Eager forwards, graph capture, graph replay and the same-bucket eager check all
+go through :class:`Body`: ``context`` builds the per-forward context (and runs
+the attention backend's host-side planning), ``run`` runs the body on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphcp.attention.base import AttentionBackend, AttentionMetadata
+from graphcp.batch import PreparedBatch
+from graphcp.dist import CPGroup
+from graphcp.forward_context import ForwardContext
+from graphcp.kvcache import PagedKVCache
+from graphcp.model.llama import DecoderModel
+from graphcp.profiling import nvtx_range
+
+
+@dataclass
+class Body:
+    model: DecoderModel
+    attention: AttentionBackend
+    kv: PagedKVCache
+    group: CPGroup
+    device: torch.device
+
+    def context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, static=None,
+                plan: AttentionMetadata | None = None) -> ForwardContext:
+        """The context of one forward over ``meta``, after the attention backend's
+        host-side planning for ``plan`` (default ``meta``: a full graph's context
+        holds static metadata while the backend plans the live batch). ``static``: a
+        bucket's static views, whose attention rows the breaks then read and write."""
+        self.attention.prepare(meta if plan is None else plan)
+        ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group)
+        if static is not None:
+            ctx.attn_q, ctx.attn_out = static.attn_q, static.attn_out
+        return ctx
+
+    def run(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Local rows in, final-normed hidden states of the same rows out."""
+        return self.model.body(input_ids, positions, ctx)
+
+    @torch.inference_mode()
+    def eager(self, prep: PreparedBatch, capacity: int) -> torch.Tensor:
+        """A prepared batch run eagerly on ``capacity`` rows (>= the largest rank's
+        rows), padded as a bucket is: token 0, position 0, slot -1."""
+        n = prep.ids.shape[0]
+        ids = np.zeros(capacity, dtype=np.int64)
+        pos = np.zeros(capacity, dtype=np.int64)
+        slots = np.full(capacity, -1, dtype=np.int64)
+        ids[:n], pos[:n], slots[:n] = prep.ids, prep.positions, prep.slots
+        dev = self.device
+        with nvtx_range("eager_body", category="eager"):
+            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev))
+            return self.run(ctx, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev))

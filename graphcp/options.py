@@ -1,0 +1,21 @@
+"""The names of graphcp's options: one home for ``RuntimeConfig``, the command line,
+the tuner and the backends. Plain Python (the tuner runs without torch)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+DtypeName = Literal["float32", "bfloat16", "float16"]
+GraphMode = Literal["off", "breakable", "full"]
+GraphBackendName = Literal["auto", "cuda", "trace"]
+LayoutName = Literal["zigzag", "interleave"]
+AttentionName = Literal["torch", "triton", "flashinfer", "trtllm", "auto"]
+
+DTYPE_NAMES: tuple[str, ...] = get_args(DtypeName)
+GRAPH_MODES: tuple[str, ...] = get_args(GraphMode)
+GRAPH_BACKENDS: tuple[str, ...] = get_args(GraphBackendName)
+LAYOUTS: tuple[str, ...] = get_args(LayoutName)
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionName)
+#: the dtypes the command line offers (float16 is API-only: no parity tests in it yet)
+CLI_DTYPES = ("float32", "bfloat16")
+DEVICE_KINDS = ("cpu", "cuda")
