@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from graphcp import profiling
-from graphcp.profiling import nvtx_range
+from graphcp.profile.ranges import nvtx_range
 
 INNER = 1000
 

@@ -1,3 +1,3 @@
-from graphcp.cli import main
+from graphcp.cli.main import main
 
 raise SystemExit(main())

@@ -24,7 +24,7 @@ from graphcp.cp import Layout, Plan
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, GraphcpError
 from graphcp.kvcache import KVHandle, KVHandleError, PagedKVCache
-from graphcp.profiling import nvtx_range
+from graphcp.profile.ranges import nvtx_range
 
 
 class ConsistencyError(GraphcpError, RuntimeError):

@@ -18,7 +18,7 @@ from graphcp.dist import CPGroup
 from graphcp.forward_context import ForwardContext
 from graphcp.kvcache import PagedKVCache
 from graphcp.model.llama import DecoderModel
-from graphcp.profiling import nvtx_range
+from graphcp.profile.ranges import nvtx_range
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import _disable_current_modes
 
-from graphcp.errors import GraphcpError, one_line
+from graphcp.errors import ConfigError, GraphcpError, one_line
 
 
 class CollectiveError(GraphcpError, RuntimeError):
@@ -263,3 +263,35 @@ def launch(
             cause, {r: rep["traceback"] for _, r, rep in errors if rep["traceback"]}, rank_bug=not first["graphcp"],
         )
     return [outputs[r] for r in range(nprocs)]
+
+
+# ---- helpers for per-rank jobs ----------------------------------------------------
+def run_ranks(fn: Callable[..., Any], cp_size: int, *args: Any, device: str = "cpu",
+              timeout_s: float = 300.0) -> Any:
+    """Run ``fn(group, *args)`` on every rank of a CP group; return rank 0's result.
+
+    Under torchrun (``WORLD_SIZE`` set) this process is one rank and joins the group;
+    otherwise ``cp_size`` local ranks are launched (1 runs in-process).
+    """
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        group = init_from_env(device, timeout_s)
+        if group.size != cp_size:
+            raise ConfigError(f"cp_size={cp_size} but torchrun started {group.size} ranks")
+        return fn(group, *args)
+    if cp_size == 1:
+        return fn(CPGroup(), *args)
+    return launch(fn, cp_size, *args, device=device, timeout_s=timeout_s)[0]
+
+
+def barrier(group: CPGroup) -> None:
+    if group.distributed:
+        dist.barrier()
+
+
+def gather_object(group: CPGroup, obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    if not group.distributed:
+        return [obj]
+    out: list[Any] = [None] * group.size
+    dist.all_gather_object(out, obj)
+    return out

@@ -30,7 +30,7 @@ from graphcp.dist import CPGroup
 from graphcp.kvcache import KVHandle, PagedKVCache
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
-from graphcp.profiling import nvtx_range
+from graphcp.profile.ranges import nvtx_range
 
 #: kernel backends that preallocate per request: a batch may hold at most max_requests
 _SIZED_BACKENDS = ("flashinfer", "trtllm")
@@ -189,3 +189,29 @@ class PrefillEngine:
         rows = everyone.index_select(0, torch.from_numpy(plan.gather_index(hidden.shape[0])).to(hidden.device))
         logits = self.model.logits(rows).cpu()
         return list(torch.split(logits, plan.extend_lens.tolist()))
+
+
+def prefill_prefixes(engine: PrefillEngine, prefixes: Sequence[object | None]) -> list[KVHandle | None]:
+    """Prefill the given prefixes (token ids; None for a request without one) in one
+    forward: the handles a batch of chunked requests then extends."""
+    idx = [i for i, p in enumerate(prefixes) if p is not None]
+    handles: list[KVHandle | None] = [None] * len(prefixes)
+    if idx:
+        for i, h in zip(idx, engine.prefill([Request(prefixes[i]) for i in idx]).handles):
+            handles[i] = h
+    return handles
+
+
+def prefill_after_prefixes(engine: PrefillEngine, batch: Sequence[tuple[object | None, object]],
+                           all_logits: bool = False) -> PrefillOutput:
+    """Prefill ``(prefix tokens or None, new tokens)`` requests the way a chunked
+    prefill sees them: every cached prefix first (one forward), then the new tokens
+    extending them (one forward). On failure the prefixes are released."""
+    handles = prefill_prefixes(engine, [p for p, _ in batch])
+    try:
+        return engine.prefill([Request(new, h) for (_, new), h in zip(batch, handles)], all_logits=all_logits)
+    except BaseException:
+        for h in handles:
+            if h is not None:
+                engine.release(h)
+        raise

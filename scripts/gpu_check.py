@@ -383,7 +383,7 @@ def count_launches(fn: Callable[[], Any], device: torch.device, profile: bool) -
     counter; a graph replay dispatches none of its captured ops) and, with
     ``profile`` on CUDA, kernels executed, kernel-launch API calls and graph
     launches from a ``torch.profiler`` trace."""
-    from graphcp.jobs import OpCounter
+    from graphcp.cli.jobs import OpCounter
 
     res: dict[str, Any] = {}
     with OpCounter() as c:

@@ -7,10 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm())
+from graphcp.engine import prefill_after_prefixes
+from helpers import rel_err  # noqa: F401 - re-exported for the CP tests
 
 
 def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
@@ -46,16 +44,8 @@ def batch(rng: np.random.Generator, vocab: int, lens, prefix_lens=None):
 
 
 def run_batch(engine, reqs, all_logits=True):
-    """Prefill the prefixes (one forward), then the new tokens extending them."""
-    from graphcp import Request
-
-    handles = [None] * len(reqs)
-    idx = [i for i, (p, _) in enumerate(reqs) if p is not None]
-    if idx:
-        first = engine.prefill([Request(reqs[i][0]) for i in idx])
-        for i, h in zip(idx, first.handles):
-            handles[i] = h
-    out = engine.prefill([Request(t, h) for (_, t), h in zip(reqs, handles)], all_logits=all_logits)
+    """Prefill the prefixes (one forward), then the new tokens extending them; release."""
+    out = prefill_after_prefixes(engine, reqs, all_logits)
     for h in out.handles:
         engine.release(h)
     return out

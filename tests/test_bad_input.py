@@ -15,11 +15,11 @@ import torch
 
 from helpers import rel_err
 
-from graphcp.cli import main
+from graphcp.cli.main import main
 from graphcp.config import RuntimeConfig
 from graphcp import BatchError, PrefillEngine, Request
 from graphcp.kvcache import SCRATCH_PAGE, KVCacheFull, KVHandle, KVHandleError, PagedKVCache, write_kv
-from graphcp.requests_io import RequestFileError, parse_requests
+from graphcp.cli.requests import RequestFileError, parse_requests
 
 VOCAB = 512
 PAGE = 16

@@ -16,7 +16,7 @@ import torch
 
 from helpers import rel_err
 
-from graphcp.cli import main
+from graphcp.cli.main import main
 from graphcp.config import RuntimeConfig
 from graphcp import PrefillEngine, Request
 
@@ -155,8 +155,9 @@ def test_prefill_help_and_usage_errors(capsys):
 
 
 def test_verify_capture_flag_reaches_the_runtime_config():
-    from graphcp.cli import _spec, build_parser
+    from graphcp.cli.args import job_spec
+    from graphcp.cli.main import build_parser
 
     for flag, want in (((), None), (("--verify-capture",), True), (("--no-verify-capture",), False)):
         args = build_parser().parse_args(["prefill", "--input", "r.jsonl", "--output", "o.pt", *flag])
-        assert _spec(args).runtime.verify_capture is want
+        assert job_spec(args).runtime.verify_capture is want

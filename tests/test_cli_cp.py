@@ -11,7 +11,7 @@ import torch
 
 from cp_utils import rel_err
 from graphcp.capture.buckets import BucketSet
-from graphcp.cli import main
+from graphcp.cli.main import main
 
 
 @pytest.fixture()

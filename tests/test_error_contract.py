@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphcp.cli import main
+from graphcp.cli.main import main
 from graphcp.config import ConfigError, RuntimeConfig
 from graphcp import BatchError, PrefillEngine, Request
 from graphcp.kvcache import KVHandle
@@ -77,12 +77,12 @@ def test_case01_rank_error_is_the_rank_message_in_one_line(capsys, tmp_path, mod
 # ---- 2: --output that cannot be written: refused before any work -------------------------------
 @pytest.mark.parametrize("where", ["missing-folder", "a-folder"])
 def test_case02_output_checked_before_any_work(capsys, tmp_path, model_dir, monkeypatch, where):
-    import graphcp.jobs
+    import graphcp.cli.main
 
     def no_work(*a, **k):
         raise AssertionError("the forward ran although --output cannot be written")
 
-    monkeypatch.setattr(graphcp.jobs, "run_ranks", no_work)
+    monkeypatch.setattr(graphcp.cli.main, "run_job_on_ranks", no_work)
     req = _requests(tmp_path, [{"tokens": [1, 2, 3]}])
     out = tmp_path / "nope" / "out.pt" if where == "missing-folder" else tmp_path
     one_line_error(capsys, _prefill(model_dir, req, out), match=r"--output .*(does not exist|is a folder)")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from graphcp.cli import main
+from graphcp.cli.main import main
 
 VOCAB = 512  # conftest.py's tiny checkpoints: 4096 positions, intermediate 128
 SEED = 1313
@@ -441,12 +441,12 @@ def test_subprocess_runs_print_one_line(tmp_path, model_dir):
 def test_a_bug_is_not_reported_as_bad_input(capsys, tmp_path, model_dir, monkeypatch):
     """Anything that is not graphcp's own error surfaces (exit 1 with a traceback from
     the interpreter), instead of being dressed up as a user error."""
-    import graphcp.requests_io
+    import graphcp.cli.main
 
     def broken(path):
         return 1 / 0
 
-    monkeypatch.setattr(graphcp.requests_io, "parse_requests", broken)
+    monkeypatch.setattr(graphcp.cli.main, "parse_requests", broken)
     req = tmp_path / "r.jsonl"
     req.write_text('{"tokens": [1]}\n')
     with pytest.raises(ZeroDivisionError):
@@ -456,13 +456,13 @@ def test_a_bug_is_not_reported_as_bad_input(capsys, tmp_path, model_dir, monkeyp
 def test_a_bug_in_a_rank_surfaces_with_its_traceback(capsys, tmp_path, model_dir, monkeypatch):
     """At --cp 2 a rank's bug is re-raised (RankFailure flagged rank_bug), with the
     rank's traceback on stderr: not a one-line 'bad input'."""
-    import graphcp.jobs
+    import graphcp.cli.jobs
     from graphcp.dist import RankFailure
 
     def broken(engine, reqs, all_logits):
         return {}["no such key"]
 
-    monkeypatch.setattr(graphcp.jobs, "prefill_requests", broken)  # fork: the ranks see it too
+    monkeypatch.setattr(graphcp.cli.jobs, "prefill_requests", broken)  # fork: the ranks see it too
     req = tmp_path / "r.jsonl"
     req.write_text('{"tokens": [1]}\n')
     with pytest.raises(RankFailure) as e:

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphcp import profile_cli, profile_nsys, profiling
-from graphcp.cli import build_parser, main
-from graphcp.profiling import RANGES, family, nvtx_range
+from graphcp.profile import cli as profile_cli
+from graphcp.profile import nsys as profile_nsys
+from graphcp.profile import ranges as profiling
+from graphcp.cli.main import build_parser, main
+from graphcp.profile.ranges import RANGES, family, nvtx_range
 
 # Building a model imports torch._dynamo (nn.init under a device context goes through
 # torch._refs), ~3 s; import it once here so the forked ranks inherit it.
@@ -90,7 +92,7 @@ def test_summary_totals_add_up_with_the_traces(runs, which):
     summary = json.loads((d / "summary.json").read_text())
     per_rank = []
     for r in (0, 1):
-        # recomputed from the raw Chrome trace, independently of graphcp.profile_summary
+        # recomputed from the raw Chrome trace, independently of graphcp.profile.summary
         totals, counts = defaultdict(float), defaultdict(int)
         for ev in json.loads((d / f"trace_rank{r}.json").read_text())["traceEvents"]:
             if ev.get("ph") == "X" and ev.get("name", "").startswith("graphcp:"):

@@ -20,7 +20,7 @@ def test_tuned_bucket_file_round_trips_into_the_runner(tmp_path):
 
     import numpy as np
 
-    from graphcp.cli import main
+    from graphcp.cli.main import main
     from graphcp.config import RuntimeConfig
     from graphcp import PrefillEngine, Request
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from graphcp.kvcache import write_kv
-from graphcp.profiling import nvtx_range
+from graphcp.profile.ranges import nvtx_range
 
 
 def gather_kv_slots(ctx) -> None:

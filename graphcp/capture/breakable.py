@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from graphcp.capture.graphs import GraphBackend, GraphSegment
-from graphcp.profiling import nvtx_range
+from graphcp.profile.ranges import nvtx_range
 
 
 @dataclass

@@ -31,7 +31,7 @@ from graphcp.capture.selfcheck import first_difference, synthetic_batch
 from graphcp.capture.static_buffers import BucketView, StaticBuffers
 from graphcp.config import ConfigError, RuntimeConfig
 from graphcp.model.llama import DecoderModel
-from graphcp.profiling import nvtx_range
+from graphcp.profile.ranges import nvtx_range
 
 #: eager runs before a capture (CUDA: lazy init, autotuning, allocator warm-up)
 WARMUP_RUNS = {"cuda": 2, "trace": 1}

@@ -17,7 +17,7 @@ from graphcp.config import ModelConfig
 from graphcp.forward_context import ForwardContext
 from graphcp.graph_break import graph_break
 from graphcp.model.layers import ParallelMLP, RMSNorm, Rotary
-from graphcp.profiling import nvtx_range
+from graphcp.profile.ranges import nvtx_range
 
 
 @graph_break("attention")

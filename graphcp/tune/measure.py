@@ -6,16 +6,14 @@ from __future__ import annotations
 
 from graphcp.capture.buckets import BucketSet
 from graphcp.config import RuntimeConfig
-from graphcp.dist import CPGroup
-from graphcp.jobs import JobSpec, run_ranks
+from graphcp.dist import CPGroup, run_ranks
+from graphcp.engine import PrefillEngine
 
 
-def _capture_job(group: CPGroup, spec: JobSpec, buckets: BucketSet) -> list[dict] | None:
-    from graphcp.engine import PrefillEngine
-
+def _capture_job(group: CPGroup, model: str, runtime: RuntimeConfig, buckets: BucketSet) -> list[dict] | None:
     # the tuned file's cp/layout are checked by the engine; measure the capacities as given
-    engine = PrefillEngine(spec.model, spec.runtime, group, BucketSet(buckets.capacities, buckets.align,
-                                                                       buckets.padding_factor))
+    engine = PrefillEngine(model, runtime, group, BucketSet(buckets.capacities, buckets.align,
+                                                            buckets.padding_factor))
     stats = engine.capture(progress=group.rank == 0)
     if group.rank != 0:
         return None
@@ -29,4 +27,4 @@ def measure_capture(
     """Capture every bucket of ``bucket_set`` on ``cp_size`` ranks; one dict a bucket."""
     rt = RuntimeConfig(dtype=dtype, device=device, graph="breakable", layout="zigzag",
                        kv_tokens=max(8192, cp_size * bucket_set.largest))
-    return run_ranks(_capture_job, JobSpec(model, rt, None, cp_size), bucket_set)
+    return run_ranks(_capture_job, cp_size, model, rt, bucket_set, device=device)

@@ -14,14 +14,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphcp.dist import CPGroup
-from graphcp.errors import InputError
 from graphcp.batch import Request
-from graphcp.engine import PrefillEngine
+from graphcp.cli.jobs import make_engine
+from graphcp.dist import CPGroup, barrier, gather_object
+from graphcp.engine import PrefillEngine, prefill_prefixes
+from graphcp.errors import InputError
 from graphcp.kvcache import KVCacheFull, KVHandle
-from graphcp.profile_nsys import write_rank_pids
-from graphcp.profile_summary import events_from_chrome_trace, rank_profile, write_rank
-from graphcp.profiling import nvtx_range
+from graphcp.profile.nsys import write_rank_pids
+from graphcp.profile.summary import events_from_chrome_trace, rank_profile, write_rank
+from graphcp.profile.ranges import nvtx_range
 
 TOOLS = ("torch", "nvtx")  # torch: torch.profiler per rank; nvtx: ranges only, an outer nsys records
 
@@ -50,15 +51,11 @@ def _setup(engine: PrefillEngine, job: ProfileJob) -> list[_Batch]:
     for b, (ext, pre) in enumerate(job.batches):
         rng = np.random.default_rng(job.seed + b)
         batch = _Batch([rng.integers(0, vocab, n) for n in ext], [None] * len(ext))
-        with_prefix = [i for i, p in enumerate(pre) if p > 0]
-        if with_prefix:
-            try:
-                res = engine.prefill([Request(rng.integers(0, vocab, pre[i])) for i in with_prefix])
-            except KVCacheFull as e:
-                raise InputError(f"the workload's cached prefixes do not fit the KV pool ({e}); "
-                                 "pass a larger --kv-tokens or fewer --max-batches") from None
-            for i, h in zip(with_prefix, res.handles):
-                batch.prefixes[i] = h
+        try:
+            batch.prefixes = prefill_prefixes(engine, [rng.integers(0, vocab, p) if p > 0 else None for p in pre])
+        except KVCacheFull as e:
+            raise InputError(f"the workload's cached prefixes do not fit the KV pool ({e}); "
+                             "pass a larger --kv-tokens or fewer --max-batches") from None
         out.append(batch)
     return out
 
@@ -74,19 +71,6 @@ def _pass(engine: PrefillEngine, batches: list[_Batch]) -> None:
         _forward(engine, b)
 
 
-def _barrier(group: CPGroup) -> None:
-    if group.distributed:
-        torch.distributed.barrier()
-
-
-def _gather(group: CPGroup, obj):
-    if not group.distributed:
-        return [obj]
-    out = [None] * group.size
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
 def _captures_ms(engine: PrefillEngine) -> dict[str, float]:
     if engine.runner is None:
         return {}
@@ -95,8 +79,6 @@ def _captures_ms(engine: PrefillEngine) -> dict[str, float]:
 
 def profile_rank(group: CPGroup, spec, job: ProfileJob) -> list[dict] | None:
     """Runs on every rank; rank 0 returns every rank's profile (JSON dicts)."""
-    from graphcp.jobs import make_engine
-
     if job.tool not in TOOLS:
         raise ValueError(f"profile job tool must be one of {TOOLS}, got {job.tool!r}")
     engine = make_engine(group, spec)
@@ -104,7 +86,7 @@ def profile_rank(group: CPGroup, spec, job: ProfileJob) -> list[dict] | None:
     for _ in range(job.warmup):
         _pass(engine, batches)
     cuda = engine.device.type == "cuda"
-    _barrier(group)  # ranks enter the window together: waits in it are the forward's, not start-up skew
+    barrier(group)  # ranks enter the window together: waits in it are the forward's, not start-up skew
     meta = {"device": str(engine.device), "forwards": job.iters * len(batches)}
     if job.tool == "nvtx":
         with nvtx_range("measure"):
@@ -112,7 +94,7 @@ def profile_rank(group: CPGroup, spec, job: ProfileJob) -> list[dict] | None:
                 _pass(engine, batches)
             if cuda:
                 torch.cuda.synchronize()
-        pids = _gather(group, os.getpid())
+        pids = gather_object(group, os.getpid())
         if group.rank == 0:
             write_rank_pids(job.out_dir, pids)
         return None
@@ -128,5 +110,5 @@ def profile_rank(group: CPGroup, spec, job: ProfileJob) -> list[dict] | None:
     meta["trace"] = str(trace)
     rp = rank_profile(group.rank, events_from_chrome_trace(trace), _captures_ms(engine), meta)
     write_rank(job.out_dir, rp)
-    everyone = _gather(group, rp.to_json())
+    everyone = gather_object(group, rp.to_json())
     return everyone if group.rank == 0 else None

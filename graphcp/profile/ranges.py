@@ -127,7 +127,7 @@ def _new_range(name: str, category: str | None) -> _Range:
     if category is None:
         category = kind.category if kind is not None else "host"
     elif kind is not None and kind.category != category:
-        raise ValueError(f"range {name!r} is category {kind.category!r} in graphcp.profiling.RANGES, not {category!r}")
+        raise ValueError(f"range {name!r} is category {kind.category!r} in graphcp.profile.ranges.RANGES, not {category!r}")
     r = _ranges[name] = _Range(name, category)
     return r
 

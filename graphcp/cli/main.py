@@ -15,60 +15,21 @@ from pathlib import Path
 
 import torch
 
+from graphcp.checks import check_output_path
+from graphcp.cli.args import add_runtime_args, job_spec, preflight
+from graphcp.cli.jobs import prefill_job, run_job, run_job_on_ranks
+from graphcp.cli.requests import parse_requests
+from graphcp.errors import one_line, report
+from graphcp.profile.cli import add_profile_parser
+from graphcp.tune.cli import add_tune_parser
+
 
 class _Parser(argparse.ArgumentParser):
     """Usage errors follow the error contract too: one line, exit code 2 (subcommand
     parsers inherit this class)."""
 
     def error(self, message: str):
-        from graphcp.errors import one_line
-
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
-
-
-def _add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> None:
-    p.add_argument("--model", default="default", help="checkpoint folder or preset name (default: the built-in preset)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (= TP ranks of the MLP)")
-    p.add_argument("--layout", default="zigzag", choices=["zigzag", "interleave"])
-    p.add_argument("--graph", default=default_graph, choices=["off", "breakable", "full"],
-                   help="graph mode (default: breakable where supported, i.e. the zigzag layout)")
-    p.add_argument("--graph-backend", default="auto", choices=["auto", "cuda", "trace"])
-    p.add_argument("--attention", default="torch", choices=["torch", "triton", "flashinfer", "trtllm", "auto"])
-    p.add_argument("--buckets", default=None, help="bucket file written by `graphcp tune`")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
-    p.add_argument("--max-requests", type=int, default=64)
-    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
-    p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay each new bucket on a synthetic batch and compare it bitwise with the same-bucket "
-                        "eager body (default: on for the trace graph backend, off for cuda; on for `graphcp run`)")
-
-
-def _spec(args):
-    from graphcp.config import RuntimeConfig
-    from graphcp.jobs import JobSpec
-
-    graph = args.graph or ("breakable" if args.layout == "zigzag" else "off")
-    rt = RuntimeConfig(
-        dtype=args.dtype, device=args.device, page_size=args.page_size, kv_tokens=args.kv_tokens,
-        attention=args.attention, graph=graph, graph_backend=args.graph_backend, layout=args.layout,
-        max_requests=args.max_requests, collective_timeout_s=args.timeout, verify_capture=args.verify_capture,
-    )
-    return JobSpec(args.model, rt, args.buckets, args.cp)
-
-
-def _preflight(spec) -> None:
-    """What can be refused before ranks start, in this process: the parallel config, the
-    model's config.json against it, and the bucket file (each rank would fail the same
-    way, only later and N times)."""
-    from graphcp.config import ModelConfig, ParallelConfig
-    from graphcp.model.presets import resolve_model
-
-    parallel = ParallelConfig(cp_size=spec.cp_size)
-    parallel.check_model(ModelConfig.from_file(resolve_model(spec.model) / "config.json"))
-    spec.buckets()
 
 
 def _save(obj, path: str) -> None:
@@ -83,15 +44,11 @@ def _save(obj, path: str) -> None:
 
 
 def cmd_prefill(args) -> int:
-    from graphcp.checks import check_output_path
-    from graphcp.jobs import prefill_job, run_ranks
-    from graphcp.requests_io import parse_requests
-
     check_output_path(args.output, "--output")  # before any work: not after the forward
-    spec = _spec(args)
+    spec = job_spec(args)
     reqs = parse_requests(args.input)
-    _preflight(spec)
-    res = run_ranks(prefill_job, spec, reqs, args.all_logits)
+    preflight(spec)
+    res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits)
     if res is not None:
         out = {"last_logits": res["last_logits"]}
         if args.all_logits:
@@ -108,16 +65,13 @@ RUN_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def cmd_run(args) -> int:
-    from graphcp.checks import check_output_path
-    from graphcp.jobs import run_job, run_ranks
-
     if args.verify_capture is None:
         args.verify_capture = True  # the main job shows the self-check whatever the backend
     if args.json:
         check_output_path(args.json, "--json")
-    spec = _spec(args)
-    _preflight(spec)
-    res = run_ranks(run_job, spec)
+    spec = job_spec(args)
+    preflight(spec)
+    res = run_job_on_ranks(run_job, spec)
     rows = [
         ("model", res["model"]),
         ("ranks (CP = TP)", res["cp_size"]),
@@ -169,27 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help='REQUESTS.jsonl: {"tokens": [...], "prefix": K} a line')
     p.add_argument("--output", required=True, help="OUT.pt (torch.save dict)")
     p.add_argument("--all-logits", action="store_true", help="also save every new token's logits")
-    _add_runtime_args(p, None)
+    add_runtime_args(p, None)
     p.set_defaults(func=cmd_prefill)
 
     p = sub.add_parser("run", help="the main job on the built-in default model: capture, replay, compare")
-    _add_runtime_args(p, "breakable")
+    add_runtime_args(p, "breakable")
     p.set_defaults(cp=2)
     p.add_argument("--json", default=None, help="also write the results as JSON")
     p.set_defaults(func=cmd_run)
 
-    try:
-        from graphcp.tune.cli import add_tune_parser
-
-        add_tune_parser(sub)
-    except ImportError:  # pragma: no cover - the tune package ships with graphcp
-        pass
-    try:
-        from graphcp.profile_cli import add_profile_parser
-
-        add_profile_parser(sub)
-    except ImportError:
-        pass
+    add_tune_parser(sub)
+    add_profile_parser(sub)
     for p in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the top-level value
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
@@ -198,8 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The command line. graphcp's own errors become one stderr line and exit code 2
     (bad input) or 1 (a failed run); anything else is a bug and surfaces as one."""
-    from graphcp.errors import report
-
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

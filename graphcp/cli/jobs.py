@@ -3,7 +3,6 @@ they run the same under ``torchrun`` and under graphcp's own launcher."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -13,11 +12,11 @@ import torch
 
 from graphcp.attention.exchange import exchanged_bytes_per_layer
 from graphcp.capture.buckets import BucketSet
-from graphcp.config import ConfigError, RuntimeConfig
-from graphcp.dist import CPGroup, init_from_env, launch
-from graphcp.batch import Request
-from graphcp.engine import PrefillEngine
-from graphcp.requests_io import FileRequest
+from graphcp.batch import PrefillOutput, Request
+from graphcp.cli.requests import FileRequest
+from graphcp.config import RuntimeConfig
+from graphcp.dist import CPGroup, run_ranks
+from graphcp.engine import PrefillEngine, prefill_after_prefixes
 
 
 @dataclass
@@ -31,43 +30,21 @@ class JobSpec:
         return BucketSet.load(self.buckets_file) if self.buckets_file else None
 
 
-def run_ranks(fn, spec: JobSpec, *args: Any) -> Any:
-    """Run ``fn(group, spec, *args)`` on every rank; return rank 0's result.
-
-    Under torchrun (``WORLD_SIZE`` set) this process is one rank; otherwise
-    ``spec.cp_size`` local ranks are launched (cp_size 1 runs in-process).
-    """
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        group = init_from_env(spec.runtime.device, spec.runtime.collective_timeout_s)
-        if group.size != spec.cp_size:
-            raise ConfigError(f"--cp {spec.cp_size} but torchrun started {group.size} ranks")
-        return fn(group, spec, *args)
-    if spec.cp_size == 1:
-        return fn(CPGroup(), spec, *args)
-    return launch(fn, spec.cp_size, spec, *args, device=spec.runtime.device,
-                  timeout_s=spec.runtime.collective_timeout_s)[0]
+def run_job_on_ranks(fn, spec: JobSpec, *args: Any) -> Any:
+    """``fn(group, spec, *args)`` on every rank of ``spec``'s CP group; rank 0's result."""
+    return run_ranks(fn, spec.cp_size, spec, *args, device=spec.runtime.device,
+                     timeout_s=spec.runtime.collective_timeout_s)
 
 
 def make_engine(group: CPGroup, spec: JobSpec) -> PrefillEngine:
     return PrefillEngine(spec.model, spec.runtime, group, spec.buckets())
 
 
-def prefill_requests(engine: PrefillEngine, reqs: list[FileRequest], all_logits: bool):
+def prefill_requests(engine: PrefillEngine, reqs: list[FileRequest], all_logits: bool) -> PrefillOutput:
     """Prefill cached prefixes first (one forward), then every request's new tokens."""
-    handles = [None] * len(reqs)
-    with_prefix = [i for i, r in enumerate(reqs) if r.prefix > 0]
-    if with_prefix:
-        first = engine.prefill([Request(np.asarray(reqs[i].tokens[: reqs[i].prefix])) for i in with_prefix])
-        for i, h in zip(with_prefix, first.handles):
-            handles[i] = h
-    try:
-        out = engine.prefill([Request(np.asarray(r.new_tokens), h) for r, h in zip(reqs, handles)], all_logits=all_logits)
-    except BaseException:
-        for h in handles:
-            if h is not None:
-                engine.release(h)
-        raise
-    return out
+    return prefill_after_prefixes(
+        engine, [(np.asarray(r.tokens[: r.prefix]) if r.prefix else None, np.asarray(r.new_tokens)) for r in reqs],
+        all_logits)
 
 
 def prefill_job(group: CPGroup, spec: JobSpec, reqs: list[FileRequest], all_logits: bool) -> dict | None:

@@ -18,7 +18,13 @@ from pathlib import Path
 
 import torch
 
+from graphcp.cli.args import add_runtime_args, graph_mode, job_spec
+from graphcp.cli.jobs import run_job_on_ranks
 from graphcp.errors import InputError
+from graphcp.profile import nsys
+from graphcp.profile.job import ProfileJob, profile_rank
+from graphcp.profile.summary import RankProfile, merge, rank_profile, write_rank, write_summary
+from graphcp.tune.workload import load_workload
 
 #: the default workload: six small CP batches (mixed sizes, two with cached
 #: prefixes) that land in the 128- and 256-row buckets at CP = 2: a few
@@ -35,11 +41,9 @@ TOOLS = ("auto", "torch", "nsys", "nvtx")
 
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
-    from graphcp.cli import _add_runtime_args
-
     p = subparsers.add_parser("profile", help="profile a workload: per-rank traces and a range summary",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_runtime_args(p, "breakable")
+    add_runtime_args(p, "breakable")
     p.set_defaults(cp=2)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None, help='JSONL: {"extend": [...], "prefix": [...]} a batch a line')
@@ -62,10 +66,8 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
 # ---- pieces a test can check ------------------------------------------------------------
 def load_batches(args) -> tuple[list[tuple[list[int], list[int]]], str]:
     """(batches, description) from --workload / --synthetic, or the default workload."""
-    from graphcp.tune.workload import load_workload
-
     if args.workload is None and args.synthetic is None:
-        batches, desc = list(DEFAULT_BATCHES), "default (graphcp.profile_cli.DEFAULT_BATCHES)"
+        batches, desc = list(DEFAULT_BATCHES), "default (graphcp.profile.cli.DEFAULT_BATCHES)"
     else:
         w = load_workload(args.workload, args.synthetic, args.seed)
         batches = [w.batch(b) for b in range(w.n_batches)]
@@ -84,14 +86,14 @@ def resolve_tool(args) -> str:
 
 
 def label(args) -> str:
-    graph = args.graph or "breakable"
+    graph = graph_mode(args)
     return args.label or f"{args.device}-cp{args.cp}-{'eager' if graph == 'off' else graph}"
 
 
 def inner_args(args) -> list[str]:
     """The same run as explicit arguments, with ``--tool nvtx``: what nsys re-runs."""
     out = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--cp", str(args.cp),
-           "--layout", args.layout, "--graph", args.graph or "breakable", "--graph-backend", args.graph_backend,
+           "--layout", args.layout, "--graph", graph_mode(args), "--graph-backend", args.graph_backend,
            "--attention", args.attention, "--page-size", str(args.page_size), "--max-requests", str(args.max_requests),
            "--timeout", str(args.timeout), "--seed", str(args.seed), "--warmup", str(args.warmup),
            "--iters", str(args.iters), "--out", str(args.out), "--tool", "nvtx", "--label", label(args)]
@@ -105,7 +107,7 @@ def inner_args(args) -> list[str]:
 def run_config(args, desc: str, batches) -> dict:
     return {
         "label": label(args), "model": args.model, "device": args.device, "cp": args.cp,
-        "graph": args.graph or "breakable", "layout": args.layout, "attention": args.attention,
+        "graph": graph_mode(args), "layout": args.layout, "attention": args.attention,
         "dtype": args.dtype, "workload": desc, "batches": len(batches),
         "tokens_per_pass": int(sum(sum(e) for e, _ in batches)), "warmup": args.warmup, "iters": args.iters,
         "torch": torch.__version__.split("+")[0], "host": f"{platform.machine()}, {_cpu_count()} CPUs",
@@ -120,9 +122,6 @@ def _cpu_count() -> int:
 
 # ---- the command -------------------------------------------------------------------------
 def cmd_profile(args) -> int:
-    from graphcp import profile_nsys as nsys
-    from graphcp.profile_summary import RankProfile, merge, write_summary
-
     if args.warmup < 0 or args.iters < 1:
         raise InputError(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
     out = Path(args.out)
@@ -149,14 +148,10 @@ def cmd_profile(args) -> int:
             return rc
         return _summarise_nsys([Path(nsys.report_base(out) + ".nsys-rep")], out, config)
 
-    from graphcp.cli import _spec
-    from graphcp.jobs import run_ranks
-    from graphcp.profile_job import ProfileJob, profile_rank
-
     trace_dir = Path(args.trace_dir or out)
     trace_dir.mkdir(parents=True, exist_ok=True)
     job = ProfileJob(batches, str(out), str(trace_dir), args.warmup, args.iters, tool, args.seed)
-    res = run_ranks(profile_rank, _spec(args), job)
+    res = run_job_on_ranks(profile_rank, job_spec(args), job)
     if tool == "nvtx":  # an outer nsys holds the data; it summarises
         print(f"ran {args.iters} measured passes with NVTX ranges only (tool nvtx)")
         return 0
@@ -168,9 +163,6 @@ def cmd_profile(args) -> int:
 
 
 def _summarise_nsys(reports: list[Path], out: Path, config: dict) -> int:
-    from graphcp import profile_nsys as nsys
-    from graphcp.profile_summary import merge, rank_profile, write_rank, write_summary
-
     csvs = []
     for report in reports:
         if report.suffix == ".csv":

@@ -1,0 +1,58 @@
+"""The runtime options every graphcp command that runs a model shares (run, prefill,
+profile, gpu-check): one parser helper, one conversion to a :class:`JobSpec`, and the
+checks that can refuse a configuration before any rank starts."""
+
+from __future__ import annotations
+
+import argparse
+
+from graphcp.cli.jobs import JobSpec
+from graphcp.config import ModelConfig, ParallelConfig, RuntimeConfig
+from graphcp.model.presets import resolve_model
+from graphcp.options import ATTENTION_BACKENDS, CLI_DTYPES, DEVICE_KINDS, GRAPH_BACKENDS, GRAPH_MODES, LAYOUTS
+
+
+def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> None:
+    """The model and RuntimeConfig flags (``default_graph`` None: breakable with the
+    zigzag layout, off with interleave)."""
+    p.add_argument("--model", default="default", help="checkpoint folder or preset name (default: the built-in preset)")
+    p.add_argument("--dtype", default="float32", choices=CLI_DTYPES)
+    p.add_argument("--device", default="cpu", choices=DEVICE_KINDS)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (= TP ranks of the MLP)")
+    p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
+    p.add_argument("--graph", default=default_graph, choices=GRAPH_MODES,
+                   help="graph mode (default: breakable where supported, i.e. the zigzag layout)")
+    p.add_argument("--graph-backend", default="auto", choices=GRAPH_BACKENDS)
+    p.add_argument("--attention", default="torch", choices=ATTENTION_BACKENDS)
+    p.add_argument("--buckets", default=None, help="bucket file written by `graphcp tune`")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--max-requests", type=int, default=64)
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each new bucket on a synthetic batch and compare it bitwise with the same-bucket "
+                        "eager body (default: on for the trace graph backend, off for cuda; on for `graphcp run`)")
+
+
+def graph_mode(args: argparse.Namespace) -> str:
+    return args.graph or ("breakable" if args.layout == "zigzag" else "off")
+
+
+def job_spec(args: argparse.Namespace) -> JobSpec:
+    """The flags of :func:`add_runtime_args` as a JobSpec (RuntimeConfig checks them)."""
+    rt = RuntimeConfig(
+        dtype=args.dtype, device=args.device, page_size=args.page_size, kv_tokens=args.kv_tokens,
+        attention=args.attention, graph=graph_mode(args), graph_backend=args.graph_backend, layout=args.layout,
+        max_requests=args.max_requests, collective_timeout_s=args.timeout, verify_capture=args.verify_capture,
+    )
+    return JobSpec(args.model, rt, args.buckets, args.cp)
+
+
+def preflight(spec: JobSpec) -> None:
+    """What can be refused before ranks start, in this process: the parallel config, the
+    model's config.json against it, and the bucket file (each rank would fail the same
+    way, only later and N times)."""
+    parallel = ParallelConfig(cp_size=spec.cp_size)
+    config = resolve_model(spec.model) / "config.json"
+    parallel.check_model(ModelConfig.from_file(config), str(config))
+    spec.buckets()
