@@ -46,6 +46,7 @@ in both; the real kernels take half precision only.
 
 from __future__ import annotations
 
+import inspect
 import math
 import types
 from dataclasses import dataclass, field
@@ -71,6 +72,8 @@ class Recorder:
     """Every call the fakes receive, and what the real kernels would have complained about."""
 
     calls: list[tuple[str, tuple, dict]] = field(default_factory=list)
+    #: (real function's qualified name, args, kwargs) exactly as graphcp passed them
+    raw: list[tuple[str, tuple, dict]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     counter_allocations: int = 0
 
@@ -138,7 +141,19 @@ def _(q, k_cache, v_cache, out, lse, qo_indptr, kv_indptr, kv_indices, last_page
 class FakePrefillWrapper:
     """``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (paged prefill)."""
 
-    def __init__(self, rec: Recorder, capability: tuple[int, int], float_workspace_buffer: torch.Tensor,
+    def __init__(self, rec: Recorder, capability: tuple[int, int], *args, **kwargs) -> None:
+        rec.raw.append(("BatchPrefillWithPagedKVCacheWrapper.__init__", args, kwargs))
+        self._init(rec, capability, *args, **kwargs)
+
+    def plan(self, *args, **kwargs) -> None:
+        self.rec.raw.append(("BatchPrefillWithPagedKVCacheWrapper.plan", args, kwargs))
+        self._plan(*args, **kwargs)
+
+    def run(self, *args, **kwargs):
+        self.rec.raw.append(("BatchPrefillWithPagedKVCacheWrapper.run", args, kwargs))
+        return self._run(*args, **kwargs)
+
+    def _init(self, rec: Recorder, capability: tuple[int, int], float_workspace_buffer: torch.Tensor,
                  kv_layout: str = "NHD", use_cuda_graph: bool = False, qo_indptr_buf=None, paged_kv_indptr_buf=None,
                  paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, custom_mask_buf=None,
                  mask_indptr_buf=None, backend: str = "auto", jit_args=None, jit_kwargs=None,
@@ -161,7 +176,7 @@ class FakePrefillWrapper:
         self.max_rows = max_total_num_rows
         self.planned: dict[str, Any] | None = None
 
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+    def _plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
              head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
              pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
              logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
@@ -196,7 +211,7 @@ class FakePrefillWrapper:
                             sm_scale=sm_scale if sm_scale is not None else head_dim_qk ** -0.5,
                             q_dtype=q_data_type, kv_dtype=kv_data_type or q_data_type, heads=num_qo_heads)
 
-    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+    def _run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None, window_left=None, **kw):
         self.rec.calls.append(("run", (q, paged_kv_cache), dict(out=out, lse=lse, return_lse=return_lse, **kw)))
         p = self.planned
@@ -273,7 +288,11 @@ def counter_bytes(batch_size: int, num_qo_heads: int, sm_count: int = SM_COUNT) 
 
 
 def make_trtllm_fn(rec: Recorder):
-    def trtllm_batch_context_with_kv_cache(
+    def trtllm_batch_context_with_kv_cache(*args, **kwargs):
+        rec.raw.append(("prefill.trtllm_batch_context_with_kv_cache", args, kwargs))
+        return impl(*args, **kwargs)
+
+    def impl(
         query, kv_cache, workspace_buffer, block_tables, seq_lens, max_q_len, max_kv_len, bmm1_scale, bmm2_scale,
         batch_size, cum_seq_lens_q, cum_seq_lens_kv, window_left=-1, out=None, out_dtype=None, o_sf_scale=None,
         o_sf_vec_size=None, kv_layout="HND", enable_pdl=None, sinks=None, kv_cache_sf=None,
@@ -323,6 +342,7 @@ def make_trtllm_fn(rec: Recorder):
                                               kv_layout == "HND")
         return (out, lse) if return_lse else out
 
+    trtllm_batch_context_with_kv_cache.__signature__ = inspect.signature(impl)  # what graphcp inspects
     return trtllm_batch_context_with_kv_cache
 
 
