@@ -32,7 +32,8 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# num_segments is not specialised (1, multiples of 16): one compile serves every batch
+@triton.jit(do_not_specialize=["num_segments"])
 def _paged_prefill_kernel(
     Q, K_CACHE, V_CACHE, OUT, LSE,
     CU_SEQLENS_Q, KV_LENS, PAGE_TABLE,
@@ -153,8 +154,11 @@ def _find_segment(CU_SEQLENS_Q, num_segments, row, SEARCH_STEPS: tl.constexpr):
 
 
 def search_steps(num_segments: int) -> int:
-    """Binary-search iterations that pin one of ``num_segments`` candidates."""
-    return max(1, (max(num_segments, 1) - 1).bit_length())
+    """Binary-search iterations that pin one of ``num_segments`` candidates, rounded
+    up to a multiple of 4 (extra iterations keep the answer): the count is a
+    compile-time constant, so batches of 1 to 16 segments share one compile."""
+    bits = (max(num_segments, 1) - 1).bit_length()
+    return 4 * max(1, -(-bits // 4))
 
 
 def group_lanes(group: int) -> int:
