@@ -32,8 +32,10 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-# num_segments is not specialised (1, multiples of 16): one compile serves every batch
-@triton.jit(do_not_specialize=["num_segments"])
+# the metadata's count, pointers and page-table stride are not specialised (== 1, multiples of 16,
+# 16-byte alignment): they change with the batch (packed metadata views, page-table width), and
+# specialising on them would recompile per batch shape for loads that are not on the hot path
+@triton.jit(do_not_specialize=["num_segments", "stride_pts", "CU_SEQLENS_Q", "KV_LENS", "PAGE_TABLE"])
 def _paged_prefill_kernel(
     Q, K_CACHE, V_CACHE, OUT, LSE,
     CU_SEQLENS_Q, KV_LENS, PAGE_TABLE,
