@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from backend_cases import EXAMPLE, check_against_reference, num_pages_for, spec_for, tensors, zigzag_meta
+from backend_cases import (
+    EXAMPLE, check_against_reference, num_pages_for, spec_for, static_meta, tensors, zigzag_meta,
+)
 from fake_flashinfer import SM_COUNT, STALE_LSE, Recorder, counter_bytes, fake_flashinfer
 from graphcp.attention import registry
 from graphcp.attention.flashinfer_backend import FlashInferAttention
@@ -124,6 +126,26 @@ def test_flashinfer_matches_reference_and_skips_padding(dtype, layout):
     fi.forward(q, kv, meta, out2)  # without LSE: the same output
     assert rec.named("run")[-1][1]["lse"] is None and torch.equal(out2, out)
     assert not rec.errors
+
+
+def test_flashinfer_capture_plan_covers_the_bucket():
+    """Static (full-graph capture) metadata: the plan covers the bucket's rows as
+    one causal segment over as many scratch keys (every row sees one), so the
+    captured run takes the whole q; its warm-up output is finite."""
+    rec = Recorder()
+    spec = spec_for(16)
+    fi = make_fi(rec, spec, max_q_rows=40, max_pages=12, dtype=torch.float32)
+    meta = static_meta(6, 4, 16, 40, torch.zeros(7, dtype=torch.int32), torch.zeros(6, dtype=torch.int32),
+                       torch.zeros(6, 4, dtype=torch.int32))
+    fi.prepare(meta)
+    args, _ = rec.named("plan")[-1]
+    assert args[:4] == ([0] + [40] * 6, [0, 3, 4, 5, 6, 7, 8], [0] * 8, [8, 1, 1, 1, 1, 1])
+    q, kv, out, lse = tensors(spec, 40, 4, torch.float32)
+    fi.forward(q, kv, meta, out, lse)
+    (rq, _), _ = rec.named("run")[-1]
+    assert rq.shape[0] == 40 and torch.isfinite(out).all() and torch.isfinite(lse).all()
+    with pytest.raises(ValueError, match="q has 24 rows, the static metadata bounds 40"):
+        fi.forward(q[:24], kv, meta, out[:24])
 
 
 def test_flashinfer_zero_rows_make_no_call():

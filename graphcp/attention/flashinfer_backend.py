@@ -44,8 +44,9 @@ checks ``q.shape[0] == qo_indptr[-1]`` of the latest plan, so:
   rows of ``q`` are no query. With no rows there is no call at all (a zero-row
   launch is not a kernel anyone needs, and some backends fail on it);
 - static metadata (:attr:`AttentionMetadata.static`, a full-graph capture):
-  ``prepare`` plans the bucket's ``max_q_len`` rows as one segment over one
-  scratch key and ``run`` sees the whole ``q``. That plan only serves the
+  ``prepare`` plans the bucket's ``max_q_len`` rows as one causal segment over
+  as many keys on the (repeated) scratch page, so every row sees a key, and
+  ``run`` sees the whole ``q``. That plan only serves the
   capture (and its warm-up); every replay reads the batch the latest
   ``prepare`` planned, whose ``qo_indptr`` ends at the live rows, so FA2 writes
   no padding row.
@@ -209,18 +210,27 @@ class FlashInferAttention(AttentionBackend):
         self._planned_static = False
         self._plan(self._rows_args(max_q_rows))
 
-    def _rows_args(self, rows: int) -> PagedPlanArgs:
-        """A plan of ``rows`` rows, all in segment 0, over one scratch key. With
-        ``max_q_rows`` (planned, never run) it fixes the wrapper's row capacity;
-        with a bucket's rows it is what a full-graph capture runs over."""
-        b = self.max_segments
+    def _rows_args(self, rows: int, keys: int = 1) -> PagedPlanArgs:
+        """A plan of ``rows`` rows, all in segment 0, over ``keys`` keys on the scratch
+        page (repeated). With ``max_q_rows`` rows and one key (planned, never run) it
+        fixes the wrapper's row capacity; with a bucket's rows and as many keys it is
+        what a full-graph capture and its warm-up run over (every row sees a key)."""
+        b, ps = self.max_segments, self.spec.page_size
+        pages = -(-keys // ps)
+        if pages + b - 1 > self.max_pages:
+            raise ValueError(f"a capture plan over {keys} keys needs {pages + b - 1} page entries, more than "
+                             f"max_pages={self.max_pages}")
         qo = np.full(b + 1, rows, np.int32)
         qo[0] = 0
+        counts = np.ones(b, np.int64)
+        counts[0] = pages
+        last = np.ones(b, np.int32)
+        last[0] = keys - (pages - 1) * ps
         return PagedPlanArgs(
             qo_indptr=qo,
-            paged_kv_indptr=np.arange(b + 1, dtype=np.int32),
-            paged_kv_indices=np.full(b, SCRATCH_PAGE, np.int32),
-            paged_kv_last_page_len=np.ones(b, np.int32),
+            paged_kv_indptr=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+            paged_kv_indices=np.full(pages + b - 1, SCRATCH_PAGE, np.int32),
+            paged_kv_last_page_len=last,
         )
 
     def _plan(self, a: PagedPlanArgs) -> None:
@@ -248,7 +258,7 @@ class FlashInferAttention(AttentionBackend):
             if not 1 <= meta.max_q_len <= self.max_q_rows:
                 raise ValueError(f"static metadata bounds {meta.max_q_len} query rows; expected 1..max_q_rows="
                                  f"{self.max_q_rows}")
-            self._plan(self._rows_args(meta.max_q_len))
+            self._plan(self._rows_args(meta.max_q_len, keys=meta.max_q_len))
             self._planned_rows, self._planned_static = meta.max_q_len, True
             return
         if meta.num_q_rows > self.max_q_rows:

@@ -47,8 +47,9 @@ def _compare(engine, batch, label: str) -> dict:
     prep = engine.prepare_batch(batch)
     try:
         got = engine.runner.try_replay(prep)
-        if got is None:
-            return {"batch": label, "status": "fallback", "error": engine.runner.last_fallback}
+        if not isinstance(got, tuple):  # None (reason in last_fallback) or a Fallback naming it
+            reason = getattr(got, "reason", None) or getattr(engine.runner, "last_fallback", None)
+            return {"batch": label, "status": "fallback", "error": reason}
         hidden, info = got
         replay = hidden.clone()
         same_bucket = engine.runner.eager_on_bucket(prep, info.capacity).clone()
