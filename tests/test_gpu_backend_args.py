@@ -1,144 +1,52 @@
-"""The argument contract of the FlashInfer and trtllm backends, against recording
-fakes of flashinfer (no GPU, no flashinfer install; real kernels are never called).
+"""The argument contract of the FlashInfer and trtllm backends, against fakes of
+flashinfer that record every call and compute what the real kernels compute,
+including where the real kernels write more than asked (``fake_flashinfer.py``;
+no GPU, no flashinfer install, real kernels are never called). Outputs and LSE
+are checked against the torch reference in float32 and bfloat16. Capture and
+replay are in ``test_gpu_backend_graphs.py``.
 
-Plans are zigzag segment lists built by hand: for every request the rank's
-early block r and late block 2C-1-r, with ``kv_len = prefix + tokens up to the
-end of the block``.
+Plans are zigzag segment lists built by hand (``backend_cases.py``): for every
+request the rank's early block r and late block 2C-1-r, with ``kv_len = prefix +
+tokens up to the end of the block``.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 import types
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import torch
 
+from backend_cases import (
+    EXAMPLE, check_against_reference, num_pages_for, spec_for, static_meta, tensors, zigzag_meta,
+)
+from fake_flashinfer import SM_COUNT, STALE_LSE, Recorder, counter_bytes, fake_flashinfer
 from graphcp.attention import registry
-from graphcp.attention.base import AttentionMetadata, AttentionSpec
 from graphcp.attention.flashinfer_backend import FlashInferAttention
 from graphcp.attention.trtllm_backend import TrtllmAttention
 
-LN2 = math.log(2.0)
-SENTINEL = -1024.0
-BASE2_LSE = 3.0  # what the fakes write as the kernel's (base-2) LSE
 BLACKWELL = lambda: (10, 0)  # noqa: E731
-
-
-# ---- fakes ------------------------------------------------------------------------
-def _plain(x):
-    return x.tolist() if isinstance(x, torch.Tensor) else x
-
-
-@dataclass
-class Recorder:
-    calls: list[tuple[str, tuple, dict]] = field(default_factory=list)
-
-    def named(self, name: str) -> list[tuple[tuple, dict]]:
-        return [(a, k) for n, a, k in self.calls if n == name]
-
-
-def fake_flashinfer(rec: Recorder) -> types.ModuleType:
-    class Wrapper:
-        def __init__(self, *args, **kwargs):
-            rec.calls.append(("init", args, kwargs))
-
-        def plan(self, *args, **kwargs):
-            rec.calls.append(("plan", tuple(_plain(a) for a in args), {k: _plain(v) for k, v in kwargs.items()}))
-
-        def run(self, q, kv_cache, *, out=None, lse=None, return_lse=False):
-            rec.calls.append(("run", (q, kv_cache), dict(out=out, lse=lse, return_lse=return_lse)))
-            out.fill_(1.0)
-            if lse is not None:
-                lse.fill_(BASE2_LSE)
-            return (out, lse) if return_lse else out
-
-    def trtllm_batch_context_with_kv_cache(
-        query, kv_cache, workspace_buffer, block_tables, seq_lens, max_q_len, max_kv_len,
-        bmm1_scale, bmm2_scale, batch_size, cum_seq_lens_q, cum_seq_lens_kv, window_left=-1,
-        out=None, out_dtype=None, o_sf_scale=None, o_sf_vec_size=None, kv_layout="HND",
-        enable_pdl=None, sinks=None, lse=None, return_lse=False,
-    ):
-        kw = dict(
-            query=query, kv_cache=kv_cache, workspace_buffer=workspace_buffer,
-            block_tables=block_tables.tolist(), seq_lens=seq_lens.tolist(), max_q_len=max_q_len,
-            max_kv_len=max_kv_len, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, batch_size=batch_size,
-            cum_seq_lens_q=cum_seq_lens_q.tolist(), cum_seq_lens_kv=cum_seq_lens_kv.tolist(),
-            window_left=window_left, out=out, kv_layout=kv_layout, lse=lse, return_lse=return_lse,
-        )
-        rec.calls.append(("trtllm", (), kw))
-        rows = int(cum_seq_lens_q[-1])  # the kernel writes the rows of its sequences only
-        out[:rows] = 1.0
-        if lse is not None:
-            lse[:rows] = BASE2_LSE
-        return (out, lse) if return_lse else out
-
-    fi = types.ModuleType("flashinfer")
-    fi.BatchPrefillWithPagedKVCacheWrapper = Wrapper
-    fi.prefill = types.ModuleType("flashinfer.prefill")
-    fi.prefill.trtllm_batch_context_with_kv_cache = trtllm_batch_context_with_kv_cache
-    return fi
-
-
-# ---- plans ------------------------------------------------------------------------
-def zigzag_meta(
-    extend: list[int], prefix: list[int], cp: int, rank: int, page_size: int, width: int = 8
-) -> AttentionMetadata:
-    """Segments (early, late) per request; request j owns pages allocated in order from 1."""
-    q_lens, kv_lens, rows = [], [], []
-    next_page = 1
-    for n, p in zip(extend, prefix):
-        base, rem = divmod(n, 2 * cp)
-        blocks = [base + (b < rem) for b in range(2 * cp)]
-        npages = -(-(p + n) // page_size)
-        pages = list(range(next_page, next_page + npages))
-        next_page += npages
-        for b in (rank, 2 * cp - 1 - rank):
-            q_lens.append(blocks[b])
-            kv_lens.append(p + sum(blocks[: b + 1]))
-            rows.append(pages + [0] * (width - npages))
-    cu = np.concatenate([[0], np.cumsum(q_lens)])
-    return AttentionMetadata.from_host(cu, np.array(kv_lens), np.array(rows), page_size)
-
-
-def spec_for(page_size: int, layout: str = "NHD") -> AttentionSpec:
-    return AttentionSpec(num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=page_size, scale=0.125, kv_layout=layout)
-
-
-def tensors(spec: AttentionSpec, rows: int, num_pages: int = 16, dtype=torch.bfloat16):
-    q = torch.zeros(rows, spec.num_q_heads, spec.head_dim, dtype=dtype)
-    page = (spec.page_size, spec.num_kv_heads, spec.head_dim)
-    if spec.kv_layout == "HND":
-        page = (spec.num_kv_heads, spec.page_size, spec.head_dim)
-    kv = torch.zeros(num_pages, 2, *page, dtype=dtype)
-    out = torch.full_like(q, SENTINEL)
-    lse = torch.full((rows, spec.num_q_heads), SENTINEL)
-    return q, kv, out, lse
-
-
-# The worked example: C = 2, rank 0, extend [40, 3], prefix [20, 0], page size 16.
-# Request 0: blocks [10, 10, 10, 10] -> early q 10 kv 30, late q 10 kv 60 (pages 1-4).
-# Request 1: blocks [1, 1, 1, 0]    -> early q 1 kv 1, late q 0 kv 3 (empty; page 5).
-EXAMPLE = dict(extend=[40, 3], prefix=[20, 0], cp=2, rank=0, page_size=16)
+DTYPES = [torch.float32, torch.bfloat16]
 
 
 # ---- FlashInfer -------------------------------------------------------------------
-def make_fi(rec, spec, **kw) -> FlashInferAttention:
+def make_fi(rec, spec, capability=(10, 0), **kw) -> FlashInferAttention:
     args = dict(max_segments=6, max_pages=12, max_q_rows=24, dtype=torch.bfloat16)
     args.update(kw)
-    return FlashInferAttention(spec, "cpu", flashinfer=fake_flashinfer(rec), **args)
+    return FlashInferAttention(spec, "cpu", flashinfer=fake_flashinfer(rec, capability), **args)
 
 
-def test_flashinfer_wrapper_buffers_and_capacity_plan():
+def test_flashinfer_wrapper_buffers_fa2_and_capacity_plan():
     rec = Recorder()
     fi = make_fi(rec, spec_for(16, "HND"))
     (args, kw), = rec.named("init")
     workspace, layout = args
     assert workspace.dtype == torch.uint8 and workspace.numel() == 128 * 1024 * 1024
     assert layout == "HND" and kw["use_cuda_graph"] is True
+    # FA2: its kernels read row counts from device buffers, so captured launches replay for any batch
+    assert kw["backend"] == "fa2" and fi.wrapper.backend == "fa2"
     assert kw["qo_indptr_buf"] is fi.qo_indptr_buf and kw["qo_indptr_buf"].shape == (7,)
     assert kw["paged_kv_indptr_buf"].shape == (7,) and kw["paged_kv_last_page_len_buf"].shape == (6,)
     assert kw["paged_kv_indices_buf"].shape == (12,)
@@ -146,6 +54,15 @@ def test_flashinfer_wrapper_buffers_and_capacity_plan():
     # the first plan fixes the row capacity of the graph-mode wrapper: max_q_rows rows
     (plan_args, plan_kw), = rec.named("plan")
     assert plan_args[:4] == ([0, 24, 24, 24, 24, 24, 24], [0, 1, 2, 3, 4, 5, 6], [0] * 6, [1] * 6)
+    assert fi.wrapper.max_rows == 24
+
+
+def test_flashinfer_on_hopper_stays_on_fa2():
+    """On SM90 the wrapper's default, auto, locks onto FA3 at the first plan (a
+    query longer than 64 rows); the backend must not let it."""
+    rec = Recorder()
+    fi = make_fi(rec, spec_for(16), capability=(9, 0), max_q_rows=256)
+    assert fi.wrapper.backend == "fa2"
 
 
 def test_flashinfer_plan_arguments_worked_example():
@@ -190,35 +107,71 @@ def test_flashinfer_plan_matches_metadata(page_size):
             assert (kv_len, pages) == (1, [0])
 
 
-def test_flashinfer_run_skips_padding_rows_and_converts_lse():
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_flashinfer_matches_reference_and_skips_padding(dtype, layout):
     rec = Recorder()
-    spec = spec_for(16)
-    fi = make_fi(rec, spec)
-    meta = zigzag_meta(**EXAMPLE)
-    q, kv, out, lse = tensors(spec, rows=24)
+    spec = spec_for(16, layout)
+    fi = make_fi(rec, spec, max_segments=8, max_pages=40, max_q_rows=64, dtype=dtype)
+    meta = zigzag_meta([70, 5, 2], [33, 100, 0], cp=2, rank=1, page_size=16)
+    q, kv, out, lse = tensors(spec, 64, num_pages_for(meta), dtype)
     fi.prepare(meta)
     fi.forward(q, kv, meta, out, lse)
     (rq, rkv), rkw = rec.named("run")[-1]
     n = meta.num_q_rows
     assert rq.shape[0] == n and rq.data_ptr() == q.data_ptr()  # q[:n]: padding rows are not queries
     assert rkv is kv and rkw["return_lse"] is True
-    assert rkw["out"].shape[0] == n and rkw["out"].data_ptr() == out.data_ptr()
-    assert rkw["lse"].shape[0] == n and rkw["lse"].data_ptr() == lse.data_ptr()
-    torch.testing.assert_close(lse[:n], torch.full((n, 8), BASE2_LSE * LN2))
-    assert (lse[n:] == SENTINEL).all() and (out[n:].float() == SENTINEL).all()
+    check_against_reference(spec, q, kv, meta, out, lse, dtype)  # base-2 LSE converted to base e
+    out2 = torch.full_like(out, -1024.0)
+    fi.forward(q, kv, meta, out2)  # without LSE: the same output
+    assert rec.named("run")[-1][1]["lse"] is None and torch.equal(out2, out)
+    assert not rec.errors
 
 
-def test_flashinfer_without_lse_and_errors():
+def test_flashinfer_capture_plan_covers_the_bucket():
+    """Static (full-graph capture) metadata: the plan covers the bucket's rows as
+    one causal segment over as many scratch keys (every row sees one), so the
+    captured run takes the whole q; its warm-up output is finite."""
+    rec = Recorder()
+    spec = spec_for(16)
+    fi = make_fi(rec, spec, max_q_rows=40, max_pages=12, dtype=torch.float32)
+    meta = static_meta(6, 4, 16, 40, torch.zeros(7, dtype=torch.int32), torch.zeros(6, dtype=torch.int32),
+                       torch.zeros(6, 4, dtype=torch.int32))
+    fi.prepare(meta)
+    args, _ = rec.named("plan")[-1]
+    assert args[:4] == ([0] + [40] * 6, [0, 3, 4, 5, 6, 7, 8], [0] * 8, [8, 1, 1, 1, 1, 1])
+    q, kv, out, lse = tensors(spec, 40, 4, torch.float32)
+    fi.forward(q, kv, meta, out, lse)
+    (rq, _), _ = rec.named("run")[-1]
+    assert rq.shape[0] == 40 and torch.isfinite(out).all() and torch.isfinite(lse).all()
+    with pytest.raises(ValueError, match="q has 24 rows, the static metadata bounds 40"):
+        fi.forward(q[:24], kv, meta, out[:24])
+
+
+def test_flashinfer_zero_rows_make_no_call():
+    """A batch whose rows are all elsewhere (or a breakable capture's empty
+    metadata) launches nothing: zero-row launches fail on some kernels."""
+    rec = Recorder()
+    spec = spec_for(16)
+    fi = make_fi(rec, spec, capability=(9, 0))
+    meta = zigzag_meta([1], [0], cp=2, rank=3 - 2, page_size=16)  # C = 2, rank 1: blocks [1,0,0,0]
+    assert meta.num_q_rows == 0
+    q, kv, out, lse = tensors(spec, 8, num_pages_for(meta))
+    fi.prepare(meta)
+    fi.forward(q, kv, meta, out, lse)
+    assert rec.named("run") == [] and not rec.errors
+    assert (out.float() == -1024.0).all() and (lse == -1024.0).all()
+
+
+def test_flashinfer_errors():
     rec = Recorder()
     spec = spec_for(16)
     fi = make_fi(rec, spec)
     meta = zigzag_meta(**EXAMPLE)
-    q, kv, out, _ = tensors(spec, rows=24)
+    q, kv, out, _ = tensors(spec, 24, num_pages_for(meta))
     with pytest.raises(RuntimeError, match="prepare"):
         fi.forward(q, kv, meta, out)
     fi.prepare(meta)
-    fi.forward(q, kv, meta, out)
-    assert rec.named("run")[-1][1]["lse"] is None and rec.named("run")[-1][1]["return_lse"] is False
     with pytest.raises(ValueError, match="max_segments=6"):
         fi.prepare(zigzag_meta([8, 8, 8, 8], [0] * 4, 2, 0, 16))
     with pytest.raises(ValueError, match="max_pages=3"):
@@ -229,7 +182,7 @@ def test_flashinfer_without_lse_and_errors():
 
 # ---- trtllm -----------------------------------------------------------------------
 def make_trt(rec, spec, **kw) -> TrtllmAttention:
-    args = dict(max_segments=6, max_pages_per_segment=8, max_q_rows=24, capability=BLACKWELL)
+    args = dict(max_segments=6, max_pages_per_segment=8, max_q_rows=24, capability=BLACKWELL, sm_count=SM_COUNT)
     args.update(kw)
     return TrtllmAttention(spec, "cpu", flashinfer=fake_flashinfer(rec), **args)
 
@@ -240,13 +193,17 @@ def test_trtllm_one_call_covers_all_segments():
     trt = make_trt(rec, spec)
     assert not trt.supports_full_graph
     meta = zigzag_meta(**EXAMPLE)
-    q, kv, out, lse = tensors(spec, rows=24)
+    q, kv, out, lse = tensors(spec, 24, num_pages_for(meta))
     trt.prepare(meta)
     trt.forward(q, kv, meta, out, lse)
     (_, kw), = rec.named("trtllm")  # ONE call: both zigzag segments of both requests
+    n = meta.num_q_rows
     assert kw["batch_size"] == 4 == 2 * len(EXAMPLE["extend"])
-    assert kw["query"] is q and kw["out"] is out and kw["lse"] is lse and kw["kv_cache"] is kv
-    assert kw["cum_seq_lens_q"] == [0, 10, 20, 21, 21]  # ends at the real rows: padding rows are no query
+    # the live rows only: the kernel writes LSE for every row of the query it is given
+    for name, full in (("query", q), ("out", out), ("lse", lse)):
+        assert kw[name].shape[0] == n and kw[name].data_ptr() == full.data_ptr()
+    assert kw["kv_cache"] is kv
+    assert kw["cum_seq_lens_q"] == [0, 10, 20, 21, 21]
     assert kw["seq_lens"] == [30, 60, 1, 1]  # the empty late segment of request 1 is inert
     assert kw["cum_seq_lens_kv"] == [0, 30, 90, 91, 92]
     assert kw["block_tables"] == [
@@ -259,9 +216,22 @@ def test_trtllm_one_call_covers_all_segments():
     assert (kw["bmm1_scale"], kw["bmm2_scale"], kw["window_left"]) == (0.125, 1.0, -1)
     assert kw["kv_layout"] == "HND" and kw["return_lse"] is True
     assert kw["workspace_buffer"].numel() == 128 * 1024 * 1024 and not kw["workspace_buffer"].any()
-    n = meta.num_q_rows
-    torch.testing.assert_close(lse[:n], torch.full((n, 8), BASE2_LSE * LN2))
-    assert (lse[n:] == SENTINEL).all() and (out[n:].float() == SENTINEL).all()
+    check_against_reference(spec, q, kv, meta, out, lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_trtllm_lse_padding_rows_untouched(dtype):
+    """Finding 3: trtllm-gen writes LSE for all of ``query``'s rows (stale
+    statistics past the live ones); the backend gives it the live rows only."""
+    rec = Recorder()
+    spec = spec_for(16, "HND")
+    trt = make_trt(rec, spec, max_segments=8, max_pages_per_segment=10, max_q_rows=64)
+    meta = zigzag_meta([70, 5, 2, 9], [33, 100, 0, 64], cp=2, rank=1, page_size=16, width=10)
+    q, kv, out, lse = tensors(spec, 64, num_pages_for(meta), dtype)
+    trt.prepare(meta)
+    trt.forward(q, kv, meta, out, lse)
+    assert not (lse == STALE_LSE).any()
+    check_against_reference(spec, q, kv, meta, out, lse, dtype)
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 64])
@@ -270,7 +240,7 @@ def test_trtllm_arguments_with_prefixes(page_size):
     spec = spec_for(page_size, "HND")
     trt = make_trt(rec, spec, max_segments=8, max_pages_per_segment=10, max_q_rows=64)
     meta = zigzag_meta([70, 5, 2, 9], [33, 100, 0, 64], cp=2, rank=1, page_size=page_size, width=10)
-    q, kv, out, _ = tensors(spec, rows=64)
+    q, kv, out, _ = tensors(spec, 64, num_pages_for(meta), torch.float32)
     trt.prepare(meta)
     trt.forward(q, kv, meta, out)
     (_, kw), = rec.named("trtllm")
@@ -284,18 +254,54 @@ def test_trtllm_arguments_with_prefixes(page_size):
     want_table = np.where(live[:, None], meta.page_table_host, 0)
     assert kw["block_tables"] == want_table.tolist()
     assert kw["lse"] is None and kw["return_lse"] is False
+    check_against_reference(spec, q, kv, meta, out, None, torch.float32)
 
 
-def test_trtllm_static_max_lengths_for_graphs():
+def test_trtllm_one_persistent_counter_buffer():
+    """Finding 5: without a counter buffer FlashInfer allocates and zeroes one per
+    call; the backend passes its own, the same tensor every call and layer."""
+    rec = Recorder()
+    spec = spec_for(16, "HND")
+    trt = make_trt(rec, spec)
+    assert trt.counters.numel() == counter_bytes(6, 8)  # FlashInfer's size for 6 segments x 8 heads
+    meta = zigzag_meta(**EXAMPLE)
+    q, kv, out, lse = tensors(spec, 24, num_pages_for(meta))
+    for _ in range(3):  # forwards
+        trt.prepare(meta)
+        for _ in range(2):  # layers
+            trt.forward(q, kv, meta, out, lse)
+    bufs = [kw["multi_ctas_kv_counter_buffer"] for _, kw in rec.named("trtllm")]
+    assert len(bufs) == 6 and all(b is trt.counters for b in bufs)
+    assert rec.counter_allocations == 0
+
+
+def test_trtllm_zero_rows_make_no_call():
+    rec = Recorder()
+    spec = spec_for(16, "HND")
+    trt = make_trt(rec, spec)
+    meta = zigzag_meta([1], [0], cp=2, rank=1, page_size=16)
+    q, kv, out, lse = tensors(spec, 8, num_pages_for(meta))
+    trt.prepare(meta)
+    trt.forward(q, kv, meta, out, lse)
+    assert rec.named("trtllm") == [] and not rec.errors and (lse == -1024.0).all()
+
+
+def test_trtllm_static_max_lengths_pad_the_batch():
+    """Finding 4 (arguments): with static maxima the batch is always max_segments
+    long, live segments first, then inert ones."""
     rec = Recorder()
     trt = make_trt(rec, spec_for(32, "HND"), max_pages_per_segment=16, static_max_q_len=24, static_max_kv_len=256)
     assert trt.supports_full_graph
     meta = zigzag_meta(**{**EXAMPLE, "page_size": 32})
-    q, kv, out, lse = tensors(trt.spec, rows=24)
+    q, kv, out, lse = tensors(trt.spec, 24, 17, torch.float32)
     trt.prepare(meta)
     trt.forward(q, kv, meta, out, lse)
     (_, kw), = rec.named("trtllm")
-    assert (kw["max_q_len"], kw["max_kv_len"]) == (24, 256)
+    assert (kw["max_q_len"], kw["max_kv_len"], kw["batch_size"]) == (24, 256, 6)
+    assert kw["cum_seq_lens_q"] == [0, 10, 20, 21, 21, 21, 21]
+    assert kw["seq_lens"] == [30, 60, 1, 1, 1, 1]
+    assert kw["cum_seq_lens_kv"] == [0, 30, 90, 91, 92, 93, 94]
+    check_against_reference(trt.spec, q, kv, meta, out, lse, torch.float32)
     with pytest.raises(ValueError, match="static_max_kv_len=256"):
         trt.prepare(zigzag_meta([8], [300], 2, 0, 32, width=12))
 
@@ -313,10 +319,12 @@ def test_trtllm_validation():
         make_trt(rec, spec_for(8, "HND"))
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         TrtllmAttention(spec_for(16, "HND"), "cpu", max_segments=2, max_pages_per_segment=2, max_q_rows=8)
+    with pytest.raises(ValueError, match="sm_count is needed"):
+        make_trt(rec, spec_for(16, "HND"), sm_count=None)
     trt = make_trt(rec, spec_for(16, "HND"))
     meta = zigzag_meta(**EXAMPLE)
     with pytest.raises(RuntimeError, match="prepare"):
-        trt.forward(*tensors(trt.spec, rows=24)[:2], meta, torch.empty(0))
+        trt.forward(*tensors(trt.spec, 24, 8)[:2], meta, torch.empty(0))
     with pytest.raises(ValueError, match="max_pages_per_segment=8"):
         trt.prepare(zigzag_meta([8], [200], 2, 0, 16, width=14))
 
@@ -348,7 +356,8 @@ def test_import_error_names_the_extra(no_flashinfer):
 
 def test_backends_import_flashinfer_from_sys_modules(fake_installed):
     FlashInferAttention(spec_for(16), "cpu", max_segments=2, max_pages=4, max_q_rows=8)
-    TrtllmAttention(spec_for(16, "HND"), "cpu", max_segments=2, max_pages_per_segment=2, max_q_rows=8, capability=BLACKWELL)
+    TrtllmAttention(spec_for(16, "HND"), "cpu", max_segments=2, max_pages_per_segment=2, max_q_rows=8,
+                    capability=BLACKWELL, sm_count=SM_COUNT)
     assert [n for n, _, _ in fake_installed.calls] == ["init", "plan"]
 
 

@@ -1,9 +1,10 @@
 """scripts/gpu_check.py: the one-shot GPU check, exercised end to end on the CPU
-with ``--dry-run`` (torch backend, triton under the interpreter when installed,
-tiny sizes, trace graphs)."""
+with ``--dry-run`` (torch backend, triton under the interpreter, tiny sizes,
+trace graphs), with the ``nvtx`` package hidden as on the GPU machine."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import subprocess
@@ -14,6 +15,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
+# the device image has no nvtx: run the dry run as if it were missing
+HIDDEN_NVTX = ("import runpy, sys; sys.modules['nvtx'] = None; sys.argv = ['gpu_check.py'] + sys.argv[1:]; "
+               f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
 
 
 def _load():
@@ -28,38 +32,60 @@ def _load():
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     """One dry run in a subprocess (it sets TRITON_INTERPRET for itself)."""
-    tmp = tmp_path_factory.mktemp("gpu_check")
-    out = tmp / "res" / "gpu_check.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--profiles-dir", str(tmp / "profiles")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
+    out = tmp_path_factory.mktemp("gpu_check") / "out"
+    proc = subprocess.run([sys.executable, "-c", HIDDEN_NVTX, "--dry-run", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp, out, proc
+    return out, json.loads((out / "gpu_check.json").read_text()), proc
 
 
-def test_dry_run_backend_checks(dry_run):
-    _, out, _ = dry_run
-    res = json.loads(out.read_text())
-    assert res["schema"] == 1 and res["dry_run"] is True
-    assert res["device"]["type"] == "cpu"
+def test_dry_run_environment_and_notes(dry_run):
+    _, res, _ = dry_run
+    assert res["schema"] == 2 and res["dry_run"] is True and res["device"]["type"] == "cpu"
+    assert res["env"]["nvtx"] is False and any("nvtx" in n for n in res["notes"])
+    assert any("flashinfer is not installed" in n for n in res["notes"])
+    used, shares = res["phases"]["used"], res["phases"]["shares"]
+    assert set(used) == set(shares) == {"warmup", "kernels", "graphs", "timing", "launches"}
+    assert all(0 < used[p] <= shares[p] + 5 for p in used)
+    assert res["errors"] == []
+
+
+def test_dry_run_triton_warmup_and_kernel_checks(dry_run):
+    _, res, _ = dry_run
+    w = res["triton_warmup"]
+    assert w["status"] == "ok" and w["launched"] == w["variants"] >= 8 and w["compiles"] is None  # interpreted
     checks = res["backends"]["checks"]
-    assert {c["backend"] for c in checks} == set(res["backends"]["checked"]) >= {"torch"}
+    assert {c["backend"] for c in checks} == {"torch", "triton"}
     for c in checks:
         assert c["status"] == "pass", c
         assert c["plans"] >= 3
         assert max(c["max_rel_err_out"], c["max_rel_err_out_nolse"], c["max_rel_err_lse"]) <= c["tol"]
         assert c["padding_untouched"] is True
     seen = {(c["backend"], c["dtype"], c["head_dim"]) for c in checks}
-    assert {("torch", d, h) for d in ("float32", "bfloat16") for h in (64, 128)} <= seen
+    assert {(b, d, h) for b in ("torch", "triton") for d in ("float32", "bfloat16") for h in (64, 128)} == seen
     assert all(c["num_q_heads"] > c["num_kv_heads"] for c in checks)  # GQA
 
 
-def test_dry_run_timing_launches_captures(dry_run):
-    _, out, _ = dry_run
-    res = json.loads(out.read_text())
+def test_dry_run_graph_replays_bitwise(dry_run):
+    _, res, _ = dry_run
+    rows = {(g["dtype"], g["graph"]): g for g in res["graphs"]}
+    assert set(rows) == {("float32", "breakable"), ("float32", "full")}
+    assert rows[("float32", "full")]["attention"] == "triton"  # the interpreted kernel inside the graph
+    for g in rows.values():
+        assert g["status"] == "pass", g
+        assert g["self_check"] in ("passed", "not in this graphcp")
+        assert len(g["batches"]) == 2  # a three-request batch and a cached-prefix extension
+        for b in g["batches"]:
+            assert b["bitwise_equal"] is True and b["max_abs_diff"] == 0.0 and b["bucket"] == 48
+            assert b["rel_diff_vs_unpadded_eager"] <= 1e-5
+    assert rows[("float32", "full")]["segments_breaks"] == {"48": [1, 0]}
+    assert rows[("float32", "breakable")]["segments_breaks"] == {"48": [5, 4]}
+
+
+def test_dry_run_timing_launches_traces(dry_run):
+    out, res, _ = dry_run
     rows = {(r["backend"], r["path"], r["tokens"]): r for r in res["timing"] if r["model"] == "default"}
-    for n in (64, 256):
+    for n in (32, 96):
         eager, graph = rows[("torch", "eager", n)], rows[("torch", "breakable", n)]
         for r in (eager, graph):
             assert r["status"] == "ok", r
@@ -72,37 +98,71 @@ def test_dry_run_timing_launches_captures(dry_run):
     launches = {r["path"]: r for r in res["launches"] if r["backend"] == "torch"}
     assert launches["eager"]["status"] == launches["breakable"]["status"] == "ok"
     assert launches["breakable"]["host_ops"] < launches["eager"]["host_ops"]
-    assert launches["eager"]["profiled_cpu_ops"] > 0
+    assert launches["breakable"]["ranges"]["segment"] == 5 and launches["breakable"]["ranges"]["attention"] == 4
+    assert launches["eager"]["ranges"]["layer"] == 4 and "replay" not in launches["eager"]["ranges"]
+    for path in ("eager", "breakable"):
+        trace = json.loads(gzip.decompress((out / launches[path]["trace"]).read_bytes()))
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert "graphcp:prefill" in names and ("graphcp:replay[32]" in names) == (path == "breakable")
     caps = {c["capacity"]: c for c in res["captures"] if c["backend"] == "torch"}
-    assert set(caps) == {64, 256}
+    assert set(caps) == {32, 96}
     assert all(c["capture_s"] > 0 and c["breaks"] == 4 for c in caps.values())
 
 
 def test_dry_run_markdown_printed_last_and_written(dry_run):
-    tmp, out, proc = dry_run
-    md = out.with_suffix(".md").read_text()
+    out, _, proc = dry_run
+    md = (out / "gpu_check.md").read_text()
     assert proc.stdout.rstrip().endswith(md.rstrip())
-    assert md.index("## Attention backends") < md.index("## Prefill time")
+    order = ["## Parts", "## Triton warm-up", "## Attention kernels", "## Graph replay", "## Launches",
+             "## Prefill time"]
+    assert [md.index(h) for h in order] == sorted(md.index(h) for h in order)
     last = proc.stdout.rstrip().splitlines()[-1]
-    assert last.startswith("| default | torch | 256 | full |")  # the timing table ends the output
-    prof = tmp / "profiles" / "cpu-dry-run"
-    assert (prof / "gpu_check.md").read_text() == md
-    assert json.loads((prof / "gpu_check.json").read_text())["dry_run"] is True
+    assert last.startswith("| default | torch | 96 | full |")  # the timing table ends the output
+
+
+def test_out_defaults_to_env_out(monkeypatch, tmp_path):
+    gc = _load()
+    monkeypatch.setenv("OUT", str(tmp_path / "device-out"))
+    assert gc.build_parser().parse_args([]).out == str(tmp_path / "device-out")
+    monkeypatch.delenv("OUT")
+    assert gc.build_parser().parse_args([]).out == "gpu_check_results"
 
 
 def test_budget_guard_skips_instead_of_running(tmp_path, capsys):
     gc = _load()
-    out = tmp_path / "gpu_check.json"
-    assert gc.main(["--dry-run", "--no-triton", "--budget-s", "0", "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
+    assert gc.main(["--dry-run", "--no-triton", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["backends"]["checks"] and all(c["status"] == "skipped" for c in res["backends"]["checks"])
     assert res["timing"] and all(r["status"] == "skipped" for r in res["timing"])
-    assert capsys.readouterr().out == out.with_suffix(".md").read_text()
+    assert "graphs: skipped, the triton backend is not available" in res["errors"]
+    assert capsys.readouterr().out == (tmp_path / "gpu_check.md").read_text()
 
 
-def test_trace_counts_cuda_events():
-    """The CUDA side of the launch count, on a synthetic profiler trace."""
-    gc = _load()
+def test_budget_shares_carry_over(monkeypatch):
+    _load()
+    from gpucheck import common
+
+    now = [100.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+    b = common.Budget(100.0, {"a": 10.0, "b": 20.0}, reserve_s=5.0)
+    b.start("a")
+    assert b.remaining() == 10.0
+    now[0] += 4.0  # a finishes early: its 6 s pass to b
+    b.start("b")
+    assert b.used == {"a": 4.0} and b.remaining() == 26.0
+    now[0] += 27.0
+    assert not b.allows(0.0)  # b's share (and the carry) is spent
+    b.start("c")  # a part without a share gets what earlier parts left: nothing
+    assert b.remaining() <= 0.0
+    b.stop()
+    assert b.used == {"a": 4.0, "b": 27.0, "c": 0.0}
+
+
+def test_trace_counts_cuda_events_and_ranges():
+    """The CUDA side of the launch count and the graphcp ranges, on a synthetic trace."""
+    _load()
+    from gpucheck.timing import range_counts, trace_counts
+
     ev = [
         {"ph": "X", "cat": "kernel", "name": "gemm"},
         {"ph": "X", "cat": "kernel", "name": "attn"},
@@ -111,7 +171,49 @@ def test_trace_counts_cuda_events():
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch"},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD"},
         {"ph": "i", "cat": "kernel", "name": "marker"},
+        {"ph": "X", "cat": "user_annotation", "name": "graphcp:attention[3]"},
+        {"ph": "X", "cat": "user_annotation", "name": "graphcp:attention[0]"},
+        {"ph": "X", "cat": "user_annotation", "name": "graphcp:replay[256]"},
     ]
-    assert gc.trace_counts(ev, cuda=True) == {
+    assert trace_counts(ev, cuda=True) == {
         "kernels": 2, "kernel_launch_calls": 2, "graph_launches": 1, "memcpy": 1, "memset": 0,
     }
+    assert range_counts(ev) == {"attention": 2, "replay": 1}
+
+
+def test_without_cuda_exits_2_and_says_so(tmp_path, capsys):
+    gc = _load()
+    assert gc.main(["--out", str(tmp_path)]) == 2
+    assert "no CUDA device here; run with --dry-run" in capsys.readouterr().err
+    assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_gpu_settings_fit_the_device_run():
+    """The defaults a GPU run uses: both dtypes everywhere they are checked, the
+    three sizes, Triton timed, the budget shares summing under the 420 s budget."""
+    gc = _load()
+    st = gc.settings_from_args(gc.build_parser().parse_args([]))
+    assert st.device == "cuda" and st.graph_backend == "cuda"
+    assert set(st.check_dtypes) == set(st.graph_dtypes) == {"float32", "bfloat16"}
+    assert st.graph_attention == {"breakable": "triton", "full": "triton"}
+    assert st.sizes == (1024, 8192, 32768) and st.timing_backends == ("triton",)
+    assert st.models == ("default", "qwen3-1b-like") and st.large_layers == 8
+    assert sum(st.phases.values()) <= 420.0 - 10.0  # the run's budget, minus the report's reserve
+
+
+def test_doc_gives_the_device_command_and_the_part_budgets():
+    """docs/gpu_check.md: the one-line device command parses with the script's own
+    parser, and its table states each part's share as the script enforces it."""
+    import re
+    import shlex
+
+    gc = _load()
+    from gpucheck.common import PHASES
+
+    doc = (ROOT / "docs" / "gpu_check.md").read_text()
+    cmd = 'PYTHONPATH=. python scripts/gpu_check.py --out "$OUT"'
+    assert f"```sh\n{cmd}\n```" in doc
+    args = gc.build_parser().parse_args(shlex.split(cmd)[3:])
+    assert args.out == "$OUT" and not args.dry_run
+    shares = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| `(\w+)` \| (\d+) \|", doc, re.M)}
+    assert shares == PHASES

@@ -122,6 +122,9 @@ CASES = {
     "zigzag-gqa2-bf16-hnd": ("HND", torch.bfloat16, 4, 2, 128, 8, "zigzag", [41, 2, 9], [12, 0, 3], 2, 1),
     "interleave-gqa8": ("HND", torch.float32, 8, 1, 64, 16, "interleave", [9, 14, 3], [4, 0, 21], 3, 1),
     "interleave-mha-bf16": ("NHD", torch.bfloat16, 2, 2, 64, 4, "interleave", [7, 11], [0, 6], 2, 0),
+    # a group of 3 heads packs into 4 lanes a row (one lane masked off)
+    "zigzag-gqa3": ("NHD", torch.float32, 6, 2, 64, 16, "zigzag", [33, 5, 18], [7, 0, 16], 2, 1),
+    "zigzag-gqa3-bf16": ("HND", torch.bfloat16, 6, 2, 64, 16, "zigzag", [33, 5, 18], [7, 0, 16], 2, 0),
 }
 
 
@@ -182,6 +185,28 @@ def test_reads_metadata_from_device_only():
     check([(ref_o, ref_l), (o, lse)], new, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_tile_settings_match_reference(dtype):
+    """The per-head_dim settings the backend picks by itself (GQA group of 4 packed
+    per tile, K/V loaded once for the group)."""
+    plan = zigzag_plan([150, 9, 40], [30, 0, 70], cp=2, rank=1)
+    spec = AttentionSpec(8, 2, 64, 16, 0.125, "NHD")
+    meta, num_pages = make_meta(plan, 16, np.random.default_rng(6))
+    g = torch.Generator().manual_seed(7)
+    rows = meta.num_q_rows + 13
+    q = torch.randn(rows, 8, 64, generator=g).to(dtype).to(DEVICE)
+    kv = torch.randn(num_pages, 2, 16, 2, 64, generator=g).to(dtype).to(DEVICE)
+    backend = TritonAttention(spec)
+    cfg = backend.config(dtype)
+    assert (cfg.block_m, cfg.block_n) == ((128, 64) if dtype == torch.bfloat16 else (32, 32))
+    results = []
+    for b in (TorchAttention(spec), backend):
+        out, lse = torch.full_like(q, SENTINEL), torch.full((rows, 8), SENTINEL, device=DEVICE)
+        b.forward(q, kv, meta, out, lse)
+        results.append((out, lse))
+    check(results, meta, dtype)
+
+
 def test_rejects_bad_shapes():
     spec = AttentionSpec(4, 2, 64, 16, 0.125, "NHD")
     backend = TritonAttention(spec)
@@ -192,3 +217,5 @@ def test_rejects_bad_shapes():
         backend.forward(q, hnd_cache, meta, torch.empty_like(q))
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         TritonAttention(AttentionSpec(4, 2, 96, 16, 0.1))
+    with pytest.raises(ValueError, match="block_m=16 lanes cannot hold one row of a GQA group of 32"):
+        TritonAttention(AttentionSpec(32, 1, 64, 16, 0.1), block_m=16)

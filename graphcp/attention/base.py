@@ -36,10 +36,15 @@ class AttentionMetadata:
     nothing for them. ``page_table[s, p]`` is the cache page holding positions
     ``[p * page_size, (p + 1) * page_size)`` of segment ``s``'s request; entries
     past the request's pages are 0 (the scratch page) and never read. Read-only.
+
+    *Static* metadata (:attr:`static`) is built over caller-owned device tensors,
+    the static buffers of a full graph: a forward's batch is copied into them
+    before each replay, so the host arrays are only bounds (``max_q_len`` is the
+    bucket's row capacity) and say nothing about the rows a replay will have.
     """
 
     __slots__ = ("cu_seqlens_q_host", "kv_lens_host", "page_table_host", "page_size", "max_q_len", "max_kv_len",
-                 "device", "_packed", "_tensors")
+                 "device", "_packed", "_tensors", "static")
 
     cu_seqlens_q_host: np.ndarray  # int32 [S + 1]
     kv_lens_host: np.ndarray  # int32 [S]
@@ -73,6 +78,8 @@ class AttentionMetadata:
         set_(self, "device", device)
         set_(self, "_packed", _packed)
         set_(self, "_tensors", device_tensors)
+        # device tensors handed in are static graph buffers, refilled before every replay
+        set_(self, "static", device_tensors is not None)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"AttentionMetadata is read-only; cannot set {name!r}")
@@ -122,7 +129,8 @@ class AttentionMetadata:
 
     def __repr__(self) -> str:
         return (f"AttentionMetadata(num_segments={self.num_segments}, num_q_rows={self.num_q_rows}, "
-                f"max_q_len={self.max_q_len}, max_kv_len={self.max_kv_len}, page_size={self.page_size})")
+                f"max_q_len={self.max_q_len}, max_kv_len={self.max_kv_len}, page_size={self.page_size}"
+                f"{', static' if self.static else ''})")
 
     @staticmethod
     def host_buffers(num_segments: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

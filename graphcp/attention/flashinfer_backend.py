@@ -1,4 +1,5 @@
-"""``flashinfer``: FlashInfer's paged prefill (``BatchPrefillWithPagedKVCacheWrapper``).
+"""``flashinfer``: FlashInfer's paged prefill (``BatchPrefillWithPagedKVCacheWrapper``),
+on its FA2 kernels.
 
 Phases. ``prepare(meta)`` builds the wrapper's arguments from the host copy of
 the metadata and calls ``wrapper.plan`` (host work plus small uploads into the
@@ -6,6 +7,16 @@ wrapper's fixed device buffers); ``forward`` calls ``wrapper.run`` once per
 layer. The wrapper is built with ``use_cuda_graph=True`` and fixed buffers, so a
 ``run`` captured in a graph reads whatever the latest ``plan`` wrote: full-graph
 mode is sound provided ``prepare`` (plan) runs before *every* replay.
+
+Why FA2 (``backend="fa2"``, not the default ``"auto"``): in CUDA-graph mode
+FA2's kernels take every row count from device memory (the tile schedule and
+``total_num_rows`` that ``plan`` writes into the int workspace, ``qo_indptr``),
+so a launch captured for one batch replays for another. ``auto`` resolves to
+FA3 on SM90, and FA3 bakes the query row count into its TMA descriptor at the
+call (``params.nnz_qo = q.size(0)`` in ``batch_prefill_sm90.cu``): a graph
+captured at one row count reads no row past it on replay, and at zero rows the
+descriptor cannot even be built. (FA3 would be faster for eager calls on
+Hopper; one wrapper serves eager, breakable and full-graph calls alike.)
 
 Argument contract (what ``plan`` receives):
 
@@ -24,12 +35,21 @@ Argument contract (what ``plan`` receives):
   see the custom-mask example in the wrapper's docstring), which is our segment
   rule.
 
-The first ``plan`` of a wrapper in CUDA-graph mode fixes its row capacity
-(``total_num_rows``) and so its launch shape; the constructor therefore plans
-once with ``max_q_rows`` rows before any real plan. Padding rows of ``q`` are
-not queries: ``run`` sees ``q[:num_q_rows]`` (FlashInfer checks
-``q.shape[0] == qo_indptr[-1]``; its kernels take row counts from the device
-buffers, so a graph captured at one row count replays for another).
+Rows. The first ``plan`` of a wrapper in CUDA-graph mode fixes its row
+capacity (``total_num_rows``, and with it the launch shape); the constructor
+therefore plans once with ``max_q_rows`` rows before any real plan. ``run``
+checks ``q.shape[0] == qo_indptr[-1]`` of the latest plan, so:
+
+- live metadata (eager calls, breaks): ``run`` sees ``q[:num_q_rows]``; padding
+  rows of ``q`` are no query. With no rows there is no call at all (a zero-row
+  launch is not a kernel anyone needs, and some backends fail on it);
+- static metadata (:attr:`AttentionMetadata.static`, a full-graph capture):
+  ``prepare`` plans the bucket's ``max_q_len`` rows as one causal segment over
+  as many keys on the (repeated) scratch page, so every row sees a key, and
+  ``run`` sees the whole ``q``. That plan only serves the
+  capture (and its warm-up); every replay reads the batch the latest
+  ``prepare`` planned, whose ``qo_indptr`` ends at the live rows, so FA2 writes
+  no padding row.
 
 FlashInfer returns base-2 LSE; it is converted to base e in place with a factor
 chosen per row on the device (ln 2 for real rows, exactly 1 for padding rows),
@@ -53,6 +73,8 @@ from graphcp.kvcache import SCRATCH_PAGE
 FLASHINFER_EXTRA = "pip install graphcp[flashinfer]"
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 LN2 = math.log(2.0)
+#: FlashInfer kernels whose row counts come from device memory in CUDA-graph mode (see above)
+WRAPPER_BACKEND = "fa2"
 
 
 def import_flashinfer(backend: str, submodule: str | None = None) -> ModuleType:
@@ -94,6 +116,18 @@ class Base2Lse:
         torch.lt(self.rows[:n], cu_seqlens_q[-1:], out=mask)
         torch.where(mask, self.ln2, self.one, out=factor)
         lse.mul_(factor.unsqueeze(1))
+
+    def copy_live_base_e(self, src: torch.Tensor, dst: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
+        """``dst[i] = src[i] * ln 2`` for the live rows (``i < cu_seqlens_q[-1]``, read
+        on the device); padding rows of ``dst`` keep their values (``src`` is scratch)."""
+        n = dst.shape[0]
+        if n > self.rows.shape[0] or src.shape != dst.shape:
+            raise ValueError(f"lse rows {tuple(src.shape)} -> {tuple(dst.shape)} exceed max_q_rows="
+                             f"{self.rows.shape[0]} or differ")
+        mask = self.mask[:n]
+        torch.lt(self.rows[:n], cu_seqlens_q[-1:], out=mask)
+        src.mul_(self.ln2)
+        torch.where(mask.unsqueeze(1), src, dst, out=dst)
 
 
 @dataclass(frozen=True)
@@ -169,22 +203,34 @@ class FlashInferAttention(AttentionBackend):
             paged_kv_indptr_buf=self.paged_kv_indptr_buf,
             paged_kv_indices_buf=self.paged_kv_indices_buf,
             paged_kv_last_page_len_buf=self.paged_kv_last_page_len_buf,
+            backend=WRAPPER_BACKEND,
         )
         self._lse = Base2Lse(max_q_rows, dev)
         self._planned_rows: int | None = None
-        self._plan(self._capacity_args())
+        self._planned_static = False
+        self._plan(self._rows_args(max_q_rows))
 
-    def _capacity_args(self) -> PagedPlanArgs:
-        """A plan with ``max_q_rows`` rows (all in segment 0, over one scratch
-        key): only planned, never run; it fixes the wrapper's row capacity."""
-        b = self.max_segments
-        qo = np.full(b + 1, self.max_q_rows, np.int32)
+    def _rows_args(self, rows: int, keys: int = 1) -> PagedPlanArgs:
+        """A plan of ``rows`` rows, all in segment 0, over ``keys`` keys on the scratch
+        page (repeated). With ``max_q_rows`` rows and one key (planned, never run) it
+        fixes the wrapper's row capacity; with a bucket's rows and as many keys it is
+        what a full-graph capture and its warm-up run over (every row sees a key)."""
+        b, ps = self.max_segments, self.spec.page_size
+        pages = -(-keys // ps)
+        if pages + b - 1 > self.max_pages:
+            raise ValueError(f"a capture plan over {keys} keys needs {pages + b - 1} page entries, more than "
+                             f"max_pages={self.max_pages}")
+        qo = np.full(b + 1, rows, np.int32)
         qo[0] = 0
+        counts = np.ones(b, np.int64)
+        counts[0] = pages
+        last = np.ones(b, np.int32)
+        last[0] = keys - (pages - 1) * ps
         return PagedPlanArgs(
             qo_indptr=qo,
-            paged_kv_indptr=np.arange(b + 1, dtype=np.int32),
-            paged_kv_indices=np.full(b, SCRATCH_PAGE, np.int32),
-            paged_kv_last_page_len=np.ones(b, np.int32),
+            paged_kv_indptr=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+            paged_kv_indices=np.full(pages + b - 1, SCRATCH_PAGE, np.int32),
+            paged_kv_last_page_len=last,
         )
 
     def _plan(self, a: PagedPlanArgs) -> None:
@@ -207,6 +253,14 @@ class FlashInferAttention(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.page_size != self.spec.page_size:
             raise ValueError(f"metadata page_size {meta.page_size} != spec page_size {self.spec.page_size}")
+        if meta.static:
+            # a full-graph capture: q is the bucket's rows (max_q_len), replays read later plans
+            if not 1 <= meta.max_q_len <= self.max_q_rows:
+                raise ValueError(f"static metadata bounds {meta.max_q_len} query rows; expected 1..max_q_rows="
+                                 f"{self.max_q_rows}")
+            self._plan(self._rows_args(meta.max_q_len, keys=meta.max_q_len))
+            self._planned_rows, self._planned_static = meta.max_q_len, True
+            return
         if meta.num_q_rows > self.max_q_rows:
             raise ValueError(f"metadata has {meta.num_q_rows} query rows, more than max_q_rows={self.max_q_rows}")
         args = PagedPlanArgs.build(meta, self.max_segments)
@@ -216,7 +270,7 @@ class FlashInferAttention(AttentionBackend):
                 f"one per empty segment), more than max_pages={self.max_pages}"
             )
         self._plan(args)
-        self._planned_rows = meta.num_q_rows
+        self._planned_rows, self._planned_static = meta.num_q_rows, False
 
     def forward(
         self,
@@ -226,14 +280,19 @@ class FlashInferAttention(AttentionBackend):
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
     ) -> None:
-        n = meta.num_q_rows
-        if self._planned_rows != n:
+        n = meta.max_q_len if meta.static else meta.num_q_rows
+        if self._planned_rows != n or self._planned_static != meta.static:
             raise RuntimeError(
                 f"flashinfer backend: prepare(meta) must run before forward for this metadata "
-                f"(planned rows {self._planned_rows}, metadata rows {n})"
+                f"(planned rows {self._planned_rows}, metadata rows {n}{', static' if meta.static else ''})"
             )
         if q.dtype != self.dtype or kv_cache.dtype != self.dtype:
             raise ValueError(f"flashinfer backend was planned for {self.dtype}, got q {q.dtype}, kv {kv_cache.dtype}")
+        if meta.static and q.shape[0] != n:
+            raise ValueError(f"full-graph capture: q has {q.shape[0]} rows, the static metadata bounds {n} "
+                             "(the bucket's rows)")
+        if n == 0:
+            return  # no rows, no launch
         if lse is None:
             self.wrapper.run(q[:n], kv_cache, out=out[:n])
             return

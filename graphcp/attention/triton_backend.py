@@ -2,7 +2,9 @@
 
 It reads every piece of metadata from device tensors and sizes its grid from the
 static row capacity of ``q``, so it can run inside a captured graph
-(``supports_full_graph``). ``prepare`` has nothing to do.
+(``supports_full_graph``). ``prepare`` has nothing to do. Tile and warp settings
+come per head_dim and dtype from :mod:`graphcp.attention.triton_configs` (chosen so
+the compiled kernel does not spill) unless given explicitly.
 
 On CPU it runs under the Triton interpreter (``TRITON_INTERPRET=1``, set before
 this backend is first constructed); there ``tl.dot`` on bfloat16 operands gives
@@ -18,6 +20,7 @@ from types import ModuleType
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from graphcp.attention.triton_configs import TileConfig, tile_config
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -60,21 +63,39 @@ class TritonAttention(AttentionBackend):
     def __init__(
         self,
         spec: AttentionSpec,
-        block_m: int = 64,
-        block_n: int = 64,
-        num_warps: int = 4,
-        num_stages: int = 2,
+        block_m: int | None = None,
+        block_n: int | None = None,
+        num_warps: int | None = None,
+        num_stages: int | None = None,
     ) -> None:
+        """``block_m`` counts lanes (query rows x the packed GQA group); each setting
+        left None comes from :func:`tile_config` for the head_dim and q's dtype."""
         super().__init__(spec)
         d = spec.head_dim
         if d < 16 or d & (d - 1):
             raise ValueError(f"triton backend needs a power-of-two head_dim >= 16, got {d}")
-        for label, b in (("block_m", block_m), ("block_n", block_n)):
-            if b < 16 or b & (b - 1):
-                raise ValueError(f"{label} must be a power of two >= 16 (tl.dot tiles), got {b}")
-        self.block_m, self.block_n = block_m, block_n
-        self.num_warps, self.num_stages = num_warps, num_stages
         self._kernel = _import_kernel()
+        self.group = spec.num_q_heads // spec.num_kv_heads
+        lanes = self._kernel.group_lanes(self.group)
+        for label, b in (("block_m", block_m), ("block_n", block_n)):
+            if b is not None and (b < 16 or b & (b - 1)):
+                raise ValueError(f"{label} must be a power of two >= 16 (tl.dot tiles), got {b}")
+        if block_m is not None and block_m < lanes:
+            raise ValueError(f"block_m={block_m} lanes cannot hold one row of a GQA group of {self.group} heads "
+                             f"({lanes} lanes)")
+        self._given = (block_m, block_n, num_warps, num_stages)
+        self._configs: dict[torch.dtype, TileConfig] = {}
+
+    def config(self, dtype: torch.dtype) -> TileConfig:
+        """The tile settings a launch on ``dtype`` operands uses."""
+        cfg = self._configs.get(dtype)
+        if cfg is None:
+            lanes = self._kernel.group_lanes(self.group)
+            auto = tile_config(self.spec.head_dim, dtype, lanes)
+            cfg = TileConfig(*(g if g is not None else a for g, a in zip(self._given, (
+                auto.block_m, auto.block_n, auto.num_warps, auto.num_stages))))
+            self._configs[dtype] = cfg
+        return cfg
 
     def forward(
         self,
@@ -95,12 +116,13 @@ class TritonAttention(AttentionBackend):
             v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
         # one registered op: a graph recorder (the CPU trace backend) logs and replays
         # the launch as a unit, as a CUDA graph holds it as one kernel node
+        cfg = self.config(q.dtype)
         torch.ops.graphcp.triton_paged_attention(
             q, k, v, out, lse, meta.cu_seqlens_q, meta.kv_lens, meta.page_table,
             list(k_strides), list(v_strides),
-            spec.num_q_heads // spec.num_kv_heads, spec.page_size, spec.scale,
-            self.block_m, self.block_n, interpreting() and q.dtype == torch.bfloat16,
-            self.num_warps, self.num_stages,
+            self.group, spec.page_size, spec.scale,
+            cfg.block_m, cfg.block_n, interpreting() and q.dtype == torch.bfloat16,
+            cfg.num_warps, cfg.num_stages,
         )
 
     def _check(self, q, kv_cache, meta, out, lse) -> None:

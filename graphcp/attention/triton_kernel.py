@@ -4,9 +4,13 @@ Import this module only after deciding to use Triton: it imports ``triton`` at
 the top, and ``triton.jit`` picks the interpreter or the compiler from
 ``TRITON_INTERPRET`` when the kernel is *defined*, i.e. at import time.
 
-Scheduling. The grid is ``(cdiv(q_rows, BLOCK_M), num_q_heads)`` where
-``q_rows`` is the static row capacity of ``q``: program ``(t, h)`` owns query
-rows ``[t * BLOCK_M, (t + 1) * BLOCK_M)`` of head ``h``. Everything else is read
+Scheduling. A program owns one KV head and a tile of query rows, with every
+query head of that KV head's group packed into the tile (``BLOCK_M`` lanes =
+``BLOCK_M / GROUP_P`` rows x ``GROUP_P`` heads, ``GROUP_P`` the group size rounded
+up to a power of two), so each K/V tile is loaded once for the whole group
+instead of once per query head. The grid is ``(cdiv(q_rows, BLOCK_M / GROUP_P),
+num_kv_heads)`` where ``q_rows`` is the static row capacity of ``q``. Everything
+else is read
 on the device (``cu_seqlens_q``, ``kv_lens``, ``page_table``), so a captured
 launch replays correctly for any plan that fits the same shapes. A row tile
 may span several segments (short zigzag blocks, interleave's one-row
@@ -28,7 +32,10 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# the metadata's count, pointers and page-table stride are not specialised (== 1, multiples of 16,
+# 16-byte alignment): they change with the batch (packed metadata views, page-table width), and
+# specialising on them would recompile per batch shape for loads that are not on the hot path
+@triton.jit(do_not_specialize=["num_segments", "stride_pts", "CU_SEQLENS_Q", "KV_LENS", "PAGE_TABLE"])
 def _paged_prefill_kernel(
     Q, K_CACHE, V_CACHE, OUT, LSE,
     CU_SEQLENS_Q, KV_LENS, PAGE_TABLE,
@@ -41,6 +48,7 @@ def _paged_prefill_kernel(
     stride_vp, stride_vt, stride_vh, stride_vd,
     stride_pts, stride_ptp,
     GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -50,23 +58,29 @@ def _paged_prefill_kernel(
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    # a tile packs ROWS query rows x GROUP_P query heads of one KV head into BLOCK_M
+    # lanes (lane = row * GROUP_P + head in group), so each K/V tile is loaded once
+    # for every query head that reads it
+    ROWS: tl.constexpr = BLOCK_M // GROUP_P
     tile = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(1)
 
     total_rows = tl.load(CU_SEQLENS_Q + num_segments)
-    row0 = tile * BLOCK_M
+    row0 = tile * ROWS
     if row0 < total_rows:
-        row_last = tl.minimum(row0 + BLOCK_M, total_rows) - 1
+        row_last = tl.minimum(row0 + ROWS, total_rows) - 1
         seg_first = _find_segment(CU_SEQLENS_Q, num_segments, row0, SEARCH_STEPS)
         seg_last = _find_segment(CU_SEQLENS_Q, num_segments, row_last, SEARCH_STEPS)
 
-        rows = row0 + tl.arange(0, BLOCK_M)
+        lanes = tl.arange(0, BLOCK_M)
+        rows = row0 + lanes // GROUP_P
+        g = lanes % GROUP_P
+        heads = kv_head * GROUP + g
         dims = tl.arange(0, HEAD_DIM)
-        row_ok = rows < total_rows
+        lane_ok = (rows < total_rows) & (g < GROUP)
         rows64 = rows.to(tl.int64)
-        q_ptrs = Q + rows64[:, None] * stride_qm + head * stride_qh + dims[None, :] * stride_qd
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        q_ptrs = Q + rows64[:, None] * stride_qm + heads[:, None] * stride_qh + dims[None, :] * stride_qd
+        q = tl.load(q_ptrs, mask=lane_ok[:, None], other=0.0)
         if UPCAST_DOT:
             q = q.to(tl.float32)
 
@@ -80,12 +94,11 @@ def _paged_prefill_kernel(
             kv_len = tl.load(KV_LENS + seg)
             q_len = q_end - q_start
             in_seg = (rows >= q_start) & (rows < q_end)
-            local = rows - q_start
-            # keys row `local` may see: j <= local + (kv_len - q_len)
-            shift = kv_len - q_len
-            last_local = tl.minimum(row0 + BLOCK_M, q_end) - 1 - q_start
+            # keys row `rows - q_start` may see: j <= rows - q_start + (kv_len - q_len)
+            limit = rows - q_start + (kv_len - q_len)
+            last_local = tl.minimum(row0 + ROWS, q_end) - 1 - q_start
             # empty segments inside the tile's range do no work
-            kv_hi = tl.where(q_len > 0, tl.minimum(shift + last_local + 1, kv_len), 0)
+            kv_hi = tl.where(q_len > 0, tl.minimum(kv_len - q_len + last_local + 1, kv_len), 0)
             pt_row = PAGE_TABLE + seg * stride_pts
             for n0 in range(0, kv_hi, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
@@ -106,11 +119,7 @@ def _paged_prefill_kernel(
                     k = k.to(tl.float32)
                     v = v.to(tl.float32)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-                visible = (
-                    in_seg[:, None]
-                    & col_ok[None, :]
-                    & (cols[None, :] <= local[:, None] + shift)
-                )
+                visible = in_seg[:, None] & col_ok[None, :] & (cols[None, :] <= limit[:, None])
                 s = tl.where(visible, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 # rows with nothing visible yet keep m = -inf; subtract 0 instead
@@ -124,11 +133,11 @@ def _paged_prefill_kernel(
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
-        o_ptrs = OUT + rows64[:, None] * stride_om + head * stride_oh + dims[None, :] * stride_od
-        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        o_ptrs = OUT + rows64[:, None] * stride_om + heads[:, None] * stride_oh + dims[None, :] * stride_od
+        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=lane_ok[:, None])
         if HAS_LSE:
             lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453  # log2 -> ln: * ln 2
-            tl.store(LSE + rows64 * stride_lm + head * stride_lh, lse, mask=row_ok)
+            tl.store(LSE + rows64 * stride_lm + heads * stride_lh, lse, mask=lane_ok)
 
 
 @triton.jit
@@ -147,8 +156,16 @@ def _find_segment(CU_SEQLENS_Q, num_segments, row, SEARCH_STEPS: tl.constexpr):
 
 
 def search_steps(num_segments: int) -> int:
-    """Binary-search iterations that pin one of ``num_segments`` candidates."""
-    return max(1, (max(num_segments, 1) - 1).bit_length())
+    """Binary-search iterations that pin one of ``num_segments`` candidates, rounded
+    up to a multiple of 4 (extra iterations keep the answer): the count is a
+    compile-time constant, so batches of 1 to 16 segments share one compile."""
+    bits = (max(num_segments, 1) - 1).bit_length()
+    return 4 * max(1, -(-bits // 4))
+
+
+def group_lanes(group: int) -> int:
+    """Lanes one query row takes in a tile: the GQA group size rounded up to a power of two."""
+    return 1 << (group - 1).bit_length()
 
 
 def launch(
@@ -158,10 +175,14 @@ def launch(
     k_strides: tuple[int, int, int, int], v_strides: tuple[int, int, int, int],
 ) -> None:
     """Launch over the static shapes of ``q``; ``k_strides``/``v_strides`` are
-    (page, token, head, dim) strides so one kernel serves NHD and HND."""
+    (page, token, head, dim) strides so one kernel serves NHD and HND.
+    ``block_m`` (lanes per tile) must be at least :func:`group_lanes` (group)."""
     rows, num_q_heads, head_dim = q.shape
     num_segments = kv_lens.shape[0]
-    grid = (triton.cdiv(rows, block_m), num_q_heads)
+    group_p = group_lanes(group)
+    if block_m < group_p:
+        raise ValueError(f"block_m={block_m} lanes cannot hold a GQA group of {group} heads ({group_p} lanes)")
+    grid = (triton.cdiv(rows, block_m // group_p), num_q_heads // group)
     has_lse = lse is not None
     lse_arg = lse if has_lse else out  # never read when HAS_LSE is False
     lse_strides = (lse.stride(0), lse.stride(1)) if has_lse else (0, 0)
@@ -179,6 +200,7 @@ def launch(
         *v_strides,
         page_table.stride(0), page_table.stride(1),
         GROUP=group,
+        GROUP_P=group_p,
         PAGE_SIZE=page_size,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,

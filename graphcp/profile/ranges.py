@@ -12,14 +12,25 @@ tests on top of the ``with`` statement itself, ~0.3 us a range in all
 (``benchmarks/bench_profiling.py``). The ``nvtx`` package hands out a no-op
 domain when no tool is attached; we check that once at import instead of
 calling into it on every range.
+
+The ``nvtx`` package is optional: without it (a GPU image that lacks it, say)
+graphcp imports and runs the same, the ranges feed ``torch.profiler`` only, and
+:data:`NVTX_AVAILABLE` is False (nsys then sees no graphcp ranges).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import nvtx
 import torch.autograd.profiler as _torch_prof
+
+try:
+    import nvtx
+except ImportError:  # optional: without it ranges still reach torch.profiler
+    nvtx = None
+
+#: whether the ``nvtx`` package imported (NVTX ranges for nsys need it)
+NVTX_AVAILABLE = nvtx is not None
 
 DOMAIN = "graphcp"
 PREFIX = f"{DOMAIN}:"  # torch.profiler event names, and how nsys shows a domain's ranges
@@ -68,11 +79,11 @@ def index(name: str) -> int | None:
 
 
 # ---- NVTX: resolved once. nvtx returns a dummy domain when no tool is attached --------
-_domain = nvtx.get_domain(DOMAIN)
-_handle = getattr(_domain, "handle", None)  # None: no tool attached, skip NVTX entirely
+_domain = nvtx.get_domain(DOMAIN) if nvtx is not None else None
+_handle = getattr(_domain, "handle", None)  # None: no tool attached (or no nvtx), skip NVTX entirely
 try:
     from nvtx._lib.lib import pop_range as _pop, push_range as _push  # module-level: no kwargs parsing
-except ImportError:  # pragma: no cover - older nvtx
+except ImportError:  # older nvtx, or none (then _handle is None and these are never called)
     _push = lambda attrs, handle: _domain.push_range(attrs)  # noqa: E731
     _pop = lambda handle: _domain.pop_range()  # noqa: E731
 

@@ -1,0 +1,190 @@
+"""Compile-only register and spill check of the Triton paged-prefill kernel: no GPU.
+
+``triton.compile`` builds the kernel for a CUDA target (sm_90a, sm_100a) on any
+machine with Triton's NVIDIA backend (it ships ``ptxas``); ``ptxas -v`` on the
+generated PTX then reports registers, spill stores/loads and the stack frame of
+each variant, for the settings :func:`graphcp.attention.triton_configs.tile_config`
+picks. Run it where the kernel is compiled, not interpreted (``TRITON_INTERPRET``
+unset or 0, before Triton is imported)::
+
+    python -m graphcp.attention.triton_compile_check --arch 90,100 --dtypes bfloat16,float32 \\
+        --head-dims 64,128 --json report.json
+
+``tests/test_triton_compile.py`` runs it for the bfloat16 variants at head_dim 64
+and 128 on sm_90a and requires zero spills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from graphcp.attention.triton_configs import TileConfig, tile_config
+
+PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class CompileReport:
+    arch: str  # "sm_90a"
+    dtype: str
+    head_dim: int
+    group: int
+    has_lse: bool
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    stack_bytes: int
+    shared_bytes: int
+    seconds: float
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
+
+
+def _ptxas(arch: int) -> str:
+    """The ptxas Triton itself uses for ``arch`` (its own copy, whatever the version)."""
+    from triton.backends.nvidia import compiler as nv
+
+    get = getattr(nv, "get_ptxas", None)
+    if get is not None:
+        try:
+            return get(arch).path
+        except TypeError:  # older Triton: get_ptxas() takes no arch
+            return get().path
+    import triton
+
+    path = getattr(getattr(getattr(triton, "knobs", None), "nvidia", None), "ptxas", None)
+    if path is not None:
+        return path.path
+    found = shutil.which("ptxas")
+    if found is None:
+        raise RuntimeError("no ptxas found (Triton's NVIDIA backend ships one)")
+    return found
+
+
+def _ptxas_flags() -> list[str]:
+    """Register-allocation flags Triton passes to ptxas itself, so the count matches its cubin."""
+    from triton.backends.nvidia import compiler as nv
+
+    return ["--regAllocOptLevel=2"] if "regAllocOptLevel" in inspect.getsource(nv) else []
+
+
+def parse_ptxas_log(log: str) -> dict[str, int]:
+    """Registers, spill stores/loads and stack frame from ``ptxas -v`` output."""
+    regs = re.search(r"Used (\d+) registers", log)
+    if regs is None:
+        raise RuntimeError(f"no register count in the ptxas log:\n{log}")
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    stack = re.search(r"(\d+) bytes stack frame", log)
+    return {
+        "registers": int(regs.group(1)),
+        "spill_store_bytes": int(spill.group(1)) if spill else 0,
+        "spill_load_bytes": int(spill.group(2)) if spill else 0,
+        "stack_bytes": int(stack.group(1)) if stack else 0,
+    }
+
+
+def compile_variant(arch: int, dtype: torch.dtype, head_dim: int, group: int, has_lse: bool,
+                    cfg: TileConfig | None = None, page_size: int = 16) -> CompileReport:
+    """Compile one variant of the kernel for ``sm_<arch>a`` and read its resource use."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("TRITON_INTERPRET is set: the kernel would be interpreted, not compiled; unset it")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from graphcp.attention import triton_kernel as tk
+
+    lanes = tk.group_lanes(group)
+    cfg = cfg or tile_config(head_dim, dtype, lanes)
+    fn = tk._paged_prefill_kernel
+    names = fn.arg_names
+    sig = {}
+    for n in names:
+        if n in ("Q", "K_CACHE", "V_CACHE", "OUT"):
+            sig[n] = PTR[dtype]
+        elif n == "LSE":
+            sig[n] = "*fp32"
+        elif n in ("CU_SEQLENS_Q", "KV_LENS", "PAGE_TABLE"):
+            sig[n] = "*i32"
+        elif n == "qk_scale_log2":
+            sig[n] = "fp32"
+        elif n.isupper():
+            sig[n] = "constexpr"
+        else:
+            sig[n] = "i32"
+    consts = dict(GROUP=group, GROUP_P=lanes, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, SEARCH_STEPS=tk.search_steps(16), HAS_LSE=has_lse, UPCAST_DOT=False,
+                  DOT_PRECISION="ieee" if dtype == torch.float32 else None)
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    t0 = time.perf_counter()
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    gpu = f"sm_{arch}a"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        proc = subprocess.run([_ptxas(arch), "-v", *_ptxas_flags(), f"--gpu-name={gpu}", str(ptx), "-o",
+                               str(ptx.with_suffix(".cubin"))], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas failed for {gpu}: {proc.stderr[-2000:]}")
+    usage = parse_ptxas_log(proc.stderr + proc.stdout)
+    return CompileReport(gpu, str(dtype).removeprefix("torch."), head_dim, group, has_lse, cfg.block_m, cfg.block_n,
+                         cfg.num_warps, cfg.num_stages, shared_bytes=int(compiled.metadata.shared),
+                         seconds=round(time.perf_counter() - t0, 2), **usage)
+
+
+def _csv(s: str, cast=str) -> list:
+    return [cast(x) for x in s.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Compile the Triton kernel for CUDA targets and report registers/spills")
+    p.add_argument("--arch", default="90,100", help="compute capabilities as numbers (default %(default)s)")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="operand dtypes (default %(default)s)")
+    p.add_argument("--head-dims", default="64,128", help="(default %(default)s)")
+    p.add_argument("--groups", default="4", help="GQA group sizes (default %(default)s)")
+    p.add_argument("--lse", default="both", choices=("both", "on", "off"), help="LSE variants (default %(default)s)")
+    p.add_argument("--json", default=None, help="write the reports here as JSON")
+    a = p.parse_args(argv)
+    lse = {"both": (True, False), "on": (True,), "off": (False,)}[a.lse]
+    reports = []
+    for arch in _csv(a.arch, int):
+        for name in _csv(a.dtypes):
+            if name not in DTYPES:
+                p.error(f"--dtypes: {name!r} is not one of {sorted(DTYPES)}")
+            for d in _csv(a.head_dims, int):
+                for g in _csv(a.groups, int):
+                    for has_lse in lse:
+                        r = compile_variant(arch, DTYPES[name], d, g, has_lse)
+                        reports.append(r)
+                        print(f"{r.arch} {r.dtype:8s} d={d:<4d} group={g} lse={int(has_lse)} "
+                              f"{r.block_m}/{r.block_n}/w{r.num_warps}/s{r.num_stages}: {r.registers} regs, "
+                              f"spill {r.spill_store_bytes}/{r.spill_load_bytes} B, stack {r.stack_bytes} B, "
+                              f"shared {r.shared_bytes} B ({r.seconds} s)", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps([asdict(r) for r in reports], indent=1) + "\n")
+    return 1 if any(r.spills for r in reports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

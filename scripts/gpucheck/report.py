@@ -1,0 +1,150 @@
+"""One JSON report and one Markdown summary of a GPU-check run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+JSON_NAME, MD_NAME = "gpu_check.json", "gpu_check.md"
+
+
+def _fmt(x: Any, spec: str = ".3g") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return "nan" if math.isnan(x) else format(x, spec)
+    return str(x)
+
+
+def _mib(b: Any) -> str:
+    return "-" if b is None else f"{b / 2**20:.1f}"
+
+
+def _short(s: Any, n: int = 110) -> str:
+    s = "" if s is None else str(s)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in r) + " |" for r in rows]
+    return lines
+
+
+def _status(r: dict, ok: tuple[str, ...] = ("ok", "pass"), n: int = 60) -> str:
+    return r["status"] + (f": {_short(r.get('error'), n)}" if r["status"] not in ok else "")
+
+
+def render_markdown(res: dict) -> str:
+    env, dev = res["env"], res["device"]
+    out = [f"# graphcp GPU check{' (dry run, CPU)' if res['dry_run'] else ''}", ""]
+    out.append(f"{dev['name']} (capability {dev.get('capability') or '-'}), torch {env['torch']}, "
+               f"triton {env.get('triton') or '-'}, flashinfer {env.get('flashinfer') or '-'}, "
+               f"CUDA {env.get('cuda') or '-'}, nvtx {'yes' if env.get('nvtx') else 'no'}; "
+               f"{res['elapsed_s']:.0f} s of a {res['budget_s']:.0f} s budget; {res['started_at']}")
+    out.append("")
+    if res.get("notes"):
+        out += [f"- {n}" for n in res["notes"]] + [""]
+    out += ["## Parts (seconds used of the share)", ""]
+    out += _table(["part", "share s", "used s"],
+                  [[k, _fmt(v, ".0f"), _fmt(res["phases"]["used"].get(k), ".1f")]
+                   for k, v in res["phases"]["shares"].items()])
+    out.append("")
+    w = res.get("triton_warmup")
+    if w:
+        out += ["## Triton warm-up", "",
+                f"{w['launched']}/{w['variants']} variants launched, "
+                f"{w['compiles'] if w['compiles'] is not None else 'no (interpreter)'} compiles, "
+                f"{w['seconds']} s; status {w['status']}.", ""]
+        if w.get("kernels"):
+            out += _table(["variant", "registers", "spills", "warps", "stages", "shared B"],
+                          [[str(i), _fmt(k["n_regs"]), _fmt(k["n_spills"]), _fmt(k["num_warps"]),
+                            _fmt(k["num_stages"]), _fmt(k["shared_bytes"])] for i, k in enumerate(w["kernels"])])
+            out.append("")
+    checks = res["backends"]["checks"]
+    if checks:
+        out += [f"## Attention kernels vs the torch reference ({', '.join(res['backends']['checked'])})", "",
+                "max |x - ref| / max |ref| over zigzag plans with prefixes and empty segments (LSE, base e: "
+                "/ max(|ref|, 1)); padding rows must keep their sentinel.", ""]
+        out += _table(
+            ["backend", "dtype", "heads q/kv", "head_dim", "plans", "out err", "out err (no lse)", "lse err",
+             "padding untouched", "tol", "status"],
+            [[c["backend"], c["dtype"], f"{c['num_q_heads']}/{c['num_kv_heads']}", str(c["head_dim"]),
+              str(c["plans"]), _fmt(c["max_rel_err_out"], ".2e"), _fmt(c["max_rel_err_out_nolse"], ".2e"),
+              _fmt(c["max_rel_err_lse"], ".2e"), _fmt(c["padding_untouched"]), _fmt(c["tol"], ".0e"),
+              _status(c, ("pass",))] for c in checks])
+        out.append("")
+    if res["graphs"]:
+        out += ["## Graph replay vs the same-bucket eager body (CP = 1, default model)", "",
+                "bitwise: replay output rows equal the same body run eagerly on the same bucket and buffers; "
+                "rel diff: vs the unpadded eager body.", ""]
+        rows = []
+        for g in res["graphs"]:
+            for b in g["batches"] or [{}]:
+                rows.append([g["dtype"], g["graph"], g["attention"], g["graph_backend"], _fmt(g.get("self_check")),
+                             _fmt(b.get("batch")), _fmt(b.get("bucket")), _fmt(b.get("bitwise_equal")),
+                             _fmt(b.get("max_abs_diff"), ".1e"), _fmt(b.get("rel_diff_vs_unpadded_eager"), ".1e"),
+                             _status(b if b else g, ("pass",))])
+        out += _table(["dtype", "graph", "attention", "backend", "capture self-check", "batch", "bucket", "bitwise",
+                       "max abs diff", "rel diff", "status"], rows)
+        out.append("")
+    if res["captures"]:
+        out += ["## Capture (per bucket)", ""]
+        out += _table(["model", "attention", "graph", "bucket", "capture s", "pool MiB", "segments", "breaks"],
+                      [[c["model"], c["backend"], c["graph"], str(c["capacity"]), _fmt(c["capture_s"], ".2f"),
+                        _mib(c["pool_bytes"]), str(c["segments"]), str(c["breaks"])] for c in res["captures"]])
+        out.append("")
+    if res["launches"]:
+        out += ["## Launches per forward", "",
+                "kernels: device kernels in one forward (torch.profiler, CUDA graph kernels included); launch calls: "
+                "kernel-launch API calls on the host; host ops: torch ops dispatched on the host; ranges: graphcp "
+                "ranges in the trace (the NVTX names; trace file next to this report).", ""]
+        out += _table(["model", "attention", "path", "tokens", "kernels", "launch calls", "graph launches",
+                       "host ops", "segments + breaks", "ranges", "trace", "status"],
+                      [[r["model"], r["backend"], r["path"], str(r["tokens"]), _fmt(r.get("kernels")),
+                        _fmt(r.get("kernel_launch_calls")), _fmt(r.get("graph_launches")), _fmt(r.get("host_ops")),
+                        f"{r['segments']} + {r['breaks']}" if "segments" in r else "-",
+                        _short(", ".join(f"{k} {v}" for k, v in (r.get("ranges") or {}).items()), 90) or "-",
+                        _fmt(r.get("trace")), _status(r)] for r in res["launches"]])
+        out.append("")
+    problems = [("kernels", f"{c['backend']} {c['dtype']} {c['num_q_heads']}/{c['num_kv_heads']}x{c['head_dim']}",
+                 c["status"], c["error"]) for c in checks if c["status"] in ("error", "fail")]
+    problems += [("graphs", f"{g['dtype']} {g['graph']}", g["status"], g.get("error")) for g in res["graphs"]
+                 if g["status"] in ("error", "fail")]
+    problems += [("timing", f"{r['model']} {r['backend']} {r['path']} {r['tokens']}", r["status"], r.get("error"))
+                 for r in res["timing"] if r["status"] in ("error", "fallback")]
+    problems += [("run", "", "error", e) for e in res.get("errors", [])]
+    if problems:
+        out += ["## Errors", ""]
+        out += _table(["where", "what", "status", "message"], [[a, b, c, _short(d, 160)] for a, b, c, d in problems])
+        out.append("")
+    if res["timing"]:
+        eager = {(r["model"], r["backend"], r["tokens"]): r.get("median_ms") for r in res["timing"]
+                 if r["path"] == "eager" and r["status"] == "ok"}
+        out += [f"## Prefill time, CP = 1, one request ({res['settings']['timing_dtype']}; "
+                f"median of up to {res['settings']['repeats']} after warm-up; TTFT proxy)", ""]
+        rows = []
+        for r in res["timing"]:
+            e = eager.get((r["model"], r["backend"], r["tokens"]))
+            ms = r.get("median_ms")
+            speed = f"{e / ms:.2f}x" if e and ms and r["path"] != "eager" else "-"
+            rows.append([r["model"], r["backend"], str(r["tokens"]), r["path"], _fmt(ms, ".2f"),
+                         _fmt(r.get("min_ms"), ".2f"), _fmt(r.get("repeats")), _fmt(r.get("tokens_per_s"), ".3g"),
+                         speed, _fmt(r.get("bucket")), _fmt(r.get("logits_rel_diff_vs_eager"), ".1e"),
+                         _mib(r.get("peak_mem_bytes")), _status(r, ("ok",), 50)])
+        out += _table(["model", "attention", "tokens", "path", "prefill ms", "min ms", "n", "tokens/s", "vs eager",
+                       "bucket", "logits rel diff", "peak MiB", "status"], rows)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write_report(res: dict, out_dir: Path) -> str:
+    """Write ``gpu_check.json`` and ``gpu_check.md`` into ``out_dir``; return the markdown."""
+    md = render_markdown(res)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / (JSON_NAME + ".tmp")
+    tmp.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    tmp.replace(out_dir / JSON_NAME)
+    (out_dir / MD_NAME).write_text(md)
+    return md
