@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphcp import profiling
+from graphcp.profile import ranges as profiling
 from graphcp.profile.ranges import nvtx_range
 
 INNER = 1000

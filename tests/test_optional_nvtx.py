@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.profiler import profile, ProfilerActivity
 import graphcp
-from graphcp import profiling
+from graphcp.profile import ranges as profiling
 from graphcp.capture.buckets import BucketSet
 from graphcp.config import RuntimeConfig
 from graphcp import PrefillEngine, Request

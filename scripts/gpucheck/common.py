@@ -137,7 +137,7 @@ def env_info() -> dict:
         except md.PackageNotFoundError:
             return None
 
-    from graphcp import profiling
+    from graphcp.profile import ranges as profiling
 
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": version("triton"),
             "flashinfer": version("flashinfer-python") or version("flashinfer"),
