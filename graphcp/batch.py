@@ -14,7 +14,7 @@ import time
 import zlib
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ class ForwardInfo:
     required: int  # the largest rank's local rows
     fallback: str | None = None  # why a graph-mode forward ran eagerly
     timings: dict[str, float] = field(default_factory=dict)
+    #: per-forward figures a stats report lists as they are (JSON-able values keyed by
+    #: name: bytes a rank sent or received per kind of exchange, choices made, ...)
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
