@@ -221,9 +221,9 @@ def test_bucket_cost_prefers_fewer_buckets():
 @pytest.mark.parametrize(
     "bad, msg",
     [
-        (dict(max_buckets=0), "max buckets must be >= 1, got 0"),
+        (dict(max_buckets=0), "max_buckets must be >= 1, got 0"),
         (dict(align=12), "align must be a positive multiple of 8, got 12"),
-        (dict(max_capacity=4), "max capacity must be >= align=8, got 4"),
+        (dict(max_capacity=4), "max_capacity must be >= align (8), got 4"),
     ],
 )
 def test_optimiser_bad_input(bad, msg):
@@ -233,7 +233,7 @@ def test_optimiser_bad_input(bad, msg):
     assert msg in str(e.value)
     with pytest.raises(ValueError, match="required rows must be >= 1, got 0"):
         optimise(np.array([5, 0]), 2)
-    with pytest.raises(ValueError, match="eager penalty must be >= the padding factor 2.0, got 1.5"):
+    with pytest.raises(ValueError, match=r"eager_penalty must be >= padding_factor \(2.0\), got 1.5"):
         CostModel(2.0, 1.5)
 
 
