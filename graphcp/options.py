@@ -10,12 +10,22 @@ GraphMode = Literal["off", "breakable", "full"]
 GraphBackendName = Literal["auto", "cuda", "trace"]
 LayoutName = Literal["zigzag", "interleave"]
 AttentionName = Literal["torch", "triton", "flashinfer", "trtllm", "auto"]
+#: where a forward's KV lives: every rank holds the batch's KV, or each rank its own zigzag blocks
+KVCacheMode = Literal["replicated", "sharded"]
+#: how attention stays exact with a sharded cache ("auto": chosen per batch; the replicated
+#: cache always all-gathers)
+ExchangeName = Literal["auto", "pass-kv", "pass-q"]
+#: what a forward ran (stats reports): the replicated cache's all-gather, or one of the rings
+ExchangeKind = Literal["all-gather", "pass-kv", "pass-q"]
 
 DTYPE_NAMES: tuple[str, ...] = get_args(DtypeName)
 GRAPH_MODES: tuple[str, ...] = get_args(GraphMode)
 GRAPH_BACKENDS: tuple[str, ...] = get_args(GraphBackendName)
 LAYOUTS: tuple[str, ...] = get_args(LayoutName)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionName)
+KV_CACHE_MODES: tuple[str, ...] = get_args(KVCacheMode)
+EXCHANGES: tuple[str, ...] = get_args(ExchangeName)
+EXCHANGE_KINDS: tuple[str, ...] = get_args(ExchangeKind)
 #: the dtypes the command line offers (float16 is API-only: no parity tests in it yet)
 CLI_DTYPES = ("float32", "bfloat16")
 DEVICE_KINDS = ("cpu", "cuda")
