@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.ring_plan import RingPlan, RingPlanner
 from graphcp.cp import Layout, Plan
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, GraphcpError
@@ -71,6 +72,8 @@ class PreparedBatch:
     meta: AttentionMetadata
     seg_page_table: np.ndarray
     plan_s: float = 0.0  # host time of prepare()
+    #: the sharded cache's ring for this forward (None: the replicated cache's all-gather)
+    ring: RingPlan | None = None
 
 
 @dataclass
@@ -87,6 +90,9 @@ class BatchPreparer:
     #: the most requests a batch may hold (kernel backends sized for
     #: ``RuntimeConfig.max_requests``); None: any number
     max_requests: int | None = None
+    #: a sharded cache's ring planner (slots in local indices, per-step metadata, the
+    #: per-batch exchange choice); None: the replicated cache
+    ring: RingPlanner | None = None
 
     def prepare(self, batch: Sequence[Request]) -> PreparedBatch:
         """Validate, check SPMD consistency, plan, reserve KV and build this rank's
@@ -186,6 +192,10 @@ class BatchPreparer:
         with nvtx_range("prepare", category="host"):
             kv = self.kv
             rp = plan.rank(self.group.rank)
+            if self.ring is not None:
+                sh = self.ring.inputs(plan, kv, seq_ids, self.group.rank, self.device)
+                return PreparedBatch(plan, seq_ids, flat[rp.rows], rp.positions, sh.slots, sh.meta,
+                                     sh.seg_page_table, ring=sh.ring)
             seq_rows = kv.table_rows(seq_ids)
             # attention metadata written in place into one packed buffer; this rank's
             # segments read pages up to their kv lengths only

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata
+from graphcp.attention.ring import RingAttention
+from graphcp.attention.ring_plan import RingPlan
 from graphcp.batch import PreparedBatch
 from graphcp.dist import CPGroup
 from graphcp.forward_context import ForwardContext
@@ -28,15 +30,26 @@ class Body:
     kv: PagedKVCache
     group: CPGroup
     device: torch.device
+    #: the sharded cache's ring (None: the replicated cache)
+    ring: RingAttention | None = None
 
     def context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, static=None,
-                plan: AttentionMetadata | None = None) -> ForwardContext:
+                plan: AttentionMetadata | None = None, ring: RingPlan | None = None,
+                stats: dict | None = None) -> ForwardContext:
         """The context of one forward over ``meta``, after the attention backend's
         host-side planning for ``plan`` (default ``meta``: a full graph's context
         holds static metadata while the backend plans the live batch). ``static``: a
-        bucket's static views, whose attention rows the breaks then read and write."""
+        bucket's static views, whose attention rows the breaks then read and write.
+        ``ring``: the forward's ring plan (a sharded cache; None plans an inert one);
+        ``stats``: the dict the forward's figures go into (ForwardInfo.stats)."""
         self.attention.prepare(meta if plan is None else plan)
         ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group)
+        if stats is not None:
+            ctx.stats = stats
+        if self.ring is not None:
+            ctx.ring_attention = self.ring
+            ctx.ring = ring if ring is not None else RingPlan.inert(self.group.size, self.group.rank)
+            self.ring.prepare(ctx.ring)
         if static is not None:
             ctx.attn_q, ctx.attn_out = static.attn_q, static.attn_out
         return ctx
@@ -46,9 +59,10 @@ class Body:
         return self.model.body(input_ids, positions, ctx)
 
     @torch.inference_mode()
-    def eager(self, prep: PreparedBatch, capacity: int) -> torch.Tensor:
+    def eager(self, prep: PreparedBatch, capacity: int, stats: dict | None = None) -> torch.Tensor:
         """A prepared batch run eagerly on ``capacity`` rows (>= the largest rank's
-        rows), padded as a bucket is: token 0, position 0, slot -1."""
+        rows), padded as a bucket is: token 0, position 0, slot -1. ``stats``: the
+        dict the forward's figures go into."""
         n = prep.ids.shape[0]
         ids = np.zeros(capacity, dtype=np.int64)
         pos = np.zeros(capacity, dtype=np.int64)
@@ -56,5 +70,5 @@ class Body:
         ids[:n], pos[:n], slots[:n] = prep.ids, prep.positions, prep.slots
         dev = self.device
         with nvtx_range("eager_body", category="eager"):
-            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev))
+            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=stats)
             return self.run(ctx, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev))

@@ -8,12 +8,14 @@ break at replay through whatever context the replay passes in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata
+from graphcp.attention.ring import RingAttention
+from graphcp.attention.ring_plan import RingPlan
 from graphcp.kvcache import PagedKVCache
 
 
@@ -35,3 +37,13 @@ class ForwardContext:
     #: every rank's ``kv_slots``, rank-major ([C * capacity]): set by the body's
     #: first step each run (so a captured body records the collective that makes it)
     gathered_kv_slots: torch.Tensor | None = None
+    #: the sharded cache's ring (one per engine; None: the replicated cache's all-gather)
+    ring_attention: RingAttention | None = None
+    #: this forward's ring plan (live metadata the attention break reads)
+    ring: RingPlan | None = None
+    #: per-forward figures (ForwardInfo.stats): what the exchange received, ...
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def add_received(self, nbytes: int) -> None:
+        """Count bytes of K/V (or queries and partial outputs) this rank received."""
+        self.stats["bytes_received"] = self.stats.get("bytes_received", 0) + int(nbytes)

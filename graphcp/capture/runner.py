@@ -74,6 +74,9 @@ class Fallback:
 class _Captured:
     graph: BreakableGraph
     signature: dict  # name -> (shape, dtype, device, data_ptr) of the static views
+    #: what the captured segments' collectives counted at capture (ForwardInfo.stats
+    #: keys): a replay moves the same bytes without running Python, so it adds these
+    segment_stats: dict = field(default_factory=dict)
 
 
 def _signature(view: BucketView) -> dict:
@@ -156,10 +159,12 @@ class GraphRunner:
                 for _ in range(WARMUP_RUNS.get(self.backend.name, 1)):
                     run()
                 self.backend.synchronize()
+                # the capture batch is inert: its breaks move nothing, so what this counts is the segments'
+                ctx.stats.clear()
                 graph = capture_breakable(self.backend, ctx, run, breakable=not self.full)
             self.backend.synchronize()
             graph.capacity = capacity
-            self.graphs[capacity] = _Captured(graph, _signature(view))
+            self.graphs[capacity] = _Captured(graph, _signature(view), dict(ctx.stats))
             st = BucketCaptureStats(capacity, time.perf_counter() - t0, len(graph.segments), len(graph.breaks),
                                     graph.ops_per_segment, self.backend.pool_bytes() - pool0)
             if self.verify:
@@ -272,15 +277,18 @@ class GraphRunner:
         if cap not in self.graphs:
             self.capture_bucket(cap)
         timings: dict[str, float] = {}
-        hidden = self.replay(prep, cap, timings)
+        stats: dict = {}
+        hidden = self.replay(prep, cap, timings, stats)
         self.stats.replays += 1
         self.stats.replays_per_bucket[cap] += 1
-        return hidden, ForwardInfo("graph", cap, sel.required, None, timings)
+        return hidden, ForwardInfo("graph", cap, sel.required, None, timings, stats)
 
     @torch.inference_mode()
-    def replay(self, prep: PreparedBatch, capacity: int, timings: dict | None = None) -> torch.Tensor:
+    def replay(self, prep: PreparedBatch, capacity: int, timings: dict | None = None,
+               stats: dict | None = None) -> torch.Tensor:
         """Fill bucket ``capacity`` (captured already) with a prepared batch and replay
-        its graph; the body's output rows (a static view)."""
+        its graph; the body's output rows (a static view). ``stats`` receives the
+        forward's figures: the captured segments' counts plus what the breaks count."""
         t0 = time.perf_counter()
         with nvtx_range("fill", category="host"):
             view = self.fill(prep, capacity)
@@ -288,8 +296,13 @@ class GraphRunner:
         t1 = time.perf_counter()
         with nvtx_range(f"replay[{capacity}]", category="graph"):
             meta = self._static_meta(view) if self.full else prep.meta
-            ctx = self.body.context(meta, view.kv_slots, view, plan=prep.meta)
-            self.graphs[capacity].graph.replay(ctx)
+            captured = self.graphs[capacity]
+            if stats is None:
+                stats = {}
+            for key, value in captured.segment_stats.items():
+                stats[key] = stats.get(key, 0) + value
+            ctx = self.body.context(meta, view.kv_slots, view, plan=prep.meta, ring=prep.ring, stats=stats)
+            captured.graph.replay(ctx)
         if timings is not None:
             timings.update(fill_s=t1 - t0, replay_s=time.perf_counter() - t1)
         return view.hidden_out
@@ -299,7 +312,7 @@ class GraphRunner:
         """The same body on the same static buffers, run eagerly (no capture): a
         replay must equal this bitwise."""
         view = self.fill(prep, capacity)
-        ctx = self.body.context(prep.meta, view.kv_slots, view)
+        ctx = self.body.context(prep.meta, view.kv_slots, view, ring=prep.ring)
         return view.hidden_out.copy_(self.body.run(ctx, view.input_ids, view.positions))
 
 
