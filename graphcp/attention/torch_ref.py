@@ -2,6 +2,12 @@
 
 Loops over segments on the host (it reads the host copy of the metadata), so it
 runs eagerly: in graph mode it is a break. Scores are computed in float32.
+
+With an LSE out (ring steps) on a CPU it calls ATen's CPU flash-attention kernel,
+which returns the float32 log-sum-exp with the output (fused, as fast as the
+plain path); elsewhere, or where that op is missing, float32 matmuls, a
+log-sum-exp and a second matmul per block of rows (the readable fallback, and
+what the tests compare the fused path with).
 """
 
 from __future__ import annotations
@@ -98,7 +104,27 @@ class TorchAttention(AttentionBackend):
             else:
                 self._with_lse(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
 
+    #: ATen's CPU flash attention, which also returns the LSE (None: not in this torch)
+    _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
     def _with_lse(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool = True) -> None:
+        if self._cpu_flash is not None and qs.device.type == "cpu" and qs.dtype in (torch.float32, torch.bfloat16):
+            self._with_lse_fused(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
+        else:
+            self._with_lse_blocks(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
+
+    def _with_lse_fused(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool) -> None:
+        q_len = q1 - q0
+        mask = None
+        if causal and q_len != kv_len:  # bottom-right: an additive mask in q's dtype (what the kernel takes)
+            keep = bottom_right_causal_mask(q_len, kv_len, qs.device)
+            mask = torch.zeros(q_len, kv_len, dtype=qs.dtype, device=qs.device).masked_fill_(~keep, float("-inf"))
+        o, row_lse = self._cpu_flash(qs[None], ks[None], vs[None], 0.0, causal and q_len == kv_len, attn_mask=mask,
+                                     scale=self.spec.scale)[:2]
+        out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
+        lse[q0:q1] = row_lse[0].transpose(0, 1)
+
+    def _with_lse_blocks(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool = True) -> None:
         q_len = q1 - q0
         kf, vf = ks.float(), vs.float()
         for b0 in range(0, q_len, self.lse_block_rows):
