@@ -21,6 +21,7 @@ from graphcp.cli.jobs import prefill_job, run_job, run_job_on_ranks
 from graphcp.cli.requests import parse_requests
 from graphcp.errors import one_line, report
 from graphcp.profile.cli import add_profile_parser
+from graphcp.stats import write_stats
 from graphcp.tune.cli import add_tune_parser
 
 
@@ -45,18 +46,23 @@ def _save(obj, path: str) -> None:
 
 def cmd_prefill(args) -> int:
     check_output_path(args.output, "--output")  # before any work: not after the forward
+    if args.stats:
+        check_output_path(args.stats, "--stats")
     spec = job_spec(args)
     reqs = parse_requests(args.input)
     preflight(spec)
-    res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits)
+    res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits, bool(args.stats))
     if res is not None:
         out = {"last_logits": res["last_logits"]}
         if args.all_logits:
             out["logits"] = res["logits"]
         _save(out, args.output)
+        if args.stats:
+            write_stats(args.stats, res["stats"])
         info = res["info"]
         print(f"prefilled {len(reqs)} requests on {info['cp_size']} rank(s), layout {info['layout']}, "
-              f"path {info['path']} (local capacity {info['capacity']}) -> {args.output}")
+              f"path {info['path']} (local capacity {info['capacity']}), {info['kv_cache']} KV cache, exchange "
+              f"{info['exchange']} -> {args.output}" + (f" (stats: {args.stats})" if args.stats else ""))
     return 0
 
 
@@ -89,6 +95,14 @@ def cmd_run(args) -> int:
                               f"{res['ops_graph']} host ops (breaks, fill, LM head)"),
             ("KV received per layer", f"{res['kv_bytes_per_layer'] / 2**20:.2f} MiB a rank (all-gather of the bucket)"),
         ]
+        if res["kv_cache"] == "sharded":
+            rows += [
+                ("KV stored per rank", f"{res['kv_stored_per_rank']} tokens (sharded; replicated: {res['tokens']} on "
+                                       "every rank)"),
+                ("exchange chosen", f"{res['exchange']} ({res['exchange_reason']})"),
+                ("received per layer", f"{res['bytes_received_per_layer'] / 2**20:.2f} MiB a rank ({res['exchange']}, "
+                                       "measured; vs the all-gather above)"),
+            ]
         for c in res["comparisons"]:
             same = {True: "bitwise equal", False: "DIFFERS", None: "no graph"}[c["same_bucket_bitwise"]]
             rows.append((f"graph vs eager ({c['dtype']})",
@@ -123,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help='REQUESTS.jsonl: {"tokens": [...], "prefix": K} a line')
     p.add_argument("--output", required=True, help="OUT.pt (torch.save dict)")
     p.add_argument("--all-logits", action="store_true", help="also save every new token's logits")
+    p.add_argument("--stats", default=None, metavar="STATS.json",
+                   help="also write what each rank did: KV pool and stored tokens, and per forward its path, "
+                        "bucket, exchange, new and cached tokens and bytes received (docs/sharded_kv.md)")
     add_runtime_args(p, None)
     p.set_defaults(func=cmd_prefill)
 
