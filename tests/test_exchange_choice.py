@@ -36,9 +36,9 @@ def test_pass_kv_from_the_hide_threshold_on():
 
 
 def test_pass_kv_from_the_miss_rate_threshold_on():
-    need = miss_threshold(4, 24, 8, 128, 2)
-    # 2 N_KV / N_H = 2/3, lowered by pass-Q's all-to-all: (1 + 4 / (D e)) / C
-    assert need == pytest.approx((2 / 3) / (1 + (1 + 4 / 256) / 4))
+    need = miss_threshold(24, 8, 128, 2)
+    # both rings' bytes: (T + P) 2 N_KV D e against T N_H (D e) ring + T N_H (D e + 4) all-to-all
+    assert need == pytest.approx(2 * 8 * 256 / (24 * (2 * 256 + 4)))
     new = 100  # far below the hide threshold
     cached_at = math.floor(new / need - new)  # miss rate just above the threshold
     assert new / (new + cached_at) >= need > new / (new + cached_at + 1)
@@ -50,9 +50,10 @@ def test_the_rule_follows_the_hardware_and_the_heads():
     slow_link = HardwareSpec(peak_tflops=989.0, link_gb_per_s=45.0)  # 10x the hide threshold
     assert _choose(4096, 40960).exchange == "pass-kv"
     assert _choose(4096, 40960, hw=slow_link).exchange == "pass-q"
-    mha = dict(num_heads=8, num_kv_heads=8, head_dim=64)  # KV twice the queries: pass-KV only when it hides
-    assert _choose(500, 0, **mha).exchange == "pass-q"
-    assert _choose(10000, 0, **mha).exchange == "pass-kv"  # its threshold: 8790 tokens
+    mha = dict(num_heads=8, num_kv_heads=8, head_dim=64)  # the KV as large as pass-Q's queries and partials
+    assert _choose(500, 0, **mha).reason == "cheaper"
+    assert _choose(500, 10, **mha).exchange == "pass-q"
+    assert _choose(10000, 10, **mha).reason == "hides"  # its threshold: 8790 tokens
 
 
 def test_forced_exchanges_are_kept_and_reported_with_their_inputs():

@@ -72,7 +72,6 @@ def folders(hf_model_dir):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_rings_equal_the_replicated_engine_and_transformers(cp, folders, hf_model):
     results = launch(_job, cp, folders)
-    kv_heads = {str(f): kv for f, (_, kv) in zip(folders, CHECKPOINTS)}
     hf_refs = {}
     for rank, report in enumerate(results):
         for folder, dtype, exchange, errs, ran, received, left, keep in report:
@@ -82,9 +81,7 @@ def test_rings_equal_the_replicated_engine_and_transformers(cp, folders, hf_mode
             assert all(b > 0 for b in received), where  # every forward's ring moved bytes
             if exchange != "auto":
                 assert ran == [exchange] * 3, where
-            elif kv_heads[folder] == 4:  # MHA: the KV is twice the queries, and nothing here is long enough to hide it
-                assert ran == ["pass-q"] * 3, (where, ran)
-            else:  # GQA/MQA: fresh prompts pass-KV (fewer bytes); a (2C + 1)-token extend of 381 cached: pass-Q
+            else:  # fresh prompts: pass-KV (no more bytes); a (2C + 1)-token extend of 381 cached: pass-Q
                 assert ran[0] == "pass-kv" and ran[2] == "pass-q", (where, ran)
             if keep is None:
                 continue
