@@ -62,8 +62,8 @@ class CountingGroup(CPGroup):
         self.received += 0 if recv is None else recv.nbytes
         return super().send_recv(send, dst, recv, src)
 
-    def all_to_all_rows(self, x, send_rows, recv_rows):
-        out = super().all_to_all_rows(x, send_rows, recv_rows)
+    def all_to_all_rows(self, x, send_rows, recv_rows, out=None):
+        out = super().all_to_all_rows(x, send_rows, recv_rows, out)
         self.received += out.nbytes
         return out
 

@@ -141,10 +141,13 @@ class CPGroup:
         except Exception as e:  # noqa: BLE001
             raise self._fail("send/recv", e) from e
 
-    def all_to_all_rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+    def all_to_all_rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``x[sum(send_rows[:k]) ...][:send_rows[k]]`` go to rank k; returns the
-        rows every rank sent here, rank-major (``sum(recv_rows)`` rows; uneven splits)."""
-        out = torch.empty((sum(recv_rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        rows every rank sent here, rank-major (``sum(recv_rows)`` rows; uneven splits),
+        in ``out`` when given."""
+        if out is None:
+            out = torch.empty((sum(recv_rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
         if self.size == 1:
             return out.copy_(x)
         try:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from graphcp.attention.exchange_choice import choose_exchange, hide_threshold, miss_threshold
-from graphcp.attention.hardware import HardwareSpec
+from graphcp.attention.hardware import HardwareSpec, measure_link_gb_per_s, measure_peak_tflops
 from graphcp.cli.args import job_spec
 from graphcp.cli.main import build_parser
 from graphcp.config import ConfigError, RuntimeConfig
+from graphcp.dist import CPGroup
 
 H100 = HardwareSpec()
 GQA3 = dict(num_heads=24, num_kv_heads=8, head_dim=128)  # N_H / N_KV = 3
@@ -89,3 +91,8 @@ def test_options_and_their_checks():
                                       "--exchange", "pass-q", "--peak-tflops", "500", "--link-gb-per-s", "50"])
     rt = job_spec(args).runtime
     assert (rt.kv_cache, rt.exchange, rt.peak_tflops, rt.link_gb_per_s) == ("sharded", "pass-q", 500.0, 50.0)
+
+
+def test_the_measuring_helpers_run_anywhere():
+    assert measure_peak_tflops("cpu", torch.float32, n=64, repeats=1) > 0
+    assert measure_link_gb_per_s(CPGroup()) == 0.0  # one rank: no link (two ranks: tests/test_sharded_graphs.py)

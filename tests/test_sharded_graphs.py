@@ -3,7 +3,7 @@ the live batch's metadata, and a replay equals the same body run eagerly on the
 same bucket bitwise (float32 and bfloat16, pass-KV and pass-Q, a cached sharded
 prefix, both sides of a bucket boundary); once a batch of a size has run, replays
 of it allocate none of the ring's buffers; bytes received are counted on the graph
-path too."""
+path too (the replicated all-gather's, captured inside segments, as well)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import torch
 from helpers import rel_err
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
+from graphcp.attention.exchange import exchanged_bytes_per_layer
+from graphcp.attention.hardware import measure_link_gb_per_s
 from graphcp.capture.buckets import BucketSet
 from graphcp.dist import launch
 
@@ -47,11 +49,22 @@ def _job(group):
                                info.stats.get("bytes_received", 0), prep.ring.exchange))
                 eng.preparer.abort(prep)
             eng.release(prefix)
-    return report
+    # the replicated cache's all-gather runs inside the captured segments: counted once at
+    # capture, added to every replay (the whole bucket's rows travel)
+    rep = PrefillEngine("default", RuntimeConfig(graph="breakable", kv_tokens=4096, verify_capture=False), group,
+                        BucketSet((64,), padding_factor=64.0))
+    out = rep.prefill([Request(np.arange(70) % 100)])
+    cfg = rep.cfg
+    want = cfg.num_layers * exchanged_bytes_per_layer(64, group.size, cfg.num_kv_heads, cfg.head_dim, 4)
+    link = measure_link_gb_per_s(group, nbytes=1 << 20, repeats=1)  # the helper for --link-gb-per-s
+    return report, (out.info.path, out.info.stats["bytes_received"], want, out.info.stats["exchange"]), link
 
 
 def test_replay_with_a_sharded_cache_equals_the_same_bucket_eager_body():
-    for rank, report in enumerate(launch(_job, 2)):
+    for rank, (report, replicated, link) in enumerate(launch(_job, 2)):
+        assert link > 0
+        path, received, want, exchange = replicated
+        assert path == "graph" and exchange == "all-gather" and received == want > 0, replicated
         caps = [r[2] for r in report]
         assert caps[:3] == [128, 64, 128]  # 64 local rows | 65: both sides of a boundary
         for dtype, exchange, cap, path, bitwise, err, allocs, received, ran in report:

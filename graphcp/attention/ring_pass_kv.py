@@ -24,46 +24,36 @@ from graphcp.attention.base import AttentionBackend
 from graphcp.attention.merge import merge_states
 from graphcp.attention.ring_buffers import RingBuffers
 from graphcp.attention.ring_plan import RingPlan
+from graphcp.attention.ring_schedule import run_ring_schedule
 
 
 def run_pass_kv(ring: RingPlan, group, backends: Sequence[AttentionBackend], kv_layer: torch.Tensor,
                 bufs: RingBuffers, q: torch.Tensor, out: torch.Tensor) -> int:
     """Attend this rank's rows ``q[:n]`` over every rank's keys; write ``out[:n]``.
     ``backends[i]`` is prepared with ``ring.steps[i]``. Returns the bytes received."""
-    C, r = ring.cp_size, ring.rank
-    n, (_, heads, dim) = ring.rows[r], q.shape
+    n, (_, heads, dim) = ring.rows[ring.rank], q.shape
     page_shape = tuple(kv_layer.shape[1:])
-    page_bytes = math.prod(page_shape) * kv_layer.element_size()
     pages = ring.msg_pages
-    most = max(pages)
-    stage = [bufs.get(f"kv_stage{b}", (1 + most, *page_shape), kv_layer.dtype) for b in (0, 1)]
-    if pages[r]:
-        torch.index_select(kv_layer, 0, ring.send_index(kv_layer.device), out=stage[0][1 : 1 + pages[r]])
-    nxt, prv = (r + 1) % C, (r - 1) % C
-
-    def post(i: int):
-        """Step i's transfers: forward the message held now, receive rank (r - i)'s."""
-        held, incoming = pages[(r - i + 1) % C], pages[(r - i) % C]
-        send = stage[(i - 1) % 2][1 : 1 + held] if held else None
-        recv = stage[i % 2][1 : 1 + incoming] if incoming else None
-        return group.send_recv(send, nxt, recv, prv)
-
-    pending = post(1)
+    # page 0 of each staging buffer is scratch (empty segments' page-table entries point there)
+    stage = [bufs.get(f"kv_stage{b}", (1 + max(pages), *page_shape), kv_layer.dtype) for b in (0, 1)]
+    mine = pages[ring.rank]
+    if mine:
+        torch.index_select(kv_layer, 0, ring.send_index(kv_layer.device), out=stage[0][1 : 1 + mine])
     part = bufs.get("part_out", (n, heads, dim), q.dtype)
     part_lse = bufs.get("part_lse", (n, heads), torch.float32)
     acc = bufs.get("acc_out", (n, heads, dim), torch.float32)
     acc_lse = bufs.get("acc_lse", (n, heads), torch.float32)
-    backends[0].forward(q[:n], kv_layer, ring.steps[0], part, part_lse)
-    acc.copy_(part)
-    acc_lse.copy_(part_lse)
-    received = 0
-    for i in range(1, C):
-        pending.wait()
-        src = (r - i) % C
-        received += pages[src] * page_bytes
-        if i + 1 < C:
-            pending = post(i + 1)
-        backends[i].forward(q[:n], stage[i % 2][: 1 + pages[src]], ring.steps[i], part, part_lse)
-        merge_states([acc, part], [acc_lse, part_lse], acc, acc_lse)
+
+    def step(i: int, src: int) -> None:
+        keys = kv_layer if i == 0 else stage[i % 2][: 1 + pages[src]]
+        backends[i].forward(q[:n], keys, ring.steps[i], part, part_lse)
+        if i == 0:
+            acc.copy_(part)
+            acc_lse.copy_(part_lse)
+        else:
+            merge_states([acc, part], [acc_lse, part_lse], acc, acc_lse)
+
+    page_bytes = math.prod(page_shape) * kv_layer.element_size()
+    received = run_ring_schedule(group, pages, page_bytes, stage[0][1:], [s[1:] for s in stage], step)
     out[:n].copy_(acc)
     return received

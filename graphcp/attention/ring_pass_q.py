@@ -22,6 +22,7 @@ from graphcp.attention.base import AttentionBackend
 from graphcp.attention.merge import merge_states
 from graphcp.attention.ring_buffers import RingBuffers
 from graphcp.attention.ring_plan import RingPlan
+from graphcp.attention.ring_schedule import run_ring_schedule
 
 
 def run_pass_q(ring: RingPlan, group, backends: Sequence[AttentionBackend], kv_layer: torch.Tensor,
@@ -31,37 +32,19 @@ def run_pass_q(ring: RingPlan, group, backends: Sequence[AttentionBackend], kv_l
     C, r = ring.cp_size, ring.rank
     rows = ring.rows
     n, (_, heads, dim) = rows[r], q.shape
-    row_q = heads * dim * q.element_size()
     qbuf = [bufs.get(f"q_stage{b}", (max(rows), heads, dim), q.dtype) for b in (0, 1)]
     off = np.concatenate([[0], np.cumsum(rows)]).tolist()
     part = bufs.get("parts_out", (off[-1], heads, dim), q.dtype)  # every rank's rows, rank-major
     part_lse = bufs.get("parts_lse", (off[-1], heads), torch.float32)
-    nxt, prv = (r + 1) % C, (r - 1) % C
 
-    def post(i: int):
-        """Step i's transfers: forward the rows held now, receive rank (r - i)'s."""
-        held, incoming = rows[(r - i + 1) % C], rows[(r - i) % C]
-        source = q if i == 1 else qbuf[(i - 1) % 2]
-        send = source[:held] if held else None
-        recv = qbuf[i % 2][:incoming] if incoming else None
-        return group.send_recv(send, nxt, recv, prv)
-
-    def attend(i: int, src: int, queries: torch.Tensor) -> None:
+    def step(i: int, src: int) -> None:
         a, b = off[src], off[src + 1]
+        queries = q if i == 0 else qbuf[i % 2]
         backends[i].forward(queries[: b - a], kv_layer, ring.steps[i], part[a:b], part_lse[a:b])
 
-    pending = post(1)
-    attend(0, r, q)
-    received = 0
-    for i in range(1, C):
-        pending.wait()
-        src = (r - i) % C
-        received += rows[src] * row_q
-        if i + 1 < C:
-            pending = post(i + 1)
-        attend(i, src, qbuf[i % 2])
+    ob = heads * dim * q.element_size()  # a row's output bytes (a query row's too)
+    received = run_ring_schedule(group, rows, ob, q, qbuf, step)
     # every other rank's partials go home in one all-to-all: [output bytes | LSE bytes] per row
-    ob = heads * dim * q.element_size()
     width = ob + heads * 4
     others = off[-1] - n
     send = bufs.get("a2a_send", (others, width), torch.uint8)
@@ -70,7 +53,7 @@ def run_pass_q(ring: RingPlan, group, backends: Sequence[AttentionBackend], kv_l
         send[dst : dst + b - a, ob:].view(torch.float32).copy_(part_lse[a:b])
     send_rows = [0 if k == r else rows[k] for k in range(C)]
     recv_rows = [0 if k == r else n for k in range(C)]
-    recv = group.all_to_all_rows(send, send_rows, recv_rows)
+    recv = group.all_to_all_rows(send, send_rows, recv_rows, bufs.get("a2a_recv", ((C - 1) * n, width), torch.uint8))
     received += recv.shape[0] * width
     outs = [part[off[r] : off[r] + n]]
     lses = [part_lse[off[r] : off[r] + n]]
