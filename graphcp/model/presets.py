@@ -137,5 +137,5 @@ def resolve_model(name_or_dir: str | os.PathLike) -> Path:
         return ensure_preset(s)
     p = Path(s)
     if not p.is_dir():
-        raise ConfigError(f"--model {s!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint folder")
+        raise ConfigError(f"model {s!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint folder")
     return p
