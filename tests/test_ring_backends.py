@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from backend_cases import SENTINEL, spec_for, tensors
+from backend_cases import spec_for
 from fake_flashinfer import SM_COUNT, Recorder, fake_flashinfer
 from graphcp.attention.base import AttentionMetadata, kv_cache_views
 from graphcp.attention.flashinfer_backend import FlashInferAttention
+from graphcp.attention.reference_cases import SENTINEL, tensors
 from graphcp.attention.torch_ref import TorchAttention
 from graphcp.attention.trtllm_backend import TrtllmAttention
 
