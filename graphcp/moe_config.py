@@ -41,6 +41,9 @@ class MoeConfig:
     layers: tuple[int, ...]  # the sparse layers (the others run the dense MLP)
     scoring: Literal["softmax"] = "softmax"
     shared_intermediate_size: int = 0  # 0: no shared expert
+    #: the top-k weights are cast to the model's dtype before the weighted sum (Qwen3-MoE)
+    #: or stay float32 (Mixtral), as transformers does
+    weights_in_model_dtype: bool = False
 
     def __post_init__(self) -> None:
         w = "MoeConfig"
@@ -114,4 +117,5 @@ def moe_from_hf(d: dict[str, Any], family: str, num_layers: int, source: str) ->
         raise ConfigError(f"{source}: num_experts_per_tok={top_k} exceeds the {experts} experts")
     if not layers:
         return None
-    return MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=size, norm_topk_prob=norm, layers=layers)
+    return MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=size, norm_topk_prob=norm, layers=layers,
+                     weights_in_model_dtype=family == "qwen3_moe")

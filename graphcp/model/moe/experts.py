@@ -66,15 +66,16 @@ def unsort(sorted_rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 def combine(pair_rows: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weighted sum of each token's k expert outputs: ``pair_rows [n * k, hidden]``
-    in pair order, ``weights`` float32 ``[n, k]`` -> ``[n, hidden]`` in ``dtype``.
-    Accumulated in float32 in slot order, always on the token's own rows, so the
+    in pair order, ``weights [n, k]`` -> ``[n, hidden]`` in ``dtype``. As transformers
+    forms it: each product in the weights' dtype, cast to ``dtype``, added in slot
+    (ascending expert) order in ``dtype``; always on the token's own rows, so the
     result does not depend on which rank computed which expert."""
     n, k = weights.shape
     y = pair_rows.view(n, k, pair_rows.shape[-1])
-    acc = y[:, 0].float() * weights[:, :1]
+    acc = (y[:, 0] * weights[:, :1]).to(dtype)
     for j in range(1, k):
-        acc = acc + y[:, j].float() * weights[:, j : j + 1]
-    return acc.to(dtype)
+        acc = acc + (y[:, j] * weights[:, j : j + 1]).to(dtype)
+    return acc
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
@@ -89,10 +90,10 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
 
 def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor) -> torch.Tensor:
-    """The plain form: for each expert, the tokens that picked it (a mask), its SwiGLU,
-    the weighted rows added to theirs (float32 accumulation). ``gate_up``/``down`` hold
-    every expert (global indices)."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    """The plain form, transformers' loop: for each expert, the tokens that picked it
+    (a mask), its SwiGLU, the weighted rows added to theirs (``index_add_``, in the
+    model's dtype, experts in ascending order). ``gate_up``/``down`` hold every expert."""
+    out = torch.zeros_like(x)
     inter = down.shape[2]
     for e in range(gate_up.shape[0]):
         token, slot = torch.where(ids == e)
@@ -100,8 +101,8 @@ def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
             continue
         h = F.linear(x[token], gate_up[e])
         y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], down[e])
-        out.index_add_(0, token, y.float() * weights[token, slot, None])
-    return out.to(x.dtype)
+        out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+    return out
 
 
 def grouped_mm_capturable(device: torch.device, dtype: torch.dtype,

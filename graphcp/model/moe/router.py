@@ -1,8 +1,10 @@
 """Routers: score each token against every expert and pick its top-k experts.
 
 A router maps rows ``x [n, hidden]`` to ``(ids, weights)``: int64 ``[n, k]`` expert
-indices and float32 ``[n, k]`` weights, slot 0 the highest score. Everything after the
-router (sorting by expert, the exchange, the weighted sum) only reads these two
+indices, ascending in each row, and their ``[n, k]`` weights (float32, or the dtype the
+family's reference casts them to). Everything after the router sums a token's k
+expert outputs in slot order, so in ascending expert order: the order transformers
+adds them in, whichever rank computed them. Everything after the router (sorting by expert, the exchange, the weighted sum) only reads these two
 tensors, so routers of other families (sigmoid scores with a correction bias,
 group-limited top-k, a routed scaling factor) are new subclasses picked by
 ``MoeConfig.scoring`` in :func:`make_router`.
@@ -28,14 +30,17 @@ class Router(nn.Module):
 
 
 class SoftmaxTopKRouter(Router):
-    """Qwen3-MoE and Mixtral: logits in the model's dtype (as transformers' ``F.linear``),
-    softmax over all experts in float32, top-k, optionally renormalised to sum to 1.
-    The weights stay float32 (transformers casts Qwen3-MoE's back to the model dtype
-    before the weighted sum; keeping them is the more exact of the two)."""
+    """Qwen3-MoE and Mixtral, as transformers computes them: logits in the model's dtype
+    (``F.linear``), softmax over all experts in float32, top-k, optionally renormalised
+    to sum to 1 (float32), then the weights in ``weight_dtype``: Qwen3-MoE casts them to
+    the model's dtype, Mixtral keeps float32. Routing is discontinuous (a near-tie
+    flips an expert), so the rounding of every step is kept as the reference has it."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden: int, norm_topk_prob: bool, dtype: torch.dtype) -> None:
+    def __init__(self, num_experts: int, top_k: int, hidden: int, norm_topk_prob: bool, dtype: torch.dtype,
+                 weight_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.weight_dtype = weight_dtype
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,10 +48,17 @@ class SoftmaxTopKRouter(Router):
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights
+        return ascending(ids, weights.to(self.weight_dtype))
+
+
+def ascending(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (expert, weight) slots in ascending expert order."""
+    ids, perm = torch.sort(ids, dim=-1)
+    return ids, torch.gather(weights, -1, perm)
 
 
 def make_router(moe: MoeConfig, hidden: int, dtype: torch.dtype) -> Router:
     if moe.scoring == "softmax":
-        return SoftmaxTopKRouter(moe.num_experts, moe.top_k, hidden, moe.norm_topk_prob, dtype)
+        weight_dtype = dtype if moe.weights_in_model_dtype else torch.float32
+        return SoftmaxTopKRouter(moe.num_experts, moe.top_k, hidden, moe.norm_topk_prob, dtype, weight_dtype)
     raise ValueError(f"no router for scoring {moe.scoring!r}")  # MoeConfig refuses other values first
