@@ -242,7 +242,7 @@ class ParallelConfig:
         mixture-of-experts layers, whose experts do not split over the group as ``moe``
         asks: see :meth:`MoeConfig.check_parallel`)."""
         if m.moe is not None:
-            m.moe.check_parallel(self.cp_size, moe, source)
+            m.moe.check_parallel(self.cp_size, moe, source, m.hidden_size)
         if m.has_dense_mlp and m.intermediate_size % self.tp_size:
             raise ConfigError(
                 f"{source}: intermediate_size={m.intermediate_size} does not divide by tp_size=cp_size="

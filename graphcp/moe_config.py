@@ -28,6 +28,9 @@ from graphcp.errors import ConfigError
 
 MAX_EXPERTS = 1 << 16
 MAX_INTERMEDIATE = 1 << 20
+#: expert weight rows must be a multiple of 16 bytes for torch._grouped_mm: 8 elements
+#: covers every float dtype (every released MoE model's expert sizes are multiples of 64)
+GROUPED_ALIGN = 8
 #: model_type -> the family's MoE reader below
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
@@ -57,9 +60,12 @@ class MoeConfig:
     def is_sparse(self, layer: int) -> bool:
         return layer in self.layers
 
-    def check_parallel(self, cp_size: int, layout: str, source: str) -> None:
-        """Refuse a split of the experts over ``cp_size`` ranks that does not divide
-        (``layout``: RuntimeConfig.moe, checked there)."""
+    def check_parallel(self, cp_size: int, layout: str, source: str, hidden_size: int) -> None:
+        """Refuse a split of the experts over ``cp_size`` ranks that does not divide, and
+        sizes the grouped matmuls cannot take (``layout``: RuntimeConfig.moe, checked there)."""
+        if hidden_size % GROUPED_ALIGN:
+            raise ConfigError(f"{source}: hidden_size={hidden_size} of a mixture-of-experts model must be a multiple "
+                              f"of {GROUPED_ALIGN} (the grouped expert matmuls need 16-byte rows)")
         if layout == "ep" and self.num_experts % cp_size:
             raise ConfigError(
                 f"{source}: num_experts={self.num_experts} does not divide by cp_size={cp_size}; "
@@ -70,6 +76,12 @@ class MoeConfig:
             raise ConfigError(
                 f"{source}: the experts' intermediate size {self.intermediate_size} does not divide by "
                 f"cp_size={cp_size}; RuntimeConfig.moe='tp' shards every expert over the CP group (use moe='ep')"
+            )
+        per_rank = self.intermediate_size // (1 if layout == "ep" else cp_size)
+        if per_rank % GROUPED_ALIGN:
+            raise ConfigError(
+                f"{source}: each rank's expert intermediate size is {per_rank} (moe={layout!r}, cp_size={cp_size}); "
+                f"the grouped expert matmuls (torch._grouped_mm) need a multiple of {GROUPED_ALIGN} (16-byte rows)"
             )
         if self.shared_intermediate_size % cp_size:
             raise ConfigError(f"{source}: shared_intermediate_size={self.shared_intermediate_size} does not "

@@ -114,3 +114,10 @@ def test_cli_refuses_experts_not_divisible_before_ranks_start(moe_dir, tmp_path,
         main(["prefill", "--model", str(moe_dir), "--input", str(req), "--output", str(tmp_path / "o.pt"),
               "--moe", "dp"])
     assert e.value.code == 2 and "--moe: invalid choice: 'dp'" in capsys.readouterr().err
+
+
+def test_expert_sizes_the_grouped_matmuls_cannot_take_are_refused(moe_dir):
+    # 32 / 8 = 4 intermediate rows a rank: not 16-byte rows for torch._grouped_mm
+    with pytest.raises(ConfigError, match=r"each rank's expert intermediate size is 4 \(moe='tp', cp_size=8\); .* "
+                                          r"multiple of 8"):
+        load_model(moe_dir, F32, rank=0, tp_size=8, moe="tp")
