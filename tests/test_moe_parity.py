@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import MOE_FAMILIES
-from helpers import rel_err
+from helpers import graph_then_eager, rel_err
 
 from graphcp import PrefillEngine, Request
 from graphcp.capture.buckets import BucketSet
@@ -48,14 +48,8 @@ def _job(group, folders):
         eng = PrefillEngine(folders[family, dtype], RuntimeConfig(dtype=dtype, graph="breakable", moe=moe, kv_tokens=2048),
                             group, BUCKETS)
         toks, prefix = _tokens(eng.cfg.vocab_size)
-        res = {}
-        for path in ("graph", "eager"):
-            h = eng.prefill([Request(prefix)]).handles[0]
-            o = eng.prefill([Request(t, h if j == 2 else None) for j, t in enumerate(toks)], all_logits=True,
-                            force_eager=path == "eager")
-            res[path] = (o.info.path, o.logits, o.info.stats)
-            for x in o.handles:
-                eng.release(x)
+        outs = graph_then_eager(eng, toks, prefix, extends=2)
+        res = {path: (o.info.path, o.logits, o.info.stats) for path, o in outs.items()}
         # the replay against the same body run eagerly on the same bucket: bitwise
         prep = eng.preparer.prepare([Request(t) for t in toks])
         try:
