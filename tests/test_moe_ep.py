@@ -1,6 +1,7 @@
 """Expert parallelism at CP 2, in one launch: a skewed router that sends every token to
 rank 0's experts (rank 1's expert group gets none) and a batch that leaves rank 1 no
-rows at all, both still exact against one rank (graph and eager); the bytes the
+rows at all, both still exact against one rank (graph and eager; and a full graph with
+``tp``, attention and experts captured together); the bytes the
 stats report equal what the MoE collectives moved (``ep`` and ``tp``); the ``ep`` block
 equals transformers' block on the same rows (float32 and bfloat16, top-k < E)."""
 
@@ -93,8 +94,31 @@ def _job(group, folder, hf_block_args):
         _count_moe_bytes(eng, counters)
         out = _forward(eng, batches["mixed"])
         res[moe, "bytes"] = (out.info.stats, sum(c.sent for c in counters), sum(c.received for c in counters))
+    res["full"] = _full_graph_tp(group, folder, single, [t[:12] for t in batches["mixed"]])  # 14 rows a rank
     res["block"] = _block_vs_transformers(group, *hf_block_args)
     return res
+
+
+def _full_graph_tp(group, folder, single, toks):
+    """graph='full' with moe='tp': attention (the triton kernel, interpreted) and the
+    grouped experts inside one graph: no breaks, replay bitwise equal to the same-bucket
+    eager body, logits equal to one rank's."""
+    rt = RuntimeConfig(graph="full", attention="triton", moe="tp", kv_tokens=1024, verify_capture=False)
+    eng = PrefillEngine(folder, rt, group, BucketSet((16,), padding_factor=64.0))
+    _skew(eng, range(0, 4))
+    eng.capture()
+    reqs = [Request(t) for t in toks]
+    prep = eng.preparer.prepare(reqs)
+    try:
+        cap = eng.runner.select(prep.plan.max_local_rows).capacity
+        same_bucket = eng.runner.eager_on_bucket(prep, cap).clone()
+        hidden, _ = eng.runner.try_replay(prep)
+        bitwise = bool(torch.equal(hidden, same_bucket))
+    finally:
+        eng.preparer.abort(prep)
+    out = _forward(eng, toks)
+    breaks = len(eng.runner.graphs[cap].graph.breaks)
+    return out.info.path, bitwise, breaks, max(rel_err(a, b) for a, b in zip(out.logits, _forward(single, toks).logits))
 
 
 def _block_vs_transformers(group, family, cfg):
@@ -145,5 +169,8 @@ def test_expert_parallel_skew_empty_rank_bytes_and_block(hf_model_dir):
             stats, sent, received = res[moe, "bytes"]
             assert stats["moe_bytes_sent"] == sent and stats["moe_bytes_received"] == received, (rank, moe, stats)
             assert sent > 0
+        path, bitwise, breaks, err = res["full"]
+        assert (path, bitwise, breaks) == ("graph", True, 0), (rank, res["full"])
+        assert err < 1e-5, f"rank {rank} full graph, moe=tp: vs one rank {err:.3g}"
         for dtype, err in res["block"].items():
             assert err < (1e-6 if dtype == "torch.float32" else 1e-2), f"rank {rank} block {dtype}: {err:.3g}"
