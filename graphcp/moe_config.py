@@ -33,6 +33,9 @@ MAX_INTERMEDIATE = 1 << 20
 GROUPED_ALIGN = 8
 #: model_type -> the family's MoE reader below
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
+#: each family's Hub checkpoint names: the MoE module and its expert projections (gate, up, down)
+MOE_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+             "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 
 
 @dataclass(frozen=True)

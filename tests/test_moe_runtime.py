@@ -1,5 +1,6 @@
-"""RuntimeConfig.moe and the graph modes an MoE model refuses, and the ``default-moe``
-preset (a small Qwen3-MoE written in the Hub format, which transformers loads too)."""
+"""RuntimeConfig.moe and the graph modes an MoE model refuses, the ``default-moe``
+preset (a small Qwen3-MoE written in the Hub format, which transformers loads too),
+and random MoE checkpoints of both families in their Hub names."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from helpers import rel_err
 
 from graphcp import PrefillEngine, Request
 from graphcp.config import ConfigError, RuntimeConfig
-from graphcp.model.presets import ensure_preset
+from graphcp.model.loader import load_model
+from graphcp.model.presets import ensure_preset, ensure_random_model
 
 
 def test_runtime_moe_is_checked():
@@ -47,3 +49,15 @@ def test_default_moe_preset_matches_transformers(tmp_path):
     with torch.inference_mode():
         want = ref(input_ids=torch.from_numpy(tokens).view(1, -1)).logits[0]
     assert rel_err(got, want) < 1e-4
+
+
+def test_random_moe_checkpoints_use_each_familys_hub_names(tmp_path):
+    """The random-checkpoint writer (presets, the GPU check's cut-down models) names
+    experts as the family's Hub checkpoints do, so the loader takes them as written."""
+    from conftest import hf_config
+
+    for family, module in (("qwen3_moe", "mlp"), ("mixtral", "block_sparse_moe")):
+        folder = ensure_random_model(family, hf_config(family, False).to_dict(), root=tmp_path)
+        read: list[str] = []
+        load_model(folder, torch.float32, rank=1, tp_size=2, on_tensor=read.append, moe="ep")
+        assert f"model.layers.0.{module}.experts.7.{'w2' if family == 'mixtral' else 'down_proj'}.weight" in read

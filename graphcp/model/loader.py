@@ -28,15 +28,13 @@ from graphcp.config import DTYPES, ModelConfig, ParallelConfig
 from graphcp.errors import InputError
 from graphcp.model.layers import Rotary
 from graphcp.model.llama import DecoderModel
+from graphcp.moe_config import MOE_NAMES
 from graphcp.options import MoeLayout
 
 # checkpoint tensors that carry no weights (older exports keep RoPE tables)
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 #: an expert's tensor: model.layers.{layer}.{mlp|block_sparse_moe}.experts.{expert}.{projection}.weight
 EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
-#: each family's MoE module name and its expert projections (gate, up, down)
-MOE_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-             "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 
 
 class CheckpointError(InputError):

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from graphcp.errors import ConfigError
-from graphcp.moe_config import moe_from_hf
+from graphcp.moe_config import MOE_NAMES, moe_from_hf
 
 #: a small Qwen3-style model: explicit head_dim, q/k norm, GQA, tied embeddings
 PRESETS: dict[str, dict] = {
@@ -86,8 +86,8 @@ def is_preset(name: str) -> bool:
 
 
 def random_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
-    """HF-named tensors for a Llama-family config (Qwen3-MoE too: router and per-expert
-    tensors in the Hub layout), seeded (std 0.02; norms near 1)."""
+    """HF-named tensors for a Llama-family config (Qwen3-MoE and Mixtral too: router and
+    per-expert tensors in the Hub layout), seeded (std 0.02; norms near 1)."""
     g = torch.Generator().manual_seed(seed)
     h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
@@ -117,11 +117,12 @@ def random_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
             w[p + "self_attn.q_norm.weight"] = norm(d)
             w[p + "self_attn.k_norm.weight"] = norm(d)
         if moe is not None and moe.is_sparse(layer):
-            w[p + "mlp.gate.weight"] = rnd(moe.num_experts, h)
+            module, (gate, up, down) = MOE_NAMES[config["model_type"]]
+            w[p + f"{module}.gate.weight"] = rnd(moe.num_experts, h)
             for e in range(moe.num_experts):
-                w[p + f"mlp.experts.{e}.gate_proj.weight"] = rnd(moe.intermediate_size, h)
-                w[p + f"mlp.experts.{e}.up_proj.weight"] = rnd(moe.intermediate_size, h)
-                w[p + f"mlp.experts.{e}.down_proj.weight"] = rnd(h, moe.intermediate_size)
+                w[p + f"{module}.experts.{e}.{gate}.weight"] = rnd(moe.intermediate_size, h)
+                w[p + f"{module}.experts.{e}.{up}.weight"] = rnd(moe.intermediate_size, h)
+                w[p + f"{module}.experts.{e}.{down}.weight"] = rnd(h, moe.intermediate_size)
             continue
         w[p + "mlp.gate_proj.weight"] = rnd(i, h)
         w[p + "mlp.up_proj.weight"] = rnd(i, h)
