@@ -74,6 +74,8 @@ class PreparedBatch:
     plan_s: float = 0.0  # host time of prepare()
     #: the sharded cache's ring for this forward (None: the replicated cache's all-gather)
     ring: RingPlan | None = None
+    #: this forward's figures as the body runs it (ForwardInfo.stats): the engine copies them
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -41,17 +41,22 @@ class Body:
         holds static metadata while the backend plans the live batch). ``static``: a
         bucket's static views, whose attention rows the breaks then read and write.
         ``ring``: the forward's ring plan (a sharded cache; None plans an inert one);
-        ``stats``: the dict the forward's figures go into (ForwardInfo.stats)."""
-        self.attention.prepare(meta if plan is None else plan)
+        ``stats``: this forward's ForwardInfo.stats, given the figures the row count
+        fixes here (breaks add the rest as they run)."""
+        live = meta if plan is None else plan
+        self.attention.prepare(live)
         ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group)
-        if stats is not None:
-            ctx.stats = stats
+        ctx.live_rows = live.num_q_rows
         if self.ring is not None:
             ctx.ring_attention = self.ring
             ctx.ring = ring if ring is not None else RingPlan.inert(self.group.size, self.group.rank)
             self.ring.prepare(ctx.ring)
         if static is not None:
             ctx.attn_q, ctx.attn_out = static.attn_q, static.attn_out
+            ctx.moe_resid, ctx.moe_out = static.moe_resid, static.moe_out
+        if stats is not None:
+            stats.update(self.model.static_stats(kv_slots.shape[0]))
+            ctx.stats = stats
         return ctx
 
     def run(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -59,10 +64,9 @@ class Body:
         return self.model.body(input_ids, positions, ctx)
 
     @torch.inference_mode()
-    def eager(self, prep: PreparedBatch, capacity: int, stats: dict | None = None) -> torch.Tensor:
+    def eager(self, prep: PreparedBatch, capacity: int) -> torch.Tensor:
         """A prepared batch run eagerly on ``capacity`` rows (>= the largest rank's
-        rows), padded as a bucket is: token 0, position 0, slot -1. ``stats``: the
-        dict the forward's figures go into."""
+        rows), padded as a bucket is: token 0, position 0, slot -1."""
         n = prep.ids.shape[0]
         ids = np.zeros(capacity, dtype=np.int64)
         pos = np.zeros(capacity, dtype=np.int64)
@@ -70,5 +74,5 @@ class Body:
         ids[:n], pos[:n], slots[:n] = prep.ids, prep.positions, prep.slots
         dev = self.device
         with nvtx_range("eager_body", category="eager"):
-            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=stats)
+            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=prep.stats)
             return self.run(ctx, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev))

@@ -144,8 +144,9 @@ class CPGroup:
     def all_to_all_rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
                         out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``x[sum(send_rows[:k]) ...][:send_rows[k]]`` go to rank k; returns the
-        rows every rank sent here, rank-major (``sum(recv_rows)`` rows; uneven splits),
-        in ``out`` when given."""
+        rows every rank sent here, rank-major (``recv_rows[k]`` from rank k; uneven splits,
+        zeros too), in ``out`` when given. The split sizes are host integers, so a
+        captured graph cannot hold this call."""
         if out is None:
             out = torch.empty((sum(recv_rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
         if self.size == 1:

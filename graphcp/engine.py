@@ -31,6 +31,7 @@ from graphcp.capture.runner import Fallback, GraphRunner
 from graphcp.config import ConfigError, ParallelConfig, RuntimeConfig
 from graphcp.cp import Plan, make_layout
 from graphcp.dist import CPGroup
+from graphcp.forward_context import KV_RECEIVED
 from graphcp.kv_sharded import make_kv_cache
 from graphcp.kvcache import KVHandle
 from graphcp.model.loader import load_model
@@ -61,7 +62,7 @@ class PrefillEngine:
         self.dtype = rt.torch_dtype
         self.model_dir = resolve_model(model)
         self.cfg, self.model = load_model(self.model_dir, self.dtype, self.device, rank=self.group.rank,
-                                          tp_size=self.parallel.tp_size)
+                                          tp_size=self.parallel.tp_size, moe=rt.moe)
         self.max_context = self.cfg.max_position_embeddings
         self.layout = make_layout(rt.layout, self.parallel.cp_size)
         kv_layout = preferred_kv_layout(rt.attention, self.device)
@@ -173,6 +174,7 @@ class PrefillEngine:
             try:
                 hidden, info = self._body_rows(prep, force_eager)
                 info.timings["plan_s"] = prep.plan_s
+                info.stats.update(prep.stats)
                 with nvtx_range("lm_head", category="output"):
                     last_logits = self._last_logits(prep.plan, hidden)
                     logits = self._all_logits(prep.plan, hidden) if all_logits else None
@@ -191,8 +193,8 @@ class PrefillEngine:
         st["exchange"] = "all-gather" if ring is None else ring.exchange
         st["new_tokens"] = prep.plan.num_tokens
         st["cached_tokens"] = int(prep.plan.prefix_lens.sum())
-        st["bytes_received"] = st.get("bytes_received", 0)
-        st["bytes_received_per_layer"] = st["bytes_received"] // self.cfg.num_layers
+        st[KV_RECEIVED] = st.get(KV_RECEIVED, 0)
+        st["bytes_received_per_layer"] = st[KV_RECEIVED] // self.cfg.num_layers
         if ring is not None and ring.choice is not None:
             st["exchange_choice"] = ring.choice.as_dict()
         self._forwards.append(forward_entry(info))
@@ -228,8 +230,7 @@ class PrefillEngine:
             if not isinstance(outcome, Fallback):
                 return outcome
             fallback = outcome.reason
-        stats: dict = {}
-        return self.body.eager(prep, required, stats), ForwardInfo("eager", required, required, fallback, stats=stats)
+        return self.body.eager(prep, required), ForwardInfo("eager", required, required, fallback)
 
     def _last_logits(self, plan: Plan, hidden: torch.Tensor) -> torch.Tensor:
         mine = np.flatnonzero(plan.last_owner == self.rank)

@@ -8,7 +8,7 @@ break at replay through whatever context the replay passes in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -17,6 +17,9 @@ from graphcp.attention.base import AttentionBackend, AttentionMetadata
 from graphcp.attention.ring import RingAttention
 from graphcp.attention.ring_plan import RingPlan
 from graphcp.kvcache import PagedKVCache
+
+#: the ForwardInfo.stats key of the bytes the KV exchange delivered to this rank (all layers)
+KV_RECEIVED = "bytes_received"
 
 
 @dataclass
@@ -41,9 +44,17 @@ class ForwardContext:
     ring_attention: RingAttention | None = None
     #: this forward's ring plan (live metadata the attention break reads)
     ring: RingPlan | None = None
-    #: per-forward figures (ForwardInfo.stats): what the exchange received, ...
-    stats: dict[str, Any] = field(default_factory=dict)
+    #: this rank's live rows (the rest of the capacity is a bucket's padding); the
+    #: expert-parallel MoE exchange routes only these. None: every row is live
+    live_rows: int | None = None
+    #: static residual rows into and out of an expert-parallel layer's break (graph mode)
+    moe_resid: torch.Tensor | None = None
+    moe_out: torch.Tensor | None = None
+    #: this forward's figures (ForwardInfo.stats) that breaks (and, while a graph is
+    #: captured, segments) add to as they run: what the exchange received, ...; None: not kept
+    stats: dict[str, Any] | None = None
 
     def add_received(self, nbytes: int) -> None:
         """Count bytes of K/V (or queries and partial outputs) this rank received."""
-        self.stats["bytes_received"] = self.stats.get("bytes_received", 0) + int(nbytes)
+        if self.stats is not None:
+            self.stats[KV_RECEIVED] = self.stats.get(KV_RECEIVED, 0) + int(nbytes)

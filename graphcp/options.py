@@ -17,6 +17,9 @@ KVCacheMode = Literal["replicated", "sharded"]
 ExchangeName = Literal["auto", "pass-kv", "pass-q"]
 #: what a forward ran (stats reports): the replicated cache's all-gather, or one of the rings
 ExchangeKind = Literal["all-gather", "pass-kv", "pass-q"]
+#: how a mixture-of-experts layer runs over the CP group: experts split over the ranks
+#: (all-to-all dispatch and combine) or every expert sharded like the dense MLP
+MoeLayout = Literal["ep", "tp"]
 
 DTYPE_NAMES: tuple[str, ...] = get_args(DtypeName)
 GRAPH_MODES: tuple[str, ...] = get_args(GraphMode)
@@ -26,6 +29,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionName)
 KV_CACHE_MODES: tuple[str, ...] = get_args(KVCacheMode)
 EXCHANGES: tuple[str, ...] = get_args(ExchangeName)
 EXCHANGE_KINDS: tuple[str, ...] = get_args(ExchangeKind)
+MOE_LAYOUTS: tuple[str, ...] = get_args(MoeLayout)
 #: the dtypes the command line offers (float16 is API-only: no parity tests in it yet)
 CLI_DTYPES = ("float32", "bfloat16")
 DEVICE_KINDS = ("cpu", "cuda")

@@ -30,6 +30,7 @@ from graphcp.capture.graphs import CaptureError, make_graph_backend
 from graphcp.capture.selfcheck import first_difference, synthetic_batch
 from graphcp.capture.static_buffers import BucketView, StaticBuffers
 from graphcp.config import ConfigError, RuntimeConfig
+from graphcp.forward_context import KV_RECEIVED
 from graphcp.model.llama import DecoderModel
 from graphcp.profile.ranges import nvtx_range
 
@@ -96,13 +97,16 @@ class GraphRunner:
                 f"RuntimeConfig.graph='full' needs an attention backend that reads only static device "
                 f"metadata; {body.attention.name!r} does not (use graph='breakable', or attention='triton')"
             )
+        problem = body.model.capture_problem(body.device, self.full)
+        if problem is not None:
+            raise ConfigError(problem)
         self.body, self.preparer, self.buckets = body, preparer, buckets
         self.max_context, self.max_requests = max_context, rt.max_requests
         cfg, kv = body.model.cfg, body.kv
         self.max_pages = -(-max_context // kv.page_size)
         self.buffers = StaticBuffers(
             buckets.largest, body.group.size, cfg.num_heads, cfg.head_dim, cfg.hidden_size,
-            2 * rt.max_requests, self.max_pages, body.model.dtype, body.device,
+            2 * rt.max_requests, self.max_pages, body.model.dtype, body.device, moe_rows=body.model.exchanges,
         )
         self.backend = make_graph_backend(rt.graph_backend, body.device)
         self.graphs: dict[int, _Captured] = {}
@@ -151,7 +155,7 @@ class GraphRunner:
             view = self._fill_inert(capacity)
             pool0 = self.backend.pool_bytes()
             with self.backend.capture_stream():
-                ctx = body.context(self._static_meta(view), view.kv_slots, view)
+                ctx = body.context(self._static_meta(view), view.kv_slots, view, stats={})
 
                 def run() -> None:
                     view.hidden_out.copy_(body.run(ctx, view.input_ids, view.positions))
@@ -159,12 +163,13 @@ class GraphRunner:
                 for _ in range(WARMUP_RUNS.get(self.backend.name, 1)):
                     run()
                 self.backend.synchronize()
-                # the capture batch is inert: its breaks move nothing, so what this counts is the segments'
+                # the capture batch is inert: its breaks move nothing, so the KV bytes this
+                # counts are the segments' (the replicated all-gather)
                 ctx.stats.clear()
                 graph = capture_breakable(self.backend, ctx, run, breakable=not self.full)
             self.backend.synchronize()
             graph.capacity = capacity
-            self.graphs[capacity] = _Captured(graph, _signature(view), dict(ctx.stats))
+            self.graphs[capacity] = _Captured(graph, _signature(view), {KV_RECEIVED: ctx.stats.get(KV_RECEIVED, 0)})
             st = BucketCaptureStats(capacity, time.perf_counter() - t0, len(graph.segments), len(graph.breaks),
                                     graph.ops_per_segment, self.backend.pool_bytes() - pool0)
             if self.verify:
@@ -277,18 +282,16 @@ class GraphRunner:
         if cap not in self.graphs:
             self.capture_bucket(cap)
         timings: dict[str, float] = {}
-        stats: dict = {}
-        hidden = self.replay(prep, cap, timings, stats)
+        hidden = self.replay(prep, cap, timings)
         self.stats.replays += 1
         self.stats.replays_per_bucket[cap] += 1
-        return hidden, ForwardInfo("graph", cap, sel.required, None, timings, stats)
+        return hidden, ForwardInfo("graph", cap, sel.required, None, timings)
 
     @torch.inference_mode()
-    def replay(self, prep: PreparedBatch, capacity: int, timings: dict | None = None,
-               stats: dict | None = None) -> torch.Tensor:
+    def replay(self, prep: PreparedBatch, capacity: int, timings: dict | None = None) -> torch.Tensor:
         """Fill bucket ``capacity`` (captured already) with a prepared batch and replay
-        its graph; the body's output rows (a static view). ``stats`` receives the
-        forward's figures: the captured segments' counts plus what the breaks count."""
+        its graph; the body's output rows (a static view). ``prep.stats`` receives the
+        captured segments' counts plus what the breaks count."""
         t0 = time.perf_counter()
         with nvtx_range("fill", category="host"):
             view = self.fill(prep, capacity)
@@ -297,11 +300,9 @@ class GraphRunner:
         with nvtx_range(f"replay[{capacity}]", category="graph"):
             meta = self._static_meta(view) if self.full else prep.meta
             captured = self.graphs[capacity]
-            if stats is None:
-                stats = {}
-            for key, value in captured.segment_stats.items():
-                stats[key] = stats.get(key, 0) + value
-            ctx = self.body.context(meta, view.kv_slots, view, plan=prep.meta, ring=prep.ring, stats=stats)
+            for key, value in captured.segment_stats.items():  # what the segments' collectives move
+                prep.stats[key] = prep.stats.get(key, 0) + value
+            ctx = self.body.context(meta, view.kv_slots, view, plan=prep.meta, ring=prep.ring, stats=prep.stats)
             captured.graph.replay(ctx)
         if timings is not None:
             timings.update(fill_s=t1 - t0, replay_s=time.perf_counter() - t1)
