@@ -3,7 +3,9 @@ float32 and bfloat16, on GQA, MHA and MQA checkpoints, for mixed lengths (single
 tokens, fewer than 2C, long) and chunked prefill whose prefix (itself sharded over
 the ranks) came from earlier forwards: every token's logits equal the replicated
 engine's (1e-5 float32, 2e-2 bfloat16) and transformers' (tests/test_hf_parity.py's
-bounds). One launch per CP size; the configurations loop inside the ranks."""
+bounds). One launch per CP size; the configurations loop inside the ranks. A
+mixture-of-experts model with expert parallelism (attention and the MoE exchange in one
+break a layer) runs the rings there too."""
 
 from __future__ import annotations
 
@@ -109,3 +111,25 @@ def _hf_logits(model, cp: int) -> list[torch.Tensor]:
         prev = history[("b", j)]
         out.append(model(torch.as_tensor(prev + list(t))[None]).logits[0, len(prev):].float())
     return out
+
+
+def _moe_job(group):
+    """A mixture-of-experts model whose experts are split over the ranks (its attention
+    and MoE exchange share one break a layer): the ring runs in that break."""
+    outs = {}
+    for kv_cache in ("replicated", "sharded"):
+        eng = PrefillEngine("default-moe", RuntimeConfig(kv_tokens=2048, kv_cache=kv_cache, moe="ep"), group)
+        rng = np.random.default_rng(1)
+        a = eng.prefill([Request(rng.integers(0, 100, n)) for n in (50, 3)], all_logits=True)
+        b = eng.prefill([Request(rng.integers(0, 100, 9), a.handles[0])], all_logits=True)
+        outs[kv_cache] = (a.logits + b.logits, [o.info.stats["exchange"] for o in (a, b)],
+                          [o.info.stats["moe_bytes_received"] for o in (a, b)])
+    return outs
+
+
+def test_rings_run_inside_the_expert_parallel_break():
+    for rank, outs in enumerate(launch(_moe_job, 2)):
+        (want, _, moe_want), (got, ran, moe_got) = outs["replicated"], outs["sharded"]
+        assert ran == ["pass-kv", "pass-q"] and moe_got == moe_want, (rank, ran, moe_got, moe_want)
+        errs = [rel_err(x, y) for x, y in zip(got, want)]
+        assert max(errs) <= TOL["float32"], (rank, errs)
