@@ -18,6 +18,25 @@ from graphcp.kvcache import PagedKVCache
 
 
 @dataclass
+class AuxCapture:
+    """Where a forward copies auxiliary hidden states: the output rows of decoder
+    layer ``layers[k]`` go to ``out[:, k]`` (``out``: [rows, len(layers), hidden],
+    a static buffer on the graph path, so the copies are part of the captured
+    segments)."""
+
+    layers: tuple[int, ...]
+    out: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self._column = {layer: k for k, layer in enumerate(self.layers)}
+
+    def write(self, layer: int, h: torch.Tensor) -> None:
+        k = self._column.get(layer)
+        if k is not None:
+            self.out[:, k].copy_(h)
+
+
+@dataclass
 class ForwardContext:
     attn_meta: AttentionMetadata
     attention: AttentionBackend
@@ -35,3 +54,5 @@ class ForwardContext:
     #: every rank's ``kv_slots``, rank-major ([C * capacity]): set by the body's
     #: first step each run (so a captured body records the collective that makes it)
     gathered_kv_slots: torch.Tensor | None = None
+    #: auxiliary hidden states this forward copies out (None: none)
+    aux: AuxCapture | None = None

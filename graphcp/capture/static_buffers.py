@@ -33,6 +33,10 @@ class BucketView:
     cu_seqlens_q: torch.Tensor  # [S_max + 1] int32
     kv_lens: torch.Tensor  # [S_max] int32
     page_table: torch.Tensor  # [S_max, P_max] int32
+    #: a later pipeline stage's input rows (the previous stage's hidden states)
+    hidden_in: torch.Tensor | None = None  # [cap, hidden]
+    #: auxiliary hidden states the captured segments copy out
+    aux_out: torch.Tensor | None = None  # [cap, n_aux, hidden]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
@@ -50,7 +54,11 @@ class StaticBuffers:
         max_pages_per_seq: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        hidden_in: bool = False,
+        aux_layers: int = 0,
     ) -> None:
+        """``hidden_in``: the body takes input rows (a pipeline stage after the first);
+        ``aux_layers``: how many layers' auxiliary hidden states it copies out."""
         self.max_capacity, self.cp_size = max_capacity, cp_size
         self.max_segments, self.max_pages_per_seq = max_segments, max_pages_per_seq
         dev = torch.device(device)
@@ -64,6 +72,9 @@ class StaticBuffers:
         self.cu_seqlens_q = torch.zeros(max_segments + 1, dtype=torch.int32, device=dev)
         self.kv_lens = torch.zeros(max_segments, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_segments, max_pages_per_seq, dtype=torch.int32, device=dev)
+        self.hidden_in = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if hidden_in else None
+        self.aux_out = (torch.zeros(max_capacity, aux_layers, hidden_size, dtype=dtype, device=dev)
+                        if aux_layers else None)
         # host staging: on CPU the static tensors themselves (numpy views share their
         # memory, so a fill is in place); on CUDA pinned copies, uploaded per bucket
         self._views: dict[int, tuple[tuple, BucketView]] = {}
@@ -94,7 +105,7 @@ class StaticBuffers:
 
     def _bases(self) -> tuple:
         return (self.input_ids, self.positions, self.kv_slots, self.attn_q, self.attn_out, self.hidden_out,
-                self.cu_seqlens_q, self.kv_lens, self.page_table)
+                self.cu_seqlens_q, self.kv_lens, self.page_table, self.hidden_in, self.aux_out)
 
     def view(self, capacity: int) -> BucketView:
         """Prefix views of the bucket (cached; rebuilt if a buffer was replaced, so
@@ -120,13 +131,15 @@ class StaticBuffers:
             cu_seqlens_q=self.cu_seqlens_q,
             kv_lens=self.kv_lens,
             page_table=self.page_table,
+            hidden_in=None if self.hidden_in is None else self.hidden_in[:c],
+            aux_out=None if self.aux_out is None else self.aux_out[:c],
         )
 
     def addresses(self) -> dict[str, int]:
         """Data pointers of every static tensor (debug mode checks they never move)."""
         names = ("input_ids", "positions", "kv_slots", "attn_q", "attn_out", "hidden_out",
-                 "cu_seqlens_q", "kv_lens", "page_table")
-        return {n: getattr(self, n).data_ptr() for n in names}
+                 "cu_seqlens_q", "kv_lens", "page_table", "hidden_in", "aux_out")
+        return {n: getattr(self, n).data_ptr() for n in names if getattr(self, n) is not None}
 
     def fill(
         self,
@@ -137,9 +150,11 @@ class StaticBuffers:
         cu_seqlens_q: np.ndarray | None = None,
         kv_lens: np.ndarray | None = None,
         page_table: np.ndarray | None = None,
+        hidden_in: torch.Tensor | None = None,
     ) -> BucketView:
-        """Copy one rank's live rows (token ids, positions, KV cache slots) into the
-        bucket's views and pad inertly (0, 0, -1).
+        """Copy one rank's live rows (token ids, positions, KV cache slots; on a later
+        pipeline stage its input rows ``hidden_in``) into the bucket's views and pad
+        inertly (0, 0, -1; zero input rows).
 
         Everything is CP-local: the KV exchange all-gathers the slots with the rows,
         so a rank's host work is proportional to its own rows, not the batch's.
@@ -177,6 +192,13 @@ class StaticBuffers:
             self.kv_slots[:capacity].copy_(self._slots_host[:capacity], non_blocking=True)
         if cu_seqlens_q is not None:
             self._fill_segments(cu_seqlens_q, kv_lens, page_table)
+        if self.hidden_in is not None:
+            if n and (hidden_in is None or hidden_in.shape[0] < n):
+                raise ValueError(f"this stage's body takes input rows: expected hidden_in with >= {n} rows, "
+                                 f"got {None if hidden_in is None else tuple(hidden_in.shape)}")
+            if n:
+                self.hidden_in[:n].copy_(hidden_in[:n])
+            self.hidden_in[n:capacity].zero_()
         return self.view(capacity)
 
     def _fill_segments(self, cu_seqlens_q: np.ndarray, kv_lens: np.ndarray, page_table: np.ndarray) -> None:
