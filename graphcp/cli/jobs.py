@@ -17,6 +17,7 @@ from graphcp.cli.requests import FileRequest
 from graphcp.config import ParallelConfig, RuntimeConfig
 from graphcp.dist import CPGroup, gather_object, run_ranks
 from graphcp.engine import PrefillEngine, prefill_after_prefixes
+from graphcp.pp.microbatch import split_microbatches
 
 
 @dataclass
@@ -109,7 +110,9 @@ def compare_paths(engine: PrefillEngine, batch: list[np.ndarray]) -> dict:
     unpadded eager forward (equal within the rounding of matmuls over padded rows)."""
     reqs = [Request(t) for t in batch]
     runner = engine.runner
-    prep = engine.preparer.prepare(reqs)
+    # the bucket check on what one forward of the body runs: the first micro-batch
+    first = split_microbatches([len(t) for t in batch], engine.runtime.microbatches)[0]
+    prep = engine.preparer.prepare([Request(batch[p.request][p.start:p.stop]) for p in first])
     try:
         sel = runner.select(prep.plan.max_local_rows)
         bitwise = None
