@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from graphcp.config import ConfigError, ParallelConfig
+from graphcp.config import ParallelConfig
 from graphcp.dist import CPGroup, PeerLink, new_subgroups
+from graphcp.errors import ConfigError
 
 
 @dataclass
