@@ -40,8 +40,7 @@ from graphcp.kvcache import KVHandle, PagedKVCache
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
 from graphcp.pp.groups import pipeline_groups
-from graphcp.pp.microbatch import last_pieces, split_microbatches
-from graphcp.pp.schedule import run_stage
+from graphcp.pp.prefill import MicrobatchedPrefill, StageOps, per_request
 from graphcp.profile.ranges import nvtx_range
 
 #: kernel backends that preallocate per request: a batch may hold at most max_requests
@@ -107,6 +106,9 @@ class PrefillEngine:
         )
         self.runner = None if rt.graph == "off" else GraphRunner(
             self.body, self.preparer, self.buckets, rt, self.max_context)
+        self.microbatched = MicrobatchedPrefill(
+            self.preparer, self.kv, self.stage, self.pipeline, self.parallel.stage_layers(self.cfg.num_layers),
+            self.cfg.hidden_size, self.cfg.vocab_size, self.dtype, self.device)
 
     def _check_pool_fits(self, num_pages: int) -> None:
         """Refuse a KV pool larger than the device's memory up front (a clear error,
@@ -185,7 +187,9 @@ class PrefillEngine:
             if self.pipeline is None and m == 1:
                 out = self._prefill_once(batch, all_logits, force_eager, aux, call)
             else:
-                out = self._prefill_microbatched(batch, all_logits, force_eager, aux, m, call)
+                ops = StageOps(lambda prep, rows: self._stage_rows(prep, rows, force_eager, aux),
+                               self._last_logits, self._all_logits, self._aux_gather)
+                out = self.microbatched.run(batch, ops, m, call, all_logits, aux)
             out.info.timings["total_s"] = time.perf_counter() - t0
             return out
 
@@ -225,7 +229,7 @@ class PrefillEngine:
         ext = prep.plan.extend_lens.tolist()
         return PrefillOutput(last_logits, [self.kv.handle(s) for s in prep.seq_ids],
                              None if logits is None else list(torch.split(logits, ext)), info,
-                             None if aux_hidden is None else _per_request(aux_hidden, ext))
+                             None if aux_hidden is None else per_request(aux_hidden, ext))
 
     # ---- steps ------------------------------------------------------------------
     def _stage_rows(self, prep: PreparedBatch, hidden_in: torch.Tensor | None, force_eager: bool,
@@ -280,144 +284,6 @@ class PrefillEngine:
             return None
         with nvtx_range("aux_hidden", category="output"):
             return self._in_batch_order(plan, rows).float().cpu()
-
-    # ---- micro-batches and pipeline stages --------------------------------------
-    def _prefill_microbatched(self, batch, all_logits: bool, force_eager: bool, aux: tuple[int, ...], m: int,
-                              call: tuple[int, ...]) -> PrefillOutput:
-        """The batch as micro-batches through this rank's pipeline stage; outputs
-        assembled in batch order and, under PP, broadcast from the stages holding them."""
-        t0 = time.perf_counter()
-        flat, extend = self.preparer.validate(batch, call)  # once for the batch, every stage
-        mbs = split_microbatches(extend.tolist(), m)
-        preps = self._prepare_microbatches(batch, flat, extend, mbs)
-        plan_s = time.perf_counter() - t0
-        try:
-            out = self._run_microbatches(preps, mbs, len(batch), extend, all_logits, force_eager, aux)
-        except BaseException:
-            for prep in reversed(preps):
-                self.preparer.abort(prep)
-            raise
-        out.info.timings["plan_s"] = plan_s
-        return out
-
-    def _prepare_microbatches(self, batch, flat: np.ndarray, extend: np.ndarray, mbs) -> list[PreparedBatch]:
-        """Reserve and plan each micro-batch (all or nothing); a request's later chunks
-        extend the KV its earlier chunk reserved."""
-        cu = np.concatenate([[0], np.cumsum(extend)])
-        seq_of: dict[int, int] = {}
-        preps: list[PreparedBatch] = []
-        try:
-            for pieces in mbs:
-                reqs = [Request(flat[cu[p.request] + p.start: cu[p.request] + p.stop],
-                                batch[p.request].prefix if p.start == 0 else self.kv.handle(seq_of[p.request]))
-                        for p in pieces]
-                prep = self.preparer.prepare(reqs, verified=True)
-                preps.append(prep)
-                seq_of.update((p.request, s) for p, s in zip(pieces, prep.seq_ids))
-        except BaseException:
-            for prep in reversed(preps):
-                self.preparer.abort(prep)
-            raise
-        return preps
-
-    def _run_microbatches(self, preps: list[PreparedBatch], mbs, num_requests: int, extend: np.ndarray,
-                          all_logits: bool, force_eager: bool, aux: tuple[int, ...]) -> PrefillOutput:
-        stage, pp = self.stage, self.pipeline
-        infos: list[ForwardInfo] = []
-        last: list[torch.Tensor] = []
-        logits: list[torch.Tensor] = []
-        aux_rows: list[torch.Tensor] = []
-
-        def forward(k: int, hidden_in: torch.Tensor | None) -> torch.Tensor:
-            prep = preps[k]
-            hidden, info, rows = self._stage_rows(prep, hidden_in, force_eager, aux)
-            infos.append(info)
-            if stage.last:  # outputs now: the next micro-batch's replay overwrites the rows
-                with nvtx_range("lm_head", category="output"):
-                    last.append(self._last_logits(prep.plan, hidden))
-                    if all_logits:
-                        logits.append(self._all_logits(prep.plan, hidden))
-            if rows is not None:
-                aux_rows.append(self._aux_gather(prep.plan, rows))
-            return hidden
-
-        hidden_size = self.cfg.hidden_size
-        times = run_stage(
-            [prep.ids.shape[0] for prep in preps], forward,
-            lambda n: torch.empty(n, hidden_size, dtype=self.dtype, device=self.device),
-            pp.prev if pp else None, pp.next if pp else None,
-        )
-        with nvtx_range("pp_outputs", category="output"):
-            where = last_pieces(mbs, num_requests)
-            vocab = self.cfg.vocab_size
-            last_logits = torch.stack([last[k][i] for k, i in where]) if stage.last else \
-                torch.empty(num_requests, vocab)
-            flat_logits = torch.cat(logits) if stage.last and all_logits else None
-            if pp is not None:  # from the stages that hold them to every rank of the pipeline
-                root = pp.stage_root(pp.num_stages - 1)
-                last_logits = self._broadcast(last_logits, root)
-                if all_logits:
-                    flat_logits = self._broadcast(
-                        flat_logits if flat_logits is not None else torch.empty(int(extend.sum()), vocab), root)
-            aux_hidden = self._aux_assemble(aux, aux_rows, int(extend.sum())) if aux else None
-        ext = extend.tolist()
-        handles = [self.kv.handle(s) for s in _final_seq_ids(preps, mbs, num_requests)]
-        info = _pipeline_info(infos, mbs, times, pp)
-        return PrefillOutput(last_logits, handles, None if flat_logits is None else list(torch.split(flat_logits, ext)),
-                             info, None if aux_hidden is None else _per_request(aux_hidden, ext))
-
-    def _aux_assemble(self, aux: tuple[int, ...], mine: list[torch.Tensor], num_tokens: int) -> torch.Tensor:
-        """[T, len(aux), hidden] float32 in batch order: this stage's columns from its
-        micro-batches; under PP every stage's columns, broadcast from that stage."""
-        out = torch.empty(num_tokens, len(aux), self.cfg.hidden_size)
-        pp = self.pipeline
-        stages = range(pp.num_stages) if pp is not None else [0]
-        layers = self.parallel.stage_layers(self.cfg.num_layers)
-        for s in stages:
-            held = [i for i in aux if i in layers[s]]
-            if not held:
-                continue
-            block = torch.cat(mine) if s == self.stage.index else torch.empty(num_tokens, len(held), out.shape[2])
-            if pp is not None:
-                block = self._broadcast(block, pp.stage_root(s))
-            out[:, [aux.index(i) for i in held]] = block
-        return out
-
-    def _broadcast(self, x: torch.Tensor, root: int) -> torch.Tensor:
-        """A host tensor from global rank ``root`` to every rank of the pipeline (through
-        the device: NCCL moves device memory only)."""
-        return self.pipeline.world.broadcast_(x.to(self.device), root).cpu()
-
-
-def _per_request(rows: torch.Tensor, extend: list[int]) -> list[torch.Tensor]:
-    """[T, n, hidden] in batch order -> per request [new_tokens_i, n * hidden]."""
-    return [x.reshape(x.shape[0], -1) for x in torch.split(rows, extend)]
-
-
-def _final_seq_ids(preps: list[PreparedBatch], mbs, num_requests: int) -> list[int]:
-    seq = [-1] * num_requests
-    for prep, pieces in zip(preps, mbs):
-        for p, s in zip(pieces, prep.seq_ids):
-            seq[p.request] = s
-    return seq
-
-
-def _pipeline_info(infos: list[ForwardInfo], mbs, times, pp) -> ForwardInfo:
-    """One ForwardInfo for a micro-batched forward: graph only when every micro-batch
-    replayed; per-micro-batch paths and the stage's time split in ``stats``."""
-    fallbacks = [i.fallback for i in infos if i.path == "eager"]
-    info = ForwardInfo(
-        "graph" if not fallbacks else "eager", max(i.capacity for i in infos), max(i.required for i in infos),
-        next((f for f in fallbacks if f is not None), None),
-    )
-    info.timings.update(compute_s=times.compute_s, wait_s=times.wait_s, drain_s=times.drain_s)
-    info.stats["pipeline"] = {
-        "stage": 0 if pp is None else pp.stage, "stages": 1 if pp is None else pp.num_stages,
-        "microbatches": [{"tokens": sum(p.num_tokens for p in mb), "path": i.path, "capacity": i.capacity}
-                         for mb, i in zip(mbs, infos)],
-        "sent_bytes": times.sent_bytes,
-    }
-    return info
 
 
 def prefill_prefixes(engine: PrefillEngine, prefixes: Sequence[object | None]) -> list[KVHandle | None]:
