@@ -69,7 +69,7 @@ def _stage_replay_bitwise(eng) -> bool:
         if sel.capacity not in eng.runner.graphs:  # capture first: it refills the static buffers
             eng.runner.capture_bucket(sel.capacity)
         same = eng.runner.eager_on_bucket(prep, sel.capacity, rows).clone()
-        aux = eng.runner.aux_rows(sel.capacity).clone()
+        aux = eng.runner.aux_rows(sel.capacity).clone()  # every stage holds some of AUX here
         hidden, info = eng.runner.try_replay(prep, rows)
         return info.path == "graph" and torch.equal(hidden, same) and torch.equal(eng.runner.aux_rows(sel.capacity), aux)
     finally:
