@@ -213,8 +213,11 @@ class PendingTransfer:
     tensor: torch.Tensor
 
     def wait(self) -> torch.Tensor:
+        # gloo: a host wait under the timeout. NCCL: a stream-ordered wait (an explicit
+        # timeout would block the host), its watchdog enforcing the process group's timeout
+        timeout = self.link.timeout_s if self.tensor.device.type != "cuda" else None
         try:
-            wait_work(self.work, self.link.timeout_s)
+            wait_work(self.work, timeout)
         except Exception as e:  # noqa: BLE001
             raise self.link.fail(self.op, e) from e
         return self.tensor

@@ -4,8 +4,9 @@ model.safetensors.index.json) into a :class:`DecoderModel`, tensor by tensor.
 Each rank reads only what it keeps: attention weights whole, the MLP's gate/up
 rows and down columns of its TP shard, and under pipeline parallelism only its
 stage's layers (the embedding on the first stage, the final norm and LM head on
-the last; every stage still checks that the checkpoint holds every tensor). q/k/v are fused into one projection and
-gate/up into one, so every checkpoint tensor maps to a slice of one parameter.
+the last; every stage still checks that the checkpoint lists every tensor). q/k/v
+are fused into one projection and gate/up into one, so every checkpoint tensor
+maps to a slice of one parameter.
 """
 
 from __future__ import annotations
@@ -122,8 +123,9 @@ def load_model(
     parallel: ParallelConfig | None = None,
     stage: int = 0,
 ) -> tuple[ModelConfig, DecoderModel]:
-    """The model (pipeline stage ``stage`` of ``parallel``, whose cp_size is the TP
-    degree; default: the whole model at ``tp_size``) with this rank's weights."""
+    """The model with this rank's weights: pipeline stage ``stage`` of ``parallel``
+    (whose cp_size is the TP degree: it overrides ``tp_size``), or without
+    ``parallel`` the whole model at ``tp_size``."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_file(model_dir / "config.json")
     parallel = parallel or ParallelConfig(cp_size=tp_size)
@@ -148,7 +150,7 @@ def load_model(
             raise CheckpointError(f"{f.name}: unexpected tensor {name!r} for a {cfg.family} model of this config")
         listed.add(name)
         local = _stage_param(targets[name].param, model.stage.layers, params)
-        if local is not None:  # another stage's tensor: not read here
+        if local is not None:  # None: another stage's tensor, not read here
             targets[name] = replace(targets[name], param=local)
             by_file.setdefault(f, []).append(name)
     missing = sorted(set(targets) - listed)
