@@ -289,8 +289,8 @@ def test_generated_prefill_flags(capsys, tmp_path, model_dir):
     ] + [
         (["--cp", v], r"intermediate_size=128 does not divide by tp_size=cp_size=" + v) for v in ("3", "5", "256")
     ] + [
-        (["--model", tmp_path / "no-such-model"], r"--model .* is neither a preset"),
-        (["--model", tmp_path / "a-file"], r"--model .* is neither a preset"),
+        (["--model", tmp_path / "no-such-model"], r"model .* is neither a preset"),
+        (["--model", tmp_path / "a-file"], r"model .* is neither a preset"),
     ]
     cases = [Case(f"{f[0]}={f[1]}", ["prefill", "--model", model_dir, "--input", req, "--output", out, *f], e, out=out)
              for f, e in flags]

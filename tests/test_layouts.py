@@ -1,6 +1,6 @@
 """Tests of the CP layouts (graphcp.cp): zigzag and interleave plans.
 
-Every property is checked against the definitions in DESIGN.md ("Layouts"): each
+Every property is checked against the definitions in docs/design.md ("Layouts"): each
 new token owned by exactly one rank, each local row's segment giving it exactly its
 causal history, the gather index inverting a rank-major all-gather, and the
 last-token bookkeeping. Zigzag is also compared with a plain per-request reference.

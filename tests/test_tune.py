@@ -221,9 +221,9 @@ def test_bucket_cost_prefers_fewer_buckets():
 @pytest.mark.parametrize(
     "bad, msg",
     [
-        (dict(max_buckets=0), "max buckets must be >= 1, got 0"),
+        (dict(max_buckets=0), "max_buckets must be >= 1, got 0"),
         (dict(align=12), "align must be a positive multiple of 8, got 12"),
-        (dict(max_capacity=4), "max capacity must be >= align=8, got 4"),
+        (dict(max_capacity=4), "max_capacity must be >= align (8), got 4"),
     ],
 )
 def test_optimiser_bad_input(bad, msg):
@@ -233,7 +233,7 @@ def test_optimiser_bad_input(bad, msg):
     assert msg in str(e.value)
     with pytest.raises(ValueError, match="required rows must be >= 1, got 0"):
         optimise(np.array([5, 0]), 2)
-    with pytest.raises(ValueError, match="eager penalty must be >= the padding factor 2.0, got 1.5"):
+    with pytest.raises(ValueError, match=r"eager_penalty must be >= padding_factor \(2.0\), got 1.5"):
         CostModel(2.0, 1.5)
 
 
@@ -437,46 +437,19 @@ def test_cli_bad_workload_file(tmp_path, capsys):
 
 def test_cli_workload_over_max_capacity(tmp_path, capsys):
     wl = tmp_path / "w.jsonl"
+
+    def tune(out: str) -> int:
+        return cli.run_tune(_args("--workload", str(wl), "--cp", "1", "--max-capacity", "1024",
+                                  "--output", str(tmp_path / out), "--baselines", "none"))
+
     wl.write_text("\n".join(['{"extend": [100]}'] * 3 + ['{"extend": [9000]}']) + "\n")
-    assert (
-        cli.run_tune(
-            _args(
-                "--workload",
-                str(wl),
-                "--cp",
-                "1",
-                "--max-capacity",
-                "1024",
-                "--output",
-                str(tmp_path / "b.json"),
-                "--baselines",
-                "none",
-            )
-        )
-        == 0
-    )
+    assert tune("b.json") == 0
     text = capsys.readouterr().out
     assert "1 batches (25.00%) need more than --max-capacity=1024 rows" in text
     assert BucketSet.load(tmp_path / "b.json").capacities == (104,)
     # every batch too large: still a valid file, and a warning
     wl.write_text('{"extend": [9000]}\n')
-    assert (
-        cli.run_tune(
-            _args(
-                "--workload",
-                str(wl),
-                "--cp",
-                "1",
-                "--max-capacity",
-                "1024",
-                "--output",
-                str(tmp_path / "c.json"),
-                "--baselines",
-                "none",
-            )
-        )
-        == 0
-    )
+    assert tune("c.json") == 0
     assert "all run eagerly" in capsys.readouterr().err
     assert BucketSet.load(tmp_path / "c.json").capacities == (1024,)
 

@@ -124,6 +124,12 @@ class AttentionMetadata:
         return int(self.cu_seqlens_q_host[-1])
 
     @property
+    def kernel_rows(self) -> int:
+        """The query rows a kernel call covers: the live rows, or for static metadata
+        (a full graph, planned before it is filled) the bucket's bound."""
+        return self.max_q_len if self.static else self.num_q_rows
+
+    @property
     def q_lens_host(self) -> np.ndarray:
         return np.diff(self.cu_seqlens_q_host)
 

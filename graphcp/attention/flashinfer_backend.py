@@ -280,7 +280,7 @@ class FlashInferAttention(AttentionBackend):
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
     ) -> None:
-        n = meta.max_q_len if meta.static else meta.num_q_rows
+        n = meta.kernel_rows
         if self._planned_rows != n or self._planned_static != meta.static:
             raise RuntimeError(
                 f"flashinfer backend: prepare(meta) must run before forward for this metadata "

@@ -198,7 +198,7 @@ class TrtllmAttention(AttentionBackend):
         self._upload(self.cum_seq_lens_q[: b + 1], cu_b)
         self._upload(self.cum_seq_lens_kv[: b + 1], np.concatenate([[0], np.cumsum(seq_b)]))
         self._batch = (b, max_q, max_kv)
-        self._planned = (meta.max_q_len if meta.static else int(cu[-1]), meta.static)
+        self._planned = (meta.kernel_rows, meta.static)
 
     @staticmethod
     def _upload(dst: torch.Tensor, src: np.ndarray) -> None:
@@ -212,7 +212,7 @@ class TrtllmAttention(AttentionBackend):
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
     ) -> None:
-        rows = meta.max_q_len if meta.static else meta.num_q_rows
+        rows = meta.kernel_rows
         if self._batch is None or self._planned != (rows, meta.static):
             raise RuntimeError("trtllm backend: prepare(meta) must run before forward for this metadata")
         if lse is not None and not self._has_lse:

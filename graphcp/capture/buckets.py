@@ -29,6 +29,7 @@ BUCKET_FILE_VERSION = 1
 #: local rows: the static buffers are sized by the largest bucket
 MAX_BUCKET_CAPACITY = 1 << 20
 MAX_BUCKETS_IN_SET = 4096
+MAX_ALIGN = 1 << 16
 
 # reasons a forward runs eagerly (keys of the runner's fallback counters)
 FALLBACK_TOO_LARGE = "larger_than_every_bucket"
@@ -121,10 +122,23 @@ class BucketSet:
         return cls(**{**fields, "capacities": tuple(fields["capacities"])})
 
 
+def check_align(align: int, name: str = "align", err: type = ConfigError, where: str | None = None) -> int:
+    """Capacities are multiples of ``align``, itself a positive multiple of 8."""
+    if check_int(align, name, lo=8, hi=MAX_ALIGN, where=where, err=err) % 8:
+        raise err(f"{where + ': ' if where else ''}{name} must be a positive multiple of 8, got {align}")
+    return align
+
+
+def check_padding_factor(factor: float, name: str = "padding_factor", err: type = ConfigError,
+                         where: str | None = None, hi: float | None = None) -> float:
+    """Eager when the bucket exceeds ``factor`` times the rows: a factor below 1 would
+    refuse even an exact fit."""
+    return check_float(factor, name, lo=1, hi=hi, where=where, err=err)
+
+
 def _check_fields(where: str, capacities, align, padding_factor, cp_size, layout, meta) -> tuple[int, ...]:
     """Every field of a bucket set, typed and ranged; returns the sorted capacities."""
-    if check_int(align, "align", lo=8, hi=MAX_BUCKET_CAPACITY, where=where) % 8:
-        raise ConfigError(f"{where}: bucket align must be a positive multiple of 8, got {align}")
+    check_align(align, where=where)
     if isinstance(capacities, (str, bytes, dict)) or not hasattr(capacities, "__len__"):
         raise ConfigError(f"{where}: capacities must be a list of integers, got {capacities!r}"[:300])
     if not len(capacities):
@@ -138,7 +152,7 @@ def _check_fields(where: str, capacities, align, padding_factor, cp_size, layout
         raise ConfigError(f"{where}: bucket capacities {bad} are not positive multiples of align={align}")
     if len(set(caps)) != len(caps):
         raise ConfigError(f"{where}: bucket capacities repeat: {list(capacities)}")
-    check_float(padding_factor, "padding_factor", lo=1.0, where=where)
+    check_padding_factor(padding_factor, where=where)
     if cp_size is not None:
         check_int(cp_size, "cp_size", lo=1, hi=MAX_CP, where=where)
     if layout is not None:

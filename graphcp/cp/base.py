@@ -4,7 +4,7 @@ A layout maps ``(extend_lens, prefix_lens, cp_size)`` to a plan. It is pure host
 code (numpy), deterministic, and computes the same plan on every rank, so ranks
 never have to agree on anything at run time.
 
-Vocabulary (see DESIGN.md, "Words" and "Layouts"):
+Vocabulary (see docs/design.md, "Words" and "Layouts"):
 
 * The *global rows* of a batch are its new tokens flattened in batch order:
   request ``j`` owns rows ``cu_extend[j] .. cu_extend[j + 1]``. The absolute

@@ -17,22 +17,20 @@ import time
 
 import numpy as np
 
-from graphcp.capture.buckets import DEFAULT_PADDING_FACTOR, MAX_BUCKET_CAPACITY, BucketSet
-from graphcp.checks import MAX_CP, check_float, check_int, check_output_path
+from graphcp.capture.buckets import DEFAULT_PADDING_FACTOR, BucketSet
+from graphcp.checks import MAX_CP, check_int, check_output_path
 from graphcp.errors import InputError, report
 from graphcp.tune.baselines import BASELINES
 from graphcp.tune.optimise import CostModel, optimise
 from graphcp.tune.report import build_report
 from graphcp.tune.required import LAYOUTS, required_rows
+from graphcp.tune.settings import check_costs, check_search, flag_name
 from graphcp.tune.workload import load_workload
 
 DEFAULT_MAX_BUCKETS = 8
 DEFAULT_MAX_CAPACITY = 8192  # local rows; the static buffers are sized by the largest bucket
 
 
-MAX_BUCKETS = 1024
-MAX_ALIGN = 1 << 16
-MAX_FACTOR = 1e6  # padding factor, eager penalty
 MAX_SEED = 2**63 - 1
 
 
@@ -105,21 +103,8 @@ def _check(args) -> list[str]:
     silently: they are refused by name), and the outputs writable, before any work."""
     err = TuneInputError
     check_int(args.cp, "--cp", lo=1, hi=MAX_CP, err=err)
-    check_int(args.max_buckets, "--max-buckets", lo=1, hi=MAX_BUCKETS, err=err)
-    if check_int(args.align, "--align", lo=8, hi=MAX_ALIGN, err=err) % 8:
-        raise TuneInputError(f"--align must be a positive multiple of 8, got {args.align}")
-    if args.max_capacity < args.align:
-        raise TuneInputError(f"--max-capacity must be >= --align ({args.align}), got {args.max_capacity}")
-    check_int(args.max_capacity, "--max-capacity", hi=MAX_BUCKET_CAPACITY, err=err)
-    check_float(args.padding_factor, "--padding-factor", lo=1, hi=MAX_FACTOR, err=err)
-    if args.eager_penalty is not None:
-        check_float(args.eager_penalty, "--eager-penalty", hi=MAX_FACTOR, err=err)
-        if args.eager_penalty < args.padding_factor:
-            raise TuneInputError(
-                f"--eager-penalty must be >= --padding-factor ({args.padding_factor}), got {args.eager_penalty}; "
-                "if eager is cheaper than that much padding, lower --padding-factor"
-            )
-    check_float(args.bucket_cost, "--bucket-cost", lo=0, hi=float(MAX_BUCKET_CAPACITY), err=err)
+    check_search(args.max_buckets, args.align, args.max_capacity, flag_name, err)
+    check_costs(args.padding_factor, args.eager_penalty, args.bucket_cost, flag_name, err)
     check_int(args.seed, "--seed", lo=0, hi=MAX_SEED, err=err)
     for flag, path in (("--output", args.output), ("--plot", args.plot), ("--report-json", args.report_json)):
         if path is not None:

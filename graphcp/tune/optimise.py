@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphcp.capture.buckets import DEFAULT_PADDING_FACTOR, align_up
+from graphcp.errors import InputError
+from graphcp.tune.settings import check_costs, check_search
 
 #: the banded (V x V) minimum runs a column block of about this many cells at a time
 _COLUMN_BLOCK_ELEMS = 1 << 20
@@ -51,15 +53,7 @@ class CostModel:
     bucket_cost: float = 0.0  # row-equivalents per batch, per bucket
 
     def __post_init__(self) -> None:
-        if self.padding_factor < 1.0:
-            raise ValueError(f"padding factor must be >= 1, got {self.padding_factor}")
-        if self.eager_penalty is not None and self.eager_penalty < self.padding_factor:
-            raise ValueError(
-                f"eager penalty must be >= the padding factor {self.padding_factor}, got {self.eager_penalty}: "
-                "the runner pads up to the factor rather than run eagerly; lower the padding factor instead"
-            )
-        if self.bucket_cost < 0:
-            raise ValueError(f"bucket cost must be >= 0, got {self.bucket_cost}")
+        check_costs(self.padding_factor, self.eager_penalty, self.bucket_cost)
 
     @property
     def penalty(self) -> float:
@@ -101,19 +95,13 @@ def optimise(
 ) -> TuneResult:
     """At most ``max_buckets`` capacities minimising total cost (+ bucket_cost x k)."""
     required = np.asarray(required, dtype=np.int64)
-    if max_buckets < 1:
-        raise ValueError(f"max buckets must be >= 1, got {max_buckets}")
-    if align < 8 or align % 8:
-        raise ValueError(f"align must be a positive multiple of 8, got {align}")
+    check_search(max_buckets, align, max_capacity)
     if required.size == 0:
-        raise ValueError("no batches to tune for")
+        raise InputError("no batches to tune for")
     if required.min() < 1:
-        raise ValueError(f"required rows must be >= 1, got {int(required.min())}")
-    cap = None
-    if max_capacity is not None:
-        cap = (int(max_capacity) // align) * align  # round down: capacities are multiples of align
-        if cap < align:
-            raise ValueError(f"max capacity must be >= align={align}, got {max_capacity}")
+        raise InputError(f"required rows must be >= 1, got {int(required.min())}")
+    # round down: capacities are multiples of align
+    cap = None if max_capacity is None else (int(max_capacity) // align) * align
 
     pen = model.penalty
     vals, counts = np.unique(required, return_counts=True)
