@@ -15,6 +15,7 @@ import torch
 from cp_utils import batch, rel_err, run_batch, write_tiny_llama
 from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.capture.buckets import BucketSet
+from graphcp.cli.jobs import compare_paths
 from graphcp.dist import launch
 from graphcp.model.presets import ensure_preset
 
@@ -53,7 +54,9 @@ def _job(group, models, cases, cp: int):
         eng = PrefillEngine(models[family], rt, group, BUCKETS, ParallelConfig(cp_size=cp, pp_size=2, pp_layers=layers))
         res = run_batch(eng, _batch(eng.cfg.vocab_size))
         bitwise = _stage_replay_bitwise(eng) if graph != "off" else None
-        out.append((res.last_logits, res.logits, res.aux_hidden, res.info.path, bitwise, eng.kv.snapshot()))
+        # `graphcp run`'s comparison under PP: every stage's same-bucket check, combined
+        cmp = compare_paths(eng, [t for _, t in _batch(eng.cfg.vocab_size)[:2]]) if graph != "off" else None
+        out.append((res.last_logits, res.logits, res.aux_hidden, res.info.path, bitwise, eng.kv.snapshot(), cmp))
     return out
 
 
@@ -101,7 +104,7 @@ def test_pp2_equals_single_rank_and_transformers(models, references, cp):
     cases = _cases(models, cp)
     results = launch(_job, 2 * cp, models, cases, cp)
     for rank, per_case in enumerate(results):
-        for (family, dtype, m, layers, graph), (last, logits, aux, path, bitwise, snap) in zip(cases, per_case):
+        for (family, dtype, m, layers, graph), (last, logits, aux, path, bitwise, snap, cmp) in zip(cases, per_case):
             where = f"rank {rank} (stage {rank // cp}), {family} {dtype}, M={m}, pp_layers={layers}, graph={graph}"
             one, hf = references[family, dtype]
             assert rel_err(last, one.last_logits) <= TOL[dtype], where
@@ -113,6 +116,8 @@ def test_pp2_equals_single_rank_and_transformers(models, references, cp):
                 assert rel_err(got, want) <= TOL[dtype], f"{where}, request {j} auxiliary hidden states"
             if graph != "off":
                 assert path == "graph" and bitwise, where
+                assert cmp["path"] == "graph" and cmp["same_bucket_bitwise"] is True, (where, cmp)
+                assert cmp["rel_diff"] <= TOL[dtype], (where, cmp)
             # every rank of the pipeline returns the same outputs and keeps the same KV allocator state
             assert torch.equal(last, results[0][cases.index((family, dtype, m, layers, graph))][0]), where
             assert snap == results[0][cases.index((family, dtype, m, layers, graph))][5], where
