@@ -115,6 +115,8 @@ def test_a_subset_or_none_per_call_and_the_errors(reference):
     hidden = 256
     out = prefill_after_prefixes(eng, _batch(), aux_hidden_layers=[2])  # a subset of the captured layers
     assert out.info.path == "graph"
+    for captured in eng.runner.graphs.values():  # the copies add no break: one per layer (attention), as without
+        assert (len(captured.graph.segments), len(captured.graph.breaks)) == (5, 4)
     for got, want in zip(out.aux_hidden, reference["float32"]):
         assert rel_err(got, want[:, 2 * hidden:]) <= TOL["float32"]
     assert prefill_after_prefixes(eng, _batch(), aux_hidden_layers=[]).aux_hidden is None
