@@ -143,7 +143,6 @@ class CPGroup:
             raise self._fail("all_reduce", e) from e
         return x
 
-
     def broadcast_(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """``x`` from global rank ``src`` into ``x`` on every rank of the group."""
         if self.size == 1:
