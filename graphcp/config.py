@@ -26,6 +26,8 @@ from graphcp.options import (
     GraphMode,
     LayoutName,
 )
+from graphcp.moe_config import MoeConfig, moe_from_hf
+from graphcp.options import MOE_LAYOUTS, MoeLayout
 from graphcp.rope import RopeConfig, rope_from_hf
 
 #: HF ``architectures`` entries (and ``model_type`` fallbacks) this decoder covers
@@ -34,6 +36,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,7 +61,7 @@ def parse_dtype(name: "str | torch.dtype") -> torch.dtype:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # llama | mistral | qwen2 | qwen3
+    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -74,6 +78,8 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     mlp_bias: bool = False
     torch_dtype: str | None = None
+    #: mixture-of-experts layers (None: every layer runs the dense MLP)
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         w = "ModelConfig"
@@ -90,6 +96,11 @@ class ModelConfig:
             raise ConfigError(
                 f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
             )
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether some layer runs the dense MLP (``intermediate_size``)."""
+        return self.moe is None or len(self.moe.layers) < self.num_layers
 
     @property
     def q_size(self) -> int:
@@ -146,7 +157,7 @@ class ModelConfig:
         window = d.get("sliding_window")
         if window is not None:
             window = check_int(window, "sliding_window", lo=0, hi=MAX_TOKENS, where=source)
-        use_window = flag("use_sliding_window", family == "mistral")
+        use_window = flag("use_sliding_window", family in ("mistral", "mixtral"))
         if window is not None and use_window and window < (max_pos or 0):
             raise ConfigError(
                 f"{source}: sliding_window={window} attention is not supported (graphcp attends the full context)"
@@ -166,12 +177,13 @@ class ModelConfig:
         if dtype is not None:
             check_str(dtype, "torch_dtype", where=source)
         attention_bias = flag("attention_bias", False)
+        num_layers = num("num_hidden_layers", MAX_LAYERS)
         return cls(
             family=family,
             vocab_size=num("vocab_size", MAX_VOCAB),
             hidden_size=hidden,
             intermediate_size=num("intermediate_size", MAX_INTERMEDIATE),
-            num_layers=num("num_hidden_layers", MAX_LAYERS),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=num("num_key_value_heads", MAX_HEADS, heads),
             head_dim=head_dim,
@@ -181,9 +193,10 @@ class ModelConfig:
             tie_word_embeddings=flag("tie_word_embeddings", False),
             attention_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             mlp_bias=flag("mlp_bias", False),
             torch_dtype=dtype,
+            moe=moe_from_hf(d, family, num_layers, source),
         )
 
     @classmethod
@@ -260,10 +273,14 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.pp_size * self.cp_size
 
-    def check_model(self, m: ModelConfig, source: str = "the model") -> None:
-        """Refuse a model whose sharded sizes do not divide by the TP degree, or whose
-        layers do not split into the pipeline stages."""
-        if m.intermediate_size % self.tp_size:
+    def check_model(self, m: ModelConfig, source: str = "the model", moe: MoeLayout = "ep") -> None:
+        """Refuse a model whose sharded sizes do not divide by the TP degree (or, with
+        mixture-of-experts layers, whose experts do not split over the group as ``moe``
+        asks: see :meth:`MoeConfig.check_parallel`), or whose layers do not split into
+        the pipeline stages."""
+        if m.moe is not None:
+            m.moe.check_parallel(self.cp_size, moe, source, m.hidden_size)
+        if m.has_dense_mlp and m.intermediate_size % self.tp_size:
             raise ConfigError(
                 f"{source}: intermediate_size={m.intermediate_size} does not divide by tp_size=cp_size="
                 f"{self.tp_size}; the MLP is column/row-parallel over the CP group"
@@ -322,6 +339,10 @@ class RuntimeConfig:
     verify_capture: bool | None = None
     check_consistency: bool = True
     collective_timeout_s: float = 300.0
+    #: mixture-of-experts layers: "ep" splits the experts over the CP group (all-to-all
+    #: dispatch and combine, an eager graph break), "tp" shards every expert like the
+    #: dense MLP (inside the captured graphs); dense models ignore it
+    moe: MoeLayout = "ep"
     #: decoder layers whose output hidden states prefill returns by default (for a
     #: speculative-decoding draft model); graphs copy these layers' rows inside the
     #: captured segments, so with graphs a call may ask only for a subset of them
@@ -347,6 +368,8 @@ class RuntimeConfig:
         check_bool(self.check_consistency, "check_consistency", where="RuntimeConfig")
         check_float(self.collective_timeout_s, "collective_timeout_s", lo=0, lo_open=True, hi=MAX_TIMEOUT_S,
                     where="RuntimeConfig")
+        if self.moe not in MOE_LAYOUTS:
+            raise ConfigError(f"RuntimeConfig.moe must be one of {', '.join(MOE_LAYOUTS)}, got {self.moe!r}")
         object.__setattr__(self, "aux_hidden_layers", check_layer_list(
             self.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", MAX_LAYERS, err=ConfigError))
         check_int(self.microbatches, "microbatches", lo=1, hi=MAX_MICROBATCHES, where="RuntimeConfig")

@@ -70,7 +70,7 @@ class PrefillEngine:
         self.dtype = rt.torch_dtype
         self.model_dir = resolve_model(model)
         self.cfg, self.model = load_model(self.model_dir, self.dtype, self.device, rank=self.group.rank,
-                                          parallel=self.parallel,
+                                          parallel=self.parallel, moe=rt.moe,
                                           stage=self.pipeline.stage if self.pipeline is not None else 0)
         self.stage = self.model.stage
         check_layer_list(rt.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", self.cfg.num_layers)
@@ -244,6 +244,7 @@ class PrefillEngine:
             outcome = self.runner.try_replay(prep, hidden_in)
             if not isinstance(outcome, Fallback):
                 hidden, info = outcome
+                info.stats.update(prep.stats)
                 if not mine:
                     return hidden, info, None
                 cols = torch.tensor([self.runner.aux_layers.index(i) for i in mine], device=self.device)
@@ -255,7 +256,9 @@ class PrefillEngine:
             rows = torch.empty(required, len(mine), self.cfg.hidden_size, dtype=self.dtype, device=self.device)
             capture = AuxCapture(mine, rows)
         hidden = self.body.eager(prep, required, hidden_in, capture)
-        return hidden, ForwardInfo("eager", required, required, fallback), None if capture is None else capture.out
+        info = ForwardInfo("eager", required, required, fallback)
+        info.stats.update(prep.stats)
+        return hidden, info, None if capture is None else capture.out
 
     def _last_logits(self, plan: Plan, hidden: torch.Tensor) -> torch.Tensor:
         mine = np.flatnonzero(plan.last_owner == self.rank)

@@ -54,5 +54,13 @@ class ForwardContext:
     #: every rank's ``kv_slots``, rank-major ([C * capacity]): set by the body's
     #: first step each run (so a captured body records the collective that makes it)
     gathered_kv_slots: torch.Tensor | None = None
+    #: this rank's live rows (the rest of the capacity is a bucket's padding); the
+    #: expert-parallel MoE exchange routes only these. None: every row is live
+    live_rows: int | None = None
+    #: static residual rows into and out of an expert-parallel layer's break (graph mode)
+    moe_resid: torch.Tensor | None = None
+    moe_out: torch.Tensor | None = None
+    #: this forward's figures (ForwardInfo.stats) that breaks add to as they run; None: not kept
+    stats: dict[str, Any] | None = None
     #: auxiliary hidden states this forward copies out (None: none)
     aux: AuxCapture | None = None

@@ -33,6 +33,9 @@ class BucketView:
     cu_seqlens_q: torch.Tensor  # [S_max + 1] int32
     kv_lens: torch.Tensor  # [S_max] int32
     page_table: torch.Tensor  # [S_max, P_max] int32
+    # residual rows into / out of an expert-parallel MoE layer's break (None: no such layer)
+    moe_resid: torch.Tensor | None = None  # [cap, hidden]
+    moe_out: torch.Tensor | None = None  # [cap, hidden]
     #: a later pipeline stage's input rows (the previous stage's hidden states)
     hidden_in: torch.Tensor | None = None  # [cap, hidden]
     #: auxiliary hidden states the captured segments copy out
@@ -54,6 +57,7 @@ class StaticBuffers:
         max_pages_per_seq: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        moe_rows: bool = False,
         hidden_in: bool = False,
         aux_layers: int = 0,
     ) -> None:
@@ -72,6 +76,9 @@ class StaticBuffers:
         self.cu_seqlens_q = torch.zeros(max_segments + 1, dtype=torch.int32, device=dev)
         self.kv_lens = torch.zeros(max_segments, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_segments, max_pages_per_seq, dtype=torch.int32, device=dev)
+        # only models with an expert-parallel MoE layer have a break that takes residual rows
+        self.moe_resid = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if moe_rows else None
+        self.moe_out = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if moe_rows else None
         self.hidden_in = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if hidden_in else None
         self.aux_out = (torch.zeros(max_capacity, aux_layers, hidden_size, dtype=dtype, device=dev)
                         if aux_layers else None)
@@ -105,7 +112,8 @@ class StaticBuffers:
 
     def _bases(self) -> tuple:
         return (self.input_ids, self.positions, self.kv_slots, self.attn_q, self.attn_out, self.hidden_out,
-                self.cu_seqlens_q, self.kv_lens, self.page_table, self.hidden_in, self.aux_out)
+                self.cu_seqlens_q, self.kv_lens, self.page_table, self.moe_resid, self.moe_out, self.hidden_in,
+                self.aux_out)
 
     def view(self, capacity: int) -> BucketView:
         """Prefix views of the bucket (cached; rebuilt if a buffer was replaced, so
@@ -131,6 +139,8 @@ class StaticBuffers:
             cu_seqlens_q=self.cu_seqlens_q,
             kv_lens=self.kv_lens,
             page_table=self.page_table,
+            moe_resid=None if self.moe_resid is None else self.moe_resid[:c],
+            moe_out=None if self.moe_out is None else self.moe_out[:c],
             hidden_in=None if self.hidden_in is None else self.hidden_in[:c],
             aux_out=None if self.aux_out is None else self.aux_out[:c],
         )
@@ -138,7 +148,7 @@ class StaticBuffers:
     def addresses(self) -> dict[str, int]:
         """Data pointers of every static tensor (debug mode checks they never move)."""
         names = ("input_ids", "positions", "kv_slots", "attn_q", "attn_out", "hidden_out",
-                 "cu_seqlens_q", "kv_lens", "page_table", "hidden_in", "aux_out")
+                 "cu_seqlens_q", "kv_lens", "page_table", "moe_resid", "moe_out", "hidden_in", "aux_out")
         return {n: getattr(self, n).data_ptr() for n in names if getattr(self, n) is not None}
 
     def fill(

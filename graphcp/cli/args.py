@@ -11,6 +11,7 @@ from graphcp.checks import check_layer_list
 from graphcp.config import ModelConfig, RuntimeConfig
 from graphcp.model.presets import resolve_model
 from graphcp.options import ATTENTION_BACKENDS, CLI_DTYPES, DEVICE_KINDS, GRAPH_BACKENDS, GRAPH_MODES, LAYOUTS
+from graphcp.options import MOE_LAYOUTS
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -50,6 +51,9 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each new bucket on a synthetic batch and compare it bitwise with the same-bucket "
                         "eager body (default: on for the trace graph backend, off for cuda; on for `graphcp run`)")
+    p.add_argument("--moe", default="ep", choices=MOE_LAYOUTS,
+                   help="mixture-of-experts layers: ep splits the experts over the CP ranks (all-to-all dispatch "
+                        "and combine), tp shards every expert like the dense MLP (default: ep)")
 
 
 def graph_mode(args: argparse.Namespace) -> str:
@@ -62,7 +66,7 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
         dtype=args.dtype, device=args.device, page_size=args.page_size, kv_tokens=args.kv_tokens,
         attention=args.attention, graph=graph_mode(args), graph_backend=args.graph_backend, layout=args.layout,
         max_requests=args.max_requests, collective_timeout_s=args.timeout, verify_capture=args.verify_capture,
-        aux_hidden_layers=args.aux_hidden_layers, microbatches=args.pp_microbatches,
+        aux_hidden_layers=args.aux_hidden_layers, microbatches=args.pp_microbatches, moe=args.moe,
     )
     return JobSpec(args.model, rt, args.buckets, args.cp, args.pp, args.pp_layers)
 
@@ -73,6 +77,6 @@ def preflight(spec: JobSpec) -> None:
     the bucket file (each rank would fail the same way, only later and N times)."""
     config = resolve_model(spec.model) / "config.json"
     model = ModelConfig.from_file(config)
-    spec.parallel.check_model(model, str(config))
+    spec.parallel.check_model(model, str(config), spec.runtime.moe)
     check_layer_list(spec.runtime.aux_hidden_layers, f"--aux-hidden-layers ({config})", model.num_layers)
     spec.buckets()

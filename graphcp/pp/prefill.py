@@ -182,10 +182,13 @@ def _info(infos: list[ForwardInfo], mbs: list[list[Piece]], times: StageTimes,
         next((f for f in fallbacks if f is not None), None),
     )
     info.timings.update(compute_s=times.compute_s, wait_s=times.wait_s, drain_s=times.drain_s)
+    if len(infos) == 1:  # one forward: its figures as they are (this stage's layers under PP)
+        info.stats.update(infos[0].stats)
     info.stats["pipeline"] = {
         "stage": 0 if pp is None else pp.stage, "stages": 1 if pp is None else pp.num_stages,
-        "microbatches": [{"tokens": sum(p.num_tokens for p in mb), "path": i.path, "capacity": i.capacity}
-                         for mb, i in zip(mbs, infos)],
+        # each micro-batch's own figures: they do not all add up (a ratio, a layer count)
+        "microbatches": [{"tokens": sum(p.num_tokens for p in mb), "path": i.path, "capacity": i.capacity,
+                          "stats": i.stats} for mb, i in zip(mbs, infos)],
         "sent_bytes": times.sent_bytes,
     }
     return info
