@@ -3,8 +3,8 @@ transformers: PP 2 x CP 1 and PP 2 x CP 2, two families, float32 and bfloat16,
 mixed lengths with prefix extends, 1 and 4 micro-batches (the prefixes are
 micro-batched too: a long request then runs as chunks across the stages), an
 uneven --pp-layers split, and breakable graphs on every stage (each stage's replay
-bitwise equal to its eager body on the same bucket). One launch per PP x CP shape;
-the configurations loop inside the ranks."""
+bitwise equal to its eager body on the same bucket); MoE layers on both stages. One
+launch per PP x CP shape; the configurations loop inside the ranks."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.capture.buckets import BucketSet
 from graphcp.cli.jobs import compare_paths
 from graphcp.dist import launch
+from graphcp.engine import prefill_after_prefixes
 from graphcp.model.presets import ensure_preset
 
 LENS = [97, 1, 5, 33, 2]
@@ -124,3 +125,30 @@ def test_pp2_equals_single_rank_and_transformers(models, references, cp):
             # every rank of the pipeline returns the same outputs and keeps the same KV allocator state
             assert torch.equal(last, results[0][cases.index((family, dtype, m, layers, graph))][0]), where
             assert snap == results[0][cases.index((family, dtype, m, layers, graph))][5], where
+
+
+def _moe_job(group, cases):
+    out = []
+    for moe, graph in cases:
+        rt = RuntimeConfig(kv_tokens=4096, moe=moe, graph=graph, aux_hidden_layers=(3, 0), verify_capture=False)
+        eng = PrefillEngine("default-moe", rt, group, BUCKETS, ParallelConfig(pp_size=2))
+        res = prefill_after_prefixes(eng, _batch(eng.cfg.vocab_size), all_logits=True, microbatches=2)
+        out.append((res.last_logits, res.logits, res.aux_hidden, res.info.path))
+    return out
+
+
+def test_pp2_with_moe_layers_equals_single_rank():
+    """MoE layers on both stages (experts over each stage's CP group: ep, and tp),
+    micro-batched, eager and breakable (ep's exchange break on each stage)."""
+    cases = [("ep", "off"), ("ep", "breakable"), ("tp", "off")]
+    ref = PrefillEngine("default-moe", RuntimeConfig(kv_tokens=4096, aux_hidden_layers=(3, 0)))
+    one = run_batch(ref, _batch(ref.cfg.vocab_size))
+    for rank, per_case in enumerate(launch(_moe_job, 2, cases)):
+        for (moe, graph), (last, logits, aux, path) in zip(cases, per_case):
+            where = f"rank {rank}, moe={moe}, graph={graph}"
+            assert path == ("graph" if graph != "off" else "eager"), where
+            assert rel_err(last, one.last_logits) <= TOL["float32"], where
+            for got, want in zip(logits, one.logits):
+                assert rel_err(got, want) <= TOL["float32"], where
+            for got, want in zip(aux, one.aux_hidden):
+                assert rel_err(got, want) <= TOL["float32"], where
