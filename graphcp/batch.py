@@ -58,6 +58,9 @@ class PrefillOutput:
     handles: list[KVHandle]  # each request's KV (prefix + new tokens): pass as the next chunk's prefix
     logits: list[torch.Tensor] | None  # float32 [new_tokens_i, vocab] when asked
     info: ForwardInfo
+    #: float32 [new_tokens_i, len(layers) * hidden] per request when auxiliary layers
+    #: were asked: the output of each asked decoder layer, in the order asked
+    aux_hidden: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -95,17 +98,20 @@ class BatchPreparer:
     #: a sharded cache's ring planner (slots in local indices, per-step metadata, the
     #: per-batch exchange choice); None: the replicated cache
     ring: RingPlanner | None = None
+    #: the ranks that must be given the same batch (every stage of a pipeline); None: ``group``
+    consistency_group: CPGroup | None = None
 
-    def prepare(self, batch: Sequence[Request]) -> PreparedBatch:
+    def prepare(self, batch: Sequence[Request], verified: bool = False,
+                call_args: Sequence[int] = ()) -> PreparedBatch:
         """Validate, check SPMD consistency, plan, reserve KV and build this rank's
-        host metadata. Nothing changes when it raises; :meth:`abort` undoes it."""
+        host metadata. Nothing changes when it raises; :meth:`abort` undoes it.
+        ``verified``: the batch was checked consistent already (:meth:`validate`);
+        ``call_args``: the call's options every rank must agree on, as integers."""
         t0 = time.perf_counter()
         with nvtx_range("plan", category="host"):
-            flat, extend = self._validate(batch)
+            flat, extend = self._validate(batch) if verified else self.validate(batch, call_args)
             prefix = np.fromiter((0 if r.prefix is None else r.prefix.num_tokens for r in batch),
                                  dtype=np.int64, count=len(batch))
-            if self.check_consistency and self.group.distributed:
-                self._check_consistency(flat, extend, prefix, batch)
             plan = self.layout.plan(extend_lens=extend, prefix_lens=prefix)
         seq_ids = self.kv.extend([r.prefix for r in batch], extend.tolist())
         try:
@@ -115,6 +121,18 @@ class BatchPreparer:
             raise
         prep.plan_s = time.perf_counter() - t0
         return prep
+
+    def validate(self, batch: Sequence[Request], call_args: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """Check a batch (BatchError naming the request) and that every rank was given
+        the same batch and options; the token ids flattened in batch order and each
+        request's number of new tokens."""
+        flat, extend = self._validate(batch)
+        group = self.consistency_group or self.group
+        if self.check_consistency and group.distributed:
+            prefix = np.fromiter((0 if r.prefix is None else r.prefix.num_tokens for r in batch),
+                                 dtype=np.int64, count=len(batch))
+            self._check_consistency(group, flat, extend, prefix, batch, call_args)
+        return flat, extend
 
     def abort(self, prep: PreparedBatch) -> None:
         """Give back the KV a prepared batch reserved (its forward failed or was dropped)."""
@@ -170,18 +188,20 @@ class BatchPreparer:
                     )
         return flat, np.fromiter((t.shape[0] for t in out), dtype=np.int64, count=len(out))
 
-    def _check_consistency(self, flat: np.ndarray, extend: np.ndarray, prefix: np.ndarray, batch) -> None:
+    def _check_consistency(self, group: CPGroup, flat: np.ndarray, extend: np.ndarray, prefix: np.ndarray, batch,
+                           call_args: Sequence[int] = ()) -> None:
         """One small all-gather of a batch fingerprint (CRC32 of the token ids, the
-        lengths and the prefix handles): about 0.5 ms on gloo at 2 ranks, tens of
-        microseconds on NCCL, plus ~1 us per 4K tokens to hash."""
+        lengths, the prefix handles and the call's options): about 0.5 ms on gloo at 2
+        ranks, tens of microseconds on NCCL, plus ~1 us per 4K tokens to hash."""
         crc = zlib.crc32(flat.data)
         shape = np.concatenate([[len(batch)], extend, prefix,
-                                [-1 if r.prefix is None else r.prefix.seq_id for r in batch]]).astype(np.int64)
+                                [-1 if r.prefix is None else r.prefix.seq_id for r in batch],
+                                np.asarray(call_args, dtype=np.int64)]).astype(np.int64)
         fp = torch.tensor([[crc, zlib.crc32(shape.tobytes()), int(shape.sum())]], dtype=torch.int64)
         fp = fp.to(self.device)
-        allfp = self.group.all_gather_rows(fp).cpu()
-        rank = self.group.rank
-        differ = [r for r in range(self.group.size) if not torch.equal(allfp[r], allfp[rank])]
+        allfp = group.all_gather_rows(fp).cpu()
+        rank = group.rank
+        differ = [r for r in range(group.size) if not torch.equal(allfp[r], allfp[rank])]
         if differ:
             raise ConsistencyError(
                 f"rank {rank}: ranks {differ} were given a different batch (fingerprint {allfp[rank].tolist()} "

@@ -17,7 +17,7 @@ from graphcp.attention.ring import RingAttention
 from graphcp.attention.ring_plan import RingPlan
 from graphcp.batch import PreparedBatch
 from graphcp.dist import CPGroup
-from graphcp.forward_context import ForwardContext
+from graphcp.forward_context import AuxCapture, ForwardContext
 from graphcp.kvcache import PagedKVCache
 from graphcp.model.llama import DecoderModel
 from graphcp.profile.ranges import nvtx_range
@@ -33,19 +33,25 @@ class Body:
     #: the sharded cache's ring (None: the replicated cache)
     ring: RingAttention | None = None
 
+    @property
+    def takes_hidden(self) -> bool:
+        """A pipeline stage after the first: its input is the previous stage's hidden rows."""
+        return not self.model.stage.first
+
     def context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, static=None,
                 plan: AttentionMetadata | None = None, ring: RingPlan | None = None,
-                stats: dict | None = None) -> ForwardContext:
+                stats: dict | None = None, aux: AuxCapture | None = None) -> ForwardContext:
         """The context of one forward over ``meta``, after the attention backend's
         host-side planning for ``plan`` (default ``meta``: a full graph's context
         holds static metadata while the backend plans the live batch). ``static``: a
         bucket's static views, whose attention rows the breaks then read and write.
         ``ring``: the forward's ring plan (a sharded cache; None plans an inert one);
         ``stats``: this forward's ForwardInfo.stats, given the figures the row count
-        fixes here (breaks add the rest as they run)."""
+        fixes here (breaks add the rest as they run). ``aux``: where the forward copies
+        auxiliary hidden states."""
         live = meta if plan is None else plan
         self.attention.prepare(live)
-        ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group)
+        ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group, aux=aux)
         ctx.live_rows = live.num_q_rows
         if self.ring is not None:
             ctx.ring_attention = self.ring
@@ -59,20 +65,28 @@ class Body:
             ctx.stats = stats
         return ctx
 
-    def run(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Local rows in, final-normed hidden states of the same rows out."""
-        return self.model.body(input_ids, positions, ctx)
+    def run(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor,
+            hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """Local rows in, hidden states of the same rows out (final-normed on the
+        last pipeline stage); ``hidden_in``: a later stage's input rows."""
+        return self.model.body(input_ids, positions, ctx, hidden_in)
 
     @torch.inference_mode()
-    def eager(self, prep: PreparedBatch, capacity: int) -> torch.Tensor:
+    def eager(self, prep: PreparedBatch, capacity: int, hidden_in: torch.Tensor | None = None,
+              aux: AuxCapture | None = None) -> torch.Tensor:
         """A prepared batch run eagerly on ``capacity`` rows (>= the largest rank's
-        rows), padded as a bucket is: token 0, position 0, slot -1."""
+        rows), padded as a bucket is: token 0, position 0, slot -1 (and zero input
+        rows on a later pipeline stage, whose live rows are ``hidden_in``)."""
         n = prep.ids.shape[0]
         ids = np.zeros(capacity, dtype=np.int64)
         pos = np.zeros(capacity, dtype=np.int64)
         slots = np.full(capacity, -1, dtype=np.int64)
         ids[:n], pos[:n], slots[:n] = prep.ids, prep.positions, prep.slots
         dev = self.device
+        if hidden_in is not None and hidden_in.shape[0] != capacity:
+            rows = torch.zeros(capacity, hidden_in.shape[1], dtype=hidden_in.dtype, device=dev)
+            rows[:n].copy_(hidden_in[:n])
+            hidden_in = rows
         with nvtx_range("eager_body", category="eager"):
-            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=prep.stats)
-            return self.run(ctx, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev))
+            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=prep.stats, aux=aux)
+            return self.run(ctx, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), hidden_in)

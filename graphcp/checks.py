@@ -84,6 +84,21 @@ def check_choice(value: Any, key: str, choices: Iterable[str], *, where: str | N
     return value
 
 
+def check_layer_list(value: Any, key: str, num_layers: int, *, err: type = ConfigError) -> tuple[int, ...]:
+    """A list of distinct decoder-layer indices in ``[0, num_layers)``, as a tuple (in
+    the order given: it is the order of the outputs)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise err(f"{key} must be a list of decoder layer indices, got {_short(value)}")
+    out = []
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= int(v) < num_layers:
+            raise err(f"{key}[{i}] must be a decoder layer index in [0, {num_layers}), got {_short(v)}")
+        if int(v) in out:
+            raise err(f"{key} lists layer {int(v)} twice ({_short(list(value))}); expected distinct layers")
+        out.append(int(v))
+    return tuple(out)
+
+
 def check_output_path(path: str | os.PathLike, flag: str, err: type = InputError) -> Path:
     """Refuse an output path that cannot be written, before any work is done: a
     missing folder, a path naming a folder, an unwritable file or folder. Nothing is

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from graphcp.checks import MAX_CP, MAX_TOKENS, check_bool, check_float, check_int, check_str
+from graphcp.checks import MAX_CP, MAX_TOKENS, check_bool, check_float, check_int, check_layer_list, check_str
 from graphcp.errors import ConfigError
 from graphcp.options import (
     ATTENTION_BACKENDS,
@@ -220,17 +220,53 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class PipelineStage:
+    """One pipeline stage: which decoder layers it holds, and whether it holds the
+    embedding (the first stage) and the final norm + LM head (the last stage)."""
+
+    index: int
+    num_stages: int
+    layers: range  # global decoder-layer indices, contiguous
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """The parallel degrees graphcp honours, validated up front: ``cp_size`` ranks of
     context parallelism, whose group is also the tensor-parallel group of the MLP
-    (TP = CP; attention weights are whole on every rank). Degrees that graphcp does
+    (TP = CP; attention weights are whole on every rank), and ``pp_size`` pipeline
+    stages, each a CP group holding a contiguous range of decoder layers (an even
+    split, or ``pp_layers`` layers per stage). Ranks are stage-major: global rank
+    ``s * cp_size + r`` is CP rank ``r`` of stage ``s``. Degrees that graphcp does
     not run yet have no field here, so none can be set and silently ignored; new
     kinds of parallelism add their degree here, with the world size to match."""
 
     cp_size: int = 1
+    pp_size: int = 1
+    #: decoder layers of each stage, in stage order (None: an even split)
+    pp_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        check_int(self.cp_size, "cp_size", lo=1, hi=MAX_CP, where="ParallelConfig")
+        w = "ParallelConfig"
+        check_int(self.cp_size, "cp_size", lo=1, hi=MAX_CP, where=w)
+        check_int(self.pp_size, "pp_size", lo=1, hi=MAX_LAYERS, where=w)
+        if self.pp_layers is not None:
+            if isinstance(self.pp_layers, (str, bytes)) or not isinstance(self.pp_layers, (tuple, list)):
+                raise ConfigError(f"{w}: pp_layers must be a list of layer counts, one per stage, "
+                                  f"got {self.pp_layers!r}"[:300])
+            for s, n in enumerate(self.pp_layers):
+                check_int(n, f"pp_layers[{s}] (layers of stage {s})", lo=1, hi=MAX_LAYERS, where=w)
+            if len(self.pp_layers) != self.pp_size:
+                raise ConfigError(f"{w}: pp_layers lists {len(self.pp_layers)} stages "
+                                  f"({list(self.pp_layers)}), expected pp_size={self.pp_size}")
+            object.__setattr__(self, "pp_layers", tuple(int(n) for n in self.pp_layers))
 
     @property
     def tp_size(self) -> int:
@@ -239,12 +275,13 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.cp_size
+        return self.pp_size * self.cp_size
 
     def check_model(self, m: ModelConfig, source: str = "the model", moe: MoeLayout = "ep") -> None:
         """Refuse a model whose sharded sizes do not divide by the TP degree (or, with
         mixture-of-experts layers, whose experts do not split over the group as ``moe``
-        asks: see :meth:`MoeConfig.check_parallel`)."""
+        asks: see :meth:`MoeConfig.check_parallel`), or whose layers do not split into
+        the pipeline stages."""
         if m.moe is not None:
             m.moe.check_parallel(self.cp_size, moe, source, m.hidden_size)
         if m.has_dense_mlp and m.intermediate_size % self.tp_size:
@@ -252,6 +289,29 @@ class ParallelConfig:
                 f"{source}: intermediate_size={m.intermediate_size} does not divide by tp_size=cp_size="
                 f"{self.tp_size}; the MLP is column/row-parallel over the CP group"
             )
+        self.stage_layers(m.num_layers, source)
+
+    def stage_layers(self, num_layers: int, source: str = "the model") -> list[range]:
+        """Each stage's decoder layers (contiguous ranges, in stage order); ConfigError
+        when ``num_layers`` does not split as configured."""
+        P = self.pp_size
+        if self.pp_layers is None:
+            if num_layers % P:
+                raise ConfigError(
+                    f"{source}: num_hidden_layers={num_layers} does not divide by pp_size={P}; give each "
+                    f"stage's layer count with ParallelConfig.pp_layers (--pp-layers), summing to {num_layers}"
+                )
+            counts = [num_layers // P] * P
+        else:
+            counts = list(self.pp_layers)
+            if sum(counts) != num_layers:
+                raise ConfigError(f"{source}: ParallelConfig.pp_layers={counts} sums to {sum(counts)} layers, "
+                                  f"the model has num_hidden_layers={num_layers}")
+        starts = [sum(counts[:s]) for s in range(P)]
+        return [range(a, a + n) for a, n in zip(starts, counts)]
+
+    def stage(self, index: int, num_layers: int) -> PipelineStage:
+        return PipelineStage(index, self.pp_size, self.stage_layers(num_layers)[index])
 
 
 MAX_PAGE_SIZE = 4096
@@ -259,6 +319,7 @@ MAX_REQUESTS = 1 << 16
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_TFLOPS = 1e6  # far above any accelerator
 MAX_GB_PER_S = 1e6
+MAX_MICROBATCHES = 4096
 
 
 @dataclass(frozen=True)
@@ -299,6 +360,12 @@ class RuntimeConfig:
     #: dispatch and combine, an eager graph break), "tp" shards every expert like the
     #: dense MLP (inside the captured graphs); dense models ignore it
     moe: MoeLayout = "ep"
+    #: decoder layers whose output hidden states prefill returns by default (for a
+    #: speculative-decoding draft model); graphs copy these layers' rows inside the
+    #: captured segments, so with graphs a call may ask only for a subset of them
+    aux_hidden_layers: tuple[int, ...] = ()
+    #: micro-batches a prefill is pipelined as by default (pipeline parallelism)
+    microbatches: int = 1
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -323,6 +390,9 @@ class RuntimeConfig:
             raise ConfigError(f"RuntimeConfig.moe must be one of {', '.join(MOE_LAYOUTS)}, got {self.moe!r}")
         check_float(self.peak_tflops, "peak_tflops", lo=0, lo_open=True, hi=MAX_TFLOPS, where="RuntimeConfig")
         check_float(self.link_gb_per_s, "link_gb_per_s", lo=0, lo_open=True, hi=MAX_GB_PER_S, where="RuntimeConfig")
+        object.__setattr__(self, "aux_hidden_layers", check_layer_list(
+            self.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", MAX_LAYERS, err=ConfigError))
+        check_int(self.microbatches, "microbatches", lo=1, hi=MAX_MICROBATCHES, where="RuntimeConfig")
         self._check_kv_cache()
 
     def _check_kv_cache(self) -> None:

@@ -31,7 +31,8 @@ from graphcp.errors import ConfigError, GraphcpError, one_line
 
 
 class CollectiveError(GraphcpError, RuntimeError):
-    """A collective over the CP group failed: a peer rank died or timed out."""
+    """A collective over the CP group, or a point-to-point transfer between pipeline
+    stages, failed: a peer rank died or timed out."""
 
 
 class RankFailure(GraphcpError, RuntimeError):
@@ -60,14 +61,17 @@ def _error_report(e: BaseException) -> dict:
             "graphcp": isinstance(e, GraphcpError), "collective": isinstance(e, CollectiveError)}
 
 
-def wait_work(work) -> None:
+def wait_work(work, timeout_s: float | None = None) -> None:
     """Wait for a collective with Python dispatch modes paused: what the wait
     dispatches is part of the collective (a graph recorder replays the collective
     and waits on it again), not ops of its own."""
     if work is None:
         return
     with _disable_current_modes():
-        work.wait()
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=timeout_s))
 
 
 # torch 2.13 renamed these (the old names warn); older releases only have the old names
@@ -90,14 +94,19 @@ class CPGroup:
     size: int = 1
     pg: Any = None  # a torch.distributed ProcessGroup, None for the default group
     timeout_s: float = 300.0
+    #: what the group is, for error messages (a stage's CP group, every rank of a pipeline)
+    name: str = "CP group"
+    #: this process's rank in the default group, when the group is a sub-group of it
+    global_rank: int | None = None
 
     @property
     def distributed(self) -> bool:
         return self.size > 1
 
     def _fail(self, op: str, e: Exception) -> CollectiveError:
+        where = "" if self.global_rank is None else f" (global rank {self.global_rank})"
         return CollectiveError(
-            f"rank {self.rank}/{self.size}: {op} over the CP group failed "
+            f"rank {self.rank}/{self.size}{where}: {op} over the {self.name} failed "
             f"(a peer rank died or did not arrive within {self.timeout_s:g}s): {type(e).__name__}: {e}"
         )
 
@@ -167,6 +176,84 @@ class CPGroup:
         except Exception as e:  # noqa: BLE001
             raise self._fail("all_reduce", e) from e
         return x
+
+    def broadcast_(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """``x`` from global rank ``src`` into ``x`` on every rank of the group."""
+        if self.size == 1:
+            return x
+        try:
+            wait_work(dist.broadcast(x, src, group=self.pg, async_op=_async(x)))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"broadcast from global rank {src}", e) from e
+        return x
+
+
+def new_subgroups(world: CPGroup, members: list[list[int]], name: str) -> CPGroup:
+    """Split ``world`` into the disjoint sub-groups ``members`` (lists of global ranks)
+    and return the one this rank belongs to. Every rank of ``world`` must call it with
+    the same lists (torch.distributed creates every group on every rank, in order)."""
+    mine = next(i for i, m in enumerate(members) if world.rank in m)
+    pg = None
+    for i, m in enumerate(members):
+        g = dist.new_group(m, timeout=timedelta(seconds=world.timeout_s)) if len(m) > 1 else None
+        if i == mine:
+            pg = g
+    ranks = members[mine]
+    return CPGroup(ranks.index(world.rank), len(ranks), pg, world.timeout_s, name.format(index=mine), world.rank)
+
+
+@dataclass
+class PeerLink:
+    """A point-to-point link from this rank to one peer (global ranks), for the hidden
+    rows pipeline stages hand on. Transfers are asynchronous (a stage's send does not
+    hold up its next micro-batch) and waited under the timeout: a dead or late peer
+    is a :class:`CollectiveError` naming both ends."""
+
+    rank: int
+    peer: int
+    timeout_s: float
+    #: the peer as error messages name it, e.g. "stage 1 (global rank 3)"
+    peer_name: str
+
+    def isend(self, x: torch.Tensor, tag: int = 0) -> "PendingTransfer":
+        x = x.contiguous()
+        return self._start("send to", lambda: dist.isend(x, self.peer, tag=tag), x)
+
+    def irecv(self, out: torch.Tensor, tag: int = 0) -> "PendingTransfer":
+        return self._start("receive from", lambda: dist.irecv(out, self.peer, tag=tag), out)
+
+    def _start(self, op: str, start: Callable[[], Any], x: torch.Tensor) -> "PendingTransfer":
+        try:
+            work = start()
+        except Exception as e:  # noqa: BLE001
+            raise self.fail(op, e) from e
+        return PendingTransfer(self, op, work, x)
+
+    def fail(self, op: str, e: Exception) -> CollectiveError:
+        return CollectiveError(
+            f"rank {self.rank}: {op} {self.peer_name} failed (the peer died or did not arrive within "
+            f"{self.timeout_s:g}s): {type(e).__name__}: {one_line(e)}"
+        )
+
+
+@dataclass
+class PendingTransfer:
+    """An asynchronous send or receive; holds its tensor until waited."""
+
+    link: PeerLink
+    op: str
+    work: Any
+    tensor: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        # gloo: a host wait under the timeout. NCCL: a stream-ordered wait (an explicit
+        # timeout would block the host), its watchdog enforcing the process group's timeout
+        timeout = self.link.timeout_s if self.tensor.device.type != "cuda" else None
+        try:
+            wait_work(self.work, timeout)
+        except Exception as e:  # noqa: BLE001
+            raise self.link.fail(self.op, e) from e
+        return self.tensor
 
 
 @dataclass
@@ -316,21 +403,23 @@ def launch(
 
 
 # ---- helpers for per-rank jobs ----------------------------------------------------
-def run_ranks(fn: Callable[..., Any], cp_size: int, *args: Any, device: str = "cpu",
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu",
               timeout_s: float = 300.0) -> Any:
-    """Run ``fn(group, *args)`` on every rank of a CP group; return rank 0's result.
+    """Run ``fn(group, *args)`` on every rank of a run (``world_size`` = pp_size x
+    cp_size ranks); return rank 0's result.
 
     Under torchrun (``WORLD_SIZE`` set) this process is one rank and joins the group;
-    otherwise ``cp_size`` local ranks are launched (1 runs in-process).
+    otherwise ``world_size`` local ranks are launched (1 runs in-process).
     """
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         group = init_from_env(device, timeout_s)
-        if group.size != cp_size:
-            raise ConfigError(f"cp_size={cp_size} but torchrun started {group.size} ranks")
+        if group.size != world_size:
+            raise ConfigError(f"this run needs {world_size} ranks (pp_size x cp_size) but torchrun started "
+                              f"{group.size}")
         return fn(group, *args)
-    if cp_size == 1:
+    if world_size == 1:
         return fn(CPGroup(), *args)
-    return launch(fn, cp_size, *args, device=device, timeout_s=timeout_s)[0]
+    return launch(fn, world_size, *args, device=device, timeout_s=timeout_s)[0]
 
 
 def barrier(group: CPGroup) -> None:

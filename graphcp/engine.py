@@ -6,6 +6,12 @@ reserves it (``graphcp/batch.py``); the :class:`GraphRunner` replays its bucket,
 says why it runs eagerly and the :class:`Body` runs it; the engine turns the body's
 rows into logits (the last-token rows combined across ranks, so every rank returns
 the same first-token logits).
+
+Under pipeline parallelism (``ParallelConfig.pp_size > 1``) every rank of every
+stage calls ``prefill`` with the same batch; each rank runs its stage's layers on
+its CP-local rows, micro-batch by micro-batch (``graphcp/pp/``), and the outputs
+are broadcast from the stages that hold them, so every rank returns the same
+``PrefillOutput``.
 """
 
 from __future__ import annotations
@@ -28,14 +34,18 @@ from graphcp.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBat
 from graphcp.body import Body
 from graphcp.capture.buckets import BucketSet
 from graphcp.capture.runner import Fallback, GraphRunner
-from graphcp.config import ConfigError, ParallelConfig, RuntimeConfig
+from graphcp.checks import check_int, check_layer_list
+from graphcp.config import MAX_MICROBATCHES, ConfigError, ParallelConfig, RuntimeConfig
 from graphcp.cp import Plan, make_layout
 from graphcp.dist import CPGroup
-from graphcp.forward_context import KV_RECEIVED
+from graphcp.errors import BatchError, InputError
+from graphcp.forward_context import KV_RECEIVED, AuxCapture
 from graphcp.kv_sharded import make_kv_cache
-from graphcp.kvcache import KVHandle
+from graphcp.kvcache import KVHandle, PagedKVCache
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
+from graphcp.pp.groups import pipeline_groups
+from graphcp.pp.prefill import MicrobatchedPrefill, StageOps, per_request
 from graphcp.profile.ranges import nvtx_range
 from graphcp.stats import HISTORY, forward_entry
 
@@ -53,16 +63,23 @@ class PrefillEngine:
         parallel: ParallelConfig | None = None,
     ) -> None:
         self.runtime = rt = runtime or RuntimeConfig()
-        self.group = group or CPGroup()
-        self.parallel = parallel or ParallelConfig(cp_size=self.group.size)
-        if self.parallel.cp_size != self.group.size:
+        group = group or CPGroup()
+        self.parallel = parallel or ParallelConfig(cp_size=group.size)
+        if self.parallel.pp_size == 1 and self.parallel.cp_size != group.size:
             raise ConfigError(f"ParallelConfig.cp_size={self.parallel.cp_size} but the process group has "
-                              f"{self.group.size} ranks")
+                              f"{group.size} ranks")
+        #: the pipeline's groups and links (None without pipeline parallelism); ``group``
+        #: is this rank's CP group either way (its stage's, under PP)
+        self.pipeline = pipeline_groups(group, self.parallel) if self.parallel.pp_size > 1 else None
+        self.group = self.pipeline.cp if self.pipeline is not None else group
         self.device = torch.device(rt.device)
         self.dtype = rt.torch_dtype
         self.model_dir = resolve_model(model)
         self.cfg, self.model = load_model(self.model_dir, self.dtype, self.device, rank=self.group.rank,
-                                          tp_size=self.parallel.tp_size, moe=rt.moe)
+                                          parallel=self.parallel, moe=rt.moe,
+                                          stage=self.pipeline.stage if self.pipeline is not None else 0)
+        self.stage = self.model.stage
+        check_layer_list(rt.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", self.cfg.num_layers)
         self.max_context = self.cfg.max_position_embeddings
         self.layout = make_layout(rt.layout, self.parallel.cp_size)
         kv_layout = preferred_kv_layout(rt.attention, self.device)
@@ -73,10 +90,11 @@ class PrefillEngine:
         # sharded: this rank's pool of the token-sharded cache (kv_tokens is one rank's)
         self.kv = make_kv_cache(
             self.sharded, self.group.size, self.group.rank,
-            self.cfg.num_layers, num_pages, rt.page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
+            len(self.stage.layers), num_pages, rt.page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
             self.dtype, self.device, kv_layout,
             # no request outgrows the model's context (prefill checks it before extend)
             max_pages_per_seq=min(num_pages - 1, -(-self.max_context // rt.page_size)),
+            first_layer=self.stage.layers.start,  # a stage caches its own layers
         )
         spec = AttentionSpec(
             self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, rt.page_size,
@@ -99,17 +117,22 @@ class PrefillEngine:
             rt.check_consistency, rt.max_requests if attention.name in _SIZED_BACKENDS else None,
             RingPlanner(rt.exchange, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim,
                         self.dtype.itemsize, HardwareSpec(rt.peak_tflops, rt.link_gb_per_s)) if self.sharded else None,
+            # every stage of a pipeline must be given the same batch
+            consistency_group=self.pipeline.world if self.pipeline is not None else None,
         )
         self._forwards: deque[dict] = deque(maxlen=HISTORY)
         self._forwards_seen = 0
         self.runner = None if rt.graph == "off" else GraphRunner(
             self.body, self.preparer, self.buckets, rt, self.max_context)
+        self.microbatched = MicrobatchedPrefill(
+            self.preparer, self.kv, self.stage, self.pipeline, self.parallel.stage_layers(self.cfg.num_layers),
+            self.cfg.hidden_size, self.cfg.vocab_size, self.dtype, self.device)
 
     def _check_pool_fits(self, num_pages: int) -> None:
         """Refuse a KV pool larger than the device's memory up front (a clear error,
         not an allocator failure or the OOM killer halfway through zeroing it)."""
         rt, cfg = self.runtime, self.cfg
-        need = cfg.num_layers * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        need = len(self.stage.layers) * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
             have = torch.cuda.mem_get_info(self.device)[0]
         else:
@@ -166,24 +189,68 @@ class PrefillEngine:
         self.kv.release(handle)
 
     @torch.inference_mode()
-    def prefill(self, batch: Sequence[Request], all_logits: bool = False, force_eager: bool = False) -> PrefillOutput:
-        """Prefill one batch (the same on every rank); ``force_eager`` skips the graphs."""
+    def prefill(self, batch: Sequence[Request], all_logits: bool = False, force_eager: bool = False,
+                microbatches: int | None = None,
+                aux_hidden_layers: Sequence[int] | None = None) -> PrefillOutput:
+        """Prefill one batch (the same on every rank); ``force_eager`` skips the graphs.
+
+        ``microbatches``: pipeline the batch as this many micro-batches (default
+        ``RuntimeConfig.microbatches``; see ``graphcp/pp/microbatch.py``).
+        ``aux_hidden_layers``: the decoder layers whose output hidden states to return
+        per request (``PrefillOutput.aux_hidden``; default
+        ``RuntimeConfig.aux_hidden_layers``; with graphs, a subset of those)."""
         with nvtx_range("prefill", category="forward"):  # the top-level range profiles measure against
             t0 = time.perf_counter()
-            prep = self.preparer.prepare(batch)
-            try:
-                hidden, info = self._body_rows(prep, force_eager)
-                info.timings["plan_s"] = prep.plan_s
-                info.stats.update(prep.stats)
-                with nvtx_range("lm_head", category="output"):
-                    last_logits = self._last_logits(prep.plan, hidden)
-                    logits = self._all_logits(prep.plan, hidden) if all_logits else None
-            except BaseException:
-                self.preparer.abort(prep)
-                raise
-            info.timings["total_s"] = time.perf_counter() - t0
-            self._record(prep, info)
-            return PrefillOutput(last_logits, [self.kv.handle(s) for s in prep.seq_ids], logits, info)
+            m = self._microbatches(microbatches)
+            aux = self._aux_layers(aux_hidden_layers)
+            call = (int(bool(all_logits)), int(bool(force_eager)), m, len(aux), *aux)
+            if self.pipeline is None and m == 1:
+                out = self._prefill_once(batch, all_logits, force_eager, aux, call)
+            else:
+                ops = StageOps(lambda prep, rows: self._stage_rows(prep, rows, force_eager, aux),
+                               self._last_logits, self._all_logits, self._aux_gather)
+                out = self.microbatched.run(batch, ops, m, call, all_logits, aux)
+            out.info.timings["total_s"] = time.perf_counter() - t0
+            return out
+
+    def _microbatches(self, m: int | None) -> int:
+        if m is None:
+            return self.runtime.microbatches
+        return check_int(m, "microbatches", lo=1, hi=MAX_MICROBATCHES, where="prefill", err=InputError)
+
+    def _aux_layers(self, layers: Sequence[int] | None) -> tuple[int, ...]:
+        """The layers a call asks for, checked (nothing has changed when this raises)."""
+        rt = self.runtime
+        if layers is None:
+            return rt.aux_hidden_layers
+        layers = check_layer_list(layers, "prefill: aux_hidden_layers", self.cfg.num_layers, err=BatchError)
+        missing = [i for i in layers if i not in rt.aux_hidden_layers]
+        if self.runner is not None and missing:
+            raise BatchError(
+                f"prefill: aux_hidden_layers asks for layer {missing[0]}, which the graphs do not copy "
+                f"(RuntimeConfig.aux_hidden_layers={list(rt.aux_hidden_layers)}, graph={rt.graph!r}): "
+                "a captured graph copies the layers fixed when the engine is built; add it there"
+            )
+        return layers
+
+    def _prefill_once(self, batch, all_logits: bool, force_eager: bool, aux: tuple[int, ...],
+                      call: tuple[int, ...]) -> PrefillOutput:
+        prep = self.preparer.prepare(batch, call_args=call)
+        try:
+            hidden, info, aux_rows = self._stage_rows(prep, None, force_eager, aux)
+            info.timings["plan_s"] = prep.plan_s
+            with nvtx_range("lm_head", category="output"):
+                last_logits = self._last_logits(prep.plan, hidden)
+                logits = self._all_logits(prep.plan, hidden) if all_logits else None
+            aux_hidden = self._aux_gather(prep.plan, aux_rows) if aux else None
+        except BaseException:
+            self.preparer.abort(prep)
+            raise
+        self._record(prep, info)
+        ext = prep.plan.extend_lens.tolist()
+        return PrefillOutput(last_logits, [self.kv.handle(s) for s in prep.seq_ids],
+                             None if logits is None else list(torch.split(logits, ext)), info,
+                             None if aux_hidden is None else per_request(aux_hidden, ext))
 
     # ---- stats ------------------------------------------------------------------
     def _record(self, prep: PreparedBatch, info: ForwardInfo) -> None:
@@ -194,7 +261,7 @@ class PrefillEngine:
         st["new_tokens"] = prep.plan.num_tokens
         st["cached_tokens"] = int(prep.plan.prefix_lens.sum())
         st[KV_RECEIVED] = st.get(KV_RECEIVED, 0)
-        st["bytes_received_per_layer"] = st[KV_RECEIVED] // self.cfg.num_layers
+        st["bytes_received_per_layer"] = st[KV_RECEIVED] // len(self.stage.layers)
         if ring is not None and ring.choice is not None:
             st["exchange_choice"] = ring.choice.as_dict()
         self._forwards.append(forward_entry(info))
@@ -221,16 +288,33 @@ class PrefillEngine:
         self._forwards_seen = 0
 
     # ---- steps ------------------------------------------------------------------
-    def _body_rows(self, prep: PreparedBatch, force_eager: bool) -> tuple[torch.Tensor, ForwardInfo]:
-        """This rank's body output rows: replayed from the bucket's graph, or eager."""
+    def _stage_rows(self, prep: PreparedBatch, hidden_in: torch.Tensor | None, force_eager: bool,
+                    aux: tuple[int, ...]) -> tuple[torch.Tensor, ForwardInfo, torch.Tensor | None]:
+        """This rank's body output rows, replayed from the bucket's graph or eager, its
+        info, and the rows of the asked auxiliary layers this stage holds ([rows,
+        n, hidden] in the asked order; None when it holds none)."""
+        mine = tuple(i for i in aux if i in self.stage.layers)
         required = prep.plan.max_local_rows
         fallback = None
         if self.runner is not None and not force_eager:
-            outcome = self.runner.try_replay(prep)
+            outcome = self.runner.try_replay(prep, hidden_in)
             if not isinstance(outcome, Fallback):
-                return outcome
+                hidden, info = outcome
+                info.stats.update(prep.stats)
+                if not mine:
+                    return hidden, info, None
+                cols = torch.tensor([self.runner.aux_layers.index(i) for i in mine], device=self.device)
+                # a copy: the static rows are overwritten by the next replay
+                return hidden, info, self.runner.aux_rows(info.capacity).index_select(1, cols)
             fallback = outcome.reason
-        return self.body.eager(prep, required), ForwardInfo("eager", required, required, fallback)
+        capture = None
+        if mine:
+            rows = torch.empty(required, len(mine), self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            capture = AuxCapture(mine, rows)
+        hidden = self.body.eager(prep, required, hidden_in, capture)
+        info = ForwardInfo("eager", required, required, fallback)
+        info.stats.update(prep.stats)
+        return hidden, info, None if capture is None else capture.out
 
     def _last_logits(self, plan: Plan, hidden: torch.Tensor) -> torch.Tensor:
         mine = np.flatnonzero(plan.last_owner == self.rank)
@@ -242,11 +326,23 @@ class PrefillEngine:
         self.group.all_reduce_(rows)
         return self.model.logits(rows).cpu()
 
-    def _all_logits(self, plan: Plan, hidden: torch.Tensor) -> list[torch.Tensor]:
-        everyone = self.group.all_gather_rows(hidden.contiguous())
-        rows = everyone.index_select(0, torch.from_numpy(plan.gather_index(hidden.shape[0])).to(hidden.device))
-        logits = self.model.logits(rows).cpu()
-        return list(torch.split(logits, plan.extend_lens.tolist()))
+    def _in_batch_order(self, plan: Plan, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's local rows (padded to the same count), gathered over the CP
+        group and put in batch order: [T, ...]."""
+        everyone = self.group.all_gather_rows(rows.contiguous())
+        return everyone.index_select(0, torch.from_numpy(plan.gather_index(rows.shape[0])).to(rows.device))
+
+    def _all_logits(self, plan: Plan, hidden: torch.Tensor) -> torch.Tensor:
+        """Every new token's logits, float32 [T, vocab] in batch order."""
+        return self.model.logits(self._in_batch_order(plan, hidden)).cpu()
+
+    def _aux_gather(self, plan: Plan, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """This stage's auxiliary rows in batch order, float32 [T, n, hidden] (the
+        inverse of the CP layout's permutation); None when it holds none."""
+        if rows is None:
+            return None
+        with nvtx_range("aux_hidden", category="output"):
+            return self._in_batch_order(plan, rows).float().cpu()
 
 
 def prefill_prefixes(engine: PrefillEngine, prefixes: Sequence[object | None]) -> list[KVHandle | None]:
@@ -255,19 +351,21 @@ def prefill_prefixes(engine: PrefillEngine, prefixes: Sequence[object | None]) -
     idx = [i for i, p in enumerate(prefixes) if p is not None]
     handles: list[KVHandle | None] = [None] * len(prefixes)
     if idx:
-        for i, h in zip(idx, engine.prefill([Request(prefixes[i]) for i in idx]).handles):
+        for i, h in zip(idx, engine.prefill([Request(prefixes[i]) for i in idx], aux_hidden_layers=()).handles):
             handles[i] = h
     return handles
 
 
 def prefill_after_prefixes(engine: PrefillEngine, batch: Sequence[tuple[object | None, object]],
-                           all_logits: bool = False) -> PrefillOutput:
+                           all_logits: bool = False, **prefill_args) -> PrefillOutput:
     """Prefill ``(prefix tokens or None, new tokens)`` requests the way a chunked
     prefill sees them: every cached prefix first (one forward), then the new tokens
-    extending them (one forward). On failure the prefixes are released."""
+    extending them (one forward, with ``prefill_args``: micro-batches, auxiliary
+    layers). On failure the prefixes are released."""
     handles = prefill_prefixes(engine, [p for p, _ in batch])
     try:
-        return engine.prefill([Request(new, h) for (_, new), h in zip(batch, handles)], all_logits=all_logits)
+        return engine.prefill([Request(new, h) for (_, new), h in zip(batch, handles)], all_logits=all_logits,
+                              **prefill_args)
     except BaseException:
         for h in handles:
             if h is not None:

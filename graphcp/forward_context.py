@@ -23,6 +23,25 @@ KV_RECEIVED = "bytes_received"
 
 
 @dataclass
+class AuxCapture:
+    """Where a forward copies auxiliary hidden states: the output rows of decoder
+    layer ``layers[k]`` go to ``out[:, k]`` (``out``: [rows, len(layers), hidden],
+    a static buffer on the graph path, so the copies are part of the captured
+    segments)."""
+
+    layers: tuple[int, ...]
+    out: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self._column = {layer: k for k, layer in enumerate(self.layers)}
+
+    def write(self, layer: int, h: torch.Tensor) -> None:
+        k = self._column.get(layer)
+        if k is not None:
+            self.out[:, k].copy_(h)
+
+
+@dataclass
 class ForwardContext:
     attn_meta: AttentionMetadata
     attention: AttentionBackend
@@ -53,6 +72,8 @@ class ForwardContext:
     #: this forward's figures (ForwardInfo.stats) that breaks (and, while a graph is
     #: captured, segments) add to as they run: what the exchange received, ...; None: not kept
     stats: dict[str, Any] | None = None
+    #: auxiliary hidden states this forward copies out (None: none)
+    aux: AuxCapture | None = None
 
     def add_received(self, nbytes: int) -> None:
         """Count bytes of K/V (or queries and partial outputs) this rank received."""

@@ -128,7 +128,10 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         layout: KVLayout = "NHD",
         max_pages_per_seq: int | None = None,
+        first_layer: int = 0,
     ) -> None:
+        """``first_layer``: the global index of the pool's first layer (a pipeline
+        stage caches its own layers only; :meth:`layer` takes global indices)."""
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {num_pages}")
         if page_size < 1:
@@ -140,6 +143,7 @@ class PagedKVCache:
         if max_pages_per_seq < 1:
             raise ValueError(f"max_pages_per_seq must be >= 1, got {max_pages_per_seq}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.first_layer = first_layer
         self._page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else None
         self.num_kv_heads, self.head_dim, self.layout = num_kv_heads, head_dim, layout
         page = (page_size, num_kv_heads, head_dim) if layout == "NHD" else (num_kv_heads, page_size, head_dim)
@@ -168,7 +172,12 @@ class PagedKVCache:
         return -(-num_tokens // self.page_size)
 
     def layer(self, i: int) -> torch.Tensor:
-        return self.pool[i]
+        """The cache of global decoder layer ``i``."""
+        j = i - self.first_layer
+        if not 0 <= j < self.num_layers:  # a negative index would silently wrap
+            raise IndexError(f"layer {i} is not cached here: this KV cache holds layers "
+                             f"{self.first_layer}..{self.first_layer + self.num_layers - 1}")
+        return self.pool[j]
 
     @property
     def table_width(self) -> int:

@@ -35,8 +35,8 @@ def _baked_scalar(eng):
     capture batch's (no rows), a CUDA graph would too."""
     body = eng.model.body
 
-    def patched(ids, pos, ctx):
-        return body(ids, pos, ctx) + 0.01 * int(ctx.attn_meta.cu_seqlens_q_host[-1])  # the live row count
+    def patched(ids, pos, ctx, *stage_input):
+        return body(ids, pos, ctx, *stage_input) + 0.01 * int(ctx.attn_meta.cu_seqlens_q_host[-1])  # the live row count
 
     eng.model.body = patched
 
@@ -46,9 +46,9 @@ def _stale_buffer(eng):
     replay reuses the capture-time one."""
     body = eng.model.body
 
-    def patched(ids, pos, ctx):
+    def patched(ids, pos, ctx, *stage_input):
         lens = torch.tensor(ctx.attn_meta.kv_lens_host.astype(np.float32))
-        return body(ids, pos, ctx) + lens.sum().to(ids.device) * 1e-2
+        return body(ids, pos, ctx, *stage_input) + lens.sum().to(ids.device) * 1e-2
 
     eng.model.body = patched
 

@@ -92,3 +92,32 @@ def test_prefill_under_torchrun_matches_one_rank(tmp_path, requests_file):
     assert proc.returncode == 0, proc.stderr[-2000:]
     a, b = torch.load(one), torch.load(two)
     assert rel_err(b["last_logits"], a["last_logits"]) <= 1e-5
+
+
+def test_prefill_pp2_under_torchrun_with_microbatches_and_aux_matches_one_rank(tmp_path, requests_file):
+    """--pp 2 under torchrun (2 processes, stage-major), an uneven --pp-layers split,
+    micro-batches and auxiliary layers on both stages: the same OUT.pt as one rank,
+    written by global rank 0."""
+    import os
+    import subprocess
+    import sys
+
+    from graphcp.dist import free_port
+
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    base = ["prefill", "--model", "default", "--input", str(requests_file), "--all-logits", "--kv-tokens", "4096",
+            "--aux-hidden-layers", "3,1"]
+    assert main(base + ["--output", str(one), "--graph", "off"]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "graphcp", *base, "--output", str(two), "--pp", "2", "--pp-layers", "3,1", "--pp-microbatches", "2"]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "on 2 ranks (2 stages x CP 1)" in proc.stdout
+    a, b = torch.load(one), torch.load(two)
+    assert set(a) == set(b) == {"last_logits", "logits", "aux_hidden", "aux_hidden_layers"}
+    assert b["aux_hidden_layers"] == [3, 1]
+    assert [x.shape for x in b["aux_hidden"]] == [(80, 512), (3, 512), (1, 512), (76, 512)]
+    assert rel_err(b["last_logits"], a["last_logits"]) <= TOL["float32"]
+    for key in ("logits", "aux_hidden"):
+        for x, y in zip(b[key], a[key]):
+            assert rel_err(x, y) <= TOL["float32"], key

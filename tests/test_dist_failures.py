@@ -9,38 +9,52 @@ import time
 import numpy as np
 import pytest
 
-from graphcp.config import RuntimeConfig
+from graphcp.config import ParallelConfig, RuntimeConfig
 from graphcp.dist import RankFailure, launch
 from graphcp import ConsistencyError, PrefillEngine, Request
 
 TIMEOUT_S = 20.0
 
 
-def _die_mid_forward(group):
-    eng = PrefillEngine("default", RuntimeConfig(kv_tokens=2048, collective_timeout_s=TIMEOUT_S), group)
-    if group.rank == 1:
-        layer = eng.model.layers[2]
-        original = layer.forward
-
-        def forward(*args, **kwargs):  # rank 1 is killed inside layer 2 of the forward
+def _killed_mid_forward(group, victim: int, layer: int, parallel: ParallelConfig | None, microbatches: int = 1):
+    eng = PrefillEngine("default", RuntimeConfig(kv_tokens=2048, collective_timeout_s=TIMEOUT_S), group,
+                        parallel=parallel)
+    if group.rank == victim:
+        def forward(*args, **kwargs):  # the victim is killed inside this layer of the forward
             os.kill(os.getpid(), signal.SIGKILL)
-            return original(*args, **kwargs)
 
-        layer.forward = forward
-    eng.prefill([Request(np.arange(100))])
+        eng.model.layers[layer].forward = forward
+    eng.prefill([Request(np.arange(100))], microbatches=microbatches)
     return "finished"
 
 
-def test_killed_rank_stops_the_others_with_the_documented_error():
+def _failure(nprocs: int, *args) -> str:
+    """The RankFailure message of a launch whose victim is killed; every other rank must
+    have stopped on its own within the timeout."""
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as err:
-        launch(_die_mid_forward, 2, timeout_s=TIMEOUT_S)
-    elapsed = time.monotonic() - t0
-    msg = str(err.value)
+        launch(_killed_mid_forward, nprocs, *args, timeout_s=TIMEOUT_S)
+    assert time.monotonic() - t0 < TIMEOUT_S + 10
+    return str(err.value)
+
+
+def test_killed_rank_stops_the_others_with_the_documented_error():
+    msg = _failure(2, 1, 2, None)  # rank 1 killed inside layer 2
     assert "rank 1 failed first: rank 1 died (killed by signal 9)" in msg
     # the survivor stopped on its own, with the collective and its rank named
     assert "rank 0: CollectiveError: rank 0/2:" in msg and "over the CP group failed" in msg
-    assert elapsed < TIMEOUT_S + 10
+
+
+def test_a_dead_rank_of_stage_1_stops_every_other_rank_of_the_pipeline():
+    # PP 2 x CP 2: global rank 2 (CP rank 0 of stage 1) killed in its first layer (global layer 2)
+    msg = _failure(4, 2, 0, ParallelConfig(cp_size=2, pp_size=2), 2)
+    assert "rank 2 failed first: rank 2 died (killed by signal 9)" in msg
+    # its CP peer on stage 1 stops in a collective of that stage; stage 0 in a transfer to
+    # the dead rank or waiting for the outputs it would broadcast: both name it
+    assert "rank 3: CollectiveError: rank 1/2 (global rank 3):" in msg and "CP group of stage 1 failed" in msg
+    for r in (0, 1):
+        assert f"rank {r}: CollectiveError: rank {r}" in msg, msg
+    assert msg.count("from global rank 2 over the pipeline") + msg.count("send to stage 1 (global rank 2)") == 2, msg
 
 
 def _different_batches(group):

@@ -153,7 +153,7 @@ def test_graph_path_refuses_unsupported_configurations():
     # degrees graphcp does not run have no field: they cannot be set and ignored
     assert ParallelConfig(cp_size=2).tp_size == 2
     with pytest.raises(TypeError):
-        ParallelConfig(cp_size=2, pp_size=2)
+        ParallelConfig(cp_size=2, dp_size=2)
 
 
 def test_bucket_file_mismatch_is_an_error(tmp_path):

@@ -30,7 +30,7 @@ from graphcp.capture.graphs import CaptureError, make_graph_backend
 from graphcp.capture.selfcheck import first_difference, synthetic_batch
 from graphcp.capture.static_buffers import BucketView, StaticBuffers
 from graphcp.config import ConfigError, RuntimeConfig
-from graphcp.forward_context import KV_RECEIVED
+from graphcp.forward_context import KV_RECEIVED, AuxCapture
 from graphcp.model.llama import DecoderModel
 from graphcp.profile.ranges import nvtx_range
 
@@ -104,9 +104,13 @@ class GraphRunner:
         self.max_context, self.max_requests = max_context, rt.max_requests
         cfg, kv = body.model.cfg, body.kv
         self.max_pages = -(-max_context // kv.page_size)
+        #: the auxiliary hidden states every captured body copies out (this stage's
+        #: share of RuntimeConfig.aux_hidden_layers): a graph knows which layers it copies
+        self.aux_layers = tuple(i for i in rt.aux_hidden_layers if i in body.model.stage.layers)
         self.buffers = StaticBuffers(
             buckets.largest, body.group.size, cfg.num_heads, cfg.head_dim, cfg.hidden_size,
             2 * rt.max_requests, self.max_pages, body.model.dtype, body.device, moe_rows=body.model.exchanges,
+            hidden_in=body.takes_hidden, aux_layers=len(self.aux_layers),
         )
         self.backend = make_graph_backend(rt.graph_backend, body.device)
         self.graphs: dict[int, _Captured] = {}
@@ -143,6 +147,14 @@ class GraphRunner:
             device=device, device_tensors=(view.cu_seqlens_q, view.kv_lens, view.page_table),
         )
 
+    def _aux(self, view: BucketView) -> AuxCapture | None:
+        return AuxCapture(self.aux_layers, view.aux_out) if self.aux_layers else None
+
+    def aux_rows(self, capacity: int) -> torch.Tensor | None:
+        """The auxiliary hidden states the last replay of bucket ``capacity`` copied
+        out: [capacity, len(aux_layers), hidden] (a static view), or None."""
+        return self.buffers.view(capacity).aux_out
+
     def _fill_inert(self, capacity: int) -> BucketView:
         empty = np.zeros(0, dtype=np.int64)
         seg = (np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros((0, 1), np.int32)) if self.full else (None,) * 3
@@ -155,10 +167,10 @@ class GraphRunner:
             view = self._fill_inert(capacity)
             pool0 = self.backend.pool_bytes()
             with self.backend.capture_stream():
-                ctx = body.context(self._static_meta(view), view.kv_slots, view, stats={})
+                ctx = body.context(self._static_meta(view), view.kv_slots, view, stats={}, aux=self._aux(view))
 
                 def run() -> None:
-                    view.hidden_out.copy_(body.run(ctx, view.input_ids, view.positions))
+                    view.hidden_out.copy_(body.run(ctx, view.input_ids, view.positions, view.hidden_in))
 
                 for _ in range(WARMUP_RUNS.get(self.backend.name, 1)):
                     run()
@@ -200,25 +212,31 @@ class GraphRunner:
             return f"the KV pool has {kv.num_free_pages} free pages"
         rng = np.random.default_rng(capacity)
         vocab = self.model.cfg.vocab_size
+        # the same synthetic batch on every rank by construction: no consistency check
         prefix = None
         if spec.prefix_len:  # an earlier forward's KV: the batch's first request extends it
-            first = prep_.prepare([Request(rng.integers(0, vocab, spec.prefix_len))])
+            first = prep_.prepare([Request(rng.integers(0, vocab, spec.prefix_len))], verified=True)
             try:
-                body.eager(first, first.plan.max_local_rows)
+                body.eager(first, first.plan.max_local_rows, self.synthetic_input(first, rng))
             except BaseException:
                 prep_.abort(first)
                 raise
             prefix = kv.handle(first.seq_ids[0])
         try:
             prep = prep_.prepare([Request(rng.integers(0, vocab, n), prefix if j == 0 else None)
-                                  for j, n in enumerate(spec.extend_lens)])
+                                  for j, n in enumerate(spec.extend_lens)], verified=True)
             try:
+                rows = self.synthetic_input(prep, rng)
                 pages = torch.tensor([p for s in prep.seq_ids for p in kv.handle(s).pages], device=body.device)
                 before = kv.pool.index_select(1, pages)
-                got = self.replay(prep, capacity).clone(), kv.pool.index_select(1, pages)
+                got = {"hidden_out": self.replay(prep, capacity, hidden_in=rows).clone(),
+                       "kv_cache": kv.pool.index_select(1, pages)}
+                if self.aux_layers:
+                    got["aux_hidden"] = self.aux_rows(capacity).clone()
                 kv.pool.index_copy_(1, pages, before)  # the eager body starts from the same cache
-                want = self.eager_on_bucket(prep, capacity), kv.pool.index_select(1, pages)
-                problem = first_difference({"hidden_out": (got[0], want[0]), "kv_cache": (got[1], want[1])})
+                want = {"hidden_out": self.eager_on_bucket(prep, capacity, rows),
+                        "kv_cache": kv.pool.index_select(1, pages), "aux_hidden": self.aux_rows(capacity)}
+                problem = first_difference({k: (got[k], want[k]) for k in got})
             finally:
                 prep_.abort(prep)
         finally:
@@ -235,13 +253,22 @@ class GraphRunner:
             )
         return None
 
+    def synthetic_input(self, prep: PreparedBatch, rng: np.random.Generator) -> torch.Tensor | None:
+        """Seeded input rows for a later pipeline stage's body, to check its replay
+        against its eager body without the earlier stages (None on the first)."""
+        if not self.body.takes_hidden:
+            return None
+        n, cfg = prep.ids.shape[0], self.model.cfg
+        rows = torch.from_numpy(rng.standard_normal((n, cfg.hidden_size), dtype=np.float32))
+        return rows.to(device=self.body.device, dtype=self.model.dtype)
+
     # ---- replay -----------------------------------------------------------------
     def select(self, required: int) -> Selection:
         return self.buckets.select(required)
 
-    def fill(self, prep: PreparedBatch, capacity: int) -> BucketView:
+    def fill(self, prep: PreparedBatch, capacity: int, hidden_in: torch.Tensor | None = None) -> BucketView:
         seg = (prep.meta.cu_seqlens_q_host, prep.meta.kv_lens_host, prep.seg_page_table) if self.full else (None,) * 3
-        return self.buffers.fill(capacity, prep.ids, prep.positions, prep.slots, *seg)
+        return self.buffers.fill(capacity, prep.ids, prep.positions, prep.slots, *seg, hidden_in=hidden_in)
 
     def _check(self, capacity: int, view: BucketView) -> None:
         # the same view object as last time means no buffer was replaced since that check
@@ -265,10 +292,11 @@ class GraphRunner:
         self._checked[capacity] = view
 
     @torch.inference_mode()
-    def try_replay(self, prep: PreparedBatch) -> tuple[torch.Tensor, ForwardInfo] | Fallback:
+    def try_replay(self, prep: PreparedBatch,
+                   hidden_in: torch.Tensor | None = None) -> tuple[torch.Tensor, ForwardInfo] | Fallback:
         """Replay the bucket for this batch (capturing it first if needed): the body's
         output rows and the forward's info; or the Fallback that says why it must run
-        eagerly."""
+        eagerly. ``hidden_in``: a later pipeline stage's input rows."""
         with nvtx_range("select", category="host"):
             sel = self.select(prep.plan.max_local_rows)
             if sel.graph and self.full and prep.meta.num_segments > self.buffers.max_segments:
@@ -282,19 +310,20 @@ class GraphRunner:
         if cap not in self.graphs:
             self.capture_bucket(cap)
         timings: dict[str, float] = {}
-        hidden = self.replay(prep, cap, timings)
+        hidden = self.replay(prep, cap, timings, hidden_in)
         self.stats.replays += 1
         self.stats.replays_per_bucket[cap] += 1
         return hidden, ForwardInfo("graph", cap, sel.required, None, timings)
 
     @torch.inference_mode()
-    def replay(self, prep: PreparedBatch, capacity: int, timings: dict | None = None) -> torch.Tensor:
+    def replay(self, prep: PreparedBatch, capacity: int, timings: dict | None = None,
+               hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """Fill bucket ``capacity`` (captured already) with a prepared batch and replay
         its graph; the body's output rows (a static view). ``prep.stats`` receives the
         captured segments' counts plus what the breaks count."""
         t0 = time.perf_counter()
         with nvtx_range("fill", category="host"):
-            view = self.fill(prep, capacity)
+            view = self.fill(prep, capacity, hidden_in)
             self._check(capacity, view)
         t1 = time.perf_counter()
         with nvtx_range(f"replay[{capacity}]", category="graph"):
@@ -309,12 +338,13 @@ class GraphRunner:
         return view.hidden_out
 
     @torch.inference_mode()
-    def eager_on_bucket(self, prep: PreparedBatch, capacity: int) -> torch.Tensor:
+    def eager_on_bucket(self, prep: PreparedBatch, capacity: int,
+                        hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """The same body on the same static buffers, run eagerly (no capture): a
-        replay must equal this bitwise."""
-        view = self.fill(prep, capacity)
-        ctx = self.body.context(prep.meta, view.kv_slots, view, ring=prep.ring)
-        return view.hidden_out.copy_(self.body.run(ctx, view.input_ids, view.positions))
+        replay must equal this bitwise (and so must the auxiliary rows it copies)."""
+        view = self.fill(prep, capacity, hidden_in)
+        ctx = self.body.context(prep.meta, view.kv_slots, view, ring=prep.ring, aux=self._aux(view))
+        return view.hidden_out.copy_(self.body.run(ctx, view.input_ids, view.positions, view.hidden_in))
 
 
 def _progress(items, show: bool):

@@ -36,6 +36,10 @@ class BucketView:
     # residual rows into / out of an expert-parallel MoE layer's break (None: no such layer)
     moe_resid: torch.Tensor | None = None  # [cap, hidden]
     moe_out: torch.Tensor | None = None  # [cap, hidden]
+    #: a later pipeline stage's input rows (the previous stage's hidden states)
+    hidden_in: torch.Tensor | None = None  # [cap, hidden]
+    #: auxiliary hidden states the captured segments copy out
+    aux_out: torch.Tensor | None = None  # [cap, n_aux, hidden]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
@@ -54,7 +58,11 @@ class StaticBuffers:
         dtype: torch.dtype,
         device: torch.device | str,
         moe_rows: bool = False,
+        hidden_in: bool = False,
+        aux_layers: int = 0,
     ) -> None:
+        """``hidden_in``: the body takes input rows (a pipeline stage after the first);
+        ``aux_layers``: how many layers' auxiliary hidden states it copies out."""
         self.max_capacity, self.cp_size = max_capacity, cp_size
         self.max_segments, self.max_pages_per_seq = max_segments, max_pages_per_seq
         dev = torch.device(device)
@@ -71,6 +79,9 @@ class StaticBuffers:
         # only models with an expert-parallel MoE layer have a break that takes residual rows
         self.moe_resid = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if moe_rows else None
         self.moe_out = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if moe_rows else None
+        self.hidden_in = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if hidden_in else None
+        self.aux_out = (torch.zeros(max_capacity, aux_layers, hidden_size, dtype=dtype, device=dev)
+                        if aux_layers else None)
         # host staging: on CPU the static tensors themselves (numpy views share their
         # memory, so a fill is in place); on CUDA pinned copies, uploaded per bucket
         self._views: dict[int, tuple[tuple, BucketView]] = {}
@@ -101,7 +112,8 @@ class StaticBuffers:
 
     def _bases(self) -> tuple:
         return (self.input_ids, self.positions, self.kv_slots, self.attn_q, self.attn_out, self.hidden_out,
-                self.cu_seqlens_q, self.kv_lens, self.page_table, self.moe_resid, self.moe_out)
+                self.cu_seqlens_q, self.kv_lens, self.page_table, self.moe_resid, self.moe_out, self.hidden_in,
+                self.aux_out)
 
     def view(self, capacity: int) -> BucketView:
         """Prefix views of the bucket (cached; rebuilt if a buffer was replaced, so
@@ -129,12 +141,14 @@ class StaticBuffers:
             page_table=self.page_table,
             moe_resid=None if self.moe_resid is None else self.moe_resid[:c],
             moe_out=None if self.moe_out is None else self.moe_out[:c],
+            hidden_in=None if self.hidden_in is None else self.hidden_in[:c],
+            aux_out=None if self.aux_out is None else self.aux_out[:c],
         )
 
     def addresses(self) -> dict[str, int]:
         """Data pointers of every static tensor (debug mode checks they never move)."""
         names = ("input_ids", "positions", "kv_slots", "attn_q", "attn_out", "hidden_out",
-                 "cu_seqlens_q", "kv_lens", "page_table", "moe_resid", "moe_out")
+                 "cu_seqlens_q", "kv_lens", "page_table", "moe_resid", "moe_out", "hidden_in", "aux_out")
         return {n: getattr(self, n).data_ptr() for n in names if getattr(self, n) is not None}
 
     def fill(
@@ -146,9 +160,11 @@ class StaticBuffers:
         cu_seqlens_q: np.ndarray | None = None,
         kv_lens: np.ndarray | None = None,
         page_table: np.ndarray | None = None,
+        hidden_in: torch.Tensor | None = None,
     ) -> BucketView:
-        """Copy one rank's live rows (token ids, positions, KV cache slots) into the
-        bucket's views and pad inertly (0, 0, -1).
+        """Copy one rank's live rows (token ids, positions, KV cache slots; on a later
+        pipeline stage its input rows ``hidden_in``) into the bucket's views and pad
+        inertly (0, 0, -1; zero input rows).
 
         Everything is CP-local: the KV exchange all-gathers the slots with the rows,
         so a rank's host work is proportional to its own rows, not the batch's.
@@ -186,6 +202,13 @@ class StaticBuffers:
             self.kv_slots[:capacity].copy_(self._slots_host[:capacity], non_blocking=True)
         if cu_seqlens_q is not None:
             self._fill_segments(cu_seqlens_q, kv_lens, page_table)
+        if self.hidden_in is not None:
+            if n and (hidden_in is None or hidden_in.shape[0] < n):
+                raise ValueError(f"this stage's body takes input rows: expected hidden_in with >= {n} rows, "
+                                 f"got {None if hidden_in is None else tuple(hidden_in.shape)}")
+            if n:
+                self.hidden_in[:n].copy_(hidden_in[:n])
+            self.hidden_in[n:capacity].zero_()
         return self.view(capacity)
 
     def _fill_segments(self, cu_seqlens_q: np.ndarray, kv_lens: np.ndarray, page_table: np.ndarray) -> None:

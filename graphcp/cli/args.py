@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 
 from graphcp.cli.jobs import JobSpec
-from graphcp.config import ModelConfig, ParallelConfig, RuntimeConfig
+from graphcp.checks import check_layer_list
+from graphcp.config import ModelConfig, RuntimeConfig
 from graphcp.model.presets import resolve_model
 from graphcp.options import (
     ATTENTION_BACKENDS,
@@ -22,6 +23,14 @@ from graphcp.options import (
 from graphcp.options import MOE_LAYOUTS
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    """A flag's comma-separated integers (``1,5,9``)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,5,9, got {text!r}") from None
+
+
 def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> None:
     """The model and RuntimeConfig flags (``default_graph`` None: breakable with the
     zigzag layout, off with interleave)."""
@@ -29,6 +38,15 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--dtype", default="float32", choices=CLI_DTYPES)
     p.add_argument("--device", default="cpu", choices=DEVICE_KINDS)
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (= TP ranks of the MLP)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages, each a CP group of --cp ranks (pp x cp ranks in all, stage-major)")
+    p.add_argument("--pp-layers", type=int_list, default=None, metavar="N,N,...",
+                   help="decoder layers of each stage, e.g. 3,1 (default: an even split)")
+    p.add_argument("--pp-microbatches", type=int, default=1, metavar="M",
+                   help="micro-batches each prefill is pipelined as (stages overlap)")
+    p.add_argument("--aux-hidden-layers", type=int_list, default=(), metavar="L,L,...",
+                   help="decoder layers whose output hidden states prefill returns (OUT.pt 'aux_hidden'; "
+                        "graphs copy them inside the captured segments)")
     p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
     p.add_argument("--graph", default=default_graph, choices=GRAPH_MODES,
                    help="graph mode (default: breakable where supported, i.e. the zigzag layout)")
@@ -68,16 +86,17 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
         max_requests=args.max_requests, collective_timeout_s=args.timeout, verify_capture=args.verify_capture,
         kv_cache=args.kv_cache, exchange=args.exchange, peak_tflops=args.peak_tflops,
         link_gb_per_s=args.link_gb_per_s,
-        moe=args.moe,
+        aux_hidden_layers=args.aux_hidden_layers, microbatches=args.pp_microbatches, moe=args.moe,
     )
-    return JobSpec(args.model, rt, args.buckets, args.cp)
+    return JobSpec(args.model, rt, args.buckets, args.cp, args.pp, args.pp_layers)
 
 
 def preflight(spec: JobSpec) -> None:
     """What can be refused before ranks start, in this process: the parallel config, the
-    model's config.json against it, and the bucket file (each rank would fail the same
-    way, only later and N times)."""
-    parallel = ParallelConfig(cp_size=spec.cp_size)
+    model's config.json against it (TP shards, pipeline stages, auxiliary layers), and
+    the bucket file (each rank would fail the same way, only later and N times)."""
     config = resolve_model(spec.model) / "config.json"
-    parallel.check_model(ModelConfig.from_file(config), str(config), spec.runtime.moe)
+    model = ModelConfig.from_file(config)
+    spec.parallel.check_model(model, str(config), spec.runtime.moe)
+    check_layer_list(spec.runtime.aux_hidden_layers, f"--aux-hidden-layers ({config})", model.num_layers)
     spec.buckets()

@@ -14,9 +14,10 @@ from graphcp.attention.exchange import exchanged_bytes_per_layer
 from graphcp.capture.buckets import BucketSet
 from graphcp.batch import PrefillOutput, Request
 from graphcp.cli.requests import FileRequest
-from graphcp.config import RuntimeConfig
+from graphcp.config import ParallelConfig, RuntimeConfig
 from graphcp.dist import CPGroup, gather_object, run_ranks
 from graphcp.engine import PrefillEngine, prefill_after_prefixes
+from graphcp.pp.microbatch import split_microbatches
 
 
 @dataclass
@@ -25,19 +26,25 @@ class JobSpec:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     buckets_file: str | None = None
     cp_size: int = 1
+    pp_size: int = 1
+    pp_layers: tuple[int, ...] | None = None
 
     def buckets(self) -> BucketSet | None:
         return BucketSet.load(self.buckets_file) if self.buckets_file else None
 
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(cp_size=self.cp_size, pp_size=self.pp_size, pp_layers=self.pp_layers)
+
 
 def run_job_on_ranks(fn, spec: JobSpec, *args: Any) -> Any:
-    """``fn(group, spec, *args)`` on every rank of ``spec``'s CP group; rank 0's result."""
-    return run_ranks(fn, spec.cp_size, spec, *args, device=spec.runtime.device,
+    """``fn(group, spec, *args)`` on every rank of ``spec``'s run (pp x cp ranks); rank 0's result."""
+    return run_ranks(fn, spec.parallel.world_size, spec, *args, device=spec.runtime.device,
                      timeout_s=spec.runtime.collective_timeout_s)
 
 
-def make_engine(group: CPGroup, spec: JobSpec) -> PrefillEngine:
-    return PrefillEngine(spec.model, spec.runtime, group, spec.buckets())
+def make_engine(group: CPGroup, spec: JobSpec, runtime: RuntimeConfig | None = None) -> PrefillEngine:
+    return PrefillEngine(spec.model, runtime or spec.runtime, group, spec.buckets(), spec.parallel)
 
 
 def prefill_requests(engine: PrefillEngine, reqs: list[FileRequest], all_logits: bool) -> PrefillOutput:
@@ -52,13 +59,17 @@ def prefill_job(group: CPGroup, spec: JobSpec, reqs: list[FileRequest], all_logi
     engine = make_engine(group, spec)
     out = prefill_requests(engine, reqs, all_logits)
     ranks = gather_object(group, engine.stats()) if with_stats else None  # every rank takes part
-    if group.rank != 0:
+    if group.rank != 0:  # every rank holds the same outputs (under PP too: broadcast from their stages)
         return None
     result: dict[str, Any] = {"last_logits": out.last_logits.float().contiguous()}
     if all_logits:
         result["logits"] = [x.float().contiguous() for x in out.logits]
+    if out.aux_hidden is not None:
+        result["aux_hidden"] = [x.contiguous() for x in out.aux_hidden]
+        result["aux_hidden_layers"] = list(spec.runtime.aux_hidden_layers)
     result["info"] = {"path": out.info.path, "capacity": out.info.capacity, "fallback": out.info.fallback,
-                      "cp_size": group.size, "layout": spec.runtime.layout, "graph": spec.runtime.graph,
+                      "cp_size": spec.cp_size, "pp_size": spec.pp_size, "layout": spec.runtime.layout,
+                      "graph": spec.runtime.graph,
                       "kv_cache": spec.runtime.kv_cache, "exchange": out.info.stats.get("exchange")}
     if ranks is not None:
         result["stats"] = ranks
@@ -104,15 +115,21 @@ def compare_paths(engine: PrefillEngine, batch: list[np.ndarray]) -> dict:
     unpadded eager forward (equal within the rounding of matmuls over padded rows)."""
     reqs = [Request(t) for t in batch]
     runner = engine.runner
-    prep = engine.preparer.prepare(reqs)
+    # the bucket check on what one forward of the body runs: the first micro-batch
+    first = split_microbatches([len(t) for t in batch], engine.runtime.microbatches)[0]
+    prep = engine.preparer.prepare([Request(batch[p.request][p.start:p.stop]) for p in first])
     try:
         sel = runner.select(prep.plan.max_local_rows)
         bitwise = None
         if sel.graph:
             if sel.capacity not in runner.graphs:
                 runner.capture_bucket(sel.capacity)
-            same_bucket = runner.eager_on_bucket(prep, sel.capacity).clone()
-            bitwise = bool(torch.equal(runner.replay(prep, sel.capacity), same_bucket))
+            # a later pipeline stage's body: seeded input rows, the same for both runs
+            rows = runner.synthetic_input(prep, np.random.default_rng(0))
+            same_bucket = runner.eager_on_bucket(prep, sel.capacity, rows).clone()
+            bitwise = bool(torch.equal(runner.replay(prep, sel.capacity, hidden_in=rows), same_bucket))
+            if engine.pipeline is not None:  # every stage's body must be bitwise equal
+                bitwise = all(gather_object(engine.pipeline.world, bitwise))
     finally:
         engine.preparer.abort(prep)
     outs = {}
@@ -161,13 +178,14 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
     if engine.runner is not None:
         comparisons.append(compare_paths(engine, batch))
         other = "bfloat16" if spec.runtime.dtype != "bfloat16" else "float32"
-        twin = PrefillEngine(spec.model, replace(spec.runtime, dtype=other), group, spec.buckets())
+        twin = make_engine(group, spec, replace(spec.runtime, dtype=other))
         comparisons.append(compare_paths(twin, batch))
     stored_per_rank = gather_object(group, stored)  # every rank takes part
     if group.rank != 0:
         return None
     res = {
-        "model": str(engine.model_dir), "cp_size": group.size, "layout": spec.runtime.layout,
+        "model": str(engine.model_dir), "cp_size": spec.cp_size, "pp_size": spec.pp_size,
+        "layout": spec.runtime.layout,
         "kv_cache": spec.runtime.kv_cache, "kv_stored_per_rank": [s.get("graph", s.get("eager")) for s in stored_per_rank],
         "graph": spec.runtime.graph, "attention": engine.attention.name, "dtype": spec.runtime.dtype,
         "tokens": int(sum(len(t) for t in batch)), "requests": len(batch),
@@ -183,7 +201,7 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         graph = engine.runner.graphs[outs["graph"].info.capacity].graph if outs["graph"].info.path == "graph" else None
         cfg = engine.cfg
         res["kv_bytes_per_layer"] = exchanged_bytes_per_layer(
-            outs["graph"].info.capacity, group.size, cfg.num_kv_heads, cfg.head_dim, engine.dtype.itemsize)
+            outs["graph"].info.capacity, spec.cp_size, cfg.num_kv_heads, cfg.head_dim, engine.dtype.itemsize)
         st = outs["graph"].info.stats
         res.update(exchange=st["exchange"], bytes_received_per_layer=st["bytes_received_per_layer"],
                    exchange_reason=st.get("exchange_choice", {}).get("reason"))

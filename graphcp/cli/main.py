@@ -57,11 +57,15 @@ def cmd_prefill(args) -> int:
         out = {"last_logits": res["last_logits"]}
         if args.all_logits:
             out["logits"] = res["logits"]
+        if "aux_hidden" in res:
+            out["aux_hidden"], out["aux_hidden_layers"] = res["aux_hidden"], res["aux_hidden_layers"]
         _save(out, args.output)
         if args.stats:
             write_stats(args.stats, res["stats"])
         info = res["info"]
-        print(f"prefilled {len(reqs)} requests on {info['cp_size']} rank(s), layout {info['layout']}, "
+        ranks = f"{info['cp_size']} rank(s)" if info["pp_size"] == 1 else \
+            f"{info['pp_size'] * info['cp_size']} ranks ({info['pp_size']} stages x CP {info['cp_size']})"
+        print(f"prefilled {len(reqs)} requests on {ranks}, layout {info['layout']}, "
               f"path {info['path']} (local capacity {info['capacity']}), {info['kv_cache']} KV cache, exchange "
               f"{info['exchange']} -> {args.output}" + (f" (stats: {args.stats})" if args.stats else ""))
     return 0
@@ -81,7 +85,8 @@ def cmd_run(args) -> int:
     res = run_job_on_ranks(run_job, spec)
     rows = [
         ("model", res["model"]),
-        ("ranks (CP = TP)", res["cp_size"]),
+        ("ranks (CP = TP)", res["cp_size"]) if res["pp_size"] == 1 else
+        ("ranks (PP x CP, CP = TP)", f"{res['pp_size']} stages x {res['cp_size']}"),
         ("layout / graph / attention", f"{res['layout']} / {res['graph']} / {res['attention']}"),
         ("batch", f"{res['requests']} requests, {res['tokens']} tokens"),
         ("buckets captured", ", ".join(map(str, res["buckets"])) or "-"),

@@ -20,7 +20,7 @@ from torch import nn
 
 from graphcp.attention.cp_attention import attend as cp_attend
 from graphcp.attention.cp_attention import begin_forward, store_kv
-from graphcp.config import ModelConfig
+from graphcp.config import ModelConfig, PipelineStage
 from graphcp.forward_context import ForwardContext
 from graphcp.graph_break import graph_break
 from graphcp.model.layers import ParallelMLP, RMSNorm, Rotary
@@ -127,29 +127,40 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """The body (embedding -> layers -> final norm) and the LM head."""
+    """The body (embedding -> layers -> final norm) and the LM head; under pipeline
+    parallelism one stage of it: its layers only, the embedding on the first stage,
+    the final norm and LM head on the last (with tied embeddings the last stage
+    holds the embedding matrix as its LM head)."""
 
     def __init__(self, cfg: ModelConfig, tp_size: int, dtype: torch.dtype, max_positions: int | None = None,
-                 rank: int = 0, moe: MoeLayout = "ep"):
+                 rank: int = 0, moe: MoeLayout = "ep", stage: PipelineStage | None = None):
         super().__init__()
         self.cfg, self.tp_size, self.dtype = cfg, tp_size, dtype
         self.moe_layout = moe
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp_size, dtype, rank, moe) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.stage = stage = stage or PipelineStage(0, 1, range(cfg.num_layers))
+        embed = stage.first or (stage.last and cfg.tie_word_embeddings)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if embed else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp_size, dtype, rank, moe) for i in stage.layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.last else None
+        untied = stage.last and not cfg.tie_word_embeddings
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype) if untied else None
         self.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope)
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def body(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Local rows in, final-normed hidden states of the same rows out."""
+    def body(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+             hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """Local rows in (token ids on the first stage, the previous stage's hidden
+        rows ``hidden_in`` on the others), hidden states of the same rows out: after
+        the final norm on the last stage, the last layer's output on the others."""
         begin_forward(ctx)
-        h = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
+        h = self.embed_tokens(input_ids) if hidden_in is None else hidden_in
+        for i, layer in zip(self.stage.layers, self.layers):
             with nvtx_range(f"layer[{i}]", category="eager"):
                 h = layer(h, positions, self.rotary, ctx)
-        return self.norm(h)
+            if ctx.aux is not None:
+                ctx.aux.write(i, h)
+        return self.norm(h) if self.norm is not None else h
 
     @property
     def exchanges(self) -> bool:

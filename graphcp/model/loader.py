@@ -2,8 +2,11 @@
 model.safetensors.index.json) into a :class:`DecoderModel`, tensor by tensor.
 
 Each rank reads only what it keeps: attention weights whole, the MLP's gate/up
-rows and down columns of its TP shard. q/k/v are fused into one projection and
-gate/up into one, so every checkpoint tensor maps to a slice of one parameter.
+rows and down columns of its TP shard, and under pipeline parallelism only its
+stage's layers (the embedding on the first stage, the final norm and LM head on
+the last; every stage still checks that the checkpoint lists every tensor). q/k/v
+are fused into one projection and gate/up into one, so every checkpoint tensor
+maps to a slice of one parameter.
 
 Mixture-of-experts layers (Hub format: one tensor per expert per projection, as
 transformers saves them; Qwen3-MoE ``mlp.experts.{e}.gate_proj``/``up_proj``/
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -174,13 +177,20 @@ def load_model(
     max_positions: int | None = None,
     on_tensor: Callable[[str], None] | None = None,
     moe: MoeLayout = "ep",
+    parallel: ParallelConfig | None = None,
+    stage: int = 0,
 ) -> tuple[ModelConfig, DecoderModel]:
+    """The model with this rank's weights: pipeline stage ``stage`` of ``parallel``
+    (whose cp_size is the TP degree: it overrides ``tp_size``), or without
+    ``parallel`` the whole model at ``tp_size``."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    ParallelConfig(cp_size=tp_size).check_model(cfg, str(model_dir), moe)
+    parallel = parallel or ParallelConfig(cp_size=tp_size)
+    parallel.check_model(cfg, str(model_dir), moe)
+    tp_size = parallel.tp_size
     declared = DTYPES.get(cfg.torch_dtype) if cfg.torch_dtype else None
     with torch.device("meta"):
-        model = DecoderModel(cfg, tp_size, dtype, max_positions, rank, moe)
+        model = DecoderModel(cfg, tp_size, dtype, max_positions, rank, moe, parallel.stage(stage, cfg.num_layers))
     # materialise on the target device; the rotary tables are computed, not loaded
     model = model.to_empty(device=device)
     model.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope).to(device)
@@ -189,14 +199,23 @@ def load_model(
     targets = _targets(cfg, rank, tp_size, moe)
     files = checkpoint_files(model_dir)
     by_file: dict[Path, list[str]] = {}
+    listed = set()
     for name, f in files.items():
         if IGNORED.match(name):
             continue
         if name not in targets:
             raise CheckpointError(f"{f.name}: unexpected tensor {name!r} for a {cfg.family} model of this config"
                                   + _unexpected_hint(cfg, name))
-        by_file.setdefault(f, []).append(name)
-    missing = sorted(set(targets) - {n for names in by_file.values() for n in names})
+        listed.add(name)
+        tgt = targets[name]
+        if tgt is None:  # another rank's expert: its shape is checked below, it is not read
+            by_file.setdefault(f, []).append(name)
+            continue
+        local = _stage_param(tgt.param, model.stage.layers, params)
+        if local is not None:  # None: another stage's tensor, not read here
+            targets[name] = replace(tgt, param=local)
+            by_file.setdefault(f, []).append(name)
+    missing = sorted(set(targets) - listed)
     if missing:
         raise CheckpointError(f"{model_dir}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
     with torch.no_grad():
@@ -242,6 +261,17 @@ def load_model(
         if filled[name] != p.numel():
             raise CheckpointError(f"{model_dir}: parameter {name} was only partly filled ({filled[name]}/{p.numel()})")
     return cfg, model.eval()
+
+
+def _stage_param(param: str, layers: range, params: dict) -> str | None:
+    """This stage's name for a whole-model parameter (``layers.{i}.`` renumbered from
+    the stage's first layer), or None when another stage holds it."""
+    if param.startswith("layers."):
+        i = int(param.split(".", 2)[1])
+        if i not in layers:
+            return None
+        param = f"layers.{i - layers.start}." + param.split(".", 2)[2]
+    return param if param in params else None
 
 
 def _read(sl, shape: tuple[int, ...], tgt: _Target) -> torch.Tensor:
