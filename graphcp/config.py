@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from graphcp.checks import MAX_CP, MAX_TOKENS, check_bool, check_float, check_int, check_str
+from graphcp.dsa_config import DsaConfig, dsa_from_hf
 from graphcp.errors import ConfigError
 from graphcp.options import (
     ATTENTION_BACKENDS,
@@ -34,6 +35,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # DeepSeek Sparse Attention models (graphcp/dsa_config.py, graphcp/model/dsa/)
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,7 +61,7 @@ def parse_dtype(name: "str | torch.dtype") -> torch.dtype:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # llama | mistral | qwen2 | qwen3
+    family: str  # llama | mistral | qwen2 | qwen3 | deepseek_v32 | glm_moe_dsa
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -74,6 +78,9 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     mlp_bias: bool = False
     torch_dtype: str | None = None
+    #: MLA + the DSA indexer (+ DeepSeek MoE); None for the Llama family. DSA models set
+    #: num_kv_heads = num_heads and head_dim = qk_rope_head_dim (the RoPE tables' width)
+    dsa: DsaConfig | None = None
 
     def __post_init__(self) -> None:
         w = "ModelConfig"
@@ -166,17 +173,20 @@ class ModelConfig:
         if dtype is not None:
             check_str(dtype, "torch_dtype", where=source)
         attention_bias = flag("attention_bias", False)
+        rope = rope_from_hf(d, source, max_pos)
+        layers = num("num_hidden_layers", MAX_LAYERS)
+        dsa = dsa_from_hf(d, family, layers, rope, source)
         return cls(
             family=family,
             vocab_size=num("vocab_size", MAX_VOCAB),
             hidden_size=hidden,
             intermediate_size=num("intermediate_size", MAX_INTERMEDIATE),
-            num_layers=num("num_hidden_layers", MAX_LAYERS),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=num("num_key_value_heads", MAX_HEADS, heads),
-            head_dim=head_dim,
+            head_dim=head_dim if dsa is None else dsa.qk_rope_head_dim,
             rms_norm_eps=1e-6 if eps is None else check_float(eps, "rms_norm_eps", lo=0.0, hi=1.0, where=source),
-            rope=rope_from_hf(d, source, max_pos),
+            rope=rope,
             max_position_embeddings=4096 if max_pos is None else max_pos,
             tie_word_embeddings=flag("tie_word_embeddings", False),
             attention_bias=family == "qwen2" or attention_bias,
@@ -184,6 +194,7 @@ class ModelConfig:
             qk_norm=family == "qwen3",
             mlp_bias=flag("mlp_bias", False),
             torch_dtype=dtype,
+            dsa=dsa,
         )
 
     @classmethod
@@ -226,7 +237,9 @@ class ParallelConfig:
 
     def check_model(self, m: ModelConfig, source: str = "the model") -> None:
         """Refuse a model whose sharded sizes do not divide by the TP degree."""
-        if m.intermediate_size % self.tp_size:
+        if m.dsa is not None:
+            m.dsa.check_parallel(self.tp_size, source)
+        if (m.dsa is None or m.dsa.has_dense_layers(m.num_layers)) and m.intermediate_size % self.tp_size:
             raise ConfigError(
                 f"{source}: intermediate_size={m.intermediate_size} does not divide by tp_size=cp_size="
                 f"{self.tp_size}; the MLP is column/row-parallel over the CP group"
