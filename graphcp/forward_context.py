@@ -35,3 +35,5 @@ class ForwardContext:
     #: every rank's ``kv_slots``, rank-major ([C * capacity]): set by the body's
     #: first step each run (so a captured body records the collective that makes it)
     gathered_kv_slots: torch.Tensor | None = None
+    #: a model's own static rows for its breaks (graph mode), by name; None: eager
+    static_rows: dict[str, torch.Tensor] | None = None

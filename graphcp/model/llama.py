@@ -92,6 +92,10 @@ class DecoderModel(nn.Module):
                 h = layer(h, positions, self.rotary, ctx)
         return self.norm(h)
 
+    def static_rows(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Static break rows besides attn_q / attn_out (graph mode): none."""
+        return {}
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.matmul(hidden, w.t()).float()
