@@ -13,18 +13,20 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata
+from graphcp.attention.sparse_mla import SparseMlaBackend
 from graphcp.batch import PreparedBatch
 from graphcp.dist import CPGroup
 from graphcp.forward_context import ForwardContext
 from graphcp.kvcache import PagedKVCache
+from graphcp.model.dsa.model import DsaModel
 from graphcp.model.llama import DecoderModel
 from graphcp.profile.ranges import nvtx_range
 
 
 @dataclass
 class Body:
-    model: DecoderModel
-    attention: AttentionBackend
+    model: DecoderModel | DsaModel
+    attention: AttentionBackend | SparseMlaBackend
     kv: PagedKVCache
     group: CPGroup
     device: torch.device
@@ -39,6 +41,7 @@ class Body:
         ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group)
         if static is not None:
             ctx.attn_q, ctx.attn_out = static.attn_q, static.attn_out
+            ctx.static_rows = static.extra or None
         return ctx
 
     def run(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

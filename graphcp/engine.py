@@ -28,6 +28,7 @@ from graphcp.config import ConfigError, ParallelConfig, RuntimeConfig
 from graphcp.cp import Plan, make_layout
 from graphcp.dist import CPGroup
 from graphcp.kvcache import KVHandle, PagedKVCache
+from graphcp.model.dsa import runtime as dsa_runtime
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
 from graphcp.profile.ranges import nvtx_range
@@ -62,22 +63,26 @@ class PrefillEngine:
         kv_tokens = rt.kv_tokens if rt.kv_tokens is not None else min(4 * self.cfg.max_position_embeddings, 1 << 16)
         num_pages = -(-kv_tokens // rt.page_size) + 1  # + the scratch page
         self._check_pool_fits(num_pages)
-        self.kv = PagedKVCache(
-            self.cfg.num_layers, num_pages, rt.page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
-            self.dtype, self.device, kv_layout,
-            # no request outgrows the model's context (prefill checks it before extend)
-            max_pages_per_seq=min(num_pages - 1, -(-self.max_context // rt.page_size)),
-        )
-        spec = AttentionSpec(
-            self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, rt.page_size,
-            self.cfg.head_dim ** -0.5, kv_layout,
-        )
+        # no request outgrows the model's context (prefill checks it before extend)
+        max_pages_per_seq = min(num_pages - 1, -(-self.max_context // rt.page_size))
         self.buckets = buckets or BucketSet()
         self.buckets.check_compatible(self.parallel.cp_size, rt.layout)
-        try:
-            attention = make_attention(rt.attention, spec, self.device, **self._attention_limits(num_pages))
-        except (ValueError, ImportError) as e:  # a backend refusing this model or device, or not installed
-            raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {e}") from e
+        if self.cfg.dsa is not None:  # MLA's latent + indexer-key cache and sparse attention
+            self.kv, attention = dsa_runtime.make_cache_and_attention(self.cfg, rt, num_pages, max_pages_per_seq,
+                                                                      self.device)
+        else:
+            self.kv = PagedKVCache(
+                self.cfg.num_layers, num_pages, rt.page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
+                self.dtype, self.device, kv_layout, max_pages_per_seq=max_pages_per_seq,
+            )
+            spec = AttentionSpec(
+                self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, rt.page_size,
+                self.cfg.head_dim ** -0.5, kv_layout,
+            )
+            try:
+                attention = make_attention(rt.attention, spec, self.device, **self._attention_limits(num_pages))
+            except (ValueError, ImportError) as e:  # a backend refusing this model or device, or not installed
+                raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {e}") from e
         self.body = Body(self.model, attention, self.kv, self.group, self.device)
         self.preparer = BatchPreparer(
             self.layout, self.kv, self.group, self.cfg.vocab_size, self.max_context, self.device,
@@ -90,7 +95,10 @@ class PrefillEngine:
         """Refuse a KV pool larger than the device's memory up front (a clear error,
         not an allocator failure or the OOM killer halfway through zeroing it)."""
         rt, cfg = self.runtime, self.cfg
-        need = cfg.num_layers * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        if cfg.dsa is not None:
+            need = dsa_runtime.pool_bytes(cfg, num_pages, rt.page_size, self.dtype)
+        else:
+            need = cfg.num_layers * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
             have = torch.cuda.mem_get_info(self.device)[0]
         else:
@@ -153,6 +161,7 @@ class PrefillEngine:
             try:
                 hidden, info = self._body_rows(prep, force_eager)
                 info.timings["plan_s"] = prep.plan_s
+                info.stats.update(self.body.attention.forward_stats(prep.plan.prefix_lens, prep.plan.extend_lens))
                 with nvtx_range("lm_head", category="output"):
                     last_logits = self._last_logits(prep.plan, hidden)
                     logits = self._all_logits(prep.plan, hidden) if all_logits else None

@@ -100,6 +100,7 @@ class GraphRunner:
         self.buffers = StaticBuffers(
             buckets.largest, body.group.size, cfg.num_heads, cfg.head_dim, cfg.hidden_size,
             2 * rt.max_requests, self.max_pages, body.model.dtype, body.device,
+            extra_rows=body.model.static_rows(),
         )
         self.backend = make_graph_backend(rt.graph_backend, body.device)
         self.graphs: dict[int, _Captured] = {}
@@ -204,11 +205,15 @@ class GraphRunner:
                                   for j, n in enumerate(spec.extend_lens)])
             try:
                 pages = torch.tensor([p for s in prep.seq_ids for p in kv.handle(s).pages], device=body.device)
-                before = kv.pool.index_select(1, pages)
-                got = self.replay(prep, capacity).clone(), kv.pool.index_select(1, pages)
-                kv.pool.index_copy_(1, pages, before)  # the eager body starts from the same cache
-                want = self.eager_on_bucket(prep, capacity), kv.pool.index_select(1, pages)
-                problem = first_difference({"hidden_out": (got[0], want[0]), "kv_cache": (got[1], want[1])})
+                pools = kv.page_pools()
+                before = {n: p.index_select(1, pages) for n, p in pools.items()}
+                got = {"hidden_out": self.replay(prep, capacity).clone()}
+                got.update({n: p.index_select(1, pages) for n, p in pools.items()})
+                for n, p in pools.items():  # the eager body starts from the same cache
+                    p.index_copy_(1, pages, before[n])
+                want = {"hidden_out": self.eager_on_bucket(prep, capacity)}
+                want.update({n: p.index_select(1, pages) for n, p in pools.items()})
+                problem = first_difference({n: (got[n], want[n]) for n in got})
             finally:
                 prep_.abort(prep)
         finally:

@@ -11,7 +11,7 @@ survives into what a later one reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import is_
 
 import numpy as np
@@ -33,9 +33,13 @@ class BucketView:
     cu_seqlens_q: torch.Tensor  # [S_max + 1] int32
     kv_lens: torch.Tensor  # [S_max] int32
     page_table: torch.Tensor  # [S_max, P_max] int32
+    #: a model's own break rows by name ([cap, *row]; StaticBuffers' ``extra_rows``)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        out = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        out.update({f"extra.{k}": v for k, v in self.extra.items()})
+        return out
 
 
 class StaticBuffers:
@@ -50,7 +54,10 @@ class StaticBuffers:
         max_pages_per_seq: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        extra_rows: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
     ) -> None:
+        """``extra_rows``: name -> (row shape, dtype) of the rows a model's breaks read
+        and write besides attn_q / attn_out (MLA's query and output, say)."""
         self.max_capacity, self.cp_size = max_capacity, cp_size
         self.max_segments, self.max_pages_per_seq = max_segments, max_pages_per_seq
         dev = torch.device(device)
@@ -64,6 +71,8 @@ class StaticBuffers:
         self.cu_seqlens_q = torch.zeros(max_segments + 1, dtype=torch.int32, device=dev)
         self.kv_lens = torch.zeros(max_segments, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_segments, max_pages_per_seq, dtype=torch.int32, device=dev)
+        self.extra = {name: torch.zeros(max_capacity, *row, dtype=dt, device=dev)
+                      for name, (row, dt) in (extra_rows or {}).items()}
         # host staging: on CPU the static tensors themselves (numpy views share their
         # memory, so a fill is in place); on CUDA pinned copies, uploaded per bucket
         self._views: dict[int, tuple[tuple, BucketView]] = {}
@@ -94,7 +103,7 @@ class StaticBuffers:
 
     def _bases(self) -> tuple:
         return (self.input_ids, self.positions, self.kv_slots, self.attn_q, self.attn_out, self.hidden_out,
-                self.cu_seqlens_q, self.kv_lens, self.page_table)
+                self.cu_seqlens_q, self.kv_lens, self.page_table, *self.extra.values())
 
     def view(self, capacity: int) -> BucketView:
         """Prefix views of the bucket (cached; rebuilt if a buffer was replaced, so
@@ -120,13 +129,16 @@ class StaticBuffers:
             cu_seqlens_q=self.cu_seqlens_q,
             kv_lens=self.kv_lens,
             page_table=self.page_table,
+            extra={name: t[:c] for name, t in self.extra.items()},
         )
 
     def addresses(self) -> dict[str, int]:
         """Data pointers of every static tensor (debug mode checks they never move)."""
         names = ("input_ids", "positions", "kv_slots", "attn_q", "attn_out", "hidden_out",
                  "cu_seqlens_q", "kv_lens", "page_table")
-        return {n: getattr(self, n).data_ptr() for n in names}
+        out = {n: getattr(self, n).data_ptr() for n in names}
+        out.update({f"extra.{n}": t.data_ptr() for n, t in self.extra.items()})
+        return out
 
     def fill(
         self,
