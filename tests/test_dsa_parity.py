@@ -13,6 +13,9 @@ top-k choices (a discontinuous selection), in transformers as in graphcp.
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -86,16 +89,23 @@ def _job(group, runs):
     return out
 
 
+#: the cases run with breakable graphs (capture + self-check cost seconds): at these CP sizes
+BREAKABLE = {"deepseek_v32-yarn": (1, 2, 4), "glm_moe_dsa-moe": (1, 2)}
+#: bfloat16 runs (requests within index_topk): case -> graph mode
+BF16 = {"deepseek_v32-yarn": "breakable", "glm_moe_dsa-shared": "off"}
+
+
 def _runs(folders, cp):
+    """Every case in float32 with graph off, each layout; breakable graphs (the zigzag
+    layout only, RuntimeConfig's rule) and bfloat16 for some cases."""
     layouts = ("zigzag",) if cp == 1 else ("zigzag", "interleave")
     runs = []
     for case, folder in folders.items():
-        for layout in layouts:
-            # breakable graphs run the zigzag layout only (RuntimeConfig's rule)
-            graphs = ("off",) if case.endswith("ties") or layout == "interleave" else ("off", "breakable")
-            runs += [(case, folder, "float32", layout, g) for g in graphs]
-        if case in ("deepseek_v32-yarn", "glm_moe_dsa-shared"):
-            runs += [(case, folder, "bfloat16", "zigzag", "breakable")]
+        runs += [(case, folder, "float32", layout, "off") for layout in layouts]
+        if cp in BREAKABLE.get(case, ()):
+            runs.append((case, folder, "float32", "zigzag", "breakable"))
+        if case in BF16:
+            runs.append((case, folder, "bfloat16", "zigzag", BF16[case]))
     return runs
 
 
@@ -193,3 +203,19 @@ def test_select_topk_ties_take_the_earliest_whatever_the_row_extent():
     wide = torch.cat([s, torch.full((2, 9), float("-inf"))], dim=1)
     assert select_topk(wide, 3).tolist() == select_topk(s, 3).tolist()
     assert select_topk(s[1:], 3).tolist() == [[0, 1, 2]]
+
+
+def test_cli_prefill_reports_the_indexer_work_per_rank(folders, tmp_path, capsys):
+    """`graphcp prefill --cp 4` on a DSA checkpoint prints each rank's indexer share (~1/4)."""
+    from graphcp.cli.main import main
+
+    req = tmp_path / "req.jsonl"
+    tokens = np.random.default_rng(5).integers(0, 512, 400).tolist()
+    req.write_text(json.dumps({"tokens": tokens}) + "\n")
+    out = tmp_path / "out.pt"
+    assert main(["prefill", "--model", str(folders["deepseek_v32-yarn"]), "--input", str(req), "--output", str(out),
+                 "--kv-tokens", "1024", "--cp", "4", "--layout", "interleave"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("indexer")]
+    assert len(line) == 1, line
+    shares = [float(s) for s in re.findall(r"pairs \(([0-9.]+)\)", line[0])]
+    assert len(shares) == 4 and all(0.24 <= s <= 0.26 for s in shares), line[0]

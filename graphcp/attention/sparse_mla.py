@@ -117,6 +117,16 @@ def replicated_pairs(prefix_lens: np.ndarray, extend_lens: np.ndarray, topk: int
     return total
 
 
+def indexer_report(stats_per_rank: list[dict]) -> str | None:
+    """One line on the indexer's work per rank vs a replicated indexer (None: no indexer ran)."""
+    if not stats_per_rank or STAT_PAIRS not in stats_per_rank[0]:
+        return None
+    rep = stats_per_rank[0][STAT_REPLICATED]
+    shares = ", ".join(f"rank {r}: {s[STAT_ROWS]} rows, {s[STAT_PAIRS]} pairs"
+                       + (f" ({s[STAT_PAIRS] / rep:.3f})" if rep else "") for r, s in enumerate(stats_per_rank))
+    return f"indexer (query rows x key tokens scored, share of the replicated indexer's {rep}): {shares}"
+
+
 class SparseMlaBackend(ABC):
     name: str = "base"
     #: reads host metadata (the torch reference): never inside a captured graph

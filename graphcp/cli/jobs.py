@@ -15,7 +15,7 @@ from graphcp.capture.buckets import BucketSet
 from graphcp.batch import PrefillOutput, Request
 from graphcp.cli.requests import FileRequest
 from graphcp.config import RuntimeConfig
-from graphcp.dist import CPGroup, run_ranks
+from graphcp.dist import CPGroup, gather_object, run_ranks
 from graphcp.engine import PrefillEngine, prefill_after_prefixes
 
 
@@ -50,13 +50,15 @@ def prefill_requests(engine: PrefillEngine, reqs: list[FileRequest], all_logits:
 def prefill_job(group: CPGroup, spec: JobSpec, reqs: list[FileRequest], all_logits: bool) -> dict | None:
     engine = make_engine(group, spec)
     out = prefill_requests(engine, reqs, all_logits)
+    stats = gather_object(group, dict(out.info.stats))  # every rank's figures (the indexer's work, say)
     if group.rank != 0:
         return None
     result: dict[str, Any] = {"last_logits": out.last_logits.float().contiguous()}
     if all_logits:
         result["logits"] = [x.float().contiguous() for x in out.logits]
     result["info"] = {"path": out.info.path, "capacity": out.info.capacity, "fallback": out.info.fallback,
-                      "cp_size": group.size, "layout": spec.runtime.layout, "graph": spec.runtime.graph}
+                      "cp_size": group.size, "layout": spec.runtime.layout, "graph": spec.runtime.graph,
+                      "stats_per_rank": stats}
     return result
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from graphcp.attention.sparse_mla import indexer_report
 from graphcp.checks import check_output_path
 from graphcp.cli.args import add_runtime_args, job_spec, preflight
 from graphcp.cli.jobs import prefill_job, run_job, run_job_on_ranks
@@ -58,6 +59,9 @@ def cmd_prefill(args) -> int:
         info = res["info"]
         print(f"prefilled {len(reqs)} requests on {info['cp_size']} rank(s), layout {info['layout']}, "
               f"path {info['path']} (local capacity {info['capacity']}) -> {args.output}")
+        indexer = indexer_report(info["stats_per_rank"])
+        if indexer is not None:  # DSA models
+            print(indexer)
     return 0
 
 
