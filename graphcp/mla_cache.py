@@ -11,7 +11,8 @@ inference code and the decode engines cache them; transformers' cache lists the
 rotated pairs' first members, then the second ones: the same values, permuted).
 
 Beside it, for every layer that runs the indexer, the indexer's key of each token
-(``index_head_dim`` values, after LayerNorm and RoPE), scored against later queries.
+(``index_head_dim`` values, after LayerNorm and RoPE), scored against later queries
+(GLM's interleaved indexer RoPE: its pairs in place too, a permutation of transformers').
 
 Pools, pages along dim 1 as in :class:`PagedKVCache` (same allocator, page tables,
 slots and handles; page 0 is scratch):

@@ -219,3 +219,36 @@ def test_cli_prefill_reports_the_indexer_work_per_rank(folders, tmp_path, capsys
     assert len(line) == 1, line
     shares = [float(s) for s in re.findall(r"pairs \(([0-9.]+)\)", line[0])]
     assert len(shares) == 4 and all(0.24 <= s <= 0.26 for s in shares), line[0]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("case", ["deepseek_v32-yarn", "glm_moe_dsa-shared"])
+def test_cache_holds_the_latent_rope_key_and_indexer_key_of_transformers(case, folders):
+    """After a prefix and its extension, the paged cache holds per token what transformers'
+    cache holds (latent, rope key, indexer key where the layer runs the indexer): what a
+    decode engine of these models is handed (MlaKVCache.read_tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    eng = PrefillEngine(folders[case], RuntimeConfig(kv_tokens=2048))
+    _, prefix, ext = _tokens("float32")
+    h = eng.prefill([Request(prefix)]).handles[0]
+    h = eng.prefill([Request(ext, h)]).handles[0]
+    model = AutoModelForCausalLM.from_pretrained(folders[case], dtype=torch.float32).eval()
+    full = torch.from_numpy(np.concatenate([prefix, ext])).view(1, -1)
+    cache = model(input_ids=full, use_cache=True).past_key_values
+    indexer = eng.cfg.dsa.indexer_layers
+    for layer in range(eng.cfg.num_layers):
+        got, ref = eng.kv.read_tokens(h, layer), cache.layers[layer]
+        assert got["latent"].shape == (full.shape[1], eng.cfg.dsa.kv_lora_rank)
+        assert rel_err(got["latent"], ref.keys[0, 0]) < 1e-5, (case, layer)
+        # transformers lists the rotated pairs' first members, then the second ones
+        rope = torch.cat([got["rope_key"][:, 0::2], got["rope_key"][:, 1::2]], dim=-1)
+        assert rel_err(rope, ref.values[0, 0]) < 1e-5, (case, layer)
+        assert ("index_key" in got) == indexer[layer], (case, layer)
+        if indexer[layer]:
+            key, r = got["index_key"], eng.cfg.dsa.qk_rope_head_dim
+            if eng.cfg.dsa.indexer_rope_interleaved:  # GLM: the same permutation of its rope dims
+                key = torch.cat([key[:, :r:2], key[:, 1:r:2], key[:, r:]], dim=-1)
+            assert rel_err(key, ref.indexer_keys[0]) < 1e-5, (case, layer)
+    assert not all(indexer) or case != "glm_moe_dsa-shared"
+    eng.release(h)
