@@ -76,12 +76,21 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.cfg, self.tp_size, self.dtype = cfg, tp_size, dtype
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp_size, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i, tp_size, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
-        self.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope)
+        self.rotary = self.make_rotary(cfg, max_positions)
         for p in self.parameters():
             p.requires_grad_(False)
+
+    def make_layer(self, cfg: ModelConfig, layer: int, tp_size: int, dtype: torch.dtype) -> nn.Module:
+        """One decoder layer (a model family with other layers overrides it)."""
+        return DecoderLayer(cfg, layer, tp_size, dtype)
+
+    @staticmethod
+    def make_rotary(cfg: ModelConfig, max_positions: int | None = None) -> nn.Module:
+        """The RoPE tables (computed, never loaded: the loader rebuilds them on the device)."""
+        return Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope)
 
     def body(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Local rows in, final-normed hidden states of the same rows out."""

@@ -21,8 +21,7 @@ from safetensors import SafetensorError, safe_open
 from graphcp.config import DTYPES, ModelConfig, ParallelConfig
 from graphcp.errors import InputError
 from graphcp.model.dsa.checkpoint import dsa_tensors, is_skipped
-from graphcp.model.dsa.model import DsaModel, make_rotary
-from graphcp.model.layers import Rotary
+from graphcp.model.dsa.model import DsaModel
 from graphcp.model.llama import DecoderModel
 
 # checkpoint tensors that carry no weights (older exports keep RoPE tables)
@@ -129,10 +128,7 @@ def load_model(
         model = DsaModel(cfg, tp_size, dtype, max_positions) if dsa else DecoderModel(cfg, tp_size, dtype, max_positions)
     # materialise on the target device; the rotary tables are computed, not loaded
     model = model.to_empty(device=device)
-    if dsa:
-        model.rotary = make_rotary(cfg, max_positions).to(device)
-    else:
-        model.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope).to(device)
+    model.rotary = model.make_rotary(cfg, max_positions).to(device)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
     if dsa:  # the DSA families' tensors (graphcp/model/dsa/checkpoint.py)
