@@ -27,7 +27,7 @@ from graphcp import PrefillEngine, Request
 from graphcp.attention.dsa_topk import mask_to_positions, select_topk
 from graphcp.attention.sparse_mla import STAT_PAIRS, STAT_REPLICATED, STAT_ROWS
 from graphcp.capture.buckets import BucketSet
-from graphcp.config import RuntimeConfig
+from graphcp.config import ModelConfig, RuntimeConfig
 from graphcp.dist import CPGroup, launch
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -252,3 +252,21 @@ def test_cache_holds_the_latent_rope_key_and_indexer_key_of_transformers(case, f
             assert rel_err(key, ref.indexer_keys[0]) < 1e-5, (case, layer)
     assert not all(indexer) or case != "glm_moe_dsa-shared"
     eng.release(h)
+
+
+def test_refused_settings_name_what_is_wrong(folders, tmp_path):
+    from graphcp.errors import ConfigError
+
+    folder = folders["deepseek_v32-yarn"]
+    for kw, says in ((dict(graph="full"), "graph='full'"), (dict(attention="triton"), "attention='triton'")):
+        with pytest.raises(ConfigError, match=says):
+            PrefillEngine(folder, RuntimeConfig(kv_tokens=256, **kw))
+    cfg = json.loads((folder / "config.json").read_text())
+    for key, value, says in (("q_lora_rank", None, "q_lora_rank is null"),
+                             ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+                             ("num_key_value_heads", 2, "num_key_value_heads=2")):
+        bad = tmp_path / key
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ConfigError, match=says):
+            ModelConfig.from_file(bad / "config.json")
