@@ -92,7 +92,7 @@ def _job(group, runs):
 #: the cases run with breakable graphs (capture + self-check cost seconds): at these CP sizes
 BREAKABLE = {"deepseek_v32-yarn": (1, 2, 4), "glm_moe_dsa-moe": (1, 2)}
 #: bfloat16 runs (requests within index_topk): case -> graph mode
-BF16 = {"deepseek_v32-yarn": "breakable", "glm_moe_dsa-shared": "off"}
+BF16 = {"deepseek_v32-yarn": "breakable", "glm_moe_dsa-shared": "off", "deepseek_v32-moe": "off"}
 
 
 def _runs(folders, cp):
@@ -270,3 +270,29 @@ def test_refused_settings_name_what_is_wrong(folders, tmp_path):
         (bad / "config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(ConfigError, match=says):
             ModelConfig.from_file(bad / "config.json")
+
+
+def test_replay_equals_the_same_bucket_eager_body_bitwise(folders):
+    """Breakable graphs on a DSA model: one break a layer (indexer + sparse attention),
+    the replay's hidden rows and both cache pools equal the same-bucket eager body's."""
+    eng = PrefillEngine(folders["glm_moe_dsa-moe"], RuntimeConfig(graph="breakable", kv_tokens=2048),
+                        buckets=BucketSet((64, 256)))
+    stats = eng.capture()  # capture first: a lazy capture would refill the buffers between the two runs
+    assert all(s.breaks == eng.cfg.num_layers for s in stats), [vars(s) for s in stats]
+    toks, prefix, ext = _tokens("float32")
+    h = eng.prefill([Request(prefix)]).handles[0]
+    prep = eng.preparer.prepare([Request(ext, h)] + [Request(t) for t in toks])
+    sel = eng.runner.select(prep.plan.max_local_rows)
+    pools = eng.kv.page_pools()
+    before = {n: p.clone() for n, p in pools.items()}
+    want = eng.runner.eager_on_bucket(prep, sel.capacity).clone()
+    want_pools = {n: p.clone() for n, p in pools.items()}
+    for n, p in pools.items():
+        p.copy_(before[n])
+    got, info = eng.runner.try_replay(prep)
+    assert info.path == "graph" and sel.capacity == 256
+    assert torch.equal(got, want)
+    assert set(pools) == {"latent_cache", "index_key_cache"}
+    assert all(torch.equal(pools[n], want_pools[n]) for n in pools)
+    assert any(not torch.equal(pools[n], before[n]) for n in pools)  # the batch wrote the caches
+    eng.preparer.abort(prep)
