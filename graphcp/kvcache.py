@@ -115,6 +115,10 @@ class PagedKVCache:
         page = (n, h, d) if self.layout == "NHD" else (h, n, d)
         return torch.zeros((self.num_layers, self.num_pages, 2, *page), dtype=dtype, device=device)
 
+    def token_values(self, layer: int) -> int:
+        """Values one token holds in ``layer``'s cache (what the exchange moves a token)."""
+        return 2 * self.num_kv_heads * self.head_dim
+
     def page_pools(self) -> dict[str, torch.Tensor]:
         """Every tensor holding per-page data, pages along dim 1 (the capture self-check
         compares the pages a batch touched in each)."""

@@ -74,6 +74,9 @@ class MlaKVCache(PagedKVCache):
     def page_pools(self) -> dict[str, torch.Tensor]:
         return {"latent_cache": self.pool, "index_key_cache": self.index_pool}
 
+    def token_values(self, layer: int) -> int:
+        return self.latent_dim + (self.index_dim if self.has_index_keys(layer) else 0)
+
     def latent(self, layer: int) -> torch.Tensor:
         """``[num_pages, page_size, latent_dim]``: layer ``layer``'s latent + rope keys."""
         return self.pool[layer]

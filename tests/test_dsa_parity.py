@@ -296,3 +296,23 @@ def test_replay_equals_the_same_bucket_eager_body_bitwise(folders):
     assert all(torch.equal(pools[n], want_pools[n]) for n in pools)
     assert any(not torch.equal(pools[n], before[n]) for n in pools)  # the batch wrote the caches
     eng.preparer.abort(prep)
+
+
+@torch.inference_mode()
+def test_default_dsa_preset_is_a_hub_checkpoint_transformers_agrees_with(tmp_path):
+    """The `default-dsa` preset (DeepSeek V3.2, MoE past layer 0, index_topk 256) loads in
+    transformers with every tensor present, and graphcp's logits match it."""
+    from transformers import AutoModelForCausalLM
+
+    from graphcp.model.presets import ensure_preset
+
+    folder = ensure_preset("default-dsa", tmp_path)
+    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024))
+    toks = [np.random.default_rng(7).integers(0, 8192, n) for n in (300, 20)]
+    out = eng.prefill([Request(t) for t in toks], all_logits=True)
+    assert out.info.stats[STAT_ROWS] == eng.cfg.dsa.num_indexer_layers * (300 - 256)
+    for t, got in zip(toks, out.logits):
+        ref = model.eval()(input_ids=torch.from_numpy(t).view(1, -1)).logits[0].float()
+        assert rel_err(got, ref) < TOL["float32"], (len(t), rel_err(got, ref))

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphcp.attention.exchange import exchanged_bytes_per_layer
+from graphcp.attention.exchange import exchanged_row_bytes_per_layer
 from graphcp.capture.buckets import BucketSet
 from graphcp.batch import PrefillOutput, Request
 from graphcp.cli.requests import FileRequest
@@ -157,6 +157,7 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         other = "bfloat16" if spec.runtime.dtype != "bfloat16" else "float32"
         twin = PrefillEngine(spec.model, replace(spec.runtime, dtype=other), group, spec.buckets())
         comparisons.append(compare_paths(twin, batch))
+    stats = gather_object(group, dict(outs["eager"].info.stats))  # every rank's figures (the indexer's work, say)
     if group.rank != 0:
         return None
     res = {
@@ -167,13 +168,12 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         "verify_s": sum(c.verify_s or 0.0 for c in captures),
         "captures": [vars(c) for c in captures],
         "eager_s": float(np.median(timings["eager"])), "ops_eager": ops["eager"],
-        "comparisons": comparisons,
+        "comparisons": comparisons, "stats_per_rank": stats,
     }
     if "graph" in outs:
         graph = engine.runner.graphs[outs["graph"].info.capacity].graph if outs["graph"].info.path == "graph" else None
-        cfg = engine.cfg
-        res["kv_bytes_per_layer"] = exchanged_bytes_per_layer(
-            outs["graph"].info.capacity, group.size, cfg.num_kv_heads, cfg.head_dim, engine.dtype.itemsize)
+        res["kv_bytes_per_layer"] = exchanged_row_bytes_per_layer(  # layer 0's cache rows
+            outs["graph"].info.capacity, group.size, engine.kv.token_values(0), engine.dtype.itemsize)
         res.update(
             graph_s=float(np.median(timings["graph"])), ops_graph=ops["graph"],
             graph_segments=len(graph.segments) if graph else 0, graph_breaks=len(graph.breaks) if graph else 0,

@@ -104,6 +104,9 @@ def cmd_run(args) -> int:
     print("|-" + "-" * w + "-|-------|")
     for k, v in rows:
         print(f"| {k.ljust(w)} | {v} |")
+    indexer = indexer_report(res["stats_per_rank"])
+    if indexer is not None:  # DSA models: the eager forward's indexer work per rank
+        print(indexer)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
     for c in res.get("comparisons", []):

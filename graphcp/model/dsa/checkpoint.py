@@ -15,7 +15,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from graphcp.config import ModelConfig
+import torch
+
+from graphcp.config import DTYPES, ModelConfig
 
 #: a decoder layer's tensor, for telling the MTP layers (index >= num_hidden_layers) apart
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -97,3 +99,23 @@ def dsa_tensors(cfg: ModelConfig, rank: int, tp: int) -> dict[str, TensorTarget]
             t[x + "up_proj.weight"] = TensorTarget(me + "mlp.experts.gate_up", 0, 2 * s * e + s, rows, (size, h))
             t[x + "down_proj.weight"] = TensorTarget(me + "mlp.experts.down", 0, h * e, (1, rank * s, s), (h, size))
     return t
+
+
+def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded Hub-named tensors of every shape the table lists (the presets' writer):
+    matrices std fan_in ** -0.5 (indexer scores and router logits of order 1: with
+    small weights they crowd together and a float32 rounding flips a top-k choice),
+    norms near 1, biases near 0; routers in float32 as transformers keeps them."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[cfg.torch_dtype or "float32"]
+    out = {}
+    for name, t in dsa_tensors(cfg, 0, 1).items():
+        noise = torch.randn(t.shape, generator=g)
+        if len(t.shape) == 2:
+            w = noise * t.shape[1] ** -0.5
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            w = 1.0 + 0.1 * noise
+        else:  # biases (the indexer's LayerNorm, the router's correction)
+            w = 0.02 * noise
+        out[name] = w if t.float32 else w.to(dtype)
+    return out
