@@ -90,7 +90,7 @@ def _job(group, runs):
 
 
 #: the cases run with breakable graphs (capture + self-check cost seconds): at these CP sizes
-BREAKABLE = {"deepseek_v32-yarn": (1, 2, 4), "glm_moe_dsa-moe": (1, 2)}
+BREAKABLE = {"deepseek_v32-yarn": (1, 2, 4), "glm_moe_dsa-moe": (1, 2), "glm_moe_dsa-shared": (2,)}
 #: bfloat16 runs (requests within index_topk): case -> graph mode
 BF16 = {"deepseek_v32-yarn": "breakable", "glm_moe_dsa-shared": "off", "deepseek_v32-moe": "off"}
 
