@@ -18,14 +18,13 @@ from graphcp.batch import PreparedBatch
 from graphcp.dist import CPGroup
 from graphcp.forward_context import ForwardContext
 from graphcp.kvcache import PagedKVCache
-from graphcp.model.dsa.model import DsaModel
 from graphcp.model.llama import DecoderModel
 from graphcp.profile.ranges import nvtx_range
 
 
 @dataclass
 class Body:
-    model: DecoderModel | DsaModel
+    model: DecoderModel  # or a DsaModel (a DecoderModel with DSA layers)
     attention: AttentionBackend | SparseMlaBackend
     kv: PagedKVCache
     group: CPGroup
