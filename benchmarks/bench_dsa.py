@@ -42,7 +42,7 @@ def _tokens(vocab: int) -> np.ndarray:
 @pytest.mark.parametrize("who", ["graphcp", "transformers"])
 def test_dsa_prefill_vs_transformers(benchmark, model_dir, who):
     if who == "graphcp":
-        eng = PrefillEngine(model_dir, RuntimeConfig(kv_tokens=KV_TOKENS))
+        eng = PrefillEngine(model_dir, RuntimeConfig(kv_tokens=KV_TOKENS, moe="tp"))
         toks = _tokens(eng.cfg.vocab_size)
 
         def run():
@@ -63,7 +63,7 @@ def test_dsa_prefill_vs_transformers(benchmark, model_dir, who):
 
 
 def _rank_job(group, model_dir):
-    eng = PrefillEngine(model_dir, RuntimeConfig(kv_tokens=KV_TOKENS, layout="interleave"), group)
+    eng = PrefillEngine(model_dir, RuntimeConfig(kv_tokens=KV_TOKENS, layout="interleave", moe="tp"), group)
     return dict(eng.prefill([Request(_tokens(eng.cfg.vocab_size))]).info.stats)
 
 

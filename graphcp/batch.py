@@ -71,6 +71,8 @@ class PreparedBatch:
     meta: AttentionMetadata
     seg_page_table: np.ndarray
     plan_s: float = 0.0  # host time of prepare()
+    #: this forward's figures as the body runs it (ForwardInfo.stats): the engine copies them
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -37,3 +37,11 @@ class ForwardContext:
     gathered_kv_slots: torch.Tensor | None = None
     #: a model's own static rows for its breaks (graph mode), by name; None: eager
     static_rows: dict[str, torch.Tensor] | None = None
+    #: this rank's live rows (the rest of the capacity is a bucket's padding); the
+    #: expert-parallel MoE exchange routes only these. None: every row is live
+    live_rows: int | None = None
+    #: static residual rows into and out of an expert-parallel layer's break (graph mode)
+    moe_resid: torch.Tensor | None = None
+    moe_out: torch.Tensor | None = None
+    #: this forward's figures (ForwardInfo.stats) that breaks add to as they run; None: not kept
+    stats: dict[str, Any] | None = None

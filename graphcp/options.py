@@ -10,12 +10,16 @@ GraphMode = Literal["off", "breakable", "full"]
 GraphBackendName = Literal["auto", "cuda", "trace"]
 LayoutName = Literal["zigzag", "interleave"]
 AttentionName = Literal["torch", "triton", "flashinfer", "trtllm", "auto"]
+#: how a mixture-of-experts layer runs over the CP group: experts split over the ranks
+#: (all-to-all dispatch and combine) or every expert sharded like the dense MLP
+MoeLayout = Literal["ep", "tp"]
 
 DTYPE_NAMES: tuple[str, ...] = get_args(DtypeName)
 GRAPH_MODES: tuple[str, ...] = get_args(GraphMode)
 GRAPH_BACKENDS: tuple[str, ...] = get_args(GraphBackendName)
 LAYOUTS: tuple[str, ...] = get_args(LayoutName)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionName)
+MOE_LAYOUTS: tuple[str, ...] = get_args(MoeLayout)
 #: the dtypes the command line offers (float16 is API-only: no parity tests in it yet)
 CLI_DTYPES = ("float32", "bfloat16")
 DEVICE_KINDS = ("cpu", "cuda")

@@ -82,7 +82,7 @@ def _job(group, runs):
     """Each (case, folder, dtype, layout, graph) run on this rank: rank 0 returns logits."""
     out = []
     for case, folder, dtype, layout, graph in runs:
-        eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, layout=layout, graph=graph, kv_tokens=2048), group,
+        eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, layout=layout, graph=graph, kv_tokens=2048, moe="tp"), group,
                             BUCKETS)
         logits, stats, path = _prefill(eng, dtype)
         out.append((logits if group.rank == 0 else None, stats, path))
@@ -179,7 +179,7 @@ def _last_k(scores: torch.Tensor, k: int) -> torch.Tensor:
 def test_topk_matters_and_ties_occur(folders):
     """The indexer's choice matters (a wrong top-k fails parity), and the ties case has ties."""
     folder = folders["deepseek_v32-yarn"]
-    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=2048))
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=2048, moe="tp"))
     refs = _reference(folder, "float32")
     eng.body.attention.selector = _last_k
     logits, stats, _ = _prefill(eng, "float32")
@@ -188,7 +188,7 @@ def test_topk_matters_and_ties_occur(folders):
     assert max(errs[1], errs[3]) < TOL["float32"], errs  # the dense ones are not scored at all
     assert stats[STAT_ROWS] > 0
 
-    eng = PrefillEngine(folders["deepseek_v32-ties"], RuntimeConfig(kv_tokens=2048))
+    eng = PrefillEngine(folders["deepseek_v32-ties"], RuntimeConfig(kv_tokens=2048, moe="tp"))
     eng.body.attention.selector = rec = _Recording()
     _prefill(eng, "float32")
     assert rec.tied_rows > 10, rec.tied_rows
@@ -214,7 +214,7 @@ def test_cli_prefill_reports_the_indexer_work_per_rank(folders, tmp_path, capsys
     req.write_text(json.dumps({"tokens": tokens}) + "\n")
     out = tmp_path / "out.pt"
     assert main(["prefill", "--model", str(folders["deepseek_v32-yarn"]), "--input", str(req), "--output", str(out),
-                 "--kv-tokens", "1024", "--cp", "4", "--layout", "interleave"]) == 0
+                 "--kv-tokens", "1024", "--cp", "4", "--layout", "interleave", "--moe", "tp"]) == 0
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("indexer")]
     assert len(line) == 1, line
     shares = [float(s) for s in re.findall(r"pairs \(([0-9.]+)\)", line[0])]
@@ -229,7 +229,7 @@ def test_cache_holds_the_latent_rope_key_and_indexer_key_of_transformers(case, f
     decode engine of these models is handed (MlaKVCache.read_tokens)."""
     from transformers import AutoModelForCausalLM
 
-    eng = PrefillEngine(folders[case], RuntimeConfig(kv_tokens=2048))
+    eng = PrefillEngine(folders[case], RuntimeConfig(kv_tokens=2048, moe="tp"))
     _, prefix, ext = _tokens("float32")
     h = eng.prefill([Request(prefix)]).handles[0]
     h = eng.prefill([Request(ext, h)]).handles[0]
@@ -260,7 +260,9 @@ def test_refused_settings_name_what_is_wrong(folders, tmp_path):
     folder = folders["deepseek_v32-yarn"]
     for kw, says in ((dict(graph="full"), "graph='full'"), (dict(attention="triton"), "attention='triton'")):
         with pytest.raises(ConfigError, match=says):
-            PrefillEngine(folder, RuntimeConfig(kv_tokens=256, **kw))
+            PrefillEngine(folder, RuntimeConfig(kv_tokens=256, moe="tp", **kw))
+    with pytest.raises(ConfigError, match="moe='ep'"):  # DeepSeek MoE: tp only
+        PrefillEngine(folders["deepseek_v32-moe"], RuntimeConfig(kv_tokens=256, moe="ep"))
     cfg = json.loads((folder / "config.json").read_text())
     for key, value, says in (("q_lora_rank", None, "q_lora_rank is null"),
                              ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
@@ -275,7 +277,7 @@ def test_refused_settings_name_what_is_wrong(folders, tmp_path):
 def test_replay_equals_the_same_bucket_eager_body_bitwise(folders):
     """Breakable graphs on a DSA model: one break a layer (indexer + sparse attention),
     the replay's hidden rows and both cache pools equal the same-bucket eager body's."""
-    eng = PrefillEngine(folders["glm_moe_dsa-moe"], RuntimeConfig(graph="breakable", kv_tokens=2048),
+    eng = PrefillEngine(folders["glm_moe_dsa-moe"], RuntimeConfig(graph="breakable", kv_tokens=2048, moe="tp"),
                         buckets=BucketSet((64, 256)))
     stats = eng.capture()  # capture first: a lazy capture would refill the buffers between the two runs
     assert all(s.breaks == eng.cfg.num_layers for s in stats), [vars(s) for s in stats]
@@ -309,7 +311,7 @@ def test_default_dsa_preset_is_a_hub_checkpoint_transformers_agrees_with(tmp_pat
     folder = ensure_preset("default-dsa", tmp_path)
     model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
-    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024))
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, moe="tp"))
     toks = [np.random.default_rng(7).integers(0, 8192, n) for n in (300, 20)]
     out = eng.prefill([Request(t) for t in toks], all_logits=True)
     assert out.info.stats[STAT_ROWS] == eng.cfg.dsa.num_indexer_layers * (300 - 256)

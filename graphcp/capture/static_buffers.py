@@ -35,6 +35,9 @@ class BucketView:
     page_table: torch.Tensor  # [S_max, P_max] int32
     #: a model's own break rows by name ([cap, *row]; StaticBuffers' ``extra_rows``)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    # residual rows into / out of an expert-parallel MoE layer's break (None: no such layer)
+    moe_resid: torch.Tensor | None = None  # [cap, hidden]
+    moe_out: torch.Tensor | None = None  # [cap, hidden]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
@@ -54,6 +57,7 @@ class StaticBuffers:
         max_pages_per_seq: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        moe_rows: bool = False,
         extra_rows: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
     ) -> None:
         """``extra_rows``: name -> (row shape, dtype) of the rows a model's breaks read
@@ -73,6 +77,9 @@ class StaticBuffers:
         self.page_table = torch.zeros(max_segments, max_pages_per_seq, dtype=torch.int32, device=dev)
         self.extra = {name: torch.zeros(max_capacity, *row, dtype=dt, device=dev)
                       for name, (row, dt) in (extra_rows or {}).items()}
+        # only models with an expert-parallel MoE layer have a break that takes residual rows
+        self.moe_resid = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if moe_rows else None
+        self.moe_out = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if moe_rows else None
         # host staging: on CPU the static tensors themselves (numpy views share their
         # memory, so a fill is in place); on CUDA pinned copies, uploaded per bucket
         self._views: dict[int, tuple[tuple, BucketView]] = {}
@@ -103,7 +110,8 @@ class StaticBuffers:
 
     def _bases(self) -> tuple:
         return (self.input_ids, self.positions, self.kv_slots, self.attn_q, self.attn_out, self.hidden_out,
-                self.cu_seqlens_q, self.kv_lens, self.page_table, *self.extra.values())
+                self.cu_seqlens_q, self.kv_lens, self.page_table, self.moe_resid, self.moe_out,
+                *self.extra.values())
 
     def view(self, capacity: int) -> BucketView:
         """Prefix views of the bucket (cached; rebuilt if a buffer was replaced, so
@@ -130,13 +138,15 @@ class StaticBuffers:
             kv_lens=self.kv_lens,
             page_table=self.page_table,
             extra={name: t[:c] for name, t in self.extra.items()},
+            moe_resid=None if self.moe_resid is None else self.moe_resid[:c],
+            moe_out=None if self.moe_out is None else self.moe_out[:c],
         )
 
     def addresses(self) -> dict[str, int]:
         """Data pointers of every static tensor (debug mode checks they never move)."""
         names = ("input_ids", "positions", "kv_slots", "attn_q", "attn_out", "hidden_out",
-                 "cu_seqlens_q", "kv_lens", "page_table")
-        out = {n: getattr(self, n).data_ptr() for n in names}
+                 "cu_seqlens_q", "kv_lens", "page_table", "moe_resid", "moe_out")
+        out = {n: getattr(self, n).data_ptr() for n in names if getattr(self, n) is not None}
         out.update({f"extra.{n}": t.data_ptr() for n, t in self.extra.items()})
         return out
 

@@ -168,7 +168,10 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         "verify_s": sum(c.verify_s or 0.0 for c in captures),
         "captures": [vars(c) for c in captures],
         "eager_s": float(np.median(timings["eager"])), "ops_eager": ops["eager"],
-        "comparisons": comparisons, "stats_per_rank": stats,
+        "comparisons": comparisons,
+        # the per-forward figures (ForwardInfo.stats) of the graph forward, or the eager one
+        "stats": outs["graph" if "graph" in outs else "eager"].info.stats,
+        "stats_per_rank": stats,  # every rank's figures of the eager forward (the DSA indexer's work)
     }
     if "graph" in outs:
         graph = engine.runner.graphs[outs["graph"].info.capacity].graph if outs["graph"].info.path == "graph" else None

@@ -19,6 +19,8 @@ from graphcp.model.dsa.moe import DeepseekMoe
 from graphcp.model.dsa.rope import DsaRotary
 from graphcp.model.layers import ParallelMLP, RMSNorm
 from graphcp.model.llama import DecoderModel
+from graphcp.model.moe.experts import grouped_mm_capturable
+from graphcp.options import MoeLayout
 
 
 class DsaLayer(nn.Module):
@@ -28,6 +30,7 @@ class DsaLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = MlaAttention(cfg, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.exchanges = False  # no expert-parallel exchange (DecoderModel.exchanges)
         if d.is_moe(layer):
             self.mlp = DeepseekMoe(d.moe, cfg.hidden_size, tp_size, dtype)
         else:  # transformers' DeepseekV32MLP has no biases, whatever mlp_bias says
@@ -41,7 +44,9 @@ class DsaLayer(nn.Module):
 class DsaModel(DecoderModel):
     """DecoderModel's body and LM head with DSA layers and their RoPE tables."""
 
-    def make_layer(self, cfg: ModelConfig, layer: int, tp_size: int, dtype: torch.dtype) -> nn.Module:
+    def make_layer(self, cfg: ModelConfig, layer: int, tp_size: int, dtype: torch.dtype, rank: int,
+                   moe: MoeLayout) -> nn.Module:
+        # DeepSeek MoE runs the tp layout only (graphcp/model/dsa/runtime.py refuses moe='ep')
         return DsaLayer(cfg, layer, tp_size, dtype)
 
     @staticmethod
@@ -51,3 +56,14 @@ class DsaModel(DecoderModel):
     def static_rows(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per-row shapes and dtypes of the static rows the attention breaks read and write."""
         return static_rows(self.cfg, self.dtype)
+
+    def static_stats(self, rows: int) -> dict:
+        return {}  # the indexer's figures come from the attention backend (forward_stats)
+
+    def capture_problem(self, device: torch.device, full: bool) -> str | None:
+        moe = any(isinstance(layer.mlp, DeepseekMoe) for layer in self.layers)
+        if moe and not grouped_mm_capturable(device, self.dtype):
+            return (f"DeepSeek MoE keeps its experts inside the captured graphs, which needs torch._grouped_mm's "
+                    f"sync-free kernel (bfloat16 on sm90/sm100); {self.dtype} on {device} copies the group sizes "
+                    "to the host: use dtype='bfloat16' or graph='off'")
+        return None
