@@ -14,7 +14,8 @@ weighted sum in ascending expert order (transformers' order), the shared experts
 partial sum added, one reduce-scatter back to local rows. Static shapes: inside the
 captured graphs.
 
-The seam to the MoE machinery of issue 17 (``graphcp/model/moe/``, ``--moe ep|tp``):
+The seam to the MoE machinery of issue 17 (``graphcp/model/moe/``, ``--moe ep|tp``; DSA
+models refuse ``ep`` until they run on it):
 :class:`DeepseekRouter` keeps its ``Router`` contract (``forward(x) -> (ids, weights)``,
 ids ascending in each row), so it plugs into its ``SparseMoeBlock`` as the router for
 sigmoid scoring; the expert-parallel layout (all-to-all dispatch and combine) then
