@@ -15,6 +15,7 @@ import torch
 from graphcp.attention.base import AttentionBackend, AttentionMetadata
 from graphcp.attention.ring import RingAttention
 from graphcp.attention.ring_plan import RingPlan
+from graphcp.attention.sparse_mla import SparseMlaBackend
 from graphcp.batch import PreparedBatch
 from graphcp.dist import CPGroup
 from graphcp.forward_context import AuxCapture, ForwardContext
@@ -25,8 +26,8 @@ from graphcp.profile.ranges import nvtx_range
 
 @dataclass
 class Body:
-    model: DecoderModel
-    attention: AttentionBackend
+    model: DecoderModel  # or a DsaModel (a DecoderModel with DSA layers)
+    attention: AttentionBackend | SparseMlaBackend
     kv: PagedKVCache
     group: CPGroup
     device: torch.device
@@ -59,6 +60,7 @@ class Body:
             self.ring.prepare(ctx.ring)
         if static is not None:
             ctx.attn_q, ctx.attn_out = static.attn_q, static.attn_out
+            ctx.static_rows = static.extra or None
             ctx.moe_resid, ctx.moe_out = static.moe_resid, static.moe_out
         if stats is not None:
             stats.update(self.model.static_stats(kv_slots.shape[0]))

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from graphcp.checks import MAX_CP, MAX_TOKENS, check_bool, check_float, check_int, check_layer_list, check_str
+from graphcp.dsa_config import DsaConfig, dsa_from_hf
 from graphcp.errors import ConfigError
 from graphcp.options import (
     ATTENTION_BACKENDS,
@@ -42,6 +43,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    # DeepSeek Sparse Attention models (graphcp/dsa_config.py, graphcp/model/dsa/)
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,7 +69,7 @@ def parse_dtype(name: "str | torch.dtype") -> torch.dtype:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
+    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral | deepseek_v32 | glm_moe_dsa
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -84,6 +88,9 @@ class ModelConfig:
     torch_dtype: str | None = None
     #: mixture-of-experts layers (None: every layer runs the dense MLP)
     moe: MoeConfig | None = None
+    #: MLA + the DSA indexer (+ DeepSeek MoE, in dsa.moe); None for other families. DSA
+    #: models set num_kv_heads = num_heads and head_dim = qk_rope_head_dim (RoPE's width)
+    dsa: DsaConfig | None = None
 
     def __post_init__(self) -> None:
         w = "ModelConfig"
@@ -182,6 +189,8 @@ class ModelConfig:
             check_str(dtype, "torch_dtype", where=source)
         attention_bias = flag("attention_bias", False)
         num_layers = num("num_hidden_layers", MAX_LAYERS)
+        rope = rope_from_hf(d, source, max_pos)
+        dsa = dsa_from_hf(d, family, num_layers, rope, source)
         return cls(
             family=family,
             vocab_size=num("vocab_size", MAX_VOCAB),
@@ -190,9 +199,9 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=num("num_key_value_heads", MAX_HEADS, heads),
-            head_dim=head_dim,
+            head_dim=head_dim if dsa is None else dsa.qk_rope_head_dim,
             rms_norm_eps=1e-6 if eps is None else check_float(eps, "rms_norm_eps", lo=0.0, hi=1.0, where=source),
-            rope=rope_from_hf(d, source, max_pos),
+            rope=rope,
             max_position_embeddings=4096 if max_pos is None else max_pos,
             tie_word_embeddings=flag("tie_word_embeddings", False),
             attention_bias=family == "qwen2" or attention_bias,
@@ -201,6 +210,7 @@ class ModelConfig:
             mlp_bias=flag("mlp_bias", False),
             torch_dtype=dtype,
             moe=moe_from_hf(d, family, num_layers, source),
+            dsa=dsa,
         )
 
     @classmethod
@@ -284,7 +294,10 @@ class ParallelConfig:
         the pipeline stages."""
         if m.moe is not None:
             m.moe.check_parallel(self.cp_size, moe, source, m.hidden_size)
-        if m.has_dense_mlp and m.intermediate_size % self.tp_size:
+        if m.dsa is not None:  # DeepSeek MoE (tp): expert slices over the group
+            m.dsa.check_parallel(self.tp_size, source)
+        dense = m.has_dense_mlp if m.dsa is None else m.dsa.has_dense_layers(m.num_layers)
+        if dense and m.intermediate_size % self.tp_size:
             raise ConfigError(
                 f"{source}: intermediate_size={m.intermediate_size} does not divide by tp_size=cp_size="
                 f"{self.tp_size}; the MLP is column/row-parallel over the CP group"

@@ -41,7 +41,8 @@ from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, InputError
 from graphcp.forward_context import KV_RECEIVED, AuxCapture
 from graphcp.kv_sharded import make_kv_cache
-from graphcp.kvcache import KVHandle, PagedKVCache
+from graphcp.kvcache import KVHandle
+from graphcp.model.dsa import runtime as dsa_runtime
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
 from graphcp.pp.groups import pipeline_groups
@@ -86,31 +87,41 @@ class PrefillEngine:
         kv_tokens = rt.kv_tokens if rt.kv_tokens is not None else min(4 * self.cfg.max_position_embeddings, 1 << 16)
         num_pages = -(-kv_tokens // rt.page_size) + 1  # + the scratch page
         self._check_pool_fits(num_pages)
-        self.sharded = rt.kv_cache == "sharded"
-        # sharded: this rank's pool of the token-sharded cache (kv_tokens is one rank's)
-        self.kv = make_kv_cache(
-            self.sharded, self.group.size, self.group.rank,
-            len(self.stage.layers), num_pages, rt.page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
-            self.dtype, self.device, kv_layout,
-            # no request outgrows the model's context (prefill checks it before extend)
-            max_pages_per_seq=min(num_pages - 1, -(-self.max_context // rt.page_size)),
-            first_layer=self.stage.layers.start,  # a stage caches its own layers
-        )
-        spec = AttentionSpec(
-            self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, rt.page_size,
-            self.cfg.head_dim ** -0.5, kv_layout,
-        )
         self.buckets = buckets or BucketSet()
         self.buckets.check_compatible(self.parallel.cp_size, rt.layout)
-        limits = self._attention_limits(num_pages)
-        try:
-            attention = make_attention(rt.attention, spec, self.device, **limits)
-            # the ring's steps 1 .. C-1 plan their own metadata (FlashInfer: one float workspace for all)
-            ring = RingAttention(lambda: make_attention(rt.attention, spec, self.device, **limits,
-                                                        workspace=getattr(attention, "workspace", None)),
-                                 self.group, self.device) if self.sharded else None
-        except (ValueError, ImportError) as e:  # a backend refusing this model or device, or not installed
-            raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {e}") from e
+        self.sharded = rt.kv_cache == "sharded"
+        ring = None
+        if self.cfg.dsa is not None:  # MLA's latent + indexer-key cache and sparse attention
+            if self.sharded or self.pipeline is not None:
+                raise ConfigError("a DSA model runs kv_cache='replicated' and pp_size=1 (its latent cache is not "
+                                  f"sharded by token or split into stages yet), got kv_cache={rt.kv_cache!r}, "
+                                  f"pp_size={self.parallel.pp_size}")
+            max_pages_per_seq = min(num_pages - 1, -(-self.max_context // rt.page_size))
+            self.kv, attention = dsa_runtime.make_cache_and_attention(self.cfg, rt, num_pages, max_pages_per_seq,
+                                                                      self.device)
+        else:
+            # sharded: this rank's pool of the token-sharded cache (kv_tokens is one rank's)
+            self.kv = make_kv_cache(
+                self.sharded, self.group.size, self.group.rank,
+                len(self.stage.layers), num_pages, rt.page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
+                self.dtype, self.device, kv_layout,
+                # no request outgrows the model's context (prefill checks it before extend)
+                max_pages_per_seq=min(num_pages - 1, -(-self.max_context // rt.page_size)),
+                first_layer=self.stage.layers.start,  # a stage caches its own layers
+            )
+            spec = AttentionSpec(
+                self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, rt.page_size,
+                self.cfg.head_dim ** -0.5, kv_layout,
+            )
+            limits = self._attention_limits(num_pages)
+            try:
+                attention = make_attention(rt.attention, spec, self.device, **limits)
+                # the ring's steps 1 .. C-1 plan their own metadata (FlashInfer: one float workspace for all)
+                ring = RingAttention(lambda: make_attention(rt.attention, spec, self.device, **limits,
+                                                            workspace=getattr(attention, "workspace", None)),
+                                     self.group, self.device) if self.sharded else None
+            except (ValueError, ImportError) as e:  # a backend refusing this model or device, or not installed
+                raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {e}") from e
         self.body = Body(self.model, attention, self.kv, self.group, self.device, ring)
         self.preparer = BatchPreparer(
             self.layout, self.kv, self.group, self.cfg.vocab_size, self.max_context, self.device,
@@ -132,7 +143,10 @@ class PrefillEngine:
         """Refuse a KV pool larger than the device's memory up front (a clear error,
         not an allocator failure or the OOM killer halfway through zeroing it)."""
         rt, cfg = self.runtime, self.cfg
-        need = len(self.stage.layers) * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        if cfg.dsa is not None:
+            need = dsa_runtime.pool_bytes(cfg, num_pages, rt.page_size, self.dtype)
+        else:
+            need = len(self.stage.layers) * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
             have = torch.cuda.mem_get_info(self.device)[0]
         else:
@@ -239,6 +253,7 @@ class PrefillEngine:
         try:
             hidden, info, aux_rows = self._stage_rows(prep, None, force_eager, aux)
             info.timings["plan_s"] = prep.plan_s
+            info.stats.update(self.body.attention.forward_stats(prep.plan.prefix_lens, prep.plan.extend_lens))
             with nvtx_range("lm_head", category="output"):
                 last_logits = self._last_logits(prep.plan, hidden)
                 logits = self._all_logits(prep.plan, hidden) if all_logits else None

@@ -63,6 +63,8 @@ class ForwardContext:
     ring_attention: RingAttention | None = None
     #: this forward's ring plan (live metadata the attention break reads)
     ring: RingPlan | None = None
+    #: a model's own static rows for its breaks (graph mode), by name; None: eager
+    static_rows: dict[str, torch.Tensor] | None = None
     #: this rank's live rows (the rest of the capacity is a bucket's padding); the
     #: expert-parallel MoE exchange routes only these. None: every row is live
     live_rows: int | None = None

@@ -146,8 +146,7 @@ class PagedKVCache:
         self.first_layer = first_layer
         self._page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else None
         self.num_kv_heads, self.head_dim, self.layout = num_kv_heads, head_dim, layout
-        page = (page_size, num_kv_heads, head_dim) if layout == "NHD" else (num_kv_heads, page_size, head_dim)
-        self.pool = torch.zeros((num_layers, num_pages, 2, *page), dtype=dtype, device=device)
+        self.pool = self._allocate_pool(dtype, device)
         # LIFO free list: recently freed pages are reused first (warm in cache)
         self._free: list[int] = list(range(num_pages - 1, SCRATCH_PAGE, -1))
         self._seqs: dict[int, _Sequence] = {}
@@ -157,6 +156,21 @@ class PagedKVCache:
         self._table = np.full((_INITIAL_ROWS, max_pages_per_seq), SCRATCH_PAGE, dtype=np.int32)
         self._row_pages = np.zeros(_INITIAL_ROWS, dtype=np.int64)
         self._free_rows: list[int] = list(range(_INITIAL_ROWS - 1, -1, -1))  # LIFO, low rows first
+
+    def _allocate_pool(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """The pool (a cache that stores something else per token, MLA's latent, overrides it)."""
+        n, h, d = self.page_size, self.num_kv_heads, self.head_dim
+        page = (n, h, d) if self.layout == "NHD" else (h, n, d)
+        return torch.zeros((self.num_layers, self.num_pages, 2, *page), dtype=dtype, device=device)
+
+    def token_values(self, layer: int) -> int:
+        """Values one token holds in ``layer``'s cache (what the exchange moves a token)."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def page_pools(self) -> dict[str, torch.Tensor]:
+        """Every tensor holding per-page data, pages along dim 1 (the capture self-check
+        compares the pages a batch touched in each)."""
+        return {"kv_cache": self.pool}
 
     # ---- capacity -------------------------------------------------------------
     @property

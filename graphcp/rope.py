@@ -119,7 +119,9 @@ class RopeConfig:
         return interpolation * (1 - extra_factor) + extrapolation * extra_factor
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context ``scale`` times the original (transformers'
+    ``get_mscale``): the attention factor, and the softmax scale of DeepSeek's MLA."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -237,9 +239,9 @@ def _yarn_fields(p: dict, factor: float, where: str) -> dict:
         out["attention_factor"] = check_float(p["attention_factor"], "attention_factor", lo=0, lo_open=True,
                                               where=where)
     elif mscale and mscale_all:
-        out["attention_factor"] = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all))
+        out["attention_factor"] = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all))
     else:
-        out["attention_factor"] = _yarn_mscale(factor)
+        out["attention_factor"] = yarn_mscale(factor)
     if out["attention_factor"] <= 0:
         raise ConfigError(f"{where}: the attention factor from mscale={mscale} and mscale_all_dim={mscale_all} is "
                           f"{out['attention_factor']}; expected > 0")

@@ -37,6 +37,17 @@ TINY = dict(
     max_position_embeddings=4096,
     rms_norm_eps=1e-6,
 )
+#: tiny DSA shape (DeepSeek V3.2 / GLM-5): MLA with v_head_dim != qk head dim, 16 indexer
+#: heads (a sum of 16 ReLU terms is almost never an exact tie at the k-th best: with few
+#: heads many keys score exactly 0 and transformers' top-k picks among them arbitrarily),
+#: index_topk 16 (requests past 16 tokens run sparse attention), every layer dense
+DSA_TINY = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+    vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-6, q_lora_rank=32, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, index_n_heads=16, index_head_dim=16, index_topk=16,
+    first_k_dense_replace=2, rope_theta=10000.0,
+)
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -72,6 +83,9 @@ def hf_config(family: str, tied: bool, **overrides):
     elif family == "mixtral":
         kw.update(sliding_window=None, rope_theta=10000.0, num_local_experts=8, num_experts_per_tok=2)
         cls = transformers.MixtralConfig
+    elif family in DSA_FAMILIES:
+        kw = dict(DSA_TINY, tie_word_embeddings=tied)
+        cls = transformers.DeepseekV32Config if family == "deepseek_v32" else transformers.GlmMoeDsaConfig
     else:
         raise ValueError(f"unknown family {family!r}")
     kw.update(overrides)

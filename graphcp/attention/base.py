@@ -258,6 +258,10 @@ class AttentionBackend(ABC):
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional phase
         """Host-side planning for this forward's metadata (no-op by default)."""
 
+    def forward_stats(self, prefix_lens: np.ndarray, extend_lens: np.ndarray) -> dict:
+        """Figures of the last forward for ForwardInfo.stats (given the batch's lengths): none by default."""
+        return {}
+
     @abstractmethod
     def forward(
         self,

@@ -41,4 +41,9 @@ def exchange_and_write_kv(ctx, layer: int, k: torch.Tensor, v: torch.Tensor) -> 
 
 def exchanged_bytes_per_layer(capacity: int, cp_size: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
     """Bytes each rank receives per layer in the all-gather (for the performance ledger)."""
-    return (cp_size - 1) * capacity * 2 * num_kv_heads * head_dim * elem_bytes
+    return exchanged_row_bytes_per_layer(capacity, cp_size, 2 * num_kv_heads * head_dim, elem_bytes)
+
+
+def exchanged_row_bytes_per_layer(capacity: int, cp_size: int, values_per_token: int, elem_bytes: int) -> int:
+    """The same for a cache of ``values_per_token`` a token (PagedKVCache.token_values)."""
+    return (cp_size - 1) * capacity * values_per_token * elem_bytes

@@ -111,6 +111,7 @@ class GraphRunner:
             buckets.largest, body.group.size, cfg.num_heads, cfg.head_dim, cfg.hidden_size,
             2 * rt.max_requests, self.max_pages, body.model.dtype, body.device, moe_rows=body.model.exchanges,
             hidden_in=body.takes_hidden, aux_layers=len(self.aux_layers),
+            extra_rows=body.model.static_rows(),
         )
         self.backend = make_graph_backend(rt.graph_backend, body.device)
         self.graphs: dict[int, _Captured] = {}
@@ -228,15 +229,17 @@ class GraphRunner:
             try:
                 rows = self.synthetic_input(prep, rng)
                 pages = torch.tensor([p for s in prep.seq_ids for p in kv.handle(s).pages], device=body.device)
-                before = kv.pool.index_select(1, pages)
-                got = {"hidden_out": self.replay(prep, capacity, hidden_in=rows).clone(),
-                       "kv_cache": kv.pool.index_select(1, pages)}
+                pools = kv.page_pools()
+                before = {n: p.index_select(1, pages) for n, p in pools.items()}
+                got = {"hidden_out": self.replay(prep, capacity, hidden_in=rows).clone()}
+                got.update({n: p.index_select(1, pages) for n, p in pools.items()})
                 if self.aux_layers:
                     got["aux_hidden"] = self.aux_rows(capacity).clone()
-                kv.pool.index_copy_(1, pages, before)  # the eager body starts from the same cache
-                want = {"hidden_out": self.eager_on_bucket(prep, capacity, rows),
-                        "kv_cache": kv.pool.index_select(1, pages), "aux_hidden": self.aux_rows(capacity)}
-                problem = first_difference({k: (got[k], want[k]) for k in got})
+                for n, p in pools.items():  # the eager body starts from the same cache
+                    p.index_copy_(1, pages, before[n])
+                want = {"hidden_out": self.eager_on_bucket(prep, capacity, rows), "aux_hidden": self.aux_rows(capacity)}
+                want.update({n: p.index_select(1, pages) for n, p in pools.items()})
+                problem = first_difference({n: (got[n], want[n]) for n in got})
             finally:
                 prep_.abort(prep)
         finally:

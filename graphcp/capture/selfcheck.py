@@ -64,7 +64,7 @@ def first_difference(outputs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> s
         if bool(ne.any()):
             rows = ne.reshape(ne.shape[0], -1).any(1).nonzero().flatten().tolist()
             diff = (got.float() - want.float()).abs()[ne].max().item()
-            what = "layers" if name == "kv_cache" else "rows"
+            what = "rows" if name == "hidden_out" else "layers"
             return (f"{name} {what} {rows[:8]}{' ...' if len(rows) > 8 else ''} ({len(rows)} of {ne.shape[0]}) "
                     f"differ, max |diff| {diff:.4g}")
     return None

@@ -11,7 +11,7 @@ survives into what a later one reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import is_
 
 import numpy as np
@@ -33,6 +33,8 @@ class BucketView:
     cu_seqlens_q: torch.Tensor  # [S_max + 1] int32
     kv_lens: torch.Tensor  # [S_max] int32
     page_table: torch.Tensor  # [S_max, P_max] int32
+    #: a model's own break rows by name ([cap, *row]; StaticBuffers' ``extra_rows``)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
     # residual rows into / out of an expert-parallel MoE layer's break (None: no such layer)
     moe_resid: torch.Tensor | None = None  # [cap, hidden]
     moe_out: torch.Tensor | None = None  # [cap, hidden]
@@ -42,7 +44,9 @@ class BucketView:
     aux_out: torch.Tensor | None = None  # [cap, n_aux, hidden]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        out = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        out.update({f"extra.{k}": v for k, v in self.extra.items()})
+        return out
 
 
 class StaticBuffers:
@@ -60,9 +64,12 @@ class StaticBuffers:
         moe_rows: bool = False,
         hidden_in: bool = False,
         aux_layers: int = 0,
+        extra_rows: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
     ) -> None:
         """``hidden_in``: the body takes input rows (a pipeline stage after the first);
-        ``aux_layers``: how many layers' auxiliary hidden states it copies out."""
+        ``aux_layers``: how many layers' auxiliary hidden states it copies out;
+        ``extra_rows``: name -> (row shape, dtype) of the rows a model's breaks read
+        and write besides attn_q / attn_out (MLA's query and output, say)."""
         self.max_capacity, self.cp_size = max_capacity, cp_size
         self.max_segments, self.max_pages_per_seq = max_segments, max_pages_per_seq
         dev = torch.device(device)
@@ -76,6 +83,8 @@ class StaticBuffers:
         self.cu_seqlens_q = torch.zeros(max_segments + 1, dtype=torch.int32, device=dev)
         self.kv_lens = torch.zeros(max_segments, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_segments, max_pages_per_seq, dtype=torch.int32, device=dev)
+        self.extra = {name: torch.zeros(max_capacity, *row, dtype=dt, device=dev)
+                      for name, (row, dt) in (extra_rows or {}).items()}
         # only models with an expert-parallel MoE layer have a break that takes residual rows
         self.moe_resid = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if moe_rows else None
         self.moe_out = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if moe_rows else None
@@ -113,7 +122,7 @@ class StaticBuffers:
     def _bases(self) -> tuple:
         return (self.input_ids, self.positions, self.kv_slots, self.attn_q, self.attn_out, self.hidden_out,
                 self.cu_seqlens_q, self.kv_lens, self.page_table, self.moe_resid, self.moe_out, self.hidden_in,
-                self.aux_out)
+                self.aux_out, *self.extra.values())
 
     def view(self, capacity: int) -> BucketView:
         """Prefix views of the bucket (cached; rebuilt if a buffer was replaced, so
@@ -139,6 +148,7 @@ class StaticBuffers:
             cu_seqlens_q=self.cu_seqlens_q,
             kv_lens=self.kv_lens,
             page_table=self.page_table,
+            extra={name: t[:c] for name, t in self.extra.items()},
             moe_resid=None if self.moe_resid is None else self.moe_resid[:c],
             moe_out=None if self.moe_out is None else self.moe_out[:c],
             hidden_in=None if self.hidden_in is None else self.hidden_in[:c],
@@ -149,7 +159,9 @@ class StaticBuffers:
         """Data pointers of every static tensor (debug mode checks they never move)."""
         names = ("input_ids", "positions", "kv_slots", "attn_q", "attn_out", "hidden_out",
                  "cu_seqlens_q", "kv_lens", "page_table", "moe_resid", "moe_out", "hidden_in", "aux_out")
-        return {n: getattr(self, n).data_ptr() for n in names if getattr(self, n) is not None}
+        out = {n: getattr(self, n).data_ptr() for n in names if getattr(self, n) is not None}
+        out.update({f"extra.{n}": t.data_ptr() for n, t in self.extra.items()})
+        return out
 
     def fill(
         self,

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphcp.attention.exchange import exchanged_bytes_per_layer
+from graphcp.attention.exchange import exchanged_row_bytes_per_layer
 from graphcp.capture.buckets import BucketSet
 from graphcp.batch import PrefillOutput, Request
 from graphcp.cli.requests import FileRequest
@@ -59,6 +59,7 @@ def prefill_job(group: CPGroup, spec: JobSpec, reqs: list[FileRequest], all_logi
     engine = make_engine(group, spec)
     out = prefill_requests(engine, reqs, all_logits)
     ranks = gather_object(group, engine.stats()) if with_stats else None  # every rank takes part
+    stats = gather_object(group, dict(out.info.stats))  # every rank's figures (the indexer's work, say)
     if group.rank != 0:  # every rank holds the same outputs (under PP too: broadcast from their stages)
         return None
     result: dict[str, Any] = {"last_logits": out.last_logits.float().contiguous()}
@@ -70,7 +71,8 @@ def prefill_job(group: CPGroup, spec: JobSpec, reqs: list[FileRequest], all_logi
     result["info"] = {"path": out.info.path, "capacity": out.info.capacity, "fallback": out.info.fallback,
                       "cp_size": spec.cp_size, "pp_size": spec.pp_size, "layout": spec.runtime.layout,
                       "graph": spec.runtime.graph,
-                      "kv_cache": spec.runtime.kv_cache, "exchange": out.info.stats.get("exchange")}
+                      "kv_cache": spec.runtime.kv_cache, "exchange": out.info.stats.get("exchange"),
+                      "stats_per_rank": stats}
     if ranks is not None:
         result["stats"] = ranks
     return result
@@ -181,6 +183,7 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         twin = make_engine(group, spec, replace(spec.runtime, dtype=other))
         comparisons.append(compare_paths(twin, batch))
     stored_per_rank = gather_object(group, stored)  # every rank takes part
+    stats = gather_object(group, dict(outs["eager"].info.stats))  # every rank's figures (the indexer's work, say)
     if group.rank != 0:
         return None
     res = {
@@ -196,12 +199,12 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         "comparisons": comparisons,
         # the per-forward figures (ForwardInfo.stats) of the graph forward, or the eager one
         "stats": outs["graph" if "graph" in outs else "eager"].info.stats,
+        "stats_per_rank": stats,  # every rank's figures of the eager forward (the DSA indexer's work)
     }
     if "graph" in outs:
         graph = engine.runner.graphs[outs["graph"].info.capacity].graph if outs["graph"].info.path == "graph" else None
-        cfg = engine.cfg
-        res["kv_bytes_per_layer"] = exchanged_bytes_per_layer(
-            outs["graph"].info.capacity, spec.cp_size, cfg.num_kv_heads, cfg.head_dim, engine.dtype.itemsize)
+        res["kv_bytes_per_layer"] = exchanged_row_bytes_per_layer(  # layer 0's cache rows
+            outs["graph"].info.capacity, spec.cp_size, engine.kv.token_values(0), engine.dtype.itemsize)
         st = outs["graph"].info.stats
         res.update(exchange=st["exchange"], bytes_received_per_layer=st["bytes_received_per_layer"],
                    exchange_reason=st.get("exchange_choice", {}).get("reason"))

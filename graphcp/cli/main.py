@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from graphcp.attention.sparse_mla import indexer_report
 from graphcp.checks import check_output_path
 from graphcp.cli.args import add_runtime_args, job_spec, preflight
 from graphcp.cli.jobs import prefill_job, run_job, run_job_on_ranks
@@ -68,6 +69,9 @@ def cmd_prefill(args) -> int:
         print(f"prefilled {len(reqs)} requests on {ranks}, layout {info['layout']}, "
               f"path {info['path']} (local capacity {info['capacity']}), {info['kv_cache']} KV cache, exchange "
               f"{info['exchange']} -> {args.output}" + (f" (stats: {args.stats})" if args.stats else ""))
+        indexer = indexer_report(info["stats_per_rank"])
+        if indexer is not None:  # DSA models
+            print(indexer)
     return 0
 
 
@@ -127,6 +131,9 @@ def cmd_run(args) -> int:
     print("|-" + "-" * w + "-|-------|")
     for k, v in rows:
         print(f"| {k.ljust(w)} | {v} |")
+    indexer = indexer_report(res["stats_per_rank"])
+    if indexer is not None:  # DSA models: the eager forward's indexer work per rank
+        print(indexer)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
     for c in res.get("comparisons", []):

@@ -69,8 +69,11 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, group) -> torch.Tensor:
         """x: this rank's rows [n, hidden] -> [n, hidden]."""
-        rows = group.all_gather_rows(x)
-        gate, up = self.gate_up(rows).split(self.shard, dim=-1)
-        partial = self.down(F.silu(gate) * up)
-        out = group.reduce_scatter_rows(partial)
+        out = group.reduce_scatter_rows(self.partial(group.all_gather_rows(x)))
         return out + self.down_bias if self.down_bias is not None else out
+
+    def partial(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum (no bias) of every row: all-gathered rows in, the
+        reduce-scatter's input out (a caller may add other partials before it)."""
+        gate, up = self.gate_up(rows).split(self.shard, dim=-1)
+        return self.down(F.silu(gate) * up)

@@ -140,13 +140,23 @@ class DecoderModel(nn.Module):
         self.stage = stage = stage or PipelineStage(0, 1, range(cfg.num_layers))
         embed = stage.first or (stage.last and cfg.tie_word_embeddings)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if embed else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp_size, dtype, rank, moe) for i in stage.layers)
+        self.layers = nn.ModuleList(self.make_layer(cfg, i, tp_size, dtype, rank, moe) for i in stage.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.last else None
         untied = stage.last and not cfg.tie_word_embeddings
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype) if untied else None
-        self.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope)
+        self.rotary = self.make_rotary(cfg, max_positions)
         for p in self.parameters():
             p.requires_grad_(False)
+
+    def make_layer(self, cfg: ModelConfig, layer: int, tp_size: int, dtype: torch.dtype, rank: int,
+                   moe: MoeLayout) -> nn.Module:
+        """One decoder layer (a model family with other layers overrides it)."""
+        return DecoderLayer(cfg, layer, tp_size, dtype, rank, moe)
+
+    @staticmethod
+    def make_rotary(cfg: ModelConfig, max_positions: int | None = None) -> nn.Module:
+        """The RoPE tables (computed, never loaded: the loader rebuilds them on the device)."""
+        return Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope)
 
     def body(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
              hidden_in: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,6 +171,10 @@ class DecoderModel(nn.Module):
             if ctx.aux is not None:
                 ctx.aux.write(i, h)
         return self.norm(h) if self.norm is not None else h
+
+    def static_rows(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Static break rows besides attn_q / attn_out (graph mode): none."""
+        return {}
 
     @property
     def exchanges(self) -> bool:

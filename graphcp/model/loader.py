@@ -29,7 +29,8 @@ from safetensors import SafetensorError, safe_open
 
 from graphcp.config import DTYPES, ModelConfig, ParallelConfig
 from graphcp.errors import InputError
-from graphcp.model.layers import Rotary
+from graphcp.model.dsa.checkpoint import dsa_tensors, is_skipped
+from graphcp.model.dsa.model import DsaModel
 from graphcp.model.llama import DecoderModel
 from graphcp.moe_config import MOE_NAMES
 from graphcp.options import MoeLayout
@@ -189,19 +190,27 @@ def load_model(
     parallel.check_model(cfg, str(model_dir), moe)
     tp_size = parallel.tp_size
     declared = DTYPES.get(cfg.torch_dtype) if cfg.torch_dtype else None
+    dsa = cfg.dsa is not None
     with torch.device("meta"):
-        model = DecoderModel(cfg, tp_size, dtype, max_positions, rank, moe, parallel.stage(stage, cfg.num_layers))
+        model = (DsaModel if dsa else DecoderModel)(cfg, tp_size, dtype, max_positions, rank, moe,
+                                                    parallel.stage(stage, cfg.num_layers))
     # materialise on the target device; the rotary tables are computed, not loaded
     model = model.to_empty(device=device)
-    model.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope).to(device)
+    model.rotary = model.make_rotary(cfg, max_positions).to(device)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
-    targets = _targets(cfg, rank, tp_size, moe)
+    if dsa:  # the DSA families' tensors (graphcp/model/dsa/checkpoint.py)
+        table = dsa_tensors(cfg, rank, tp_size)
+        targets = {n: _Target(t.param, t.dim, t.start, t.shard) for n, t in table.items()}
+        expected = {n: t.shape for n, t in table.items()}
+        float32 = {n for n, t in table.items() if t.float32}
+    else:
+        targets, expected, float32 = _targets(cfg, rank, tp_size, moe), None, set()
     files = checkpoint_files(model_dir)
     by_file: dict[Path, list[str]] = {}
     listed = set()
     for name, f in files.items():
-        if IGNORED.match(name):
+        if IGNORED.match(name) or (dsa and is_skipped(name, cfg.num_layers)):
             continue
         if name not in targets:
             raise CheckpointError(f"{f.name}: unexpected tensor {name!r} for a {cfg.family} model of this config"
@@ -229,7 +238,7 @@ def load_model(
                         sl = sf.get_slice(name)
                         shape = tuple(sl.get_shape())
                         st_dtype = sl.get_dtype()
-                    full = _expected_shape(cfg, name)
+                    full = _expected_shape(cfg, name) if expected is None else expected[name]
                     if shape != full:
                         # checked on the whole checkpoint tensor: a wrong size along a fused or
                         # sharded dim would otherwise fit its slice (or run past it)
@@ -242,14 +251,13 @@ def load_model(
                         t = _read(sl, shape, tgt)
                     if not t.is_floating_point():
                         raise CheckpointError(f"{f.name}: tensor {name!r} has dtype {st_dtype}, expected a float type")
-                    if declared is not None and t.dtype != declared:
+                    if declared is not None and t.dtype != declared and not (name in float32 and t.dtype == torch.float32):
                         raise CheckpointError(
                             f"{f.name}: tensor {name!r} has dtype {t.dtype}, config.json declares {cfg.torch_dtype}"
                         )
                     p = params[tgt.param] if tgt.index is None else params[tgt.param][tgt.index]
                     dst = p.narrow(tgt.dim, tgt.start, t.shape[tgt.dim]) if t.dim() > tgt.dim else p
                     if tuple(dst.shape) != tuple(t.shape) or tgt.start + t.shape[tgt.dim] > p.shape[tgt.dim]:
-                        full = _expected_shape(cfg, name)
                         raise CheckpointError(
                             f"{f.name}: tensor {name!r} has shape {list(shape)}, expected {list(full)}"
                         )

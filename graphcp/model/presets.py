@@ -14,7 +14,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from graphcp.config import ModelConfig
+from graphcp.dsa_config import DSA_FAMILIES
 from graphcp.errors import ConfigError
+from graphcp.model.dsa import checkpoint as dsa_checkpoint
 from graphcp.moe_config import MOE_NAMES, moe_from_hf
 
 #: a small Qwen3-style model: explicit head_dim, q/k norm, GQA, tied embeddings
@@ -61,6 +64,42 @@ PRESETS: dict[str, dict] = {
         "eos_token_id": 2,
     },
 }
+#: a small DeepSeek V3.2 (DSA: MLA + the lightning indexer, index_topk 256; layer 0
+#: dense, the rest DeepSeek MoE), for `graphcp prefill|run --model default-dsa`; 16 indexer heads
+#: (V3.2 has 64): with few, keys every head scores negative tie at exactly 0
+PRESETS["default-dsa"] = {
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "vocab_size": 8192,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "index_n_heads": 16,
+    "index_head_dim": 32,
+    "index_topk": 256,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "moe_intermediate_size": 128,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "torch_dtype": "float32",
+}
 #: the default model's mixture-of-experts twin (Qwen3-MoE style): 16 experts, top-4,
 #: layer 0 dense (mlp_only_layers), for `graphcp run --model default-moe [--moe ep|tp]`
 PRESETS["default-moe"] = {
@@ -87,7 +126,10 @@ def is_preset(name: str) -> bool:
 
 def random_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
     """HF-named tensors for a Llama-family config (Qwen3-MoE and Mixtral too: router and
-    per-expert tensors in the Hub layout), seeded (std 0.02; norms near 1)."""
+    per-expert tensors in the Hub layout), seeded (std 0.02; norms near 1); DSA configs:
+    graphcp/model/dsa/checkpoint.py's writer."""
+    if config["model_type"] in DSA_FAMILIES:
+        return dsa_checkpoint.random_weights(ModelConfig.from_hf_dict(config), seed)
     g = torch.Generator().manual_seed(seed)
     h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
