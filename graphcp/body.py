@@ -30,13 +30,16 @@ class Body:
     device: torch.device
 
     def context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, static=None,
-                plan: AttentionMetadata | None = None) -> ForwardContext:
+                plan: AttentionMetadata | None = None, prefix_pages: np.ndarray | None = None) -> ForwardContext:
         """The context of one forward over ``meta``, after the attention backend's
         host-side planning for ``plan`` (default ``meta``: a full graph's context
         holds static metadata while the backend plans the live batch). ``static``: a
-        bucket's static views, whose attention rows the breaks then read and write."""
+        bucket's static views, whose attention rows the breaks then read and write.
+        ``prefix_pages``: the batch's cached-prefix pages a LayerSplit cache fetches."""
         self.attention.prepare(meta if plan is None else plan)
         ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group)
+        if prefix_pages is not None:
+            ctx.prefix_pages = torch.from_numpy(prefix_pages).to(self.device)
         if static is not None:
             ctx.attn_q, ctx.attn_out = static.attn_q, static.attn_out
         return ctx
@@ -56,5 +59,5 @@ class Body:
         ids[:n], pos[:n], slots[:n] = prep.ids, prep.positions, prep.slots
         dev = self.device
         with nvtx_range("eager_body", category="eager"):
-            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev))
+            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), prefix_pages=prep.prefix_pages)
             return self.run(ctx, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev))

@@ -19,11 +19,13 @@ from graphcp.options import (
     ATTENTION_BACKENDS,
     GRAPH_BACKENDS,
     GRAPH_MODES,
+    KV_CACHE_MODES,
     LAYOUTS,
     AttentionName,
     DtypeName,
     GraphBackendName,
     GraphMode,
+    KVCacheMode,
     LayoutName,
 )
 from graphcp.rope import RopeConfig, rope_from_hf
@@ -261,6 +263,10 @@ class RuntimeConfig:
     verify_capture: bool | None = None
     check_consistency: bool = True
     collective_timeout_s: float = 300.0
+    #: "replicated": every rank ends a forward holding the batch's whole KV (all-gather);
+    #: "layer-split": rank r keeps the cache of its ceil(L / C) layers and one scratch layer
+    #: (docs/pd.md); kv_tokens is the same pool capacity either way
+    kv_cache: KVCacheMode = "replicated"
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -271,7 +277,7 @@ class RuntimeConfig:
         if self.kv_tokens is not None:  # 0 is not "the default": None is
             check_int(self.kv_tokens, "kv_tokens", lo=1, hi=MAX_TOKENS, where="RuntimeConfig")
         for name, allowed in (("graph", GRAPH_MODES), ("graph_backend", GRAPH_BACKENDS), ("layout", LAYOUTS),
-                              ("attention", ATTENTION_BACKENDS)):
+                              ("attention", ATTENTION_BACKENDS), ("kv_cache", KV_CACHE_MODES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"RuntimeConfig.{name} must be one of {', '.join(allowed)}, "
                                   f"got {getattr(self, name)!r}")
@@ -280,6 +286,16 @@ class RuntimeConfig:
         check_bool(self.check_consistency, "check_consistency", where="RuntimeConfig")
         check_float(self.collective_timeout_s, "collective_timeout_s", lo=0, lo_open=True, hi=MAX_TIMEOUT_S,
                     where="RuntimeConfig")
+        self._check_layer_split()
+
+    def _check_layer_split(self) -> None:
+        """LayerSplit fetches each layer's cached-prefix pages from the layer's owner in
+        the attention break, with the live batch's page list: a full graph has no break."""
+        if self.kv_cache == "layer-split" and self.graph == "full":
+            raise ConfigError(
+                "RuntimeConfig.graph='full' cannot run kv_cache='layer-split': a cached prefix's pages of each "
+                "layer are broadcast from the layer's owner in the attention break, sized by the live batch; "
+                "use graph='breakable'")
 
     @property
     def torch_dtype(self) -> torch.dtype:

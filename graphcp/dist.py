@@ -134,6 +134,35 @@ class CPGroup:
             raise self._fail("all_reduce", e) from e
         return x
 
+    def broadcast_(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """``x`` of rank ``src`` into ``x`` on every rank (same shape and dtype everywhere)."""
+        if self.size == 1:
+            return x
+        try:
+            wait_work(dist.broadcast(x, src=self._global(src), group=self.pg, async_op=_async(x)))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"broadcast from rank {src}", e) from e
+        return x
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Point-to-point: ``x`` (contiguous) to rank ``dst``, which calls :meth:`recv_`."""
+        try:
+            wait_work(dist.isend(x.contiguous(), dst=self._global(dst), group=self.pg))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"send to rank {dst}", e) from e
+
+    def recv_(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Point-to-point: fill ``x`` (contiguous) with what rank ``src`` sends."""
+        try:
+            wait_work(dist.irecv(x, src=self._global(src), group=self.pg))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"recv from rank {src}", e) from e
+        return x
+
+    def _global(self, rank: int) -> int:
+        """The default group's rank of this group's ``rank`` (collectives name global ranks)."""
+        return rank if self.pg is None else dist.get_global_rank(self.pg, rank)
+
 
 # ---- process-group set-up -------------------------------------------------------
 def default_backend(device: str) -> str:

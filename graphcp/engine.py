@@ -28,8 +28,11 @@ from graphcp.config import ConfigError, ParallelConfig, RuntimeConfig
 from graphcp.cp import Plan, make_layout
 from graphcp.dist import CPGroup
 from graphcp.kvcache import KVHandle, PagedKVCache
+from graphcp.layer_split import LayerSplitKVCache, pool_layers
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
+from graphcp.pd.export import KVExport, KVMeta, assemble
+from graphcp.pd.fingerprint import model_fingerprint
 from graphcp.profile.ranges import nvtx_range
 
 #: kernel backends that preallocate per request: a batch may hold at most max_requests
@@ -62,12 +65,8 @@ class PrefillEngine:
         kv_tokens = rt.kv_tokens if rt.kv_tokens is not None else min(4 * self.cfg.max_position_embeddings, 1 << 16)
         num_pages = -(-kv_tokens // rt.page_size) + 1  # + the scratch page
         self._check_pool_fits(num_pages)
-        self.kv = PagedKVCache(
-            self.cfg.num_layers, num_pages, rt.page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
-            self.dtype, self.device, kv_layout,
-            # no request outgrows the model's context (prefill checks it before extend)
-            max_pages_per_seq=min(num_pages - 1, -(-self.max_context // rt.page_size)),
-        )
+        self.kv = self._make_kv_cache(num_pages, kv_layout)
+        self._fingerprint: str | None = None  # the model's, computed on the first export
         spec = AttentionSpec(
             self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, rt.page_size,
             self.cfg.head_dim ** -0.5, kv_layout,
@@ -86,11 +85,30 @@ class PrefillEngine:
         self.runner = None if rt.graph == "off" else GraphRunner(
             self.body, self.preparer, self.buckets, rt, self.max_context)
 
+    def _make_kv_cache(self, num_pages: int, kv_layout) -> PagedKVCache:
+        rt, cfg = self.runtime, self.cfg
+        if rt.kv_cache == "sharded":
+            raise ConfigError("RuntimeConfig.kv_cache='sharded' (the token-sharded cache) is not in this build yet; "
+                              "use 'replicated' or 'layer-split'")
+        args = (cfg.num_layers, num_pages, rt.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
+                kv_layout,
+                # no request outgrows the model's context (prefill checks it before extend)
+                min(num_pages - 1, -(-self.max_context // rt.page_size)))
+        if rt.kv_cache == "layer-split":
+            return LayerSplitKVCache(*args, rank=self.group.rank, cp_size=self.group.size)
+        return PagedKVCache(*args)
+
+    def _pool_layers(self) -> int:
+        """Layers this rank's pool holds (LayerSplit: its own and one scratch layer)."""
+        if self.runtime.kv_cache == "layer-split":
+            return pool_layers(self.cfg.num_layers, self.group.rank, self.group.size)
+        return self.cfg.num_layers
+
     def _check_pool_fits(self, num_pages: int) -> None:
         """Refuse a KV pool larger than the device's memory up front (a clear error,
         not an allocator failure or the OOM killer halfway through zeroing it)."""
         rt, cfg = self.runtime, self.cfg
-        need = cfg.num_layers * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        need = self._pool_layers() * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
             have = torch.cuda.mem_get_info(self.device)[0]
         else:
@@ -143,6 +161,32 @@ class PrefillEngine:
         """Free a handle's KV pages; KVHandleError (a BatchError) for a handle that is
         not live here (released already, or from another engine)."""
         self.kv.release(handle)
+
+    def kv_meta(self, handle: KVHandle) -> KVMeta:
+        """The export metadata of one request's KV (graphcp.pd.export)."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model_dir)
+        cfg = self.cfg
+        return KVMeta(handle.num_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.runtime.dtype,
+                      self.runtime.page_size, self._fingerprint)
+
+    @torch.inference_mode()
+    def export_kv(self, handle: KVHandle, dst: int | None = None) -> KVExport | None:
+        """One request's KV in the transport-neutral layout of graphcp.pd.export: every
+        layer's K and V, ``[num_kv_heads, num_tokens, head_dim]``, keys after RoPE. Every
+        rank calls it (like prefill); ``dst`` is the rank that gets the export (the others
+        get None), None: every rank. Each rank contributes the spans its cache mode holds;
+        only this request's KV moves. Releases nothing (``release`` stays explicit);
+        KVHandleError for a handle that is not live here."""
+        self.kv.check_handle(handle)
+        spans = self.kv.kv_spans(handle, self.group.size)
+        return assemble(self.kv, handle, spans, self.group, self.kv_meta(handle), dst, self.device)
+
+    def export_kv_batch(self, handles: Sequence[KVHandle], dst: int | None = None) -> list[KVExport | None]:
+        """:meth:`export_kv` for each handle, in order (all handles checked first)."""
+        for h in handles:
+            self.kv.check_handle(h)
+        return [self.export_kv(h, dst) for h in handles]
 
     @torch.inference_mode()
     def prefill(self, batch: Sequence[Request], all_logits: bool = False, force_eager: bool = False) -> PrefillOutput:

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from graphcp.attention.base import KVLayout
+from graphcp.attention.base import KVLayout, kv_cache_views
 from graphcp.errors import BatchError
+from graphcp.kvspans import KVSpan, whole_layer_spans
 
 SCRATCH_PAGE = 0
 
@@ -73,6 +74,10 @@ _INITIAL_ROWS = 16
 
 
 class PagedKVCache:
+    #: the forward must fetch a cached prefix's pages of each layer before attention
+    #: (a cache that does not keep every layer: graphcp.layer_split)
+    needs_prefix_fetch = False
+
     def __init__(
         self,
         num_layers: int,
@@ -125,6 +130,32 @@ class PagedKVCache:
 
     def layer(self, i: int) -> torch.Tensor:
         return self.pool[i]
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of this rank's KV pool (every layer it keeps, scratch page included)."""
+        return self.pool.numel() * self.pool.element_size()
+
+    # ---- export (graphcp.kvspans.KVSource) --------------------------------------
+    def kv_spans(self, handle: KVHandle, cp_size: int) -> list[KVSpan]:
+        """Every layer whole; the ranks export contiguous layer ranges (every rank holds all)."""
+        return whole_layer_spans(self.num_layers, handle.num_tokens, cp_size)
+
+    def holds(self, span: KVSpan, rank: int) -> bool:
+        return True
+
+    def read_span(self, handle: KVHandle, span: KVSpan) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``handle``'s positions ``[span.start, span.stop)`` of one layer, each
+        ``[num_kv_heads, n, head_dim]`` (new contiguous tensors; the cache is not changed)."""
+        self.check_handle(handle)
+        ps = self.page_size
+        first, last = span.start // ps, self.pages_for(span.stop)
+        pages = torch.tensor(handle.pages[first:last], dtype=torch.long, device=self.pool.device)
+        k_pages, v_pages = kv_cache_views(self.layer(span.layer), self.layout)  # [pages, ps, H, D]
+        lo, hi = span.start - first * ps, span.stop - first * ps
+        k = k_pages.index_select(0, pages).flatten(0, 1)[lo:hi]
+        v = v_pages.index_select(0, pages).flatten(0, 1)[lo:hi]
+        return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
 
     @property
     def table_width(self) -> int:

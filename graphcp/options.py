@@ -10,12 +10,17 @@ GraphMode = Literal["off", "breakable", "full"]
 GraphBackendName = Literal["auto", "cuda", "trace"]
 LayoutName = Literal["zigzag", "interleave"]
 AttentionName = Literal["torch", "triton", "flashinfer", "trtllm", "auto"]
+#: where a forward's KV lives: every rank holds the batch's KV ("replicated"), each rank its
+#: own zigzag blocks ("sharded", issue 15: refused until it lands), or each rank the cache of
+#: a contiguous range of layers plus one scratch layer ("layer-split", docs/pd.md)
+KVCacheMode = Literal["replicated", "sharded", "layer-split"]
 
 DTYPE_NAMES: tuple[str, ...] = get_args(DtypeName)
 GRAPH_MODES: tuple[str, ...] = get_args(GraphMode)
 GRAPH_BACKENDS: tuple[str, ...] = get_args(GraphBackendName)
 LAYOUTS: tuple[str, ...] = get_args(LayoutName)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionName)
+KV_CACHE_MODES: tuple[str, ...] = get_args(KVCacheMode)
 #: the dtypes the command line offers (float16 is API-only: no parity tests in it yet)
 CLI_DTYPES = ("float32", "bfloat16")
 DEVICE_KINDS = ("cpu", "cuda")

@@ -288,7 +288,7 @@ class GraphRunner:
         t1 = time.perf_counter()
         with nvtx_range(f"replay[{capacity}]", category="graph"):
             meta = self._static_meta(view) if self.full else prep.meta
-            ctx = self.body.context(meta, view.kv_slots, view, plan=prep.meta)
+            ctx = self.body.context(meta, view.kv_slots, view, plan=prep.meta, prefix_pages=prep.prefix_pages)
             self.graphs[capacity].graph.replay(ctx)
         if timings is not None:
             timings.update(fill_s=t1 - t0, replay_s=time.perf_counter() - t1)
@@ -299,7 +299,7 @@ class GraphRunner:
         """The same body on the same static buffers, run eagerly (no capture): a
         replay must equal this bitwise."""
         view = self.fill(prep, capacity)
-        ctx = self.body.context(prep.meta, view.kv_slots, view)
+        ctx = self.body.context(prep.meta, view.kv_slots, view, prefix_pages=prep.prefix_pages)
         return view.hidden_out.copy_(self.body.run(ctx, view.input_ids, view.positions))
 
 

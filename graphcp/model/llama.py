@@ -22,8 +22,12 @@ from graphcp.profile.ranges import nvtx_range
 
 @graph_break("attention")
 def run_attention(ctx: ForwardContext, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
-    """Attend this rank's query rows over the cache; writes ``out`` in place."""
+    """Attend this rank's query rows over the cache; writes ``out`` in place. A cache
+    that keeps only some layers (LayerSplit) first fetches the batch's cached-prefix
+    pages of this layer from their owner (the live batch's pages: in the break)."""
     with nvtx_range(f"attention[{layer}]", category="break"):
+        if ctx.prefix_pages is not None:
+            ctx.kv_cache.fetch_prefix(layer, ctx.prefix_pages, ctx.group)
         ctx.attention.forward(q, ctx.kv_cache.layer(layer), ctx.attn_meta, out)
 
 
