@@ -9,7 +9,15 @@ import argparse
 from graphcp.cli.jobs import JobSpec
 from graphcp.config import ModelConfig, ParallelConfig, RuntimeConfig
 from graphcp.model.presets import resolve_model
-from graphcp.options import ATTENTION_BACKENDS, CLI_DTYPES, DEVICE_KINDS, GRAPH_BACKENDS, GRAPH_MODES, LAYOUTS
+from graphcp.options import (
+    ATTENTION_BACKENDS,
+    CLI_DTYPES,
+    DEVICE_KINDS,
+    GRAPH_BACKENDS,
+    GRAPH_MODES,
+    KV_CACHE_MODES,
+    LAYOUTS,
+)
 
 
 def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> None:
@@ -28,6 +36,9 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--max-requests", type=int, default=64)
+    p.add_argument("--kv-cache", default="replicated", choices=KV_CACHE_MODES,
+                   help="replicated: every rank holds the batch's KV; layer-split: each rank the cache of its "
+                        "ceil(L/C) layers plus one scratch layer (docs/pd.md)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each new bucket on a synthetic batch and compare it bitwise with the same-bucket "
@@ -44,6 +55,7 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
         dtype=args.dtype, device=args.device, page_size=args.page_size, kv_tokens=args.kv_tokens,
         attention=args.attention, graph=graph_mode(args), graph_backend=args.graph_backend, layout=args.layout,
         max_requests=args.max_requests, collective_timeout_s=args.timeout, verify_capture=args.verify_capture,
+        kv_cache=args.kv_cache,
     )
     return JobSpec(args.model, rt, args.buckets, args.cp)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from graphcp.checks import check_output_path
+from graphcp.checks import check_output_dir, check_output_path
 from graphcp.cli.args import add_runtime_args, job_spec, preflight
 from graphcp.cli.jobs import prefill_job, run_job, run_job_on_ranks
 from graphcp.cli.requests import parse_requests
@@ -45,10 +45,12 @@ def _save(obj, path: str) -> None:
 
 def cmd_prefill(args) -> int:
     check_output_path(args.output, "--output")  # before any work: not after the forward
+    if args.export_kv is not None:
+        check_output_dir(args.export_kv, "--export-kv")
     spec = job_spec(args)
     reqs = parse_requests(args.input)
     preflight(spec)
-    res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits)
+    res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits, args.export_kv)
     if res is not None:
         out = {"last_logits": res["last_logits"]}
         if args.all_logits:
@@ -56,7 +58,8 @@ def cmd_prefill(args) -> int:
         _save(out, args.output)
         info = res["info"]
         print(f"prefilled {len(reqs)} requests on {info['cp_size']} rank(s), layout {info['layout']}, "
-              f"path {info['path']} (local capacity {info['capacity']}) -> {args.output}")
+              f"path {info['path']} (local capacity {info['capacity']}) -> {args.output}"
+              + (f"; KV -> {args.export_kv}/<i>.safetensors" if args.export_kv is not None else ""))
     return 0
 
 
@@ -123,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help='REQUESTS.jsonl: {"tokens": [...], "prefix": K} a line')
     p.add_argument("--output", required=True, help="OUT.pt (torch.save dict)")
     p.add_argument("--all-logits", action="store_true", help="also save every new token's logits")
+    p.add_argument("--export-kv", default=None, metavar="DIR",
+                   help="write each request's KV to DIR/<i>.safetensors (graphcp.pd.load_kv reads it; docs/pd.md)")
     add_runtime_args(p, None)
     p.set_defaults(func=cmd_prefill)
 

@@ -9,3 +9,8 @@
 
 See docs/pd.md.
 """
+
+from graphcp.pd.export import KVExport, KVFormatError, KVMeta
+from graphcp.pd.load import LoadedKV, load_kv
+
+__all__ = ["KVExport", "KVFormatError", "KVMeta", "LoadedKV", "load_kv"]
