@@ -18,6 +18,7 @@ import torch
 from graphcp.checks import check_output_dir, check_output_path
 from graphcp.cli.args import add_runtime_args, job_spec, preflight
 from graphcp.cli.jobs import prefill_job, run_job, run_job_on_ranks
+from graphcp.cli.pd_demo import add_pd_demo_parser
 from graphcp.cli.requests import parse_requests
 from graphcp.errors import one_line, report
 from graphcp.profile.cli import add_profile_parser
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tune_parser(sub)
     add_profile_parser(sub)
+    add_pd_demo_parser(sub)
     for p in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the top-level value
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser

@@ -13,6 +13,7 @@ into the receiver's buffer with batched one-sided writes, polled against a deadl
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from types import ModuleType
 
@@ -27,7 +28,10 @@ POLL_S = 0.0005
 
 
 def import_mooncake() -> ModuleType:
-    """``mooncake.engine``, or TransportUnavailable saying what to install."""
+    """``mooncake.engine``, or TransportUnavailable saying what to install. Its log is
+    set to errors only unless ``MC_LOG_LEVEL`` says otherwise (it logs every connection
+    at INFO to stderr)."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:
         return importlib.import_module("mooncake.engine")
     except (ImportError, OSError) as e:  # the wheel, or a system library it links, is missing
