@@ -189,10 +189,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, size, port, backend, timeout_s, fn, args, results) -> None:
+def _rank_main(rank, size, port, backend, timeout_s, fn, args, results, threads) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(threads)
     try:
         if backend == "nccl":  # one GPU a rank; "cuda" then means this rank's device
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -237,8 +237,13 @@ def launch(
     results = ctx.Queue()
     port = free_port()
     backend = default_backend(device)
+    # a forked rank runs one intra-op thread: libgomp cannot start a thread team in a
+    # forked child of a process that ran one (the child waits forever for the parent's
+    # workers: launch(fn, 1) after any multi-threaded op in the caller hung)
+    threads = 1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // nprocs)
     procs = [
-        ctx.Process(target=_rank_main, args=(r, nprocs, port, backend, timeout_s, fn, args, results), daemon=False)
+        ctx.Process(target=_rank_main, args=(r, nprocs, port, backend, timeout_s, fn, args, results, threads),
+                    daemon=False)
         for r in range(nprocs)
     ]
     for p in procs:
