@@ -5,9 +5,11 @@
 engine with the P2P handshake (no metadata server: a peer is named by its session,
 ``host:rpc_port``), ``tcp`` on one machine or ``rdma`` where the cluster has it.
 A receiver registers one buffer; a sender registers its staging buffer and writes
-into the receiver's buffer with batched one-sided writes, polled against a deadline
+into the receiver's buffer with one-sided writes, polled against a deadline
 (``batch_transfer_async_write`` + ``transfer_check_status``: 1 done, 0 running,
--1 failed, -2 timed out).
+-1 failed, -2 timed out). ``transfer_check_status`` reads the status of a batch's
+*first* task only (and frees the batch when that one is done), so every contiguous
+run is submitted as a batch of its own: a write is done when every run's batch is.
 """
 
 from __future__ import annotations
@@ -78,24 +80,51 @@ class MooncakeEngine:
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int], timeout_s: float,
               what: str) -> None:
         """Write ``lengths[i]`` bytes from local ``src[i]`` (registered) to ``dst[i]`` in
-        ``session``'s registered memory; TransferFailed / TransferTimeout naming ``what``."""
-        if not src:
+        ``session``'s registered memory; returns when every byte has landed.
+        TransferFailed / TransferTimeout naming ``what``; after a failure it still waits
+        (until the deadline) for the runs already in flight, so none lands later."""
+        runs = coalesce_runs(src, dst, lengths)
+        if not runs:
             return
-        total = sum(lengths)
-        batch = self._te.batch_transfer_async_write(session, src, dst, lengths)
-        if not batch or batch < 0:
-            raise TransferFailed(f"{what}: Mooncake could not submit {len(src)} writes ({total} bytes) to {session} "
-                                 f"(returned {batch}: the receiver's transfer session is unreachable?)")
+        total = sum(n for _, _, n in runs)
         deadline = time.monotonic() + timeout_s
-        while True:
-            status = self._te.transfer_check_status(batch)
-            if status == 1:
-                return
-            if status < 0:
-                why = "timed out in the transfer engine" if status == -2 else "failed"
-                raise TransferFailed(f"{what}: Mooncake write of {total} bytes in {len(src)} runs to {session} {why} "
-                                     f"(status {status})")
-            if time.monotonic() > deadline:
-                raise TransferTimeout(f"{what}: Mooncake write of {total} bytes to {session} did not finish within "
-                                      f"{timeout_s:g}s")
-            time.sleep(POLL_S)
+        pending: list[int] = []
+        error: str | None = None
+        for s, d, n in runs:  # one batch a run: its status is its only task's (module doc)
+            batch = self._te.batch_transfer_async_write(session, [s], [d], [n])
+            if not batch or batch < 0:
+                error = (f"Mooncake write of {n} bytes to {session} could not be submitted (returned {batch}: the "
+                         "receiver's transfer session is unreachable?)")
+                break
+            pending.append(batch)
+        while pending:
+            still = []
+            for batch in pending:
+                status = self._te.transfer_check_status(batch)
+                if status == 0:
+                    still.append(batch)
+                elif status < 0 and error is None:
+                    why = "timed out in the transfer engine" if status == -2 else "failed"
+                    error = f"Mooncake write to {session} {why} (status {status})"
+            pending = still
+            if pending and time.monotonic() > deadline:
+                raise TransferTimeout(f"{what}: Mooncake write of {total} bytes in {len(runs)} runs to {session} did "
+                                      f"not finish within {timeout_s:g}s" + (f" ({error})" if error else ""))
+            if pending:
+                time.sleep(POLL_S)
+        if error is not None:
+            raise TransferFailed(f"{what}: {error} ({total} bytes in {len(runs)} runs)")
+
+
+def coalesce_runs(src: list[int], dst: list[int], lengths: list[int]) -> list[tuple[int, int, int]]:
+    """``(src, dst, length)`` runs with each run that continues the previous one on both
+    sides merged into it (a rank's contiguous layers are one run)."""
+    out: list[tuple[int, int, int]] = []
+    for s, d, n in zip(src, dst, lengths):
+        if n <= 0:
+            continue
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((s, d, n))
+    return out

@@ -6,7 +6,7 @@ owner of (graphcp.kvspans: a contiguous range of layers for the replicated and t
 layer-split caches), with no collective between the ranks: per request it ``open``s
 the request on the control channel (the receiver answers with the request's region),
 copies its spans into a registered staging buffer in the export layout, writes them
-with one batch of Mooncake writes straight into the receiver's memory and says
+with Mooncake writes (one batch a contiguous run) straight into the receiver's memory and says
 ``done``. ``send`` returns when the receiver acknowledged every request; until then,
 and after any error, the request's KV is still in the engine (nothing is released:
 ``engine.release`` after ``send`` returned; a retry or an export to file still works).
