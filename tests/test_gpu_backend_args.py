@@ -19,11 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from backend_cases import (
-    EXAMPLE, check_against_reference, num_pages_for, spec_for, static_meta, tensors, zigzag_meta,
-)
+from backend_cases import EXAMPLE, check_against_reference, num_pages_for, spec_for, static_meta, zigzag_meta
 from fake_flashinfer import SM_COUNT, STALE_LSE, Recorder, counter_bytes, fake_flashinfer
 from graphcp.attention import registry
+from graphcp.attention.reference_cases import SENTINEL, tensors
 from graphcp.attention.flashinfer_backend import FlashInferAttention
 from graphcp.attention.trtllm_backend import TrtllmAttention
 
@@ -121,8 +120,8 @@ def test_flashinfer_matches_reference_and_skips_padding(dtype, layout):
     n = meta.num_q_rows
     assert rq.shape[0] == n and rq.data_ptr() == q.data_ptr()  # q[:n]: padding rows are not queries
     assert rkv is kv and rkw["return_lse"] is True
-    check_against_reference(spec, q, kv, meta, out, lse, dtype)  # base-2 LSE converted to base e
-    out2 = torch.full_like(out, -1024.0)
+    check_against_reference(spec, q, kv, meta, out, lse)  # base-2 LSE converted to base e
+    out2 = torch.full_like(out, SENTINEL)
     fi.forward(q, kv, meta, out2)  # without LSE: the same output
     assert rec.named("run")[-1][1]["lse"] is None and torch.equal(out2, out)
     assert not rec.errors
@@ -160,7 +159,7 @@ def test_flashinfer_zero_rows_make_no_call():
     fi.prepare(meta)
     fi.forward(q, kv, meta, out, lse)
     assert rec.named("run") == [] and not rec.errors
-    assert (out.float() == -1024.0).all() and (lse == -1024.0).all()
+    assert (out.float() == SENTINEL).all() and (lse == SENTINEL).all()
 
 
 def test_flashinfer_errors():
@@ -216,7 +215,7 @@ def test_trtllm_one_call_covers_all_segments():
     assert (kw["bmm1_scale"], kw["bmm2_scale"], kw["window_left"]) == (0.125, 1.0, -1)
     assert kw["kv_layout"] == "HND" and kw["return_lse"] is True
     assert kw["workspace_buffer"].numel() == 128 * 1024 * 1024 and not kw["workspace_buffer"].any()
-    check_against_reference(spec, q, kv, meta, out, lse, torch.bfloat16)
+    check_against_reference(spec, q, kv, meta, out, lse)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -231,7 +230,7 @@ def test_trtllm_lse_padding_rows_untouched(dtype):
     trt.prepare(meta)
     trt.forward(q, kv, meta, out, lse)
     assert not (lse == STALE_LSE).any()
-    check_against_reference(spec, q, kv, meta, out, lse, dtype)
+    check_against_reference(spec, q, kv, meta, out, lse)
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 64])
@@ -254,7 +253,7 @@ def test_trtllm_arguments_with_prefixes(page_size):
     want_table = np.where(live[:, None], meta.page_table_host, 0)
     assert kw["block_tables"] == want_table.tolist()
     assert kw["lse"] is None and kw["return_lse"] is False
-    check_against_reference(spec, q, kv, meta, out, None, torch.float32)
+    check_against_reference(spec, q, kv, meta, out, None)
 
 
 def test_trtllm_one_persistent_counter_buffer():
@@ -283,7 +282,7 @@ def test_trtllm_zero_rows_make_no_call():
     q, kv, out, lse = tensors(spec, 8, num_pages_for(meta))
     trt.prepare(meta)
     trt.forward(q, kv, meta, out, lse)
-    assert rec.named("trtllm") == [] and not rec.errors and (lse == -1024.0).all()
+    assert rec.named("trtllm") == [] and not rec.errors and (lse == SENTINEL).all()
 
 
 def test_trtllm_static_max_lengths_pad_the_batch():
@@ -301,7 +300,7 @@ def test_trtllm_static_max_lengths_pad_the_batch():
     assert kw["cum_seq_lens_q"] == [0, 10, 20, 21, 21, 21, 21]
     assert kw["seq_lens"] == [30, 60, 1, 1, 1, 1]
     assert kw["cum_seq_lens_kv"] == [0, 30, 90, 91, 92, 93, 94]
-    check_against_reference(trt.spec, q, kv, meta, out, lse, torch.float32)
+    check_against_reference(trt.spec, q, kv, meta, out, lse)
     with pytest.raises(ValueError, match="static_max_kv_len=256"):
         trt.prepare(zigzag_meta([8], [300], 2, 0, 32, width=12))
 

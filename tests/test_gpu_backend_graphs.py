@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from backend_cases import SENTINEL, check_against_reference, spec_for, static_meta, zigzag_meta
+from backend_cases import check_against_reference, spec_for, static_meta, zigzag_meta
 from fake_flashinfer import SM_COUNT, Recorder, fake_flashinfer
 from graphcp.attention.flashinfer_backend import FlashInferAttention
+from graphcp.attention.reference_cases import SENTINEL, kv_shape
 from graphcp.attention.trtllm_backend import TrtllmAttention
 from graphcp.capture.graphs import TraceBackend
 from helpers import rel_err
@@ -41,11 +42,8 @@ class Capture:
 
     def __init__(self, backend, spec, dtype, lse: bool, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
-        page = (spec.page_size, spec.num_kv_heads, spec.head_dim)
-        if spec.kv_layout == "HND":
-            page = (spec.num_kv_heads, spec.page_size, spec.head_dim)
         self.spec, self.backend, self.dtype = spec, backend, dtype
-        self.kv = torch.randn(NUM_PAGES, 2, *page, generator=g).to(dtype)
+        self.kv = torch.randn(kv_shape(spec, NUM_PAGES), generator=g).to(dtype)
         self.q = torch.zeros(CAPACITY, spec.num_q_heads, spec.head_dim, dtype=dtype)
         self.out = torch.zeros_like(self.q)
         self.lse = torch.zeros(CAPACITY, spec.num_q_heads) if lse else None
@@ -75,7 +73,7 @@ class Capture:
         self.cu.copy_(torch.from_numpy(cu))
         self.backend.prepare(meta)
         self.segment.replay()
-        check_against_reference(self.spec, self.q, self.kv, meta, self.out, self.lse, self.dtype)
+        check_against_reference(self.spec, self.q, self.kv, meta, self.out, self.lse)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,40 +1,46 @@
-"""scripts/gpu_check.py: the one-shot GPU check, exercised end to end on the CPU
-with ``--dry-run`` (torch backend, triton under the interpreter, tiny sizes,
-trace graphs), with the ``nvtx`` package hidden as on the GPU machine."""
+"""``graphcp gpu-check`` (graphcp/gpucheck/; ``scripts/gpu_check.py`` wraps it), the
+one-shot GPU check, exercised end to end on the CPU with ``--dry-run`` (torch
+backend, triton under the interpreter, tiny sizes, trace graphs), through the
+documented wrapper, with the packages the device image lacks hidden."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from graphcp.cli.main import build_parser, main
+from graphcp.gpucheck import budget as budget_mod
+from graphcp.gpucheck.launches import range_counts, trace_counts
+from graphcp.gpucheck.settings import BUDGET_S, PHASES, settings_from_args
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
-# the device image has no nvtx: run the dry run as if it were missing
-HIDDEN_NVTX = ("import runpy, sys; sys.modules['nvtx'] = None; sys.argv = ['gpu_check.py'] + sys.argv[1:]; "
-               f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
+#: what the GPU machine's image does not have: nothing the check imports may need them
+ABSENT_ON_DEVICE = ("nvtx", "flashinfer", "transformers", "hypothesis", "matplotlib")
+HIDE = "import sys; sys.modules.update(dict.fromkeys({!r})); ".format(ABSENT_ON_DEVICE)
+WRAPPER = HIDE + ("import runpy; sys.argv = ['scripts/gpu_check.py'] + sys.argv[1:]; "
+                  "runpy.run_path('scripts/gpu_check.py', run_name='__main__')")
+PYTHON_M = HIDE + "import runpy; sys.argv = ['graphcp'] + sys.argv[1:]; runpy.run_module('graphcp', run_name='__main__')"
 
 
-def _load():
-    if "gpu_check" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = mod  # dataclasses look their module up while the class is built
-        spec.loader.exec_module(mod)
-    return sys.modules["gpu_check"]
+def _device_like(program: str, *args: str) -> subprocess.CompletedProcess:
+    """``program`` in a fresh interpreter at the repository root, graphcp from this
+    tree on PYTHONPATH (as on the device: nothing installed)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", program, *args], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=env)
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    """One dry run in a subprocess (it sets TRITON_INTERPRET for itself)."""
+    """One dry run through the wrapper in a subprocess (it sets TRITON_INTERPRET for itself)."""
     out = tmp_path_factory.mktemp("gpu_check") / "out"
-    proc = subprocess.run([sys.executable, "-c", HIDDEN_NVTX, "--dry-run", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = _device_like(WRAPPER, "--dry-run", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, json.loads((out / "gpu_check.json").read_text()), proc
 
@@ -121,30 +127,40 @@ def test_dry_run_markdown_printed_last_and_written(dry_run):
 
 
 def test_out_defaults_to_env_out(monkeypatch, tmp_path):
-    gc = _load()
     monkeypatch.setenv("OUT", str(tmp_path / "device-out"))
-    assert gc.build_parser().parse_args([]).out == str(tmp_path / "device-out")
+    assert build_parser().parse_args(["gpu-check"]).out == str(tmp_path / "device-out")
     monkeypatch.delenv("OUT")
-    assert gc.build_parser().parse_args([]).out == "gpu_check_results"
+    assert build_parser().parse_args(["gpu-check"]).out == "gpu_check_results"
 
 
 def test_budget_guard_skips_instead_of_running(tmp_path, capsys):
-    gc = _load()
-    assert gc.main(["--dry-run", "--no-triton", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    assert main(["gpu-check", "--dry-run", "--no-triton", "--budget-s", "0", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["backends"]["checks"] and all(c["status"] == "skipped" for c in res["backends"]["checks"])
     assert res["timing"] and all(r["status"] == "skipped" for r in res["timing"])
     assert "graphs: skipped, the triton backend is not available" in res["errors"]
+    assert res["options"]["budget_s"] == 0.0 and res["options"]["no_triton"] is True
     assert capsys.readouterr().out == (tmp_path / "gpu_check.md").read_text()
 
 
-def test_budget_shares_carry_over(monkeypatch):
-    _load()
-    from gpucheck import common
+@pytest.mark.parametrize("flags,expected", [
+    (["--sizes", "1k"], "--sizes: expected comma-separated int values, got '1k'"),
+    (["--skip", "timing,graph"], "--skip: expected one or more of warmup, kernels, graphs, timing, launches"),
+    (["--backends", "flash"], "--backends: expected one or more of torch, triton, flashinfer, trtllm"),
+    (["--models", "llama-70b"], "--models: expected one or more of default, qwen3-1b-like"),
+    (["--repeats", "0"], "--repeats: expected int >= 1, got '0'"),
+])
+def test_bad_flags_exit_2_with_one_line(flags, expected, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["gpu-check", *flags])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
 
+
+def test_budget_shares_carry_over(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
-    b = common.Budget(100.0, {"a": 10.0, "b": 20.0}, reserve_s=5.0)
+    monkeypatch.setattr(budget_mod.time, "perf_counter", lambda: now[0])
+    b = budget_mod.Budget(100.0, {"a": 10.0, "b": 20.0}, reserve_s=5.0)
     b.start("a")
     assert b.remaining() == 10.0
     now[0] += 4.0  # a finishes early: its 6 s pass to b
@@ -160,9 +176,6 @@ def test_budget_shares_carry_over(monkeypatch):
 
 def test_trace_counts_cuda_events_and_ranges():
     """The CUDA side of the launch count and the graphcp ranges, on a synthetic trace."""
-    _load()
-    from gpucheck.timing import range_counts, trace_counts
-
     ev = [
         {"ph": "X", "cat": "kernel", "name": "gemm"},
         {"ph": "X", "cat": "kernel", "name": "attn"},
@@ -181,39 +194,40 @@ def test_trace_counts_cuda_events_and_ranges():
     assert range_counts(ev) == {"attention": 2, "replay": 1}
 
 
-def test_without_cuda_exits_2_and_says_so(tmp_path, capsys):
-    gc = _load()
-    assert gc.main(["--out", str(tmp_path)]) == 2
-    assert "no CUDA device here; run with --dry-run" in capsys.readouterr().err
+def test_python_m_graphcp_without_cuda_exits_2_and_says_so(tmp_path):
+    """``python -m graphcp gpu-check`` from the tree, the device's missing packages hidden:
+    it imports, and with no CUDA device refuses in one line (exit 2), writing nothing."""
+    proc = _device_like(PYTHON_M, "gpu-check", "--out", str(tmp_path))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip() == ("graphcp gpu-check: error: no CUDA device here; run with --dry-run to exercise "
+                                   "the flow on the CPU")
     assert not (tmp_path / "gpu_check.json").exists()
 
 
 def test_gpu_settings_fit_the_device_run():
     """The defaults a GPU run uses: both dtypes everywhere they are checked, the
     three sizes, Triton timed, the budget shares summing under the 420 s budget."""
-    gc = _load()
-    st = gc.settings_from_args(gc.build_parser().parse_args([]))
+    st = settings_from_args(build_parser().parse_args(["gpu-check"]))
     assert st.device == "cuda" and st.graph_backend == "cuda"
     assert set(st.check_dtypes) == set(st.graph_dtypes) == {"float32", "bfloat16"}
     assert st.graph_attention == {"breakable": "triton", "full": "triton"}
     assert st.sizes == (1024, 8192, 32768) and st.timing_backends == ("triton",)
     assert st.models == ("default", "qwen3-1b-like") and st.large_layers == 8
-    assert sum(st.phases.values()) <= 420.0 - 10.0  # the run's budget, minus the report's reserve
+    assert BUDGET_S == 420.0 and sum(st.phases.values()) <= BUDGET_S - 10.0  # minus the report's reserve
 
 
-def test_doc_gives_the_device_command_and_the_part_budgets():
-    """docs/gpu_check.md: the one-line device command parses with the script's own
-    parser, and its table states each part's share as the script enforces it."""
+def test_doc_gives_the_device_commands_and_the_part_budgets():
+    """docs/gpu_check.md: the one-line device commands (the wrapper and ``python -m
+    graphcp``) parse with the check's own parser, and its table states each part's
+    share as the check enforces it."""
     import re
     import shlex
 
-    gc = _load()
-    from gpucheck.common import PHASES
-
     doc = (ROOT / "docs" / "gpu_check.md").read_text()
-    cmd = 'PYTHONPATH=. python scripts/gpu_check.py --out "$OUT"'
-    assert f"```sh\n{cmd}\n```" in doc
-    args = gc.build_parser().parse_args(shlex.split(cmd)[3:])
-    assert args.out == "$OUT" and not args.dry_run
+    for cmd, skip in (('PYTHONPATH=. python scripts/gpu_check.py --out "$OUT"', 3),
+                      ('PYTHONPATH=. python -m graphcp gpu-check --out "$OUT"', 5)):
+        assert f"```sh\n{cmd}\n```" in doc
+        args = build_parser().parse_args(["gpu-check", *shlex.split(cmd)[skip:]])
+        assert args.out == "$OUT" and not args.dry_run
     shares = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| `(\w+)` \| (\d+) \|", doc, re.M)}
     assert shares == PHASES

@@ -55,8 +55,7 @@ def test_bf16_kernel_does_not_spill_on_sm90():
 
 
 WARMUP_COVERS = r"""
-import json, sys
-sys.path.insert(0, "scripts")
+import json
 import numpy as np
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
@@ -74,14 +73,15 @@ def record(*args, grid, warmup, **kw):  # what each launch would compile for: no
         seen.append(key)
 
 fn.run = record
-import gpu_check
-from gpucheck.common import Budget
-from gpucheck.kernels import warm_triton
-st = gpu_check.settings_from_args(gpu_check.build_parser().parse_args(["--skip-large"]))
+from graphcp.cli.main import build_parser
+from graphcp.gpucheck.budget import Budget
+from graphcp.gpucheck.kernels import warm_triton
+from graphcp.gpucheck.settings import model_heads, settings_from_args
+st = settings_from_args(build_parser().parse_args(["gpu-check", "--skip-large"]))
 st.device, st.graph_dtypes = "cpu", ("bfloat16",)
 budget = Budget(600.0, {"warmup": 600.0}, 0.0)
 budget.start("warmup")
-warm_triton(st, budget, gpu_check._model_heads(st.models), gpu_check._model_heads(("default",)))
+warm_triton(st, budget, model_heads(st.models), model_heads(("default",)))
 warmed = len(seen)
 from graphcp.capture.buckets import BucketSet
 from graphcp.config import RuntimeConfig

@@ -212,3 +212,18 @@ def launch(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+
+
+def compiled_kernels() -> list | None:
+    """The kernel's compiled variants so far (None under the interpreter, which
+    compiles nothing); each carries what the driver reported (``n_regs``,
+    ``n_spills``, ``metadata``)."""
+    caches = getattr(_paged_prefill_kernel, "device_caches", None)
+    if caches is None:
+        return None
+    out = []
+    for entry in caches.values():
+        cache = entry[0] if isinstance(entry, tuple) else entry  # (kernel cache, ...) in recent Triton
+        if isinstance(cache, dict):
+            out.extend(cache.values())
+    return out

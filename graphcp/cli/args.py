@@ -1,6 +1,6 @@
 """The runtime options every graphcp command that runs a model shares (run, prefill,
-profile, gpu-check): one parser helper, one conversion to a :class:`JobSpec`, and the
-checks that can refuse a configuration before any rank starts."""
+profile; gpu-check sweeps its own matrix of them): one parser helper, one conversion to a
+:class:`JobSpec`, and the checks that can refuse a configuration before any rank starts."""
 
 from __future__ import annotations
 

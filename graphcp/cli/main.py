@@ -21,6 +21,7 @@ from graphcp.cli.jobs import prefill_job, run_job, run_job_on_ranks
 from graphcp.cli.pd_demo import add_pd_demo_parser
 from graphcp.cli.requests import parse_requests
 from graphcp.errors import one_line, report
+from graphcp.gpucheck.cli import add_gpu_check_parser
 from graphcp.profile.cli import add_profile_parser
 from graphcp.tune.cli import add_tune_parser
 
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tune_parser(sub)
     add_profile_parser(sub)
     add_pd_demo_parser(sub)
+    add_gpu_check_parser(sub)
     for p in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the top-level value
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser

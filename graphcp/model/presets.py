@@ -110,13 +110,18 @@ def ensure_preset(name: str, root: Path | None = None) -> Path:
     """The preset's checkpoint folder, written on first use (atomically)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+    return ensure_random_model(name, PRESETS[name], root)
+
+
+def ensure_random_model(name: str, config: dict, root: Path | None = None) -> Path:
+    """Checkpoint folder ``<root>/models/<name>`` of ``config`` with seeded random
+    weights, written on first use (atomically); a preset, or a variant of one."""
     folder = (root or cache_root()) / "models" / name
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
     try:
-        config = PRESETS[name]
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(random_weights(config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         try:

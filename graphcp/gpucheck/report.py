@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+SCHEMA_VERSION = 2
 JSON_NAME, MD_NAME = "gpu_check.json", "gpu_check.md"
 
 
