@@ -73,6 +73,8 @@ class PreparedBatch:
     plan_s: float = 0.0  # host time of prepare()
     #: the cached prefixes' pages, for a cache that fetches them per layer (LayerSplit)
     prefix_pages: np.ndarray | None = None
+    #: this forward's figures as the body runs it (ForwardInfo.stats): the engine copies them
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

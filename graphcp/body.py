@@ -30,18 +30,27 @@ class Body:
     device: torch.device
 
     def context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, static=None,
-                plan: AttentionMetadata | None = None, prefix_pages: np.ndarray | None = None) -> ForwardContext:
+                plan: AttentionMetadata | None = None, stats: dict | None = None,
+                prefix_pages: np.ndarray | None = None) -> ForwardContext:
         """The context of one forward over ``meta``, after the attention backend's
         host-side planning for ``plan`` (default ``meta``: a full graph's context
         holds static metadata while the backend plans the live batch). ``static``: a
         bucket's static views, whose attention rows the breaks then read and write.
-        ``prefix_pages``: the batch's cached-prefix pages a LayerSplit cache fetches."""
-        self.attention.prepare(meta if plan is None else plan)
+        ``stats``: this forward's ForwardInfo.stats, given the figures the row count
+        fixes here (breaks add the rest as they run); ``prefix_pages``: the batch's
+        cached-prefix pages a LayerSplit cache fetches."""
+        live = meta if plan is None else plan
+        self.attention.prepare(live)
         ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group)
+        ctx.live_rows = live.num_q_rows
         if prefix_pages is not None:
             ctx.prefix_pages = torch.from_numpy(prefix_pages).to(self.device)
         if static is not None:
             ctx.attn_q, ctx.attn_out = static.attn_q, static.attn_out
+            ctx.moe_resid, ctx.moe_out = static.moe_resid, static.moe_out
+        if stats is not None:
+            stats.update(self.model.static_stats(kv_slots.shape[0]))
+            ctx.stats = stats
         return ctx
 
     def run(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -59,5 +68,6 @@ class Body:
         ids[:n], pos[:n], slots[:n] = prep.ids, prep.positions, prep.slots
         dev = self.device
         with nvtx_range("eager_body", category="eager"):
-            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), prefix_pages=prep.prefix_pages)
+            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), stats=prep.stats,
+                               prefix_pages=prep.prefix_pages)
             return self.run(ctx, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev))

@@ -28,6 +28,8 @@ from graphcp.options import (
     KVCacheMode,
     LayoutName,
 )
+from graphcp.moe_config import MoeConfig, moe_from_hf
+from graphcp.options import MOE_LAYOUTS, MoeLayout
 from graphcp.rope import RopeConfig, rope_from_hf
 
 #: HF ``architectures`` entries (and ``model_type`` fallbacks) this decoder covers
@@ -36,6 +38,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,7 +63,7 @@ def parse_dtype(name: "str | torch.dtype") -> torch.dtype:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # llama | mistral | qwen2 | qwen3
+    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -76,6 +80,8 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     mlp_bias: bool = False
     torch_dtype: str | None = None
+    #: mixture-of-experts layers (None: every layer runs the dense MLP)
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         w = "ModelConfig"
@@ -92,6 +98,11 @@ class ModelConfig:
             raise ConfigError(
                 f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
             )
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether some layer runs the dense MLP (``intermediate_size``)."""
+        return self.moe is None or len(self.moe.layers) < self.num_layers
 
     @property
     def q_size(self) -> int:
@@ -148,7 +159,7 @@ class ModelConfig:
         window = d.get("sliding_window")
         if window is not None:
             window = check_int(window, "sliding_window", lo=0, hi=MAX_TOKENS, where=source)
-        use_window = flag("use_sliding_window", family == "mistral")
+        use_window = flag("use_sliding_window", family in ("mistral", "mixtral"))
         if window is not None and use_window and window < (max_pos or 0):
             raise ConfigError(
                 f"{source}: sliding_window={window} attention is not supported (graphcp attends the full context)"
@@ -168,12 +179,13 @@ class ModelConfig:
         if dtype is not None:
             check_str(dtype, "torch_dtype", where=source)
         attention_bias = flag("attention_bias", False)
+        num_layers = num("num_hidden_layers", MAX_LAYERS)
         return cls(
             family=family,
             vocab_size=num("vocab_size", MAX_VOCAB),
             hidden_size=hidden,
             intermediate_size=num("intermediate_size", MAX_INTERMEDIATE),
-            num_layers=num("num_hidden_layers", MAX_LAYERS),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=num("num_key_value_heads", MAX_HEADS, heads),
             head_dim=head_dim,
@@ -183,9 +195,10 @@ class ModelConfig:
             tie_word_embeddings=flag("tie_word_embeddings", False),
             attention_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             mlp_bias=flag("mlp_bias", False),
             torch_dtype=dtype,
+            moe=moe_from_hf(d, family, num_layers, source),
         )
 
     @classmethod
@@ -226,9 +239,13 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.cp_size
 
-    def check_model(self, m: ModelConfig, source: str = "the model") -> None:
-        """Refuse a model whose sharded sizes do not divide by the TP degree."""
-        if m.intermediate_size % self.tp_size:
+    def check_model(self, m: ModelConfig, source: str = "the model", moe: MoeLayout = "ep") -> None:
+        """Refuse a model whose sharded sizes do not divide by the TP degree (or, with
+        mixture-of-experts layers, whose experts do not split over the group as ``moe``
+        asks: see :meth:`MoeConfig.check_parallel`)."""
+        if m.moe is not None:
+            m.moe.check_parallel(self.cp_size, moe, source, m.hidden_size)
+        if m.has_dense_mlp and m.intermediate_size % self.tp_size:
             raise ConfigError(
                 f"{source}: intermediate_size={m.intermediate_size} does not divide by tp_size=cp_size="
                 f"{self.tp_size}; the MLP is column/row-parallel over the CP group"
@@ -267,6 +284,10 @@ class RuntimeConfig:
     #: "layer-split": rank r keeps the cache of its ceil(L / C) layers and one scratch layer
     #: (docs/pd.md); kv_tokens is the same pool capacity either way
     kv_cache: KVCacheMode = "replicated"
+    #: mixture-of-experts layers: "ep" splits the experts over the CP group (all-to-all
+    #: dispatch and combine, an eager graph break), "tp" shards every expert like the
+    #: dense MLP (inside the captured graphs); dense models ignore it
+    moe: MoeLayout = "ep"
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -286,6 +307,8 @@ class RuntimeConfig:
         check_bool(self.check_consistency, "check_consistency", where="RuntimeConfig")
         check_float(self.collective_timeout_s, "collective_timeout_s", lo=0, lo_open=True, hi=MAX_TIMEOUT_S,
                     where="RuntimeConfig")
+        if self.moe not in MOE_LAYOUTS:
+            raise ConfigError(f"RuntimeConfig.moe must be one of {', '.join(MOE_LAYOUTS)}, got {self.moe!r}")
         self._check_layer_split()
 
     def _check_layer_split(self) -> None:

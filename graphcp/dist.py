@@ -124,6 +124,20 @@ class CPGroup:
             raise self._fail("reduce_scatter", e) from e
         return out
 
+    def all_to_all_rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+        """Rows ``x[sum(send_rows[:r]) : ...]`` go to rank r; returns the rows every rank
+        sent here, rank-major (``recv_rows[r]`` from rank r). Uneven splits, zeros too;
+        the split sizes are host integers, so a captured graph cannot hold this call."""
+        if self.size == 1:
+            return x
+        out = torch.empty((sum(recv_rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        try:
+            wait_work(dist.all_to_all_single(out, x.contiguous(), recv_rows, send_rows, group=self.pg,
+                                             async_op=_async(x)))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("all_to_all", e) from e
+        return out
+
     def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.size == 1:
             return x

@@ -58,7 +58,7 @@ class PrefillEngine:
         self.dtype = rt.torch_dtype
         self.model_dir = resolve_model(model)
         self.cfg, self.model = load_model(self.model_dir, self.dtype, self.device, rank=self.group.rank,
-                                          tp_size=self.parallel.tp_size)
+                                          tp_size=self.parallel.tp_size, moe=rt.moe)
         self.max_context = self.cfg.max_position_embeddings
         self.layout = make_layout(rt.layout, self.parallel.cp_size)
         kv_layout = preferred_kv_layout(rt.attention, self.device)
@@ -197,6 +197,7 @@ class PrefillEngine:
             try:
                 hidden, info = self._body_rows(prep, force_eager)
                 info.timings["plan_s"] = prep.plan_s
+                info.stats.update(prep.stats)
                 with nvtx_range("lm_head", category="output"):
                     last_logits = self._last_logits(prep.plan, hidden)
                     logits = self._all_logits(prep.plan, hidden) if all_logits else None

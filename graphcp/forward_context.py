@@ -38,3 +38,11 @@ class ForwardContext:
     #: cache pages (int64) of the batch's cached prefixes, for a cache that fetches each
     #: layer's prefix KV before attention (LayerSplit); None: nothing to fetch
     prefix_pages: torch.Tensor | None = None
+    #: this rank's live rows (the rest of the capacity is a bucket's padding); the
+    #: expert-parallel MoE exchange routes only these. None: every row is live
+    live_rows: int | None = None
+    #: static residual rows into and out of an expert-parallel layer's break (graph mode)
+    moe_resid: torch.Tensor | None = None
+    moe_out: torch.Tensor | None = None
+    #: this forward's figures (ForwardInfo.stats) that breaks add to as they run; None: not kept
+    stats: dict[str, Any] | None = None

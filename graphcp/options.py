@@ -14,6 +14,9 @@ AttentionName = Literal["torch", "triton", "flashinfer", "trtllm", "auto"]
 #: own zigzag blocks ("sharded", issue 15: refused until it lands), or each rank the cache of
 #: a contiguous range of layers plus one scratch layer ("layer-split", docs/pd.md)
 KVCacheMode = Literal["replicated", "sharded", "layer-split"]
+#: how a mixture-of-experts layer runs over the CP group: experts split over the ranks
+#: (all-to-all dispatch and combine) or every expert sharded like the dense MLP
+MoeLayout = Literal["ep", "tp"]
 
 DTYPE_NAMES: tuple[str, ...] = get_args(DtypeName)
 GRAPH_MODES: tuple[str, ...] = get_args(GraphMode)
@@ -21,6 +24,7 @@ GRAPH_BACKENDS: tuple[str, ...] = get_args(GraphBackendName)
 LAYOUTS: tuple[str, ...] = get_args(LayoutName)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionName)
 KV_CACHE_MODES: tuple[str, ...] = get_args(KVCacheMode)
+MOE_LAYOUTS: tuple[str, ...] = get_args(MoeLayout)
 #: the dtypes the command line offers (float16 is API-only: no parity tests in it yet)
 CLI_DTYPES = ("float32", "bfloat16")
 DEVICE_KINDS = ("cpu", "cuda")

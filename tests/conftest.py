@@ -23,6 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...`
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+#: mixture-of-experts families (hf_config builds them too; 8 experts split over CP 1, 2 and 4)
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 #: shared tiny shape: 4 heads / 2 KV heads (GQA), intermediate divisible by 2 and 4
 TINY = dict(
@@ -62,6 +64,14 @@ def hf_config(family: str, tied: bool, **overrides):
     elif family == "qwen3":
         kw.update(head_dim=32, rope_theta=1000000.0)  # explicit head_dim != hidden / heads, q/k norm
         cls = transformers.Qwen3Config
+    elif family == "qwen3_moe":
+        # top-4 of 8 renormalised; layer 1 dense (mlp_only_layers), so MoE and dense layers alternate
+        kw.update(head_dim=32, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+        cls = transformers.Qwen3MoeConfig
+    elif family == "mixtral":
+        kw.update(sliding_window=None, rope_theta=10000.0, num_local_experts=8, num_experts_per_tok=2)
+        cls = transformers.MixtralConfig
     else:
         raise ValueError(f"unknown family {family!r}")
     kw.update(overrides)
@@ -76,8 +86,8 @@ def randomise_(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if p.ndim == 2:
-                p.copy_(noise * p.shape[1] ** -0.5)
+            if p.ndim >= 2:  # matrices, and stacked experts [E, out, in]
+                p.copy_(noise * p.shape[-1] ** -0.5)
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * noise)
             else:  # biases

@@ -24,3 +24,19 @@ def copy_model(src: Path, dst: Path) -> Path:
     """A private copy of a checkpoint folder (for tests that corrupt it)."""
     shutil.copytree(src, dst)
     return dst
+
+
+def graph_then_eager(engine, toks, prefix, extends: int) -> dict:
+    """The batch ``toks`` (request ``extends`` extending a cached ``prefix``) on the graph
+    path, then eagerly: ``{"graph": PrefillOutput, "eager": PrefillOutput}`` (all logits;
+    KV released)."""
+    from graphcp import Request
+
+    out = {}
+    for path in ("graph", "eager"):
+        h = engine.prefill([Request(prefix)]).handles[0]
+        out[path] = engine.prefill([Request(t, h if j == extends else None) for j, t in enumerate(toks)],
+                                   all_logits=True, force_eager=path == "eager")
+        for x in out[path].handles:
+            engine.release(x)
+    return out

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import FAMILIES
-from helpers import rel_err
+from helpers import graph_then_eager, rel_err
 
 from graphcp.capture.buckets import BucketSet
 from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup, launch
-from graphcp import PrefillEngine, Request
+from graphcp import PrefillEngine
 
 #: transformers in bfloat16 vs graphcp in bfloat16 (as tests/test_hf_parity.py)
 TOL_HF = 2e-2
@@ -38,15 +38,8 @@ def _job(group, folders):
     for folder in folders:
         eng = PrefillEngine(folder, RuntimeConfig(dtype="bfloat16", graph="breakable", kv_tokens=2048), group, BUCKETS)
         toks, prefix = _tokens(eng.cfg.vocab_size)
-        res = {}
-        for path in ("graph", "eager"):
-            h = eng.prefill([Request(prefix)]).handles[0]
-            o = eng.prefill([Request(t, h if j == 2 else None) for j, t in enumerate(toks)], all_logits=True,
-                            force_eager=path == "eager")
-            res[path] = (o.info.path, o.last_logits, o.logits)
-            for x in o.handles:
-                eng.release(x)
-        out.append(res)
+        outs = graph_then_eager(eng, toks, prefix, extends=2)
+        out.append({path: (o.info.path, o.last_logits, o.logits) for path, o in outs.items()})
     return out
 
 

@@ -93,13 +93,16 @@ class GraphRunner:
                 f"RuntimeConfig.graph='full' needs an attention backend that reads only static device "
                 f"metadata; {body.attention.name!r} does not (use graph='breakable', or attention='triton')"
             )
+        problem = body.model.capture_problem(body.device, self.full)
+        if problem is not None:
+            raise ConfigError(problem)
         self.body, self.preparer, self.buckets = body, preparer, buckets
         self.max_context, self.max_requests = max_context, rt.max_requests
         cfg, kv = body.model.cfg, body.kv
         self.max_pages = -(-max_context // kv.page_size)
         self.buffers = StaticBuffers(
             buckets.largest, body.group.size, cfg.num_heads, cfg.head_dim, cfg.hidden_size,
-            2 * rt.max_requests, self.max_pages, body.model.dtype, body.device,
+            2 * rt.max_requests, self.max_pages, body.model.dtype, body.device, moe_rows=body.model.exchanges,
         )
         self.backend = make_graph_backend(rt.graph_backend, body.device)
         self.graphs: dict[int, _Captured] = {}
@@ -288,7 +291,8 @@ class GraphRunner:
         t1 = time.perf_counter()
         with nvtx_range(f"replay[{capacity}]", category="graph"):
             meta = self._static_meta(view) if self.full else prep.meta
-            ctx = self.body.context(meta, view.kv_slots, view, plan=prep.meta, prefix_pages=prep.prefix_pages)
+            ctx = self.body.context(meta, view.kv_slots, view, plan=prep.meta, stats=prep.stats,
+                                    prefix_pages=prep.prefix_pages)
             self.graphs[capacity].graph.replay(ctx)
         if timings is not None:
             timings.update(fill_s=t1 - t0, replay_s=time.perf_counter() - t1)

@@ -33,6 +33,9 @@ class BucketView:
     cu_seqlens_q: torch.Tensor  # [S_max + 1] int32
     kv_lens: torch.Tensor  # [S_max] int32
     page_table: torch.Tensor  # [S_max, P_max] int32
+    # residual rows into / out of an expert-parallel MoE layer's break (None: no such layer)
+    moe_resid: torch.Tensor | None = None  # [cap, hidden]
+    moe_out: torch.Tensor | None = None  # [cap, hidden]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
@@ -50,6 +53,7 @@ class StaticBuffers:
         max_pages_per_seq: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        moe_rows: bool = False,
     ) -> None:
         self.max_capacity, self.cp_size = max_capacity, cp_size
         self.max_segments, self.max_pages_per_seq = max_segments, max_pages_per_seq
@@ -64,6 +68,9 @@ class StaticBuffers:
         self.cu_seqlens_q = torch.zeros(max_segments + 1, dtype=torch.int32, device=dev)
         self.kv_lens = torch.zeros(max_segments, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_segments, max_pages_per_seq, dtype=torch.int32, device=dev)
+        # only models with an expert-parallel MoE layer have a break that takes residual rows
+        self.moe_resid = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if moe_rows else None
+        self.moe_out = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if moe_rows else None
         # host staging: on CPU the static tensors themselves (numpy views share their
         # memory, so a fill is in place); on CUDA pinned copies, uploaded per bucket
         self._views: dict[int, tuple[tuple, BucketView]] = {}
@@ -94,7 +101,7 @@ class StaticBuffers:
 
     def _bases(self) -> tuple:
         return (self.input_ids, self.positions, self.kv_slots, self.attn_q, self.attn_out, self.hidden_out,
-                self.cu_seqlens_q, self.kv_lens, self.page_table)
+                self.cu_seqlens_q, self.kv_lens, self.page_table, self.moe_resid, self.moe_out)
 
     def view(self, capacity: int) -> BucketView:
         """Prefix views of the bucket (cached; rebuilt if a buffer was replaced, so
@@ -120,13 +127,15 @@ class StaticBuffers:
             cu_seqlens_q=self.cu_seqlens_q,
             kv_lens=self.kv_lens,
             page_table=self.page_table,
+            moe_resid=None if self.moe_resid is None else self.moe_resid[:c],
+            moe_out=None if self.moe_out is None else self.moe_out[:c],
         )
 
     def addresses(self) -> dict[str, int]:
         """Data pointers of every static tensor (debug mode checks they never move)."""
         names = ("input_ids", "positions", "kv_slots", "attn_q", "attn_out", "hidden_out",
-                 "cu_seqlens_q", "kv_lens", "page_table")
-        return {n: getattr(self, n).data_ptr() for n in names}
+                 "cu_seqlens_q", "kv_lens", "page_table", "moe_resid", "moe_out")
+        return {n: getattr(self, n).data_ptr() for n in names if getattr(self, n) is not None}
 
     def fill(
         self,

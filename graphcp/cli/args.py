@@ -18,6 +18,7 @@ from graphcp.options import (
     KV_CACHE_MODES,
     LAYOUTS,
 )
+from graphcp.options import MOE_LAYOUTS
 
 
 def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> None:
@@ -43,6 +44,9 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each new bucket on a synthetic batch and compare it bitwise with the same-bucket "
                         "eager body (default: on for the trace graph backend, off for cuda; on for `graphcp run`)")
+    p.add_argument("--moe", default="ep", choices=MOE_LAYOUTS,
+                   help="mixture-of-experts layers: ep splits the experts over the CP ranks (all-to-all dispatch "
+                        "and combine), tp shards every expert like the dense MLP (default: ep)")
 
 
 def graph_mode(args: argparse.Namespace) -> str:
@@ -55,7 +59,7 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
         dtype=args.dtype, device=args.device, page_size=args.page_size, kv_tokens=args.kv_tokens,
         attention=args.attention, graph=graph_mode(args), graph_backend=args.graph_backend, layout=args.layout,
         max_requests=args.max_requests, collective_timeout_s=args.timeout, verify_capture=args.verify_capture,
-        kv_cache=args.kv_cache,
+        kv_cache=args.kv_cache, moe=args.moe,
     )
     return JobSpec(args.model, rt, args.buckets, args.cp)
 
@@ -66,5 +70,5 @@ def preflight(spec: JobSpec) -> None:
     way, only later and N times)."""
     parallel = ParallelConfig(cp_size=spec.cp_size)
     config = resolve_model(spec.model) / "config.json"
-    parallel.check_model(ModelConfig.from_file(config), str(config))
+    parallel.check_model(ModelConfig.from_file(config), str(config), spec.runtime.moe)
     spec.buckets()

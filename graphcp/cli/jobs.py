@@ -185,6 +185,8 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         "captures": [vars(c) for c in captures],
         "eager_s": float(np.median(timings["eager"])), "ops_eager": ops["eager"],
         "comparisons": comparisons,
+        # the per-forward figures (ForwardInfo.stats) of the graph forward, or the eager one
+        "stats": outs["graph" if "graph" in outs else "eager"].info.stats,
     }
     if "graph" in outs:
         graph = engine.runner.graphs[outs["graph"].info.capacity].graph if outs["graph"].info.path == "graph" else None

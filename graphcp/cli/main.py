@@ -94,6 +94,14 @@ def cmd_run(args) -> int:
                               f"{res['ops_graph']} host ops (breaks, fill, LM head)"),
             ("KV received per layer", f"{res['kv_bytes_per_layer'] / 2**20:.2f} MiB a rank (all-gather of the bucket)"),
         ]
+    stats = res.get("stats", {})
+    if "moe_layout" in stats:  # a mixture-of-experts model: its MLP traffic (docs/moe.md)
+        imbalance = stats.get("moe_routing_imbalance")
+        rows.append((f"MoE ({stats['moe_layout']}), {stats['moe_layers']} layers",
+                     f"{stats['moe_bytes_sent'] / 2**20:.2f} MiB sent, {stats['moe_bytes_received'] / 2**20:.2f} MiB "
+                     "received a rank per forward" + (f"; routing imbalance {imbalance:.2f} (max/mean pairs per "
+                                                       "expert rank)" if imbalance is not None else "")))
+    if "graph_s" in res:
         for c in res["comparisons"]:
             same = {True: "bitwise equal", False: "DIFFERS", None: "no graph"}[c["same_bucket_bitwise"]]
             rows.append((f"graph vs eager ({c['dtype']})",

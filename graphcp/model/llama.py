@@ -1,10 +1,16 @@
 """One decoder for the Llama family: Llama (incl. llama3 RoPE scaling), Mistral,
-Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm, explicit head_dim).
+Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm, explicit head_dim), and the
+mixture-of-experts Qwen3-MoE and Mixtral (a sparse MoE block in place of the MLP in
+the layers ``MoeConfig.layers`` names; ``graphcp/model/moe/``).
 
 Per layer, on this rank's rows only:
   norm -> fused qkv -> (q/k norm) -> RoPE -> KV exchange + cache write
   -> attention (a graph break) -> o_proj -> residual -> norm -> CP = TP MLP -> residual
 Attention weights are whole on every rank; the MLP is sharded over the CP group.
+A layer whose experts are split over the ranks (``RuntimeConfig.moe="ep"``) runs
+attention, o_proj, the residual, the norm and the MoE exchange in one graph break
+(the exchange's split sizes are read on the host), so it stays one segment and one
+break a layer.
 """
 
 from __future__ import annotations
@@ -17,11 +23,14 @@ from graphcp.config import ModelConfig
 from graphcp.forward_context import ForwardContext
 from graphcp.graph_break import graph_break
 from graphcp.model.layers import ParallelMLP, RMSNorm, Rotary
+from graphcp.model.moe.block import SparseMoeBlock
+from graphcp.model.moe.ep import STAT_LAYERS, STAT_LAYOUT, STAT_RECEIVED, STAT_SENT
+from graphcp.model.moe.experts import grouped_mm_capturable
+from graphcp.options import MoeLayout
 from graphcp.profile.ranges import nvtx_range
 
 
-@graph_break("attention")
-def run_attention(ctx: ForwardContext, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
     """Attend this rank's query rows over the cache; writes ``out`` in place. A cache
     that keeps only some layers (LayerSplit) first fetches the batch's cached-prefix
     pages of this layer from their owner (the live batch's pages: in the break)."""
@@ -29,6 +38,18 @@ def run_attention(ctx: ForwardContext, layer: int, q: torch.Tensor, out: torch.T
         if ctx.prefix_pages is not None:
             ctx.kv_cache.fetch_prefix(layer, ctx.prefix_pages, ctx.group)
         ctx.attention.forward(q, ctx.kv_cache.layer(layer), ctx.attn_meta, out)
+
+
+run_attention = graph_break("attention")(attend)
+
+
+@graph_break("attention+moe")
+def run_attention_moe(ctx: ForwardContext, layer: int, block: "DecoderLayer", q: torch.Tensor,
+                      attn_out: torch.Tensor, resid: torch.Tensor, out: torch.Tensor) -> None:
+    """Attention, then the rest of an expert-parallel layer (``DecoderLayer.after_attention``):
+    writes the layer's output rows into ``out``."""
+    attend(ctx, layer, q, attn_out)
+    block.after_attention(ctx, attn_out, resid, out)
 
 
 class Attention(nn.Module):
@@ -42,6 +63,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext):
+        q, out = self.prepare(x, positions, rotary, ctx)
+        run_attention(ctx, self.layer, q, out)
+        return self.o_proj(out.view(x.shape[0], self.cfg.q_size))
+
+    def prepare(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext):
+        """Everything before attention: the query rows and the tensor attention writes."""
         cfg, n = self.cfg, x.shape[0]
         q, k, v = self.qkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(n, cfg.num_heads, cfg.head_dim)
@@ -56,31 +83,61 @@ class Attention(nn.Module):
             out = ctx.attn_out
         else:
             out = torch.empty_like(q)
-        run_attention(ctx, self.layer, q, out)
-        return self.o_proj(out.view(n, cfg.q_size))
+        return q, out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, dtype: torch.dtype, rank: int = 0,
+                 moe: MoeLayout = "ep") -> None:
         super().__init__()
+        self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = ParallelMLP(cfg.hidden_size, cfg.intermediate_size, tp_size, cfg.mlp_bias, dtype)
+        if cfg.moe is not None and cfg.moe.is_sparse(layer):
+            self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, moe, rank, tp_size, dtype)
+        else:
+            self.mlp = ParallelMLP(cfg.hidden_size, cfg.intermediate_size, tp_size, cfg.mlp_bias, dtype)
+        #: experts split over the ranks: the all-to-all exchange runs in the attention break
+        self.exchanges = isinstance(self.mlp, SparseMoeBlock) and moe == "ep"
 
     def forward(self, h, positions, rotary, ctx):
+        if self.exchanges:
+            return self._forward_exchange(h, positions, rotary, ctx)
         h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
         return h + self.mlp(self.post_attention_layernorm(h), ctx.group)
+
+    def _forward_exchange(self, h, positions, rotary, ctx):
+        q, attn_out = self.self_attn.prepare(self.input_layernorm(h), positions, rotary, ctx)
+        if ctx.moe_resid is not None:  # graph mode: the break reads and writes static rows
+            resid, out = ctx.moe_resid.copy_(h), ctx.moe_out
+        else:
+            resid, out = h, torch.empty_like(h)
+        run_attention_moe(ctx, self.layer, self, q, attn_out, resid, out)
+        return out
+
+    def after_attention(self, ctx: ForwardContext, attn_out: torch.Tensor, resid: torch.Tensor,
+                        out: torch.Tensor) -> None:
+        """o_proj, residual, norm and the expert-parallel MoE of this rank's live rows
+        (padding rows pass through with no MLP output); the layer's rows into ``out``."""
+        n = resid.shape[0]
+        h = resid + self.self_attn.o_proj(attn_out.view(n, -1))
+        live = n if ctx.live_rows is None else ctx.live_rows
+        with nvtx_range(f"moe[{self.layer}]", category="break"):
+            moe = self.mlp.forward_ep(self.post_attention_layernorm(h), live, ctx.group, ctx.stats)
+        torch.add(h, moe, out=out)
 
 
 class DecoderModel(nn.Module):
     """The body (embedding -> layers -> final norm) and the LM head."""
 
-    def __init__(self, cfg: ModelConfig, tp_size: int, dtype: torch.dtype, max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, tp_size: int, dtype: torch.dtype, max_positions: int | None = None,
+                 rank: int = 0, moe: MoeLayout = "ep"):
         super().__init__()
         self.cfg, self.tp_size, self.dtype = cfg, tp_size, dtype
+        self.moe_layout = moe
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp_size, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp_size, dtype, rank, moe) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         self.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope)
@@ -95,6 +152,35 @@ class DecoderModel(nn.Module):
             with nvtx_range(f"layer[{i}]", category="eager"):
                 h = layer(h, positions, self.rotary, ctx)
         return self.norm(h)
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether some layer runs the expert-parallel exchange (a host-sized break)."""
+        return any(layer.exchanges for layer in self.layers)
+
+    def static_stats(self, rows: int) -> dict:
+        """The per-forward figures fixed by the local row count (ForwardInfo.stats): the
+        MoE layout and the bytes of the collectives of shape-static MoE layers; the
+        expert-parallel exchange adds its routing-dependent bytes as it runs."""
+        blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        if not blocks:
+            return {}
+        row_bytes = self.cfg.hidden_size * self.dtype.itemsize
+        b = sum(m.static_bytes(rows, row_bytes, self.tp_size) for m in blocks)
+        return {STAT_LAYOUT: self.moe_layout, STAT_LAYERS: len(blocks), STAT_SENT: b, STAT_RECEIVED: b}
+
+    def capture_problem(self, device: torch.device, full: bool) -> str | None:
+        """Why this model's body cannot be captured as asked, or None."""
+        if full and self.exchanges:
+            return ("RuntimeConfig.graph='full' captures attention too, but the expert-parallel MoE exchange "
+                    "(RuntimeConfig.moe='ep') sizes its all-to-all from each batch's routing on the host; use "
+                    "graph='breakable' or moe='tp'")
+        tp_moe = any(isinstance(layer.mlp, SparseMoeBlock) and not layer.exchanges for layer in self.layers)
+        if tp_moe and not grouped_mm_capturable(device, self.dtype):
+            return (f"RuntimeConfig.moe='tp' keeps the experts inside the captured graphs, which needs "
+                    f"torch._grouped_mm's sync-free kernel (bfloat16 on sm90/sm100); {self.dtype} on {device} "
+                    "copies the group sizes to the host: use moe='ep', dtype='bfloat16' or graph='off'")
+        return None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -4,6 +4,12 @@ model.safetensors.index.json) into a :class:`DecoderModel`, tensor by tensor.
 Each rank reads only what it keeps: attention weights whole, the MLP's gate/up
 rows and down columns of its TP shard. q/k/v are fused into one projection and
 gate/up into one, so every checkpoint tensor maps to a slice of one parameter.
+
+Mixture-of-experts layers (Hub format: one tensor per expert per projection, as
+transformers saves them; Qwen3-MoE ``mlp.experts.{e}.gate_proj``/``up_proj``/
+``down_proj``, Mixtral ``block_sparse_moe.experts.{e}.w1``/``w3``/``w2``): the router
+whole; with ``moe="ep"`` only this rank's experts, whole (the others' tensors are
+checked for shape, never read); with ``moe="tp"`` every expert's TP shard.
 """
 
 from __future__ import annotations
@@ -22,9 +28,13 @@ from graphcp.config import DTYPES, ModelConfig, ParallelConfig
 from graphcp.errors import InputError
 from graphcp.model.layers import Rotary
 from graphcp.model.llama import DecoderModel
+from graphcp.moe_config import MOE_NAMES
+from graphcp.options import MoeLayout
 
 # checkpoint tensors that carry no weights (older exports keep RoPE tables)
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+#: an expert's tensor: model.layers.{layer}.{mlp|block_sparse_moe}.experts.{expert}.{projection}.weight
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 
 
 class CheckpointError(InputError):
@@ -52,9 +62,11 @@ class _Target:
     dim: int  # dim of the parameter that the slice runs along
     start: int  # where the (possibly sharded) checkpoint slice lands
     shard: tuple[int, int, int] | None = None  # (dim, start, length) taken from the checkpoint tensor
+    index: int | None = None  # the slice lands in ``param[index]`` (a local expert), then as above
 
 
-def _targets(cfg: ModelConfig, rank: int, tp: int) -> dict[str, _Target]:
+def _targets(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "ep") -> dict[str, _Target | None]:
+    """Checkpoint tensor -> where it lands (None: another rank's expert, checked not read)."""
     t: dict[str, _Target] = {
         "model.embed_tokens.weight": _Target("embed_tokens.weight", 0, 0),
         "model.norm.weight": _Target("norm.weight", 0, 0),
@@ -77,6 +89,9 @@ def _targets(cfg: ModelConfig, rank: int, tp: int) -> dict[str, _Target]:
         if cfg.qk_norm:
             t[hf + "self_attn.q_norm.weight"] = _Target(me + "self_attn.q_norm.weight", 0, 0)
             t[hf + "self_attn.k_norm.weight"] = _Target(me + "self_attn.k_norm.weight", 0, 0)
+        if cfg.moe is not None and cfg.moe.is_sparse(i):
+            t.update(_moe_targets(cfg, i, rank, tp, moe))
+            continue
         rows = (0, rank * shard, shard)
         t[hf + "mlp.gate_proj.weight"] = _Target(me + "mlp.gate_up.weight", 0, 0, rows)
         t[hf + "mlp.up_proj.weight"] = _Target(me + "mlp.gate_up.weight", 0, shard, rows)
@@ -86,6 +101,47 @@ def _targets(cfg: ModelConfig, rank: int, tp: int) -> dict[str, _Target]:
             t[hf + "mlp.up_proj.bias"] = _Target(me + "mlp.gate_up.bias", 0, shard, rows)
             t[hf + "mlp.down_proj.bias"] = _Target(me + "mlp.down_bias", 0, 0)
     return t
+
+
+def _moe_targets(cfg: ModelConfig, i: int, rank: int, tp: int, moe: MoeLayout) -> dict[str, _Target | None]:
+    """One sparse layer's router and experts (see the module doc)."""
+    m = cfg.moe
+    module, (gate, up, down) = MOE_NAMES[cfg.family]
+    hf, me = f"model.layers.{i}.{module}.", f"layers.{i}.mlp."
+    t: dict[str, _Target | None] = {hf + "gate.weight": _Target(me + "router.weight", 0, 0)}
+    if moe == "ep":
+        local = m.num_experts // tp
+        for e in range(m.num_experts):
+            mine = e // local == rank
+            t[hf + f"experts.{e}.{gate}.weight"] = _Target(me + "experts.gate_up", 0, 0, None, e % local) if mine else None
+            t[hf + f"experts.{e}.{up}.weight"] = (_Target(me + "experts.gate_up", 0, m.intermediate_size, None, e % local)
+                                                  if mine else None)
+            t[hf + f"experts.{e}.{down}.weight"] = _Target(me + "experts.down", 0, 0, None, e % local) if mine else None
+        return t
+    shard = m.intermediate_size // tp
+    rows = (0, rank * shard, shard)
+    for e in range(m.num_experts):
+        t[hf + f"experts.{e}.{gate}.weight"] = _Target(me + "experts.gate_up", 0, 0, rows, e)
+        t[hf + f"experts.{e}.{up}.weight"] = _Target(me + "experts.gate_up", 0, shard, rows, e)
+        t[hf + f"experts.{e}.{down}.weight"] = _Target(me + "experts.down", 1, 0, (1, rank * shard, shard), e)
+    return t
+
+
+def _unexpected_hint(cfg: ModelConfig, name: str) -> str:
+    """Why an unexpected tensor is unexpected, when it looks like an expert's."""
+    if cfg.moe is None:
+        return ""
+    if ".experts." in name and not EXPERT.match(name):
+        return " (graphcp reads the Hub format: one tensor per expert per projection)"
+    hit = EXPERT.match(name)
+    if hit is None:
+        return ""
+    layer, expert = int(hit.group(1)), int(hit.group(2))
+    if expert >= cfg.moe.num_experts:
+        return f" (config.json has num_experts={cfg.moe.num_experts}: experts 0..{cfg.moe.num_experts - 1})"
+    if layer < cfg.num_layers and not cfg.moe.is_sparse(layer):
+        return f" (layer {layer} runs the dense MLP by config.json's mlp_only_layers / decoder_sparse_step)"
+    return ""
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -117,26 +173,28 @@ def load_model(
     tp_size: int = 1,
     max_positions: int | None = None,
     on_tensor: Callable[[str], None] | None = None,
+    moe: MoeLayout = "ep",
 ) -> tuple[ModelConfig, DecoderModel]:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    ParallelConfig(cp_size=tp_size).check_model(cfg, str(model_dir))
+    ParallelConfig(cp_size=tp_size).check_model(cfg, str(model_dir), moe)
     declared = DTYPES.get(cfg.torch_dtype) if cfg.torch_dtype else None
     with torch.device("meta"):
-        model = DecoderModel(cfg, tp_size, dtype, max_positions)
+        model = DecoderModel(cfg, tp_size, dtype, max_positions, rank, moe)
     # materialise on the target device; the rotary tables are computed, not loaded
     model = model.to_empty(device=device)
     model.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope).to(device)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
-    targets = _targets(cfg, rank, tp_size)
+    targets = _targets(cfg, rank, tp_size, moe)
     files = checkpoint_files(model_dir)
     by_file: dict[Path, list[str]] = {}
     for name, f in files.items():
         if IGNORED.match(name):
             continue
         if name not in targets:
-            raise CheckpointError(f"{f.name}: unexpected tensor {name!r} for a {cfg.family} model of this config")
+            raise CheckpointError(f"{f.name}: unexpected tensor {name!r} for a {cfg.family} model of this config"
+                                  + _unexpected_hint(cfg, name))
         by_file.setdefault(f, []).append(name)
     missing = sorted(set(targets) - {n for names in by_file.values() for n in names})
     if missing:
@@ -159,6 +217,8 @@ def load_model(
                         raise CheckpointError(
                             f"{f.name}: tensor {name!r} has shape {list(shape)}, expected {list(full)}"
                         )
+                    if tgt is None:  # another rank's expert: checked above, not read
+                        continue
                     with _reading(f, f" at tensor {name!r}"):
                         t = _read(sl, shape, tgt)
                     if not t.is_floating_point():
@@ -167,7 +227,7 @@ def load_model(
                         raise CheckpointError(
                             f"{f.name}: tensor {name!r} has dtype {t.dtype}, config.json declares {cfg.torch_dtype}"
                         )
-                    p = params[tgt.param]
+                    p = params[tgt.param] if tgt.index is None else params[tgt.param][tgt.index]
                     dst = p.narrow(tgt.dim, tgt.start, t.shape[tgt.dim]) if t.dim() > tgt.dim else p
                     if tuple(dst.shape) != tuple(t.shape) or tgt.start + t.shape[tgt.dim] > p.shape[tgt.dim]:
                         full = _expected_shape(cfg, name)
@@ -195,6 +255,11 @@ def _read(sl, shape: tuple[int, ...], tgt: _Target) -> torch.Tensor:
 
 
 def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    if cfg.moe is not None and (EXPERT.match(name) or name.endswith(".gate.weight")):
+        h, i = cfg.hidden_size, cfg.moe.intermediate_size
+        moe_table = {"gate": (cfg.moe.num_experts, h), "gate_proj": (i, h), "up_proj": (i, h), "w1": (i, h),
+                     "w3": (i, h), "down_proj": (h, i), "w2": (h, i)}
+        return moe_table.get(name.split(".")[-2], ())
     h, i, qs, kvs = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     table = {
         "embed_tokens.weight": (cfg.vocab_size, h), "lm_head.weight": (cfg.vocab_size, h),

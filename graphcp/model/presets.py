@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from graphcp.errors import ConfigError
+from graphcp.moe_config import MOE_NAMES, moe_from_hf
 
 #: a small Qwen3-style model: explicit head_dim, q/k norm, GQA, tied embeddings
 PRESETS: dict[str, dict] = {
@@ -60,6 +61,19 @@ PRESETS: dict[str, dict] = {
         "eos_token_id": 2,
     },
 }
+#: the default model's mixture-of-experts twin (Qwen3-MoE style): 16 experts, top-4,
+#: layer 0 dense (mlp_only_layers), for `graphcp run --model default-moe [--moe ep|tp]`
+PRESETS["default-moe"] = {
+    **PRESETS["default"],
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 128,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [0],
+}
 SEED = 1234
 
 
@@ -72,13 +86,15 @@ def is_preset(name: str) -> bool:
 
 
 def random_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
-    """HF-named tensors for a Llama-family config, seeded (std 0.02; norms near 1)."""
+    """HF-named tensors for a Llama-family config (Qwen3-MoE and Mixtral too: router and
+    per-expert tensors in the Hub layout), seeded (std 0.02; norms near 1)."""
     g = torch.Generator().manual_seed(seed)
     h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     d = config.get("head_dim") or h // heads
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.get("torch_dtype", "float32")]
-    qwen3 = config["model_type"] == "qwen3"
+    qwen3 = config["model_type"] in ("qwen3", "qwen3_moe")
+    moe = moe_from_hf(config, config["model_type"], config["num_hidden_layers"], "preset")
 
     def rnd(*shape, std=0.02):
         return (torch.randn(*shape, generator=g) * std).to(dtype)
@@ -100,6 +116,14 @@ def random_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
         if qwen3:
             w[p + "self_attn.q_norm.weight"] = norm(d)
             w[p + "self_attn.k_norm.weight"] = norm(d)
+        if moe is not None and moe.is_sparse(layer):
+            module, (gate, up, down) = MOE_NAMES[config["model_type"]]
+            w[p + f"{module}.gate.weight"] = rnd(moe.num_experts, h)
+            for e in range(moe.num_experts):
+                w[p + f"{module}.experts.{e}.{gate}.weight"] = rnd(moe.intermediate_size, h)
+                w[p + f"{module}.experts.{e}.{up}.weight"] = rnd(moe.intermediate_size, h)
+                w[p + f"{module}.experts.{e}.{down}.weight"] = rnd(h, moe.intermediate_size)
+            continue
         w[p + "mlp.gate_proj.weight"] = rnd(i, h)
         w[p + "mlp.up_proj.weight"] = rnd(i, h)
         w[p + "mlp.down_proj.weight"] = rnd(h, i)

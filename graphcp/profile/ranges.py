@@ -55,6 +55,10 @@ RANGES: dict[str, RangeKind] = {
     "kv_slots_gather": RangeKind("comm", "all-gather of every rank's KV slot mapping, once per forward "
                                  "(eager and capture only)"),
     "kv_exchange": RangeKind("comm", "kv_exchange[<layer>]: K/V all-gather + cache write (eager and capture only)"),
+    "moe": RangeKind("break", "moe[<layer>]: routing, all-to-all dispatch, local experts and combine of an "
+                     "expert-parallel MoE layer (in its attention+moe break, after attention[<layer>])"),
+    "moe_dispatch": RangeKind("comm", "the expert-parallel all-to-all that sends each routed row to its expert's rank"),
+    "moe_combine": RangeKind("comm", "the all-to-all that brings the expert outputs back to the token's rank"),
     "eager_body": RangeKind("eager", "the body run eagerly (graph off, or a graph-mode fallback)"),
     "layer": RangeKind("eager", "layer[<i>]: one decoder layer run eagerly"),
     "capture": RangeKind("capture", "capture[<capacity>]: warm-up and capture of one bucket"),

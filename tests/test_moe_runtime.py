@@ -1,0 +1,63 @@
+"""RuntimeConfig.moe and the graph modes an MoE model refuses, the ``default-moe``
+preset (a small Qwen3-MoE written in the Hub format, which transformers loads too),
+and random MoE checkpoints of both families in their Hub names."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import rel_err
+
+from graphcp import PrefillEngine, Request
+from graphcp.config import ConfigError, RuntimeConfig
+from graphcp.model.loader import load_model
+from graphcp.model.presets import ensure_preset, ensure_random_model
+
+
+def test_runtime_moe_is_checked():
+    assert RuntimeConfig().moe == "ep"
+    with pytest.raises(ConfigError, match=r"RuntimeConfig\.moe must be one of ep, tp, got 'dp'"):
+        RuntimeConfig(moe="dp")
+
+
+def test_full_graph_refuses_the_expert_parallel_exchange(hf_model_dir):
+    folder = hf_model_dir("qwen3_moe")
+    with pytest.raises(ConfigError, match=r"graph='full' .*moe='ep'.* use graph='breakable' or moe='tp'"):
+        PrefillEngine(folder, RuntimeConfig(graph="full", attention="triton", moe="ep", kv_tokens=256))
+
+
+def test_tp_in_cuda_graphs_needs_the_sync_free_grouped_kernel(hf_model_dir, monkeypatch):
+    eng = PrefillEngine(hf_model_dir("qwen3_moe"), RuntimeConfig(moe="tp", kv_tokens=256))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    problem = eng.model.capture_problem(torch.device("cuda"), full=False)
+    assert "moe='tp' keeps the experts inside the captured graphs" in problem and "float32" in problem
+    assert eng.model.capture_problem(torch.device("cpu"), full=True) is None  # tp is static-shaped
+
+
+def test_default_moe_preset_matches_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = ensure_preset("default-moe", root=tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(ref).__name__ == "Qwen3MoeForCausalLM"
+    tokens = np.random.default_rng(0).integers(0, 8192, 70)
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=512))
+    assert eng.cfg.moe.layers == (1, 2, 3)  # layer 0 dense (mlp_only_layers)
+    got = eng.prefill([Request(tokens)], all_logits=True).logits[0]
+    with torch.inference_mode():
+        want = ref(input_ids=torch.from_numpy(tokens).view(1, -1)).logits[0]
+    assert rel_err(got, want) < 1e-4
+
+
+def test_random_moe_checkpoints_use_each_familys_hub_names(tmp_path):
+    """The random-checkpoint writer (presets, the GPU check's cut-down models) names
+    experts as the family's Hub checkpoints do, so the loader takes them as written."""
+    from conftest import hf_config
+
+    for family, module in (("qwen3_moe", "mlp"), ("mixtral", "block_sparse_moe")):
+        folder = ensure_random_model(family, hf_config(family, False).to_dict(), root=tmp_path)
+        read: list[str] = []
+        load_model(folder, torch.float32, rank=1, tp_size=2, on_tensor=read.append, moe="ep")
+        assert f"model.layers.0.{module}.experts.7.{'w2' if family == 'mixtral' else 'down_proj'}.weight" in read
