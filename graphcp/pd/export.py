@@ -139,33 +139,52 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
              dst: int | None, device: torch.device) -> KVExport | None:
     """Put one request's KV together from the spans each rank holds. Every rank calls
     it (the same spans everywhere). ``dst``: the rank that receives the export (the
-    others return None), or None for every rank. A span that a receiving rank does not
-    hold comes from its owner: a point-to-point send to ``dst``, or a broadcast when
-    every rank receives. A replicated cache holds everything locally: no traffic."""
+    others return None), or None for every rank. A span every receiving rank holds is
+    read locally (a replicated cache: no traffic); the others come from their owners,
+    each owner packing all its spans into one message: a point-to-point send to
+    ``dst``, or a broadcast when every rank receives. At most C - 1 messages a request
+    (not one per span: a token-sharded cache has 2C runs a layer per chunk)."""
     me = group.rank
     receivers = range(group.size) if dst is None else (dst,)
     receive = me in receivers
     dev, dtype = device, meta.torch_dtype
     k = [torch.empty(meta.shape, dtype=dtype, device=dev) for _ in range(meta.num_layers)] if receive else None
     v = [torch.empty(meta.shape, dtype=dtype, device=dev) for _ in range(meta.num_layers)] if receive else None
+    remote: dict[int, list[KVSpan]] = {}
     for span in spans:
-        local = all(source.holds(span, r) for r in receivers)
-        if local:
+        if all(source.holds(span, r) for r in receivers):
             if receive:
                 _place(k, v, span, *source.read_span(handle, span))
+        else:
+            remote.setdefault(span.owner, []).append(span)
+    per_token = 2 * meta.num_kv_heads * meta.head_dim
+    for owner, theirs in sorted(remote.items()):
+        if me == owner:
+            buf = torch.cat([torch.stack(source.read_span(handle, s)).reshape(-1) for s in theirs])
+        elif dst is None or me == dst:
+            buf = torch.empty(sum(s.num_tokens for s in theirs) * per_token, dtype=dtype, device=dev)
+        else:
+            continue  # neither the owner nor the receiver of this part
+        if dst is None:
+            group.broadcast_(buf, owner)
+        elif me == owner:
+            group.send(buf, dst)
             continue
-        shape = (2, meta.num_kv_heads, span.num_tokens, meta.head_dim)
-        if dst is None:  # everyone receives: the owner broadcasts
-            buf = torch.stack(source.read_span(handle, span)) if me == span.owner else \
-                torch.empty(shape, dtype=dtype, device=dev)
-            group.broadcast_(buf, span.owner)
-            _place(k, v, span, buf[0], buf[1])
-        elif me == span.owner:
-            group.send(torch.stack(source.read_span(handle, span)), dst)
-        elif me == dst:
-            buf = group.recv_(torch.empty(shape, dtype=dtype, device=dev), span.owner)
-            _place(k, v, span, buf[0], buf[1])
+        else:
+            group.recv_(buf, owner)
+        _unpack(k, v, theirs, buf, meta)
     return KVExport(meta, k, v) if receive else None
+
+
+def _unpack(k: list[torch.Tensor], v: list[torch.Tensor], spans: list[KVSpan], buf: torch.Tensor,
+            meta: KVMeta) -> None:
+    """Place an owner's packed spans (each ``[2, H, n, D]``, in order) into the export."""
+    at = 0
+    for span in spans:
+        n = 2 * meta.num_kv_heads * span.num_tokens * meta.head_dim
+        kv = buf[at:at + n].view(2, meta.num_kv_heads, span.num_tokens, meta.head_dim)
+        _place(k, v, span, kv[0], kv[1])
+        at += n
 
 
 def _place(k: list[torch.Tensor], v: list[torch.Tensor], span: KVSpan, ks: torch.Tensor, vs: torch.Tensor) -> None:
