@@ -146,16 +146,25 @@ class PagedKVCache:
 
     def read_span(self, handle: KVHandle, span: KVSpan) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``handle``'s positions ``[span.start, span.stop)`` of one layer, each
-        ``[num_kv_heads, n, head_dim]`` (new contiguous tensors; the cache is not changed)."""
+        ``[num_kv_heads, n, head_dim]`` (new contiguous tensors; the cache is not changed).
+        The span's positions are consecutive local indices here (a span never crosses
+        what another rank holds)."""
         self.check_handle(handle)
         ps = self.page_size
-        first, last = span.start // ps, self.pages_for(span.stop)
+        start = self.local_index(handle, span.start)
+        stop = start + span.num_tokens
+        first, last = start // ps, self.pages_for(stop)
         pages = torch.tensor(handle.pages[first:last], dtype=torch.long, device=self.pool.device)
         k_pages, v_pages = kv_cache_views(self.layer(span.layer), self.layout)  # [pages, ps, H, D]
-        lo, hi = span.start - first * ps, span.stop - first * ps
+        lo, hi = start - first * ps, stop - first * ps
         k = k_pages.index_select(0, pages).flatten(0, 1)[lo:hi]
         v = v_pages.index_select(0, pages).flatten(0, 1)[lo:hi]
         return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+
+    def local_index(self, handle: KVHandle, position: int) -> int:
+        """Where this pool stores the request's ``position`` (its local index): here every
+        position at its own index (a token-sharded pool stores a share, in order)."""
+        return position
 
     @property
     def table_width(self) -> int:

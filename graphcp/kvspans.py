@@ -18,8 +18,9 @@ A cache mode (:class:`KVSource`) says, identically on every rank,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
 
@@ -63,3 +64,21 @@ def whole_layer_spans(num_layers: int, num_tokens: int, cp_size: int) -> list[KV
     """One span a layer over all tokens, exported by the layer's owner under the layer
     split (a replicated cache exports the same way, so C ranks send C contiguous parts)."""
     return [KVSpan(i, 0, num_tokens, layer_owner(i, num_layers, cp_size)) for i in range(num_layers)]
+
+
+def position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, stop)`` runs of consecutive values of increasing ``positions``."""
+    if positions.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(positions) != 1) + 1
+    starts = np.concatenate([positions[:1], positions[cuts]])
+    stops = np.concatenate([positions[cuts - 1] + 1, positions[-1:] + 1])
+    return list(zip(starts.tolist(), stops.tolist()))
+
+
+def position_spans(num_layers: int, held: Sequence[np.ndarray]) -> list[KVSpan]:
+    """The spans of a cache that keeps each position on one rank (the token-sharded
+    cache): ``held[r]`` the increasing positions rank r stores; per layer one span per
+    run of consecutive positions, owned by the rank that stores it, in position order."""
+    runs = sorted((s, e, r) for r, pos in enumerate(held) for s, e in position_runs(np.asarray(pos)))
+    return [KVSpan(layer, s, e, r) for layer in range(num_layers) for s, e, r in runs]

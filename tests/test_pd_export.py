@@ -13,6 +13,7 @@ from graphcp.dist import launch
 from graphcp.kvcache import KVHandleError
 from graphcp.pd import KVFormatError, load_kv
 from graphcp.pd.export import KVMeta
+from graphcp.kvspans import KVSpan, position_runs, position_spans
 from graphcp.pd.files import read_kv, save_kv
 
 LENS = [37, 5]
@@ -96,3 +97,15 @@ def test_file_round_trip_and_refusals(hf_model_dir, tmp_path):
         KVMeta.from_dict({**meta.to_dict(), "dtype": "int8"})
     with pytest.raises(KVFormatError, match="missing KV metadata"):
         KVMeta.from_dict({"num_tokens": "3"})
+
+
+def test_position_spans_split_each_rank_s_positions_into_runs():
+    """The spans of a cache that keeps each position on one rank: zigzag blocks of two
+    chunks at C = 2 (rank 0: [0, 3) + [9, 12) of the first 12, rank 1 the middle; then
+    a 5-token chunk), adjacent blocks of one rank merged, every position once."""
+    held = [np.array([0, 1, 2, 9, 10, 11, 12, 16]), np.array([3, 4, 5, 6, 7, 8, 13, 14, 15])]
+    assert position_runs(held[0]) == [(0, 3), (9, 13), (16, 17)] and position_runs(np.array([], dtype=np.int64)) == []
+    spans = position_spans(2, held)
+    assert [(s.start, s.stop, s.owner) for s in spans if s.layer == 1] == [
+        (0, 3, 0), (3, 9, 1), (9, 13, 0), (13, 16, 1), (16, 17, 0)]
+    assert [s.layer for s in spans] == [0] * 5 + [1] * 5 and all(isinstance(s, KVSpan) for s in spans)
