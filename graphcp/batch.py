@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.ring_plan import RingPlan, RingPlanner
 from graphcp.cp import Layout, Plan
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, GraphcpError
@@ -73,6 +74,8 @@ class PreparedBatch:
     plan_s: float = 0.0  # host time of prepare()
     #: the cached prefixes' pages, for a cache that fetches them per layer (LayerSplit)
     prefix_pages: np.ndarray | None = None
+    #: the sharded cache's ring for this forward (None: the replicated cache's all-gather)
+    ring: RingPlan | None = None
     #: this forward's figures as the body runs it (ForwardInfo.stats): the engine copies them
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -91,6 +94,9 @@ class BatchPreparer:
     #: the most requests a batch may hold (kernel backends sized for
     #: ``RuntimeConfig.max_requests``); None: any number
     max_requests: int | None = None
+    #: a sharded cache's ring planner (slots in local indices, per-step metadata, the
+    #: per-batch exchange choice); None: the replicated cache
+    ring: RingPlanner | None = None
 
     def prepare(self, batch: Sequence[Request]) -> PreparedBatch:
         """Validate, check SPMD consistency, plan, reserve KV and build this rank's
@@ -192,6 +198,10 @@ class BatchPreparer:
         with nvtx_range("prepare", category="host"):
             kv = self.kv
             rp = plan.rank(self.group.rank)
+            if self.ring is not None:
+                sh = self.ring.inputs(plan, kv, seq_ids, self.group.rank, self.device)
+                return PreparedBatch(plan, seq_ids, flat[rp.rows], rp.positions, sh.slots, sh.meta,
+                                     sh.seg_page_table, ring=sh.ring)
             seq_rows = kv.table_rows(seq_ids)
             # attention metadata written in place into one packed buffer; this rank's
             # segments read pages up to their kv lengths only

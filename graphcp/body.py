@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata
+from graphcp.attention.ring import RingAttention
+from graphcp.attention.ring_plan import RingPlan
 from graphcp.batch import PreparedBatch
 from graphcp.dist import CPGroup
 from graphcp.forward_context import ForwardContext
@@ -28,14 +30,17 @@ class Body:
     kv: PagedKVCache
     group: CPGroup
     device: torch.device
+    #: the sharded cache's ring (None: the replicated cache)
+    ring: RingAttention | None = None
 
     def context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, static=None,
-                plan: AttentionMetadata | None = None, stats: dict | None = None,
-                prefix_pages: np.ndarray | None = None) -> ForwardContext:
+                plan: AttentionMetadata | None = None, ring: RingPlan | None = None,
+                stats: dict | None = None, prefix_pages: np.ndarray | None = None) -> ForwardContext:
         """The context of one forward over ``meta``, after the attention backend's
         host-side planning for ``plan`` (default ``meta``: a full graph's context
         holds static metadata while the backend plans the live batch). ``static``: a
         bucket's static views, whose attention rows the breaks then read and write.
+        ``ring``: the forward's ring plan (a sharded cache; None plans an inert one);
         ``stats``: this forward's ForwardInfo.stats, given the figures the row count
         fixes here (breaks add the rest as they run); ``prefix_pages``: the batch's
         cached-prefix pages a LayerSplit cache fetches."""
@@ -45,6 +50,10 @@ class Body:
         ctx.live_rows = live.num_q_rows
         if prefix_pages is not None:
             ctx.prefix_pages = torch.from_numpy(prefix_pages).to(self.device)
+        if self.ring is not None:
+            ctx.ring_attention = self.ring
+            ctx.ring = ring if ring is not None else RingPlan.inert(self.group.size, self.group.rank)
+            self.ring.prepare(ctx.ring)
         if static is not None:
             ctx.attn_q, ctx.attn_out = static.attn_q, static.attn_out
             ctx.moe_resid, ctx.moe_out = static.moe_resid, static.moe_out
@@ -68,6 +77,6 @@ class Body:
         ids[:n], pos[:n], slots[:n] = prep.ids, prep.positions, prep.slots
         dev = self.device
         with nvtx_range("eager_body", category="eager"):
-            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), stats=prep.stats,
+            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=prep.stats,
                                prefix_pages=prep.prefix_pages)
             return self.run(ctx, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev))

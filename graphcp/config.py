@@ -17,12 +17,14 @@ from graphcp.checks import MAX_CP, MAX_TOKENS, check_bool, check_float, check_in
 from graphcp.errors import ConfigError
 from graphcp.options import (
     ATTENTION_BACKENDS,
+    EXCHANGES,
     GRAPH_BACKENDS,
     GRAPH_MODES,
     KV_CACHE_MODES,
     LAYOUTS,
     AttentionName,
     DtypeName,
+    ExchangeName,
     GraphBackendName,
     GraphMode,
     KVCacheMode,
@@ -255,6 +257,8 @@ class ParallelConfig:
 MAX_PAGE_SIZE = 4096
 MAX_REQUESTS = 1 << 16
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_TFLOPS = 1e6  # far above any accelerator
+MAX_GB_PER_S = 1e6
 
 
 @dataclass(frozen=True)
@@ -281,9 +285,18 @@ class RuntimeConfig:
     check_consistency: bool = True
     collective_timeout_s: float = 300.0
     #: "replicated": every rank ends a forward holding the batch's whole KV (all-gather);
+    #: "sharded": each rank stores only its own zigzag blocks, attention runs a ring
+    #: (docs/sharded_kv.md). kv_tokens is then one rank's pool.
     #: "layer-split": rank r keeps the cache of its ceil(L / C) layers and one scratch layer
-    #: (docs/pd.md); kv_tokens is the same pool capacity either way
+    #: (docs/pd.md); kv_tokens is the same pool capacity as with "replicated"
     kv_cache: KVCacheMode = "replicated"
+    #: the sharded cache's ring: "pass-kv", "pass-q", or "auto" (chosen per batch from its
+    #: new and cached tokens, the heads and the two hardware figures below)
+    exchange: ExchangeName = "auto"
+    #: peak dense attention FLOP/s of one GPU, in TFLOP/s (default: H100/H200 SXM bf16 dense)
+    peak_tflops: float = 989.0
+    #: link bandwidth per direction per GPU, in GB/s (default: H100/H200 NVLink 4, 450 GB/s)
+    link_gb_per_s: float = 450.0
     #: mixture-of-experts layers: "ep" splits the experts over the CP group (all-to-all
     #: dispatch and combine, an eager graph break), "tp" shards every expert like the
     #: dense MLP (inside the captured graphs); dense models ignore it
@@ -298,7 +311,8 @@ class RuntimeConfig:
         if self.kv_tokens is not None:  # 0 is not "the default": None is
             check_int(self.kv_tokens, "kv_tokens", lo=1, hi=MAX_TOKENS, where="RuntimeConfig")
         for name, allowed in (("graph", GRAPH_MODES), ("graph_backend", GRAPH_BACKENDS), ("layout", LAYOUTS),
-                              ("attention", ATTENTION_BACKENDS), ("kv_cache", KV_CACHE_MODES)):
+                              ("attention", ATTENTION_BACKENDS), ("kv_cache", KV_CACHE_MODES),
+                              ("exchange", EXCHANGES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"RuntimeConfig.{name} must be one of {', '.join(allowed)}, "
                                   f"got {getattr(self, name)!r}")
@@ -309,16 +323,32 @@ class RuntimeConfig:
                     where="RuntimeConfig")
         if self.moe not in MOE_LAYOUTS:
             raise ConfigError(f"RuntimeConfig.moe must be one of {', '.join(MOE_LAYOUTS)}, got {self.moe!r}")
-        self._check_layer_split()
+        check_float(self.peak_tflops, "peak_tflops", lo=0, lo_open=True, hi=MAX_TFLOPS, where="RuntimeConfig")
+        check_float(self.link_gb_per_s, "link_gb_per_s", lo=0, lo_open=True, hi=MAX_GB_PER_S, where="RuntimeConfig")
+        self._check_kv_cache()
 
-    def _check_layer_split(self) -> None:
-        """LayerSplit fetches each layer's cached-prefix pages from the layer's owner in
-        the attention break, with the live batch's page list: a full graph has no break."""
-        if self.kv_cache == "layer-split" and self.graph == "full":
+    def _check_kv_cache(self) -> None:
+        """The sharded cache's ring needs the zigzag layout (its masks follow from the
+        zigzag blocks) and eager attention breaks (point-to-point steps). LayerSplit
+        fetches each layer's cached-prefix pages from the layer's owner in the attention
+        break, with the live batch's page list: a full graph has no break."""
+        if self.kv_cache != "sharded":
+            if self.exchange != "auto":
+                raise ConfigError(f"RuntimeConfig.exchange={self.exchange!r} needs kv_cache='sharded'; the "
+                                  f"{self.kv_cache} cache all-gathers K/V (exchange='auto')")
+            if self.kv_cache == "layer-split" and self.graph == "full":
+                raise ConfigError(
+                    "RuntimeConfig.graph='full' cannot run kv_cache='layer-split': a cached prefix's pages of each "
+                    "layer are broadcast from the layer's owner in the attention break, sized by the live batch; "
+                    "use graph='breakable'")
+            return
+        if self.layout != "zigzag":
+            raise ConfigError(f"RuntimeConfig.kv_cache='sharded' runs the zigzag layout, got layout={self.layout!r}")
+        if self.graph == "full":
             raise ConfigError(
-                "RuntimeConfig.graph='full' cannot run kv_cache='layer-split': a cached prefix's pages of each "
-                "layer are broadcast from the layer's owner in the attention break, sized by the live batch; "
-                "use graph='breakable'")
+                "RuntimeConfig.graph='full' cannot run kv_cache='sharded': the ring's point-to-point steps cannot be "
+                "captured (NCCL send/recv under CUDA-graph capture is unsupported, pytorch #133984) and its per-step "
+                "metadata changes with every batch; use graph='breakable' (the ring runs in the attention break)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

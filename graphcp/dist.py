@@ -124,13 +124,33 @@ class CPGroup:
             raise self._fail("reduce_scatter", e) from e
         return out
 
-    def all_to_all_rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
-        """Rows ``x[sum(send_rows[:r]) : ...]`` go to rank r; returns the rows every rank
-        sent here, rank-major (``recv_rows[r]`` from rank r). Uneven splits, zeros too;
-        the split sizes are host integers, so a captured graph cannot hold this call."""
+    def send_recv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> "Pending":
+        """Post a send of ``send`` to rank ``dst`` and a receive into ``recv`` from rank
+        ``src`` (point-to-point, one batch: a ring step); either may be None (nothing
+        that way; both sides must agree). Returns at once: ``wait()`` completes both, so
+        work can overlap the transfer."""
+        ops = []
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send, dst, group=self.pg))
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, src, group=self.pg))
+        if self.size == 1 or not ops:
+            return Pending(self, [])
+        try:
+            return Pending(self, dist.batch_isend_irecv(ops))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("send/recv", e) from e
+
+    def all_to_all_rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``x[sum(send_rows[:k]) ...][:send_rows[k]]`` go to rank k; returns the
+        rows every rank sent here, rank-major (``recv_rows[k]`` from rank k; uneven splits,
+        zeros too), in ``out`` when given. The split sizes are host integers, so a
+        captured graph cannot hold this call."""
+        if out is None:
+            out = torch.empty((sum(recv_rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
         if self.size == 1:
-            return x
-        out = torch.empty((sum(recv_rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+            return out.copy_(x)
         try:
             wait_work(dist.all_to_all_single(out, x.contiguous(), recv_rows, send_rows, group=self.pg,
                                              async_op=_async(x)))
@@ -176,6 +196,22 @@ class CPGroup:
     def _global(self, rank: int) -> int:
         """The default group's rank of this group's ``rank`` (collectives name global ranks)."""
         return rank if self.pg is None else dist.get_global_rank(self.pg, rank)
+
+
+@dataclass
+class Pending:
+    """Posted point-to-point transfers of one ring step (:meth:`CPGroup.send_recv`)."""
+
+    group: CPGroup
+    works: list
+
+    def wait(self) -> None:
+        try:
+            for w in self.works:
+                wait_work(w)
+        except Exception as e:  # noqa: BLE001
+            raise self.group._fail("send/recv", e) from e
+        self.works = []
 
 
 # ---- process-group set-up -------------------------------------------------------

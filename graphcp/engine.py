@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Sequence
 
@@ -19,7 +20,10 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionSpec
+from graphcp.attention.hardware import HardwareSpec
 from graphcp.attention.registry import make_attention, preferred_kv_layout
+from graphcp.attention.ring import RingAttention
+from graphcp.attention.ring_plan import RingPlanner
 from graphcp.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBatch, Request
 from graphcp.body import Body
 from graphcp.capture.buckets import BucketSet
@@ -27,6 +31,8 @@ from graphcp.capture.runner import Fallback, GraphRunner
 from graphcp.config import ConfigError, ParallelConfig, RuntimeConfig
 from graphcp.cp import Plan, make_layout
 from graphcp.dist import CPGroup
+from graphcp.forward_context import KV_RECEIVED
+from graphcp.kv_sharded import make_kv_cache
 from graphcp.kvcache import KVHandle, PagedKVCache
 from graphcp.layer_split import LayerSplitKVCache, pool_layers
 from graphcp.model.loader import load_model
@@ -34,6 +40,7 @@ from graphcp.model.presets import resolve_model
 from graphcp.pd.export import KVExport, KVMeta, assemble
 from graphcp.pd.fingerprint import model_fingerprint
 from graphcp.profile.ranges import nvtx_range
+from graphcp.stats import HISTORY, forward_entry
 
 #: kernel backends that preallocate per request: a batch may hold at most max_requests
 _SIZED_BACKENDS = ("flashinfer", "trtllm")
@@ -65,6 +72,7 @@ class PrefillEngine:
         kv_tokens = rt.kv_tokens if rt.kv_tokens is not None else min(4 * self.cfg.max_position_embeddings, 1 << 16)
         num_pages = -(-kv_tokens // rt.page_size) + 1  # + the scratch page
         self._check_pool_fits(num_pages)
+        self.sharded = rt.kv_cache == "sharded"
         self.kv = self._make_kv_cache(num_pages, kv_layout)
         self._fingerprint: str | None = None  # the model's, computed on the first export
         spec = AttentionSpec(
@@ -73,30 +81,37 @@ class PrefillEngine:
         )
         self.buckets = buckets or BucketSet()
         self.buckets.check_compatible(self.parallel.cp_size, rt.layout)
+        limits = self._attention_limits(num_pages)
         try:
-            attention = make_attention(rt.attention, spec, self.device, **self._attention_limits(num_pages))
+            attention = make_attention(rt.attention, spec, self.device, **limits)
+            # the ring's steps 1 .. C-1 plan their own metadata (FlashInfer: one float workspace for all)
+            ring = RingAttention(lambda: make_attention(rt.attention, spec, self.device, **limits,
+                                                        workspace=getattr(attention, "workspace", None)),
+                                 self.group, self.device) if self.sharded else None
         except (ValueError, ImportError) as e:  # a backend refusing this model or device, or not installed
             raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {e}") from e
-        self.body = Body(self.model, attention, self.kv, self.group, self.device)
+        self.body = Body(self.model, attention, self.kv, self.group, self.device, ring)
         self.preparer = BatchPreparer(
             self.layout, self.kv, self.group, self.cfg.vocab_size, self.max_context, self.device,
             rt.check_consistency, rt.max_requests if attention.name in _SIZED_BACKENDS else None,
+            RingPlanner(rt.exchange, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim,
+                        self.dtype.itemsize, HardwareSpec(rt.peak_tflops, rt.link_gb_per_s)) if self.sharded else None,
         )
+        self._forwards: deque[dict] = deque(maxlen=HISTORY)
+        self._forwards_seen = 0
         self.runner = None if rt.graph == "off" else GraphRunner(
             self.body, self.preparer, self.buckets, rt, self.max_context)
 
     def _make_kv_cache(self, num_pages: int, kv_layout) -> PagedKVCache:
         rt, cfg = self.runtime, self.cfg
-        if rt.kv_cache == "sharded":
-            raise ConfigError("RuntimeConfig.kv_cache='sharded' (the token-sharded cache) is not in this build yet; "
-                              "use 'replicated' or 'layer-split'")
         args = (cfg.num_layers, num_pages, rt.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
                 kv_layout,
                 # no request outgrows the model's context (prefill checks it before extend)
                 min(num_pages - 1, -(-self.max_context // rt.page_size)))
         if rt.kv_cache == "layer-split":
             return LayerSplitKVCache(*args, rank=self.group.rank, cp_size=self.group.size)
-        return PagedKVCache(*args)
+        # sharded: this rank's pool of the token-sharded cache (kv_tokens is one rank's)
+        return make_kv_cache(self.sharded, self.group.size, self.group.rank, *args)
 
     def _pool_layers(self) -> int:
         """Layers this rank's pool holds (LayerSplit: its own and one scratch layer)."""
@@ -130,7 +145,9 @@ class PrefillEngine:
                 f"RuntimeConfig.attention={rt.attention!r} runs the zigzag layout; interleave's one-row segments "
                 "make its batch as large as the rank's rows (use attention='torch' or 'triton' with interleave)"
             )
-        max_rows = max(self.buckets.largest, -(-num_pages * rt.page_size // C))
+        # a rank's rows hold its share of the pool's tokens (all of them: a sharded pool is its own)
+        pool_rows = num_pages * rt.page_size if rt.kv_cache == "sharded" else -(-num_pages * rt.page_size // C)
+        max_rows = max(self.buckets.largest, pool_rows)
         max_segments = 2 * rt.max_requests if rt.layout == "zigzag" else max_rows
         pages_per_seq = -(-self.max_context // rt.page_size)
         return {
@@ -205,7 +222,43 @@ class PrefillEngine:
                 self.preparer.abort(prep)
                 raise
             info.timings["total_s"] = time.perf_counter() - t0
+            self._record(prep, info)
             return PrefillOutput(last_logits, [self.kv.handle(s) for s in prep.seq_ids], logits, info)
+
+    # ---- stats ------------------------------------------------------------------
+    def _record(self, prep: PreparedBatch, info: ForwardInfo) -> None:
+        """The forward's figures into its ForwardInfo.stats, and the entry into the history."""
+        st = info.stats
+        ring = prep.ring
+        st["exchange"] = "all-gather" if ring is None else ring.exchange
+        st["new_tokens"] = prep.plan.num_tokens
+        st["cached_tokens"] = int(prep.plan.prefix_lens.sum())
+        st[KV_RECEIVED] = st.get(KV_RECEIVED, 0)
+        st["bytes_received_per_layer"] = st[KV_RECEIVED] // self.cfg.num_layers
+        if ring is not None and ring.choice is not None:
+            st["exchange_choice"] = ring.choice.as_dict()
+        self._forwards.append(forward_entry(info))
+        self._forwards_seen += 1
+
+    def stats(self) -> dict:
+        """What this rank did (the shape is documented in :mod:`graphcp.stats`; the
+        stats file lists every rank's)."""
+        kv = self.kv
+        return {
+            "rank": self.rank, "cp_size": self.group.size, "kv_cache": self.runtime.kv_cache,
+            "exchange": "all-gather" if not self.sharded else self.runtime.exchange,
+            "kv_pool_tokens": (kv.num_pages - 1) * kv.page_size,
+            "kv_pool_bytes": kv.pool.numel() * kv.pool.element_size(),
+            "kv_stored_tokens": kv.stored_tokens(),
+            "kv_stored_pages": kv.stored_pages(),
+            "forwards": list(self._forwards),
+            "forwards_dropped": self._forwards_seen - len(self._forwards),
+        }
+
+    def reset_stats(self) -> None:
+        """Forget the forwards recorded so far."""
+        self._forwards.clear()
+        self._forwards_seen = 0
 
     # ---- steps ------------------------------------------------------------------
     def _body_rows(self, prep: PreparedBatch, force_eager: bool) -> tuple[torch.Tensor, ForwardInfo]:

@@ -14,7 +14,12 @@ from typing import Any, Callable
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata
+from graphcp.attention.ring import RingAttention
+from graphcp.attention.ring_plan import RingPlan
 from graphcp.kvcache import PagedKVCache
+
+#: the ForwardInfo.stats key of the bytes the KV exchange delivered to this rank (all layers)
+KV_RECEIVED = "bytes_received"
 
 
 @dataclass
@@ -38,11 +43,21 @@ class ForwardContext:
     #: cache pages (int64) of the batch's cached prefixes, for a cache that fetches each
     #: layer's prefix KV before attention (LayerSplit); None: nothing to fetch
     prefix_pages: torch.Tensor | None = None
+    #: the sharded cache's ring (one per engine; None: the replicated cache's all-gather)
+    ring_attention: RingAttention | None = None
+    #: this forward's ring plan (live metadata the attention break reads)
+    ring: RingPlan | None = None
     #: this rank's live rows (the rest of the capacity is a bucket's padding); the
     #: expert-parallel MoE exchange routes only these. None: every row is live
     live_rows: int | None = None
     #: static residual rows into and out of an expert-parallel layer's break (graph mode)
     moe_resid: torch.Tensor | None = None
     moe_out: torch.Tensor | None = None
-    #: this forward's figures (ForwardInfo.stats) that breaks add to as they run; None: not kept
+    #: this forward's figures (ForwardInfo.stats) that breaks (and, while a graph is
+    #: captured, segments) add to as they run: what the exchange received, ...; None: not kept
     stats: dict[str, Any] | None = None
+
+    def add_received(self, nbytes: int) -> None:
+        """Count bytes of K/V (or queries and partial outputs) this rank received."""
+        if self.stats is not None:
+            self.stats[KV_RECEIVED] = self.stats.get(KV_RECEIVED, 0) + int(nbytes)

@@ -23,6 +23,16 @@ sequence owns a row holding its ``pages`` followed by the scratch page. Every
 allocator call keeps it exactly in step with the page lists, so the per-forward
 :meth:`PagedKVCache.page_table` is one numpy gather, not a Python loop per request.
 Rows are recycled; when none is free the table doubles its rows.
+
+What a rank holds
+-----------------
+A replicated cache (the all-gather exchange) holds every position of a request on
+every rank: local index = position. A token-sharded cache
+(:class:`graphcp.kv_sharded.ShardedKVCache`) holds on rank ``r`` only the positions
+of its own zigzag blocks of every forward that wrote the request, in increasing
+order: :meth:`KVHandle.positions` lists them, and local index ``i`` is the slot
+``pages[i // page_size] * page_size + i % page_size`` of that rank's pool. Every
+rank derives every other rank's holdings from the handle (``chunks``) alone.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import KVLayout, kv_cache_views
+from graphcp.cp.zigzag import ZigzagLayout
 from graphcp.errors import BatchError
 from graphcp.kvspans import KVSpan, whole_layer_spans
 
@@ -53,7 +64,14 @@ class KVHandleError(BatchError):
 @dataclass(frozen=True)
 class KVHandle:
     """A request's cached KV as of one forward: pass it as the prefix of the next chunk,
-    to the engine (cache) that returned it."""
+    to the engine (cache) that returned it.
+
+    ``num_tokens`` counts the request's positions (0 .. num_tokens - 1), whichever
+    rank holds them. ``pages`` are this rank's pages, in local order: local index
+    ``i`` lives at offset ``i % page_size`` of ``pages[i // page_size]``; handles of
+    one request differ across ranks in ``pages`` only. Which positions the local
+    indices hold: :meth:`positions`.
+    """
 
     seq_id: int
     num_tokens: int
@@ -61,6 +79,32 @@ class KVHandle:
     #: the identity of the cache that issued it: a handle from another engine is
     #: refused even when its seq_id and token count match a live sequence here
     cache_id: str = ""
+    #: "replicated" (every rank holds every position) or "sharded" (each rank its zigzag blocks)
+    kv_cache: str = "replicated"
+    #: the CP group's size when sharded (1 otherwise)
+    cp_size: int = 1
+    #: sharded: ``(cached, new)`` tokens of every forward that wrote the request, in order;
+    #: the zigzag layout of each says which of its positions each rank holds
+    chunks: tuple[tuple[int, int], ...] = ()
+    #: sharded: how many of the request's positions each rank holds (sums to num_tokens)
+    rank_tokens: tuple[int, ...] = ()
+
+    def local_tokens(self, rank: int) -> int:
+        """How many of the request's positions rank ``rank`` holds."""
+        return self.rank_tokens[rank] if self.kv_cache == "sharded" else self.num_tokens
+
+    def positions(self, rank: int) -> np.ndarray:
+        """int64: the absolute positions rank ``rank`` holds, in its local order
+        (increasing): entry ``i`` is at local index ``i`` (see the class doc)."""
+        if self.kv_cache != "sharded":
+            return np.arange(self.num_tokens, dtype=np.int64)
+        layout = ZigzagLayout(self.cp_size)
+        out = []
+        for cached, new in self.chunks:
+            start, length = layout.plan([new], [cached]).blocks()
+            for s, n in zip(start[rank, 0].tolist(), length[rank, 0].tolist()):
+                out.append(np.arange(s, s + n, dtype=np.int64))
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -207,11 +251,17 @@ class PagedKVCache:
         seq = self._seqs.get(handle.seq_id)
         if seq is None:
             raise KVHandleError(f"KV handle seq_id={handle.seq_id} is not live (released, or its forward failed)")
-        if seq.num_tokens != handle.num_tokens:
+        total = self._request_tokens(handle.seq_id)
+        if total != handle.num_tokens:
             raise KVHandleError(
                 f"KV handle seq_id={handle.seq_id} is stale: it holds {handle.num_tokens} tokens, "
-                f"the cache now holds {seq.num_tokens} (it was extended since)"
+                f"the cache now holds {total} (it was extended since)"
             )
+
+    def _request_tokens(self, seq_id: int) -> int:
+        """A live sequence's positions (what its handle's num_tokens says): here all of
+        them are stored; a sharded cache stores a share."""
+        return self._seqs[seq_id].num_tokens
 
     def extend(self, prefixes: "list[KVHandle | None]", new_tokens: list[int]) -> list[int]:
         """Reserve room for ``new_tokens[i]`` more tokens after ``prefixes[i]`` (a new
@@ -228,7 +278,7 @@ class PagedKVCache:
                 if h.seq_id in seen:
                     raise KVHandleError(f"KV handle seq_id={h.seq_id} is the prefix of two requests in one batch")
                 seen.add(h.seq_id)
-                have = h.num_tokens
+                have = self._seqs[h.seq_id].num_tokens  # what this pool stores of it
             total = self.pages_for(have + n)
             if total > width:
                 what = "a new sequence" if h is None else f"sequence {h.seq_id}"
@@ -268,16 +318,21 @@ class PagedKVCache:
         undone last-first and pages pushed back in reverse pop order, so the free list
         (its order included) is exactly what it was before the extend."""
         for sid, n in reversed(list(zip(seq_ids, new_tokens))):
-            seq = self._seqs[sid]
-            seq.num_tokens -= n
-            keep = self.pages_for(seq.num_tokens)
-            if len(seq.pages) > keep:
-                self._free.extend(reversed(seq.pages[keep:]))
-                self._truncate(seq, keep)
-                del seq.pages[keep:]
-            if seq.num_tokens == 0:
-                del self._seqs[sid]
-                self._free_rows.append(seq.row)  # undone last-first: the row free list is restored too
+            self._shrink(sid, n, drop=self._seqs[sid].num_tokens == n)
+
+    def _shrink(self, sid: int, n: int, drop: bool) -> None:
+        """Give back sequence ``sid``'s last ``n`` tokens (their pages, in reverse pop
+        order); ``drop``: the sequence was created by the undone extend, so it goes too."""
+        seq = self._seqs[sid]
+        seq.num_tokens -= n
+        keep = self.pages_for(seq.num_tokens)
+        if len(seq.pages) > keep:
+            self._free.extend(reversed(seq.pages[keep:]))
+            self._truncate(seq, keep)
+            del seq.pages[keep:]
+        if drop:
+            del self._seqs[sid]
+            self._free_rows.append(seq.row)  # undone last-first: the row free list is restored too
 
     def handle(self, seq_id: int) -> KVHandle:
         seq = self._seqs[seq_id]
@@ -292,6 +347,14 @@ class PagedKVCache:
         self._free.extend(reversed(seq.pages))
         self._truncate(seq, 0)
         self._free_rows.append(seq.row)
+
+    def stored_tokens(self) -> int:
+        """Tokens whose KV this pool holds for live sequences."""
+        return sum(seq.num_tokens for seq in self._seqs.values())
+
+    def stored_pages(self) -> int:
+        """Pages this pool has handed out (scratch excluded)."""
+        return self.num_pages - 1 - len(self._free)
 
     def snapshot(self) -> tuple:
         """Allocator state, for tests that assert a failed call changed nothing."""

@@ -11,9 +11,14 @@ GraphBackendName = Literal["auto", "cuda", "trace"]
 LayoutName = Literal["zigzag", "interleave"]
 AttentionName = Literal["torch", "triton", "flashinfer", "trtllm", "auto"]
 #: where a forward's KV lives: every rank holds the batch's KV ("replicated"), each rank its
-#: own zigzag blocks ("sharded", issue 15: refused until it lands), or each rank the cache of
-#: a contiguous range of layers plus one scratch layer ("layer-split", docs/pd.md)
+#: own zigzag blocks ("sharded"), or each rank the cache of a contiguous range of layers plus
+#: one scratch layer ("layer-split", docs/pd.md)
 KVCacheMode = Literal["replicated", "sharded", "layer-split"]
+#: how attention stays exact with a sharded cache ("auto": chosen per batch; the replicated
+#: cache always all-gathers)
+ExchangeName = Literal["auto", "pass-kv", "pass-q"]
+#: what a forward ran (stats reports): the replicated cache's all-gather, or one of the rings
+ExchangeKind = Literal["all-gather", "pass-kv", "pass-q"]
 #: how a mixture-of-experts layer runs over the CP group: experts split over the ranks
 #: (all-to-all dispatch and combine) or every expert sharded like the dense MLP
 MoeLayout = Literal["ep", "tp"]
@@ -24,6 +29,8 @@ GRAPH_BACKENDS: tuple[str, ...] = get_args(GraphBackendName)
 LAYOUTS: tuple[str, ...] = get_args(LayoutName)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionName)
 KV_CACHE_MODES: tuple[str, ...] = get_args(KVCacheMode)
+EXCHANGES: tuple[str, ...] = get_args(ExchangeName)
+EXCHANGE_KINDS: tuple[str, ...] = get_args(ExchangeKind)
 MOE_LAYOUTS: tuple[str, ...] = get_args(MoeLayout)
 #: the dtypes the command line offers (float16 is API-only: no parity tests in it yet)
 CLI_DTYPES = ("float32", "bfloat16")

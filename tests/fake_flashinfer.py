@@ -11,7 +11,8 @@ the headers under ``data/include``):
   kernel node: tensor contents are read at replay, host integers stay as captured.
 - **Attention itself**, in float32 from the library's own representation
   (``qo_indptr``/``paged_kv_indptr``/indices/last-page lengths for the wrapper,
-  block tables and ``cum_seq_lens_q`` for trtllm-gen), bottom-right causal; LSE
+  block tables and ``cum_seq_lens_q`` for trtllm-gen), bottom-right causal, or
+  with ``causal=False`` every row over all its keys (what ring steps plan); LSE
   in base 2 (``max + log2(sum(exp2(...)))``, FlashInfer's convention; trtllm-gen's
   ``ComputeLSEFromMD`` writes ``log2e * m + log2(d)``, also base 2). A row that
   sees no key gets output 0 and LSE -inf.
@@ -109,7 +110,7 @@ def _pages_nhd(cache: torch.Tensor, hnd: bool) -> torch.Tensor:
 def batch_prefill_paged(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor,
-    page_size: int, hnd: bool, sm_scale: float, descriptor_rows: int,
+    page_size: int, hnd: bool, sm_scale: float, descriptor_rows: int, causal: bool = True,
 ) -> None:
     """One paged prefill launch. ``descriptor_rows < 0``: FA2, rows from the device
     buffers; otherwise FA3, whose TMA descriptor covers that many rows of ``q``."""
@@ -126,7 +127,7 @@ def batch_prefill_paged(
         kv_len = (len(pages) - 1) * page_size + last[b]
         k = kp[pages].flatten(0, 1)[:kv_len]
         v = vp[pages].flatten(0, 1)[:kv_len]
-        o, l2 = attend_rows(q[q0:q1], k, v, sm_scale, kv_len - (qo[b + 1] - qo[b]))
+        o, l2 = attend_rows(q[q0:q1], k, v, sm_scale, kv_len - (qo[b + 1] - qo[b]) if causal else kv_len)
         out[q0:q1] = o.to(out.dtype)
         if lse is not None:
             lse[q0:q1] = l2
@@ -134,7 +135,7 @@ def batch_prefill_paged(
 
 @batch_prefill_paged.register_fake
 def _(q, k_cache, v_cache, out, lse, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size, hnd, sm_scale,
-      descriptor_rows):
+      descriptor_rows, causal=True):
     return None
 
 
@@ -217,8 +218,6 @@ class FakePrefillWrapper:
         p = self.planned
         if p is None:
             raise RuntimeError("plan() must be called before run()")
-        if not p["causal"]:
-            raise NotImplementedError("the fake models causal attention only")
         if q.size(0) != p["rows"]:
             raise ValueError(f"q.shape[0] ({q.size(0)}) does not match qo_indptr[-1] ({p['rows']}).")
         if q.dtype != p["q_dtype"] or paged_kv_cache.dtype != p["kv_dtype"]:
@@ -237,7 +236,7 @@ class FakePrefillWrapper:
         k, v = paged_kv_cache.unbind(1)
         torch.ops.graphcp_fake.batch_prefill_paged(
             q, k, v, out, lse, *p["bufs"], p["page_size"], self.kv_layout == "HND", float(p["sm_scale"]),
-            q.size(0) if fa3 else -1)
+            q.size(0) if fa3 else -1, bool(p["causal"]))
         return (out, lse) if return_lse else out
 
 
@@ -246,7 +245,7 @@ class FakePrefillWrapper:
 def trtllm_context(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
     block_tables: torch.Tensor, seq_lens: torch.Tensor, cum_seq_lens_q: torch.Tensor,
-    max_q_len: int, max_kv_len: int, scale: float, batch_size: int, hnd: bool,
+    max_q_len: int, max_kv_len: int, scale: float, batch_size: int, hnd: bool, causal: bool = True,
 ) -> None:
     """One trtllm-gen context launch over ``batch_size`` sequences, reading their
     lengths now (at replay: what the buffers hold then)."""
@@ -260,7 +259,7 @@ def trtllm_context(
         raise RuntimeError(f"fake trtllm-gen: cum_seq_lens_q {cu} is not a batch of the {sum_seq_q} query rows")
     for s in range(batch_size):
         q_len = cu[s + 1] - cu[s]
-        if q_len > max_q_len or not 1 <= kv[s] <= max_kv_len or q_len > kv[s]:
+        if q_len > max_q_len or not 1 <= kv[s] <= max_kv_len or (causal and q_len > kv[s]):
             raise RuntimeError(f"fake trtllm-gen: sequence {s} has q_len {q_len}, kv_len {kv[s]}; launched with "
                                f"max_q_len={max_q_len}, max_kv_len={max_kv_len}")
         if q_len == 0:
@@ -268,7 +267,7 @@ def trtllm_context(
         pages = table[s][: -(-kv[s] // page_size)]
         k = kp[pages].flatten(0, 1)[: kv[s]]
         v = vp[pages].flatten(0, 1)[: kv[s]]
-        o, l2 = attend_rows(query[cu[s] : cu[s + 1]], k, v, scale, kv[s] - q_len)
+        o, l2 = attend_rows(query[cu[s] : cu[s + 1]], k, v, scale, kv[s] - q_len if causal else kv[s])
         out[cu[s] : cu[s + 1]] = o.to(out.dtype)
         if lse is not None:
             lse[cu[s] : cu[s + 1]] = l2
@@ -278,7 +277,7 @@ def trtllm_context(
 
 @trtllm_context.register_fake
 def _(query, k_cache, v_cache, out, lse, block_tables, seq_lens, cum_seq_lens_q, max_q_len, max_kv_len, scale,
-      batch_size, hnd):
+      batch_size, hnd, causal=True):
     return None
 
 
@@ -308,8 +307,8 @@ def make_trtllm_fn(rec: Recorder):
                 cum_seq_lens_q=cum_seq_lens_q.tolist(), cum_seq_lens_kv=cum_seq_lens_kv.tolist(),
                 window_left=window_left, out=out, kv_layout=kv_layout, lse=lse, return_lse=return_lse,
                 multi_ctas_kv_counter_buffer=multi_ctas_kv_counter_buffer, causal=causal)))
-        if window_left != -1 or not causal or bmm2_scale != 1.0:
-            raise NotImplementedError("the fake models causal attention without a window and bmm2_scale 1")
+        if window_left != -1 or bmm2_scale != 1.0:
+            raise NotImplementedError("the fake models attention without a window and bmm2_scale 1")
         if batch_size == 0:
             rec.errors.append("fake trtllm-gen: launch with batch_size=0")
         if tuple(block_tables.shape[:1]) != (batch_size,) or tuple(seq_lens.shape) != (batch_size,):
@@ -339,7 +338,7 @@ def make_trtllm_fn(rec: Recorder):
         k, v = kv_cache.unbind(1)
         torch.ops.graphcp_fake.trtllm_context(query, k, v, out, lse, block_tables, seq_lens, cum_seq_lens_q,
                                               int(max_q_len), int(max_kv_len), float(bmm1_scale), int(batch_size),
-                                              kv_layout == "HND")
+                                              kv_layout == "HND", bool(causal))
         return (out, lse) if return_lse else out
 
     trtllm_batch_context_with_kv_cache.__signature__ = inspect.signature(impl)  # what graphcp inspects

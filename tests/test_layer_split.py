@@ -91,14 +91,13 @@ def test_owned_layers_cover_every_layer_once(num_layers, cp):
     assert all(layer_owner(i, num_layers, cp) == r for r, rg in enumerate(ranges) for i in rg)
 
 
-def test_refusals(hf_model_dir):
-    folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=4)
+def test_refusals():
     with pytest.raises(ConfigError, match="graph='full' cannot run kv_cache='layer-split'"):
         RuntimeConfig(kv_cache="layer-split", graph="full")
     with pytest.raises(ConfigError, match="kv_cache must be one of replicated, sharded, layer-split"):
         RuntimeConfig(kv_cache="paged")
-    with pytest.raises(ConfigError, match="kv_cache='sharded'.*not in this build"):
-        PrefillEngine(folder, RuntimeConfig(kv_tokens=64, kv_cache="sharded"))
+    with pytest.raises(ConfigError, match="exchange='pass-q' needs kv_cache='sharded'; the layer-split cache"):
+        RuntimeConfig(kv_cache="layer-split", exchange="pass-q")
     kv = LayerSplitKVCache(4, 8, 16, 2, 32, torch.float32, "cpu", "NHD", None, rank=0, cp_size=2)
     assert kv.pool.shape[0] == 3 and kv.layer(1).data_ptr() == kv.pool[1].data_ptr()
     assert kv.layer(2).data_ptr() == kv.layer(3).data_ptr() == kv.pool[2].data_ptr()  # the one scratch layer

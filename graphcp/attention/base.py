@@ -11,6 +11,12 @@ their output or LSE rows.
 
 LSE is the natural-log (base e) log-sum-exp of the scaled scores of each query
 row and head. Backends whose kernels return base-2 LSE convert before writing.
+
+*Non-causal* metadata (``causal=False``: the steps of a ring over a sharded cache,
+where a block of keys lies wholly before or after a block of queries) drops the
+mask: every row of a segment sees all ``kv_len`` keys. There ``kv_len`` may be
+smaller than ``q_len``, or 0: rows that see no key get output 0 and LSE -inf
+(what an LSE merge skips). Non-causal metadata is always live (never static).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ class AttentionMetadata:
     """
 
     __slots__ = ("cu_seqlens_q_host", "kv_lens_host", "page_table_host", "page_size", "max_q_len", "max_kv_len",
-                 "device", "_packed", "_tensors", "static")
+                 "device", "_packed", "_tensors", "static", "causal")
 
     cu_seqlens_q_host: np.ndarray  # int32 [S + 1]
     kv_lens_host: np.ndarray  # int32 [S]
@@ -53,6 +59,8 @@ class AttentionMetadata:
     max_q_len: int
     max_kv_len: int
     device: torch.device
+    #: bottom-right causal segments (True), or every row sees all its segment's keys
+    causal: bool
 
     def __init__(
         self,
@@ -65,6 +73,7 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         device_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         _packed: np.ndarray | None = None,
+        causal: bool = True,
     ) -> None:
         """Use :meth:`from_host`; this constructor takes ready int32 host arrays and,
         optionally, the device tensors (static graph buffers, say) to report."""
@@ -80,6 +89,9 @@ class AttentionMetadata:
         set_(self, "_tensors", device_tensors)
         # device tensors handed in are static graph buffers, refilled before every replay
         set_(self, "static", device_tensors is not None)
+        if not causal and device_tensors is not None:
+            raise ValueError("non-causal metadata (ring steps) is live metadata, never static graph buffers")
+        set_(self, "causal", bool(causal))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"AttentionMetadata is read-only; cannot set {name!r}")
@@ -136,7 +148,20 @@ class AttentionMetadata:
     def __repr__(self) -> str:
         return (f"AttentionMetadata(num_segments={self.num_segments}, num_q_rows={self.num_q_rows}, "
                 f"max_q_len={self.max_q_len}, max_kv_len={self.max_kv_len}, page_size={self.page_size}"
-                f"{', static' if self.static else ''})")
+                f"{', static' if self.static else ''}{'' if self.causal else ', non-causal'})")
+
+    def no_key_rows(self) -> np.ndarray:
+        """int64: the rows of non-empty segments with ``kv_len == 0`` (non-causal
+        metadata only; causal segments have ``q_len <= kv_len``): a kernel that needs a
+        key per segment gets one inert key for them, and the backend then writes these
+        rows' contract values (output 0, LSE -inf)."""
+        q_lens = self.q_lens_host
+        empty = np.flatnonzero((q_lens > 0) & (self.kv_lens_host == 0))
+        if empty.size == 0:
+            return empty.astype(np.int64)
+        starts = self.cu_seqlens_q_host[:-1][empty].astype(np.int64)
+        lens = q_lens[empty].astype(np.int64)
+        return np.repeat(starts - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
 
     @staticmethod
     def host_buffers(num_segments: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -158,6 +183,7 @@ class AttentionMetadata:
         validate: bool = True,
         max_q_len: int | None = None,
         max_kv_len: int | None = None,
+        causal: bool = True,
     ) -> "AttentionMetadata":
         """Metadata from host arrays (any integer dtype), copied into one packed
         int32 buffer (the host fields are views of it). ``validate=False`` skips the
@@ -166,7 +192,7 @@ class AttentionMetadata:
         it already knows."""
         cu, kv, pt = np.asarray(cu_seqlens_q), np.asarray(kv_lens), np.asarray(page_table)
         if validate:
-            cls._validate(cu, kv, pt, page_size)
+            cls._validate(cu, kv, pt, page_size, causal)
         s = kv.shape[0]
         buf, cu_h, kv_h, pt_h = cls.host_buffers(s, pt.shape[1])
         cu_h[:] = cu
@@ -176,10 +202,10 @@ class AttentionMetadata:
             max_q_len = int(np.maximum.reduce(cu_h[1:] - cu_h[:-1])) if s else 0
         if max_kv_len is None:
             max_kv_len = int(np.maximum.reduce(kv_h)) if s else 0
-        return cls(cu_h, kv_h, pt_h, page_size, max_q_len, max_kv_len, device, _packed=buf)
+        return cls(cu_h, kv_h, pt_h, page_size, max_q_len, max_kv_len, device, _packed=buf, causal=causal)
 
     @staticmethod
-    def _validate(cu: np.ndarray, kv: np.ndarray, pt: np.ndarray, page_size: int) -> None:
+    def _validate(cu: np.ndarray, kv: np.ndarray, pt: np.ndarray, page_size: int, causal: bool = True) -> None:
         if cu.ndim != 1 or kv.ndim != 1 or cu.shape[0] != kv.shape[0] + 1:
             raise ValueError(
                 f"cu_seqlens_q must have one more entry than kv_lens; got {cu.shape} and {kv.shape}"
@@ -187,8 +213,10 @@ class AttentionMetadata:
         q_lens = cu[1:] - cu[:-1]
         if pt.ndim != 2 or pt.shape[0] != kv.shape[0]:
             raise ValueError(f"page_table must be [num_segments={kv.shape[0]}, pages]; got {pt.shape}")
-        if (q_lens < 0).any() or (q_lens > kv).any():
-            raise ValueError("every segment needs 0 <= q_len <= kv_len")
+        if (q_lens < 0).any() or (kv < 0).any():
+            raise ValueError("every segment needs q_len >= 0 and kv_len >= 0")
+        if causal and (q_lens > kv).any():
+            raise ValueError("every causal segment needs q_len <= kv_len")
         if kv.size and int(kv.max()) > pt.shape[1] * page_size:
             raise ValueError(
                 f"kv_len {int(kv.max())} exceeds the page table's {pt.shape[1]} pages of {page_size}"

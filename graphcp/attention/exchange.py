@@ -32,6 +32,9 @@ def exchange_and_write_kv(ctx, layer: int, k: torch.Tensor, v: torch.Tensor) -> 
     with nvtx_range(f"kv_exchange[{layer}]", category="comm"):
         kv = torch.cat([k, v], dim=1)  # [n, 2H, D]: one collective for both
         gathered = ctx.group.all_gather_rows(kv)
+        # counted when this runs: eagerly, or once at capture (the runner adds a captured
+        # segment's count to each replay)
+        ctx.add_received(gathered.nbytes - kv.nbytes)
         kh = k.shape[1]
         write_kv(ctx.kv_cache.layer(layer), gathered[:, :kh], gathered[:, kh:], slots, ctx.kv_cache.layout)
 

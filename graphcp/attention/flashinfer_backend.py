@@ -51,6 +51,12 @@ checks ``q.shape[0] == qo_indptr[-1]`` of the latest plan, so:
   ``prepare`` planned, whose ``qo_indptr`` ends at the live rows, so FA2 writes
   no padding row.
 
+Non-causal metadata (ring steps, always live): planned with ``causal=False``; a
+segment whose rows see no key (``kv_len == 0``) gets the inert scratch key like an
+empty one, and after ``run`` its rows get the contract's output 0 and LSE -inf.
+Each ring step has its own backend instance (its own plan); they may share one
+float workspace (``workspace=``), as they run one after another on one stream.
+
 FlashInfer returns base-2 LSE; it is converted to base e in place with a factor
 chosen per row on the device (ln 2 for real rows, exactly 1 for padding rows),
 so no live row count is baked into a captured graph and padding rows keep their
@@ -90,10 +96,29 @@ def import_flashinfer(backend: str, submodule: str | None = None) -> ModuleType:
         ) from e
 
 
+def keyed_segments(meta: AttentionMetadata) -> np.ndarray:
+    """bool [S]: segments a kernel attends over their own pages (rows and keys); the
+    others (no rows, or non-causal rows that see no key) get one inert scratch key."""
+    return (meta.q_lens_host > 0) & (meta.kv_lens_host > 0)
+
+
 def effective_kv_lens(meta: AttentionMetadata) -> np.ndarray:
-    """kv lengths handed to the kernels: segments with no query rows become one
-    key on the scratch page (see the module docstring)."""
-    return np.where(meta.q_lens_host > 0, meta.kv_lens_host, 1).astype(np.int32)
+    """kv lengths handed to the kernels: segments with no query rows (or, non-causal,
+    no keys) become one key on the scratch page (see the module docstring)."""
+    return np.where(keyed_segments(meta), meta.kv_lens_host, 1).astype(np.int32)
+
+
+def write_no_key_rows(meta: AttentionMetadata, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """The contract's values for non-causal rows that see no key (output 0, LSE -inf),
+    over what a kernel computed for them against the inert scratch key."""
+    if meta.causal:
+        return
+    rows = meta.no_key_rows()
+    if rows.size:
+        idx = torch.from_numpy(rows).to(out.device)
+        out.index_fill_(0, idx, 0)
+        if lse is not None:
+            lse.index_fill_(0, idx, float("-inf"))
 
 
 class Base2Lse:
@@ -146,7 +171,7 @@ class PagedPlanArgs:
             raise ValueError(f"metadata has {s} segments, the backend was built for max_segments={batch}")
         ps = meta.page_size
         kv = effective_kv_lens(meta)
-        live = meta.q_lens_host > 0
+        live = keyed_segments(meta)
         pages = -(-kv // ps)
         indices = [
             meta.page_table_host[i, : pages[i]] if live[i] else np.array([SCRATCH_PAGE], np.int32)
@@ -177,7 +202,10 @@ class FlashInferAttention(AttentionBackend):
         dtype: torch.dtype = torch.bfloat16,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         flashinfer: ModuleType | None = None,
+        workspace: torch.Tensor | None = None,
     ) -> None:
+        """``workspace``: a float workspace to share (ring steps run one after another);
+        None allocates ``workspace_bytes``."""
         super().__init__(spec)
         if max_segments < 1 or max_q_rows < 1:
             raise ValueError(f"max_segments and max_q_rows must be >= 1, got {max_segments}, {max_q_rows}")
@@ -190,7 +218,8 @@ class FlashInferAttention(AttentionBackend):
         self.max_segments, self.max_pages, self.max_q_rows = max_segments, max_pages, max_q_rows
         self.dtype = dtype
         i32 = dict(dtype=torch.int32, device=dev)
-        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=dev)
+        self.workspace = workspace if workspace is not None else torch.empty(workspace_bytes, dtype=torch.uint8,
+                                                                             device=dev)
         self.qo_indptr_buf = torch.zeros(max_segments + 1, **i32)
         self.paged_kv_indptr_buf = torch.zeros(max_segments + 1, **i32)
         self.paged_kv_indices_buf = torch.zeros(max_pages, **i32)
@@ -208,6 +237,7 @@ class FlashInferAttention(AttentionBackend):
         self._lse = Base2Lse(max_q_rows, dev)
         self._planned_rows: int | None = None
         self._planned_static = False
+        self._planned_causal = True
         self._plan(self._rows_args(max_q_rows))
 
     def _rows_args(self, rows: int, keys: int = 1) -> PagedPlanArgs:
@@ -233,7 +263,7 @@ class FlashInferAttention(AttentionBackend):
             paged_kv_last_page_len=last,
         )
 
-    def _plan(self, a: PagedPlanArgs) -> None:
+    def _plan(self, a: PagedPlanArgs, causal: bool = True) -> None:
         spec = self.spec
         self.wrapper.plan(
             torch.from_numpy(a.qo_indptr),
@@ -244,7 +274,7 @@ class FlashInferAttention(AttentionBackend):
             spec.num_kv_heads,
             spec.head_dim,
             spec.page_size,
-            causal=True,
+            causal=causal,
             sm_scale=spec.scale,
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
@@ -259,7 +289,7 @@ class FlashInferAttention(AttentionBackend):
                 raise ValueError(f"static metadata bounds {meta.max_q_len} query rows; expected 1..max_q_rows="
                                  f"{self.max_q_rows}")
             self._plan(self._rows_args(meta.max_q_len, keys=meta.max_q_len))
-            self._planned_rows, self._planned_static = meta.max_q_len, True
+            self._planned_rows, self._planned_static, self._planned_causal = meta.max_q_len, True, True
             return
         if meta.num_q_rows > self.max_q_rows:
             raise ValueError(f"metadata has {meta.num_q_rows} query rows, more than max_q_rows={self.max_q_rows}")
@@ -269,8 +299,8 @@ class FlashInferAttention(AttentionBackend):
                 f"plan needs {args.paged_kv_indices.shape[0]} page entries (pages of live segments plus "
                 f"one per empty segment), more than max_pages={self.max_pages}"
             )
-        self._plan(args)
-        self._planned_rows, self._planned_static = meta.num_q_rows, False
+        self._plan(args, meta.causal)
+        self._planned_rows, self._planned_static, self._planned_causal = meta.num_q_rows, False, meta.causal
 
     def forward(
         self,
@@ -281,7 +311,7 @@ class FlashInferAttention(AttentionBackend):
         lse: torch.Tensor | None = None,
     ) -> None:
         n = meta.kernel_rows
-        if self._planned_rows != n or self._planned_static != meta.static:
+        if self._planned_rows != n or self._planned_static != meta.static or self._planned_causal != meta.causal:
             raise RuntimeError(
                 f"flashinfer backend: prepare(meta) must run before forward for this metadata "
                 f"(planned rows {self._planned_rows}, metadata rows {n}{', static' if meta.static else ''})"
@@ -295,6 +325,7 @@ class FlashInferAttention(AttentionBackend):
             return  # no rows, no launch
         if lse is None:
             self.wrapper.run(q[:n], kv_cache, out=out[:n])
-            return
-        self.wrapper.run(q[:n], kv_cache, out=out[:n], lse=lse[:n], return_lse=True)
-        self._lse.to_base_e(lse, meta.cu_seqlens_q)
+        else:
+            self.wrapper.run(q[:n], kv_cache, out=out[:n], lse=lse[:n], return_lse=True)
+            self._lse.to_base_e(lse, meta.cu_seqlens_q)
+        write_no_key_rows(meta, out, lse)

@@ -2,6 +2,12 @@
 
 Loops over segments on the host (it reads the host copy of the metadata), so it
 runs eagerly: in graph mode it is a break. Scores are computed in float32.
+
+With an LSE out (ring steps) on a CPU it calls ATen's CPU flash-attention kernel,
+which returns the float32 log-sum-exp with the output (fused, as fast as the
+plain path); elsewhere, or where that op is missing, float32 matmuls, a
+log-sum-exp and a second matmul per block of rows (the readable fallback, and
+what the tests compare the fused path with).
 """
 
 from __future__ import annotations
@@ -40,13 +46,14 @@ def coalesced_segments(meta: AttentionMetadata) -> list[tuple[int, int, int, np.
     early and a late block on the one rank: one causal segment of the whole request
     instead of a causal half plus a masked one (~25% less attention work, no mask)."""
     cu, kv_lens, table = meta.cu_seqlens_q_host, meta.kv_lens_host, meta.page_table_host
+    merge = meta.causal  # unmasked segments of one request do not concatenate
     runs: list[list] = []
     for s in range(meta.num_segments):
         q0, q1, kv_len = int(cu[s]), int(cu[s + 1]), int(kv_lens[s])
         if q1 == q0:
             continue
         n_pages = -(-kv_len // meta.page_size)
-        if runs:
+        if runs and merge:
             r = runs[-1]
             prev_pages = -(-r[2] // meta.page_size)
             if (r[1] == q0 and kv_len - (q1 - q0) == r[2] and n_pages >= prev_pages
@@ -68,7 +75,13 @@ class TorchAttention(AttentionBackend):
         spec = self.spec
         group = spec.num_q_heads // spec.num_kv_heads
         k_pages, v_pages = kv_cache_views(kv_cache, spec.kv_layout)
+        causal = meta.causal
         for q0, q1, kv_len, pages in coalesced_segments(meta):
+            if kv_len == 0:  # non-causal rows that see no key (the contract's values)
+                out[q0:q1] = 0
+                if lse is not None:
+                    lse[q0:q1] = float("-inf")
+                continue
             k, v = gather_segment_kv(k_pages, v_pages, pages, kv_len)
             qs = q[q0:q1].transpose(0, 1)  # [Hq, q, D]
             ks = k.transpose(0, 1).repeat_interleave(group, dim=0)
@@ -78,7 +91,9 @@ class TorchAttention(AttentionBackend):
                 # scores, 3-5x slower and [H, q, kv] memory) instead of the flash kernel.
                 # q_len == kv_len: bottom-right = top-left causal, and is_causal lets the
                 # kernel skip the masked blocks.
-                if q1 - q0 == kv_len:
+                if not causal:
+                    o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], scale=spec.scale)
+                elif q1 - q0 == kv_len:
                     o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True,
                                                        scale=spec.scale)
                 else:
@@ -87,17 +102,38 @@ class TorchAttention(AttentionBackend):
                                                        scale=spec.scale)
                 out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
             else:
-                self._with_lse(qs, ks, vs, q0, q1, kv_len, out, lse)
+                self._with_lse(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
 
-    def _with_lse(self, qs, ks, vs, q0, q1, kv_len, out, lse) -> None:
+    #: ATen's CPU flash attention, which also returns the LSE (None: not in this torch)
+    _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+    def _with_lse(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool = True) -> None:
+        if self._cpu_flash is not None and qs.device.type == "cpu" and qs.dtype in (torch.float32, torch.bfloat16):
+            self._with_lse_fused(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
+        else:
+            self._with_lse_blocks(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
+
+    def _with_lse_fused(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool) -> None:
+        q_len = q1 - q0
+        mask = None
+        if causal and q_len != kv_len:  # bottom-right: an additive mask in q's dtype (what the kernel takes)
+            keep = bottom_right_causal_mask(q_len, kv_len, qs.device)
+            mask = torch.zeros(q_len, kv_len, dtype=qs.dtype, device=qs.device).masked_fill_(~keep, float("-inf"))
+        o, row_lse = self._cpu_flash(qs[None], ks[None], vs[None], 0.0, causal and q_len == kv_len, attn_mask=mask,
+                                     scale=self.spec.scale)[:2]
+        out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
+        lse[q0:q1] = row_lse[0].transpose(0, 1)
+
+    def _with_lse_blocks(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool = True) -> None:
         q_len = q1 - q0
         kf, vf = ks.float(), vs.float()
         for b0 in range(0, q_len, self.lse_block_rows):
             b1 = min(q_len, b0 + self.lse_block_rows)
             scores = torch.matmul(qs[:, b0:b1].float(), kf.transpose(1, 2)) * self.spec.scale
-            rows = torch.arange(b0, b1, device=qs.device).unsqueeze(1)
-            cols = torch.arange(kv_len, device=qs.device).unsqueeze(0)
-            scores.masked_fill_(~(cols <= rows + (kv_len - q_len)), float("-inf"))
+            if causal:
+                rows = torch.arange(b0, b1, device=qs.device).unsqueeze(1)
+                cols = torch.arange(kv_len, device=qs.device).unsqueeze(0)
+                scores.masked_fill_(~(cols <= rows + (kv_len - q_len)), float("-inf"))
             row_lse = torch.logsumexp(scores, dim=-1)  # [H, rows]
             probs = torch.exp(scores - row_lse.unsqueeze(-1))
             o = torch.matmul(probs, vf)

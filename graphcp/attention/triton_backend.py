@@ -46,13 +46,13 @@ def triton_paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, page_table: torch.Tensor,
     k_strides: list[int], v_strides: list[int], group: int, page_size: int, scale: float,
-    block_m: int, block_n: int, upcast_dot: bool, num_warps: int, num_stages: int,
+    block_m: int, block_n: int, upcast_dot: bool, num_warps: int, num_stages: int, causal: bool = True,
 ) -> None:
     _import_kernel().launch(
         q, k, v, out, lse, cu_seqlens_q, kv_lens, page_table,
         group=group, page_size=page_size, scale=scale, block_m=block_m, block_n=block_n,
         upcast_dot=upcast_dot, num_warps=num_warps, num_stages=num_stages,
-        k_strides=tuple(k_strides), v_strides=tuple(v_strides),
+        k_strides=tuple(k_strides), v_strides=tuple(v_strides), causal=causal,
     )
 
 
@@ -122,7 +122,7 @@ class TritonAttention(AttentionBackend):
             list(k_strides), list(v_strides),
             self.group, spec.page_size, spec.scale,
             cfg.block_m, cfg.block_n, interpreting() and q.dtype == torch.bfloat16,
-            cfg.num_warps, cfg.num_stages,
+            cfg.num_warps, cfg.num_stages, meta.causal,
         )
 
     def _check(self, q, kv_cache, meta, out, lse) -> None:

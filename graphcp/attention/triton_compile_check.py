@@ -134,7 +134,7 @@ def compile_variant(arch: int, dtype: torch.dtype, head_dim: int, group: int, ha
             sig[n] = "i32"
     consts = dict(GROUP=group, GROUP_P=lanes, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, SEARCH_STEPS=tk.search_steps(16), HAS_LSE=has_lse, UPCAST_DOT=False,
-                  DOT_PRECISION="ieee" if dtype == torch.float32 else None)
+                  DOT_PRECISION="ieee" if dtype == torch.float32 else None, CAUSAL=True)
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
     t0 = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),

@@ -57,6 +57,7 @@ def _paged_prefill_kernel(
     HAS_LSE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     # a tile packs ROWS query rows x GROUP_P query heads of one KV head into BLOCK_M
     # lanes (lane = row * GROUP_P + head in group), so each K/V tile is loaded once
@@ -94,11 +95,16 @@ def _paged_prefill_kernel(
             kv_len = tl.load(KV_LENS + seg)
             q_len = q_end - q_start
             in_seg = (rows >= q_start) & (rows < q_end)
-            # keys row `rows - q_start` may see: j <= rows - q_start + (kv_len - q_len)
-            limit = rows - q_start + (kv_len - q_len)
-            last_local = tl.minimum(row0 + ROWS, q_end) - 1 - q_start
-            # empty segments inside the tile's range do no work
-            kv_hi = tl.where(q_len > 0, tl.minimum(kv_len - q_len + last_local + 1, kv_len), 0)
+            if CAUSAL:
+                # keys row `rows - q_start` may see: j <= rows - q_start + (kv_len - q_len)
+                limit = rows - q_start + (kv_len - q_len)
+                last_local = tl.minimum(row0 + ROWS, q_end) - 1 - q_start
+                # empty segments inside the tile's range do no work
+                kv_hi = tl.where(q_len > 0, tl.minimum(kv_len - q_len + last_local + 1, kv_len), 0)
+            else:
+                # every row sees all kv_len keys (0 keys: output 0, LSE -inf below)
+                limit = rows * 0 + (kv_len - 1)
+                kv_hi = tl.where(q_len > 0, kv_len, 0)
             pt_row = PAGE_TABLE + seg * stride_pts
             for n0 in range(0, kv_hi, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
@@ -173,6 +179,7 @@ def launch(
     *, group: int, page_size: int, scale: float, block_m: int, block_n: int,
     upcast_dot: bool, num_warps: int, num_stages: int,
     k_strides: tuple[int, int, int, int], v_strides: tuple[int, int, int, int],
+    causal: bool = True,
 ) -> None:
     """Launch over the static shapes of ``q``; ``k_strides``/``v_strides`` are
     (page, token, head, dim) strides so one kernel serves NHD and HND.
@@ -209,6 +216,7 @@ def launch(
         HAS_LSE=has_lse,
         UPCAST_DOT=upcast_dot,
         DOT_PRECISION=precision,
+        CAUSAL=causal,
         num_warps=num_warps,
         num_stages=num_stages,
     )

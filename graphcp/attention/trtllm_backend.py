@@ -41,6 +41,10 @@ the device. Without them the lengths follow each batch and the backend runs
 eagerly (breakable graphs).
 
 Scales: ``bmm1_scale = spec.scale`` (no fp8 q/k scales), ``bmm2_scale = 1``.
+Non-causal metadata (ring steps, always live) is passed as ``causal=False``
+(FlashInfer 0.7.4's signature has it); segments whose rows see no key get the
+inert scratch key and then the contract's output 0 and LSE -inf.
+
 The cache must be HND with pages of 16, 32 or 64 tokens. The kernel's LSE is
 base 2 (``ComputeLSEFromMD`` writes ``log2e * m + log2(d)``); it is converted
 to base e on the device (see :class:`Base2Lse`).
@@ -61,6 +65,8 @@ from graphcp.attention.flashinfer_backend import (
     LN2,
     Base2Lse,
     import_flashinfer,
+    keyed_segments,
+    write_no_key_rows,
 )
 from graphcp.kvcache import SCRATCH_PAGE
 
@@ -127,6 +133,7 @@ class TrtllmAttention(AttentionBackend):
         else:
             self._run = import_flashinfer(self.name, "prefill").trtllm_batch_context_with_kv_cache
         self._has_lse = _accepts(self._run, "lse")
+        self._has_causal = _accepts(self._run, "causal")
 
         self.max_segments, self.max_pages_per_segment = max_segments, max_pages_per_segment
         self.static_max_q_len, self.static_max_kv_len = static_max_q_len, static_max_kv_len
@@ -153,7 +160,7 @@ class TrtllmAttention(AttentionBackend):
         self._lse_scratch = torch.zeros(max_q_rows, spec.num_q_heads, dtype=torch.float32, device=dev) \
             if self.static else None
         self._batch: tuple[int, int, int] | None = None  # (batch_size, max_q_len, max_kv_len)
-        self._planned: tuple[int, bool] | None = None  # (rows, static metadata)
+        self._planned: tuple[int, bool, bool] | None = None  # (rows, static metadata, causal)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         s, width = meta.num_segments, meta.page_table_host.shape[1]
@@ -165,7 +172,7 @@ class TrtllmAttention(AttentionBackend):
             raise ValueError("static (full-graph) metadata needs a trtllm backend built with static_max_q_len and "
                              "static_max_kv_len")
         # static metadata: host arrays are bounds only; every segment of the capture is inert
-        live = meta.q_lens_host > 0 if not meta.static else np.zeros(s, bool)
+        live = keyed_segments(meta) if not meta.static else np.zeros(s, bool)
         seq = np.where(live, meta.kv_lens_host, 1).astype(np.int32)
         pages_needed = int((-(-meta.kv_lens_host[live] // meta.page_size)).max(initial=0))
         if pages_needed > self.max_pages_per_segment:
@@ -198,7 +205,7 @@ class TrtllmAttention(AttentionBackend):
         self._upload(self.cum_seq_lens_q[: b + 1], cu_b)
         self._upload(self.cum_seq_lens_kv[: b + 1], np.concatenate([[0], np.cumsum(seq_b)]))
         self._batch = (b, max_q, max_kv)
-        self._planned = (meta.kernel_rows, meta.static)
+        self._planned = (meta.kernel_rows, meta.static, meta.causal)
 
     @staticmethod
     def _upload(dst: torch.Tensor, src: np.ndarray) -> None:
@@ -213,8 +220,11 @@ class TrtllmAttention(AttentionBackend):
         lse: torch.Tensor | None = None,
     ) -> None:
         rows = meta.kernel_rows
-        if self._batch is None or self._planned != (rows, meta.static):
+        if self._batch is None or self._planned != (rows, meta.static, meta.causal):
             raise RuntimeError("trtllm backend: prepare(meta) must run before forward for this metadata")
+        if not meta.causal and not self._has_causal:
+            raise NotImplementedError("the installed FlashInfer's trtllm_batch_context_with_kv_cache has no `causal` "
+                                      "argument; ring steps (non-causal) need a newer flashinfer")
         if lse is not None and not self._has_lse:
             raise NotImplementedError(
                 "the installed FlashInfer's trtllm_batch_context_with_kv_cache has no `lse` output; "
@@ -232,13 +242,17 @@ class TrtllmAttention(AttentionBackend):
         if rows == 0:
             return  # no rows, no launch
         lse_n = None if lse is None else lse[:rows]
-        self._call(q[:rows], kv_cache, out[:rows], lse_n)
+        self._call(q[:rows], kv_cache, out[:rows], lse_n, meta.causal)
         if lse_n is not None:
             lse_n.mul_(LN2)  # every row of the slice is live: base 2 -> base e
+        write_no_key_rows(meta, out, lse)
 
-    def _call(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    def _call(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+              causal: bool = True) -> None:
         b, max_q, max_kv = self._batch
         kw = dict(window_left=-1, out=out)
+        if not causal:
+            kw["causal"] = False
         if lse is not None:
             kw.update(lse=lse, return_lse=True)
         if self.counters is not None:

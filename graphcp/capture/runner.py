@@ -30,6 +30,7 @@ from graphcp.capture.graphs import CaptureError, make_graph_backend
 from graphcp.capture.selfcheck import first_difference, synthetic_batch
 from graphcp.capture.static_buffers import BucketView, StaticBuffers
 from graphcp.config import ConfigError, RuntimeConfig
+from graphcp.forward_context import KV_RECEIVED
 from graphcp.model.llama import DecoderModel
 from graphcp.profile.ranges import nvtx_range
 
@@ -74,6 +75,9 @@ class Fallback:
 class _Captured:
     graph: BreakableGraph
     signature: dict  # name -> (shape, dtype, device, data_ptr) of the static views
+    #: what the captured segments' collectives counted at capture (ForwardInfo.stats
+    #: keys): a replay moves the same bytes without running Python, so it adds these
+    segment_stats: dict = field(default_factory=dict)
 
 
 def _signature(view: BucketView) -> dict:
@@ -151,7 +155,7 @@ class GraphRunner:
             view = self._fill_inert(capacity)
             pool0 = self.backend.pool_bytes()
             with self.backend.capture_stream():
-                ctx = body.context(self._static_meta(view), view.kv_slots, view)
+                ctx = body.context(self._static_meta(view), view.kv_slots, view, stats={})
 
                 def run() -> None:
                     view.hidden_out.copy_(body.run(ctx, view.input_ids, view.positions))
@@ -159,10 +163,13 @@ class GraphRunner:
                 for _ in range(WARMUP_RUNS.get(self.backend.name, 1)):
                     run()
                 self.backend.synchronize()
+                # the capture batch is inert: its breaks move nothing, so the KV bytes this
+                # counts are the segments' (the replicated all-gather)
+                ctx.stats.clear()
                 graph = capture_breakable(self.backend, ctx, run, breakable=not self.full)
             self.backend.synchronize()
             graph.capacity = capacity
-            self.graphs[capacity] = _Captured(graph, _signature(view))
+            self.graphs[capacity] = _Captured(graph, _signature(view), {KV_RECEIVED: ctx.stats.get(KV_RECEIVED, 0)})
             st = BucketCaptureStats(capacity, time.perf_counter() - t0, len(graph.segments), len(graph.breaks),
                                     graph.ops_per_segment, self.backend.pool_bytes() - pool0)
             if self.verify:
@@ -283,7 +290,8 @@ class GraphRunner:
     @torch.inference_mode()
     def replay(self, prep: PreparedBatch, capacity: int, timings: dict | None = None) -> torch.Tensor:
         """Fill bucket ``capacity`` (captured already) with a prepared batch and replay
-        its graph; the body's output rows (a static view)."""
+        its graph; the body's output rows (a static view). ``prep.stats`` receives the
+        captured segments' counts plus what the breaks count."""
         t0 = time.perf_counter()
         with nvtx_range("fill", category="host"):
             view = self.fill(prep, capacity)
@@ -291,9 +299,12 @@ class GraphRunner:
         t1 = time.perf_counter()
         with nvtx_range(f"replay[{capacity}]", category="graph"):
             meta = self._static_meta(view) if self.full else prep.meta
-            ctx = self.body.context(meta, view.kv_slots, view, plan=prep.meta, stats=prep.stats,
+            captured = self.graphs[capacity]
+            for key, value in captured.segment_stats.items():  # what the segments' collectives move
+                prep.stats[key] = prep.stats.get(key, 0) + value
+            ctx = self.body.context(meta, view.kv_slots, view, plan=prep.meta, ring=prep.ring, stats=prep.stats,
                                     prefix_pages=prep.prefix_pages)
-            self.graphs[capacity].graph.replay(ctx)
+            captured.graph.replay(ctx)
         if timings is not None:
             timings.update(fill_s=t1 - t0, replay_s=time.perf_counter() - t1)
         return view.hidden_out
@@ -303,7 +314,7 @@ class GraphRunner:
         """The same body on the same static buffers, run eagerly (no capture): a
         replay must equal this bitwise."""
         view = self.fill(prep, capacity)
-        ctx = self.body.context(prep.meta, view.kv_slots, view, prefix_pages=prep.prefix_pages)
+        ctx = self.body.context(prep.meta, view.kv_slots, view, ring=prep.ring, prefix_pages=prep.prefix_pages)
         return view.hidden_out.copy_(self.body.run(ctx, view.input_ids, view.positions))
 
 

@@ -13,6 +13,7 @@ from graphcp.options import (
     ATTENTION_BACKENDS,
     CLI_DTYPES,
     DEVICE_KINDS,
+    EXCHANGES,
     GRAPH_BACKENDS,
     GRAPH_MODES,
     KV_CACHE_MODES,
@@ -35,11 +36,18 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--attention", default="torch", choices=ATTENTION_BACKENDS)
     p.add_argument("--buckets", default=None, help="bucket file written by `graphcp tune`")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
-    p.add_argument("--max-requests", type=int, default=64)
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens (one rank's pool)")
     p.add_argument("--kv-cache", default="replicated", choices=KV_CACHE_MODES,
-                   help="replicated: every rank holds the batch's KV; layer-split: each rank the cache of its "
-                        "ceil(L/C) layers plus one scratch layer (docs/pd.md)")
+                   help="replicated: every rank holds the batch's KV (all-gather); sharded: each rank its own zigzag "
+                        "blocks, attention by a ring; layer-split: each rank the cache of its ceil(L/C) layers plus "
+                        "one scratch layer (docs/pd.md)")
+    p.add_argument("--exchange", default="auto", choices=EXCHANGES,
+                   help="the sharded cache's ring (auto: pass-kv or pass-q chosen per batch)")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="peak attention TFLOP/s of one GPU, for --exchange auto (default: H100/H200 bf16 dense)")
+    p.add_argument("--link-gb-per-s", type=float, default=450.0,
+                   help="link GB/s per direction per GPU, for --exchange auto (default: H100/H200 NVLink)")
+    p.add_argument("--max-requests", type=int, default=64)
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each new bucket on a synthetic batch and compare it bitwise with the same-bucket "
@@ -59,7 +67,9 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
         dtype=args.dtype, device=args.device, page_size=args.page_size, kv_tokens=args.kv_tokens,
         attention=args.attention, graph=graph_mode(args), graph_backend=args.graph_backend, layout=args.layout,
         max_requests=args.max_requests, collective_timeout_s=args.timeout, verify_capture=args.verify_capture,
-        kv_cache=args.kv_cache, moe=args.moe,
+        kv_cache=args.kv_cache, exchange=args.exchange, peak_tflops=args.peak_tflops,
+        link_gb_per_s=args.link_gb_per_s,
+        moe=args.moe,
     )
     return JobSpec(args.model, rt, args.buckets, args.cp)
 

@@ -16,7 +16,7 @@ from graphcp.capture.buckets import BucketSet
 from graphcp.batch import PrefillOutput, Request
 from graphcp.cli.requests import FileRequest
 from graphcp.config import RuntimeConfig
-from graphcp.dist import CPGroup, run_ranks
+from graphcp.dist import CPGroup, gather_object, run_ranks
 from graphcp.engine import PrefillEngine, prefill_after_prefixes
 from graphcp.pd.files import save_kv
 
@@ -64,18 +64,22 @@ def export_files(engine: PrefillEngine, out: PrefillOutput, reqs: list[FileReque
 
 
 def prefill_job(group: CPGroup, spec: JobSpec, reqs: list[FileRequest], all_logits: bool,
-                export_kv: str | None = None) -> dict | None:
+                with_stats: bool = False, export_kv: str | None = None) -> dict | None:
     engine = make_engine(group, spec)
     out = prefill_requests(engine, reqs, all_logits)
     if export_kv is not None:
         export_files(engine, out, reqs, export_kv)
+    ranks = gather_object(group, engine.stats()) if with_stats else None  # every rank takes part
     if group.rank != 0:
         return None
     result: dict[str, Any] = {"last_logits": out.last_logits.float().contiguous()}
     if all_logits:
         result["logits"] = [x.float().contiguous() for x in out.logits]
     result["info"] = {"path": out.info.path, "capacity": out.info.capacity, "fallback": out.info.fallback,
-                      "cp_size": group.size, "layout": spec.runtime.layout, "graph": spec.runtime.graph}
+                      "cp_size": group.size, "layout": spec.runtime.layout, "graph": spec.runtime.graph,
+                      "kv_cache": spec.runtime.kv_cache, "exchange": out.info.stats.get("exchange")}
+    if ranks is not None:
+        result["stats"] = ranks
     return result
 
 
@@ -150,8 +154,11 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
     capture_s = time.perf_counter() - t0
     batch = mixed_batch(engine.cfg.vocab_size)
 
+    stored: dict[str, int] = {}
+
     def forward(force_eager: bool):
         out = engine.prefill([Request(t) for t in batch], force_eager=force_eager)
+        stored[out.info.path] = engine.kv.stored_tokens()  # the batch's KV on this rank, before release
         for h in out.handles:
             engine.release(h)
         return out
@@ -174,10 +181,12 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         other = "bfloat16" if spec.runtime.dtype != "bfloat16" else "float32"
         twin = PrefillEngine(spec.model, replace(spec.runtime, dtype=other), group, spec.buckets())
         comparisons.append(compare_paths(twin, batch))
+    stored_per_rank = gather_object(group, stored)  # every rank takes part
     if group.rank != 0:
         return None
     res = {
         "model": str(engine.model_dir), "cp_size": group.size, "layout": spec.runtime.layout,
+        "kv_cache": spec.runtime.kv_cache, "kv_stored_per_rank": [s.get("graph", s.get("eager")) for s in stored_per_rank],
         "graph": spec.runtime.graph, "attention": engine.attention.name, "dtype": spec.runtime.dtype,
         "tokens": int(sum(len(t) for t in batch)), "requests": len(batch),
         "buckets": [c.capacity for c in captures], "capture_s": capture_s,
@@ -193,6 +202,9 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         cfg = engine.cfg
         res["kv_bytes_per_layer"] = exchanged_bytes_per_layer(
             outs["graph"].info.capacity, group.size, cfg.num_kv_heads, cfg.head_dim, engine.dtype.itemsize)
+        st = outs["graph"].info.stats
+        res.update(exchange=st["exchange"], bytes_received_per_layer=st["bytes_received_per_layer"],
+                   exchange_reason=st.get("exchange_choice", {}).get("reason"))
         res.update(
             graph_s=float(np.median(timings["graph"])), ops_graph=ops["graph"],
             graph_segments=len(graph.segments) if graph else 0, graph_breaks=len(graph.breaks) if graph else 0,

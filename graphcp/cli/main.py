@@ -23,6 +23,7 @@ from graphcp.cli.requests import parse_requests
 from graphcp.errors import one_line, report
 from graphcp.gpucheck.cli import add_gpu_check_parser
 from graphcp.profile.cli import add_profile_parser
+from graphcp.stats import write_stats
 from graphcp.tune.cli import add_tune_parser
 
 
@@ -47,20 +48,25 @@ def _save(obj, path: str) -> None:
 
 def cmd_prefill(args) -> int:
     check_output_path(args.output, "--output")  # before any work: not after the forward
+    if args.stats:
+        check_output_path(args.stats, "--stats")
     if args.export_kv is not None:
         check_output_dir(args.export_kv, "--export-kv")
     spec = job_spec(args)
     reqs = parse_requests(args.input)
     preflight(spec)
-    res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits, args.export_kv)
+    res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits, bool(args.stats), args.export_kv)
     if res is not None:
         out = {"last_logits": res["last_logits"]}
         if args.all_logits:
             out["logits"] = res["logits"]
         _save(out, args.output)
+        if args.stats:
+            write_stats(args.stats, res["stats"])
         info = res["info"]
         print(f"prefilled {len(reqs)} requests on {info['cp_size']} rank(s), layout {info['layout']}, "
-              f"path {info['path']} (local capacity {info['capacity']}) -> {args.output}"
+              f"path {info['path']} (local capacity {info['capacity']}), {info['kv_cache']} KV cache, exchange "
+              f"{info['exchange']} -> {args.output}" + (f" (stats: {args.stats})" if args.stats else "")
               + (f"; KV -> {args.export_kv}/<i>.safetensors" if args.export_kv is not None else ""))
     return 0
 
@@ -94,6 +100,14 @@ def cmd_run(args) -> int:
                               f"{res['ops_graph']} host ops (breaks, fill, LM head)"),
             ("KV received per layer", f"{res['kv_bytes_per_layer'] / 2**20:.2f} MiB a rank (all-gather of the bucket)"),
         ]
+        if res["kv_cache"] == "sharded":
+            rows += [
+                ("KV stored per rank", f"{res['kv_stored_per_rank']} tokens (sharded; replicated: {res['tokens']} on "
+                                       "every rank)"),
+                ("exchange chosen", f"{res['exchange']} ({res['exchange_reason']})"),
+                ("received per layer", f"{res['bytes_received_per_layer'] / 2**20:.2f} MiB a rank ({res['exchange']}, "
+                                       "measured; vs the all-gather above)"),
+            ]
     stats = res.get("stats", {})
     if "moe_layout" in stats:  # a mixture-of-experts model: its MLP traffic (docs/moe.md)
         imbalance = stats.get("moe_routing_imbalance")
@@ -138,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-logits", action="store_true", help="also save every new token's logits")
     p.add_argument("--export-kv", default=None, metavar="DIR",
                    help="write each request's KV to DIR/<i>.safetensors (graphcp.pd.load_kv reads it; docs/pd.md)")
+    p.add_argument("--stats", default=None, metavar="STATS.json",
+                   help="also write what each rank did: KV pool and stored tokens, and per forward its path, "
+                        "bucket, exchange, new and cached tokens and bytes received (docs/sharded_kv.md)")
     add_runtime_args(p, None)
     p.set_defaults(func=cmd_prefill)
 

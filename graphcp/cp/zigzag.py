@@ -33,7 +33,17 @@ import numpy as np
 
 from .base import Layout, Plan, RankPlan, _frozen, arange
 
-__all__ = ["ZigzagLayout", "ZigzagPlan"]
+__all__ = ["ZigzagLayout", "ZigzagPlan", "rank_token_counts"]
+
+
+def rank_token_counts(cp_size: int, extend_lens: np.ndarray) -> np.ndarray:
+    """int64 [C, R]: new tokens each rank owns of each request (its early block r plus
+    its late block 2C-1-r; the rule above), without planning the batch: what a
+    token-sharded KV cache reserves on each rank."""
+    c2 = 2 * cp_size
+    sizes = np.asarray(extend_lens, dtype=np.int64)[:, None] + np.arange(c2 - 1, -1, -1, dtype=np.int64)
+    sizes //= c2  # [R, 2C]
+    return (sizes[:, :cp_size] + sizes[:, : cp_size - 1 : -1]).T
 
 
 class _BatchTables:
@@ -174,6 +184,15 @@ class ZigzagPlan(Plan):
         d["_kv"] = kv
         d["local_rows"] = local_rows
         d["max_local_rows"] = max(local_rows)
+
+    def blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's blocks as ``(start, length)``, int64 [C, R, 2] each: rank ``r``'s
+        early (``[..., 0]``) and late (``[..., 1]``) block of request ``j`` hold absolute
+        positions ``start .. start + length``. Cheap (block granularity): a rank reads
+        the others' holdings from it without building their plans."""
+        shape = (self.cp_size, self.num_requests, 2)
+        length = self._q.reshape(shape)
+        return self._kv.reshape(shape) - length, length
 
     # ----------------------------------------------------------------- per rank
 

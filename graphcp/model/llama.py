@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.attention.exchange import exchange_and_write_kv, gather_kv_slots
+from graphcp.attention.cp_attention import attend as cp_attend
+from graphcp.attention.cp_attention import begin_forward, store_kv
 from graphcp.config import ModelConfig
 from graphcp.forward_context import ForwardContext
 from graphcp.graph_break import graph_break
@@ -31,13 +32,14 @@ from graphcp.profile.ranges import nvtx_range
 
 
 def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
-    """Attend this rank's query rows over the cache; writes ``out`` in place. A cache
-    that keeps only some layers (LayerSplit) first fetches the batch's cached-prefix
-    pages of this layer from their owner (the live batch's pages: in the break)."""
+    """Attend this rank's query rows over the cache (a sharded cache: the ring);
+    writes ``out`` in place. A cache that keeps only some layers (LayerSplit) first
+    fetches the batch's cached-prefix pages of this layer from their owner (the live
+    batch's pages: in the break)."""
     with nvtx_range(f"attention[{layer}]", category="break"):
         if ctx.prefix_pages is not None:
             ctx.kv_cache.fetch_prefix(layer, ctx.prefix_pages, ctx.group)
-        ctx.attention.forward(q, ctx.kv_cache.layer(layer), ctx.attn_meta, out)
+        cp_attend(ctx, layer, q, out)
 
 
 run_attention = graph_break("attention")(attend)
@@ -77,7 +79,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, positions)
-        exchange_and_write_kv(ctx, self.layer, k, v)
+        store_kv(ctx, self.layer, k, v)
         if ctx.attn_q is not None:
             q = ctx.attn_q.copy_(q)
             out = ctx.attn_out
@@ -146,7 +148,7 @@ class DecoderModel(nn.Module):
 
     def body(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Local rows in, final-normed hidden states of the same rows out."""
-        gather_kv_slots(ctx)
+        begin_forward(ctx)
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             with nvtx_range(f"layer[{i}]", category="eager"):

@@ -1,0 +1,164 @@
+"""The token-sharded KV cache's ledger and handles, simulated for C ranks in one
+process (every rank runs the same calls, as SPMD ranks do), and the ring plan's
+per-step metadata against a brute-force count over positions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphcp.attention.ring_plan import RingPlanError, plan_sharded, visible_keys
+from graphcp.cp import ZigzagLayout
+from graphcp.kv_sharded import ShardedKVCache
+from graphcp.kvcache import KVCacheFull, KVHandleError
+
+PAGE = 4
+
+
+def _ranks(cp: int, pages: int = 40) -> list[ShardedKVCache]:
+    return [ShardedKVCache(1, pages, PAGE, 1, 2, torch.float32, cp_size=cp, rank=r) for r in range(cp)]
+
+
+def _extend(caches, prefixes_per_rank, lens):
+    return [c.extend(p, lens) for c, p in zip(caches, prefixes_per_rank)]
+
+
+def _check_holdings(caches, handles):
+    """Every rank's positions partition the request; the ledger matches every allocator."""
+    cp = len(caches)
+    for per_rank in handles:
+        h0 = per_rank[0]
+        held = [h.positions(r) for r, h in enumerate(per_rank)]
+        assert all(h.num_tokens == h0.num_tokens and h.chunks == h0.chunks for h in per_rank)
+        assert [len(p) for p in held] == list(h0.rank_tokens)
+        assert all(np.all(np.diff(p) > 0) for p in held)  # local order is increasing
+        assert np.array_equal(np.sort(np.concatenate(held)), np.arange(h0.num_tokens))
+        for r, h in enumerate(per_rank):
+            assert len(h.pages) == -(-h.local_tokens(r) // PAGE)
+    used = caches[0].rank_used_pages()
+    assert all(np.array_equal(c.rank_used_pages(), used) for c in caches)
+    assert [c.stored_pages() for c in caches] == used.tolist()
+    assert len({c.num_free_pages for c in caches}) == 1  # what a batch can count on, the same everywhere
+    assert sum(c.stored_tokens() for c in caches) == sum(h[0].num_tokens for h in handles)
+    assert cp == caches[0].cp_size
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_chunks_spread_over_ranks_and_the_ledger_agrees(cp):
+    caches = _ranks(cp)
+    ids = _extend(caches, [[None, None, None]] * cp, [37, 1, 2 * cp - 1])
+    first = [[c.handle(i[j]) for c, i in zip(caches, ids)] for j in range(3)]
+    _check_holdings(caches, first)
+    # a second chunk of requests 0 and 1 (prefixes sharded already), a fresh one
+    ids2 = _extend(caches, [[first[0][r], first[1][r], None] for r in range(cp)], [5, 9, 1])
+    second = [[c.handle(i[j]) for c, i in zip(caches, ids2)] for j in range(3)]
+    _check_holdings(caches, second + [first[2]])
+    assert second[0][0].chunks == ((0, 37), (37, 5)) and second[0][0].num_tokens == 42
+    # the first chunk's handles are stale now, on every rank
+    with pytest.raises(KVHandleError, match="stale"):
+        caches[1].check_handle(first[0][1])
+    before = [c.snapshot() for c in caches]
+    ids3 = _extend(caches, [[second[0][r]] for r in range(cp)], [11])
+    for c, i in zip(caches, ids3):
+        c.rollback(i, [11])
+    assert [c.snapshot() for c in caches] == before  # pages, rows, ledger: as they were
+    for r, c in enumerate(caches):
+        for h in (second[0][r], second[1][r], second[2][r], first[2][r]):
+            c.release(h)
+        assert c.stored_tokens() == 0 and c.num_free_pages == 39 and c.snapshot()[1] == ()
+
+
+def test_a_rollback_keeps_a_sequence_this_rank_held_nothing_of():
+    """A 1-token request leaves rank 1 nothing; undoing its next chunk must not drop it there."""
+    caches = _ranks(2)
+    ids = _extend(caches, [[None]] * 2, [1])
+    hs = [c.handle(i[0]) for c, i in zip(caches, ids)]
+    assert hs[1].local_tokens(1) == 0 and hs[1].pages == ()
+    ids2 = _extend(caches, [[h] for h in hs], [1])  # again 1 token: rank 1 gets none
+    for c, i in zip(caches, ids2):
+        c.rollback(i, [1])
+    for c, h in zip(caches, hs):
+        c.check_handle(h)  # still live everywhere
+        c.release(h)
+
+
+def test_admission_checks_every_rank_and_names_the_short_one():
+    caches = _ranks(4, pages=9)  # 8 usable pages of 4 tokens a rank: 32 tokens
+    msgs = set()
+    for c in caches:
+        before = c.snapshot()
+        with pytest.raises(KVCacheFull) as e:
+            c.extend([None, None], [60, 70])  # 15 + 18 tokens a rank: 4 + 5 pages
+        assert c.snapshot() == before
+        msgs.add(str(e.value))
+    assert len(msgs) == 1  # every rank refuses alike
+    (msg,) = msgs
+    assert "on rank 0" in msg and "needs 9 more pages" in msg and "8 are free" in msg
+    with pytest.raises(KVCacheFull, match="request 0 needs 10 pages of 4 tokens on rank 0, the page table"):
+        caches[0].extend([None], [150])  # one request wider than a rank's page table
+    # 3x one rank's pool fits sharded (96 tokens over 4 pools)
+    ids = [c.extend([None], [96]) for c in caches]
+    assert [c.stored_tokens() for c in caches] == [24, 24, 24, 24]
+    assert caches[0].capacity_tokens == 4 * 32 and caches[0].rank_capacity_tokens == 32
+    assert ids[0] == ids[3]
+
+
+def _brute_visible(plan, held_positions, q_rank, k_rank):
+    """Keys of rank k (its positions) each of rank q's query blocks sees, by position."""
+    start, length = plan.blocks()
+    out = np.zeros((plan.num_requests, 2), dtype=np.int64)
+    for j in range(plan.num_requests):
+        keys = held_positions[k_rank][j]
+        for e in (0, 1):
+            n = length[q_rank, j, e]
+            if n:
+                rows = start[q_rank, j, e] + np.arange(n)
+                counts = np.searchsorted(keys, rows, side="right")
+                if q_rank != k_rank:
+                    assert len(set(counts.tolist())) == 1  # constant over a block: one non-causal kv_len
+                out[j, e] = counts[-1]
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_ring_metadata_matches_a_count_over_positions(cp):
+    caches = _ranks(cp, pages=200)
+    prefix_ids = _extend(caches, [[None, None]] * cp, [23, 2])
+    prefixes = [[c.handle(i[j]) for j in range(2)] for c, i in zip(caches, prefix_ids)]
+    lens = [50, 1, 2 * cp - 1]
+    ids = _extend(caches, [[prefixes[r][0], prefixes[r][1], None] for r in range(cp)], lens)
+    plan = ZigzagLayout(cp).plan(lens, [23, 2, 0])
+    held = [[c.handle(s).positions(r) for s in ids[r]] for r, c in enumerate(caches)]
+    for r, c in enumerate(caches):
+        for exchange in ("pass-kv", "pass-q"):
+            sh = plan_sharded(plan, c, ids[r], r, exchange, torch.device("cpu"))
+            assert sh.meta is sh.ring.steps[0] and sh.meta.causal
+            assert np.array_equal(sh.meta.kv_lens_host.reshape(-1, 2), _brute_visible(plan, held, r, r))
+            for i in range(1, cp):
+                src = (r - i) % cp
+                step = sh.ring.steps[i]
+                assert not step.causal
+                q_rank, k_rank = (r, src) if exchange == "pass-kv" else (src, r)
+                assert np.array_equal(step.kv_lens_host.reshape(-1, 2), _brute_visible(plan, held, q_rank, k_rank))
+            if exchange == "pass-kv":  # the message: this rank's pages of the batch, batch order
+                want = [p for s in ids[r] for p in c.handle(s).pages]
+                assert sh.ring.send_pages.tolist() == want and sum(sh.ring.msg_pages) == sum(
+                    len(caches[k].handle(s).pages) for k in range(cp) for s in ids[k])
+        # the new rows' slots: local indices after the cached pieces, in this rank's own pages
+        slots = plan_sharded(plan, c, ids[r], r, "pass-kv", torch.device("cpu")).slots
+        table = {s: c.handle(s).pages for s in ids[r]}
+        rp = plan.rank(r)
+        for row, (j, pos) in enumerate(zip(rp.row_request.tolist(), rp.positions.tolist())):
+            local = int(np.searchsorted(held[r][j], pos))
+            assert held[r][j][local] == pos
+            assert slots[row] == table[ids[r][j]][local // PAGE] * PAGE + local % PAGE
+
+
+def test_a_row_no_step_touches_is_refused_before_any_kernel():
+    plan = ZigzagLayout(2).plan([8], [4])
+    start, length = plan.blocks()
+    held = np.array([[2], [2]])  # the cached prefix: 2 positions on each rank
+    visible_keys(start, length, held)  # consistent: fine
+    with pytest.raises(RingPlanError, match=r"rank 0.s early block of request 0 .*expected 6"):
+        visible_keys(start, length, np.array([[2], [1]]))  # a ledger that lost a cached position
