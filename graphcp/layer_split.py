@@ -65,14 +65,16 @@ class LayerSplitKVCache(PagedKVCache):
                              f"{self.owned.start}..{self.owned.stop - 1}); read it on rank {self.owner(span.layer)}")
         return super().read_span(handle, span)
 
-    def fetch_prefix(self, layer: int, pages: torch.Tensor, group: CPGroup) -> None:
+    def fetch_prefix(self, layer: int, pages: torch.Tensor, group: CPGroup) -> int:
         """Before ``layer``'s attention: its owner broadcasts the cached-prefix ``pages``
         (int64, on the pool's device) of that layer; the other ranks copy them into the
-        scratch layer. Every rank calls it (a collective)."""
+        scratch layer. Every rank calls it (a collective). Returns the bytes this rank
+        received (0 on the owner), for the forward's stats."""
         src = self.owner(layer)
         cache = self.layer(layer)
         if group.rank == src:
             group.broadcast_(cache.index_select(0, pages), src)
-        else:
-            buf = torch.empty((pages.shape[0], *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
-            cache.index_copy_(0, pages, group.broadcast_(buf, src))
+            return 0
+        buf = torch.empty((pages.shape[0], *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+        cache.index_copy_(0, pages, group.broadcast_(buf, src))
+        return buf.numel() * buf.element_size()

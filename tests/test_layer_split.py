@@ -36,7 +36,8 @@ def _both_caches(group, folder, dtypes):
         for mode in ("replicated", "layer-split"):
             eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=512, kv_cache=mode), group)
             o = prefill_after_prefixes(eng, _batch(eng.cfg.vocab_size), all_logits=True)
-            res[mode] = (o.last_logits, o.logits, eng.kv.pool_bytes)
+            # the pool as the stats file reports it (graphcp prefill --stats writes engine.stats())
+            res[mode] = (o.last_logits, o.logits, eng.stats()["kv_pool_bytes"], o.info.stats["bytes_received"])
         out.append(res)
     return out
 
@@ -46,11 +47,13 @@ def test_layer_split_equals_replicated_with_a_quarter_plus_one_of_the_pool(hf_mo
     per_rank = launch(_both_caches, 4, folder, ("float32", "bfloat16"))
     for rank, results in enumerate(per_rank):
         for dtype, res in zip(("float32", "bfloat16"), results):
-            (rl, rall, rbytes), (sl, sall, sbytes) = res["replicated"], res["layer-split"]
+            (rl, rall, rbytes, rgot), (sl, sall, sbytes, sgot) = res["replicated"], res["layer-split"]
             assert torch.equal(sl, rl), (rank, dtype)
             assert all(torch.equal(a, b) for a, b in zip(sall, rall)), (rank, dtype)
             # 1 owned layer + the scratch layer of 4: the same pages, half the bytes
             assert sbytes * 4 == rbytes * 2, (rank, dtype, sbytes, rbytes)
+            # the extend also received the prefix pages of the 3 layers other ranks own
+            assert sgot > rgot, (rank, dtype, sgot, rgot)
 
 
 def _graph_vs_eager(group, folder):

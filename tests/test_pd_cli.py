@@ -1,5 +1,5 @@
 """The command line's PD parts: ``graphcp prefill --export-kv DIR`` (at --cp 2 with the
-layer-split cache) and ``graphcp pd-demo`` (a round trip through Mooncake to a decode
+layer-split cache; its pool as the --stats file reports it) and ``graphcp pd-demo`` (a round trip through Mooncake to a decode
 process that continues with transformers)."""
 
 from __future__ import annotations
@@ -28,9 +28,16 @@ def test_prefill_exports_each_request_to_a_file(hf_model_dir, tmp_path, capsys):
     reqs.write_text(json.dumps({"tokens": list(range(5, 60))}) + "\n"
                     + json.dumps({"tokens": list(range(100, 130)), "prefix": 11}) + "\n")
     proc = _graphcp(capsys, "prefill", "--model", folder, "--input", reqs, "--output", tmp_path / "o.pt", "--cp", 2,
-                    "--graph", "off", "--kv-cache", "layer-split", "--kv-tokens", 512, "--export-kv", tmp_path / "kv")
+                    "--graph", "off", "--kv-cache", "layer-split", "--kv-tokens", 512, "--export-kv", tmp_path / "kv",
+                    "--stats", tmp_path / "stats.json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "KV ->" in proc.stdout
+    # the stats file: each rank's pool holds its 2 layers + the scratch layer, 3/4 of the
+    # replicated pool (33 pages of 16 tokens, K and V, float32)
+    cfg = json.loads((folder / "config.json").read_text())
+    replicated = 4 * 33 * 2 * 16 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    ranks = json.loads((tmp_path / "stats.json").read_text())["ranks"]
+    assert [(r["kv_cache"], r["kv_pool_bytes"]) for r in ranks] == [("layer-split", replicated * 3 // 4)] * 2
     logits = torch.load(tmp_path / "o.pt")["last_logits"]
     for i, n in enumerate((55, 30)):
         kv = load_kv(tmp_path / "kv" / f"{i}.safetensors")

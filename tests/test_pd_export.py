@@ -1,6 +1,6 @@
 """engine.export_kv: the layout, assembly from each cache mode's spans (no traffic for a
-replicated cache, owner sends or broadcasts for a layer-split one), nothing released,
-the file transport's round trip and its refusals."""
+replicated cache, owner sends or broadcasts for a layer-split or token-sharded one),
+nothing released, the file transport's round trip and its refusals."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
+from graphcp.attention.base import kv_cache_views
 from graphcp.dist import launch
+from graphcp.kv_sharded import ShardedKVCache
 from graphcp.kvcache import KVHandleError
 from graphcp.pd import KVFormatError, load_kv
 from graphcp.pd.export import KVMeta
@@ -61,6 +63,55 @@ def test_export_assembles_the_same_kv_on_every_rank_and_mode(hf_model_dir):
             assert again.meta.num_tokens == LENS[1] + 3
             assert all(torch.equal(x[:, :LENS[1]], y) for x, y in zip(_kv(again), _kv(want[1])))
             assert "not live" in released
+    # the token-sharded cache: each rank exports the positions it stored (a second chunk
+    # too); its K/V equal the replicated engine's up to the ring's merge rounding, and
+    # every rank assembles the same bits
+    sharded = launch(_exports, 2, folder, "sharded")
+    for rank, (to_all, to_0, again, released) in enumerate(sharded):
+        for w, a, s0 in zip(want, to_all, sharded[0][1]):
+            assert a.meta == w.meta and all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(_kv(a), _kv(w)))
+            assert all(torch.equal(x, y) for x, y in zip(_kv(a), _kv(s0))), rank
+        assert to_0 == [None, None] if rank else all(e is not None for e in to_0)
+        assert all(torch.allclose(x[:, :LENS[1]], y, rtol=1e-5, atol=1e-6) for x, y in zip(_kv(again), _kv(want[1])))
+        assert "not live" in released
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_sharded_spans_cover_each_position_once_from_the_rank_that_stored_it(cp):
+    """C simulated ranks of a token-sharded cache; every stored slot holds its own
+    position (+ 1000 x layer): the spans partition (layer, position), each owned by the
+    rank that stored it, and read_span on the owner returns exactly those positions."""
+    layers, page = 2, 4
+    caches = [ShardedKVCache(layers, 64, page, 2, 3, torch.float32, cp_size=cp, rank=r) for r in range(cp)]
+    handles = [None] * cp
+    for cached, new in ((0, 37), (37, 5), (42, 1), (43, 20)):  # four chunks, one a single token
+        ids = [c.extend([h], [new]) for c, h in zip(caches, handles)]
+        handles = [c.handle(i[0]) for c, i in zip(caches, ids)]
+    total = handles[0].num_tokens
+    for r, (c, h) in enumerate(zip(caches, handles)):
+        held = h.positions(r)
+        local = np.arange(len(held))
+        where = (torch.from_numpy(np.asarray(h.pages, dtype=np.int64)[local // page]), torch.from_numpy(local % page))
+        for layer in range(layers):
+            k, v = kv_cache_views(c.layer(layer), c.layout)  # [pages, page, H, D] views of the pool
+            value = torch.from_numpy(held + 1000 * layer).float().view(-1, 1, 1)
+            k[where], v[where] = value, -value
+    spans = caches[0].kv_spans(handles[0], cp)
+    assert all(c.kv_spans(h, cp) == spans for c, h in zip(caches, handles))  # the same on every rank
+    for layer in range(layers):
+        mine = [s for s in spans if s.layer == layer]
+        assert [(s.start, s.stop) for s in mine] == sorted((s.start, s.stop) for s in mine)
+        assert np.array_equal(np.concatenate([np.arange(s.start, s.stop) for s in mine]), np.arange(total))
+        for s in mine:
+            assert set(np.arange(s.start, s.stop)) <= set(handles[s.owner].positions(s.owner).tolist())
+            assert [c.holds(s, r) for r, c in enumerate(caches)] == [r == s.owner for r in range(cp)]
+            ks, vs = caches[s.owner].read_span(handles[s.owner], s)
+            want = torch.arange(s.start, s.stop).float() + 1000 * layer
+            assert ks.shape == (2, s.num_tokens, 3) and torch.equal(ks[1, :, 2], want) and torch.equal(vs[0, :, 0], -want)
+    assert len(spans) > layers * 2 * cp  # runs from several chunks, not one per rank
+    other = next(s for s in spans if s.owner != 0)
+    with pytest.raises(ValueError, match="rank 0 does not hold position"):
+        caches[0].read_span(handles[0], KVSpan(0, other.start, other.stop, other.owner))
 
 
 def test_keys_are_after_rope_as_transformers_caches_them(hf_model_dir, hf_model):

@@ -1,8 +1,8 @@
 """The Mooncake transport on loopback TCP: prefill ranks (forked) send to a receiver
-process (forked). A batch of mixed lengths from 2 ranks, with the replicated and the
-layer-split cache, arrives bitwise equal to ``export_kv``; each fault ends in its
-documented error within the timeout, nothing is handed out partially, and the prefill
-side's KV can still be exported (and sent again) afterwards."""
+process (forked). A batch of mixed lengths from 2 ranks, with the replicated, the
+layer-split and the token-sharded cache, arrives bitwise equal to ``export_kv``; each
+fault ends in its documented error within the timeout, nothing is handed out
+partially, and the prefill side's KV can still be exported (and sent again) afterwards."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ PROBLEM = mooncake_problem()
 pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=f"Mooncake transport unavailable: {PROBLEM}")
 
 LENS = [300, 1, 77, 16]
+#: the sharded cache's spans are runs of positions: written one run per head
+MODES = ("replicated", "layer-split", "sharded")
 TIMEOUT = 3.0  # the fault tests' timeout on both sides
 
 
@@ -102,9 +104,11 @@ def _send_batch(group, folder, address):
     from graphcp.pd.sender import KVSender
 
     out = {}
-    for mode in ("replicated", "layer-split"):
+    for mode in MODES:
         eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache=mode), group)
         handles = eng.prefill(_requests(eng.cfg.vocab_size)).handles
+        if mode == "sharded":  # a second chunk: each rank's positions in several runs
+            handles = eng.prefill([Request([7, 8, 9, 10, 11], h) for h in handles]).handles
         sender = KVSender(address, group.rank, group.size, timeout_s=60)
         sender.send(eng, handles, [f"{mode}-{i}" for i in range(len(handles))])
         sender.close()
@@ -115,7 +119,7 @@ def _send_batch(group, folder, address):
 
 def test_two_ranks_send_a_mixed_batch_bitwise(hf_model_dir, tmp_path):
     folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=4)
-    ids = [f"{m}-{i}" for m in ("replicated", "layer-split") for i in range(len(LENS))]
+    ids = [f"{m}-{i}" for m in MODES for i in range(len(LENS))]
     rx = Receiver("good", tmp_path, ids, timeout_s=120)
     sent = launch(_send_batch, 2, folder, rx.address)[0]
     got = rx.results()
@@ -123,7 +127,7 @@ def test_two_ranks_send_a_mixed_batch_bitwise(hf_model_dir, tmp_path):
     for mode, exports in sent.items():
         for i, (k, v) in enumerate(exports):
             recv = read_kv(tmp_path / f"{mode}-{i}.safetensors")
-            assert recv.meta.num_tokens == LENS[i] and recv.meta.num_layers == 4
+            assert recv.meta.num_tokens == LENS[i] + 5 * (mode == "sharded") and recv.meta.num_layers == 4
             assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), (mode, i)
 
 

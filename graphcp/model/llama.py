@@ -38,7 +38,7 @@ def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, out: torch.Tensor) 
     batch's pages: in the break)."""
     with nvtx_range(f"attention[{layer}]", category="break"):
         if ctx.prefix_pages is not None:
-            ctx.kv_cache.fetch_prefix(layer, ctx.prefix_pages, ctx.group)
+            ctx.add_received(ctx.kv_cache.fetch_prefix(layer, ctx.prefix_pages, ctx.group))
         cp_attend(ctx, layer, q, out)
 
 
