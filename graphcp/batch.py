@@ -75,6 +75,8 @@ class PreparedBatch:
     meta: AttentionMetadata
     seg_page_table: np.ndarray
     plan_s: float = 0.0  # host time of prepare()
+    #: the cached prefixes' pages, for a cache that fetches them per layer (LayerSplit)
+    prefix_pages: np.ndarray | None = None
     #: the sharded cache's ring for this forward (None: the replicated cache's all-gather)
     ring: RingPlan | None = None
     #: this forward's figures as the body runs it (ForwardInfo.stats): the engine copies them
@@ -119,6 +121,8 @@ class BatchPreparer:
         except BaseException:
             self.kv.rollback(seq_ids, extend.tolist())
             raise
+        if self.kv.needs_prefix_fetch:
+            prep.prefix_pages = _prefix_pages(batch)
         prep.plan_s = time.perf_counter() - t0
         return prep
 
@@ -234,6 +238,13 @@ class BatchPreparer:
 
 
 _INT64_MAX = np.iinfo(np.int64).max
+
+
+def _prefix_pages(batch: Sequence[Request]) -> np.ndarray | None:
+    """Every page of the batch's cached prefixes (what attention reads of them); None
+    when no request extends a prefix."""
+    pages = [p for r in batch if r.prefix is not None for p in r.prefix.pages]
+    return np.asarray(pages, dtype=np.int64) if pages else None
 
 
 def _token_array(tokens, j: int) -> np.ndarray:

@@ -41,7 +41,8 @@ class Body:
 
     def context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, static=None,
                 plan: AttentionMetadata | None = None, ring: RingPlan | None = None,
-                stats: dict | None = None, aux: AuxCapture | None = None) -> ForwardContext:
+                stats: dict | None = None, aux: AuxCapture | None = None,
+                prefix_pages: np.ndarray | None = None) -> ForwardContext:
         """The context of one forward over ``meta``, after the attention backend's
         host-side planning for ``plan`` (default ``meta``: a full graph's context
         holds static metadata while the backend plans the live batch). ``static``: a
@@ -49,11 +50,14 @@ class Body:
         ``ring``: the forward's ring plan (a sharded cache; None plans an inert one);
         ``stats``: this forward's ForwardInfo.stats, given the figures the row count
         fixes here (breaks add the rest as they run). ``aux``: where the forward copies
-        auxiliary hidden states."""
+        auxiliary hidden states; ``prefix_pages``: the batch's cached-prefix pages a
+        LayerSplit cache fetches."""
         live = meta if plan is None else plan
         self.attention.prepare(live)
         ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group, aux=aux)
         ctx.live_rows = live.num_q_rows
+        if prefix_pages is not None:
+            ctx.prefix_pages = torch.from_numpy(prefix_pages).to(self.device)
         if self.ring is not None:
             ctx.ring_attention = self.ring
             ctx.ring = ring if ring is not None else RingPlan.inert(self.group.size, self.group.rank)
@@ -90,5 +94,6 @@ class Body:
             rows[:n].copy_(hidden_in[:n])
             hidden_in = rows
         with nvtx_range("eager_body", category="eager"):
-            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=prep.stats, aux=aux)
+            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=prep.stats, aux=aux,
+                               prefix_pages=prep.prefix_pages)
             return self.run(ctx, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), hidden_in)

@@ -97,6 +97,21 @@ def check_layer_list(value: Any, key: str, num_layers: int, *, err: type = Confi
             raise err(f"{key} lists layer {int(v)} twice ({_short(list(value))}); expected distinct layers")
         out.append(int(v))
     return tuple(out)
+def check_output_dir(path: str | os.PathLike, flag: str, err: type = InputError) -> Path:
+    """Refuse an output folder that cannot be written, before any work is done: a file,
+    a missing parent, an unwritable folder. The folder itself may not exist yet (it is
+    created when the run writes into it)."""
+    p = Path(path)
+    if str(path) == "":
+        raise err(f"{flag}: expected a folder path, got ''")
+    if p.exists() and not p.is_dir():
+        raise err(f"{flag} {str(path)!r} is a file; expected a folder")
+    where = p if p.exists() else p.parent
+    if not where.is_dir():
+        raise err(f"{flag} {str(path)!r}: folder {str(where)!r} does not exist")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise err(f"{flag} {str(path)!r}: cannot create files in {str(where)!r}")
+    return p
 
 
 def check_output_path(path: str | os.PathLike, flag: str, err: type = InputError) -> Path:

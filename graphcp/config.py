@@ -361,6 +361,8 @@ class RuntimeConfig:
     #: "replicated": every rank ends a forward holding the batch's whole KV (all-gather);
     #: "sharded": each rank stores only its own zigzag blocks, attention runs a ring
     #: (docs/sharded_kv.md). kv_tokens is then one rank's pool.
+    #: "layer-split": rank r keeps the cache of its ceil(L / C) layers and one scratch layer
+    #: (docs/pd.md); kv_tokens is the same pool capacity as with "replicated"
     kv_cache: KVCacheMode = "replicated"
     #: the sharded cache's ring: "pass-kv", "pass-q", or "auto" (chosen per batch from its
     #: new and cached tokens, the heads and the two hardware figures below)
@@ -410,11 +412,18 @@ class RuntimeConfig:
 
     def _check_kv_cache(self) -> None:
         """The sharded cache's ring needs the zigzag layout (its masks follow from the
-        zigzag blocks) and eager attention breaks (point-to-point steps)."""
-        if self.kv_cache == "replicated":
+        zigzag blocks) and eager attention breaks (point-to-point steps). LayerSplit
+        fetches each layer's cached-prefix pages from the layer's owner in the attention
+        break, with the live batch's page list: a full graph has no break."""
+        if self.kv_cache != "sharded":
             if self.exchange != "auto":
-                raise ConfigError(f"RuntimeConfig.exchange={self.exchange!r} needs kv_cache='sharded'; the replicated "
-                                  "cache all-gathers K/V (exchange='auto')")
+                raise ConfigError(f"RuntimeConfig.exchange={self.exchange!r} needs kv_cache='sharded'; the "
+                                  f"{self.kv_cache} cache all-gathers K/V (exchange='auto')")
+            if self.kv_cache == "layer-split" and self.graph == "full":
+                raise ConfigError(
+                    "RuntimeConfig.graph='full' cannot run kv_cache='layer-split': a cached prefix's pages of each "
+                    "layer are broadcast from the layer's owner in the attention break, sized by the live batch; "
+                    "use graph='breakable'")
             return
         if self.layout != "zigzag":
             raise ConfigError(f"RuntimeConfig.kv_cache='sharded' runs the zigzag layout, got layout={self.layout!r}")

@@ -178,14 +178,33 @@ class CPGroup:
         return x
 
     def broadcast_(self, x: torch.Tensor, src: int) -> torch.Tensor:
-        """``x`` from global rank ``src`` into ``x`` on every rank of the group."""
+        """``x`` of rank ``src`` into ``x`` on every rank (same shape and dtype everywhere)."""
         if self.size == 1:
             return x
         try:
-            wait_work(dist.broadcast(x, src, group=self.pg, async_op=_async(x)))
+            wait_work(dist.broadcast(x, src=self._global(src), group=self.pg, async_op=_async(x)))
         except Exception as e:  # noqa: BLE001
-            raise self._fail(f"broadcast from global rank {src}", e) from e
+            raise self._fail(f"broadcast from rank {src}", e) from e
         return x
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Point-to-point: ``x`` (contiguous) to rank ``dst``, which calls :meth:`recv_`."""
+        try:
+            wait_work(dist.isend(x.contiguous(), dst=self._global(dst), group=self.pg))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"send to rank {dst}", e) from e
+
+    def recv_(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Point-to-point: fill ``x`` (contiguous) with what rank ``src`` sends."""
+        try:
+            wait_work(dist.irecv(x, src=self._global(src), group=self.pg))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"recv from rank {src}", e) from e
+        return x
+
+    def _global(self, rank: int) -> int:
+        """The default group's rank of this group's ``rank`` (collectives name global ranks)."""
+        return rank if self.pg is None else dist.get_global_rank(self.pg, rank)
 
 
 def new_subgroups(world: CPGroup, members: list[list[int]], name: str) -> CPGroup:
@@ -297,10 +316,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, size, port, backend, timeout_s, fn, args, results) -> None:
+def _rank_main(rank, size, port, backend, timeout_s, fn, args, results, threads) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(threads)
     try:
         if backend == "nccl":  # one GPU a rank; "cuda" then means this rank's device
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -345,8 +364,13 @@ def launch(
     results = ctx.Queue()
     port = free_port()
     backend = default_backend(device)
+    # a forked rank runs one intra-op thread: libgomp cannot start a thread team in a
+    # forked child of a process that ran one (the child waits forever for the parent's
+    # workers: launch(fn, 1) after any multi-threaded op in the caller hung)
+    threads = 1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // nprocs)
     procs = [
-        ctx.Process(target=_rank_main, args=(r, nprocs, port, backend, timeout_s, fn, args, results), daemon=False)
+        ctx.Process(target=_rank_main, args=(r, nprocs, port, backend, timeout_s, fn, args, results, threads),
+                    daemon=False)
         for r in range(nprocs)
     ]
     for p in procs:

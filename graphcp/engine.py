@@ -41,10 +41,13 @@ from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, InputError
 from graphcp.forward_context import KV_RECEIVED, AuxCapture
 from graphcp.kv_sharded import make_kv_cache
-from graphcp.kvcache import KVHandle
+from graphcp.kvcache import KVHandle, PagedKVCache
+from graphcp.layer_split import LayerSplitKVCache, pool_layers
 from graphcp.model.dsa import runtime as dsa_runtime
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
+from graphcp.pd.export import KVExport, KVMeta, assemble
+from graphcp.pd.fingerprint import model_fingerprint
 from graphcp.pp.groups import pipeline_groups
 from graphcp.pp.prefill import MicrobatchedPrefill, StageOps, per_request
 from graphcp.profile.ranges import nvtx_range
@@ -87,28 +90,21 @@ class PrefillEngine:
         kv_tokens = rt.kv_tokens if rt.kv_tokens is not None else min(4 * self.cfg.max_position_embeddings, 1 << 16)
         num_pages = -(-kv_tokens // rt.page_size) + 1  # + the scratch page
         self._check_pool_fits(num_pages)
+        self._fingerprint: str | None = None  # the model's, computed on the first export
         self.buckets = buckets or BucketSet()
         self.buckets.check_compatible(self.parallel.cp_size, rt.layout)
         self.sharded = rt.kv_cache == "sharded"
         ring = None
         if self.cfg.dsa is not None:  # MLA's latent + indexer-key cache and sparse attention
-            if self.sharded or self.pipeline is not None:
+            if rt.kv_cache != "replicated" or self.pipeline is not None:
                 raise ConfigError("a DSA model runs kv_cache='replicated' and pp_size=1 (its latent cache is not "
-                                  f"sharded by token or split into stages yet), got kv_cache={rt.kv_cache!r}, "
+                                  f"sharded by token or layer or split into stages yet), got kv_cache={rt.kv_cache!r}, "
                                   f"pp_size={self.parallel.pp_size}")
             max_pages_per_seq = min(num_pages - 1, -(-self.max_context // rt.page_size))
             self.kv, attention = dsa_runtime.make_cache_and_attention(self.cfg, rt, num_pages, max_pages_per_seq,
                                                                       self.device)
         else:
-            # sharded: this rank's pool of the token-sharded cache (kv_tokens is one rank's)
-            self.kv = make_kv_cache(
-                self.sharded, self.group.size, self.group.rank,
-                len(self.stage.layers), num_pages, rt.page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
-                self.dtype, self.device, kv_layout,
-                # no request outgrows the model's context (prefill checks it before extend)
-                max_pages_per_seq=min(num_pages - 1, -(-self.max_context // rt.page_size)),
-                first_layer=self.stage.layers.start,  # a stage caches its own layers
-            )
+            self.kv = self._make_kv_cache(num_pages, kv_layout)
             spec = AttentionSpec(
                 self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, rt.page_size,
                 self.cfg.head_dim ** -0.5, kv_layout,
@@ -139,6 +135,29 @@ class PrefillEngine:
             self.preparer, self.kv, self.stage, self.pipeline, self.parallel.stage_layers(self.cfg.num_layers),
             self.cfg.hidden_size, self.cfg.vocab_size, self.dtype, self.device)
 
+    def _make_kv_cache(self, num_pages: int, kv_layout) -> PagedKVCache:
+        rt, cfg = self.runtime, self.cfg
+        # no request outgrows the model's context (prefill checks it before extend)
+        max_pages = min(num_pages - 1, -(-self.max_context // rt.page_size))
+        if rt.kv_cache == "layer-split":
+            if self.pipeline is not None:
+                raise ConfigError(f"RuntimeConfig.kv_cache='layer-split' runs pp_size=1 (LayerSplit spreads one "
+                                  f"stage's layers over its CP ranks), got pp_size={self.parallel.pp_size}")
+            return LayerSplitKVCache(cfg.num_layers, num_pages, rt.page_size, cfg.num_kv_heads, cfg.head_dim,
+                                     self.dtype, self.device, kv_layout, max_pages,
+                                     rank=self.group.rank, cp_size=self.group.size)
+        # sharded: this rank's pool of the token-sharded cache (kv_tokens is one rank's); a
+        # pipeline stage caches its own layers
+        return make_kv_cache(self.sharded, self.group.size, self.group.rank, len(self.stage.layers), num_pages,
+                             rt.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device, kv_layout,
+                             max_pages_per_seq=max_pages, first_layer=self.stage.layers.start)
+
+    def _pool_layers(self) -> int:
+        """Layers this rank's pool holds (LayerSplit: its own and one scratch layer)."""
+        if self.runtime.kv_cache == "layer-split":
+            return pool_layers(self.cfg.num_layers, self.group.rank, self.group.size)
+        return len(self.stage.layers)
+
     def _check_pool_fits(self, num_pages: int) -> None:
         """Refuse a KV pool larger than the device's memory up front (a clear error,
         not an allocator failure or the OOM killer halfway through zeroing it)."""
@@ -146,7 +165,7 @@ class PrefillEngine:
         if cfg.dsa is not None:
             need = dsa_runtime.pool_bytes(cfg, num_pages, rt.page_size, self.dtype)
         else:
-            need = len(self.stage.layers) * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+            need = self._pool_layers() * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
             have = torch.cuda.mem_get_info(self.device)[0]
         else:
@@ -201,6 +220,32 @@ class PrefillEngine:
         """Free a handle's KV pages; KVHandleError (a BatchError) for a handle that is
         not live here (released already, or from another engine)."""
         self.kv.release(handle)
+
+    def kv_meta(self, handle: KVHandle) -> KVMeta:
+        """The export metadata of one request's KV (graphcp.pd.export)."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model_dir)
+        cfg = self.cfg
+        return KVMeta(handle.num_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.runtime.dtype,
+                      self.runtime.page_size, self._fingerprint)
+
+    @torch.inference_mode()
+    def export_kv(self, handle: KVHandle, dst: int | None = None) -> KVExport | None:
+        """One request's KV in the transport-neutral layout of graphcp.pd.export: every
+        layer's K and V, ``[num_kv_heads, num_tokens, head_dim]``, keys after RoPE. Every
+        rank calls it (like prefill); ``dst`` is the rank that gets the export (the others
+        get None), None: every rank. Each rank contributes the spans its cache mode holds;
+        only this request's KV moves. Releases nothing (``release`` stays explicit);
+        KVHandleError for a handle that is not live here."""
+        self.kv.check_handle(handle)
+        spans = self.kv.kv_spans(handle, self.group.size)
+        return assemble(self.kv, handle, spans, self.group, self.kv_meta(handle), dst, self.device)
+
+    def export_kv_batch(self, handles: Sequence[KVHandle], dst: int | None = None) -> list[KVExport | None]:
+        """:meth:`export_kv` for each handle, in order (all handles checked first)."""
+        for h in handles:
+            self.kv.check_handle(h)
+        return [self.export_kv(h, dst) for h in handles]
 
     @torch.inference_mode()
     def prefill(self, batch: Sequence[Request], all_logits: bool = False, force_eager: bool = False,

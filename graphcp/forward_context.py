@@ -59,6 +59,9 @@ class ForwardContext:
     #: every rank's ``kv_slots``, rank-major ([C * capacity]): set by the body's
     #: first step each run (so a captured body records the collective that makes it)
     gathered_kv_slots: torch.Tensor | None = None
+    #: cache pages (int64) of the batch's cached prefixes, for a cache that fetches each
+    #: layer's prefix KV before attention (LayerSplit); None: nothing to fetch
+    prefix_pages: torch.Tensor | None = None
     #: the sharded cache's ring (one per engine; None: the replicated cache's all-gather)
     ring_attention: RingAttention | None = None
     #: this forward's ring plan (live metadata the attention break reads)

@@ -24,6 +24,7 @@ import numpy as np
 
 from graphcp.cp.zigzag import rank_token_counts
 from graphcp.kvcache import KVCacheFull, KVHandle, KVHandleError, PagedKVCache
+from graphcp.kvspans import KVSpan, position_spans
 
 
 @dataclass
@@ -166,6 +167,27 @@ class ShardedKVCache(PagedKVCache):
     def rank_used_pages(self) -> np.ndarray:
         """int64 [C]: pages every rank's pool has handed out (the ledger's count)."""
         return self._used.copy()
+
+
+    # ---- export (graphcp.kvspans.KVSource) --------------------------------------
+    def kv_spans(self, handle: KVHandle, cp_size: int) -> list[KVSpan]:
+        """Per layer, one span per run of consecutive positions a rank stores (its zigzag
+        blocks of every forward that wrote the request, adjacent blocks merged), owned by
+        that rank, in position order: each rank exports what it holds, nothing else."""
+        return position_spans(self.num_layers, [handle.positions(r) for r in range(cp_size)])
+
+    def holds(self, span: KVSpan, rank: int) -> bool:
+        return rank == span.owner
+
+    def local_index(self, handle: KVHandle, position: int) -> int:
+        """This rank's local index of ``position``: its rank in the (increasing) positions
+        this rank stores; ValueError when another rank holds it."""
+        held = handle.positions(self.rank)
+        i = int(np.searchsorted(held, position))
+        if i == len(held) or held[i] != position:
+            raise ValueError(f"rank {self.rank} does not hold position {position} of sequence {handle.seq_id} "
+                             "(the token-sharded cache keeps each position on one rank)")
+        return i
 
 
 def make_kv_cache(sharded: bool, cp_size: int, rank: int, *args, **kw) -> PagedKVCache:

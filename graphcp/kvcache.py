@@ -43,9 +43,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from graphcp.attention.base import KVLayout
+from graphcp.attention.base import KVLayout, kv_cache_views
 from graphcp.cp.zigzag import ZigzagLayout
 from graphcp.errors import BatchError
+from graphcp.kvspans import KVSpan, whole_layer_spans
 
 SCRATCH_PAGE = 0
 
@@ -117,6 +118,10 @@ _INITIAL_ROWS = 16
 
 
 class PagedKVCache:
+    #: the forward must fetch a cached prefix's pages of each layer before attention
+    #: (a cache that does not keep every layer: graphcp.layer_split)
+    needs_prefix_fetch = False
+
     def __init__(
         self,
         num_layers: int,
@@ -192,6 +197,41 @@ class PagedKVCache:
             raise IndexError(f"layer {i} is not cached here: this KV cache holds layers "
                              f"{self.first_layer}..{self.first_layer + self.num_layers - 1}")
         return self.pool[j]
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of this rank's KV pool (every layer it keeps, scratch page included)."""
+        return self.pool.numel() * self.pool.element_size()
+
+    # ---- export (graphcp.kvspans.KVSource) --------------------------------------
+    def kv_spans(self, handle: KVHandle, cp_size: int) -> list[KVSpan]:
+        """Every layer whole; the ranks export contiguous layer ranges (every rank holds all)."""
+        return whole_layer_spans(self.num_layers, handle.num_tokens, cp_size)
+
+    def holds(self, span: KVSpan, rank: int) -> bool:
+        return True
+
+    def read_span(self, handle: KVHandle, span: KVSpan) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``handle``'s positions ``[span.start, span.stop)`` of one layer, each
+        ``[num_kv_heads, n, head_dim]`` (new contiguous tensors; the cache is not changed).
+        The span's positions are consecutive local indices here (a span never crosses
+        what another rank holds)."""
+        self.check_handle(handle)
+        ps = self.page_size
+        start = self.local_index(handle, span.start)
+        stop = start + span.num_tokens
+        first, last = start // ps, self.pages_for(stop)
+        pages = torch.tensor(handle.pages[first:last], dtype=torch.long, device=self.pool.device)
+        k_pages, v_pages = kv_cache_views(self.layer(span.layer), self.layout)  # [pages, ps, H, D]
+        lo, hi = start - first * ps, stop - first * ps
+        k = k_pages.index_select(0, pages).flatten(0, 1)[lo:hi]
+        v = v_pages.index_select(0, pages).flatten(0, 1)[lo:hi]
+        return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+
+    def local_index(self, handle: KVHandle, position: int) -> int:
+        """Where this pool stores the request's ``position`` (its local index): here every
+        position at its own index (a token-sharded pool stores a share, in order)."""
+        return position
 
     @property
     def table_width(self) -> int:

@@ -10,8 +10,10 @@ GraphMode = Literal["off", "breakable", "full"]
 GraphBackendName = Literal["auto", "cuda", "trace"]
 LayoutName = Literal["zigzag", "interleave"]
 AttentionName = Literal["torch", "triton", "flashinfer", "trtllm", "auto"]
-#: where a forward's KV lives: every rank holds the batch's KV, or each rank its own zigzag blocks
-KVCacheMode = Literal["replicated", "sharded"]
+#: where a forward's KV lives: every rank holds the batch's KV ("replicated"), each rank its
+#: own zigzag blocks ("sharded"), or each rank the cache of a contiguous range of layers plus
+#: one scratch layer ("layer-split", docs/pd.md)
+KVCacheMode = Literal["replicated", "sharded", "layer-split"]
 #: how attention stays exact with a sharded cache ("auto": chosen per batch; the replicated
 #: cache always all-gathers)
 ExchangeName = Literal["auto", "pass-kv", "pass-q"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -98,3 +100,28 @@ def _same_batch(group):
 def test_guard_passes_matching_batches():
     a, b = launch(_same_batch, 2)
     assert (a == b).all()
+
+
+_ONE_RANK_AFTER_WORK = """
+import torch
+from graphcp.dist import launch
+torch.set_num_threads(2)
+x = torch.randn(1 << 22)
+(x * x).sum()  # the caller ran an OpenMP team of 2 threads
+
+
+def work(group):
+    y = torch.randn(1 << 20)
+    return float((y * y).sum() > 0)
+
+
+print(launch(work, 1, timeout_s=20))
+"""
+
+
+def test_one_rank_launch_after_multithreaded_work_does_not_hang():
+    # a forked child starting an OpenMP team of its own used to wait forever for its
+    # parent's workers; a fresh interpreter so the parent surely ran a 2-thread team
+    res = subprocess.run([sys.executable, "-c", _ONE_RANK_AFTER_WORK], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert res.returncode == 0 and res.stdout.strip() == "[1.0]", res.stderr[-2000:]

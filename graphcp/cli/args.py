@@ -57,7 +57,8 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens (one rank's pool)")
     p.add_argument("--kv-cache", default="replicated", choices=KV_CACHE_MODES,
                    help="replicated: every rank holds the batch's KV (all-gather); sharded: each rank its own zigzag "
-                        "blocks, attention by a ring")
+                        "blocks, attention by a ring; layer-split: each rank the cache of its ceil(L/C) layers plus "
+                        "one scratch layer (docs/pd.md)")
     p.add_argument("--exchange", default="auto", choices=EXCHANGES,
                    help="the sharded cache's ring (auto: pass-kv or pass-q chosen per batch)")
     p.add_argument("--peak-tflops", type=float, default=989.0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from graphcp.config import ParallelConfig, RuntimeConfig
 from graphcp.dist import CPGroup, gather_object, run_ranks
 from graphcp.engine import PrefillEngine, prefill_after_prefixes
 from graphcp.pp.microbatch import split_microbatches
+from graphcp.pd.files import save_kv
 
 
 @dataclass
@@ -54,10 +56,26 @@ def prefill_requests(engine: PrefillEngine, reqs: list[FileRequest], all_logits:
         all_logits)
 
 
+def export_files(engine: PrefillEngine, out: PrefillOutput, reqs: list[FileRequest], folder: str | Path) -> None:
+    """``folder/<i>.safetensors`` for request i (graphcp.pd.files), written by rank 0;
+    every rank takes part (a layer-split cache sends each layer from its owner)."""
+    folder = Path(folder)
+    if engine.rank == 0:
+        folder.mkdir(exist_ok=True)
+    for i, (r, h) in enumerate(zip(reqs, out.handles)):
+        export = engine.export_kv(h, dst=0)
+        if export is not None:
+            export.token_ids = torch.tensor(r.tokens, dtype=torch.int64)
+            export.last_logits = out.last_logits[i]
+            save_kv(export, folder / f"{i}.safetensors")
+
+
 def prefill_job(group: CPGroup, spec: JobSpec, reqs: list[FileRequest], all_logits: bool,
-                with_stats: bool = False) -> dict | None:
+                with_stats: bool = False, export_kv: str | None = None) -> dict | None:
     engine = make_engine(group, spec)
     out = prefill_requests(engine, reqs, all_logits)
+    if export_kv is not None:
+        export_files(engine, out, reqs, export_kv)
     ranks = gather_object(group, engine.stats()) if with_stats else None  # every rank takes part
     stats = gather_object(group, dict(out.info.stats))  # every rank's figures (the indexer's work, say)
     if group.rank != 0:  # every rank holds the same outputs (under PP too: broadcast from their stages)

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from graphcp.attention.sparse_mla import indexer_report
-from graphcp.checks import check_output_path
+from graphcp.checks import check_output_dir, check_output_path
 from graphcp.cli.args import add_runtime_args, job_spec, preflight
 from graphcp.cli.jobs import prefill_job, run_job, run_job_on_ranks
+from graphcp.cli.pd_demo import add_pd_demo_parser
 from graphcp.cli.requests import parse_requests
 from graphcp.errors import one_line, report
 from graphcp.gpucheck.cli import add_gpu_check_parser
@@ -50,10 +51,12 @@ def cmd_prefill(args) -> int:
     check_output_path(args.output, "--output")  # before any work: not after the forward
     if args.stats:
         check_output_path(args.stats, "--stats")
+    if args.export_kv is not None:
+        check_output_dir(args.export_kv, "--export-kv")
     spec = job_spec(args)
     reqs = parse_requests(args.input)
     preflight(spec)
-    res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits, bool(args.stats))
+    res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits, bool(args.stats), args.export_kv)
     if res is not None:
         out = {"last_logits": res["last_logits"]}
         if args.all_logits:
@@ -68,7 +71,8 @@ def cmd_prefill(args) -> int:
             f"{info['pp_size'] * info['cp_size']} ranks ({info['pp_size']} stages x CP {info['cp_size']})"
         print(f"prefilled {len(reqs)} requests on {ranks}, layout {info['layout']}, "
               f"path {info['path']} (local capacity {info['capacity']}), {info['kv_cache']} KV cache, exchange "
-              f"{info['exchange']} -> {args.output}" + (f" (stats: {args.stats})" if args.stats else ""))
+              f"{info['exchange']} -> {args.output}" + (f" (stats: {args.stats})" if args.stats else "")
+              + (f"; KV -> {args.export_kv}/<i>.safetensors" if args.export_kv is not None else ""))
         indexer = indexer_report(info["stats_per_rank"])
         if indexer is not None:  # DSA models
             print(indexer)
@@ -158,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help='REQUESTS.jsonl: {"tokens": [...], "prefix": K} a line')
     p.add_argument("--output", required=True, help="OUT.pt (torch.save dict)")
     p.add_argument("--all-logits", action="store_true", help="also save every new token's logits")
+    p.add_argument("--export-kv", default=None, metavar="DIR",
+                   help="write each request's KV to DIR/<i>.safetensors (graphcp.pd.load_kv reads it; docs/pd.md)")
     p.add_argument("--stats", default=None, metavar="STATS.json",
                    help="also write what each rank did: KV pool and stored tokens, and per forward its path, "
                         "bucket, exchange, new and cached tokens and bytes received (docs/sharded_kv.md)")
@@ -172,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tune_parser(sub)
     add_profile_parser(sub)
+    add_pd_demo_parser(sub)
     add_gpu_check_parser(sub)
     for p in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the top-level value
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

@@ -1,0 +1,16 @@
+"""Prefill/decode disaggregation: a request's KV handed to a decode side.
+
+- :mod:`graphcp.pd.export`: the transport-neutral layout (:class:`KVExport`, :class:`KVMeta`)
+  and its assembly from the spans each rank holds (``PrefillEngine.export_kv``);
+- :mod:`graphcp.pd.files`: one safetensors file a request;
+- :mod:`graphcp.pd.hf`: a transformers ``DynamicCache`` from an export;
+- :mod:`graphcp.pd.mooncake`: the Mooncake transfer-engine transport (sender per
+  prefill rank, receiver on the decode side, their control channel).
+
+See docs/pd.md.
+"""
+
+from graphcp.pd.export import KVExport, KVFormatError, KVMeta
+from graphcp.pd.load import LoadedKV, load_kv
+
+__all__ = ["KVExport", "KVFormatError", "KVMeta", "LoadedKV", "load_kv"]

@@ -1,0 +1,192 @@
+"""KVExport: one request's KV in graphcp's transport-neutral layout.
+
+Layout (format ``graphcp-kv/1``): for every layer ``i`` of the model, ``k[i]`` and
+``v[i]`` of shape ``[num_kv_heads, num_tokens, head_dim]`` in the model dtype,
+contiguous, over all the request's tokens (cached prefix + new), keys **after RoPE**
+(what transformers' cache holds: a decode engine appends to it as it is). Metadata
+(:class:`KVMeta`): token count, layer count, heads, head_dim, dtype, the prefill
+engine's page size and the model fingerprint (graphcp.pd.fingerprint).
+
+Flattened for a transport (the Mooncake receiver's buffer, see graphcp.pd.mooncake)
+the request is one region: layer 0's K, layer 0's V, layer 1's K, ..., so tensor
+``(layer, kind)`` starts at byte ``(2 * layer + kind) * H * T * D * itemsize`` and
+head ``h``'s run of positions ``[s, e)`` at ``... + (h * T + s) * D * itemsize``.
+
+Assembly (:func:`assemble`) reads the pieces each rank holds (graphcp.kvspans) and
+puts them in order into the export's own tensors: only that request's KV moves,
+never a pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphcp.config import DTYPES, parse_dtype
+from graphcp.dist import CPGroup
+from graphcp.errors import InputError
+from graphcp.kvspans import KVSource, KVSpan
+
+FORMAT = "graphcp-kv/1"
+
+
+class KVFormatError(InputError):
+    """A KV export (file, header or message) that does not follow graphcp-kv/1."""
+
+
+@dataclass(frozen=True)
+class KVMeta:
+    num_tokens: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # float32 | bfloat16 | float16
+    page_size: int  # the prefill engine's (informational: the layout has no pages)
+    fingerprint: str  # the model's (graphcp.pd.fingerprint)
+    format: str = FORMAT
+
+    def __post_init__(self) -> None:
+        for name in ("num_tokens", "num_layers", "num_kv_heads", "head_dim", "page_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise KVFormatError(f"KV metadata: {name} must be an integer >= 1, got {v!r}")
+        if self.dtype not in DTYPES:
+            raise KVFormatError(f"KV metadata: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.format != FORMAT:
+            raise KVFormatError(f"KV metadata: format {self.format!r} is not {FORMAT!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Every k and v tensor's shape."""
+        return (self.num_kv_heads, self.num_tokens, self.head_dim)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.num_kv_heads * self.num_tokens * self.head_dim * self.torch_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """The whole request: 2 tensors a layer."""
+        return 2 * self.num_layers * self.tensor_bytes
+
+    def offset(self, layer: int, kind: int, head: int = 0, position: int = 0) -> int:
+        """Byte offset of ``(layer, kind (0 = K, 1 = V), head, position)`` in the flat layout."""
+        row = head * self.num_tokens + position
+        return (2 * layer + kind) * self.tensor_bytes + row * self.head_dim * self.torch_dtype.itemsize
+
+    def to_dict(self) -> dict[str, str]:
+        """String values (a safetensors header holds strings only)."""
+        return {k: str(v) for k, v in vars(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "KV metadata") -> "KVMeta":
+        if not isinstance(d, dict):
+            raise KVFormatError(f"{source}: expected a mapping of metadata, got {type(d).__name__}")
+        missing = [k for k in ("num_tokens", "num_layers", "num_kv_heads", "head_dim", "dtype", "page_size",
+                               "fingerprint", "format") if k not in d]
+        if missing:
+            raise KVFormatError(f"{source}: missing KV metadata {missing} (not a {FORMAT} export?)")
+        ints = {}
+        for k in ("num_tokens", "num_layers", "num_kv_heads", "head_dim", "page_size"):
+            try:
+                ints[k] = int(d[k])
+            except (TypeError, ValueError):
+                raise KVFormatError(f"{source}: {k} must be an integer, got {d[k]!r}") from None
+        try:
+            return cls(**ints, dtype=str(d["dtype"]), fingerprint=str(d["fingerprint"]), format=str(d["format"]))
+        except KVFormatError as e:
+            raise KVFormatError(f"{source}: {e}") from None
+
+
+@dataclass
+class KVExport:
+    """One request's KV (module docstring). ``token_ids`` (int64 [num_tokens]) and
+    ``last_logits`` (float32 [vocab], the first token's logits) ride along when the
+    caller knows them (the command line's exports carry both)."""
+
+    meta: KVMeta
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    token_ids: torch.Tensor | None = None
+    last_logits: torch.Tensor | None = None
+
+    def check(self, source: str = "KV export") -> "KVExport":
+        """KVFormatError unless every tensor has the metadata's shape and dtype."""
+        m = self.meta
+        if len(self.k) != m.num_layers or len(self.v) != m.num_layers:
+            raise KVFormatError(f"{source}: {len(self.k)} K and {len(self.v)} V tensors for {m.num_layers} layers")
+        for kind, ts in (("k", self.k), ("v", self.v)):
+            for i, t in enumerate(ts):
+                if tuple(t.shape) != m.shape or t.dtype != m.torch_dtype:
+                    raise KVFormatError(f"{source}: {kind}.{i} is {tuple(t.shape)} {t.dtype}, expected {m.shape} "
+                                        f"{m.torch_dtype}")
+        if self.token_ids is not None and tuple(self.token_ids.shape) != (m.num_tokens,):
+            raise KVFormatError(f"{source}: token_ids has shape {tuple(self.token_ids.shape)}, expected "
+                                f"({m.num_tokens},)")
+        return self
+
+    def to(self, device: torch.device | str) -> "KVExport":
+        return KVExport(self.meta, [t.to(device) for t in self.k], [t.to(device) for t in self.v],
+                        self.token_ids, self.last_logits)
+
+
+def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta: KVMeta,
+             dst: int | None, device: torch.device) -> KVExport | None:
+    """Put one request's KV together from the spans each rank holds. Every rank calls
+    it (the same spans everywhere). ``dst``: the rank that receives the export (the
+    others return None), or None for every rank. A span every receiving rank holds is
+    read locally (a replicated cache: no traffic); the others come from their owners,
+    each owner packing all its spans into one message: a point-to-point send to
+    ``dst``, or a broadcast when every rank receives. At most C - 1 messages a request
+    (not one per span: a token-sharded cache has 2C runs a layer per chunk)."""
+    me = group.rank
+    receivers = range(group.size) if dst is None else (dst,)
+    receive = me in receivers
+    dev, dtype = device, meta.torch_dtype
+    k = [torch.empty(meta.shape, dtype=dtype, device=dev) for _ in range(meta.num_layers)] if receive else None
+    v = [torch.empty(meta.shape, dtype=dtype, device=dev) for _ in range(meta.num_layers)] if receive else None
+    remote: dict[int, list[KVSpan]] = {}
+    for span in spans:
+        if all(source.holds(span, r) for r in receivers):
+            if receive:
+                _place(k, v, span, *source.read_span(handle, span))
+        else:
+            remote.setdefault(span.owner, []).append(span)
+    per_token = 2 * meta.num_kv_heads * meta.head_dim
+    for owner, theirs in sorted(remote.items()):
+        if me == owner:
+            buf = torch.cat([torch.stack(source.read_span(handle, s)).reshape(-1) for s in theirs])
+        elif dst is None or me == dst:
+            buf = torch.empty(sum(s.num_tokens for s in theirs) * per_token, dtype=dtype, device=dev)
+        else:
+            continue  # neither the owner nor the receiver of this part
+        if dst is None:
+            group.broadcast_(buf, owner)
+        elif me == owner:
+            group.send(buf, dst)
+            continue
+        else:
+            group.recv_(buf, owner)
+        _unpack(k, v, theirs, buf, meta)
+    return KVExport(meta, k, v) if receive else None
+
+
+def _unpack(k: list[torch.Tensor], v: list[torch.Tensor], spans: list[KVSpan], buf: torch.Tensor,
+            meta: KVMeta) -> None:
+    """Place an owner's packed spans (each ``[2, H, n, D]``, in order) into the export."""
+    at = 0
+    for span in spans:
+        n = 2 * meta.num_kv_heads * span.num_tokens * meta.head_dim
+        kv = buf[at:at + n].view(2, meta.num_kv_heads, span.num_tokens, meta.head_dim)
+        _place(k, v, span, kv[0], kv[1])
+        at += n
+
+
+def _place(k: list[torch.Tensor], v: list[torch.Tensor], span: KVSpan, ks: torch.Tensor, vs: torch.Tensor) -> None:
+    k[span.layer][:, span.start:span.stop].copy_(ks)
+    v[span.layer][:, span.start:span.stop].copy_(vs)

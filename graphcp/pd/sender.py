@@ -1,0 +1,138 @@
+"""The prefill side of the Mooncake transport: :class:`KVSender`, one per CP rank.
+
+Every rank of the prefill group calls :meth:`KVSender.send` with the same handles and
+request ids (like ``prefill``), and sends only the spans its cache mode makes it the
+owner of (graphcp.kvspans: a contiguous range of layers for the replicated and the
+layer-split caches), with no collective between the ranks: per request it ``open``s
+the request on the control channel (the receiver answers with the request's region),
+copies its spans into a registered staging buffer in the export layout, writes them
+with Mooncake writes (one batch a contiguous run) straight into the receiver's memory and says
+``done``. ``send`` returns when the receiver acknowledged every request; until then,
+and after any error, the request's KV is still in the engine (nothing is released:
+``engine.release`` after ``send`` returned; a retry or an export to file still works).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from graphcp.pd.control import Channel, connect
+from graphcp.pd.errors import ReceiverDied, ReceiverUnreachable, TransferFailed, TransferTimeout
+from graphcp.pd.export import KVMeta
+from graphcp.pd.mooncake import MooncakeEngine
+
+
+class KVSender:
+    """One prefill rank's connection to a :class:`graphcp.pd.receiver.KVReceiver` at
+    ``receiver`` (its control ``host:port``). ``timeout_s`` bounds the connection, each
+    write and each acknowledgement."""
+
+    def __init__(self, receiver: str, rank: int = 0, cp_size: int = 1, host: str = "127.0.0.1",
+                 timeout_s: float = 30.0, protocol: str = "tcp", device_name: str = "") -> None:
+        self.rank, self.cp_size, self.timeout_s = rank, cp_size, timeout_s
+        self.engine = MooncakeEngine(host, protocol, device_name)
+        try:
+            sock = connect(receiver, timeout_s)
+        except (OSError, ValueError) as e:
+            raise ReceiverUnreachable(f"rank {rank}: KV receiver {receiver} unreachable within {timeout_s:g}s "
+                                      f"({type(e).__name__}: {e})") from None
+        self.channel = Channel(sock, receiver)
+        try:
+            hello = self.channel.recv(timeout_s)
+        except TransferTimeout:
+            raise ReceiverUnreachable(f"rank {rank}: {receiver} accepted the connection but sent no hello within "
+                                      f"{timeout_s:g}s (not a graphcp KV receiver?)") from None
+        if hello is None or hello.get("op") != "hello":
+            raise ReceiverDied(f"rank {rank}: {receiver} closed the connection instead of its hello")
+        self.session = str(hello["session"])
+        self.wants = hello
+        self._staging: torch.Tensor | None = None
+        self._staging_addr = 0
+
+    def send(self, engine, handles: Sequence, request_ids: Sequence[str]) -> None:
+        """Send each handle's KV as ``request_ids[i]``; returns once the receiver
+        acknowledged all of them (module docstring). Raises ReceiverDied, TransferFailed
+        or TransferTimeout naming the request; releases nothing."""
+        if len(handles) != len(request_ids):
+            raise ValueError(f"{len(handles)} handles but {len(request_ids)} request ids")
+        for h in handles:
+            engine.kv.check_handle(h)
+        for h, rid in zip(handles, request_ids):
+            self._send_one(engine, h, str(rid))
+        for rid in request_ids:
+            self._wait_ack(str(rid))
+
+    def close(self) -> None:
+        self.channel.close()
+        if self._staging is not None:
+            self.engine.unregister(self._staging_addr)
+            self._staging = None
+
+    # ---- steps -------------------------------------------------------------------------
+    def _what(self, rid: str) -> str:
+        return f"rank {self.rank}: request {rid!r}"
+
+    def _reply(self, rid: str, ops: tuple[str, ...], waiting_for: str) -> dict:
+        try:
+            msg = self.channel.wait_for(rid, ops, self.timeout_s)
+        except TransferTimeout:
+            raise TransferTimeout(f"{self._what(rid)}: the receiver sent no {waiting_for} within "
+                                  f"{self.timeout_s:g}s; the KV is still in the prefill engine") from None
+        if msg is None:
+            raise ReceiverDied(f"{self._what(rid)}: the receiver ({self.channel.peer}) closed the connection before "
+                               f"its {waiting_for} (it died?); the KV is still in the prefill engine")
+        if msg["op"] in ("refused", "failed"):
+            raise TransferFailed(f"{self._what(rid)}: the receiver {msg['op']} it: {msg.get('error')}; the KV is "
+                                 "still in the prefill engine")
+        return msg
+
+    def _send_one(self, engine, handle, rid: str) -> None:
+        meta: KVMeta = engine.kv_meta(handle)
+        mine = [s for s in engine.kv.kv_spans(handle, self.cp_size) if s.owner == self.rank]
+        self.channel.send(op="open", id=rid, rank=self.rank, senders=self.cp_size, meta=meta.to_dict())
+        base = int(self._reply(rid, ("region", "refused", "failed"), "region")["addr"])
+        item = meta.torch_dtype.itemsize
+        staging = self._stage(sum(2 * meta.num_kv_heads * s.num_tokens * meta.head_dim * item for s in mine))
+        src, dst, lengths = [], [], []
+        pos = 0
+        for span in mine:
+            for kind, t in enumerate(engine.kv.read_span(handle, span)):
+                nb = t.numel() * item
+                staging[pos:pos + nb].view(meta.torch_dtype).copy_(t.reshape(-1))
+                if span.num_tokens == meta.num_tokens:  # the whole tensor: one run
+                    runs = [(0, meta.offset(span.layer, kind), nb)]
+                else:  # a run of positions per head
+                    run = span.num_tokens * meta.head_dim * item
+                    runs = [(h * run, meta.offset(span.layer, kind, h, span.start), run)
+                            for h in range(meta.num_kv_heads)]
+                for s_off, d_off, n in runs:
+                    src.append(self._staging_addr + pos + s_off)
+                    dst.append(base + d_off)
+                    lengths.append(n)
+                pos += nb
+        try:
+            self.engine.write(self.session, src, dst, lengths, self.timeout_s, self._what(rid))
+        except (TransferFailed, TransferTimeout) as e:
+            if self.channel.peer_closed():
+                raise ReceiverDied(f"{self._what(rid)}: the receiver ({self.channel.peer}) died during the transfer "
+                                   f"({e}); the KV is still in the prefill engine") from None
+            try:
+                self.channel.send(op="abort", id=rid, rank=self.rank, error=str(e))
+            except ReceiverDied:
+                pass
+            raise type(e)(f"{e}; the KV is still in the prefill engine") from None
+        self.channel.send(op="done", id=rid, rank=self.rank, bytes=pos)
+
+    def _wait_ack(self, rid: str) -> None:
+        self._reply(rid, ("ack", "failed"), "acknowledgement")
+
+    def _stage(self, nbytes: int) -> torch.Tensor:
+        """The registered staging buffer, grown (re-registered) to hold ``nbytes``."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            if self._staging is not None:
+                self.engine.unregister(self._staging_addr)
+            self._staging = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+            self._staging_addr = self.engine.register(self._staging)
+        return self._staging

@@ -1,0 +1,109 @@
+"""LayerSplit (``kv_cache='layer-split'``): each rank keeps ceil(L / C) layers' cache and
+one scratch layer. The reference is the replicated engine on the same ranks: logits
+bitwise equal in float32 and bfloat16, with and without a cached prefix (whose pages
+come from each layer's owner), on the eager path and on breakable graphs (a replay
+equal to the same-bucket eager body bitwise); the pool is (1 + 1) / 4 of the
+replicated one at C = 4 on a 4-layer model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphcp import PrefillEngine, Request, RuntimeConfig
+from graphcp.capture.buckets import BucketSet
+from graphcp.config import ConfigError
+from graphcp.dist import launch
+from graphcp.engine import prefill_after_prefixes
+from graphcp.kvspans import KVSpan, layer_owner, owned_layers
+from graphcp.layer_split import LayerSplitKVCache
+
+#: (prefix, new) lengths: a long request extending a cached prefix, a fresh one, a short one
+BATCH = [(45, 70), (0, 33), (17, 3)]
+
+
+def _batch(vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, vocab, p) if p else None, rng.integers(0, vocab, n)) for p, n in BATCH]
+
+
+def _both_caches(group, folder, dtypes):
+    """Per dtype: the replicated and the layer-split engine's logits and pool bytes."""
+    out = []
+    for dtype in dtypes:
+        res = {}
+        for mode in ("replicated", "layer-split"):
+            eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=512, kv_cache=mode), group)
+            o = prefill_after_prefixes(eng, _batch(eng.cfg.vocab_size), all_logits=True)
+            # the pool as the stats file reports it (graphcp prefill --stats writes engine.stats())
+            res[mode] = (o.last_logits, o.logits, eng.stats()["kv_pool_bytes"], o.info.stats["bytes_received"])
+        out.append(res)
+    return out
+
+
+def test_layer_split_equals_replicated_with_a_quarter_plus_one_of_the_pool(hf_model_dir):
+    folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=4)
+    per_rank = launch(_both_caches, 4, folder, ("float32", "bfloat16"))
+    for rank, results in enumerate(per_rank):
+        for dtype, res in zip(("float32", "bfloat16"), results):
+            (rl, rall, rbytes, rgot), (sl, sall, sbytes, sgot) = res["replicated"], res["layer-split"]
+            assert torch.equal(sl, rl), (rank, dtype)
+            assert all(torch.equal(a, b) for a, b in zip(sall, rall)), (rank, dtype)
+            # 1 owned layer + the scratch layer of 4: the same pages, half the bytes
+            assert sbytes * 4 == rbytes * 2, (rank, dtype, sbytes, rbytes)
+            # the extend also received the prefix pages of the 3 layers other ranks own
+            assert sgot > rgot, (rank, dtype, sgot, rgot)
+
+
+def _graph_vs_eager(group, folder):
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, kv_cache="layer-split", graph="breakable"), group,
+                        BucketSet((64, 128)))
+    eng.capture()  # each bucket self-checked on a synthetic batch that extends a prefix
+    ref = PrefillEngine(folder, RuntimeConfig(kv_tokens=512), group)
+    vocab = eng.cfg.vocab_size
+    handles = [None if p is None else eng.prefill([Request(p)]).handles[0] for p, _ in _batch(vocab)]
+    prep = eng.preparer.prepare([Request(n, h) for (_, n), h in zip(_batch(vocab), handles)])
+    sel = eng.runner.select(prep.plan.max_local_rows)
+    same_bucket = eng.runner.eager_on_bucket(prep, sel.capacity).clone()
+    hidden, info = eng.runner.try_replay(prep)
+    eng.preparer.abort(prep)
+    graph = prefill_after_prefixes(eng, _batch(vocab))
+    eager = prefill_after_prefixes(ref, _batch(vocab))
+    replicated_graph = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, graph="breakable"), group,
+                                     BucketSet((64, 128)))
+    rg = prefill_after_prefixes(replicated_graph, _batch(vocab))
+    return (info.path, bool(torch.equal(hidden, same_bucket)), graph.info.path,
+            bool(torch.equal(graph.last_logits, rg.last_logits)), float((graph.last_logits - eager.last_logits).abs().max()))
+
+
+def test_breakable_graphs_replay_layer_split_with_a_cached_prefix(hf_model_dir):
+    folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=4)
+    for path, bitwise, graph_path, same_as_replicated, vs_eager in launch(_graph_vs_eager, 2, folder):
+        assert path == "graph" and graph_path == "graph"
+        assert bitwise  # the replay (the broadcast in the attention break) equals the same-bucket eager body
+        assert same_as_replicated  # and the replicated cache's replay
+        assert vs_eager < 1e-4  # the unpadded eager forward: rounding over padded rows only
+
+
+@pytest.mark.parametrize("num_layers,cp", [(4, 4), (4, 3), (2, 4), (7, 2), (1, 1)])
+def test_owned_layers_cover_every_layer_once(num_layers, cp):
+    ranges = [owned_layers(r, num_layers, cp) for r in range(cp)]
+    assert [i for r in ranges for i in r] == list(range(num_layers))
+    assert all(len(r) <= -(-num_layers // cp) for r in ranges)
+    assert all(layer_owner(i, num_layers, cp) == r for r, rg in enumerate(ranges) for i in rg)
+
+
+def test_refusals():
+    with pytest.raises(ConfigError, match="graph='full' cannot run kv_cache='layer-split'"):
+        RuntimeConfig(kv_cache="layer-split", graph="full")
+    with pytest.raises(ConfigError, match="kv_cache must be one of replicated, sharded, layer-split"):
+        RuntimeConfig(kv_cache="paged")
+    with pytest.raises(ConfigError, match="exchange='pass-q' needs kv_cache='sharded'; the layer-split cache"):
+        RuntimeConfig(kv_cache="layer-split", exchange="pass-q")
+    kv = LayerSplitKVCache(4, 8, 16, 2, 32, torch.float32, "cpu", "NHD", None, rank=0, cp_size=2)
+    assert kv.pool.shape[0] == 3 and kv.layer(1).data_ptr() == kv.pool[1].data_ptr()
+    assert kv.layer(2).data_ptr() == kv.layer(3).data_ptr() == kv.pool[2].data_ptr()  # the one scratch layer
+    h = kv.handle(kv.extend([None], [3])[0])
+    with pytest.raises(ValueError, match="rank 0 does not hold layer 3 .* read it on rank 1"):
+        kv.read_span(h, KVSpan(3, 0, 3, 1))

@@ -1,0 +1,60 @@
+"""The command line's PD parts: ``graphcp prefill --export-kv DIR`` (at --cp 2 with the
+layer-split cache; its pool as the --stats file reports it) and ``graphcp pd-demo`` (a round trip through Mooncake to a decode
+process that continues with transformers)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from graphcp.cli.main import main
+from graphcp.pd import load_kv
+from graphcp.pd.mooncake import mooncake_problem
+
+
+def _graphcp(capsys, *args):
+    """The command in this process (its ranks and decode process are forked from it)."""
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
+def test_prefill_exports_each_request_to_a_file(hf_model_dir, tmp_path, capsys):
+    folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=4)
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text(json.dumps({"tokens": list(range(5, 60))}) + "\n"
+                    + json.dumps({"tokens": list(range(100, 130)), "prefix": 11}) + "\n")
+    proc = _graphcp(capsys, "prefill", "--model", folder, "--input", reqs, "--output", tmp_path / "o.pt", "--cp", 2,
+                    "--graph", "off", "--kv-cache", "layer-split", "--kv-tokens", 512, "--export-kv", tmp_path / "kv",
+                    "--stats", tmp_path / "stats.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "KV ->" in proc.stdout
+    # the stats file: each rank's pool holds its 2 layers + the scratch layer, 3/4 of the
+    # replicated pool (33 pages of 16 tokens, K and V, float32)
+    cfg = json.loads((folder / "config.json").read_text())
+    replicated = 4 * 33 * 2 * 16 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    ranks = json.loads((tmp_path / "stats.json").read_text())["ranks"]
+    assert [(r["kv_cache"], r["kv_pool_bytes"]) for r in ranks] == [("layer-split", replicated * 3 // 4)] * 2
+    logits = torch.load(tmp_path / "o.pt")["last_logits"]
+    for i, n in enumerate((55, 30)):
+        kv = load_kv(tmp_path / "kv" / f"{i}.safetensors")
+        assert kv.num_tokens == n and kv.export.meta.num_layers == 4 and kv.cache.get_seq_length() == n
+        assert torch.equal(kv.export.last_logits, logits[i])
+        assert kv.export.token_ids.tolist() == (list(range(5, 60)) if i == 0 else list(range(100, 130)))
+    bad = _graphcp(capsys, "prefill", "--model", folder, "--input", reqs, "--output", tmp_path / "o2.pt",
+                   "--export-kv", tmp_path / "o.pt")
+    assert bad.returncode == 2 and "--export-kv" in bad.stderr and "is a file" in bad.stderr
+    assert not (tmp_path / "o2.pt").exists()
+
+
+@pytest.mark.skipif(mooncake_problem() is not None, reason=f"Mooncake transport unavailable: {mooncake_problem()}")
+def test_pd_demo_round_trip_matches_transformers(hf_model_dir, capsys):
+    folder = hf_model_dir("llama", False, "float32")
+    proc = _graphcp(capsys, "pd-demo", "--model", folder, "--graph", "off", "--kv-tokens", 1024, "--prompt-tokens", 150,
+                    "--prefix-tokens", 40, "--steps", 4, "--transfer-timeout", 30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "via mooncake" in proc.stdout and "| match" in proc.stdout and "yes |" in proc.stdout
+    assert "the decode side holds 150 tokens" in proc.stdout

@@ -1,0 +1,210 @@
+"""The Mooncake transport on loopback TCP: prefill ranks (forked) send to a receiver
+process (forked). A batch of mixed lengths from 2 ranks, with the replicated, the
+layer-split and the token-sharded cache, arrives bitwise equal to ``export_kv``; each
+fault ends in its documented error within the timeout, nothing is handed out
+partially, and the prefill side's KV can still be exported (and sent again) afterwards."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from graphcp import PrefillEngine, Request, RuntimeConfig
+from graphcp.dist import free_port, launch
+from graphcp.pd.errors import TransferError
+from graphcp.pd.files import read_kv, save_kv
+from graphcp.pd.mooncake import mooncake_problem
+
+PROBLEM = mooncake_problem()
+pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=f"Mooncake transport unavailable: {PROBLEM}")
+
+LENS = [300, 1, 77, 16]
+#: the sharded cache's spans are runs of positions: written one run per head
+MODES = ("replicated", "layer-split", "sharded")
+TIMEOUT = 3.0  # the fault tests' timeout on both sides
+
+
+def _receiver_main(kind, ready, done, stop, folder, ids, timeout_s):
+    torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool
+    from graphcp.pd.receiver import KVReceiver
+
+    class BadAddressOnce(KVReceiver):  # the first request's region lies outside the registered buffer
+        faulty = True
+
+        def _open(self, ch, rid, msg):
+            reply = super()._open(ch, rid, msg)
+            if reply["op"] == "region" and self.faulty:
+                self.faulty = False
+                reply["addr"] += 1 << 40
+            return reply
+
+    class NeverAcks(KVReceiver):  # swallows every "done" and tells the senders nothing after the region
+        def _handle(self, ch, msg):
+            if msg.get("op") != "done":
+                super()._handle(ch, msg)
+
+        def _notify(self, req, rid, **msg):
+            pass
+
+    class DiesAfterOpen(KVReceiver):  # answers the first open, then the process dies
+        def _handle(self, ch, msg):
+            super()._handle(ch, msg)
+            if msg.get("op") == "open":
+                os._exit(3)
+
+    cls = {"good": KVReceiver, "bad-address": BadAddressOnce, "never-acks": NeverAcks,
+           "dies": DiesAfterOpen}[kind]
+    rx = cls(64 << 20, timeout_s=timeout_s)
+    ready.put(rx.address)
+    results = {}
+    for rid in ids:
+        try:
+            save_kv(rx.get(rid, timeout_s=timeout_s + 60), os.path.join(folder, f"{rid}.safetensors"))
+            results[rid] = ("ok", "")
+        except TransferError as e:
+            results[rid] = (type(e).__name__, str(e))
+    results["completed"] = rx.completed()
+    done.put(pickle.dumps(results))
+    stop.wait(120)  # alive (its connections open) until the test has read the results
+
+
+class Receiver:
+    """A receiver process of ``kind``; ``results()`` waits for what it made of ``ids``."""
+
+    def __init__(self, kind, folder, ids, timeout_s=TIMEOUT):
+        ctx = mp.get_context("fork")
+        self.ready, self.done, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+        self.proc = ctx.Process(target=_receiver_main,
+                                args=(kind, self.ready, self.done, self.stop, str(folder), ids, timeout_s))
+        self.proc.start()
+        self.address = self.ready.get(timeout=120)
+
+    def results(self):
+        try:
+            return pickle.loads(self.done.get(timeout=120))
+        finally:
+            self.stop.set()
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+def _requests(vocab):
+    rng = np.random.default_rng(5)
+    return [Request(rng.integers(0, vocab, n)) for n in LENS]
+
+
+def _send_batch(group, folder, address):
+    from graphcp.pd.sender import KVSender
+
+    out = {}
+    for mode in MODES:
+        eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache=mode), group)
+        handles = eng.prefill(_requests(eng.cfg.vocab_size)).handles
+        if mode == "sharded":  # a second chunk: each rank's positions in several runs
+            handles = eng.prefill([Request([7, 8, 9, 10, 11], h) for h in handles]).handles
+        sender = KVSender(address, group.rank, group.size, timeout_s=60)
+        sender.send(eng, handles, [f"{mode}-{i}" for i in range(len(handles))])
+        sender.close()
+        exports = eng.export_kv_batch(handles, dst=0)  # every rank takes part; rank 0 gets them
+        out[mode] = [(e.k, e.v) for e in exports] if group.rank == 0 else None
+    return out
+
+
+def test_two_ranks_send_a_mixed_batch_bitwise(hf_model_dir, tmp_path):
+    folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=4)
+    ids = [f"{m}-{i}" for m in MODES for i in range(len(LENS))]
+    rx = Receiver("good", tmp_path, ids, timeout_s=120)
+    sent = launch(_send_batch, 2, folder, rx.address)[0]
+    got = rx.results()
+    assert sorted(got.pop("completed")) == [] and all(v == ("ok", "") for v in got.values()), got
+    for mode, exports in sent.items():
+        for i, (k, v) in enumerate(exports):
+            recv = read_kv(tmp_path / f"{mode}-{i}.safetensors")
+            assert recv.meta.num_tokens == LENS[i] + 5 * (mode == "sharded") and recv.meta.num_layers == 4
+            assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), (mode, i)
+
+
+def _faulty_send(group, folder, address, ids, die_before_done=False):
+    """One rank: prefill, then send request ``ids`` one by one (the same KV), catching
+    each error with the time it took; then check the KV is all still there."""
+    from graphcp.pd.sender import KVSender
+
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=256), group)
+    h = eng.prefill(_requests(eng.cfg.vocab_size)[2:3]).handles[0]
+    before = eng.export_kv(h)
+    outcomes = []
+    for rid in ids:
+        t0 = time.monotonic()
+        try:
+            sender = KVSender(address, timeout_s=TIMEOUT)
+            if die_before_done:  # the sender process dies after writing its part, before "done"
+                send = sender.channel.send
+                sender.channel.send = lambda **m: os._exit(3) if m.get("op") == "done" else send(**m)
+            sender.send(eng, [h], [rid])
+            outcomes.append((rid, "ok", "", time.monotonic() - t0))
+        except TransferError as e:
+            outcomes.append((rid, type(e).__name__, str(e), time.monotonic() - t0))
+    after = eng.export_kv(h)  # nothing lost: the same KV, still exportable
+    same = all(torch.equal(a, b) for a, b in zip(before.k + before.v, after.k + after.v))
+    return outcomes, same, (before.k, before.v)
+
+
+def test_receiver_unreachable(hf_model_dir):
+    folder = hf_model_dir("qwen3", False, "float32")
+    (outcomes, same, _), = launch(_faulty_send, 1, folder, f"127.0.0.1:{free_port()}", ["a"])
+    (_, err, msg, took), = outcomes
+    assert err == "ReceiverUnreachable" and "unreachable" in msg and took < TIMEOUT + 1, outcomes
+    assert same
+
+
+def test_failed_write_then_retry(hf_model_dir, tmp_path):
+    folder = hf_model_dir("qwen3", False, "float32")
+    rx = Receiver("bad-address", tmp_path, ["a", "b"])
+    (outcomes, same, (k, v)), = launch(_faulty_send, 1, folder, rx.address, ["a", "b"])
+    got = rx.results()
+    (_, err, msg, took), retry = outcomes
+    assert err == "TransferFailed" and "Mooncake write" in msg and took < TIMEOUT + 1, outcomes
+    assert retry[1] == "ok" and same
+    assert got["a"][0] == "TransferFailed" and "aborted" in got["a"][1]  # never handed out
+    recv = read_kv(tmp_path / "b.safetensors")
+    assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v))
+
+
+def test_acknowledgement_times_out(hf_model_dir, tmp_path):
+    folder = hf_model_dir("qwen3", False, "float32")
+    rx = Receiver("never-acks", tmp_path, ["a"], timeout_s=TIMEOUT / 2)  # it gives up first, silently
+    (outcomes, same, _), = launch(_faulty_send, 1, folder, rx.address, ["a"])
+    got = rx.results()
+    (_, err, msg, took), = outcomes
+    assert err == "TransferTimeout" and "acknowledgement" in msg and TIMEOUT - 0.5 < took < TIMEOUT + 2, outcomes
+    assert same
+    assert got["a"][0] == "TransferTimeout" and got["completed"] == []
+
+
+def test_receiver_dies_mid_request(hf_model_dir, tmp_path):
+    folder = hf_model_dir("qwen3", False, "float32")
+    rx = Receiver("dies", tmp_path, ["a"])
+    (outcomes, same, _), = launch(_faulty_send, 1, folder, rx.address, ["a"])
+    rx.proc.join(timeout=10)
+    (_, err, msg, took), = outcomes
+    assert err == "ReceiverDied" and took < TIMEOUT + 1, outcomes
+    assert rx.proc.exitcode == 3 and same
+
+
+def test_sender_dies_mid_request(hf_model_dir, tmp_path):
+    folder = hf_model_dir("qwen3", False, "float32")
+    rx = Receiver("good", tmp_path, ["a"])
+    with pytest.raises(Exception, match="rank 0 died"):
+        launch(_faulty_send, 1, folder, rx.address, ["a"], True)
+    t0 = time.monotonic()
+    got = rx.results()
+    assert got["a"][0] == "SenderDied" and "closed before it finished" in got["a"][1], got
+    assert got["completed"] == [] and not (tmp_path / "a.safetensors").exists()  # nothing partial handed out
+    assert time.monotonic() - t0 < TIMEOUT + 5
