@@ -184,7 +184,7 @@ class CPGroup:
         try:
             wait_work(dist.broadcast(x, src=self._global(src), group=self.pg, async_op=_async(x)))
         except Exception as e:  # noqa: BLE001
-            raise self._fail(f"broadcast from rank {src}", e) from e
+            raise self._fail(f"broadcast from global rank {self._global(src)}", e) from e
         return x
 
     def send(self, x: torch.Tensor, dst: int) -> None:
