@@ -53,7 +53,7 @@ def test_plan_and_fill_16_requests_cp8(benchmark, host_engine, kind):
     batches = []
     for seed in (1, 2):
         lens = _lens(kind, seed)
-        flat, _ = eng._validate(_requests(lens, seed))
+        flat, _ = eng.preparer.validate(_requests(lens, seed))
         extend = np.asarray(lens, dtype=np.int64)
         prefix = np.random.default_rng(seed).integers(0, 65, 16)
         seq_ids = eng.kv.extend([None] * 16, (prefix + extend).tolist())  # prefix + new tokens reserved
@@ -63,7 +63,7 @@ def test_plan_and_fill_16_requests_cp8(benchmark, host_engine, kind):
     def plan_and_fill():
         extend, prefix, seq_ids, flat = next(turn)
         plan = eng.layout.plan(extend_lens=extend, prefix_lens=prefix)
-        prep = eng._prepare(plan, seq_ids, flat)
+        prep = eng.preparer.rank_inputs(plan, seq_ids, flat)
         eng.runner.fill(prep, eng.runner.select(plan.max_local_rows).capacity)
 
     benchmark.group = "host preparation"

@@ -117,7 +117,7 @@ class BatchPreparer:
             plan = self.layout.plan(extend_lens=extend, prefix_lens=prefix)
         seq_ids = self.kv.extend([r.prefix for r in batch], extend.tolist())
         try:
-            prep = self._rank_inputs(plan, seq_ids, flat)
+            prep = self.rank_inputs(plan, seq_ids, flat)
         except BaseException:
             self.kv.rollback(seq_ids, extend.tolist())
             raise
@@ -212,7 +212,7 @@ class BatchPreparer:
                 f"vs {[allfp[r].tolist() for r in differ]}); every rank must call prefill with the same requests"
             )
 
-    def _rank_inputs(self, plan: Plan, seq_ids: list[int], flat: np.ndarray) -> PreparedBatch:
+    def rank_inputs(self, plan: Plan, seq_ids: list[int], flat: np.ndarray) -> PreparedBatch:
         """This rank's host inputs for one planned batch (``flat``: the batch's token
         ids in batch order, as :meth:`_validate` returns them)."""
         with nvtx_range("prepare", category="host"):

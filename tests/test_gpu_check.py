@@ -52,7 +52,9 @@ def test_dry_run_environment_and_notes(dry_run):
     assert any("flashinfer is not installed" in n for n in res["notes"])
     used, shares = res["phases"]["used"], res["phases"]["shares"]
     assert set(used) == set(shares) == {"warmup", "kernels", "graphs", "timing", "launches"}
-    assert all(0 < used[p] <= shares[p] + 5 for p in used)
+    # every phase ran and was timed; whether it kept to its share is the budget's own test
+    # (test_budget_shares_carry_over, a fake clock): a wall-clock bound here fails under load
+    assert all(used[p] > 0 for p in used) and sum(shares.values()) <= res["budget_s"]
     assert res["errors"] == []
 
 
