@@ -100,9 +100,8 @@ class PrefillEngine:
                 raise ConfigError("a DSA model runs kv_cache='replicated' and pp_size=1 (its latent cache is not "
                                   f"sharded by token or layer or split into stages yet), got kv_cache={rt.kv_cache!r}, "
                                   f"pp_size={self.parallel.pp_size}")
-            max_pages_per_seq = min(num_pages - 1, -(-self.max_context // rt.page_size))
-            self.kv, attention = dsa_runtime.make_cache_and_attention(self.cfg, rt, num_pages, max_pages_per_seq,
-                                                                      self.device)
+            self.kv, attention = dsa_runtime.make_cache_and_attention(
+                self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device)
         else:
             self.kv = self._make_kv_cache(num_pages, kv_layout)
             spec = AttentionSpec(
@@ -135,10 +134,14 @@ class PrefillEngine:
             self.preparer, self.kv, self.stage, self.pipeline, self.parallel.stage_layers(self.cfg.num_layers),
             self.cfg.hidden_size, self.cfg.vocab_size, self.dtype, self.device)
 
+    def _max_pages_per_seq(self, num_pages: int) -> int:
+        """A request's page-table width: no request outgrows the model's context
+        (prefill checks it before extend), nor the pool."""
+        return min(num_pages - 1, -(-self.max_context // self.runtime.page_size))
+
     def _make_kv_cache(self, num_pages: int, kv_layout) -> PagedKVCache:
         rt, cfg = self.runtime, self.cfg
-        # no request outgrows the model's context (prefill checks it before extend)
-        max_pages = min(num_pages - 1, -(-self.max_context // rt.page_size))
+        max_pages = self._max_pages_per_seq(num_pages)
         if rt.kv_cache == "layer-split":
             if self.pipeline is not None:
                 raise ConfigError(f"RuntimeConfig.kv_cache='layer-split' runs pp_size=1 (LayerSplit spreads one "
