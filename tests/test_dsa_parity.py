@@ -5,7 +5,7 @@ Tiny random checkpoints (tests/conftest.py's DSA_TINY, index_topk 16): requests 
 than index_topk (dense attention) and up to 8x longer (sparse), one extending a cached
 prefix past index_topk. float32 at relative 1e-4 for DeepSeek V3.2 with YaRN (MLA's
 mscale), GLM-5 with a "shared" indexer layer, and both with DeepSeek MoE layers (tp);
-at CP 1, 2 and 4, zigzag (graph off and breakable) and interleave (graph off) (one launch per CP
+at CP 1, 2 and 4, zigzag and interleave, graph off and breakable (one launch per CP
 size looping inside the ranks). bfloat16 against transformers in bfloat16 on requests
 within index_topk only: past it, a bfloat16 rounding difference flips near-tied
 top-k choices (a discontinuous selection), in transformers as in graphcp.
@@ -89,21 +89,22 @@ def _job(group, runs):
     return out
 
 
-#: the cases run with breakable graphs (capture + self-check cost seconds): at these CP sizes
+#: the cases run with breakable graphs (capture + self-check cost seconds): at these CP sizes,
+#: zigzag then interleave (one layout at CP 1)
 BREAKABLE = {"deepseek_v32-yarn": (1, 2, 4), "glm_moe_dsa-moe": (1, 2), "glm_moe_dsa-shared": (2,)}
 #: bfloat16 runs (requests within index_topk): case -> graph mode
 BF16 = {"deepseek_v32-yarn": "breakable", "glm_moe_dsa-shared": "off", "deepseek_v32-moe": "off"}
 
 
 def _runs(folders, cp):
-    """Every case in float32 with graph off, each layout; breakable graphs (the zigzag
-    layout only, RuntimeConfig's rule) and bfloat16 for some cases."""
+    """Every case in float32 with graph off, each layout; breakable graphs (each layout)
+    and bfloat16 for some cases."""
     layouts = ("zigzag",) if cp == 1 else ("zigzag", "interleave")
     runs = []
     for case, folder in folders.items():
         runs += [(case, folder, "float32", layout, "off") for layout in layouts]
         if cp in BREAKABLE.get(case, ()):
-            runs.append((case, folder, "float32", "zigzag", "breakable"))
+            runs += [(case, folder, "float32", layout, "breakable") for layout in layouts]
         if case in BF16:
             runs.append((case, folder, "bfloat16", "zigzag", BF16[case]))
     return runs

@@ -88,10 +88,12 @@ class GraphRunner:
     def __init__(self, body: Body, preparer: BatchPreparer, buckets: BucketSet, runtime: RuntimeConfig,
                  max_context: int) -> None:
         rt = runtime
-        if rt.layout != "zigzag":
-            raise ConfigError(f"RuntimeConfig.graph={rt.graph!r} runs the zigzag layout only, got "
-                              f"layout={rt.layout!r}; use graph='off' with it")
         self.full = rt.graph == "full"
+        if self.full and rt.layout != "zigzag":
+            # breakable graphs read the live segments in the break, whatever their count
+            raise ConfigError(f"RuntimeConfig.graph='full' runs the zigzag layout only, got layout={rt.layout!r}: "
+                              "interleave gives every row its own segment, more than the captured metadata's "
+                              f"2 x max_requests = {2 * rt.max_requests} (use graph='breakable' with it)")
         if self.full and not body.attention.supports_full_graph:
             raise ConfigError(
                 f"RuntimeConfig.graph='full' needs an attention backend that reads only static device "

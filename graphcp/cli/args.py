@@ -32,8 +32,7 @@ def int_list(text: str) -> tuple[int, ...]:
 
 
 def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> None:
-    """The model and RuntimeConfig flags (``default_graph`` None: breakable with the
-    zigzag layout, off with interleave)."""
+    """The model and RuntimeConfig flags (``default_graph`` None: breakable)."""
     p.add_argument("--model", default="default", help="checkpoint folder or preset name (default: the built-in preset)")
     p.add_argument("--dtype", default="float32", choices=CLI_DTYPES)
     p.add_argument("--device", default="cpu", choices=DEVICE_KINDS)
@@ -49,7 +48,7 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
                         "graphs copy them inside the captured segments)")
     p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
     p.add_argument("--graph", default=default_graph, choices=GRAPH_MODES,
-                   help="graph mode (default: breakable where supported, i.e. the zigzag layout)")
+                   help="graph mode (default: breakable)")
     p.add_argument("--graph-backend", default="auto", choices=GRAPH_BACKENDS)
     p.add_argument("--attention", default="torch", choices=ATTENTION_BACKENDS)
     p.add_argument("--buckets", default=None, help="bucket file written by `graphcp tune`")
@@ -76,7 +75,7 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
 
 
 def graph_mode(args: argparse.Namespace) -> str:
-    return args.graph or ("breakable" if args.layout == "zigzag" else "off")
+    return args.graph or "breakable"
 
 
 def job_spec(args: argparse.Namespace) -> JobSpec:
