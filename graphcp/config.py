@@ -292,10 +292,9 @@ class ParallelConfig:
         mixture-of-experts layers, whose experts do not split over the group as ``moe``
         asks: see :meth:`MoeConfig.check_parallel`), or whose layers do not split into
         the pipeline stages."""
-        if m.moe is not None:
-            m.moe.check_parallel(self.cp_size, moe, source, m.hidden_size)
-        if m.dsa is not None:  # DeepSeek MoE (tp): expert slices over the group
-            m.dsa.check_parallel(self.tp_size, source)
+        for experts in (m.moe, m.dsa.moe if m.dsa is not None else None):  # DeepSeek MoE lives in m.dsa
+            if experts is not None:
+                experts.check_parallel(self.cp_size, moe, source, m.hidden_size)
         dense = m.has_dense_mlp if m.dsa is None else m.dsa.has_dense_layers(m.num_layers)
         if dense and m.intermediate_size % self.tp_size:
             raise ConfigError(

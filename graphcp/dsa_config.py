@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from graphcp.checks import check_bool, check_choice, check_float, check_int
 from graphcp.errors import ConfigError
+from graphcp.moe_config import MoeConfig
 from graphcp.rope import yarn_mscale
 
 DsaFamily = Literal["deepseek_v32", "glm_moe_dsa"]
@@ -50,44 +51,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
-class DeepseekMoeConfig:
-    """DeepSeek's MoE layers: ``num_experts`` routed experts (``top_k`` a token, chosen
-    within the ``topk_group`` best of ``n_group`` expert groups by sigmoid score plus
-    the correction bias), ``num_shared`` shared experts, all of ``intermediate_size``."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    num_shared: int
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    layers: tuple[int, ...]  # the MoE layers (the others run the dense MLP)
-
-    def __post_init__(self) -> None:
-        w = "DeepseekMoeConfig"
-        check_int(self.num_experts, "n_routed_experts", lo=1, hi=MAX_EXPERTS, where=w)
-        check_int(self.n_group, "n_group", lo=1, hi=self.num_experts, where=w)
-        if self.num_experts % self.n_group:
-            raise ConfigError(f"{w}: n_routed_experts={self.num_experts} does not divide into n_group={self.n_group} "
-                              "expert groups")
-        if self.num_experts // self.n_group < 2:
-            raise ConfigError(f"{w}: each of the n_group={self.n_group} expert groups needs >= 2 experts (a group "
-                              f"scores by its top two); n_routed_experts={self.num_experts}")
-        check_int(self.topk_group, "topk_group", lo=1, hi=self.n_group, where=w)
-        check_int(self.top_k, "num_experts_per_tok", lo=1, hi=self.topk_group * (self.num_experts // self.n_group),
-                  where=w)
-        check_int(self.intermediate_size, "moe_intermediate_size", lo=1, hi=1 << 20, where=w)
-        check_int(self.num_shared, "n_shared_experts", lo=0, hi=MAX_EXPERTS, where=w)
-        check_float(self.routed_scaling_factor, "routed_scaling_factor", lo=0, lo_open=True, where=w)
-
-    @property
-    def shared_intermediate_size(self) -> int:
-        return self.intermediate_size * self.num_shared
-
-
-@dataclass(frozen=True)
 class DsaConfig:
     family: DsaFamily
     q_lora_rank: int
@@ -104,7 +67,7 @@ class DsaConfig:
     indexer_layers: tuple[bool, ...]
     #: MLA's softmax scale: qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) ** 2
     softmax_scale: float
-    moe: DeepseekMoeConfig | None = None
+    moe: MoeConfig | None = None  # DeepSeek MoE: the sigmoid router (MoeConfig.scoring)
 
     def __post_init__(self) -> None:
         w = "DsaConfig"
@@ -141,18 +104,6 @@ class DsaConfig:
 
     def has_dense_layers(self, num_layers: int) -> bool:
         return self.moe is None or len(self.moe.layers) < num_layers
-
-    def check_parallel(self, tp_size: int, source: str) -> None:
-        """Refuse expert sizes that do not shard over ``tp_size`` ranks (experts and the
-        shared experts are column/row-parallel over the CP group, like the dense MLP)."""
-        m = self.moe
-        if m is None:
-            return
-        for key, size in (("moe_intermediate_size", m.intermediate_size),
-                          ("moe_intermediate_size * n_shared_experts", m.shared_intermediate_size)):
-            if size % tp_size:
-                raise ConfigError(f"{source}: {key}={size} does not divide by tp_size=cp_size={tp_size}; the experts "
-                                  "are column/row-parallel over the CP group")
 
 
 def dsa_from_hf(d: dict[str, Any], family: str, num_layers: int, rope: Any, source: str) -> DsaConfig | None:
@@ -197,7 +148,7 @@ def dsa_from_hf(d: dict[str, Any], family: str, num_layers: int, rope: Any, sour
     )
 
 
-def _moe(d: dict, defaults: dict, num_layers: int, num, source: str) -> DeepseekMoeConfig | None:
+def _moe(d: dict, defaults: dict, num_layers: int, num, source: str) -> MoeConfig | None:
     kinds = d.get("mlp_layer_types")
     if kinds is None:
         dense = min(num("first_k_dense_replace", lo=0, hi=1 << 20), num_layers)
@@ -210,11 +161,12 @@ def _moe(d: dict, defaults: dict, num_layers: int, num, source: str) -> Deepseek
         return None
     norm = d.get("norm_topk_prob")
     scaling = d.get("routed_scaling_factor")
-    return DeepseekMoeConfig(
+    size = num("moe_intermediate_size", hi=1 << 20)
+    return MoeConfig(
         num_experts=num("n_routed_experts", hi=MAX_EXPERTS), top_k=num("num_experts_per_tok", hi=MAX_EXPERTS),
-        intermediate_size=num("moe_intermediate_size", hi=1 << 20),
-        num_shared=num("n_shared_experts", lo=0, hi=MAX_EXPERTS), n_group=num("n_group", hi=MAX_EXPERTS),
-        topk_group=num("topk_group", hi=MAX_EXPERTS),
+        intermediate_size=size, scoring="sigmoid",
+        shared_intermediate_size=size * num("n_shared_experts", lo=0, hi=MAX_EXPERTS),
+        n_group=num("n_group", hi=MAX_EXPERTS), topk_group=num("topk_group", hi=MAX_EXPERTS),
         norm_topk_prob=defaults["norm_topk_prob"] if norm is None else check_bool(norm, "norm_topk_prob", where=source),
         routed_scaling_factor=(defaults["routed_scaling_factor"] if scaling is None
                                else check_float(scaling, "routed_scaling_factor", lo=0, lo_open=True, where=source)),

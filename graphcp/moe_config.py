@@ -12,10 +12,12 @@ Two families, read as transformers reads them:
   renormalised.
 
 Both route with a softmax over all experts (float32), then top-k. The router's kind
-(``scoring``) is a field so that routers of other families (sigmoid scores,
-group-limited top-k, a correction bias) add a value here and a router class in
-``graphcp/model/moe/router.py``; ``shared_intermediate_size`` sizes an optional dense
-shared expert added to the routed output (no family here has one).
+(``scoring``) picks the router class in ``graphcp/model/moe/router.py``: ``"sigmoid"``
+is DeepSeek's (the DSA families, read in ``graphcp/dsa_config.py``): sigmoid scores,
+``e_score_correction_bias`` for the choice only, the top-k within the ``topk_group``
+best of ``n_group`` expert groups, weights scaled by ``routed_scaling_factor``.
+``shared_intermediate_size`` sizes an optional dense shared expert added to the
+routed output (DeepSeek's ``n_shared_experts`` experts as one).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from graphcp.checks import check_bool, check_int
+from graphcp.checks import check_bool, check_float, check_int
 from graphcp.errors import ConfigError
 
 MAX_EXPERTS = 1 << 16
@@ -45,8 +47,12 @@ class MoeConfig:
     intermediate_size: int  # of one expert
     norm_topk_prob: bool  # renormalise the top-k weights to sum to 1
     layers: tuple[int, ...]  # the sparse layers (the others run the dense MLP)
-    scoring: Literal["softmax"] = "softmax"
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
     shared_intermediate_size: int = 0  # 0: no shared expert
+    #: the sigmoid router's group-limited choice and weight scale (softmax: 1, 1, 1.0)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     #: the top-k weights are cast to the model's dtype before the weighted sum (Qwen3-MoE)
     #: or stay float32 (Mixtral), as transformers does
     weights_in_model_dtype: bool = False
@@ -57,8 +63,19 @@ class MoeConfig:
         check_int(self.top_k, "num_experts_per_tok", lo=1, hi=self.num_experts, where=w)
         check_int(self.intermediate_size, "intermediate_size", lo=1, hi=MAX_INTERMEDIATE, where=w)
         check_int(self.shared_intermediate_size, "shared_intermediate_size", lo=0, hi=MAX_INTERMEDIATE, where=w)
-        if self.scoring != "softmax":
-            raise ConfigError(f"{w}: scoring must be 'softmax', got {self.scoring!r}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ConfigError(f"{w}: scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        check_float(self.routed_scaling_factor, "routed_scaling_factor", lo=0, lo_open=True, where=w)
+        check_int(self.n_group, "n_group", lo=1, hi=self.num_experts, where=w)
+        if self.num_experts % self.n_group:
+            raise ConfigError(f"{w}: num_experts={self.num_experts} does not divide into n_group={self.n_group} "
+                              "expert groups")
+        if self.scoring == "sigmoid" and self.num_experts // self.n_group < 2:
+            raise ConfigError(f"{w}: each of the n_group={self.n_group} expert groups needs >= 2 experts (a group "
+                              f"scores by its top two); num_experts={self.num_experts}")
+        check_int(self.topk_group, "topk_group", lo=1, hi=self.n_group, where=w)
+        check_int(self.top_k, "num_experts_per_tok", lo=1, hi=self.topk_group * (self.num_experts // self.n_group),
+                  where=w)
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.layers

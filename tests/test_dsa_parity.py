@@ -27,7 +27,8 @@ from graphcp import PrefillEngine, Request
 from graphcp.attention.dsa_topk import mask_to_positions, select_topk
 from graphcp.attention.sparse_mla import STAT_PAIRS, STAT_REPLICATED, STAT_ROWS
 from graphcp.capture.buckets import BucketSet
-from graphcp.config import ModelConfig, RuntimeConfig
+from graphcp.model.moe.ep import STAT_LAYOUT, STAT_SENT
+from graphcp.config import ModelConfig, ParallelConfig, RuntimeConfig
 from graphcp.dist import CPGroup, launch
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -79,10 +80,10 @@ def _prefill(eng: PrefillEngine, dtype: str):
 
 
 def _job(group, runs):
-    """Each (case, folder, dtype, layout, graph) run on this rank: rank 0 returns logits."""
+    """Each (case, folder, dtype, layout, graph, moe) run on this rank: rank 0 returns logits."""
     out = []
-    for case, folder, dtype, layout, graph in runs:
-        eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, layout=layout, graph=graph, kv_tokens=2048, moe="tp"), group,
+    for case, folder, dtype, layout, graph, moe in runs:
+        eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, layout=layout, graph=graph, kv_tokens=2048, moe=moe), group,
                             BUCKETS)
         logits, stats, path = _prefill(eng, dtype)
         out.append((logits if group.rank == 0 else None, stats, path))
@@ -97,16 +98,18 @@ BF16 = {"deepseek_v32-yarn": "breakable", "glm_moe_dsa-shared": "off", "deepseek
 
 
 def _runs(folders, cp):
-    """Every case in float32 with graph off, each layout; breakable graphs (each layout)
-    and bfloat16 for some cases."""
+    """Every case in float32 with graph off, each layout, the MoE cases in both MoE
+    layouts; breakable graphs (each layout) and bfloat16 for some cases."""
     layouts = ("zigzag",) if cp == 1 else ("zigzag", "interleave")
     runs = []
     for case, folder in folders.items():
-        runs += [(case, folder, "float32", layout, "off") for layout in layouts]
-        if cp in BREAKABLE.get(case, ()):
-            runs += [(case, folder, "float32", layout, "breakable") for layout in layouts]
+        moes = ("tp", "ep") if case.endswith("-moe") else ("tp",)
+        for moe in moes:
+            runs += [(case, folder, "float32", layout, "off", moe) for layout in layouts]
+            if cp in BREAKABLE.get(case, ()):
+                runs += [(case, folder, "float32", layout, "breakable", moe) for layout in layouts]
         if case in BF16:
-            runs.append((case, folder, "bfloat16", "zigzag", BF16[case]))
+            runs.append((case, folder, "bfloat16", "zigzag", BF16[case], moes[-1]))
     return runs
 
 
@@ -134,8 +137,8 @@ def test_dsa_matches_transformers(cp, folders, cp1):
     per_rank = [cp1[1]] if cp == 1 else launch(_job, cp, runs)
     refs = {}
     ties_cp1 = {(r[0], r[2]): res[0] for r, res in zip(*cp1) if r[0].endswith("ties")}
-    for i, (case, folder, dtype, layout, graph) in enumerate(runs):
-        where = f"{case} {dtype} CP {cp} {layout} graph {graph}"
+    for i, (case, folder, dtype, layout, graph, moe) in enumerate(runs):
+        where = f"{case} {dtype} CP {cp} {layout} graph {graph} moe {moe}"
         logits, _, path = per_rank[0][i]
         assert path == ("eager" if graph == "off" else "graph"), where
         if case.endswith("ties"):  # ties: every CP size and layout as the single rank
@@ -149,6 +152,8 @@ def test_dsa_matches_transformers(cp, folders, cp1):
             assert err < TOL[dtype], f"{where}, request {j} ({ref.shape[0]} tokens): {err:.3g} vs transformers"
         # the indexer's work: each row scored once over the ranks, ~1/C of it on each
         stats = [r[i][1] for r in per_rank]
+        if case.endswith("-moe"):  # the MoE layer ran in the layout asked, exchanging rows at C > 1
+            assert all(s[STAT_LAYOUT] == moe and (s[STAT_SENT] > 0) == (cp > 1) for s in stats), (where, stats)
         replicated = stats[0][STAT_REPLICATED]
         assert all(s[STAT_REPLICATED] == replicated for s in stats), where
         assert sum(s[STAT_PAIRS] for s in stats) == replicated > 0 or dtype == "bfloat16", where
@@ -265,13 +270,20 @@ def test_refused_settings_name_what_is_wrong(folders, tmp_path):
     for mode in ("sharded", "layer-split"):  # the latent cache is neither sharded nor split yet
         with pytest.raises(ConfigError, match=f"kv_cache='{mode}'"):
             PrefillEngine(folder, RuntimeConfig(kv_tokens=256, moe="tp", kv_cache=mode))
-    with pytest.raises(ConfigError, match="moe='ep'"):  # DeepSeek MoE: tp only
-        PrefillEngine(folders["deepseek_v32-moe"], RuntimeConfig(kv_tokens=256, moe="ep"))
-    cfg = json.loads((folder / "config.json").read_text())
-    for key, value, says in (("q_lora_rank", None, "q_lora_rank is null"),
-                             ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
-                             ("num_key_value_heads", 2, "num_key_value_heads=2")):
-        bad = tmp_path / key
+    moe_cfg = ModelConfig.from_file(folders["deepseek_v32-moe"] / "config.json")
+    for layout, says in (("ep", "num_experts=8 does not divide by cp_size=3"),
+                         ("tp", "intermediate size 32 does not divide by cp_size=3")):
+        with pytest.raises(ConfigError, match=says):  # DeepSeek MoE splits like the other MoE families
+            ParallelConfig(cp_size=3).check_model(moe_cfg, "the model", layout)
+    for case, key, value, says in (
+            ("deepseek_v32-yarn", "q_lora_rank", None, "q_lora_rank is null"),
+            ("deepseek_v32-yarn", "quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+            ("deepseek_v32-yarn", "num_key_value_heads", 2, "num_key_value_heads=2"),
+            ("deepseek_v32-moe", "n_group", 3, "num_experts=8 does not divide into n_group=3"),
+            ("deepseek_v32-moe", "topk_group", 3, "topk_group"),
+            ("deepseek_v32-moe", "n_group", 8, "each of the n_group=8 expert groups needs >= 2 experts")):
+        cfg = json.loads((folders[case] / "config.json").read_text())
+        bad = tmp_path / f"{key}-{value}"
         bad.mkdir()
         (bad / "config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(ConfigError, match=says):

@@ -46,9 +46,9 @@ run_attention = graph_break("attention")(attend)
 
 
 @graph_break("attention+moe")
-def run_attention_moe(ctx: ForwardContext, layer: int, block: "DecoderLayer", q: torch.Tensor,
+def run_attention_moe(ctx: ForwardContext, layer: int, block: "ExpertParallelTail", q: torch.Tensor,
                       attn_out: torch.Tensor, resid: torch.Tensor, out: torch.Tensor) -> None:
-    """Attention, then the rest of an expert-parallel layer (``DecoderLayer.after_attention``):
+    """Attention, then the rest of an expert-parallel layer (``ExpertParallelTail.after_attention``):
     writes the layer's output rows into ``out``."""
     attend(ctx, layer, q, attn_out)
     block.after_attention(ctx, attn_out, resid, out)
@@ -88,7 +88,33 @@ class Attention(nn.Module):
         return q, out
 
 
-class DecoderLayer(nn.Module):
+class ExpertParallelTail(nn.Module):
+    """What a decoder layer whose experts are split over the ranks
+    (``RuntimeConfig.moe="ep"``) runs after attention, inside the attention break: the
+    exchange's split sizes are read on the host, so the layer stays one captured
+    segment and one break. A layer sets ``layer``, ``self_attn.o_proj``,
+    ``post_attention_layernorm`` and ``mlp`` (a SparseMoeBlock)."""
+
+    def break_rows(self, h: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual rows the break reads and the rows it writes the layer's output
+        to (graph mode: static rows)."""
+        if ctx.moe_resid is not None:
+            return ctx.moe_resid.copy_(h), ctx.moe_out
+        return h, torch.empty_like(h)
+
+    def after_attention(self, ctx: ForwardContext, attn_out: torch.Tensor, resid: torch.Tensor,
+                        out: torch.Tensor) -> None:
+        """o_proj, residual, norm and the expert-parallel MoE of this rank's live rows
+        (padding rows pass through with no MLP output); the layer's rows into ``out``."""
+        n = resid.shape[0]
+        h = resid + self.self_attn.o_proj(attn_out.view(n, -1))
+        live = n if ctx.live_rows is None else ctx.live_rows
+        with nvtx_range(f"moe[{self.layer}]", category="break"):
+            moe = self.mlp.forward_ep(self.post_attention_layernorm(h), live, ctx.group, ctx.stats)
+        torch.add(h, moe, out=out)
+
+
+class DecoderLayer(ExpertParallelTail):
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, dtype: torch.dtype, rank: int = 0,
                  moe: MoeLayout = "ep") -> None:
         super().__init__()
@@ -105,29 +131,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, positions, rotary, ctx):
         if self.exchanges:
-            return self._forward_exchange(h, positions, rotary, ctx)
+            q, attn_out = self.self_attn.prepare(self.input_layernorm(h), positions, rotary, ctx)
+            resid, out = self.break_rows(h, ctx)
+            run_attention_moe(ctx, self.layer, self, q, attn_out, resid, out)
+            return out
         h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
         return h + self.mlp(self.post_attention_layernorm(h), ctx.group)
-
-    def _forward_exchange(self, h, positions, rotary, ctx):
-        q, attn_out = self.self_attn.prepare(self.input_layernorm(h), positions, rotary, ctx)
-        if ctx.moe_resid is not None:  # graph mode: the break reads and writes static rows
-            resid, out = ctx.moe_resid.copy_(h), ctx.moe_out
-        else:
-            resid, out = h, torch.empty_like(h)
-        run_attention_moe(ctx, self.layer, self, q, attn_out, resid, out)
-        return out
-
-    def after_attention(self, ctx: ForwardContext, attn_out: torch.Tensor, resid: torch.Tensor,
-                        out: torch.Tensor) -> None:
-        """o_proj, residual, norm and the expert-parallel MoE of this rank's live rows
-        (padding rows pass through with no MLP output); the layer's rows into ``out``."""
-        n = resid.shape[0]
-        h = resid + self.self_attn.o_proj(attn_out.view(n, -1))
-        live = n if ctx.live_rows is None else ctx.live_rows
-        with nvtx_range(f"moe[{self.layer}]", category="break"):
-            moe = self.mlp.forward_ep(self.post_attention_layernorm(h), live, ctx.group, ctx.stats)
-        torch.add(h, moe, out=out)
 
 
 class DecoderModel(nn.Module):

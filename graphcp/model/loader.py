@@ -200,8 +200,9 @@ def load_model(
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
     if dsa:  # the DSA families' tensors (graphcp/model/dsa/checkpoint.py)
-        table = dsa_tensors(cfg, rank, tp_size)
-        targets = {n: _Target(t.param, t.dim, t.start, t.shard) for n, t in table.items()}
+        table = dsa_tensors(cfg, rank, tp_size, moe)
+        targets = {n: _Target(t.param, t.dim, t.start, t.shard, t.index) if t.read else None
+                   for n, t in table.items()}
         expected = {n: t.shape for n, t in table.items()}
         float32 = {n for n, t in table.items() if t.float32}
     else:

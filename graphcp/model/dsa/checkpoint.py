@@ -3,8 +3,10 @@ saves it) lands in :class:`~graphcp.model.dsa.model.DsaModel` on one rank.
 
 Whole on every rank: embeddings, norms, the LM head, every attention and indexer
 weight, the MoE routers. Tensor-parallel shards: the dense MLP's and the shared
-experts' gate/up rows and down columns, and each routed expert's (one tensor per
-expert per projection: ``mlp.experts.{e}.gate_proj.weight``). The routers' weight and
+experts' gate/up rows and down columns. Routed experts (one tensor per expert per
+projection: ``mlp.experts.{e}.gate_proj.weight``): with ``--moe tp`` each expert's
+shard on every rank; with ``--moe ep`` a rank reads its ``E / C`` experts whole and
+only checks the shapes of the others'. The routers' weight and
 ``e_score_correction_bias`` are float32 in every checkpoint (transformers keeps them
 so). Tensors of layers past ``num_hidden_layers`` (the multi-token-prediction layer
 DeepSeek and GLM ship) are not used for prefill and are skipped.
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.config import DTYPES, ModelConfig
+from graphcp.options import MoeLayout
 
 #: a decoder layer's tensor, for telling the MTP layers (index >= num_hidden_layers) apart
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -31,6 +34,8 @@ class TensorTarget:
     shard: tuple[int, int, int] | None  # (dim, start, length) read from the checkpoint tensor; None: whole
     shape: tuple[int, ...]  # the checkpoint tensor's full shape
     float32: bool = False  # stored in float32 whatever the checkpoint's dtype
+    index: int | None = None  # lands in ``param[index]`` (a local expert), then as above
+    read: bool = True  # False: another rank's expert (its shape is checked, it is not read)
 
 
 def is_skipped(name: str, num_layers: int) -> bool:
@@ -39,7 +44,7 @@ def is_skipped(name: str, num_layers: int) -> bool:
     return hit is not None and int(hit.group(1)) >= num_layers
 
 
-def dsa_tensors(cfg: ModelConfig, rank: int, tp: int) -> dict[str, TensorTarget]:
+def dsa_tensors(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "tp") -> dict[str, TensorTarget]:
     d, h = cfg.dsa, cfg.hidden_size
     t: dict[str, TensorTarget] = {}
 
@@ -84,20 +89,38 @@ def dsa_tensors(cfg: ModelConfig, rank: int, tp: int) -> dict[str, TensorTarget]
         if not d.is_moe(i):
             mlp(hf + "mlp.", me + "mlp.", cfg.intermediate_size)
             continue
-        moe = d.moe
-        whole(hf + "mlp.gate.weight", me + "mlp.gate.weight", moe.num_experts, h, float32=True)
-        whole(hf + "mlp.gate.e_score_correction_bias", me + "mlp.gate.e_score_correction_bias", moe.num_experts,
+        m = d.moe
+        whole(hf + "mlp.gate.weight", me + "mlp.router.weight", m.num_experts, h, float32=True)
+        whole(hf + "mlp.gate.e_score_correction_bias", me + "mlp.router.e_score_correction_bias", m.num_experts,
               float32=True)
-        if moe.num_shared:
-            mlp(hf + "mlp.shared_experts.", me + "mlp.shared_experts.", moe.shared_intermediate_size)
-        size = moe.intermediate_size
-        s = size // tp
-        rows = (0, rank * s, s)
-        for e in range(moe.num_experts):
-            x = f"{hf}mlp.experts.{e}."
-            t[x + "gate_proj.weight"] = TensorTarget(me + "mlp.experts.gate_up", 0, 2 * s * e, rows, (size, h))
-            t[x + "up_proj.weight"] = TensorTarget(me + "mlp.experts.gate_up", 0, 2 * s * e + s, rows, (size, h))
-            t[x + "down_proj.weight"] = TensorTarget(me + "mlp.experts.down", 0, h * e, (1, rank * s, s), (h, size))
+        if m.shared_intermediate_size:
+            mlp(hf + "mlp.shared_experts.", me + "mlp.shared.", m.shared_intermediate_size)
+        t.update(_expert_targets(f"{hf}mlp.experts.", me + "mlp.experts.", m.num_experts, m.intermediate_size, h,
+                                 rank, tp, moe))
+    return t
+
+
+def _expert_targets(hf: str, me: str, num_experts: int, size: int, h: int, rank: int, tp: int,
+                    moe: MoeLayout) -> dict[str, TensorTarget]:
+    """The routed experts' tensors into SparseMoeBlock's stacked ``gate_up [E_local, 2 I,
+    h]`` / ``down [E_local, h, I]``: ``ep``: this rank's experts whole (the others'
+    checked, not read); ``tp``: each expert's ``I / C`` slice."""
+    t = {}
+    gate_up, down = me + "gate_up", me + "down"
+    if moe == "ep":
+        local = num_experts // tp
+        for e in range(num_experts):
+            mine, i = e // local == rank, e % local
+            t[f"{hf}{e}.gate_proj.weight"] = TensorTarget(gate_up, 0, 0, None, (size, h), index=i, read=mine)
+            t[f"{hf}{e}.up_proj.weight"] = TensorTarget(gate_up, 0, size, None, (size, h), index=i, read=mine)
+            t[f"{hf}{e}.down_proj.weight"] = TensorTarget(down, 0, 0, None, (h, size), index=i, read=mine)
+        return t
+    s = size // tp
+    rows = (0, rank * s, s)
+    for e in range(num_experts):
+        t[f"{hf}{e}.gate_proj.weight"] = TensorTarget(gate_up, 0, 0, rows, (size, h), index=e)
+        t[f"{hf}{e}.up_proj.weight"] = TensorTarget(gate_up, 0, s, rows, (size, h), index=e)
+        t[f"{hf}{e}.down_proj.weight"] = TensorTarget(down, 1, 0, (1, rank * s, s), (h, size), index=e)
     return t
 
 

@@ -30,6 +30,7 @@ from graphcp.forward_context import ForwardContext
 from graphcp.graph_break import graph_break
 from graphcp.model.dsa.rope import DsaRotary, rope_half_split, rope_interleaved
 from graphcp.model.layers import RMSNorm
+from graphcp.model.llama import ExpertParallelTail
 from graphcp.profile.ranges import nvtx_range
 
 #: transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, whatever rms_norm_eps says
@@ -40,12 +41,24 @@ INDEX_NORM_EPS = 1e-6
 STATIC_Q, STATIC_OUT, STATIC_INDEX_Q, STATIC_INDEX_W = "mla_q", "mla_out", "index_q", "index_w"
 
 
-@graph_break("attention")
-def run_sparse_mla(ctx: ForwardContext, layer: int, q: torch.Tensor, index_q: torch.Tensor | None,
-                   index_w: torch.Tensor | None, kv_b_weight: torch.Tensor, out: torch.Tensor) -> None:
+def attend_sparse(ctx: ForwardContext, layer: int, q: torch.Tensor, index_q: torch.Tensor | None,
+                  index_w: torch.Tensor | None, kv_b_weight: torch.Tensor, out: torch.Tensor) -> None:
     """The indexer's top-k and sparse MLA attention of this rank's rows; writes ``out``."""
     with nvtx_range(f"attention[{layer}]", category="break"):
         ctx.attention.forward(layer, q, index_q, index_w, kv_b_weight, ctx.kv_cache, out)
+
+
+run_sparse_mla = graph_break("attention")(attend_sparse)
+
+
+@graph_break("attention+moe")
+def run_sparse_mla_moe(ctx: ForwardContext, layer: int, block: ExpertParallelTail, q: torch.Tensor,
+                       index_q: torch.Tensor | None, index_w: torch.Tensor | None, kv_b_weight: torch.Tensor,
+                       attn_out: torch.Tensor, resid: torch.Tensor, out: torch.Tensor) -> None:
+    """Sparse attention, then the rest of a layer whose experts are split over the ranks
+    (o_proj, residual, norm, the expert-parallel MoE): the layer's rows into ``out``."""
+    attend_sparse(ctx, layer, q, index_q, index_w, kv_b_weight, attn_out)
+    block.after_attention(ctx, attn_out, resid, out)
 
 
 def exchange_and_write(ctx: ForwardContext, layer: int, rows: torch.Tensor) -> None:
@@ -93,6 +106,14 @@ class MlaAttention(nn.Module):
         self.indexer = Indexer(cfg, dtype) if d.indexer_layers[layer] else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: DsaRotary, ctx: ForwardContext):
+        q, index_q, index_w, out = self.prepare(x, positions, rotary, ctx)
+        run_sparse_mla(ctx, self.layer, q, index_q, index_w, self.kv_b_proj.weight, out)
+        return self.o_proj(out.view(x.shape[0], -1))
+
+    def prepare(self, x: torch.Tensor, positions: torch.Tensor, rotary: DsaRotary, ctx: ForwardContext):
+        """Everything before the attention break: projections, RoPE, the exchange and
+        cache write; -> the MLA query rows, the indexer's query and head weights (None
+        in a layer that reuses the last selection) and the rows attention writes."""
         d, n = self.dsa, x.shape[0]
         cos, sin = rotary(positions, x.dtype)
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
@@ -114,8 +135,7 @@ class MlaAttention(nn.Module):
             out = static[STATIC_OUT]
         else:
             out = q.new_empty(n, self.heads, d.v_head_dim)
-        run_sparse_mla(ctx, self.layer, q, index_q, index_w, self.kv_b_proj.weight, out)
-        return self.o_proj(out.view(n, self.heads * d.v_head_dim))
+        return q, index_q, index_w, out
 
 
 def static_rows(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

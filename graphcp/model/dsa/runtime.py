@@ -17,9 +17,6 @@ def check_runtime(cfg: ModelConfig, rt: RuntimeConfig) -> None:
     if rt.attention not in DSA_ATTENTION:
         raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {cfg.family} models run MLA with the DSA indexer "
                           "on the torch sparse-MLA reference only; use attention='torch'")
-    if cfg.dsa.moe is not None and rt.moe != "tp":
-        raise ConfigError(f"RuntimeConfig.moe={rt.moe!r}: {cfg.family} models run DeepSeek MoE with the tp layout only "
-                          "(expert parallelism for them is not built yet); use moe='tp'")
     if rt.graph == "full":
         raise ConfigError(f"RuntimeConfig.graph='full': {cfg.family} models run the indexer's top-k and sparse "
                           "attention in the attention break (they read the live batch's segments on the host); use "

@@ -4,10 +4,11 @@ A router maps rows ``x [n, hidden]`` to ``(ids, weights)``: int64 ``[n, k]`` exp
 indices, ascending in each row, and their ``[n, k]`` weights (float32, or the dtype the
 family's reference casts them to). Everything after the router sums a token's k
 expert outputs in slot order, so in ascending expert order: the order transformers
-adds them in, whichever rank computed them. Everything after the router (sorting by expert, the exchange, the weighted sum) only reads these two
-tensors, so routers of other families (sigmoid scores with a correction bias,
-group-limited top-k, a routed scaling factor) are new subclasses picked by
-``MoeConfig.scoring`` in :func:`make_router`.
+adds them in, whichever rank computed them. Everything after the router (sorting by
+expert, the exchange, the weighted sum) only reads these two tensors, so each
+family's routing is one subclass, picked by ``MoeConfig.scoring`` in
+:func:`make_router`: softmax top-k (Qwen3-MoE, Mixtral) or DeepSeek's grouped sigmoid
+(DeepSeek V3.2, GLM-5).
 """
 
 from __future__ import annotations
@@ -57,8 +58,42 @@ def ascending(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, t
     return ids, torch.gather(weights, -1, perm)
 
 
+class GroupedSigmoidRouter(Router):
+    """DeepSeek's router (transformers' ``DeepseekV32TopkRouter``), all in float32 (the
+    weight and ``e_score_correction_bias`` are float32 whatever the model's dtype, as
+    transformers keeps them): sigmoid scores of the logits; the choice adds the
+    correction bias (for selection only), keeps the ``topk_group`` best of ``n_group``
+    expert groups (a group scores by its best two experts) and takes the top-k experts
+    there; the weights are the chosen experts' unbiased scores, renormalised when
+    ``norm_topk_prob``, times ``routed_scaling_factor``."""
+
+    def __init__(self, moe: MoeConfig, hidden: int) -> None:
+        super().__init__()
+        self.moe, self.num_experts, self.top_k = moe, moe.num_experts, moe.top_k
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m, n = self.moe, x.shape[0]
+        scores = F.linear(x.float(), self.weight).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        per_group = m.num_experts // m.n_group
+        group_scores = choice.view(n, m.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(group_scores, k=m.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+        keep = keep.unsqueeze(-1).expand(n, m.n_group, per_group).reshape(n, m.num_experts)
+        ids = torch.topk(choice.masked_fill(~keep, float("-inf")), k=m.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if m.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ascending(ids, weights * m.routed_scaling_factor)
+
+
 def make_router(moe: MoeConfig, hidden: int, dtype: torch.dtype) -> Router:
     if moe.scoring == "softmax":
         weight_dtype = dtype if moe.weights_in_model_dtype else torch.float32
         return SoftmaxTopKRouter(moe.num_experts, moe.top_k, hidden, moe.norm_topk_prob, dtype, weight_dtype)
+    if moe.scoring == "sigmoid":
+        return GroupedSigmoidRouter(moe, hidden)
     raise ValueError(f"no router for scoring {moe.scoring!r}")  # MoeConfig refuses other values first
