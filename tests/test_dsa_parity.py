@@ -290,11 +290,13 @@ def test_refused_settings_name_what_is_wrong(folders, tmp_path):
             ModelConfig.from_file(bad / "config.json")
 
 
-def test_replay_equals_the_same_bucket_eager_body_bitwise(folders):
-    """Breakable graphs on a DSA model: one break a layer (indexer + sparse attention),
-    the replay's hidden rows and both cache pools equal the same-bucket eager body's."""
-    eng = PrefillEngine(folders["glm_moe_dsa-moe"], RuntimeConfig(graph="breakable", kv_tokens=2048, moe="tp"),
-                        buckets=BucketSet((64, 256)))
+@pytest.mark.parametrize("dtype, moe", [("float32", "tp"), ("bfloat16", "tp"), ("bfloat16", "ep")])
+def test_replay_equals_the_same_bucket_eager_body_bitwise(folders, dtype, moe):
+    """Breakable graphs on a DSA model: one break a layer (indexer + sparse attention;
+    with moe='ep' the MoE layer's exchange too), the replay's hidden rows and both
+    cache pools equal the same-bucket eager body's, on requests past index_topk."""
+    rt = RuntimeConfig(graph="breakable", kv_tokens=2048, moe=moe, dtype=dtype)
+    eng = PrefillEngine(folders["glm_moe_dsa-moe"], rt, buckets=BucketSet((64, 256)))
     stats = eng.capture()  # capture first: a lazy capture would refill the buffers between the two runs
     assert all(s.breaks == eng.cfg.num_layers for s in stats), [vars(s) for s in stats]
     toks, prefix, ext = _tokens("float32")
