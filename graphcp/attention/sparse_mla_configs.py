@@ -1,0 +1,47 @@
+"""Tile and warp settings of the Triton sparse MLA kernel
+(:mod:`graphcp.attention.sparse_mla_kernel`), per latent width and dtype: the one home.
+
+A program holds ``BLOCK_H`` heads of one query row: its float32 accumulator is
+``BLOCK_H x kv_lora`` (padded to a power of two) and each gathered tile ``BLOCK_N x
+(kv_lora + rope)``, so the latent width, not the head count, sets what fits in
+registers. Registers and spills as ptxas reports them for these settings
+(``python -m graphcp.attention.sparse_mla_compile_check``; Triton 3.9; no GPU needed,
+and none has run or timed them):
+
+PLACEHOLDER_TABLE
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SparseTileConfig:
+    block_h: int  # heads of one query row per program (>= 16: tl.dot tiles)
+    block_n: int  # selected tokens gathered per inner step
+    num_warps: int
+    num_stages: int
+
+
+#: (wide dtype, padded latent width bound) -> config; the first row whose bound holds it
+_TABLE: dict[bool, tuple[tuple[int, SparseTileConfig], ...]] = {
+    False: (  # 16-bit operands: tensor-core products
+        (128, SparseTileConfig(16, 64, 4, 2)),
+        (1 << 30, SparseTileConfig(16, 32, 8, 1)),
+    ),
+    True: (  # float32 operands: IEEE products on FMA units
+        (128, SparseTileConfig(16, 32, 4, 1)),
+        (1 << 30, SparseTileConfig(16, 16, 8, 1)),
+    ),
+}
+
+
+def sparse_tile_config(kv_lora_rank: int, dtype: torch.dtype) -> SparseTileConfig:
+    """Settings for a latent of ``kv_lora_rank`` values and the operands' ``dtype``."""
+    for bound, cfg in _TABLE[dtype == torch.float32]:
+        if kv_lora_rank <= bound:
+            return cfg
+    raise AssertionError("the last bound holds every width")
