@@ -185,3 +185,50 @@ def test_engine_triton_equals_torch(cp, hf_model_dir):
         assert got_stats == want_stats and want_stats["indexer_scored_pairs"] > 0, dtype
         for j, (g, w) in enumerate(zip(got, want)):
             assert rel_err(g, w) < tol, f"{dtype} CP {cp}, request {j}: {rel_err(g, w):.3g}"
+
+
+def test_tile_settings_are_checked():
+    with pytest.raises(ValueError, match="block_h and block_n must be powers of two >= 16"):
+        TritonSparseMla(SPEC, tile=SparseTileConfig(8, 16, 4, 1))
+
+
+COMPILE = r"""
+import json, torch
+from dataclasses import asdict
+from graphcp.attention.sparse_mla_compile_check import compile_sparse_variant
+from graphcp.attention.sparse_mla_configs import SparseTileConfig
+reports = [asdict(compile_sparse_variant(arch, dt, 512, 64)) for arch in (90, 100)
+           for dt in (torch.bfloat16, torch.float32)]
+# FlashMLA's 64 heads a program, in this kernel: it spills (the check can fail)
+wide = compile_sparse_variant(90, torch.bfloat16, 512, 64, SparseTileConfig(64, 32, 8, 1))
+print(json.dumps({"reports": reports, "wide": asdict(wide)}))
+"""
+
+
+def test_kernel_compiles_without_spills_for_sm90a_and_sm100a():
+    """Compile-only (no GPU): DeepSeek V3.2 / GLM-5's latent (512 + 64 rope) with the
+    settings sparse_tile_config picks, bfloat16 and float32, on sm_90a and sm_100a, has no
+    register spills. In a subprocess: this process runs Triton in interpreter mode."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not (Path(spec.origin).parent / "backends" / "nvidia" / "compiler.py").exists():
+        pytest.skip("triton with its NVIDIA backend is not installed")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=300, cwd=root,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {(r["arch"], r["dtype"]) for r in res["reports"]} == {
+        (a, d) for a in ("sm_90a", "sm_100a") for d in ("bfloat16", "float32")}
+    for r in res["reports"]:
+        assert 0 < r["registers"] <= 255 and r["spill_store_bytes"] == r["spill_load_bytes"] == 0, r
+    assert res["wide"]["spill_store_bytes"] > 0, res["wide"]
