@@ -232,3 +232,27 @@ def test_kernel_compiles_without_spills_for_sm90a_and_sm100a():
     for r in res["reports"]:
         assert 0 < r["registers"] <= 255 and r["spill_store_bytes"] == r["spill_load_bytes"] == 0, r
     assert res["wide"]["spill_store_bytes"] > 0, res["wide"]
+
+
+def test_breakable_graphs_run_the_kernel_in_the_attention_break(hf_model_dir):
+    """graph='breakable' with attention='triton' (the kernel in the break, on the bucket's
+    static rows, padding rows included; the capture self-check on): the graph path gives
+    the eager torch reference's logits (float32)."""
+    from graphcp import PrefillEngine, Request
+    from graphcp.capture.buckets import BucketSet
+    from graphcp.config import RuntimeConfig
+
+    folder = hf_model_dir("deepseek_v32")
+    rng = np.random.default_rng(19)
+    toks = [rng.integers(0, 512, n) for n in E2E_LENS]
+    prefix, ext = rng.integers(0, 512, E2E_PREFIX), rng.integers(0, 512, E2E_EXT)
+    logits = {}
+    for attention, graph in (("torch", "off"), ("triton", "breakable")):
+        eng = PrefillEngine(folder, RuntimeConfig(attention=attention, graph=graph, kv_tokens=256, moe="tp"), None,
+                            BucketSet((64,), padding_factor=64.0))
+        h = eng.prefill([Request(prefix)]).handles[0]
+        o = eng.prefill([Request(ext, h)] + [Request(t) for t in toks], all_logits=True)
+        assert o.info.path == ("graph" if graph == "breakable" else "eager")
+        logits[attention] = o.logits
+    for j, (g, w) in enumerate(zip(logits["triton"], logits["torch"])):
+        assert rel_err(g, w) < E2E_TOL["float32"], f"request {j}: {rel_err(g, w):.3g}"

@@ -25,9 +25,11 @@ visible token.
 rows (segments of one request on this rank, in any layout), in row blocks that bound
 the float32 score memory; the selection becomes a mask; keys and values are
 decompressed from the latent (``kv_b_proj``) for the tokens the block may see, then
-one SDPA call. A kernel backend gathers the selected rows of the paged latent
-instead (the selection's ``[rows, k]`` positions are the index form FlashMLA's sparse
-prefill takes). It reads host metadata: in graph mode it runs in the attention break.
+one SDPA call. :class:`SelectingSparseMla` is the indexer side both share (row groups,
+blocks, scoring, top-k, stats); ``graphcp/attention/sparse_mla_triton.py``'s kernel
+backend gathers the selected rows of the paged latent instead (the selection's
+``[rows, k]`` positions are the index form FlashMLA's sparse prefill takes). Both read
+host metadata: in graph mode they run in the attention break.
 """
 
 from __future__ import annotations

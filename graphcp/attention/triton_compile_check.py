@@ -10,6 +10,8 @@ unset or 0, before Triton is imported)::
     python -m graphcp.attention.triton_compile_check --arch 90,100 --dtypes bfloat16,float32 \\
         --head-dims 64,128 --json report.json
 
+:func:`compile_kernel` is the compile + ptxas step for any Triton kernel (the sparse MLA
+kernel's check, ``sparse_mla_compile_check``, uses it too).
 ``tests/test_triton_compile.py`` runs it for the bfloat16 variants at head_dim 64
 and 128 on sm_90a and requires zero spills.
 """
