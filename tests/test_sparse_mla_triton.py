@@ -187,9 +187,21 @@ def test_engine_triton_equals_torch(cp, hf_model_dir):
             assert rel_err(g, w) < tol, f"{dtype} CP {cp}, request {j}: {rel_err(g, w):.3g}"
 
 
-def test_tile_settings_are_checked():
-    with pytest.raises(ValueError, match="block_h and block_n must be powers of two >= 16"):
+def test_bad_settings_and_inputs_name_what_is_wrong():
+    from graphcp.errors import ConfigError, InputError
+
+    with pytest.raises(ConfigError, match="block_h and block_n must be powers of two >= 16"):
         TritonSparseMla(SPEC, tile=SparseTileConfig(8, 16, 4, 1))
+    cache, meta, q, index_q, index_w, kv_b = _case(torch.float32)
+    backend = TritonSparseMla(SPEC)
+    backend.prepare(meta)
+    out = torch.empty(q.shape[0], SPEC.num_heads, SPEC.v_head_dim)
+    with pytest.raises(InputError, match=r"q must be \[rows, 20, 24\]"):
+        backend.forward(0, q[:, :4], index_q, index_w, kv_b, cache, out)
+    with pytest.raises(InputError, match="the latent cache must be torch.bfloat16"):
+        backend.forward(0, q.bfloat16(), index_q, index_w, kv_b, cache, out)
+    with pytest.raises(InputError, match=r"out must be \[" + str(q.shape[0])):
+        backend.forward(0, q, index_q, index_w, kv_b, cache, out[:, :, :8])
 
 
 COMPILE = r"""

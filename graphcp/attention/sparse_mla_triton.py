@@ -30,10 +30,12 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.dsa_topk import Selector, causal_positions, select_topk
 from graphcp.attention.sparse_mla import SelectingSparseMla, SparseMlaSpec
 from graphcp.attention.sparse_mla_configs import SparseTileConfig, sparse_tile_config
 from graphcp.attention.triton_backend import interpreting
+from graphcp.errors import ConfigError, InputError
 from graphcp.mla_cache import MlaKVCache
 
 
@@ -55,7 +57,7 @@ class TritonSparseMla(SelectingSparseMla):
         super().__init__(spec, selector)
         if tile is not None and (tile.block_h < 16 or tile.block_h & (tile.block_h - 1)
                                  or tile.block_n < 16 or tile.block_n & (tile.block_n - 1)):
-            raise ValueError(f"block_h and block_n must be powers of two >= 16 (tl.dot tiles), got {tile}")
+            raise ConfigError(f"block_h and block_n must be powers of two >= 16 (tl.dot tiles), got {tile}")
         self._kernel = _import_kernel()
         self._tile = tile
         self._tables: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (rows, page table, row table)
@@ -64,7 +66,7 @@ class TritonSparseMla(SelectingSparseMla):
         """The tile settings a launch on ``dtype`` operands uses."""
         return self._tile or sparse_tile_config(self.spec.kv_lora_rank, dtype)
 
-    def prepare(self, meta) -> None:
+    def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
         self._tables = None
 
@@ -97,6 +99,7 @@ class TritonSparseMla(SelectingSparseMla):
 
     def forward(self, layer, q, index_q, index_w, kv_b_weight, cache, out) -> None:
         sp = self.spec
+        self._check(layer, q, cache, out)
         rows, dev = q.shape[0], q.device
         selected = self.selection(layer, rows, index_q, index_w, cache, dev)
         counts = (selected >= 0).sum(-1, dtype=torch.int32)  # the -1 padding trails
@@ -112,3 +115,16 @@ class TritonSparseMla(SelectingSparseMla):
                             block_n=cfg.block_n, upcast_dot=interpreting() and q.dtype != torch.float32,
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         out.copy_(torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1))
+
+    def _check(self, layer: int, q: torch.Tensor, cache: MlaKVCache, out: torch.Tensor) -> None:
+        sp = self.spec
+        want = (sp.num_heads, sp.qk_head_dim)
+        if q.dim() != 3 or tuple(q.shape[1:]) != want:
+            raise InputError(f"q must be [rows, {want[0]}, {want[1]}], got {tuple(q.shape)}")
+        lat = cache.latent(layer)
+        if lat.dtype != q.dtype or lat.shape[-1] != sp.kv_lora_rank + sp.qk_rope_head_dim:
+            raise InputError(f"the latent cache must be {q.dtype} with {sp.kv_lora_rank + sp.qk_rope_head_dim} values "
+                             f"a token (q's dtype; kv_lora_rank + qk_rope_head_dim), got {lat.dtype} "
+                             f"with {lat.shape[-1]}")
+        if tuple(out.shape) != (q.shape[0], sp.num_heads, sp.v_head_dim):
+            raise InputError(f"out must be [{q.shape[0]}, {sp.num_heads}, {sp.v_head_dim}], got {tuple(out.shape)}")
