@@ -264,7 +264,7 @@ def test_refused_settings_name_what_is_wrong(folders, tmp_path):
     from graphcp.errors import ConfigError
 
     folder = folders["deepseek_v32-yarn"]
-    for kw, says in ((dict(graph="full"), "graph='full'"), (dict(attention="triton"), "attention='triton'")):
+    for kw, says in ((dict(graph="full"), "graph='full'"), (dict(attention="flashinfer"), "attention='flashinfer'")):
         with pytest.raises(ConfigError, match=says):
             PrefillEngine(folder, RuntimeConfig(kv_tokens=256, moe="tp", **kw))
     for mode in ("sharded", "layer-split"):  # the latent cache is neither sharded nor split yet

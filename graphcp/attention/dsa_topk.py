@@ -57,6 +57,13 @@ def mask_to_positions(chosen: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(chosen.gather(1, order), order, -1)
 
 
+def causal_positions(positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The selection of rows at ``positions [B]`` that see at most ``k`` tokens (they are
+    not scored: they attend to every token up to their own position) -> ``[B, k]``, -1 padded."""
+    cols = torch.arange(k, device=positions.device)
+    return torch.where(cols.unsqueeze(0) <= positions.unsqueeze(1), cols, -1)
+
+
 def positions_to_mask(positions: torch.Tensor, kv: int) -> torch.Tensor:
     """Positions ``[B, k]`` (-1 padded) -> bool ``[B, kv]``."""
     idx = torch.where(positions < 0, kv, positions)

@@ -25,15 +25,18 @@ visible token.
 rows (segments of one request on this rank, in any layout), in row blocks that bound
 the float32 score memory; the selection becomes a mask; keys and values are
 decompressed from the latent (``kv_b_proj``) for the tokens the block may see, then
-one SDPA call. A kernel backend gathers the selected rows of the paged latent
-instead (the selection's ``[rows, k]`` positions are the index form FlashMLA's sparse
-prefill takes). It reads host metadata: in graph mode it runs in the attention break.
+one SDPA call. :class:`SelectingSparseMla` is the indexer side both share (row groups,
+blocks, scoring, top-k, stats); ``graphcp/attention/sparse_mla_triton.py``'s kernel
+backend gathers the selected rows of the paged latent instead (the selection's
+``[rows, k]`` positions are the index form FlashMLA's sparse prefill takes). Both read
+host metadata: in graph mode they run in the attention break.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -153,8 +156,27 @@ class SparseMlaBackend(ABC):
         """This forward's indexer work (the STAT_* keys), given the batch's lengths."""
 
 
-class TorchSparseMla(SparseMlaBackend):
-    name = "torch"
+@dataclass(frozen=True)
+class SelectedBlock:
+    """Consecutive local ``rows`` of one request (``group``) and what they attend to:
+    ``selection [rows, index_topk]`` positions (ascending, -1 padded), or None where
+    every row sees at most ``index_topk`` tokens and attends to all of them (causal).
+    ``kv``: the tokens the block's last row sees; ``pages``: the request's pages on the
+    device."""
+
+    group: RowGroup
+    rows: slice
+    positions: np.ndarray  # int64 [rows]: each row's position in its request
+    kv: int
+    pages: torch.Tensor
+    selection: torch.Tensor | None
+
+
+class SelectingSparseMla(SparseMlaBackend):
+    """The indexer's side of every backend (one home): the row groups, their blocks, the
+    scoring and top-k of each block (or the selection the last indexer layer made, in a
+    layer that reuses it) and the indexer stats. A subclass attends over what
+    :meth:`selected_blocks` yields."""
 
     #: bound on a block's float32 scores (attention: heads x rows x keys; indexer: its heads)
     block_bytes = 64 << 20
@@ -177,6 +199,11 @@ class TorchSparseMla(SparseMlaBackend):
         return {STAT_LAYERS: layers, STAT_ROWS: self._rows, STAT_PAIRS: self._pairs,
                 STAT_REPLICATED: layers * replicated_pairs(prefix_lens, extend_lens, self.spec.index_topk)}
 
+    @property
+    def groups(self) -> list[RowGroup]:
+        """This forward's row groups (set by :meth:`prepare`)."""
+        return self._groups
+
     def _blocks(self, g: RowGroup, heads: int) -> list[tuple[int, int]]:
         """Row blocks of a group: the rows that need no scoring first (they see at most
         index_topk tokens; positions ascend), then the rest, each block's scores within
@@ -189,36 +216,28 @@ class TorchSparseMla(SparseMlaBackend):
             out += [(r, min(b, r + step)) for r in range(a, b, step)]
         return out
 
-    def forward(self, layer, q, index_q, index_w, kv_b_weight, cache, out) -> None:
+    def selected_blocks(self, layer: int, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
+                        cache: MlaKVCache, device: torch.device) -> Iterator[SelectedBlock]:
+        """Every block of this forward's rows with its selection, scored here in a layer
+        that runs the indexer (``index_q`` given), else the last indexer layer's."""
         sp = self.spec
-        out.zero_()
-        dev = q.device
         heads = max(sp.num_heads, sp.index_heads)
         for gi, g in enumerate(self._groups):
-            pages = torch.from_numpy(g.pages.astype(np.int64)).to(dev)
-            extent = int(g.positions[-1]) + 1
-            lat = cache.latent(layer).index_select(0, pages).flatten(0, 1)[:extent]
-            keys, values = self._decompress(lat, kv_b_weight)
+            pages = torch.from_numpy(g.pages.astype(np.int64)).to(device)
             ik = None
             if index_q is not None:
+                extent = int(g.positions[-1]) + 1
                 ik = cache.index_keys(layer).index_select(0, pages).flatten(0, 1)[:extent]
-            pos_all = torch.from_numpy(g.positions).to(dev)
             for b0, b1 in self._blocks(g, heads):
-                pos = pos_all[b0:b1]
                 kv = int(g.positions[b1 - 1]) + 1
-                visible = torch.arange(kv, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
-                mask = visible
                 rows = slice(g.q0 + b0, g.q0 + b1)
+                sel = None
                 if int(g.positions[b0]) >= sp.index_topk:  # rows that see more than index_topk tokens
-                    sel = self._select(layer, (gi, b0), g.positions[b0:b1], rows, index_q, index_w, ik, visible)
-                    mask = visible & positions_to_mask(sel, kv)
-                o = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1).unsqueeze(0), keys[:kv].transpose(0, 1).unsqueeze(0),
-                    values[:kv].transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=sp.softmax_scale)
-                out[rows] = o[0].transpose(0, 1).to(out.dtype)
+                    sel = self._select(layer, (gi, b0), g.positions[b0:b1], rows, index_q, index_w, ik, kv, device)
+                yield SelectedBlock(g, rows, g.positions[b0:b1], kv, pages, sel)
 
     def _select(self, layer: int, block: tuple[int, int], positions: np.ndarray, rows: slice, index_q, index_w,
-                ik, visible: torch.Tensor) -> torch.Tensor:
+                ik, kv: int, device: torch.device) -> torch.Tensor:
         """A block's selection: scored here (a layer that runs the indexer), or the one
         the last indexer layer made for the same block."""
         if index_q is None:
@@ -227,13 +246,43 @@ class TorchSparseMla(SparseMlaBackend):
                 raise RuntimeError(f"layer {layer} reuses the top-k of an earlier indexer layer, but none ran this "
                                    "forward")
             return sel
-        scores = index_scores(index_q[rows], index_w[rows], ik[: visible.shape[1]], self.spec.index_head_dim ** -0.5)
+        pos = torch.from_numpy(positions).to(device)
+        visible = torch.arange(kv, device=device).unsqueeze(0) <= pos.unsqueeze(1)
+        scores = index_scores(index_q[rows], index_w[rows], ik[:kv], self.spec.index_head_dim ** -0.5)
         sel = self.selector(scores.masked_fill(~visible, float("-inf")), self.spec.index_topk)
         self._selection[block] = sel
         n, pairs = scored_pairs(positions, self.spec.index_topk)
         self._rows += n
         self._pairs += pairs
         return sel
+
+
+class TorchSparseMla(SelectingSparseMla):
+    """The reference: per block, keys and values decompressed from the latent for the
+    tokens the block may see, the selection as a mask, one SDPA call."""
+
+    name = "torch"
+
+    def forward(self, layer, q, index_q, index_w, kv_b_weight, cache, out) -> None:
+        sp = self.spec
+        out.zero_()
+        dev = q.device
+        group = keys = values = None
+        for blk in self.selected_blocks(layer, index_q, index_w, cache, dev):
+            if blk.group is not group:  # decompress a request's latent once for its blocks
+                group = blk.group
+                extent = int(group.positions[-1]) + 1
+                lat = cache.latent(layer).index_select(0, blk.pages).flatten(0, 1)[:extent]
+                keys, values = self._decompress(lat, kv_b_weight)
+            pos = torch.from_numpy(blk.positions).to(dev)
+            mask = torch.arange(blk.kv, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
+            if blk.selection is not None:
+                mask = mask & positions_to_mask(blk.selection, blk.kv)
+            rows, kv = blk.rows, blk.kv
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1).unsqueeze(0), keys[:kv].transpose(0, 1).unsqueeze(0),
+                values[:kv].transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=sp.softmax_scale)
+            out[rows] = o[0].transpose(0, 1).to(out.dtype)
 
     def _decompress(self, lat: torch.Tensor, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent rows ``[kv, kv_lora + rope]`` -> per-head keys ``[kv, H, qk]`` (the

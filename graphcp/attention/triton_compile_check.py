@@ -10,6 +10,8 @@ unset or 0, before Triton is imported)::
     python -m graphcp.attention.triton_compile_check --arch 90,100 --dtypes bfloat16,float32 \\
         --head-dims 64,128 --json report.json
 
+:func:`compile_kernel` is the compile + ptxas step for any Triton kernel (the sparse MLA
+kernel's check, ``sparse_mla_compile_check``, uses it too).
 ``tests/test_triton_compile.py`` runs it for the bfloat16 variants at head_dim 64
 and 128 on sm_90a and requires zero spills.
 """
@@ -103,23 +105,47 @@ def parse_ptxas_log(log: str) -> dict[str, int]:
     }
 
 
-def compile_variant(arch: int, dtype: torch.dtype, head_dim: int, group: int, has_lse: bool,
-                    cfg: TileConfig | None = None, page_size: int = 16) -> CompileReport:
-    """Compile one variant of the kernel for ``sm_<arch>a`` and read its resource use."""
+def compile_kernel(fn, signature: dict[str, str], constexprs: dict[str, object], arch: int, num_warps: int,
+                   num_stages: int) -> dict[str, int | float]:
+    """Compile jitted ``fn`` for ``sm_<arch>a`` (``signature``: every argument's type,
+    ``"constexpr"`` for those in ``constexprs``) and read its resource use with ``ptxas
+    -v``: ``registers``, ``spill_store_bytes``, ``spill_load_bytes``, ``stack_bytes``,
+    ``shared_bytes``, ``seconds``. Any Triton kernel (the dense and the sparse MLA ones)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("TRITON_INTERPRET is set: the kernel would be interpreted, not compiled; unset it")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = fn.arg_names
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    t0 = time.perf_counter()
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    gpu = f"sm_{arch}a"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        proc = subprocess.run([_ptxas(arch), "-v", *_ptxas_flags(), f"--gpu-name={gpu}", str(ptx), "-o",
+                               str(ptx.with_suffix(".cubin"))], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas failed for {gpu}: {proc.stderr[-2000:]}")
+    return dict(parse_ptxas_log(proc.stderr + proc.stdout), shared_bytes=int(compiled.metadata.shared),
+                seconds=round(time.perf_counter() - t0, 2))
+
+
+def compile_variant(arch: int, dtype: torch.dtype, head_dim: int, group: int, has_lse: bool,
+                    cfg: TileConfig | None = None, page_size: int = 16) -> CompileReport:
+    """Compile one variant of the paged-prefill kernel for ``sm_<arch>a`` and read its resource use."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("TRITON_INTERPRET is set: the kernel would be interpreted, not compiled; unset it")
     from graphcp.attention import triton_kernel as tk
 
     lanes = tk.group_lanes(group)
     cfg = cfg or tile_config(head_dim, dtype, lanes)
     fn = tk._paged_prefill_kernel
-    names = fn.arg_names
     sig = {}
-    for n in names:
+    for n in fn.arg_names:
         if n in ("Q", "K_CACHE", "V_CACHE", "OUT"):
             sig[n] = PTR[dtype]
         elif n == "LSE":
@@ -135,22 +161,9 @@ def compile_variant(arch: int, dtype: torch.dtype, head_dim: int, group: int, ha
     consts = dict(GROUP=group, GROUP_P=lanes, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, SEARCH_STEPS=tk.search_steps(16), HAS_LSE=has_lse, UPCAST_DOT=False,
                   DOT_PRECISION="ieee" if dtype == torch.float32 else None, CAUSAL=True)
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    t0 = time.perf_counter()
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    gpu = f"sm_{arch}a"
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "kernel.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        proc = subprocess.run([_ptxas(arch), "-v", *_ptxas_flags(), f"--gpu-name={gpu}", str(ptx), "-o",
-                               str(ptx.with_suffix(".cubin"))], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"ptxas failed for {gpu}: {proc.stderr[-2000:]}")
-    usage = parse_ptxas_log(proc.stderr + proc.stdout)
-    return CompileReport(gpu, str(dtype).removeprefix("torch."), head_dim, group, has_lse, cfg.block_m, cfg.block_n,
-                         cfg.num_warps, cfg.num_stages, shared_bytes=int(compiled.metadata.shared),
-                         seconds=round(time.perf_counter() - t0, 2), **usage)
+    usage = compile_kernel(fn, sig, consts, arch, cfg.num_warps, cfg.num_stages)
+    return CompileReport(f"sm_{arch}a", str(dtype).removeprefix("torch."), head_dim, group, has_lse, cfg.block_m,
+                         cfg.block_n, cfg.num_warps, cfg.num_stages, **usage)
 
 
 def _csv(s: str, cast=str) -> list:
