@@ -96,12 +96,9 @@ class PrefillEngine:
         self.sharded = rt.kv_cache == "sharded"
         ring = None
         if self.cfg.dsa is not None:  # MLA's latent + indexer-key cache and sparse attention
-            if rt.kv_cache != "replicated" or self.pipeline is not None:
-                raise ConfigError("a DSA model runs kv_cache='replicated' and pp_size=1 (its latent cache is not "
-                                  f"sharded by token or layer or split into stages yet), got kv_cache={rt.kv_cache!r}, "
-                                  f"pp_size={self.parallel.pp_size}")
             self.kv, attention = dsa_runtime.make_cache_and_attention(
-                self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device)
+                self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.group.rank,
+                self.group.size, self.parallel.pp_size)
         else:
             self.kv = self._make_kv_cache(num_pages, kv_layout)
             spec = AttentionSpec(
@@ -169,7 +166,7 @@ class PrefillEngine:
         not an allocator failure or the OOM killer halfway through zeroing it)."""
         rt, cfg = self.runtime, self.cfg
         if cfg.dsa is not None:
-            need = dsa_runtime.pool_bytes(cfg, num_pages, rt.page_size, self.dtype)
+            need = dsa_runtime.pool_bytes(cfg, rt, num_pages, self.group.rank, self.group.size)
         else:
             need = self._pool_layers() * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
@@ -341,7 +338,7 @@ class PrefillEngine:
             "rank": self.rank, "cp_size": self.group.size, "kv_cache": self.runtime.kv_cache,
             "exchange": "all-gather" if not self.sharded else self.runtime.exchange,
             "kv_pool_tokens": (kv.num_pages - 1) * kv.page_size,
-            "kv_pool_bytes": kv.pool.numel() * kv.pool.element_size(),
+            "kv_pool_bytes": kv.pool_bytes,  # every page pool (MLA: latent and indexer keys)
             "kv_stored_tokens": kv.stored_tokens(),
             "kv_stored_pages": kv.stored_pages(),
             "forwards": list(self._forwards),
