@@ -48,6 +48,7 @@ from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
 from graphcp.pd.export import KVExport, KVMeta, assemble
 from graphcp.pd.fingerprint import model_fingerprint
+from graphcp.pd.mla_export import MlaExport, MlaMeta, mla_meta
 from graphcp.pp.groups import pipeline_groups
 from graphcp.pp.prefill import MicrobatchedPrefill, StageOps, per_request
 from graphcp.profile.ranges import nvtx_range
@@ -224,18 +225,22 @@ class PrefillEngine:
         not live here (released already, or from another engine)."""
         self.kv.release(handle)
 
-    def kv_meta(self, handle: KVHandle) -> KVMeta:
-        """The export metadata of one request's KV (graphcp.pd.export)."""
+    def kv_meta(self, handle: KVHandle) -> KVMeta | MlaMeta:
+        """The export metadata of one request's KV (graphcp.pd.export; a DSA model's:
+        graphcp.pd.mla_export)."""
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model_dir)
         cfg = self.cfg
+        if cfg.dsa is not None:
+            return mla_meta(cfg, handle.num_tokens, self.runtime.dtype, self.runtime.page_size, self._fingerprint)
         return KVMeta(handle.num_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.runtime.dtype,
                       self.runtime.page_size, self._fingerprint)
 
     @torch.inference_mode()
-    def export_kv(self, handle: KVHandle, dst: int | None = None) -> KVExport | None:
+    def export_kv(self, handle: KVHandle, dst: int | None = None) -> KVExport | MlaExport | None:
         """One request's KV in the transport-neutral layout of graphcp.pd.export: every
-        layer's K and V, ``[num_kv_heads, num_tokens, head_dim]``, keys after RoPE. Every
+        layer's K and V, ``[num_kv_heads, num_tokens, head_dim]``, keys after RoPE (a DSA
+        model: latent, rope key and indexer key, graphcp.pd.mla_export). Every
         rank calls it (like prefill); ``dst`` is the rank that gets the export (the others
         get None), None: every rank. Each rank contributes the spans its cache mode holds;
         only this request's KV moves. Releases nothing (``release`` stays explicit);
@@ -244,7 +249,8 @@ class PrefillEngine:
         spans = self.kv.kv_spans(handle, self.group.size)
         return assemble(self.kv, handle, spans, self.group, self.kv_meta(handle), dst, self.device)
 
-    def export_kv_batch(self, handles: Sequence[KVHandle], dst: int | None = None) -> list[KVExport | None]:
+    def export_kv_batch(self, handles: Sequence[KVHandle],
+                        dst: int | None = None) -> list[KVExport | MlaExport | None]:
         """:meth:`export_kv` for each handle, in order (all handles checked first)."""
         for h in handles:
             self.kv.check_handle(h)
