@@ -211,3 +211,35 @@ def test_malformed_mla_files_are_refused_naming_what_is_wrong(folders, tmp_path)
                            for i, t in enumerate(e.layers)]).check()
     with safe_open(str(save_kv(e, tmp_path / "ok.safetensors")), framework="pt") as f:
         assert json.loads(json.dumps(f.metadata()))["family"] == "glm_moe_dsa"
+
+
+def test_prefill_command_exports_dsa_files_at_cp2_layer_split(folders, tmp_path, capsys):
+    """``graphcp prefill --export-kv DIR --kv-cache layer-split --cp 2`` on a DSA model: one
+    graphcp-mla/1 file a request (with a cached prefix), loadable as transformers' cache;
+    the --stats file's pool bytes count both pools as held."""
+    from graphcp.cli.main import main
+    from graphcp.mla_layer_split import mla_pool_layers
+
+    folder = folders["glm_moe_dsa-shared"]
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text(json.dumps({"tokens": list(range(5, 60))}) + "\n"
+                    + json.dumps({"tokens": list(range(100, 140)), "prefix": 21}) + "\n")
+    code = main([str(a) for a in ("prefill", "--model", folder, "--input", reqs, "--output", tmp_path / "o.pt",
+                                  "--cp", 2, "--graph", "off", "--kv-cache", "layer-split", "--kv-tokens", 512,
+                                  "--export-kv", tmp_path / "kv", "--stats", tmp_path / "stats.json")])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    cfg = json.loads((folder / "config.json").read_text())
+    indexer = tuple(t == "full" for t in cfg["indexer_types"])
+    per_token = {"latent": cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], "index": cfg["index_head_dim"]}
+    ranks = json.loads((tmp_path / "stats.json").read_text())["ranks"]
+    ps = RuntimeConfig().page_size  # the command's default
+    for r in ranks:
+        latent_layers, index_layers = mla_pool_layers(indexer, r["rank"], 2)
+        pages = r["kv_pool_tokens"] // ps + 1  # + the scratch page
+        want = pages * ps * (latent_layers * per_token["latent"] + index_layers * per_token["index"]) * 4
+        assert (r["kv_cache"], r["kv_pool_bytes"]) == ("layer-split", want), r
+    logits = torch.load(tmp_path / "o.pt")["last_logits"]
+    for i, n in enumerate((55, 40)):
+        kv = load_kv(tmp_path / "kv" / f"{i}.safetensors")
+        assert isinstance(kv.export, MlaExport) and kv.num_tokens == n and kv.export.meta.index_layers == (0, 2)
+        assert kv.cache.get_seq_length() == n and torch.equal(kv.export.last_logits, logits[i])
