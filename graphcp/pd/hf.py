@@ -59,6 +59,14 @@ def to_mla_cache(export: MlaExport, device: torch.device | str | None = None, dt
     return cache
 
 
+def to_transformers_cache(export: KVExport | MlaExport, device: torch.device | str | None = None,
+                          dtype: torch.dtype | None = None):
+    """The transformers cache of either export format (a DSA model's: :func:`to_mla_cache`)."""
+    if isinstance(export, MlaExport):
+        return to_mla_cache(export, device, dtype)
+    return to_dynamic_cache(export, device, dtype)
+
+
 def cache_argument(model) -> str:
     """The forward argument that takes a cache: ``cache`` (transformers 5) or
     ``past_key_values`` (4.x)."""

@@ -12,7 +12,7 @@ import torch
 
 from graphcp.pd.export import KVExport
 from graphcp.pd.files import read_kv
-from graphcp.pd.hf import to_dynamic_cache, to_mla_cache
+from graphcp.pd.hf import to_transformers_cache
 from graphcp.pd.mla_export import MlaExport
 
 
@@ -32,5 +32,5 @@ def load_kv(path: str | os.PathLike, device: torch.device | str = "cpu") -> Load
     export = read_kv(path, device)
     cache = None
     if importlib.util.find_spec("transformers") is not None:
-        cache = to_mla_cache(export) if isinstance(export, MlaExport) else to_dynamic_cache(export)
+        cache = to_transformers_cache(export)
     return LoadedKV(export, cache)
