@@ -48,6 +48,7 @@ from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
 from graphcp.pd.export import KVExport, KVMeta, assemble
 from graphcp.pd.fingerprint import model_fingerprint
+from graphcp.pd.mla_export import MlaExport, MlaMeta, mla_meta
 from graphcp.pp.groups import pipeline_groups
 from graphcp.pp.prefill import MicrobatchedPrefill, StageOps, per_request
 from graphcp.profile.ranges import nvtx_range
@@ -96,12 +97,9 @@ class PrefillEngine:
         self.sharded = rt.kv_cache == "sharded"
         ring = None
         if self.cfg.dsa is not None:  # MLA's latent + indexer-key cache and sparse attention
-            if rt.kv_cache != "replicated" or self.pipeline is not None:
-                raise ConfigError("a DSA model runs kv_cache='replicated' and pp_size=1 (its latent cache is not "
-                                  f"sharded by token or layer or split into stages yet), got kv_cache={rt.kv_cache!r}, "
-                                  f"pp_size={self.parallel.pp_size}")
             self.kv, attention = dsa_runtime.make_cache_and_attention(
-                self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device)
+                self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.group.rank,
+                self.group.size, self.parallel.pp_size)
         else:
             self.kv = self._make_kv_cache(num_pages, kv_layout)
             spec = AttentionSpec(
@@ -169,7 +167,7 @@ class PrefillEngine:
         not an allocator failure or the OOM killer halfway through zeroing it)."""
         rt, cfg = self.runtime, self.cfg
         if cfg.dsa is not None:
-            need = dsa_runtime.pool_bytes(cfg, num_pages, rt.page_size, self.dtype)
+            need = dsa_runtime.pool_bytes(cfg, rt, num_pages, self.group.rank, self.group.size)
         else:
             need = self._pool_layers() * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
@@ -227,18 +225,22 @@ class PrefillEngine:
         not live here (released already, or from another engine)."""
         self.kv.release(handle)
 
-    def kv_meta(self, handle: KVHandle) -> KVMeta:
-        """The export metadata of one request's KV (graphcp.pd.export)."""
+    def kv_meta(self, handle: KVHandle) -> KVMeta | MlaMeta:
+        """The export metadata of one request's KV (graphcp.pd.export; a DSA model's:
+        graphcp.pd.mla_export)."""
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model_dir)
         cfg = self.cfg
+        if cfg.dsa is not None:
+            return mla_meta(cfg, handle.num_tokens, self.runtime.dtype, self.runtime.page_size, self._fingerprint)
         return KVMeta(handle.num_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.runtime.dtype,
                       self.runtime.page_size, self._fingerprint)
 
     @torch.inference_mode()
-    def export_kv(self, handle: KVHandle, dst: int | None = None) -> KVExport | None:
+    def export_kv(self, handle: KVHandle, dst: int | None = None) -> KVExport | MlaExport | None:
         """One request's KV in the transport-neutral layout of graphcp.pd.export: every
-        layer's K and V, ``[num_kv_heads, num_tokens, head_dim]``, keys after RoPE. Every
+        layer's K and V, ``[num_kv_heads, num_tokens, head_dim]``, keys after RoPE (a DSA
+        model: latent, rope key and indexer key, graphcp.pd.mla_export). Every
         rank calls it (like prefill); ``dst`` is the rank that gets the export (the others
         get None), None: every rank. Each rank contributes the spans its cache mode holds;
         only this request's KV moves. Releases nothing (``release`` stays explicit);
@@ -247,7 +249,8 @@ class PrefillEngine:
         spans = self.kv.kv_spans(handle, self.group.size)
         return assemble(self.kv, handle, spans, self.group, self.kv_meta(handle), dst, self.device)
 
-    def export_kv_batch(self, handles: Sequence[KVHandle], dst: int | None = None) -> list[KVExport | None]:
+    def export_kv_batch(self, handles: Sequence[KVHandle],
+                        dst: int | None = None) -> list[KVExport | MlaExport | None]:
         """:meth:`export_kv` for each handle, in order (all handles checked first)."""
         for h in handles:
             self.kv.check_handle(h)
@@ -341,7 +344,7 @@ class PrefillEngine:
             "rank": self.rank, "cp_size": self.group.size, "kv_cache": self.runtime.kv_cache,
             "exchange": "all-gather" if not self.sharded else self.runtime.exchange,
             "kv_pool_tokens": (kv.num_pages - 1) * kv.page_size,
-            "kv_pool_bytes": kv.pool.numel() * kv.pool.element_size(),
+            "kv_pool_bytes": kv.pool_bytes,  # every page pool (MLA: latent and indexer keys)
             "kv_stored_tokens": kv.stored_tokens(),
             "kv_stored_pages": kv.stored_pages(),
             "forwards": list(self._forwards),

@@ -20,9 +20,9 @@ slots and handles; page 0 is scratch):
 - ``pool``: ``[num_layers, num_pages, page_size, latent_dim]``;
 - ``index_pool``: ``[num_indexer_layers, num_pages, page_size, index_head_dim]``.
 
-Extension points (see docs/dsa.md): a LayerSplit of these caches overrides
-:meth:`latent` and :meth:`index_keys` (the only per-layer accessors the forward
-uses); a PD export of a request reads :meth:`read_tokens` per layer.
+The forward reads a layer through :meth:`latent` and :meth:`index_keys` only: the
+layer split of these caches (graphcp.mla_layer_split) overrides them. A PD export
+reads :meth:`read_span` (graphcp.pd.mla_export).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from graphcp.kvcache import KVHandle, PagedKVCache
+from graphcp.kvspans import KVSpan
 
 
 class MlaKVCache(PagedKVCache):
@@ -104,16 +105,31 @@ class MlaKVCache(PagedKVCache):
         if self.has_index_keys(layer):
             self.index_keys(layer)[page, off] = rows[:, self.latent_dim:]
 
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of both pools (latent + rope key, indexer keys), scratch page included."""
+        return sum(t.numel() * t.element_size() for t in self.page_pools().values())
+
+    def read_span(self, handle: KVHandle, span: KVSpan) -> tuple[torch.Tensor, ...]:
+        """``handle``'s positions ``[span.start, span.stop)`` of one layer (new
+        contiguous tensors, tokens along dim 0): ``latent [n, kv_lora_rank]``, ``rope_key
+        [n, rope_dim]`` (pairs interleaved, as cached) and, where the layer runs the
+        indexer, ``index_key [n, index_dim]`` (graphcp.pd.mla_export's per-layer tensors)."""
+        self.check_handle(handle)
+        ps = self.page_size
+        first, last = span.start // ps, self.pages_for(span.stop)
+        pages = torch.tensor(handle.pages[first:last], dtype=torch.long, device=self.pool.device)
+        lo, hi = span.start - first * ps, span.stop - first * ps
+        lat = self.latent(span.layer).index_select(0, pages).flatten(0, 1)[lo:hi]
+        out = (lat[:, : self.kv_lora_rank].contiguous(), lat[:, self.kv_lora_rank:].contiguous())
+        if self.has_index_keys(span.layer):
+            out += (self.index_keys(span.layer).index_select(0, pages).flatten(0, 1)[lo:hi].contiguous(),)
+        return out
+
     def read_tokens(self, handle: KVHandle, layer: int) -> dict[str, torch.Tensor]:
         """One request's cached tokens of one layer, as a decode engine of these models
         needs them (new tensors): ``latent [T, kv_lora_rank]``, ``rope_key [T,
         qk_rope_head_dim]`` (pairs interleaved) and, where the layer runs the indexer,
         ``index_key [T, index_head_dim]``."""
-        self.check_handle(handle)
-        pages = torch.tensor(handle.pages, dtype=torch.long, device=self.pool.device)
-        t = handle.num_tokens
-        lat = self.latent(layer).index_select(0, pages).flatten(0, 1)[:t]
-        out = {"latent": lat[:, : self.kv_lora_rank].clone(), "rope_key": lat[:, self.kv_lora_rank:].clone()}
-        if self.has_index_keys(layer):
-            out["index_key"] = self.index_keys(layer).index_select(0, pages).flatten(0, 1)[:t].clone()
-        return out
+        parts = self.read_span(handle, KVSpan(layer, 0, handle.num_tokens, 0))
+        return dict(zip(("latent", "rope_key", "index_key"), parts))

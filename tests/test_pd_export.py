@@ -39,6 +39,11 @@ def _exports(group, folder, mode):
     return to_all, to_0, again, released
 
 
+#: float32 K/V of magnitude ~4 after a layer whose attention was merged differently
+#: (ring LSE merge, other matmul shapes): ~2e-6 apart in absolute terms on some CPUs
+ATOL = 1e-5
+
+
 def _kv(e):
     return e.k + e.v
 
@@ -51,7 +56,7 @@ def test_export_assembles_the_same_kv_on_every_rank_and_mode(hf_model_dir):
     want = launch(_exports, 2, folder, "replicated")[0][0]  # rank 0 of the replicated cache: the reference
     for w, o in zip(want, one):  # CP 2 against one rank: the same KV up to matmul rounding
         assert w.meta == o.meta and w.meta.shape == (2, o.meta.num_tokens, 16)
-        assert all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(_kv(w), _kv(o)))
+        assert all(torch.allclose(x, y, rtol=1e-5, atol=ATOL) for x, y in zip(_kv(w), _kv(o)))
     for mode in ("replicated", "layer-split"):
         for rank, (to_all, to_0, again, released) in enumerate(launch(_exports, 2, folder, mode)):
             for w, a in zip(want, to_all):
@@ -69,10 +74,10 @@ def test_export_assembles_the_same_kv_on_every_rank_and_mode(hf_model_dir):
     sharded = launch(_exports, 2, folder, "sharded")
     for rank, (to_all, to_0, again, released) in enumerate(sharded):
         for w, a, s0 in zip(want, to_all, sharded[0][1]):
-            assert a.meta == w.meta and all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(_kv(a), _kv(w)))
+            assert a.meta == w.meta and all(torch.allclose(x, y, rtol=1e-5, atol=ATOL) for x, y in zip(_kv(a), _kv(w)))
             assert all(torch.equal(x, y) for x, y in zip(_kv(a), _kv(s0))), rank
         assert to_0 == [None, None] if rank else all(e is not None for e in to_0)
-        assert all(torch.allclose(x[:, :LENS[1]], y, rtol=1e-5, atol=1e-6) for x, y in zip(_kv(again), _kv(want[1])))
+        assert all(torch.allclose(x[:, :LENS[1]], y, rtol=1e-5, atol=ATOL) for x, y in zip(_kv(again), _kv(want[1])))
         assert "not live" in released
 
 

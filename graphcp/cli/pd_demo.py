@@ -27,7 +27,7 @@ from graphcp.cli.jobs import JobSpec, make_engine, run_job_on_ranks
 from graphcp.errors import ConfigError
 from graphcp.pd.errors import TransferError
 from graphcp.pd.files import save_kv
-from graphcp.pd.hf import greedy_continue, to_dynamic_cache
+from graphcp.pd.hf import greedy_continue, to_transformers_cache
 from graphcp.pd.load import load_kv
 from graphcp.pd.mooncake import mooncake_problem
 from graphcp.pd.receiver import KVReceiver
@@ -93,9 +93,10 @@ def _decode_main(model_dir: str, transport: str, ready, jobs, results, timeout_s
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         if receiver is not None:
-            cache = to_dynamic_cache(receiver.get(REQUEST_ID), dtype=torch.float32)
+            cache = to_transformers_cache(receiver.get(REQUEST_ID), dtype=torch.float32)
         else:
-            cache = to_dynamic_cache(load_kv(Path(folder) / f"{REQUEST_ID}.safetensors").export, dtype=torch.float32)
+            export = load_kv(Path(folder) / f"{REQUEST_ID}.safetensors").export
+            cache = to_transformers_cache(export, dtype=torch.float32)
         received = cache.get_seq_length()
         tokens, _ = greedy_continue(model, cache, next_token, steps)
         results.put(pickle.dumps({"tokens": tokens, "received_tokens": received}))

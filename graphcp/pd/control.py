@@ -5,10 +5,10 @@ bulk data never goes through it).
 Messages (``op``; every request message carries its ``id``):
 
 - receiver -> sender on connect: ``hello`` with the transfer session, the registered
-  buffer (``buffer``, ``size``) and the layout it wants (``format``, and optionally
-  ``fingerprint`` and ``dtype``);
+  buffer (``buffer``, ``size``) and what it takes (``format``: the export formats it
+  reads, graphcp.pd.formats; optionally ``fingerprint`` and ``dtype``);
 - sender -> receiver: ``open`` (``rank``, ``senders``: how many ranks write parts,
-  ``meta``: the request's KVMeta), then ``done`` (``rank``, ``bytes`` written) or
+  ``meta``: the request's metadata, KVMeta or a DSA model's MlaMeta), then ``done`` (``rank``, ``bytes`` written) or
   ``abort`` (``rank``, ``error``);
 - receiver -> sender: ``region`` (``addr``: where the request goes) or ``refused``
   (``error``), and when the request is settled ``ack`` (every part arrived) or

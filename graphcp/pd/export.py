@@ -19,6 +19,7 @@ never a pool.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from graphcp.config import DTYPES, parse_dtype
 from graphcp.dist import CPGroup
 from graphcp.errors import InputError
 from graphcp.kvspans import KVSource, KVSpan
+from graphcp.pd.layout import TensorLayout
 
 FORMAT = "graphcp-kv/1"
 
@@ -36,7 +38,7 @@ class KVFormatError(InputError):
 
 
 @dataclass(frozen=True)
-class KVMeta:
+class KVMeta(TensorLayout):
     num_tokens: int
     num_layers: int
     num_kv_heads: int
@@ -64,6 +66,17 @@ class KVMeta:
     def shape(self) -> tuple[int, int, int]:
         """Every k and v tensor's shape."""
         return (self.num_kv_heads, self.num_tokens, self.head_dim)
+
+    token_dim = 1  # [heads, tokens, head_dim]
+
+    def layer_tensors(self, layer: int) -> tuple[str, ...]:
+        return ("k", "v")
+
+    def tensor_shape(self, layer: int, name: str, num_tokens: int | None = None) -> tuple[int, ...]:
+        return (self.num_kv_heads, self.num_tokens if num_tokens is None else num_tokens, self.head_dim)
+
+    def make_export(self, layers: list[dict[str, torch.Tensor]], **extra) -> "KVExport":
+        return KVExport(self, [t["k"] for t in layers], [t["v"] for t in layers], **extra)
 
     @property
     def tensor_bytes(self) -> int:
@@ -134,35 +147,41 @@ class KVExport:
         return KVExport(self.meta, [t.to(device) for t in self.k], [t.to(device) for t in self.v],
                         self.token_ids, self.last_logits)
 
+    def tensor(self, layer: int, name: str) -> torch.Tensor:
+        """Tensor ``name`` (``k`` or ``v``) of ``layer`` (the formats' common accessor)."""
+        return getattr(self, name)[layer]
 
-def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta: KVMeta,
-             dst: int | None, device: torch.device) -> KVExport | None:
-    """Put one request's KV together from the spans each rank holds. Every rank calls
-    it (the same spans everywhere). ``dst``: the rank that receives the export (the
-    others return None), or None for every rank. A span every receiving rank holds is
-    read locally (a replicated cache: no traffic); the others come from their owners,
-    each owner packing all its spans into one message: a point-to-point send to
-    ``dst``, or a broadcast when every rank receives. At most C - 1 messages a request
-    (not one per span: a token-sharded cache has 2C runs a layer per chunk)."""
+
+def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta, dst: int | None,
+             device: torch.device):
+    """Put one request's KV together from the spans each rank holds, in ``meta``'s format
+    (a :class:`KVMeta` or any :class:`TensorLayout` with ``make_export``: the DSA
+    models' graphcp-mla/1). Every rank calls it (the same spans everywhere). ``dst``:
+    the rank that receives the export (the others return None), or None for every rank.
+    A span every receiving rank holds is read locally (a replicated cache: no traffic);
+    the others come from their owners, each owner packing all its spans into one
+    message: a point-to-point send to ``dst``, or a broadcast when every rank receives.
+    At most C - 1 messages a request (not one per span: a token-sharded cache has 2C
+    runs a layer per chunk)."""
     me = group.rank
     receivers = range(group.size) if dst is None else (dst,)
     receive = me in receivers
     dev, dtype = device, meta.torch_dtype
-    k = [torch.empty(meta.shape, dtype=dtype, device=dev) for _ in range(meta.num_layers)] if receive else None
-    v = [torch.empty(meta.shape, dtype=dtype, device=dev) for _ in range(meta.num_layers)] if receive else None
+    out = [{n: torch.empty(meta.tensor_shape(i, n), dtype=dtype, device=dev) for n in meta.layer_tensors(i)}
+           for i in range(meta.num_layers)] if receive else None
     remote: dict[int, list[KVSpan]] = {}
     for span in spans:
         if all(source.holds(span, r) for r in receivers):
             if receive:
-                _place(k, v, span, *source.read_span(handle, span))
+                _place(out, span, source.read_span(handle, span), meta)
         else:
             remote.setdefault(span.owner, []).append(span)
-    per_token = 2 * meta.num_kv_heads * meta.head_dim
     for owner, theirs in sorted(remote.items()):
         if me == owner:
-            buf = torch.cat([torch.stack(source.read_span(handle, s)).reshape(-1) for s in theirs])
+            buf = torch.cat([t.reshape(-1) for s in theirs for t in source.read_span(handle, s)])
         elif dst is None or me == dst:
-            buf = torch.empty(sum(s.num_tokens for s in theirs) * per_token, dtype=dtype, device=dev)
+            numel = sum(meta.nbytes_of(s.layer, n, s.num_tokens) for s in theirs for n in meta.layer_tensors(s.layer))
+            buf = torch.empty(numel // dtype.itemsize, dtype=dtype, device=dev)
         else:
             continue  # neither the owner nor the receiver of this part
         if dst is None:
@@ -172,21 +191,23 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
             continue
         else:
             group.recv_(buf, owner)
-        _unpack(k, v, theirs, buf, meta)
-    return KVExport(meta, k, v) if receive else None
+        _unpack(out, theirs, buf, meta)
+    return meta.make_export(out) if receive else None
 
 
-def _unpack(k: list[torch.Tensor], v: list[torch.Tensor], spans: list[KVSpan], buf: torch.Tensor,
-            meta: KVMeta) -> None:
-    """Place an owner's packed spans (each ``[2, H, n, D]``, in order) into the export."""
+def _unpack(out: list[dict[str, torch.Tensor]], spans: list[KVSpan], buf: torch.Tensor, meta) -> None:
+    """Place an owner's packed spans (each span's tensors in order, flattened) into the export."""
     at = 0
     for span in spans:
-        n = 2 * meta.num_kv_heads * span.num_tokens * meta.head_dim
-        kv = buf[at:at + n].view(2, meta.num_kv_heads, span.num_tokens, meta.head_dim)
-        _place(k, v, span, kv[0], kv[1])
-        at += n
+        parts = []
+        for n in meta.layer_tensors(span.layer):
+            shape = meta.tensor_shape(span.layer, n, span.num_tokens)
+            size = math.prod(shape)
+            parts.append(buf[at:at + size].view(shape))
+            at += size
+        _place(out, span, parts, meta)
 
 
-def _place(k: list[torch.Tensor], v: list[torch.Tensor], span: KVSpan, ks: torch.Tensor, vs: torch.Tensor) -> None:
-    k[span.layer][:, span.start:span.stop].copy_(ks)
-    v[span.layer][:, span.start:span.stop].copy_(vs)
+def _place(out: list[dict[str, torch.Tensor]], span: KVSpan, parts, meta) -> None:
+    for n, t in zip(meta.layer_tensors(span.layer), parts):
+        out[span.layer][n].narrow(meta.token_dim, span.start, span.num_tokens).copy_(t)

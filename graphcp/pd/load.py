@@ -12,13 +12,14 @@ import torch
 
 from graphcp.pd.export import KVExport
 from graphcp.pd.files import read_kv
-from graphcp.pd.hf import to_dynamic_cache
+from graphcp.pd.hf import to_transformers_cache
+from graphcp.pd.mla_export import MlaExport
 
 
 @dataclass
 class LoadedKV:
-    export: KVExport  # the tensors and metadata
-    cache: Any  # a transformers.DynamicCache, or None without transformers
+    export: KVExport | MlaExport  # the tensors and metadata (graphcp-kv/1, or graphcp-mla/1 for DSA models)
+    cache: Any  # a transformers.DynamicCache (DSA models: of DynamicIndexedLayers), or None without transformers
 
     @property
     def num_tokens(self) -> int:
@@ -26,7 +27,10 @@ class LoadedKV:
 
 
 def load_kv(path: str | os.PathLike, device: torch.device | str = "cpu") -> LoadedKV:
-    """Read a file written by ``graphcp prefill --export-kv`` (graphcp.pd.files)."""
+    """Read a file written by ``graphcp prefill --export-kv`` (graphcp.pd.files): a
+    DSA model's (graphcp-mla/1) with the cache transformers' DeepSeek V3.2 / GLM-5 keep."""
     export = read_kv(path, device)
-    cache = to_dynamic_cache(export) if importlib.util.find_spec("transformers") is not None else None
+    cache = None
+    if importlib.util.find_spec("transformers") is not None:
+        cache = to_transformers_cache(export)
     return LoadedKV(export, cache)

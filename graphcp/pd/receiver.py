@@ -3,7 +3,8 @@
 It runs a transfer engine, registers one buffer (the arena) and serves the control
 channel (graphcp.pd.control) on a TCP port: each prefill rank connects, reads the
 ``hello`` (session, buffer, wanted layout), and per request sends ``open``; the first
-``open`` of a request reserves its region (``meta.nbytes``, graphcp-kv/1 layout) and
+``open`` of a request reserves its region (``meta.nbytes``, in the layout of the
+request's format: graphcp-kv/1, or a DSA model's graphcp-mla/1) and
 every sender of it gets the same address; each rank writes its part straight into
 the arena and says ``done``. When every rank is done and the bytes add up, the
 request is complete: every sender gets ``ack`` and :meth:`KVReceiver.get` hands it
@@ -25,7 +26,8 @@ import torch
 
 from graphcp.pd.control import Channel
 from graphcp.pd.errors import SenderDied, TransferError, TransferFailed, TransferTimeout
-from graphcp.pd.export import FORMAT, KVExport, KVFormatError, KVMeta
+from graphcp.pd.export import KVFormatError
+from graphcp.pd.formats import FORMATS, Export, Meta, meta_from_dict
 from graphcp.pd.mooncake import MooncakeEngine
 
 ALIGN = 64
@@ -33,7 +35,7 @@ ALIGN = 64
 
 @dataclass
 class _Request:
-    meta: KVMeta
+    meta: Meta
     offset: int  # in the arena
     senders: int
     opened: float
@@ -87,7 +89,7 @@ class KVReceiver:
                  fingerprint: str | None = None, dtype: str | None = None, protocol: str = "tcp",
                  device_name: str = "") -> None:
         self.timeout_s = timeout_s
-        self.want = {"format": FORMAT, "fingerprint": fingerprint, "dtype": dtype}
+        self.want = {"format": list(FORMATS), "fingerprint": fingerprint, "dtype": dtype}
         self.engine = MooncakeEngine(host, protocol, device_name)
         self.buffer = torch.zeros(capacity_bytes, dtype=torch.uint8)
         self.base = self.engine.register(self.buffer)
@@ -101,7 +103,7 @@ class KVReceiver:
         threading.Thread(target=self._watchdog, name="kv-receiver-watchdog", daemon=True).start()
 
     # ---- the decode side's API ----------------------------------------------------
-    def get(self, request_id: str, timeout_s: float | None = None) -> KVExport:
+    def get(self, request_id: str, timeout_s: float | None = None) -> Export:
         """The request once complete (a copy; its region is freed). Raises the request's
         error (SenderDied, TransferFailed, TransferTimeout) if it failed, and
         TransferTimeout if it is not complete within ``timeout_s`` (default: the
@@ -144,12 +146,10 @@ class KVReceiver:
             pass
 
     # ---- serving -----------------------------------------------------------------------
-    def _copy_out(self, req: _Request) -> KVExport:
+    def _copy_out(self, req: _Request) -> Export:
         m = req.meta
-        raw = self.buffer[req.offset:req.offset + m.nbytes].view(m.torch_dtype).view(m.num_layers, 2, *m.shape)
-        k = [raw[i, 0].clone() for i in range(m.num_layers)]
-        v = [raw[i, 1].clone() for i in range(m.num_layers)]
-        return KVExport(m, k, v)
+        views = m.unflatten(self.buffer[req.offset:req.offset + m.nbytes])
+        return m.make_export([{n: t.clone() for n, t in ts.items()} for ts in views])
 
     def _accept(self) -> None:
         while not self._closed:
@@ -201,7 +201,7 @@ class KVReceiver:
 
     def _open(self, ch: Channel, rid: str, msg: dict) -> dict:
         try:
-            meta = KVMeta.from_dict(msg.get("meta"), source=f"request {rid!r}")
+            meta = meta_from_dict(msg.get("meta"), source=f"request {rid!r}")
         except KVFormatError as e:
             return {"op": "refused", "error": str(e)}
         for key in ("fingerprint", "dtype"):

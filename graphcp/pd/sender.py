@@ -5,7 +5,8 @@ request ids (like ``prefill``), and sends only the spans its cache mode makes it
 owner of (graphcp.kvspans: a contiguous range of layers for the replicated and the
 layer-split caches), with no collective between the ranks: per request it ``open``s
 the request on the control channel (the receiver answers with the request's region),
-copies its spans into a registered staging buffer in the export layout, writes them
+copies its spans into a registered staging buffer in the export layout (either format:
+graphcp-kv/1, or a DSA model's graphcp-mla/1; graphcp.pd.layout gives the runs), writes them
 with Mooncake writes (one batch a contiguous run) straight into the receiver's memory and says
 ``done``. ``send`` returns when the receiver acknowledged every request; until then,
 and after any error, the request's KV is still in the engine (nothing is released:
@@ -20,7 +21,6 @@ import torch
 
 from graphcp.pd.control import Channel, connect
 from graphcp.pd.errors import ReceiverDied, ReceiverUnreachable, TransferFailed, TransferTimeout
-from graphcp.pd.export import KVMeta
 from graphcp.pd.mooncake import MooncakeEngine
 
 
@@ -89,25 +89,20 @@ class KVSender:
         return msg
 
     def _send_one(self, engine, handle, rid: str) -> None:
-        meta: KVMeta = engine.kv_meta(handle)
+        meta = engine.kv_meta(handle)  # either format: the runs come from its layout (graphcp.pd.layout)
         mine = [s for s in engine.kv.kv_spans(handle, self.cp_size) if s.owner == self.rank]
         self.channel.send(op="open", id=rid, rank=self.rank, senders=self.cp_size, meta=meta.to_dict())
         base = int(self._reply(rid, ("region", "refused", "failed"), "region")["addr"])
         item = meta.torch_dtype.itemsize
-        staging = self._stage(sum(2 * meta.num_kv_heads * s.num_tokens * meta.head_dim * item for s in mine))
+        staging = self._stage(sum(meta.nbytes_of(s.layer, n, s.num_tokens) for s in mine
+                                  for n in meta.layer_tensors(s.layer)))
         src, dst, lengths = [], [], []
         pos = 0
         for span in mine:
-            for kind, t in enumerate(engine.kv.read_span(handle, span)):
+            for name, t in zip(meta.layer_tensors(span.layer), engine.kv.read_span(handle, span)):
                 nb = t.numel() * item
                 staging[pos:pos + nb].view(meta.torch_dtype).copy_(t.reshape(-1))
-                if span.num_tokens == meta.num_tokens:  # the whole tensor: one run
-                    runs = [(0, meta.offset(span.layer, kind), nb)]
-                else:  # a run of positions per head
-                    run = span.num_tokens * meta.head_dim * item
-                    runs = [(h * run, meta.offset(span.layer, kind, h, span.start), run)
-                            for h in range(meta.num_kv_heads)]
-                for s_off, d_off, n in runs:
+                for s_off, d_off, n in meta.span_runs(span.layer, name, span.start, span.num_tokens):
                     src.append(self._staging_addr + pos + s_off)
                     dst.append(base + d_off)
                     lengths.append(n)

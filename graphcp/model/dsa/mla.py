@@ -43,8 +43,12 @@ STATIC_Q, STATIC_OUT, STATIC_INDEX_Q, STATIC_INDEX_W = "mla_q", "mla_out", "inde
 
 def attend_sparse(ctx: ForwardContext, layer: int, q: torch.Tensor, index_q: torch.Tensor | None,
                   index_w: torch.Tensor | None, kv_b_weight: torch.Tensor, out: torch.Tensor) -> None:
-    """The indexer's top-k and sparse MLA attention of this rank's rows; writes ``out``."""
+    """The indexer's top-k and sparse MLA attention of this rank's rows; writes ``out``.
+    A cache that keeps only some layers (LayerSplit) first fetches the batch's
+    cached-prefix pages of this layer (latent and indexer keys) from their owner."""
     with nvtx_range(f"attention[{layer}]", category="break"):
+        if ctx.prefix_pages is not None:
+            ctx.add_received(ctx.kv_cache.fetch_prefix(layer, ctx.prefix_pages, ctx.group))
         ctx.attention.forward(layer, q, index_q, index_w, kv_b_weight, ctx.kv_cache, out)
 
 

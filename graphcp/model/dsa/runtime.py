@@ -1,5 +1,6 @@
-"""What a PrefillEngine runs a DSA model with: the latent + indexer-key cache and the
-sparse MLA attention, and the runtime options these models refuse."""
+"""What a PrefillEngine runs a DSA model with: the latent + indexer-key cache (replicated,
+or split by layer over the CP ranks) and the sparse MLA attention, and the runtime
+options these models refuse."""
 
 from __future__ import annotations
 
@@ -8,13 +9,18 @@ import torch
 from graphcp.attention.sparse_mla import SparseMlaBackend, SparseMlaSpec, TorchSparseMla
 from graphcp.config import ConfigError, ModelConfig, RuntimeConfig
 from graphcp.mla_cache import MlaKVCache
+from graphcp.mla_layer_split import LayerSplitMlaKVCache, mla_pool_layers
 
 #: RuntimeConfig.attention values a DSA model takes. auto: the torch reference, on any
 #: device (the Triton kernel has not run on a GPU yet: it is chosen by name only)
 DSA_ATTENTION = ("torch", "triton", "auto")
 
 
-def check_runtime(cfg: ModelConfig, rt: RuntimeConfig) -> None:
+def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, pp_size: int = 1) -> None:
+    if rt.kv_cache == "sharded" or pp_size > 1:
+        raise ConfigError(f"RuntimeConfig.kv_cache={rt.kv_cache!r} with pp_size={pp_size}: {cfg.family} models run "
+                          "kv_cache='replicated' or 'layer-split' with pp_size=1 (their latent cache is not sharded "
+                          "by token or split into pipeline stages yet)")
     if rt.attention not in DSA_ATTENTION:
         raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {cfg.family} models run MLA with the DSA indexer "
                           "on the torch sparse-MLA reference or the Triton sparse-MLA kernel only; use "
@@ -25,18 +31,27 @@ def check_runtime(cfg: ModelConfig, rt: RuntimeConfig) -> None:
                           "graph='breakable'")
 
 
-def pool_bytes(cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype) -> int:
+def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, rank: int, cp_size: int) -> int:
+    """Bytes of one rank's pools (a layer split: the layers it holds, scratch included)."""
     d = cfg.dsa
-    return num_pages * MlaKVCache.bytes_per_page(cfg.num_layers, page_size, d.latent_dim, d.index_head_dim,
-                                                 d.num_indexer_layers, dtype.itemsize)
+    layers, index_layers = cfg.num_layers, d.num_indexer_layers
+    if rt.kv_cache == "layer-split":
+        layers, index_layers = mla_pool_layers(d.indexer_layers, rank, cp_size)
+    return num_pages * MlaKVCache.bytes_per_page(layers, rt.page_size, d.latent_dim, d.index_head_dim, index_layers,
+                                                 rt.torch_dtype.itemsize)
 
 
 def make_cache_and_attention(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, max_pages_per_seq: int,
-                             device: torch.device) -> tuple[MlaKVCache, SparseMlaBackend]:
-    check_runtime(cfg, rt)
+                             device: torch.device, rank: int = 0, cp_size: int = 1,
+                             pp_size: int = 1) -> tuple[MlaKVCache, SparseMlaBackend]:
+    check_runtime(cfg, rt, pp_size)
     d = cfg.dsa
-    kv = MlaKVCache(cfg.num_layers, num_pages, rt.page_size, d.kv_lora_rank, d.qk_rope_head_dim, d.index_head_dim,
-                    d.indexer_layers, rt.torch_dtype, device, max_pages_per_seq)
+    args = (cfg.num_layers, num_pages, rt.page_size, d.kv_lora_rank, d.qk_rope_head_dim, d.index_head_dim,
+            d.indexer_layers, rt.torch_dtype, device, max_pages_per_seq)
+    if rt.kv_cache == "layer-split":
+        kv = LayerSplitMlaKVCache(*args, rank=rank, cp_size=cp_size)
+    else:
+        kv = MlaKVCache(*args)
     spec = SparseMlaSpec(cfg.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank,
                          d.index_n_heads, d.index_head_dim, d.index_topk, d.softmax_scale, d.num_indexer_layers)
     if rt.attention != "triton":

@@ -1,0 +1,79 @@
+"""What every export format shares: per layer, named tensors with the tokens along one
+dimension, and their flat layout (the transports' byte offsets).
+
+A format's metadata (``graphcp-kv/1``'s :class:`graphcp.pd.export.KVMeta`, the DSA
+models' ``graphcp-mla/1`` :class:`graphcp.pd.mla_export.MlaMeta`) says, for each layer,
+which tensors it has (:meth:`TensorLayout.layer_tensors`, in order: what a cache's
+``read_span`` returns for that layer) and their shapes (:meth:`TensorLayout.tensor_shape`,
+the tokens along :attr:`TensorLayout.token_dim`). From that alone this mixin derives
+what assembly (``graphcp.pd.export.assemble``), the files and the Mooncake transport
+need: each tensor's byte offset in the flat region (layer 0's tensors in order, then
+layer 1's, ...), the byte runs a span of positions occupies there, and the flat
+region's tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class TensorLayout:
+    """Mixed into a format's metadata (a frozen dataclass with ``num_layers``,
+    ``num_tokens`` and ``torch_dtype``)."""
+
+    #: the dimension along which a tensor holds the request's tokens
+    token_dim: int = 0
+
+    def layer_tensors(self, layer: int) -> tuple[str, ...]:
+        """The names of ``layer``'s tensors, in order."""
+        raise NotImplementedError
+
+    def tensor_shape(self, layer: int, name: str, num_tokens: int | None = None) -> tuple[int, ...]:
+        """Tensor ``name`` of ``layer`` over ``num_tokens`` tokens (default: the request's)."""
+        raise NotImplementedError
+
+    def tensors(self) -> list[tuple[int, str]]:
+        """Every ``(layer, name)`` in the flat layout's order."""
+        return [(i, n) for i in range(self.num_layers) for n in self.layer_tensors(i)]
+
+    def nbytes_of(self, layer: int, name: str, num_tokens: int | None = None) -> int:
+        return math.prod(self.tensor_shape(layer, name, num_tokens)) * self.torch_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """The whole request, every tensor of every layer."""
+        return sum(self.nbytes_of(i, n) for i, n in self.tensors())
+
+    def tensor_offset(self, layer: int, name: str) -> int:
+        """Byte offset of tensor ``(layer, name)`` in the flat layout."""
+        at = 0
+        for i, n in self.tensors():
+            if (i, n) == (layer, name):
+                return at
+            at += self.nbytes_of(i, n)
+        raise KeyError(f"no tensor {name!r} in layer {layer}")
+
+    def span_runs(self, layer: int, name: str, start: int, num_tokens: int) -> list[tuple[int, int, int]]:
+        """``(offset in the span's tensor, offset in the flat layout, bytes)`` runs that
+        put positions ``[start, start + num_tokens)`` of tensor ``(layer, name)`` (a
+        contiguous ``tensor_shape(layer, name, num_tokens)`` tensor) in place: one run a
+        slice before the token dimension (a head of K/V), one in all when there is none."""
+        shape = self.tensor_shape(layer, name)
+        outer, inner = math.prod(shape[:self.token_dim]), math.prod(shape[self.token_dim + 1:])
+        item, total = self.torch_dtype.itemsize, shape[self.token_dim]
+        base, run = self.tensor_offset(layer, name), num_tokens * inner * item
+        return [(o * run, base + (o * total + start) * inner * item, run) for o in range(outer)]
+
+    def unflatten(self, flat: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """Per layer, views of each tensor in ``flat`` (the flat layout's bytes, uint8)."""
+        values = flat.view(self.torch_dtype)
+        out: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_layers)]
+        at = 0
+        for i, n in self.tensors():
+            shape = self.tensor_shape(i, n)
+            size = math.prod(shape)
+            out[i][n] = values[at:at + size].view(shape)
+            at += size
+        return out
