@@ -80,10 +80,12 @@ def _prefill(eng: PrefillEngine, dtype: str):
 
 
 def _job(group, runs):
-    """Each (case, folder, dtype, layout, graph, moe) run on this rank: rank 0 returns logits."""
+    """Each (case, folder, dtype, layout, graph, moe, kv_cache) run on this rank: rank 0
+    returns logits."""
     out = []
-    for case, folder, dtype, layout, graph, moe in runs:
-        eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, layout=layout, graph=graph, kv_tokens=2048, moe=moe), group,
+    for case, folder, dtype, layout, graph, moe, kv_cache in runs:
+        rt = RuntimeConfig(dtype=dtype, layout=layout, graph=graph, kv_tokens=2048, moe=moe, kv_cache=kv_cache)
+        eng = PrefillEngine(folder, rt, group,
                             BUCKETS)
         logits, stats, path = _prefill(eng, dtype)
         out.append((logits if group.rank == 0 else None, stats, path))
@@ -93,6 +95,8 @@ def _job(group, runs):
 #: the cases run with breakable graphs (capture + self-check cost seconds): at these CP sizes,
 #: zigzag then interleave (one layout at CP 1)
 BREAKABLE = {"deepseek_v32-yarn": (1, 2, 4), "glm_moe_dsa-moe": (1, 2), "glm_moe_dsa-shared": (2,)}
+#: layer-split cache runs (with the ep MoE layout, interleave) at CP > 1: case -> graph mode
+LAYER_SPLIT = {"deepseek_v32-moe": "off", "glm_moe_dsa-moe": "breakable"}
 #: bfloat16 runs (requests within index_topk): case -> graph mode
 BF16 = {"deepseek_v32-yarn": "breakable", "glm_moe_dsa-shared": "off", "deepseek_v32-moe": "off"}
 
@@ -105,11 +109,13 @@ def _runs(folders, cp):
     for case, folder in folders.items():
         moes = ("tp", "ep") if case.endswith("-moe") else ("tp",)
         for moe in moes:
-            runs += [(case, folder, "float32", layout, "off", moe) for layout in layouts]
+            runs += [(case, folder, "float32", layout, "off", moe, "replicated") for layout in layouts]
             if cp in BREAKABLE.get(case, ()):
-                runs += [(case, folder, "float32", layout, "breakable", moe) for layout in layouts]
+                runs += [(case, folder, "float32", layout, "breakable", moe, "replicated") for layout in layouts]
         if case in BF16:
-            runs.append((case, folder, "bfloat16", "zigzag", BF16[case], moes[-1]))
+            runs.append((case, folder, "bfloat16", "zigzag", BF16[case], moes[-1], "replicated"))
+        if cp > 1 and case in LAYER_SPLIT:  # the cached prefix fetched from each layer's owner
+            runs.append((case, folder, "float32", "interleave", LAYER_SPLIT[case], "ep", "layer-split"))
     return runs
 
 
@@ -137,8 +143,8 @@ def test_dsa_matches_transformers(cp, folders, cp1):
     per_rank = [cp1[1]] if cp == 1 else launch(_job, cp, runs)
     refs = {}
     ties_cp1 = {(r[0], r[2]): res[0] for r, res in zip(*cp1) if r[0].endswith("ties")}
-    for i, (case, folder, dtype, layout, graph, moe) in enumerate(runs):
-        where = f"{case} {dtype} CP {cp} {layout} graph {graph} moe {moe}"
+    for i, (case, folder, dtype, layout, graph, moe, kv_cache) in enumerate(runs):
+        where = f"{case} {dtype} CP {cp} {layout} graph {graph} moe {moe} {kv_cache}"
         logits, _, path = per_rank[0][i]
         assert path == ("eager" if graph == "off" else "graph"), where
         if case.endswith("ties"):  # ties: every CP size and layout as the single rank
