@@ -117,6 +117,17 @@ def build_hf_model(family: str, tied: bool, dtype: str = "float32", seed: int = 
     return model.to(getattr(torch, dtype)).eval()
 
 
+def save_cases(tmp_path_factory, cases: dict, seed: int) -> dict:
+    """``cases``: name -> (family, config overrides); each built by :func:`build_hf_model`
+    (float32) and saved to its own folder: name -> folder."""
+    out = {}
+    for name, (family, overrides) in cases.items():
+        folder = tmp_path_factory.mktemp(name)
+        build_hf_model(family, False, "float32", seed=seed, **overrides).save_pretrained(folder)
+        out[name] = folder
+    return out
+
+
 @pytest.fixture(scope="session")
 def hf_model_dir(tmp_path_factory):
     """Factory ``hf_model_dir(family, tied=False, dtype="float32", *, shard_size=None, **config_overrides)``

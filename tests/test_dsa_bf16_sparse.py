@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import build_hf_model
+from conftest import save_cases
 from helpers import rel_err
 
 from graphcp import PrefillEngine, Request
@@ -53,12 +53,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    out = {}
-    for name, (family, overrides) in CASES.items():
-        folder = tmp_path_factory.mktemp(name)
-        build_hf_model(family, False, "float32", seed=5, **overrides).save_pretrained(folder)
-        out[name] = folder
-    return out
+    return save_cases(tmp_path_factory, CASES, seed=5)
 
 
 def _tokens():

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import build_hf_model
+from conftest import save_cases
 from helpers import rel_err
 
 from graphcp import CPGroup, PrefillEngine, RuntimeConfig
@@ -51,12 +51,7 @@ TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    out = {}
-    for name, (family, overrides) in CASES.items():
-        folder = tmp_path_factory.mktemp(name)
-        build_hf_model(family, False, "float32", seed=3, **overrides).save_pretrained(folder)
-        out[name] = folder
-    return out
+    return save_cases(tmp_path_factory, CASES, seed=3)
 
 
 def _tokens(dtype="float32"):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import build_hf_model
+from conftest import save_cases
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.capture.buckets import BucketSet
@@ -37,12 +37,7 @@ BUCKETS = BucketSet((64, 128))
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    out = {}
-    for name, (family, overrides) in CASES.items():
-        folder = tmp_path_factory.mktemp(name)
-        build_hf_model(family, False, "float32", seed=3, **overrides).save_pretrained(folder)
-        out[name] = folder
-    return out
+    return save_cases(tmp_path_factory, CASES, seed=3)
 
 
 def _batch(seed: int = 0, vocab: int = 512):

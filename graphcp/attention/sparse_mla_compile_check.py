@@ -16,19 +16,19 @@ when a variant spills.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
 from graphcp.attention.sparse_mla_configs import SparseTileConfig, sparse_tile_config
-from graphcp.attention.triton_compile_check import DTYPES, PTR, compile_kernel
+from graphcp.attention.triton_compile_check import DTYPES, PTR, KernelUsage, compile_kernel, csv_values, finish
 
 
 @dataclass
-class SparseCompileReport:
+class SparseCompileReport(KernelUsage):
+    """One variant of the sparse MLA kernel (built with keywords: the usage fields come first)."""
+
     arch: str  # "sm_90a"
     dtype: str
     kv_lora_rank: int
@@ -37,16 +37,6 @@ class SparseCompileReport:
     block_n: int
     num_warps: int
     num_stages: int
-    registers: int
-    spill_store_bytes: int
-    spill_load_bytes: int
-    stack_bytes: int
-    shared_bytes: int
-    seconds: float
-
-    @property
-    def spills(self) -> bool:
-        return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
 
 
 def compile_sparse_variant(arch: int, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int,
@@ -72,12 +62,9 @@ def compile_sparse_variant(arch: int, dtype: torch.dtype, kv_lora_rank: int, rop
                   PAGE_SIZE=page_size, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, UPCAST_DOT=False,
                   DOT_PRECISION="ieee" if dtype == torch.float32 else None)
     usage = compile_kernel(fn, sig, consts, arch, cfg.num_warps, cfg.num_stages)
-    return SparseCompileReport(f"sm_{arch}a", str(dtype).removeprefix("torch."), kv_lora_rank, rope_dim, cfg.block_h,
-                               cfg.block_n, cfg.num_warps, cfg.num_stages, **usage)
-
-
-def _csv(s: str) -> list[str]:
-    return [x for x in s.split(",") if x.strip()]
+    return SparseCompileReport(arch=f"sm_{arch}a", dtype=str(dtype).removeprefix("torch."), kv_lora_rank=kv_lora_rank,
+                               rope_dim=rope_dim, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages, **usage)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,11 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the reports here as JSON")
     a = p.parse_args(argv)
     reports = []
-    for arch in _csv(a.arch):
-        for name in _csv(a.dtypes):
+    for arch in csv_values(a.arch):
+        for name in csv_values(a.dtypes):
             if name not in DTYPES:
                 p.error(f"--dtypes: {name!r} is not one of {sorted(DTYPES)}")
-            for pair in _csv(a.latent):
+            for pair in csv_values(a.latent):
                 lora, _, rope = pair.partition(":")
                 if not (lora.isdigit() and rope.isdigit()):
                     p.error(f"--latent: {pair!r} is not kv_lora_rank:rope_dim (two integers)")
@@ -103,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r.block_h}/{r.block_n}/w{r.num_warps}/s{r.num_stages}: {r.registers} regs, "
                       f"spill {r.spill_store_bytes}/{r.spill_load_bytes} B, stack {r.stack_bytes} B, "
                       f"shared {r.shared_bytes} B ({r.seconds} s)", flush=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps([asdict(r) for r in reports], indent=1) + "\n")
-    return 1 if any(r.spills for r in reports) else 0
+    return finish(reports, a.json)
 
 
 if __name__ == "__main__":

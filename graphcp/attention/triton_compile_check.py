@@ -40,16 +40,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 @dataclass
-class CompileReport:
-    arch: str  # "sm_90a"
-    dtype: str
-    head_dim: int
-    group: int
-    has_lse: bool
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
+class KernelUsage:
+    """What ptxas reports for one compiled kernel (:func:`compile_kernel`)."""
+
     registers: int
     spill_store_bytes: int
     spill_load_bytes: int
@@ -60,6 +53,22 @@ class CompileReport:
     @property
     def spills(self) -> bool:
         return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
+
+
+@dataclass
+class CompileReport(KernelUsage):
+    """One variant of the dense attention kernel (built with keywords: the usage fields
+    come first)."""
+
+    arch: str  # "sm_90a"
+    dtype: str
+    head_dim: int
+    group: int
+    has_lse: bool
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
 
 
 def _ptxas(arch: int) -> str:
@@ -162,12 +171,21 @@ def compile_variant(arch: int, dtype: torch.dtype, head_dim: int, group: int, ha
                   BLOCK_N=cfg.block_n, SEARCH_STEPS=tk.search_steps(16), HAS_LSE=has_lse, UPCAST_DOT=False,
                   DOT_PRECISION="ieee" if dtype == torch.float32 else None, CAUSAL=True)
     usage = compile_kernel(fn, sig, consts, arch, cfg.num_warps, cfg.num_stages)
-    return CompileReport(f"sm_{arch}a", str(dtype).removeprefix("torch."), head_dim, group, has_lse, cfg.block_m,
-                         cfg.block_n, cfg.num_warps, cfg.num_stages, **usage)
+    return CompileReport(arch=f"sm_{arch}a", dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, group=group,
+                         has_lse=has_lse, block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages, **usage)
 
 
-def _csv(s: str, cast=str) -> list:
+def csv_values(s: str, cast=str) -> list:
+    """A flag's comma-separated values."""
     return [cast(x) for x in s.split(",") if x.strip()]
+
+
+def finish(reports: list[KernelUsage], json_path: str | None) -> int:
+    """Write the reports as JSON (when asked); the exit code: 1 if a variant spills."""
+    if json_path:
+        Path(json_path).write_text(json.dumps([asdict(r) for r in reports], indent=1) + "\n")
+    return 1 if any(r.spills for r in reports) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,12 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     lse = {"both": (True, False), "on": (True,), "off": (False,)}[a.lse]
     reports = []
-    for arch in _csv(a.arch, int):
-        for name in _csv(a.dtypes):
+    for arch in csv_values(a.arch, int):
+        for name in csv_values(a.dtypes):
             if name not in DTYPES:
                 p.error(f"--dtypes: {name!r} is not one of {sorted(DTYPES)}")
-            for d in _csv(a.head_dims, int):
-                for g in _csv(a.groups, int):
+            for d in csv_values(a.head_dims, int):
+                for g in csv_values(a.groups, int):
                     for has_lse in lse:
                         r = compile_variant(arch, DTYPES[name], d, g, has_lse)
                         reports.append(r)
@@ -194,9 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"{r.block_m}/{r.block_n}/w{r.num_warps}/s{r.num_stages}: {r.registers} regs, "
                               f"spill {r.spill_store_bytes}/{r.spill_load_bytes} B, stack {r.stack_bytes} B, "
                               f"shared {r.shared_bytes} B ({r.seconds} s)", flush=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps([asdict(r) for r in reports], indent=1) + "\n")
-    return 1 if any(r.spills for r in reports) else 0
+    return finish(reports, a.json)
 
 
 if __name__ == "__main__":
