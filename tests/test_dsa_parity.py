@@ -89,7 +89,7 @@ def _job(group, runs):
 
 #: the cases run with breakable graphs (capture + self-check cost seconds): at these CP sizes,
 #: zigzag then interleave (one layout at CP 1)
-BREAKABLE = {"deepseek_v32-yarn": (1, 2, 4), "glm_moe_dsa-moe": (1, 2), "glm_moe_dsa-shared": (2,)}
+BREAKABLE = {"deepseek_v32-yarn": (1, 2, 4), "glm_moe_dsa-moe": (1, 2, 4), "glm_moe_dsa-shared": (2,)}
 #: layer-split cache runs (with the ep MoE layout, interleave) at CP > 1: case -> graph mode
 LAYER_SPLIT = {"deepseek_v32-moe": "off", "glm_moe_dsa-moe": "breakable"}
 #: bfloat16 runs (requests within index_topk): case -> graph mode
