@@ -83,8 +83,8 @@ class Attention(nn.Module):
         if ctx.attn_q is not None:
             q = ctx.attn_q.copy_(q)
             out = ctx.attn_out
-        else:
-            out = torch.empty_like(q)
+        else:  # zeros: attention writes the segments' rows only, and a padding row's
+            out = torch.zeros_like(q)  # output feeds its K/V (scratch page) in the next layer
         return q, out
 
 
