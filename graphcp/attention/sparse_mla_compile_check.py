@@ -87,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = compile_sparse_variant(int(arch), DTYPES[name], int(lora), int(rope))
                 reports.append(r)
                 print(f"{r.arch} {r.dtype:8s} latent={r.kv_lora_rank}:{r.rope_dim} "
-                      f"{r.block_h}/{r.block_n}/w{r.num_warps}/s{r.num_stages}: {r.registers} regs, "
-                      f"spill {r.spill_store_bytes}/{r.spill_load_bytes} B, stack {r.stack_bytes} B, "
-                      f"shared {r.shared_bytes} B ({r.seconds} s)", flush=True)
+                      f"{r.block_h}/{r.block_n}/w{r.num_warps}/s{r.num_stages}: {r.usage_line()}", flush=True)
     return finish(reports, a.json)
 
 

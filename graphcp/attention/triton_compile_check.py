@@ -54,6 +54,10 @@ class KernelUsage:
     def spills(self) -> bool:
         return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
 
+    def usage_line(self) -> str:
+        return (f"{self.registers} regs, spill {self.spill_store_bytes}/{self.spill_load_bytes} B, "
+                f"stack {self.stack_bytes} B, shared {self.shared_bytes} B ({self.seconds} s)")
+
 
 @dataclass
 class CompileReport(KernelUsage):
@@ -209,9 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = compile_variant(arch, DTYPES[name], d, g, has_lse)
                         reports.append(r)
                         print(f"{r.arch} {r.dtype:8s} d={d:<4d} group={g} lse={int(has_lse)} "
-                              f"{r.block_m}/{r.block_n}/w{r.num_warps}/s{r.num_stages}: {r.registers} regs, "
-                              f"spill {r.spill_store_bytes}/{r.spill_load_bytes} B, stack {r.stack_bytes} B, "
-                              f"shared {r.shared_bytes} B ({r.seconds} s)", flush=True)
+                              f"{r.block_m}/{r.block_n}/w{r.num_warps}/s{r.num_stages}: {r.usage_line()}", flush=True)
     return finish(reports, a.json)
 
 
