@@ -200,8 +200,9 @@ class PagedKVCache:
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of this rank's KV pool (every layer it keeps, scratch page included)."""
-        return self.pool.numel() * self.pool.element_size()
+        """Bytes of this rank's page pools (:meth:`page_pools`: every layer it keeps,
+        scratch page included)."""
+        return sum(t.numel() * t.element_size() for t in self.page_pools().values())
 
     # ---- export (graphcp.kvspans.KVSource) --------------------------------------
     def kv_spans(self, handle: KVHandle, cp_size: int) -> list[KVSpan]:

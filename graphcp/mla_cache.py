@@ -105,11 +105,6 @@ class MlaKVCache(PagedKVCache):
         if self.has_index_keys(layer):
             self.index_keys(layer)[page, off] = rows[:, self.latent_dim:]
 
-    @property
-    def pool_bytes(self) -> int:
-        """Bytes of both pools (latent + rope key, indexer keys), scratch page included."""
-        return sum(t.numel() * t.element_size() for t in self.page_pools().values())
-
     def read_span(self, handle: KVHandle, span: KVSpan) -> tuple[torch.Tensor, ...]:
         """``handle``'s positions ``[span.start, span.stop)`` of one layer (new
         contiguous tensors, tokens along dim 0): ``latent [n, kv_lora_rank]``, ``rope_key

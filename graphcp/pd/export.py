@@ -133,15 +133,7 @@ class KVExport:
         m = self.meta
         if len(self.k) != m.num_layers or len(self.v) != m.num_layers:
             raise KVFormatError(f"{source}: {len(self.k)} K and {len(self.v)} V tensors for {m.num_layers} layers")
-        for kind, ts in (("k", self.k), ("v", self.v)):
-            for i, t in enumerate(ts):
-                if tuple(t.shape) != m.shape or t.dtype != m.torch_dtype:
-                    raise KVFormatError(f"{source}: {kind}.{i} is {tuple(t.shape)} {t.dtype}, expected {m.shape} "
-                                        f"{m.torch_dtype}")
-        if self.token_ids is not None and tuple(self.token_ids.shape) != (m.num_tokens,):
-            raise KVFormatError(f"{source}: token_ids has shape {tuple(self.token_ids.shape)}, expected "
-                                f"({m.num_tokens},)")
-        return self
+        return check_tensors(self, source)
 
     def to(self, device: torch.device | str) -> "KVExport":
         return KVExport(self.meta, [t.to(device) for t in self.k], [t.to(device) for t in self.v],
@@ -150,6 +142,21 @@ class KVExport:
     def tensor(self, layer: int, name: str) -> torch.Tensor:
         """Tensor ``name`` (``k`` or ``v``) of ``layer`` (the formats' common accessor)."""
         return getattr(self, name)[layer]
+
+
+def check_tensors(export, source: str):
+    """KVFormatError unless every tensor of ``export`` (either format: its ``meta``'s
+    ``tensors()``, read through ``export.tensor``) has the metadata's shape and dtype,
+    and ``token_ids`` (when present) one id a token; returns ``export``."""
+    m = export.meta
+    for i, n in m.tensors():
+        t, want = export.tensor(i, n), m.tensor_shape(i, n)
+        if tuple(t.shape) != want or t.dtype != m.torch_dtype:
+            raise KVFormatError(f"{source}: {n}.{i} is {tuple(t.shape)} {t.dtype}, expected {want} {m.torch_dtype}")
+    ids = export.token_ids
+    if ids is not None and tuple(ids.shape) != (m.num_tokens,):
+        raise KVFormatError(f"{source}: token_ids has shape {tuple(ids.shape)}, expected ({m.num_tokens},)")
+    return export
 
 
 def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta, dst: int | None,

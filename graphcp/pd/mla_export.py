@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.config import DTYPES, parse_dtype
-from graphcp.pd.export import KVFormatError
+from graphcp.pd.export import KVFormatError, check_tensors
 from graphcp.pd.layout import TensorLayout
 
 MLA_FORMAT = "graphcp-mla/1"
@@ -159,14 +159,7 @@ class MlaExport:
         for i, ts in enumerate(self.layers):
             if set(ts) != set(m.layer_tensors(i)):
                 raise KVFormatError(f"{source}: layer {i} has {sorted(ts)}, expected {sorted(m.layer_tensors(i))}")
-            for n, t in ts.items():
-                if tuple(t.shape) != m.tensor_shape(i, n) or t.dtype != m.torch_dtype:
-                    raise KVFormatError(f"{source}: {n}.{i} is {tuple(t.shape)} {t.dtype}, expected "
-                                        f"{m.tensor_shape(i, n)} {m.torch_dtype}")
-        if self.token_ids is not None and tuple(self.token_ids.shape) != (m.num_tokens,):
-            raise KVFormatError(f"{source}: token_ids has shape {tuple(self.token_ids.shape)}, expected "
-                                f"({m.num_tokens},)")
-        return self
+        return check_tensors(self, source)
 
     def to(self, device: torch.device | str) -> "MlaExport":
         return MlaExport(self.meta, [{n: t.to(device) for n, t in ts.items()} for ts in self.layers],
