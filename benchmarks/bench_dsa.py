@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from graphcp import PrefillEngine, Request
-from graphcp.attention.sparse_mla import STAT_PAIRS, STAT_REPLICATED
+from graphcp.attention.sparse.mla import STAT_PAIRS, STAT_REPLICATED
 from graphcp.config import RuntimeConfig
 from graphcp.dist import launch
 from graphcp.model.presets import ensure_preset

@@ -30,17 +30,17 @@ import torch
 
 from graphcp.attention.base import AttentionBackend
 from graphcp.attention.exchange import exchange_and_write_kv
-from graphcp.attention.exchange_choice import choose_exchange
-from graphcp.attention.hardware import HardwareSpec
-from graphcp.attention.ring_buffers import RingBuffers
-from graphcp.attention.ring_pass_kv import run_pass_kv
-from graphcp.attention.ring_pass_q import run_pass_q
-from graphcp.attention.ring_plan import plan_sharded
+from graphcp.attention.ring.buffers import RingBuffers
+from graphcp.attention.ring.exchange_choice import choose_exchange
+from graphcp.attention.ring.hardware import HardwareSpec
+from graphcp.attention.ring.pass_kv import run_pass_kv
+from graphcp.attention.ring.pass_q import run_pass_q
+from graphcp.attention.ring.plan import plan_sharded
 from graphcp.cp import ZigzagLayout
 from graphcp.dist import CPGroup, launch
-from graphcp.forward_context import ForwardContext
-from graphcp.kv_sharded import ShardedKVCache
-from graphcp.kvcache import PagedKVCache
+from graphcp.kv.paged import PagedKVCache
+from graphcp.kv.sharded import ShardedKVCache
+from graphcp.model.forward_context import ForwardContext
 
 HQ, HKV, D, PAGE, DTYPE = 64, 8, 128, 16, torch.bfloat16
 E = 2  # bytes per element

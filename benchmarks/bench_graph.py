@@ -18,7 +18,7 @@ import pytest
 
 from graphcp import BucketSet, CPGroup, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import launch
-from graphcp.cli.jobs import OpCounter
+from graphcp.jobs.op_counter import OpCounter
 
 SHAPES = {"16x64": [64] * 16, "4x512": [512] * 4, "1x2048": [2048]}
 

@@ -29,7 +29,7 @@ from graphcp.dist import launch
 from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.moe.experts import Experts, reference_moe, routed_experts
 from graphcp.model.moe.router import SoftmaxTopKRouter
-from graphcp.moe_config import MoeConfig
+from graphcp.model.moe_config import MoeConfig
 from graphcp.profile.comm_bytes import CollectiveBytes
 
 TOKENS, EXPERTS, HIDDEN, INTER = 4096, 64, 1024, 64

@@ -15,7 +15,7 @@ read the table. On a shared 2-core machine the two stages compete with other job
 for the two cores; the ratios are what to compare.
 
 The second benchmark isolates the schedule from the machine: the same two ranks run
-``graphcp.pp.schedule.run_stage`` over real gloo point-to-point links, the hidden
+``graphcp.runtime.pp.schedule.run_stage`` over real gloo point-to-point links, the hidden
 rows of the same batch (4096 x 256 float32) handed on per micro-batch, but each
 stage's compute is a sleep of ``STAGE_S / M`` (a device that computes while the host
 waits, as a GPU does). It shows what the schedule and the transfers give when the
@@ -31,8 +31,8 @@ import torch
 
 from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import barrier, gather_object, launch
-from graphcp.pp.groups import pipeline_groups
-from graphcp.pp.schedule import run_stage
+from graphcp.runtime.pp.groups import pipeline_groups
+from graphcp.runtime.pp.schedule import run_stage
 
 MICROBATCHES = (1, 2, 4, 8)
 LENS = [512] * 8  # 4096 tokens: one request a micro-batch at M = 8

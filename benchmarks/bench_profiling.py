@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from graphcp.profile import ranges as profiling
-from graphcp.profile.ranges import nvtx_range
+from graphcp import nvtx_ranges as profiling
+from graphcp.nvtx_ranges import nvtx_range
 
 INNER = 1000
 

@@ -1,13 +1,14 @@
 """graphcp: a context-parallel prefill runtime with per-bucket breakable graphs."""
 
-from graphcp.capture.buckets import BucketSet
-from graphcp.config import ModelConfig, ParallelConfig, RuntimeConfig
+from graphcp.config import ParallelConfig, RuntimeConfig
 from graphcp.cp import InterleaveLayout, ZigzagLayout, make_layout
 from graphcp.dist import CPGroup, init_from_env, launch
-from graphcp.batch import ConsistencyError, ForwardInfo, PrefillOutput, Request
-from graphcp.engine import PrefillEngine
 from graphcp.errors import BatchError, ConfigError, GraphcpError, InputError
-from graphcp.kvcache import KVCacheFull, KVHandle, KVHandleError
+from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError
+from graphcp.model.config import ModelConfig
+from graphcp.runtime.batch import ConsistencyError, ForwardInfo, PrefillOutput, Request
+from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.engine import PrefillEngine
 
 __all__ = [
     "BatchError",

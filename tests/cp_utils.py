@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from graphcp.engine import prefill_after_prefixes
 from helpers import rel_err  # noqa: F401 - re-exported for the CP tests
+
+from graphcp.runtime.engine import prefill_after_prefixes
 
 
 def write_tiny_llama(folder: Path, seed: int = 0) -> Path:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from cp_utils import rel_err
+
 from graphcp import BatchError, ConfigError, ParallelConfig, PrefillEngine, Request, RuntimeConfig
-from graphcp.capture.buckets import BucketSet
 from graphcp.dist import CPGroup, launch
-from graphcp.engine import prefill_after_prefixes
 from graphcp.model.presets import ensure_preset
+from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.engine import prefill_after_prefixes
 
 AUX = (3, 0, 2)  # the last layer included, out of order: the columns come back as asked
 LENS = [70, 1, 5, 20]

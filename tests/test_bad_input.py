@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from helpers import rel_err
 
-from graphcp.cli.main import main
-from graphcp.config import RuntimeConfig
 from graphcp import BatchError, PrefillEngine, Request
-from graphcp.kvcache import SCRATCH_PAGE, KVCacheFull, KVHandle, KVHandleError, PagedKVCache, write_kv
+from graphcp.cli.main import main
 from graphcp.cli.requests import RequestFileError, parse_requests
+from graphcp.config import RuntimeConfig
+from graphcp.kv.layout import write_kv
+from graphcp.kv.paged import SCRATCH_PAGE, KVCacheFull, KVHandle, KVHandleError, PagedKVCache
 
 VOCAB = 512
 PAGE = 16

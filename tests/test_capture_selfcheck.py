@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from graphcp.capture.buckets import BucketSet
-from graphcp.capture.graphs import CaptureError
-from graphcp.capture.selfcheck import first_difference, synthetic_batch
+from graphcp import PrefillEngine, Request
 from graphcp.config import RuntimeConfig
 from graphcp.cp import ZigzagLayout
 from graphcp.dist import launch
-from graphcp import PrefillEngine, Request
+from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.capture.graphs import CaptureError
+from graphcp.runtime.capture.selfcheck import first_difference, synthetic_batch
 
 DTYPES = ("float32", "bfloat16")
 BUCKETS = BucketSet((32, 64), padding_factor=8.0)

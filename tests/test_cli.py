@@ -13,12 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from helpers import rel_err
 
+from graphcp import PrefillEngine, Request
 from graphcp.cli.main import main
 from graphcp.config import RuntimeConfig
-from graphcp import PrefillEngine, Request
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -155,8 +154,8 @@ def test_prefill_help_and_usage_errors(capsys):
 
 
 def test_verify_capture_flag_reaches_the_runtime_config():
-    from graphcp.cli.args import job_spec
     from graphcp.cli.main import build_parser
+    from graphcp.jobs.args import job_spec
 
     for flag, want in (((), None), (("--verify-capture",), True), (("--no-verify-capture",), False)):
         args = build_parser().parse_args(["prefill", "--input", "r.jsonl", "--output", "o.pt", *flag])

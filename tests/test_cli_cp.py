@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from cp_utils import rel_err
-from graphcp.capture.buckets import BucketSet
+
 from graphcp.cli.main import main
+from graphcp.runtime.capture.buckets import BucketSet
 
 
 @pytest.fixture()

@@ -21,14 +21,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import save_cases
 from helpers import rel_err
 
 from graphcp import PrefillEngine, Request
-from graphcp.capture.buckets import BucketSet
 from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup, launch
+from graphcp.runtime.capture.buckets import BucketSet
 
 TOL = 2e-2
 BUCKETS = BucketSet((16, 32, 64, 128, 256), padding_factor=64.0)

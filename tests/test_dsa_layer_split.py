@@ -13,16 +13,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import save_cases
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
-from graphcp.capture.buckets import BucketSet
-from graphcp.config import ConfigError, ParallelConfig
+from graphcp.config import ParallelConfig
 from graphcp.dist import launch
-from graphcp.engine import prefill_after_prefixes
-from graphcp.kvspans import owned_layers
-from graphcp.mla_layer_split import LayerSplitMlaKVCache
+from graphcp.errors import ConfigError
+from graphcp.kv.mla_layer_split import LayerSplitMlaKVCache
+from graphcp.kv.spans import owned_layers
+from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.engine import prefill_after_prefixes
 
 #: 4 layers, all dense (the MoE is not what this tests); index_topk 16
 CASES = {

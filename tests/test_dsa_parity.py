@@ -19,17 +19,17 @@ import re
 import numpy as np
 import pytest
 import torch
-
 from conftest import save_cases
 from helpers import rel_err
 
 from graphcp import PrefillEngine, Request
-from graphcp.attention.dsa_topk import mask_to_positions, select_topk
-from graphcp.attention.sparse_mla import STAT_PAIRS, STAT_REPLICATED, STAT_ROWS
-from graphcp.capture.buckets import BucketSet
-from graphcp.model.moe.ep import STAT_LAYOUT, STAT_SENT
-from graphcp.config import ModelConfig, ParallelConfig, RuntimeConfig
+from graphcp.attention.sparse.mla import STAT_PAIRS, STAT_REPLICATED, STAT_ROWS
+from graphcp.attention.sparse.topk import mask_to_positions, select_topk
+from graphcp.config import ParallelConfig, RuntimeConfig
 from graphcp.dist import CPGroup, launch
+from graphcp.model.config import ModelConfig
+from graphcp.model.moe.ep import STAT_LAYOUT, STAT_SENT
+from graphcp.runtime.capture.buckets import BucketSet
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 BUCKETS = BucketSet((16, 32, 64, 128, 256), padding_factor=64.0)
@@ -274,7 +274,7 @@ def test_refused_settings_name_what_is_wrong(folders, tmp_path):
     for layout, says in (("ep", "num_experts=8 does not divide by cp_size=3"),
                          ("tp", "intermediate size 32 does not divide by cp_size=3")):
         with pytest.raises(ConfigError, match=says):  # DeepSeek MoE splits like the other MoE families
-            ParallelConfig(cp_size=3).check_model(moe_cfg, "the model", layout)
+            moe_cfg.check_parallel(ParallelConfig(cp_size=3), "the model", layout)
     for case, key, value, says in (
             ("deepseek_v32-yarn", "q_lora_rank", None, "q_lora_rank is null"),
             ("deepseek_v32-yarn", "quantization_config", {"quant_method": "fp8"}, "quantization_config"),

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from graphcp.cli.main import main
-from graphcp.config import ConfigError, RuntimeConfig
 from graphcp import BatchError, PrefillEngine, Request
-from graphcp.kvcache import KVHandle
+from graphcp.cli.main import main
+from graphcp.config import RuntimeConfig
+from graphcp.errors import ConfigError
+from graphcp.kv.paged import KVHandle
 
 VOCAB = 512  # the tiny checkpoints of conftest.py
 

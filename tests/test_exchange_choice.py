@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 
-from graphcp.attention.exchange_choice import choose_exchange, hide_threshold, miss_threshold
-from graphcp.attention.hardware import HardwareSpec, measure_link_gb_per_s, measure_peak_tflops
-from graphcp.cli.args import job_spec
+from graphcp.attention.ring.exchange_choice import choose_exchange, hide_threshold, miss_threshold
+from graphcp.attention.ring.hardware import HardwareSpec, measure_link_gb_per_s, measure_peak_tflops
 from graphcp.cli.main import build_parser
-from graphcp.config import ConfigError, RuntimeConfig
+from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup
+from graphcp.errors import ConfigError
+from graphcp.jobs.args import job_spec
 
 H100 = HardwareSpec()
 GQA3 = dict(num_heads=24, num_kv_heads=8, head_dim=128)  # N_H / N_KV = 3

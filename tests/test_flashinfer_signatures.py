@@ -21,9 +21,10 @@ flashinfer = pytest.importorskip("flashinfer")
 
 from backend_cases import EXAMPLE, num_pages_for, spec_for, static_meta, zigzag_meta  # noqa: E402
 from fake_flashinfer import SM_COUNT, Recorder, fake_flashinfer  # noqa: E402
-from graphcp.attention.flashinfer_backend import FlashInferAttention  # noqa: E402
+
+from graphcp.attention.backends.flashinfer import FlashInferAttention  # noqa: E402
+from graphcp.attention.backends.trtllm import TrtllmAttention  # noqa: E402
 from graphcp.attention.reference_cases import tensors  # noqa: E402
-from graphcp.attention.trtllm_backend import TrtllmAttention  # noqa: E402
 
 PLAIN = (torch.Tensor, bool, int, float, str)
 

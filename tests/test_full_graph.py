@@ -15,10 +15,11 @@ import torch
 pytest.importorskip("triton")
 
 from cp_utils import rel_err  # noqa: E402
-from graphcp.capture.buckets import BucketSet  # noqa: E402
+
+from graphcp import PrefillEngine, Request  # noqa: E402
 from graphcp.config import RuntimeConfig  # noqa: E402
 from graphcp.dist import launch  # noqa: E402
-from graphcp import PrefillEngine, Request  # noqa: E402
+from graphcp.runtime.capture.buckets import BucketSet  # noqa: E402
 
 BUCKETS = BucketSet((16, 64), padding_factor=16.0)
 #: triton vs the torch reference, and padded vs unpadded rows: rounding only
@@ -87,7 +88,7 @@ def test_triton_backend_in_breakable_mode_matches_torch(dtype):
 
 
 def test_more_requests_than_static_segments_fall_back_in_full_mode():
-    from graphcp.capture.buckets import FALLBACK_REQUESTS
+    from graphcp.runtime.capture.buckets import FALLBACK_REQUESTS
 
     full = PrefillEngine("default", RuntimeConfig(graph="full", attention="triton", kv_tokens=1024, max_requests=1),
                          None, BucketSet((16,), padding_factor=16.0))

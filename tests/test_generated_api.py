@@ -15,14 +15,13 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from helpers import rel_err
 
+from graphcp import PrefillEngine, Request
 from graphcp.config import RuntimeConfig
 from graphcp.dist import launch
-from graphcp import PrefillEngine, Request
 from graphcp.errors import BatchError
-from graphcp.kvcache import KVHandle
+from graphcp.kv.paged import KVHandle
 
 VOCAB, CONTEXT, POOL, PAGE = 512, 4096, 256, 16  # conftest.py's tiny qwen2; a 16-page pool
 SEED = 2024

@@ -18,13 +18,13 @@ import types
 import numpy as np
 import pytest
 import torch
-
 from backend_cases import EXAMPLE, check_against_reference, num_pages_for, spec_for, static_meta, zigzag_meta
 from fake_flashinfer import SM_COUNT, STALE_LSE, Recorder, counter_bytes, fake_flashinfer
+
 from graphcp.attention import registry
+from graphcp.attention.backends.flashinfer import FlashInferAttention
+from graphcp.attention.backends.trtllm import TrtllmAttention
 from graphcp.attention.reference_cases import SENTINEL, tensors
-from graphcp.attention.flashinfer_backend import FlashInferAttention
-from graphcp.attention.trtllm_backend import TrtllmAttention
 
 BLACKWELL = lambda: (10, 0)  # noqa: E731
 DTYPES = [torch.float32, torch.bfloat16]

@@ -15,14 +15,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from backend_cases import check_against_reference, spec_for, static_meta, zigzag_meta
 from fake_flashinfer import SM_COUNT, Recorder, fake_flashinfer
-from graphcp.attention.flashinfer_backend import FlashInferAttention
-from graphcp.attention.reference_cases import SENTINEL, kv_shape
-from graphcp.attention.trtllm_backend import TrtllmAttention
-from graphcp.capture.graphs import TraceBackend
 from helpers import rel_err
+
+from graphcp.attention.backends.flashinfer import FlashInferAttention
+from graphcp.attention.backends.trtllm import TrtllmAttention
+from graphcp.attention.reference_cases import SENTINEL, kv_shape
+from graphcp.runtime.capture.graphs import TraceBackend
 
 DTYPES = [torch.float32, torch.bfloat16]
 CAPACITY = 80  # the bucket's rows
@@ -128,9 +128,9 @@ def test_flashinfer_full_graph_engine_matches_eager(fake_hopper):
     level above: this branch's trace recorder skips a may-alias bf16 -> float32
     copy at replay (a trace-backend issue fixed separately), so a bfloat16 body
     does not replay exactly on the CPU whatever the attention."""
-    from graphcp.capture.buckets import BucketSet
-    from graphcp.config import RuntimeConfig
     from graphcp import PrefillEngine, Request
+    from graphcp.config import RuntimeConfig
+    from graphcp.runtime.capture.buckets import BucketSet
 
     rt = RuntimeConfig(dtype="float32", graph="full", attention="flashinfer", kv_tokens=1024, max_requests=3)
     eng = PrefillEngine("default", rt, None, BucketSet((32, 96), padding_factor=8.0))

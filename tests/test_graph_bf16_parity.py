@@ -8,14 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import FAMILIES
 from helpers import graph_then_eager, rel_err
 
-from graphcp.capture.buckets import BucketSet
+from graphcp import PrefillEngine
 from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup, launch
-from graphcp import PrefillEngine
+from graphcp.runtime.capture.buckets import BucketSet
 
 #: transformers in bfloat16 vs graphcp in bfloat16 (as tests/test_hf_parity.py)
 TOL_HF = 2e-2

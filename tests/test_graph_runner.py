@@ -8,14 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from cp_utils import rel_err
 from helpers import graph_then_eager
-from graphcp.capture.buckets import FALLBACK_PADDING, FALLBACK_TOO_LARGE, BucketSet
-from graphcp.capture.runner import ReplayInputError
-from graphcp.config import ConfigError, RuntimeConfig
-from graphcp.dist import CPGroup, launch
+
 from graphcp import PrefillEngine, Request
+from graphcp.config import RuntimeConfig
+from graphcp.dist import CPGroup, launch
+from graphcp.errors import ConfigError
+from graphcp.runtime.capture.buckets import FALLBACK_PADDING, FALLBACK_TOO_LARGE, BucketSet
+from graphcp.runtime.capture.runner import ReplayInputError
 
 BUCKETS = BucketSet((16, 32, 64, 128, 256), padding_factor=64.0)  # small batches replay too
 DTYPES = ("float32", "bfloat16")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphcp.kvcache import SCRATCH_PAGE, KVCacheFull, PagedKVCache
+from graphcp.kv.paged import SCRATCH_PAGE, KVCacheFull, PagedKVCache
 
 
 def _cache(num_pages: int, page_size: int = 4, max_pages_per_seq: int | None = None) -> PagedKVCache:

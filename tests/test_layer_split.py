@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
-from graphcp.capture.buckets import BucketSet
-from graphcp.config import ConfigError
 from graphcp.dist import launch
-from graphcp.engine import prefill_after_prefixes
-from graphcp.kvspans import KVSpan, layer_owner, owned_layers
-from graphcp.layer_split import LayerSplitKVCache
+from graphcp.errors import ConfigError
+from graphcp.kv.layer_split import LayerSplitKVCache
+from graphcp.kv.spans import KVSpan, layer_owner, owned_layers
+from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.engine import prefill_after_prefixes
 
 #: (prefix, new) lengths: a long request extending a cached prefix, a fresh one, a short one
 BATCH = [(45, 70), (0, 33), (17, 3)]

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import copy_model, rel_err
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers import copy_model, rel_err
-
-from graphcp.config import ConfigError, RuntimeConfig
 from graphcp import PrefillEngine, Request
+from graphcp.config import RuntimeConfig
+from graphcp.errors import ConfigError
 from graphcp.model.loader import CheckpointError, load_model
 
 F32 = torch.float32

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcp.attention.merge import merge_states
+from graphcp.attention.ring.merge import merge_states
 
 
 def _attend(q, k, v, visible):

@@ -13,14 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcp.config import ModelConfig
 from graphcp.dist import CPGroup
 from graphcp.errors import ConfigError
+from graphcp.model.config import ModelConfig
 from graphcp.model.layers import ParallelMLP
 from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.moe.ep import ExchangePlan
 from graphcp.model.moe.experts import Experts, grouped_mm_capturable, reference_moe, routed_experts
-from graphcp.moe_config import MoeConfig
+from graphcp.model.moe_config import MoeConfig
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -56,7 +56,6 @@ def test_grouped_experts_equal_the_per_expert_loop(dtype):
 
 def _hf_block(family: str, dtype):
     import transformers
-
     from conftest import hf_config, randomise_
 
     cfg = hf_config(family, False)

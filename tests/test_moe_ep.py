@@ -10,16 +10,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-
 from helpers import rel_err
 
 from graphcp import PrefillEngine, Request
-from graphcp.capture.buckets import BucketSet
-from graphcp.config import ModelConfig, RuntimeConfig
+from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup, launch
+from graphcp.model.config import ModelConfig
 from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.moe.router import SoftmaxTopKRouter, ascending
 from graphcp.profile.comm_bytes import CollectiveBytes
+from graphcp.runtime.capture.buckets import BucketSet
 
 BUCKETS = BucketSet((32, 64, 128), padding_factor=64.0)
 LENS = [60, 3, 41]
@@ -124,7 +124,6 @@ def _full_graph_tp(group, folder, single, toks):
 def _block_vs_transformers(group, family, cfg):
     """The ep block on this rank's half of 200 rows vs transformers' block on all of them."""
     import transformers
-
     from conftest import randomise_
 
     out = {}

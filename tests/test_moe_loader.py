@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import copy_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers import copy_model
-
 from graphcp.cli.main import main
-from graphcp.config import ConfigError
+from graphcp.errors import ConfigError
 from graphcp.model.loader import CheckpointError, load_model
 
 F32 = torch.float32

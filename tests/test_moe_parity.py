@@ -16,14 +16,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import MOE_FAMILIES
 from helpers import graph_then_eager, rel_err
 
 from graphcp import PrefillEngine, Request
-from graphcp.capture.buckets import BucketSet
 from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup, launch
+from graphcp.runtime.capture.buckets import BucketSet
 
 TOL_HF = {"float32": 1e-4, "bfloat16": 2e-2}
 #: graph path (rows padded to the bucket) vs eager: rounding of matmuls over padded rows

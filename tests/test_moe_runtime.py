@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import rel_err
 
 from graphcp import PrefillEngine, Request
-from graphcp.config import ConfigError, RuntimeConfig
+from graphcp.config import RuntimeConfig
+from graphcp.errors import ConfigError
 from graphcp.model.loader import load_model
 from graphcp.model.presets import ensure_preset, ensure_random_model
 

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch.profiler import profile, ProfilerActivity
 import graphcp
-from graphcp.profile import ranges as profiling
-from graphcp.capture.buckets import BucketSet
+from graphcp import nvtx_ranges as profiling
+from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.config import RuntimeConfig
 from graphcp import PrefillEngine, Request
 

@@ -16,16 +16,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import FAMILIES
 from helpers import rel_err
 
 from graphcp import PrefillEngine, RuntimeConfig
 from graphcp.dist import launch, run_ranks
-from graphcp.engine import prefill_after_prefixes
 from graphcp.pd import load_kv
 from graphcp.pd.files import save_kv
 from graphcp.pd.hf import greedy_continue
+from graphcp.runtime.engine import prefill_after_prefixes
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 STEPS = 8

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
-from graphcp.attention.base import kv_cache_views
 from graphcp.dist import launch
-from graphcp.kv_sharded import ShardedKVCache
-from graphcp.kvcache import KVHandleError
+from graphcp.kv.layout import kv_cache_views
+from graphcp.kv.paged import KVHandleError
+from graphcp.kv.sharded import ShardedKVCache
+from graphcp.kv.spans import KVSpan, position_runs, position_spans
 from graphcp.pd import KVFormatError, load_kv
 from graphcp.pd.export import KVMeta
-from graphcp.kvspans import KVSpan, position_runs, position_spans
 from graphcp.pd.files import read_kv, save_kv
 
 LENS = [37, 5]

@@ -10,10 +10,10 @@ import torch
 
 from graphcp import ConfigError, CPGroup, ModelConfig, ParallelConfig, PrefillEngine, RuntimeConfig
 from graphcp.cli.main import main
-from graphcp.kvcache import PagedKVCache
+from graphcp.kv.paged import PagedKVCache
 from graphcp.model.loader import load_model
 from graphcp.model.presets import ensure_preset
-from graphcp.pp.microbatch import last_pieces, split_microbatches
+from graphcp.runtime.pp.microbatch import last_pieces, split_microbatches
 
 
 def test_stage_split_and_its_errors():
@@ -30,9 +30,9 @@ def test_stage_split_and_its_errors():
             ParallelConfig(**kw)
     model = ModelConfig.from_file(ensure_preset("default") / "config.json")  # 4 layers
     with pytest.raises(ConfigError, match="num_hidden_layers=4 does not divide by pp_size=3; give each stage's"):
-        ParallelConfig(pp_size=3).check_model(model)
+        model.check_parallel(ParallelConfig(pp_size=3))
     with pytest.raises(ConfigError, match=r"pp_layers=\[2, 1\] sums to 3 layers, the model has num_hidden_layers=4"):
-        ParallelConfig(pp_size=2, pp_layers=(2, 1)).check_model(model)
+        model.check_parallel(ParallelConfig(pp_size=2, pp_layers=(2, 1)))
     with pytest.raises(ConfigError, match="pp_size=2 x cp_size=1 needs 2 ranks, the process group has 1"):
         PrefillEngine("default", RuntimeConfig(kv_tokens=256), CPGroup(), parallel=ParallelConfig(pp_size=2))
     for kw, msg in ((dict(microbatches=0), "microbatches must be >= 1, got 0"),

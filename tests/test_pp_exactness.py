@@ -11,14 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from cp_utils import batch, rel_err, run_batch, write_tiny_llama
+
 from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
-from graphcp.capture.buckets import BucketSet
 from graphcp.cli.jobs import compare_paths
 from graphcp.dist import launch
-from graphcp.engine import prefill_after_prefixes
 from graphcp.model.presets import ensure_preset
+from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.engine import prefill_after_prefixes
 
 LENS = [97, 1, 5, 33, 2]
 PREFIX = [0, 0, 40, 0, 3]

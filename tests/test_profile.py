@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphcp.profile import cli as profile_cli
-from graphcp.profile import nsys as profile_nsys
-from graphcp.profile import ranges as profiling
-from graphcp.cli.main import build_parser, main
-from graphcp.profile.ranges import RANGES, family, nvtx_range
-
 # Building a model imports torch._dynamo (nn.init under a device context goes through
 # torch._refs), ~3 s; import it once here so the forked ranks inherit it.
 import torch._dynamo  # noqa: E402,F401
+
+from graphcp import nvtx_ranges as profiling
+from graphcp.cli.main import build_parser, main
+from graphcp.nvtx_ranges import RANGES, family, nvtx_range
+from graphcp.profile import cli as profile_cli
+from graphcp.profile import nsys as profile_nsys
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "profiles" / "README.md"
@@ -256,7 +256,7 @@ def test_nvtx_range_feeds_torch_profiler_and_nests(tmp_path):
 
 def test_nvtx_range_is_invisible_to_the_trace_recorder():
     """A capture under a recording profiler must not record the range as an op."""
-    from graphcp.capture.graphs import TraceSegment
+    from graphcp.runtime.capture.graphs import TraceSegment
 
     x = torch.ones(3)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):

@@ -10,11 +10,18 @@ import numpy as np
 import pytest
 import torch
 
+from graphcp.attention.backends.torch_ref import TorchAttention
 from graphcp.attention.base import AttentionSpec
 from graphcp.attention.reference_cases import (
-    SENTINEL, TOLERANCE, RankBatch, build_case, edge_and_random_batches, paged_metadata, run_on_case, zigzag_plan,
+    SENTINEL,
+    TOLERANCE,
+    RankBatch,
+    build_case,
+    edge_and_random_batches,
+    paged_metadata,
+    run_on_case,
+    zigzag_plan,
 )
-from graphcp.attention.torch_ref import TorchAttention
 from graphcp.cp import make_layout
 
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from backend_cases import spec_for
 from fake_flashinfer import SM_COUNT, Recorder, fake_flashinfer
-from graphcp.attention.base import AttentionMetadata, kv_cache_views
-from graphcp.attention.flashinfer_backend import FlashInferAttention
+
+from graphcp.attention.backends.flashinfer import FlashInferAttention
+from graphcp.attention.backends.torch_ref import TorchAttention
+from graphcp.attention.backends.trtllm import TrtllmAttention
+from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.reference_cases import SENTINEL, tensors
-from graphcp.attention.torch_ref import TorchAttention
-from graphcp.attention.trtllm_backend import TrtllmAttention
+from graphcp.kv.layout import kv_cache_views
 
 PAGE = 16
 # segments: (q_len, kv_len, pages): more rows than keys, no keys at all, an empty segment,
@@ -79,7 +80,7 @@ def test_torch_reference_runs_non_causal_steps(dtype, fused, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_runs_non_causal_steps(dtype):
     pytest.importorskip("triton")
-    from graphcp.attention.triton_backend import TritonAttention, interpreting
+    from graphcp.attention.backends.triton import TritonAttention, interpreting
 
     if not interpreting():
         pytest.skip("the CPU run needs TRITON_INTERPRET=1")

@@ -12,13 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import build_hf_model
 from helpers import rel_err
 
-from graphcp.config import ConfigError, ModelConfig, RopeConfig, RuntimeConfig
 from graphcp import PrefillEngine, Request
+from graphcp.config import RuntimeConfig
+from graphcp.errors import ConfigError
+from graphcp.model.config import ModelConfig
 from graphcp.model.layers import Rotary
+from graphcp.model.rope import RopeConfig
 
 #: the acceptance bound in float32; bfloat16 as the other bf16 parity tests
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}

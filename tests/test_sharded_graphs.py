@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from helpers import rel_err
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.attention.exchange import exchanged_bytes_per_layer
-from graphcp.attention.hardware import measure_link_gb_per_s
-from graphcp.capture.buckets import BucketSet
+from graphcp.attention.ring.hardware import measure_link_gb_per_s
 from graphcp.dist import launch
-from graphcp.forward_context import KV_RECEIVED
+from graphcp.model.forward_context import KV_RECEIVED
+from graphcp.runtime.capture.buckets import BucketSet
 
 BUCKETS = BucketSet((16, 32, 64, 128), padding_factor=64.0)
 UNPADDED_TOL = {"float32": 1e-6, "bfloat16": 2e-2}

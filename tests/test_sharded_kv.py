@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from graphcp.attention.ring_plan import RingPlanError, plan_sharded, visible_keys
+from graphcp.attention.ring.plan import RingPlanError, plan_sharded, visible_keys
 from graphcp.cp import ZigzagLayout
-from graphcp.kv_sharded import ShardedKVCache
-from graphcp.kvcache import KVCacheFull, KVHandleError
+from graphcp.kv.paged import KVCacheFull, KVHandleError
+from graphcp.kv.sharded import ShardedKVCache
 
 PAGE = 4
 

@@ -1,4 +1,4 @@
-"""The Triton sparse MLA attention of DSA models (graphcp/attention/sparse_mla_triton.py)
+"""The Triton sparse MLA attention of DSA models (graphcp/attention/sparse/triton.py)
 against the torch reference (TorchSparseMla): the kernel alone on random paged caches
 and selections, then whole forwards of the tiny DSA checkpoint at CP 1 and 2, and a
 compile-only register/spill check for sm_90a and sm_100a.
@@ -12,15 +12,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import rel_err
 
 from graphcp.attention.base import AttentionMetadata
-from graphcp.attention.dsa_topk import mask_to_positions, select_topk
-from graphcp.attention.sparse_mla import SparseMlaSpec, TorchSparseMla
-from graphcp.attention.sparse_mla_configs import SparseTileConfig
-from graphcp.attention.sparse_mla_triton import TritonSparseMla
-from graphcp.mla_cache import MlaKVCache
+from graphcp.attention.kernels.sparse_mla_configs import SparseTileConfig
+from graphcp.attention.sparse.mla import SparseMlaSpec, TorchSparseMla
+from graphcp.attention.sparse.topk import mask_to_positions, select_topk
+from graphcp.attention.sparse.triton import TritonSparseMla
+from graphcp.kv.mla import MlaKVCache
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 PAGE = 4
@@ -207,8 +206,8 @@ def test_bad_settings_and_inputs_name_what_is_wrong():
 COMPILE = r"""
 import json, torch
 from dataclasses import asdict
-from graphcp.attention.sparse_mla_compile_check import compile_sparse_variant
-from graphcp.attention.sparse_mla_configs import SparseTileConfig
+from graphcp.attention.kernels.sparse_mla_compile_check import compile_sparse_variant
+from graphcp.attention.kernels.sparse_mla_configs import SparseTileConfig
 reports = [asdict(compile_sparse_variant(arch, dt, 512, 64)) for arch in (90, 100)
            for dt in (torch.bfloat16, torch.float32)]
 # FlashMLA's 64 heads a program, in this kernel: it spills (the check can fail)
@@ -251,8 +250,8 @@ def test_breakable_graphs_run_the_kernel_in_the_attention_break(hf_model_dir):
     static rows, padding rows included; the capture self-check on): the graph path gives
     the eager torch reference's logits (float32)."""
     from graphcp import PrefillEngine, Request
-    from graphcp.capture.buckets import BucketSet
     from graphcp.config import RuntimeConfig
+    from graphcp.runtime.capture.buckets import BucketSet
 
     folder = hf_model_dir("deepseek_v32")
     rng = np.random.default_rng(19)

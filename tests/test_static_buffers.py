@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphcp.capture.static_buffers import StaticBuffers
+from graphcp.runtime.capture.static_buffers import StaticBuffers
 
 
 def _buffers(cp=2, cap=64):

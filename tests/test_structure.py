@@ -1,6 +1,11 @@
-"""The package's structure holds: imports run one way (no cycles), no module imports
-another module's private name, and every module imports on its own, whichever
-graphcp module a program imports first."""
+"""The package's structure holds: its units form layers that import only downwards (no
+cycle between top-level units, nor between the sub-units of any package), ``graphcp/``
+keeps at most 12 top-level modules, no module imports another module's private name,
+and every module imports on its own, whichever graphcp module a program imports first.
+
+A *unit* of a package is one of its direct children: a module, or a subpackage with
+everything under it. docs/structure.md draws the layers; :data:`LAYERS` is the rule
+they keep: a top-level unit imports only units listed before it."""
 
 from __future__ import annotations
 
@@ -9,8 +14,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "graphcp"
+
+#: top-level units from the bottom up (``graphcp`` is the package's __init__, the public
+#: API); a unit may import only units before it. The library ends at ``graphcp``; the
+#: applications after it are imported by nothing in the library.
+LAYERS = [
+    # small shared helpers: errors, checks, option names, the JSONL reader, NVTX markers,
+    # the parallel and runtime configs
+    "errors", "options", "checks", "jsonl", "nvtx_ranges", "config",
+    "dist",        # process groups and collectives
+    "cp",          # layouts: which rank owns which tokens (numpy)
+    "kv",          # the paged caches, one module a cache mode
+    "attention",   # contract, registry, backends, kernels, ring, sparse
+    "model",       # model configs, decoder layers, the forward context, loader
+    "pd",          # KV export formats and transports
+    "runtime",     # batch, body, capture, pipeline stages, engine, stats
+    "graphcp",     # the public API (graphcp/__init__.py)
+    # applications
+    "jobs", "tune", "profile", "gpucheck", "cli", "__main__",
+]
+MAX_TOP_LEVEL_MODULES = 12
 
 
 def _modules() -> dict[str, Path]:
@@ -22,13 +49,29 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(f: Path) -> list[tuple[str, str]]:
-    """(module, name) for every ``from graphcp... import name`` and ``import graphcp...``."""
+    """(module, name) for every ``from graphcp... import name`` and ``import graphcp...``,
+    at module level or inside a function (a lazy import is still a dependency)."""
     out = []
+    here = list(f.relative_to(ROOT).with_suffix("").parts)  # graphcp/cp/__init__ -> its package is graphcp.cp
     for node in ast.walk(ast.parse(f.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "graphcp":
+        if isinstance(node, ast.ImportFrom) and node.level:  # relative: resolve against this module's package
+            base = here[: len(here) - node.level]
+            module = ".".join(base + ([node.module] if node.module else []))
+            out += [(module, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "graphcp":
             out += [(node.module, a.name) for a in node.names]
         elif isinstance(node, ast.Import):
             out += [(a.name, "") for a in node.names if a.name.split(".")[0] == "graphcp"]
+    return out
+
+
+def _targets(f: Path, mods: dict[str, Path]) -> list[str]:
+    """The graphcp modules ``f`` imports (``from pkg import module`` names the module)."""
+    out = []
+    for mod, name in _imports(f):
+        target = f"{mod}.{name}" if f"{mod}.{name}" in mods else mod
+        if target in mods:
+            out.append(target)
     return out
 
 
@@ -36,12 +79,39 @@ def _graph() -> dict[str, set[str]]:
     mods = _modules()
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for m, f in mods.items():
-        for mod, name in _imports(f):
-            target = f"{mod}.{name}" if f"{mod}.{name}" in mods else mod
+        for target in _targets(f, mods):
             # explicit imports only: a package's __init__ that re-exports its modules is
             # run first whatever is imported, and is checked by the fresh-import test
-            if target in mods and target != m:
+            if target != m:
                 edges[m].add(target)
+    return edges
+
+
+def unit_graph(package: str) -> dict[str, set[str]]:
+    """The import graph between the units (direct children) of ``package``, with the
+    modules behind each edge: ``{unit: {other unit, ...}}``. For ``graphcp`` the package's
+    own ``__init__`` is the unit ``graphcp``."""
+    depth = package.count(".") + 1
+    prefix = package + "."
+
+    def unit(m: str) -> str | None:
+        if m == package:
+            return package.rsplit(".", 1)[-1] if depth == 1 else None
+        if not m.startswith(prefix):
+            return None
+        return m.split(".")[depth]
+
+    edges: dict[str, set[str]] = {}
+    for m, targets in _graph().items():
+        u = unit(m)
+        if u is None:
+            continue
+        edges.setdefault(u, set())
+        for t in targets:
+            v = unit(t)
+            if v is not None and v != u:
+                edges[u].add(v)
+                edges.setdefault(v, set())
     return edges
 
 
@@ -66,9 +136,52 @@ def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def layer_violations(edges: dict[str, set[str]], layers: list[str]) -> list[str]:
+    """Each import of a unit by one listed at or before it (``"kv -> runtime"``)."""
+    rank = {u: i for i, u in enumerate(layers)}
+    return [f"{u} -> {v}" for u in sorted(edges) for v in sorted(edges[u]) if rank[v] >= rank[u]]
+
+
+def _packages() -> list[str]:
+    return sorted(m for m, f in _modules().items() if f.name == "__init__.py")
+
+
 def test_no_import_cycles():
     cycles = find_cycles(_graph())
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("package", _packages())
+def test_no_cycle_between_units(package):
+    """No two units of a package import each other through any path: for ``graphcp``
+    its top-level modules and subpackages, and the same inside every subpackage."""
+    cycles = find_cycles(unit_graph(package))
+    assert not cycles, f"{package}: cycles between its units: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_top_level_units_keep_the_layers():
+    edges = unit_graph("graphcp")
+    assert set(edges) == set(LAYERS), (
+        f"top-level units not in LAYERS: {sorted(set(edges) - set(LAYERS))}; "
+        f"listed but gone: {sorted(set(LAYERS) - set(edges))} (place a new unit in LAYERS and docs/structure.md)")
+    bad = layer_violations(edges, LAYERS)
+    assert not bad, "imports that point up or sideways in LAYERS: " + ", ".join(bad)
+
+
+def test_at_most_12_top_level_modules():
+    top = sorted(f.name for f in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules at the top of graphcp/: {top}"
+
+
+def test_a_back_import_is_caught():
+    """The checks fail when a deliberate back-import is added: the cache importing the
+    runtime closes a cycle through the runtime's own import of the cache."""
+    edges = {u: set(vs) for u, vs in unit_graph("graphcp").items()}
+    assert "kv" in edges["runtime"]
+    edges["kv"].add("runtime")
+    cycles = find_cycles(edges)
+    assert any(c[0] in ("kv", "runtime") and "kv" in c and "runtime" in c for c in cycles), cycles
+    assert "kv -> runtime" in layer_violations(edges, LAYERS)
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphcp.capture.graphs import CaptureError, TraceBackend
 from graphcp.dist import launch
+from graphcp.runtime.capture.graphs import CaptureError, TraceBackend
 
 
 def _record(fn):

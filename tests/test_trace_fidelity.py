@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import graphcp.capture.graphs as graphs
-from graphcp.capture.graphs import TraceBackend
-from graphcp.dist import launch
 from trace_programs import KINDS, check, make_program
+
+import graphcp.runtime.capture.graphs as graphs
+from graphcp.dist import launch
+from graphcp.runtime.capture.graphs import TraceBackend
 
 PROGRAMS = 240  # split over the two modes below; CI runs all of them in a few seconds
 

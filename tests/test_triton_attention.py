@@ -17,12 +17,19 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from graphcp.attention.backends.triton import TritonAttention, interpreting  # noqa: E402
 from graphcp.attention.base import AttentionSpec  # noqa: E402
 from graphcp.attention.reference_cases import (  # noqa: E402
-    PLANNERS, SegmentPlan, build_case, compare, paged_metadata, reference, run_on_case, sentinel_outputs,
+    PLANNERS,
+    SegmentPlan,
+    build_case,
+    compare,
+    paged_metadata,
+    reference,
+    run_on_case,
+    sentinel_outputs,
     zigzag_plan,
 )
-from graphcp.attention.triton_backend import TritonAttention, interpreting  # noqa: E402
 
 if interpreting():
     DEVICE = "cpu"

@@ -5,13 +5,12 @@ subprocess because the rest of the suite imports Triton in interpreter mode."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-
-import importlib.util
 
 import pytest
 
@@ -27,8 +26,8 @@ PROGRAM = r"""
 import json, sys
 import torch
 from dataclasses import asdict
-from graphcp.attention.triton_compile_check import compile_variant
-from graphcp.attention.triton_configs import TileConfig
+from graphcp.attention.kernels.paged_prefill_compile_check import compile_variant
+from graphcp.attention.kernels.paged_prefill_configs import TileConfig
 reports = [asdict(compile_variant(90, torch.bfloat16, d, 4, lse)) for d in (64, 128) for lse in (True, False)]
 # the previous one-size setting (64 x 64 lanes/keys, 4 warps) at head_dim 128: it spilled
 old = compile_variant(90, torch.bfloat16, 128, 4, True, TileConfig(64, 64, 4, 2))
@@ -60,7 +59,7 @@ import numpy as np
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
-from graphcp.attention import triton_kernel as tk
+from graphcp.attention.kernels import paged_prefill as tk
 
 fn = tk._paged_prefill_kernel
 binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
@@ -83,7 +82,7 @@ budget = Budget(600.0, {"warmup": 600.0}, 0.0)
 budget.start("warmup")
 warm_triton(st, budget, model_heads(st.models), model_heads(("default",)))
 warmed = len(seen)
-from graphcp.capture.buckets import BucketSet
+from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.config import RuntimeConfig
 from graphcp import PrefillEngine, Request
 rng = np.random.default_rng(0)

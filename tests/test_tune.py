@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from graphcp.capture.buckets import FALLBACK_PADDING, FALLBACK_TOO_LARGE, BucketSet
+from graphcp.runtime.capture.buckets import FALLBACK_PADDING, FALLBACK_TOO_LARGE, BucketSet
 from graphcp.tune import cli
 from graphcp.tune.baselines import BASELINES, SGLANG, TRTLLM, VLLM
 from graphcp.tune.optimise import CostModel, optimise

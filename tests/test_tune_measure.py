@@ -1,6 +1,6 @@
 """`graphcp tune --measure` captures the tuned buckets with the real runner."""
 
-from graphcp.capture.buckets import BucketSet
+from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.tune.measure import measure_capture
 
 
@@ -20,9 +20,9 @@ def test_tuned_bucket_file_round_trips_into_the_runner(tmp_path):
 
     import numpy as np
 
+    from graphcp import PrefillEngine, Request
     from graphcp.cli.main import main
     from graphcp.config import RuntimeConfig
-    from graphcp import PrefillEngine, Request
 
     workload = tmp_path / "w.jsonl"
     workload.write_text("\n".join(json.dumps({"extend": [n]}) for n in (40, 90, 100, 200, 210)) + "\n")

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 
-KVLayout = Literal["NHD", "HND"]
+from graphcp.kv.layout import KVLayout
+
 LSE_BASE = "e"
 
 
@@ -272,13 +272,5 @@ class AttentionBackend(ABC):
         lse: torch.Tensor | None = None,
     ) -> None:
         """Attend ``q`` [rows, Hq, D] over ``kv_cache`` (one layer, see
-        :mod:`graphcp.kvcache`); write ``out`` [rows, Hq, D] and, when given,
+        :mod:`graphcp.kv.paged`); write ``out`` [rows, Hq, D] and, when given,
         ``lse`` [rows, Hq] float32 (base e) for the rows of every segment."""
-
-
-def kv_cache_views(kv_cache: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer's cache as [pages, page_size, H, D] views (NHD order)."""
-    k, v = kv_cache[:, 0], kv_cache[:, 1]
-    if layout == "HND":
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-    return k, v

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from graphcp.kvcache import write_kv
-from graphcp.profile.ranges import nvtx_range
+from graphcp.kv.layout import write_kv
+from graphcp.nvtx_ranges import nvtx_range
 
 
 def gather_kv_slots(ctx) -> None:

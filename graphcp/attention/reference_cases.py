@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, KVLayout
-from graphcp.attention.torch_ref import TorchAttention
+from graphcp.attention.backends.torch_ref import TorchAttention
+from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from graphcp.kv.layout import KVLayout
 
 #: what ``out``/``lse`` are filled with first: exact in every dtype, so padding rows must still equal it
 SENTINEL = -1024.0

@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from graphcp.attention.base import AttentionBackend, AttentionSpec, KVLayout
+from graphcp.attention.base import AttentionBackend, AttentionSpec
+from graphcp.kv.layout import KVLayout
 from graphcp.options import ATTENTION_BACKENDS
 
 NAMES = ATTENTION_BACKENDS
@@ -57,7 +58,7 @@ def resolve(
     dev = torch.device(device)
     if dev.type != "cuda":
         return "torch"
-    from graphcp.attention.trtllm_backend import SUPPORTED_CAPABILITIES
+    from graphcp.attention.backends.trtllm import SUPPORTED_CAPABILITIES
 
     has_fi = _importable("flashinfer")
     if has_fi and kv_layout in (None, "HND") and tuple(capability(dev)) in SUPPORTED_CAPABILITIES:
@@ -72,8 +73,8 @@ def resolve(
 def available_backends(device: torch.device | str, capability: Capability = _cuda_capability) -> list[str]:
     """Backends that can run on ``device`` here (their packages are installed).
     On CPU, ``triton`` counts only under the interpreter (``TRITON_INTERPRET=1``)."""
-    from graphcp.attention.triton_backend import interpreting
-    from graphcp.attention.trtllm_backend import SUPPORTED_CAPABILITIES
+    from graphcp.attention.backends.triton import interpreting
+    from graphcp.attention.backends.trtllm import SUPPORTED_CAPABILITIES
 
     dev = torch.device(device)
     names = ["torch"]
@@ -101,13 +102,13 @@ def preferred_kv_layout(
 
 def _backend_class(name: str) -> type[AttentionBackend]:
     if name == "torch":
-        from graphcp.attention.torch_ref import TorchAttention as cls
+        from graphcp.attention.backends.torch_ref import TorchAttention as cls
     elif name == "triton":
-        from graphcp.attention.triton_backend import TritonAttention as cls
+        from graphcp.attention.backends.triton import TritonAttention as cls
     elif name == "flashinfer":
-        from graphcp.attention.flashinfer_backend import FlashInferAttention as cls
+        from graphcp.attention.backends.flashinfer import FlashInferAttention as cls
     else:
-        from graphcp.attention.trtllm_backend import TrtllmAttention as cls
+        from graphcp.attention.backends.trtllm import TrtllmAttention as cls
     return cls
 
 

@@ -1,10 +1,11 @@
-"""The jobs behind the CLI, written as per-rank functions ``fn(group, ...)`` so
-they run the same under ``torchrun`` and under graphcp's own launcher."""
+"""The jobs behind ``graphcp prefill`` and ``graphcp run``, written as per-rank functions
+``fn(group, spec, ...)`` so they run the same under ``torchrun`` and under graphcp's own
+launcher (:mod:`graphcp.jobs.spec`)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,41 +13,14 @@ import numpy as np
 import torch
 
 from graphcp.attention.exchange import exchanged_row_bytes_per_layer
-from graphcp.capture.buckets import BucketSet
-from graphcp.batch import PrefillOutput, Request
 from graphcp.cli.requests import FileRequest
-from graphcp.config import ParallelConfig, RuntimeConfig
-from graphcp.dist import CPGroup, gather_object, run_ranks
-from graphcp.engine import PrefillEngine, prefill_after_prefixes
-from graphcp.pp.microbatch import split_microbatches
+from graphcp.dist import CPGroup, gather_object
+from graphcp.jobs.op_counter import OpCounter
+from graphcp.jobs.spec import JobSpec, make_engine
 from graphcp.pd.files import save_kv
-
-
-@dataclass
-class JobSpec:
-    model: str = "default"
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    buckets_file: str | None = None
-    cp_size: int = 1
-    pp_size: int = 1
-    pp_layers: tuple[int, ...] | None = None
-
-    def buckets(self) -> BucketSet | None:
-        return BucketSet.load(self.buckets_file) if self.buckets_file else None
-
-    @property
-    def parallel(self) -> ParallelConfig:
-        return ParallelConfig(cp_size=self.cp_size, pp_size=self.pp_size, pp_layers=self.pp_layers)
-
-
-def run_job_on_ranks(fn, spec: JobSpec, *args: Any) -> Any:
-    """``fn(group, spec, *args)`` on every rank of ``spec``'s run (pp x cp ranks); rank 0's result."""
-    return run_ranks(fn, spec.parallel.world_size, spec, *args, device=spec.runtime.device,
-                     timeout_s=spec.runtime.collective_timeout_s)
-
-
-def make_engine(group: CPGroup, spec: JobSpec, runtime: RuntimeConfig | None = None) -> PrefillEngine:
-    return PrefillEngine(spec.model, runtime or spec.runtime, group, spec.buckets(), spec.parallel)
+from graphcp.runtime.batch import PrefillOutput, Request
+from graphcp.runtime.engine import PrefillEngine, prefill_after_prefixes
+from graphcp.runtime.pp.microbatch import split_microbatches
 
 
 def prefill_requests(engine: PrefillEngine, reqs: list[FileRequest], all_logits: bool) -> PrefillOutput:
@@ -101,32 +75,6 @@ def mixed_batch(vocab: int, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     lens = [1536, 640, 300, 97, 3, 1]
     return [rng.integers(0, vocab, n) for n in lens]
-
-
-class OpCounter:
-    """Counts ops dispatched on the host while active (what each path launches)."""
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                counter.count += 1
-                return func(*args, **(kwargs or {}))
-
-        self.count = 0
-        self._mode = _Mode()
-
-    def __enter__(self):
-        self.count = 0
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
-        return False
 
 
 def compare_paths(engine: PrefillEngine, batch: list[np.ndarray]) -> dict:

@@ -15,16 +15,17 @@ from pathlib import Path
 
 import torch
 
-from graphcp.attention.sparse_mla import indexer_report
+from graphcp.attention.sparse.mla import indexer_report
 from graphcp.checks import check_output_dir, check_output_path
-from graphcp.cli.args import add_runtime_args, job_spec, preflight
-from graphcp.cli.jobs import prefill_job, run_job, run_job_on_ranks
+from graphcp.cli.jobs import prefill_job, run_job
 from graphcp.cli.pd_demo import add_pd_demo_parser
 from graphcp.cli.requests import parse_requests
 from graphcp.errors import one_line, report
 from graphcp.gpucheck.cli import add_gpu_check_parser
+from graphcp.jobs.args import add_runtime_args, job_spec, preflight
+from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.profile.cli import add_profile_parser
-from graphcp.stats import write_stats
+from graphcp.runtime.stats import write_stats
 from graphcp.tune.cli import add_tune_parser
 
 

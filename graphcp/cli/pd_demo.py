@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphcp.cli.args import add_runtime_args, job_spec, preflight
-from graphcp.cli.jobs import JobSpec, make_engine, run_job_on_ranks
 from graphcp.errors import ConfigError
+from graphcp.jobs.args import add_runtime_args, job_spec, preflight
+from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
+from graphcp.model.presets import resolve_model
 from graphcp.pd.errors import TransferError
 from graphcp.pd.files import save_kv
 from graphcp.pd.hf import greedy_continue, to_transformers_cache
@@ -32,8 +33,7 @@ from graphcp.pd.load import load_kv
 from graphcp.pd.mooncake import mooncake_problem
 from graphcp.pd.receiver import KVReceiver
 from graphcp.pd.sender import KVSender
-from graphcp.engine import prefill_after_prefixes
-from graphcp.model.presets import resolve_model
+from graphcp.runtime.engine import prefill_after_prefixes
 
 REQUEST_ID = "demo-0"
 
@@ -129,7 +129,7 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
     spec = job_spec(args)
     preflight(spec)
     model_dir = resolve_model(spec.model)
-    from graphcp.config import ModelConfig
+    from graphcp.model.config import ModelConfig
 
     prompt = _prompt(ModelConfig.from_file(model_dir / "config.json").vocab_size, args.prompt_tokens)
     ctx = mp.get_context("fork")

@@ -9,9 +9,9 @@ all-gather. Pure host code (numpy).
 
 from __future__ import annotations
 
-from .base import Layout, Plan, RankPlan, causal_work_per_rank
-from .interleave import InterleaveLayout, InterleavePlan
-from .zigzag import ZigzagLayout, ZigzagPlan
+from graphcp.cp.base import Layout, Plan, RankPlan, causal_work_per_rank
+from graphcp.cp.interleave import InterleaveLayout, InterleavePlan
+from graphcp.cp.zigzag import ZigzagLayout, ZigzagPlan
 
 __all__ = [
     "LAYOUTS",

@@ -57,7 +57,7 @@ def arange(n: int) -> np.ndarray:
     return _ARANGE[:n]
 
 
-def _frozen(*arrays: np.ndarray) -> None:
+def freeze(*arrays: np.ndarray) -> None:
     for a in arrays:
         a.setflags(write=False)
 
@@ -105,7 +105,7 @@ def validate_lengths(
                 if least >= 1 and (prefix_lens is None or min(prefix_lens) >= 0):
                     if prefix_lens is None:
                         ext, pre = buf, np.zeros(num, dtype=np.int64)
-                        _frozen(ext, pre)
+                        freeze(ext, pre)
                     else:
                         buf.setflags(write=False)
                         ext, pre = buf[:num], buf[num:]
@@ -147,7 +147,7 @@ def validate_lengths(
     if num and np.minimum.reduce(pre) < 0:
         j = int(np.flatnonzero(pre < 0)[0])
         raise ValueError(f"prefix_lens[{j}] = {int(pre[j])}: prefix lengths must be >= 0")
-    _frozen(ext, pre)
+    freeze(ext, pre)
     return ext, pre, int(np.minimum.reduce(ext))
 
 
@@ -304,7 +304,7 @@ class Plan(ABC):
         """int64 [R + 1]: offset of each request's first global row."""
         cu = np.zeros(self.num_requests + 1, dtype=np.int64)
         np.add.accumulate(self.extend_lens, out=cu[1:])
-        _frozen(cu)
+        freeze(cu)
         return cu
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -353,7 +353,7 @@ class Plan(ABC):
     def token_request(self) -> np.ndarray:
         """int64 [T]: request index of each global row."""
         out = np.repeat(arange(self.num_requests), self.extend_lens)
-        _frozen(out)
+        freeze(out)
         return out
 
     @cached_property
@@ -362,7 +362,7 @@ class Plan(ABC):
         shift = self.prefix_lens - self.cu_extend[:-1]
         out = np.repeat(shift, self.extend_lens)
         out += arange(self.num_tokens)
-        _frozen(out)
+        freeze(out)
         return out
 
     @property

@@ -16,7 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .base import Layout, Plan, RankPlan, _frozen, arange
+from graphcp.cp.base import Layout, Plan, RankPlan, freeze, arange
 
 __all__ = ["InterleaveLayout", "InterleavePlan"]
 
@@ -41,7 +41,7 @@ class InterleavePlan(Plan):
         q = np.ones(n, dtype=np.int64)
         kv = positions + 1
         cu = np.arange(n + 1, dtype=np.int32)
-        _frozen(rows, row_request, positions, q, kv, cu)
+        freeze(rows, row_request, positions, q, kv, cu)
         return RankPlan(r, rows, positions, row_request, row_request, q, kv, cu)
 
     # Global row g = i * C + r lives on rank r at local index i: viewed as an
@@ -55,14 +55,14 @@ class InterleavePlan(Plan):
     def owner(self) -> np.ndarray:  # type: ignore[override]
         c = self.cp_size
         out = self._grid(arange(c), np.zeros(-(-self.num_tokens // c), dtype=np.int64))
-        _frozen(out)
+        freeze(out)
         return out
 
     @cached_property
     def local_index(self) -> np.ndarray:  # type: ignore[override]
         c = self.cp_size
         out = self._grid(np.zeros(c, dtype=np.int64), arange(-(-self.num_tokens // c)))
-        _frozen(out)
+        freeze(out)
         return out
 
     def gather_index(self, capacity: int) -> np.ndarray:
@@ -74,7 +74,7 @@ class InterleavePlan(Plan):
     def _last(self) -> tuple[np.ndarray, np.ndarray]:
         last = self.cu_extend[1:] - 1
         owner, local = last % self.cp_size, last // self.cp_size
-        _frozen(owner, local)
+        freeze(owner, local)
         return owner, local
 
     @property

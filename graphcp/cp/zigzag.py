@@ -31,7 +31,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .base import Layout, Plan, RankPlan, _frozen, arange
+from graphcp.cp.base import Layout, Plan, RankPlan, freeze, arange
 
 __all__ = ["ZigzagLayout", "ZigzagPlan", "rank_token_counts"]
 
@@ -100,9 +100,9 @@ class _BatchTables:
         #: rank-major index of its block for request 0 (add 2j for request j)
         self.last_rm = np.where(k_last < c, k_last * 2 * num, (c2 - 1 - k_last) * 2 * num + 1)
         self.request_x2 = 2 * np.arange(num, dtype=np.int64)
-        _frozen(self.request_rm, self.size_offset, self.global_of_rm, self.rm_of_global)
-        _frozen(self.owner_global, self.seg_request, self.last_owner, self.last_rm)
-        _frozen(self.request_x2, self.zeros)
+        freeze(self.request_rm, self.size_offset, self.global_of_rm, self.rm_of_global)
+        freeze(self.owner_global, self.seg_request, self.last_owner, self.last_rm)
+        freeze(self.request_x2, self.zeros)
 
 
 class _ZigzagTables:
@@ -221,14 +221,14 @@ class ZigzagPlan(Plan):
     @cached_property
     def owner(self) -> np.ndarray:  # type: ignore[override]
         out = self._tab.owner_global.repeat(self._sizes)
-        _frozen(out)
+        freeze(out)
         return out
 
     @cached_property
     def local_index(self) -> np.ndarray:  # type: ignore[override]
         out = self._gather_values(0).repeat(self._sizes)
         out += arange(self.num_tokens)
-        _frozen(out)
+        freeze(out)
         return out
 
     def gather_index(self, capacity: int) -> np.ndarray:

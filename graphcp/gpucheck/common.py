@@ -14,7 +14,7 @@ import traceback
 
 import torch
 
-from graphcp.profile import ranges
+from graphcp import nvtx_ranges as ranges
 
 FLASHINFER_ABSENT = ("flashinfer is not installed here: its wheel (~100 MB) is larger than what travels to the "
                      "device machine (64 MiB with the working tree), so the flashinfer and trtllm backends are "

@@ -17,15 +17,15 @@ import time
 import numpy as np
 import torch
 
-from graphcp.batch import Request
-from graphcp.capture.buckets import BucketSet
-from graphcp.capture.graphs import CaptureError
-from graphcp.capture.runner import Fallback
 from graphcp.config import RuntimeConfig
-from graphcp.engine import PrefillEngine
 from graphcp.gpucheck.budget import Budget
 from graphcp.gpucheck.common import fail, free_device_memory, log
 from graphcp.gpucheck.settings import Settings
+from graphcp.runtime.batch import Request
+from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.capture.graphs import CaptureError
+from graphcp.runtime.capture.runner import Fallback
+from graphcp.runtime.engine import PrefillEngine
 
 MODES = ("breakable", "full")
 

@@ -19,13 +19,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from graphcp.attention.backends.triton import TritonAttention
 from graphcp.attention.base import AttentionSpec
 from graphcp.attention.reference_cases import (
-    SEGMENT_SLOTS, TOLERANCE, SegmentPlan, build_case, edge_and_random_batches, paged_metadata, random_inputs,
-    run_on_case, sentinel_outputs,
+    SEGMENT_SLOTS,
+    TOLERANCE,
+    SegmentPlan,
+    build_case,
+    edge_and_random_batches,
+    paged_metadata,
+    random_inputs,
+    run_on_case,
+    sentinel_outputs,
 )
 from graphcp.attention.registry import make_attention, preferred_kv_layout
-from graphcp.attention.triton_backend import TritonAttention
 from graphcp.gpucheck.budget import Budget
 from graphcp.gpucheck.common import err, fail, free_device_memory, log, skip, sync
 from graphcp.gpucheck.settings import Settings
@@ -44,7 +51,7 @@ WARMUP_PLAN = SegmentPlan([20, 20], [20, 20], [0, 1], [20, 20])
 # ---- Triton warm-up -----------------------------------------------------------------------
 def triton_compiled_kernels() -> list[Any] | None:
     """The compiled variants of graphcp's Triton kernel so far (None when interpreted or never launched)."""
-    tk = sys.modules.get("graphcp.attention.triton_kernel")  # imported by the first launch: not before
+    tk = sys.modules.get("graphcp.attention.kernels.paged_prefill")  # imported by the first launch: not before
     return None if tk is None else tk.compiled_kernels()
 
 

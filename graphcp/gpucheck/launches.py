@@ -17,13 +17,13 @@ from typing import Any, Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from graphcp.capture.buckets import align_up
-from graphcp.cli.jobs import OpCounter
 from graphcp.gpucheck.budget import Budget
 from graphcp.gpucheck.common import fail, free_device_memory, log, skip, sync
 from graphcp.gpucheck.settings import Settings
 from graphcp.gpucheck.timing import ENGINE_PATHS, graph_units, one_prefill, open_engine, row, tokens_for
-from graphcp.profile.ranges import PREFIX, family
+from graphcp.jobs.op_counter import OpCounter
+from graphcp.nvtx_ranges import PREFIX, family
+from graphcp.runtime.capture.buckets import align_up
 
 
 def count_launches(fn: Callable[[], Any], device: torch.device, with_profiler: bool,

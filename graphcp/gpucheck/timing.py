@@ -17,15 +17,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from graphcp.batch import PrefillOutput, Request
-from graphcp.capture.buckets import BucketSet, align_up
 from graphcp.config import RuntimeConfig
-from graphcp.engine import PrefillEngine
 from graphcp.errors import ConfigError
 from graphcp.gpucheck.budget import Budget
 from graphcp.gpucheck.common import err, fail, free_device_memory, log, log_error, skip, sync
 from graphcp.gpucheck.settings import LARGE_MODEL, Settings
 from graphcp.model.presets import PRESETS, ensure_preset, ensure_random_model
+from graphcp.runtime.batch import PrefillOutput, Request
+from graphcp.runtime.capture.buckets import BucketSet, align_up
+from graphcp.runtime.engine import PrefillEngine
 
 PATHS = ("eager", "breakable", "full")
 #: graph mode of each engine -> the paths timed on it (eager runs on the breakable engine)

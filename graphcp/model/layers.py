@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphcp.rope import RopeConfig
+from graphcp.model.rope import RopeConfig
 
 
 class RMSNorm(nn.Module):

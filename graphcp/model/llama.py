@@ -18,17 +18,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.attention.cp_attention import attend as cp_attend
-from graphcp.attention.cp_attention import begin_forward, store_kv
-from graphcp.config import ModelConfig, PipelineStage
-from graphcp.forward_context import ForwardContext
-from graphcp.graph_break import graph_break
+from graphcp.config import PipelineStage
+from graphcp.model.config import ModelConfig
+from graphcp.model.cp_attention import attend as cp_attend
+from graphcp.model.cp_attention import begin_forward, store_kv
+from graphcp.model.forward_context import ForwardContext
+from graphcp.model.graph_break import graph_break
 from graphcp.model.layers import ParallelMLP, RMSNorm, Rotary
 from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.moe.ep import STAT_LAYERS, STAT_LAYOUT, STAT_RECEIVED, STAT_SENT
 from graphcp.model.moe.experts import grouped_mm_capturable
+from graphcp.nvtx_ranges import nvtx_range
 from graphcp.options import MoeLayout
-from graphcp.profile.ranges import nvtx_range
 
 
 def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:

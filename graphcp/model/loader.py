@@ -27,12 +27,13 @@ from typing import Callable, Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
-from graphcp.config import DTYPES, ModelConfig, ParallelConfig
+from graphcp.config import DTYPES, ParallelConfig
 from graphcp.errors import InputError
+from graphcp.model.config import ModelConfig
 from graphcp.model.dsa.checkpoint import dsa_tensors, is_skipped
 from graphcp.model.dsa.model import DsaModel
 from graphcp.model.llama import DecoderModel
-from graphcp.moe_config import MOE_NAMES
+from graphcp.model.moe_config import MOE_NAMES
 from graphcp.options import MoeLayout
 
 # checkpoint tensors that carry no weights (older exports keep RoPE tables)
@@ -187,7 +188,7 @@ def load_model(
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_file(model_dir / "config.json")
     parallel = parallel or ParallelConfig(cp_size=tp_size)
-    parallel.check_model(cfg, str(model_dir), moe)
+    cfg.check_parallel(parallel, str(model_dir), moe)
     tp_size = parallel.tp_size
     declared = DTYPES.get(cfg.torch_dtype) if cfg.torch_dtype else None
     dsa = cfg.dsa is not None

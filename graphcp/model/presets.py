@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from graphcp.config import ModelConfig
-from graphcp.dsa_config import DSA_FAMILIES
 from graphcp.errors import ConfigError
+from graphcp.model.config import ModelConfig
 from graphcp.model.dsa import checkpoint as dsa_checkpoint
-from graphcp.moe_config import MOE_NAMES, moe_from_hf
+from graphcp.model.dsa_config import DSA_FAMILIES
+from graphcp.model.moe_config import MOE_NAMES, moe_from_hf
 
 #: a small Qwen3-style model: explicit head_dim, q/k norm, GQA, tied embeddings
 PRESETS: dict[str, dict] = {

@@ -12,7 +12,7 @@ the request is one region: layer 0's K, layer 0's V, layer 1's K, ..., so tensor
 ``(layer, kind)`` starts at byte ``(2 * layer + kind) * H * T * D * itemsize`` and
 head ``h``'s run of positions ``[s, e)`` at ``... + (h * T + s) * D * itemsize``.
 
-Assembly (:func:`assemble`) reads the pieces each rank holds (graphcp.kvspans) and
+Assembly (:func:`assemble`) reads the pieces each rank holds (graphcp.kv.spans) and
 puts them in order into the export's own tensors: only that request's KV moves,
 never a pool.
 """
@@ -27,7 +27,7 @@ import torch
 from graphcp.config import DTYPES, parse_dtype
 from graphcp.dist import CPGroup
 from graphcp.errors import InputError
-from graphcp.kvspans import KVSource, KVSpan
+from graphcp.kv.spans import KVSource, KVSpan
 from graphcp.pd.layout import TensorLayout
 
 FORMAT = "graphcp-kv/1"

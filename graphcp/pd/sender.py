@@ -2,7 +2,7 @@
 
 Every rank of the prefill group calls :meth:`KVSender.send` with the same handles and
 request ids (like ``prefill``), and sends only the spans its cache mode makes it the
-owner of (graphcp.kvspans: a contiguous range of layers for the replicated and the
+owner of (graphcp.kv.spans: a contiguous range of layers for the replicated and the
 layer-split caches), with no collective between the ranks: per request it ``open``s
 the request on the control channel (the receiver answers with the request's region),
 copies its spans into a registered staging buffer in the export layout (either format:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from graphcp.cli.args import add_runtime_args, graph_mode, job_spec
-from graphcp.cli.jobs import run_job_on_ranks
 from graphcp.errors import InputError
+from graphcp.jobs.args import add_runtime_args, graph_mode, job_spec
+from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.profile import nsys
 from graphcp.profile.job import ProfileJob, profile_rank
 from graphcp.profile.summary import RankProfile, merge, rank_profile, write_rank, write_summary

@@ -14,15 +14,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphcp.batch import Request
-from graphcp.cli.jobs import make_engine
 from graphcp.dist import CPGroup, barrier, gather_object
-from graphcp.engine import PrefillEngine, prefill_prefixes
 from graphcp.errors import InputError
-from graphcp.kvcache import KVCacheFull, KVHandle
+from graphcp.jobs.spec import make_engine
+from graphcp.kv.paged import KVCacheFull, KVHandle
+from graphcp.nvtx_ranges import nvtx_range
 from graphcp.profile.nsys import write_rank_pids
 from graphcp.profile.summary import events_from_chrome_trace, rank_profile, write_rank
-from graphcp.profile.ranges import nvtx_range
+from graphcp.runtime.batch import Request
+from graphcp.runtime.engine import PrefillEngine, prefill_prefixes
 
 TOOLS = ("torch", "nvtx")  # torch: torch.profiler per rank; nvtx: ranges only, an outer nsys records
 

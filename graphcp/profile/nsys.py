@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 from graphcp.errors import InputError
+from graphcp.nvtx_ranges import PREFIX
 from graphcp.profile.summary import RangeEvent
-from graphcp.profile.ranges import PREFIX
 
 REPORT = "nvtx_pushpop_trace"
 RANKS_FILE = "nsys_ranks.json"  # written by the inner run: {"pids": [pid of rank 0, pid of rank 1, ...]}

@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from graphcp.profile.ranges import PREFIX, RANGES, family, index
+from graphcp.nvtx_ranges import PREFIX, RANGES, family, index
 
 SCHEMA = 1
 FORWARD = "prefill"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphcp.capture.buckets import DEFAULT_PADDING_FACTOR, BucketSet, align_up
+from graphcp.runtime.capture.buckets import DEFAULT_PADDING_FACTOR, BucketSet, align_up
 
 SGLANG_MAX_TOKENS = 8192
 VLLM_MAX_TOKENS = 512

@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from graphcp.capture.buckets import DEFAULT_PADDING_FACTOR, BucketSet
 from graphcp.checks import MAX_CP, check_int, check_output_path
 from graphcp.errors import InputError, report
+from graphcp.runtime.capture.buckets import DEFAULT_PADDING_FACTOR, BucketSet
 from graphcp.tune.baselines import BASELINES
 from graphcp.tune.optimise import CostModel, optimise
 from graphcp.tune.report import build_report

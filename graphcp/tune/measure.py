@@ -4,10 +4,10 @@ capture time and, on CUDA, graph-pool memory."""
 
 from __future__ import annotations
 
-from graphcp.capture.buckets import BucketSet
 from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup, run_ranks
-from graphcp.engine import PrefillEngine
+from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.engine import PrefillEngine
 
 
 def _capture_job(group: CPGroup, model: str, runtime: RuntimeConfig, buckets: BucketSet) -> list[dict] | None:

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphcp.capture.buckets import DEFAULT_PADDING_FACTOR, align_up
 from graphcp.errors import InputError
+from graphcp.runtime.capture.buckets import DEFAULT_PADDING_FACTOR, align_up
 from graphcp.tune.settings import check_costs, check_search
 
 #: the banded (V x V) minimum runs a column block of about this many cells at a time

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from graphcp.capture.buckets import FALLBACK_PADDING, FALLBACK_TOO_LARGE, BucketSet
+from graphcp.runtime.capture.buckets import FALLBACK_PADDING, FALLBACK_TOO_LARGE, BucketSet
 from graphcp.tune.optimise import CostModel, TuneResult, optimise
 
 _REASON = {0: None, 1: FALLBACK_TOO_LARGE, 2: FALLBACK_PADDING}

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from graphcp.capture.buckets import MAX_BUCKET_CAPACITY, check_align, check_padding_factor
 from graphcp.checks import check_float, check_int
 from graphcp.errors import InputError
+from graphcp.runtime.capture.buckets import MAX_BUCKET_CAPACITY, check_align, check_padding_factor
 
 MAX_BUCKETS = 1024
 MAX_FACTOR = 1e6  # padding factor, eager penalty

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcp.config import DTYPES, ModelConfig
+from graphcp.config import DTYPES
+from graphcp.model.config import ModelConfig
 from graphcp.options import MoeLayout
 
 #: a decoder layer's tensor, for telling the MTP layers (index >= num_hidden_layers) apart

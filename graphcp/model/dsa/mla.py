@@ -11,7 +11,7 @@ Per layer, as transformers computes it:
 then the exchange (every rank's latent, rope key and indexer key all-gathered and
 written to the cache: one collective a layer, a token's ``kv_lora + rope + D_I``
 values), and the attention break: the indexer's top-k and sparse attention over it
-(``graphcp/attention/sparse_mla.py``) for this rank's rows; ``o_proj`` after it.
+(``graphcp/attention/sparse/mla.py``) for this rank's rows; ``o_proj`` after it.
 
 Why a break: the selection has a static shape (``[rows, index_topk]``) but which keys a
 row may see and how many depend on the live batch (its segments), read on the host,
@@ -25,19 +25,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.config import ModelConfig
-from graphcp.forward_context import ForwardContext
-from graphcp.graph_break import graph_break
+from graphcp.model.config import ModelConfig
 from graphcp.model.dsa.rope import DsaRotary, rope_half_split, rope_interleaved
+from graphcp.model.forward_context import ForwardContext
+from graphcp.model.graph_break import graph_break
 from graphcp.model.layers import RMSNorm
 from graphcp.model.llama import ExpertParallelTail
-from graphcp.profile.ranges import nvtx_range
+from graphcp.nvtx_ranges import nvtx_range
 
 #: transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, whatever rms_norm_eps says
 LATENT_NORM_EPS = 1e-6
 #: the indexer's key LayerNorm eps (transformers: nn.LayerNorm(index_head_dim, eps=1e-6))
 INDEX_NORM_EPS = 1e-6
-#: graph-mode static rows of the attention break (graphcp.capture.static_buffers' extra rows)
+#: graph-mode static rows of the attention break (graphcp.runtime.capture.static_buffers' extra rows)
 STATIC_Q, STATIC_OUT, STATIC_INDEX_Q, STATIC_INDEX_W = "mla_q", "mla_out", "index_q", "index_w"
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.config import ModelConfig
+from graphcp.model.config import ModelConfig
 from graphcp.model.dsa.mla import MlaAttention, run_sparse_mla_moe, static_rows
 from graphcp.model.dsa.rope import DsaRotary
 from graphcp.model.layers import ParallelMLP, RMSNorm

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.rope import RopeConfig
+from graphcp.model.rope import RopeConfig
 
 
 class DsaRotary(nn.Module):

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from graphcp.attention.sparse_mla import SparseMlaBackend, SparseMlaSpec, TorchSparseMla
-from graphcp.config import ConfigError, ModelConfig, RuntimeConfig
-from graphcp.mla_cache import MlaKVCache
-from graphcp.mla_layer_split import LayerSplitMlaKVCache, mla_pool_layers
+from graphcp.attention.sparse.mla import SparseMlaBackend, SparseMlaSpec, TorchSparseMla
+from graphcp.config import RuntimeConfig
+from graphcp.errors import ConfigError
+from graphcp.kv.mla import MlaKVCache
+from graphcp.kv.mla_layer_split import LayerSplitMlaKVCache, mla_pool_layers
+from graphcp.model.config import ModelConfig
 
 #: RuntimeConfig.attention values a DSA model takes. auto: the torch reference, on any
 #: device (the Triton kernel has not run on a GPU yet: it is chosen by name only)
@@ -56,7 +58,7 @@ def make_cache_and_attention(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int
                          d.index_n_heads, d.index_head_dim, d.index_topk, d.softmax_scale, d.num_indexer_layers)
     if rt.attention != "triton":
         return kv, TorchSparseMla(spec)
-    from graphcp.attention.sparse_mla_triton import TritonSparseMla  # imports triton: only when chosen
+    from graphcp.attention.sparse.triton import TritonSparseMla  # imports triton: only when chosen
 
     try:
         return kv, TritonSparseMla(spec)

@@ -21,7 +21,7 @@ from graphcp.model.layers import ParallelMLP
 from graphcp.model.moe.ep import ep_forward, tp_layer_bytes
 from graphcp.model.moe.experts import Experts, routed_experts
 from graphcp.model.moe.router import make_router
-from graphcp.moe_config import MoeConfig
+from graphcp.model.moe_config import MoeConfig
 from graphcp.options import MoeLayout
 
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from graphcp.model.moe.experts import Experts, combine, sort_by_expert, unsort
-from graphcp.profile.ranges import nvtx_range
+from graphcp.nvtx_ranges import nvtx_range
 
 #: the per-forward figures the MoE layers add to ForwardInfo.stats (docs/moe.md)
 STAT_LAYOUT = "moe_layout"

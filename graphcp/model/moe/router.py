@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphcp.moe_config import MoeConfig
+from graphcp.model.moe_config import MoeConfig
 
 
 class Router(nn.Module):

@@ -1,0 +1,196 @@
+"""Host-side plan of one forward's ring over a token-sharded KV cache.
+
+Every rank derives the same facts from the batch's zigzag plan and the cache's
+ledger (:mod:`graphcp.kv.sharded`): which positions of each request every rank
+holds (its cached prefix pieces, then this forward's early and late blocks). The
+masks then follow from positions alone. A query block ``(q, j, e)`` (rank ``q``'s
+early or late block of request ``j``) sees, of rank ``k``'s keys of request ``j``,
+
+    held_before[k, j] + |k's early block below its end| + |k's late block below its end|
+
+(positions are increasing in every rank's local order, so the visible keys are a
+prefix of rank ``k``'s keys of the request: one ``kv_len`` per segment). With
+``k = q`` that is bottom-right causal (step 0); a block of another rank lies wholly
+before or after a query block, so the count is the same for all its rows: a
+non-causal segment (steps 1 .. C-1), whose ``kv_len`` is 0 where the block sees
+nothing. Summed over ``k`` the counts must give every query row its whole causal
+history (``position + 1`` keys): checked for every block of every rank before any
+kernel runs, so a row that no step touches is a planning error, never a silent
+NaN or 0.
+
+Pass-KV: at step ``i`` rank ``r`` attends its own rows to the KV of rank
+``(r - i) mod C``, which arrives as that rank's pages of the batch's requests, in
+batch order, in a staging buffer (page 0 is scratch). Pass-Q: at step ``i`` rank
+``r`` attends the rows of rank ``(r - i) mod C`` to its own pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.ring.exchange_choice import ExchangeChoice, choose_exchange
+from graphcp.attention.ring.hardware import HardwareSpec
+from graphcp.cp.zigzag import ZigzagPlan
+from graphcp.kv.sharded import ShardedKVCache
+
+
+class RingPlanError(RuntimeError):
+    """The ring's per-step metadata does not give some query row its causal history
+    (a bug in the plan or the cache's ledger, caught before any kernel runs)."""
+
+
+@dataclass
+class RingPlan:
+    """One forward's ring on one rank (host side; the device metadata uploads on use)."""
+
+    exchange: str  # "pass-kv" | "pass-q"
+    cp_size: int
+    rank: int
+    #: step i's metadata: step 0 (causal) is this rank's rows over its own keys; step
+    #: i >= 1 is pass-KV: its rows over rank (r - i)'s staged KV, pass-Q: rank (r - i)'s
+    #: rows over its own keys. Empty for an inert (capture) plan.
+    steps: list[AttentionMetadata]
+    rows: list[int]  # live query rows of every rank
+    msg_pages: list[int]  # pass-KV: pages of every rank's KV message (0s for pass-Q)
+    send_pages: np.ndarray  # pass-KV: this rank's pages of the batch's requests, batch order
+    choice: ExchangeChoice | None = None
+    _send_index: torch.Tensor | None = None
+
+    @classmethod
+    def inert(cls, cp_size: int, rank: int) -> "RingPlan":
+        """The plan of a batch without rows (graph capture): every step is skipped."""
+        zeros = [0] * cp_size
+        return cls("pass-kv", cp_size, rank, [], zeros, zeros, np.zeros(0, dtype=np.int64))
+
+    @property
+    def live(self) -> bool:
+        return any(self.rows)
+
+    def send_index(self, device: torch.device) -> torch.Tensor:
+        """:attr:`send_pages` on the device (uploaded once per forward)."""
+        if self._send_index is None:
+            self._send_index = torch.from_numpy(self.send_pages).to(device)
+        return self._send_index
+
+
+@dataclass
+class ShardedInputs:
+    """What one rank computes for its own rows: the cache slots of its new rows (local
+    indices of its pool), its step-0 metadata and page table, and the ring plan."""
+
+    slots: np.ndarray
+    meta: AttentionMetadata
+    seg_page_table: np.ndarray
+    ring: RingPlan
+
+
+def visible_keys(start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
+    """int64 [C (queries), C (keys), R, 2]: keys of rank k a query block (q, j, e) sees,
+    from positions (module doc); 0 for empty query blocks. Raises RingPlanError unless
+    every query row gets its whole causal history."""
+    end = start + length  # one past each block's last position
+    end_q = end[:, None]  # [C, 1, R, 2]
+    vis = held_before[None, :, :, None] + np.zeros_like(end_q)
+    for e in (0, 1):
+        vis += np.clip(end_q - start[None, :, :, e : e + 1], 0, length[None, :, :, e : e + 1])
+    empty = (length == 0)[:, None]
+    vis = np.where(empty, 0, vis)
+    live = ~empty[:, 0]
+    total = vis.sum(axis=1)
+    if not np.array_equal(total[live], end[live]):
+        q, j, e = (int(x[0]) for x in np.nonzero(live & (total != end)))
+        raise RingPlanError(
+            f"ring plan: rank {q}'s {'late' if e else 'early'} block of request {j} ends at position "
+            f"{int(end[q, j, e]) - 1} but the ring's steps show it {int(total[q, j, e])} keys (expected "
+            f"{int(end[q, j, e])}); the cache's ledger and the batch plan disagree"
+        )
+    return vis
+
+
+def _meta(cu: np.ndarray, kv_lens: np.ndarray, table: np.ndarray, page_size: int, device, causal: bool):
+    return AttentionMetadata.from_host(cu, kv_lens, table, page_size, device, validate=False, causal=causal)
+
+
+def _cu(q_lens: np.ndarray) -> np.ndarray:
+    cu = np.zeros(q_lens.size + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    return cu
+
+
+def _staged_table(pages: np.ndarray) -> np.ndarray:
+    """[R, width] page rows of a KV message laid out in a staging buffer: request j's
+    pages follow request j-1's, after the scratch page 0."""
+    base = 1 + _cu(pages)[:-1]
+    width = max(int(pages.max(initial=0)), 1)
+    col = np.arange(width)
+    return np.where(col < pages[:, None], base[:, None] + col, 0)
+
+
+def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int, exchange: str,
+                 device: torch.device, choice: ExchangeChoice | None = None) -> ShardedInputs:
+    """Rank ``rank``'s inputs for one batch over a sharded cache whose pages the batch
+    has reserved (``kv.extend`` ran: the ledger counts this forward's blocks)."""
+    C, R, ps = plan.cp_size, plan.num_requests, kv.page_size
+    start, length = plan.blocks()
+    held_after = kv.rank_tokens(seq_ids)  # [C, R]
+    held_before = held_after - length.sum(axis=2)
+    vis = visible_keys(start, length, held_before)
+    pages = -(-held_after // ps)  # [C, R]: each rank's pages of each request
+    seq_rows = kv.table_rows(seq_ids)
+    seg_request = np.repeat(np.arange(R), 2)
+    q_lens = length[rank].reshape(-1)
+    cu = _cu(q_lens)
+    # this rank's own keys of the batch's requests, all of them (pass-Q and step 0 read them)
+    width = max(int(pages[rank].max(initial=0)), 1)
+    own_table = kv.page_table_rows(seq_rows, width)
+    seg_table = own_table[seg_request]
+    meta0 = _meta(cu, vis[rank, rank].reshape(-1), seg_table, ps, device, causal=True)
+    # local index of each new row: after the request's cached pieces, early block first
+    local0 = held_before[rank][:, None] + np.stack([np.zeros(R, dtype=np.int64), length[rank, :, 0]], axis=1)
+    n = int(cu[-1])
+    local = np.repeat(local0.reshape(-1) - cu[:-1], q_lens) + np.arange(n)
+    slots = kv.slots(seq_rows, local, seg_request, q_lens)
+    steps = [meta0]
+    msg_pages = [0] * C
+    send_pages = np.zeros(0, dtype=np.int64)
+    for i in range(1, C):
+        src = (rank - i) % C
+        if exchange == "pass-kv":
+            table = _staged_table(pages[src])[seg_request]
+            steps.append(_meta(cu, vis[rank, src].reshape(-1), table, ps, device, causal=False))
+        else:
+            src_q = length[src].reshape(-1)
+            steps.append(_meta(_cu(src_q), vis[src, rank].reshape(-1), seg_table, ps, device, causal=False))
+    if exchange == "pass-kv":
+        msg_pages = pages.sum(axis=1).tolist()
+        mask = np.arange(width) < pages[rank][:, None]
+        send_pages = own_table[mask].astype(np.int64)
+    ring = RingPlan(exchange, C, rank, steps, length.sum(axis=(1, 2)).tolist(), msg_pages, send_pages, choice)
+    return ShardedInputs(slots, meta0, seg_table, ring)
+
+
+@dataclass(frozen=True)
+class RingPlanner:
+    """What a rank needs to plan every forward's ring: the exchange asked for (or
+    "auto") and what the per-batch choice reads (the model's heads, the element
+    size, the hardware)."""
+
+    exchange: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    elem_bytes: int
+    hardware: HardwareSpec
+
+    def choose(self, plan: ZigzagPlan) -> ExchangeChoice:
+        return choose_exchange(self.exchange, plan.num_tokens, int(plan.prefix_lens.sum()), self.num_heads,
+                               self.num_kv_heads, self.head_dim, plan.cp_size, self.elem_bytes, self.hardware)
+
+    def inputs(self, plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int,
+               device: torch.device) -> ShardedInputs:
+        choice = self.choose(plan)
+        return plan_sharded(plan, kv, seq_ids, rank, choice.exchange, device, choice)

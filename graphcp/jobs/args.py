@@ -1,0 +1,103 @@
+"""The runtime options every graphcp command that runs a model shares (run, prefill,
+profile; gpu-check sweeps its own matrix of them): one parser helper, one conversion to a
+:class:`JobSpec`, and the checks that can refuse a configuration before any rank starts."""
+
+from __future__ import annotations
+
+import argparse
+
+from graphcp.checks import check_layer_list
+from graphcp.config import RuntimeConfig
+from graphcp.jobs.spec import JobSpec
+from graphcp.model.config import ModelConfig
+from graphcp.model.presets import resolve_model
+from graphcp.options import (
+    ATTENTION_BACKENDS,
+    CLI_DTYPES,
+    DEVICE_KINDS,
+    EXCHANGES,
+    GRAPH_BACKENDS,
+    GRAPH_MODES,
+    KV_CACHE_MODES,
+    LAYOUTS,
+)
+from graphcp.options import MOE_LAYOUTS
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """A flag's comma-separated integers (``1,5,9``)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,5,9, got {text!r}") from None
+
+
+def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> None:
+    """The model and RuntimeConfig flags (``default_graph`` None: breakable)."""
+    p.add_argument("--model", default="default", help="checkpoint folder or preset name (default: the built-in preset)")
+    p.add_argument("--dtype", default="float32", choices=CLI_DTYPES)
+    p.add_argument("--device", default="cpu", choices=DEVICE_KINDS)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (= TP ranks of the MLP)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages, each a CP group of --cp ranks (pp x cp ranks in all, stage-major)")
+    p.add_argument("--pp-layers", type=int_list, default=None, metavar="N,N,...",
+                   help="decoder layers of each stage, e.g. 3,1 (default: an even split)")
+    p.add_argument("--pp-microbatches", type=int, default=1, metavar="M",
+                   help="micro-batches each prefill is pipelined as (stages overlap)")
+    p.add_argument("--aux-hidden-layers", type=int_list, default=(), metavar="L,L,...",
+                   help="decoder layers whose output hidden states prefill returns (OUT.pt 'aux_hidden'; "
+                        "graphs copy them inside the captured segments)")
+    p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
+    p.add_argument("--graph", default=default_graph, choices=GRAPH_MODES,
+                   help="graph mode (default: breakable)")
+    p.add_argument("--graph-backend", default="auto", choices=GRAPH_BACKENDS)
+    p.add_argument("--attention", default="torch", choices=ATTENTION_BACKENDS)
+    p.add_argument("--buckets", default=None, help="bucket file written by `graphcp tune`")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens (one rank's pool)")
+    p.add_argument("--kv-cache", default="replicated", choices=KV_CACHE_MODES,
+                   help="replicated: every rank holds the batch's KV (all-gather); sharded: each rank its own zigzag "
+                        "blocks, attention by a ring; layer-split: each rank the cache of its ceil(L/C) layers plus "
+                        "one scratch layer (docs/pd.md)")
+    p.add_argument("--exchange", default="auto", choices=EXCHANGES,
+                   help="the sharded cache's ring (auto: pass-kv or pass-q chosen per batch)")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="peak attention TFLOP/s of one GPU, for --exchange auto (default: H100/H200 bf16 dense)")
+    p.add_argument("--link-gb-per-s", type=float, default=450.0,
+                   help="link GB/s per direction per GPU, for --exchange auto (default: H100/H200 NVLink)")
+    p.add_argument("--max-requests", type=int, default=64)
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each new bucket on a synthetic batch and compare it bitwise with the same-bucket "
+                        "eager body (default: on for the trace graph backend, off for cuda; on for `graphcp run`)")
+    p.add_argument("--moe", default="ep", choices=MOE_LAYOUTS,
+                   help="mixture-of-experts layers: ep splits the experts over the CP ranks (all-to-all dispatch "
+                        "and combine), tp shards every expert like the dense MLP (default: ep)")
+
+
+def graph_mode(args: argparse.Namespace) -> str:
+    return args.graph or "breakable"
+
+
+def job_spec(args: argparse.Namespace) -> JobSpec:
+    """The flags of :func:`add_runtime_args` as a JobSpec (RuntimeConfig checks them)."""
+    rt = RuntimeConfig(
+        dtype=args.dtype, device=args.device, page_size=args.page_size, kv_tokens=args.kv_tokens,
+        attention=args.attention, graph=graph_mode(args), graph_backend=args.graph_backend, layout=args.layout,
+        max_requests=args.max_requests, collective_timeout_s=args.timeout, verify_capture=args.verify_capture,
+        kv_cache=args.kv_cache, exchange=args.exchange, peak_tflops=args.peak_tflops,
+        link_gb_per_s=args.link_gb_per_s,
+        aux_hidden_layers=args.aux_hidden_layers, microbatches=args.pp_microbatches, moe=args.moe,
+    )
+    return JobSpec(args.model, rt, args.buckets, args.cp, args.pp, args.pp_layers)
+
+
+def preflight(spec: JobSpec) -> None:
+    """What can be refused before ranks start, in this process: the parallel config, the
+    model's config.json against it (TP shards, pipeline stages, auxiliary layers), and
+    the bucket file (each rank would fail the same way, only later and N times)."""
+    config = resolve_model(spec.model) / "config.json"
+    model = ModelConfig.from_file(config)
+    model.check_parallel(spec.parallel, str(config), spec.runtime.moe)
+    check_layer_list(spec.runtime.aux_hidden_layers, f"--aux-hidden-layers ({config})", model.num_layers)
+    spec.buckets()

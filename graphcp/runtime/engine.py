@@ -1,0 +1,442 @@
+"""PrefillEngine: requests -> prepared batch -> graph replay | eager body -> outputs.
+
+SPMD: every rank of the CP group calls :meth:`PrefillEngine.prefill` with the
+same batch. One batch's path: the :class:`BatchPreparer` validates, plans and
+reserves it (``graphcp/runtime/batch.py``); the :class:`GraphRunner` replays its bucket, or
+says why it runs eagerly and the :class:`Body` runs it; the engine turns the body's
+rows into logits (the last-token rows combined across ranks, so every rank returns
+the same first-token logits).
+
+Under pipeline parallelism (``ParallelConfig.pp_size > 1``) every rank of every
+stage calls ``prefill`` with the same batch; each rank runs its stage's layers on
+its CP-local rows, micro-batch by micro-batch (``graphcp/runtime/pp/``), and the outputs
+are broadcast from the stages that hold them, so every rank returns the same
+``PrefillOutput``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from graphcp.attention.base import AttentionSpec
+from graphcp.attention.registry import make_attention, preferred_kv_layout
+from graphcp.attention.ring.attention import RingAttention
+from graphcp.attention.ring.hardware import HardwareSpec
+from graphcp.attention.ring.plan import RingPlanner
+from graphcp.checks import check_int, check_layer_list
+from graphcp.config import MAX_MICROBATCHES, ParallelConfig, RuntimeConfig
+from graphcp.cp import Plan, make_layout
+from graphcp.dist import CPGroup
+from graphcp.errors import BatchError, ConfigError, InputError
+from graphcp.kv.layer_split import LayerSplitKVCache, pool_layers
+from graphcp.kv.paged import KVHandle, PagedKVCache
+from graphcp.kv.sharded import make_kv_cache
+from graphcp.model.dsa import runtime as dsa_runtime
+from graphcp.model.forward_context import KV_RECEIVED, AuxCapture
+from graphcp.model.loader import load_model
+from graphcp.model.presets import resolve_model
+from graphcp.nvtx_ranges import nvtx_range
+from graphcp.pd.export import KVExport, KVMeta, assemble
+from graphcp.pd.fingerprint import model_fingerprint
+from graphcp.pd.mla_export import MlaExport, MlaMeta, mla_meta
+from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBatch, Request
+from graphcp.runtime.body import Body
+from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.capture.runner import Fallback, GraphRunner
+from graphcp.runtime.pp.groups import pipeline_groups
+from graphcp.runtime.pp.prefill import MicrobatchedPrefill, StageOps, per_request
+from graphcp.runtime.stats import HISTORY, forward_entry
+
+#: kernel backends that preallocate per request: a batch may hold at most max_requests
+_SIZED_BACKENDS = ("flashinfer", "trtllm")
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        model: str | Path = "default",
+        runtime: RuntimeConfig | None = None,
+        group: CPGroup | None = None,
+        buckets: BucketSet | None = None,
+        parallel: ParallelConfig | None = None,
+    ) -> None:
+        self.runtime = rt = runtime or RuntimeConfig()
+        group = group or CPGroup()
+        self.parallel = parallel or ParallelConfig(cp_size=group.size)
+        if self.parallel.pp_size == 1 and self.parallel.cp_size != group.size:
+            raise ConfigError(f"ParallelConfig.cp_size={self.parallel.cp_size} but the process group has "
+                              f"{group.size} ranks")
+        #: the pipeline's groups and links (None without pipeline parallelism); ``group``
+        #: is this rank's CP group either way (its stage's, under PP)
+        self.pipeline = pipeline_groups(group, self.parallel) if self.parallel.pp_size > 1 else None
+        self.group = self.pipeline.cp if self.pipeline is not None else group
+        self.device = torch.device(rt.device)
+        self.dtype = rt.torch_dtype
+        self.model_dir = resolve_model(model)
+        self.cfg, self.model = load_model(self.model_dir, self.dtype, self.device, rank=self.group.rank,
+                                          parallel=self.parallel, moe=rt.moe,
+                                          stage=self.pipeline.stage if self.pipeline is not None else 0)
+        self.stage = self.model.stage
+        check_layer_list(rt.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", self.cfg.num_layers)
+        self.max_context = self.cfg.max_position_embeddings
+        self.layout = make_layout(rt.layout, self.parallel.cp_size)
+        kv_layout = preferred_kv_layout(rt.attention, self.device)
+        kv_tokens = rt.kv_tokens if rt.kv_tokens is not None else min(4 * self.cfg.max_position_embeddings, 1 << 16)
+        num_pages = -(-kv_tokens // rt.page_size) + 1  # + the scratch page
+        self._check_pool_fits(num_pages)
+        self._fingerprint: str | None = None  # the model's, computed on the first export
+        self.buckets = buckets or BucketSet()
+        self.buckets.check_compatible(self.parallel.cp_size, rt.layout)
+        self.sharded = rt.kv_cache == "sharded"
+        ring = None
+        if self.cfg.dsa is not None:  # MLA's latent + indexer-key cache and sparse attention
+            self.kv, attention = dsa_runtime.make_cache_and_attention(
+                self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.group.rank,
+                self.group.size, self.parallel.pp_size)
+        else:
+            self.kv = self._make_kv_cache(num_pages, kv_layout)
+            spec = AttentionSpec(
+                self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, rt.page_size,
+                self.cfg.head_dim ** -0.5, kv_layout,
+            )
+            limits = self._attention_limits(num_pages)
+            try:
+                attention = make_attention(rt.attention, spec, self.device, **limits)
+                # the ring's steps 1 .. C-1 plan their own metadata (FlashInfer: one float workspace for all)
+                ring = RingAttention(lambda: make_attention(rt.attention, spec, self.device, **limits,
+                                                            workspace=getattr(attention, "workspace", None)),
+                                     self.group, self.device) if self.sharded else None
+            except (ValueError, ImportError) as e:  # a backend refusing this model or device, or not installed
+                raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {e}") from e
+        self.body = Body(self.model, attention, self.kv, self.group, self.device, ring)
+        self.preparer = BatchPreparer(
+            self.layout, self.kv, self.group, self.cfg.vocab_size, self.max_context, self.device,
+            rt.check_consistency, rt.max_requests if attention.name in _SIZED_BACKENDS else None,
+            RingPlanner(rt.exchange, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim,
+                        self.dtype.itemsize, HardwareSpec(rt.peak_tflops, rt.link_gb_per_s)) if self.sharded else None,
+            # every stage of a pipeline must be given the same batch
+            consistency_group=self.pipeline.world if self.pipeline is not None else None,
+        )
+        self._forwards: deque[dict] = deque(maxlen=HISTORY)
+        self._forwards_seen = 0
+        self.runner = None if rt.graph == "off" else GraphRunner(
+            self.body, self.preparer, self.buckets, rt, self.max_context)
+        self.microbatched = MicrobatchedPrefill(
+            self.preparer, self.kv, self.stage, self.pipeline, self.parallel.stage_layers(self.cfg.num_layers),
+            self.cfg.hidden_size, self.cfg.vocab_size, self.dtype, self.device)
+
+    def _max_pages_per_seq(self, num_pages: int) -> int:
+        """A request's page-table width: no request outgrows the model's context
+        (prefill checks it before extend), nor the pool."""
+        return min(num_pages - 1, -(-self.max_context // self.runtime.page_size))
+
+    def _make_kv_cache(self, num_pages: int, kv_layout) -> PagedKVCache:
+        rt, cfg = self.runtime, self.cfg
+        max_pages = self._max_pages_per_seq(num_pages)
+        if rt.kv_cache == "layer-split":
+            if self.pipeline is not None:
+                raise ConfigError(f"RuntimeConfig.kv_cache='layer-split' runs pp_size=1 (LayerSplit spreads one "
+                                  f"stage's layers over its CP ranks), got pp_size={self.parallel.pp_size}")
+            return LayerSplitKVCache(cfg.num_layers, num_pages, rt.page_size, cfg.num_kv_heads, cfg.head_dim,
+                                     self.dtype, self.device, kv_layout, max_pages,
+                                     rank=self.group.rank, cp_size=self.group.size)
+        if self.sharded and self.pipeline is not None:
+            raise ConfigError(f"RuntimeConfig.kv_cache='sharded' runs pp_size=1 (the rings over a stage's CP "
+                              f"group are not built or tested yet), got pp_size={self.parallel.pp_size}")
+        # sharded: this rank's pool of the token-sharded cache (kv_tokens is one rank's); a
+        # pipeline stage caches its own layers
+        return make_kv_cache(self.sharded, self.group.size, self.group.rank, len(self.stage.layers), num_pages,
+                             rt.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device, kv_layout,
+                             max_pages_per_seq=max_pages, first_layer=self.stage.layers.start)
+
+    def _pool_layers(self) -> int:
+        """Layers this rank's pool holds (LayerSplit: its own and one scratch layer)."""
+        if self.runtime.kv_cache == "layer-split":
+            return pool_layers(self.cfg.num_layers, self.group.rank, self.group.size)
+        return len(self.stage.layers)
+
+    def _check_pool_fits(self, num_pages: int) -> None:
+        """Refuse a KV pool larger than the device's memory up front (a clear error,
+        not an allocator failure or the OOM killer halfway through zeroing it)."""
+        rt, cfg = self.runtime, self.cfg
+        if cfg.dsa is not None:
+            need = dsa_runtime.pool_bytes(cfg, rt, num_pages, self.group.rank, self.group.size)
+        else:
+            need = self._pool_layers() * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        if self.device.type == "cuda":
+            have = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            try:
+                have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (AttributeError, ValueError, OSError):  # not POSIX: let the allocator decide
+                return
+        if need > have:
+            raise ConfigError(
+                f"kv_tokens={rt.kv_tokens}: a KV pool of {(num_pages - 1) * rt.page_size} tokens needs "
+                f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB {self.device.type} memory (lower RuntimeConfig.kv_tokens)"
+            )
+
+    def _attention_limits(self, num_pages: int) -> dict:
+        """Static sizes the kernel backends preallocate for (each takes what it needs)."""
+        rt, C = self.runtime, self.parallel.cp_size
+        if rt.layout == "interleave" and rt.attention in _SIZED_BACKENDS:
+            raise ConfigError(
+                f"RuntimeConfig.attention={rt.attention!r} runs the zigzag layout; interleave's one-row segments "
+                "make its batch as large as the rank's rows (use attention='torch' or 'triton' with interleave)"
+            )
+        # a rank's rows hold its share of the pool's tokens (all of them: a sharded pool is its own)
+        pool_rows = num_pages * rt.page_size if rt.kv_cache == "sharded" else -(-num_pages * rt.page_size // C)
+        max_rows = max(self.buckets.largest, pool_rows)
+        max_segments = 2 * rt.max_requests if rt.layout == "zigzag" else max_rows
+        pages_per_seq = -(-self.max_context // rt.page_size)
+        return {
+            "max_segments": max_segments,
+            # early and late zigzag segments both list their request's pages, empty segments one
+            "max_pages": 2 * num_pages + max_segments,
+            "max_pages_per_segment": pages_per_seq,
+            "max_q_rows": max_rows,
+            "dtype": self.dtype,
+        }
+
+    # ---- public API -------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def attention(self):
+        return self.body.attention
+
+    def capture(self, progress: bool = False):
+        """Capture every bucket (graph mode); returns per-bucket capture stats."""
+        if self.runner is None:
+            raise ConfigError("RuntimeConfig.graph='off': there is nothing to capture")
+        return self.runner.capture_all(progress=progress)
+
+    def release(self, handle: KVHandle) -> None:
+        """Free a handle's KV pages; KVHandleError (a BatchError) for a handle that is
+        not live here (released already, or from another engine)."""
+        self.kv.release(handle)
+
+    def kv_meta(self, handle: KVHandle) -> KVMeta | MlaMeta:
+        """The export metadata of one request's KV (graphcp.pd.export; a DSA model's:
+        graphcp.pd.mla_export)."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model_dir)
+        cfg = self.cfg
+        if cfg.dsa is not None:
+            return mla_meta(cfg, handle.num_tokens, self.runtime.dtype, self.runtime.page_size, self._fingerprint)
+        return KVMeta(handle.num_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.runtime.dtype,
+                      self.runtime.page_size, self._fingerprint)
+
+    @torch.inference_mode()
+    def export_kv(self, handle: KVHandle, dst: int | None = None) -> KVExport | MlaExport | None:
+        """One request's KV in the transport-neutral layout of graphcp.pd.export: every
+        layer's K and V, ``[num_kv_heads, num_tokens, head_dim]``, keys after RoPE (a DSA
+        model: latent, rope key and indexer key, graphcp.pd.mla_export). Every
+        rank calls it (like prefill); ``dst`` is the rank that gets the export (the others
+        get None), None: every rank. Each rank contributes the spans its cache mode holds;
+        only this request's KV moves. Releases nothing (``release`` stays explicit);
+        KVHandleError for a handle that is not live here."""
+        self.kv.check_handle(handle)
+        spans = self.kv.kv_spans(handle, self.group.size)
+        return assemble(self.kv, handle, spans, self.group, self.kv_meta(handle), dst, self.device)
+
+    def export_kv_batch(self, handles: Sequence[KVHandle],
+                        dst: int | None = None) -> list[KVExport | MlaExport | None]:
+        """:meth:`export_kv` for each handle, in order (all handles checked first)."""
+        for h in handles:
+            self.kv.check_handle(h)
+        return [self.export_kv(h, dst) for h in handles]
+
+    @torch.inference_mode()
+    def prefill(self, batch: Sequence[Request], all_logits: bool = False, force_eager: bool = False,
+                microbatches: int | None = None,
+                aux_hidden_layers: Sequence[int] | None = None) -> PrefillOutput:
+        """Prefill one batch (the same on every rank); ``force_eager`` skips the graphs.
+
+        ``microbatches``: pipeline the batch as this many micro-batches (default
+        ``RuntimeConfig.microbatches``; see ``graphcp/runtime/pp/microbatch.py``).
+        ``aux_hidden_layers``: the decoder layers whose output hidden states to return
+        per request (``PrefillOutput.aux_hidden``; default
+        ``RuntimeConfig.aux_hidden_layers``; with graphs, a subset of those)."""
+        with nvtx_range("prefill", category="forward"):  # the top-level range profiles measure against
+            t0 = time.perf_counter()
+            m = self._microbatches(microbatches)
+            aux = self._aux_layers(aux_hidden_layers)
+            call = (int(bool(all_logits)), int(bool(force_eager)), m, len(aux), *aux)
+            if self.pipeline is None and m == 1:
+                out = self._prefill_once(batch, all_logits, force_eager, aux, call)
+            else:
+                ops = StageOps(lambda prep, rows: self._stage_rows(prep, rows, force_eager, aux),
+                               self._last_logits, self._all_logits, self._aux_gather)
+                out = self.microbatched.run(batch, ops, m, call, all_logits, aux)
+            out.info.timings["total_s"] = time.perf_counter() - t0
+            return out
+
+    def _microbatches(self, m: int | None) -> int:
+        if m is None:
+            return self.runtime.microbatches
+        return check_int(m, "microbatches", lo=1, hi=MAX_MICROBATCHES, where="prefill", err=InputError)
+
+    def _aux_layers(self, layers: Sequence[int] | None) -> tuple[int, ...]:
+        """The layers a call asks for, checked (nothing has changed when this raises)."""
+        rt = self.runtime
+        if layers is None:
+            return rt.aux_hidden_layers
+        layers = check_layer_list(layers, "prefill: aux_hidden_layers", self.cfg.num_layers, err=BatchError)
+        missing = [i for i in layers if i not in rt.aux_hidden_layers]
+        if self.runner is not None and missing:
+            raise BatchError(
+                f"prefill: aux_hidden_layers asks for layer {missing[0]}, which the graphs do not copy "
+                f"(RuntimeConfig.aux_hidden_layers={list(rt.aux_hidden_layers)}, graph={rt.graph!r}): "
+                "a captured graph copies the layers fixed when the engine is built; add it there"
+            )
+        return layers
+
+    def _prefill_once(self, batch, all_logits: bool, force_eager: bool, aux: tuple[int, ...],
+                      call: tuple[int, ...]) -> PrefillOutput:
+        prep = self.preparer.prepare(batch, call_args=call)
+        try:
+            hidden, info, aux_rows = self._stage_rows(prep, None, force_eager, aux)
+            info.timings["plan_s"] = prep.plan_s
+            info.stats.update(self.body.attention.forward_stats(prep.plan.prefix_lens, prep.plan.extend_lens))
+            with nvtx_range("lm_head", category="output"):
+                last_logits = self._last_logits(prep.plan, hidden)
+                logits = self._all_logits(prep.plan, hidden) if all_logits else None
+            aux_hidden = self._aux_gather(prep.plan, aux_rows) if aux else None
+        except BaseException:
+            self.preparer.abort(prep)
+            raise
+        self._record(prep, info)
+        ext = prep.plan.extend_lens.tolist()
+        return PrefillOutput(last_logits, [self.kv.handle(s) for s in prep.seq_ids],
+                             None if logits is None else list(torch.split(logits, ext)), info,
+                             None if aux_hidden is None else per_request(aux_hidden, ext))
+
+    # ---- stats ------------------------------------------------------------------
+    def _record(self, prep: PreparedBatch, info: ForwardInfo) -> None:
+        """The forward's figures into its ForwardInfo.stats, and the entry into the history."""
+        st = info.stats
+        ring = prep.ring
+        st["exchange"] = "all-gather" if ring is None else ring.exchange
+        st["new_tokens"] = prep.plan.num_tokens
+        st["cached_tokens"] = int(prep.plan.prefix_lens.sum())
+        st[KV_RECEIVED] = st.get(KV_RECEIVED, 0)
+        st["bytes_received_per_layer"] = st[KV_RECEIVED] // len(self.stage.layers)
+        if ring is not None and ring.choice is not None:
+            st["exchange_choice"] = ring.choice.as_dict()
+        self._forwards.append(forward_entry(info))
+        self._forwards_seen += 1
+
+    def stats(self) -> dict:
+        """What this rank did (the shape is documented in :mod:`graphcp.runtime.stats`; the
+        stats file lists every rank's)."""
+        kv = self.kv
+        return {
+            "rank": self.rank, "cp_size": self.group.size, "kv_cache": self.runtime.kv_cache,
+            "exchange": "all-gather" if not self.sharded else self.runtime.exchange,
+            "kv_pool_tokens": (kv.num_pages - 1) * kv.page_size,
+            "kv_pool_bytes": kv.pool_bytes,  # every page pool (MLA: latent and indexer keys)
+            "kv_stored_tokens": kv.stored_tokens(),
+            "kv_stored_pages": kv.stored_pages(),
+            "forwards": list(self._forwards),
+            "forwards_dropped": self._forwards_seen - len(self._forwards),
+        }
+
+    def reset_stats(self) -> None:
+        """Forget the forwards recorded so far."""
+        self._forwards.clear()
+        self._forwards_seen = 0
+
+    # ---- steps ------------------------------------------------------------------
+    def _stage_rows(self, prep: PreparedBatch, hidden_in: torch.Tensor | None, force_eager: bool,
+                    aux: tuple[int, ...]) -> tuple[torch.Tensor, ForwardInfo, torch.Tensor | None]:
+        """This rank's body output rows, replayed from the bucket's graph or eager, its
+        info, and the rows of the asked auxiliary layers this stage holds ([rows,
+        n, hidden] in the asked order; None when it holds none)."""
+        mine = tuple(i for i in aux if i in self.stage.layers)
+        required = prep.plan.max_local_rows
+        fallback = None
+        if self.runner is not None and not force_eager:
+            outcome = self.runner.try_replay(prep, hidden_in)
+            if not isinstance(outcome, Fallback):
+                hidden, info = outcome
+                info.stats.update(prep.stats)
+                if not mine:
+                    return hidden, info, None
+                cols = torch.tensor([self.runner.aux_layers.index(i) for i in mine], device=self.device)
+                # a copy: the static rows are overwritten by the next replay
+                return hidden, info, self.runner.aux_rows(info.capacity).index_select(1, cols)
+            fallback = outcome.reason
+        capture = None
+        if mine:
+            rows = torch.empty(required, len(mine), self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            capture = AuxCapture(mine, rows)
+        hidden = self.body.eager(prep, required, hidden_in, capture)
+        info = ForwardInfo("eager", required, required, fallback)
+        info.stats.update(prep.stats)
+        return hidden, info, None if capture is None else capture.out
+
+    def _last_logits(self, plan: Plan, hidden: torch.Tensor) -> torch.Tensor:
+        mine = np.flatnonzero(plan.last_owner == self.rank)
+        rows = torch.zeros(plan.num_requests, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+        if mine.size:
+            idx = torch.from_numpy(plan.last_local_index[mine]).to(hidden.device)
+            rows[torch.from_numpy(mine).to(hidden.device)] = hidden.index_select(0, idx)
+        # every other rank contributes zeros: the sum is exactly the owner's rows
+        self.group.all_reduce_(rows)
+        return self.model.logits(rows).cpu()
+
+    def _in_batch_order(self, plan: Plan, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's local rows (padded to the same count), gathered over the CP
+        group and put in batch order: [T, ...]."""
+        everyone = self.group.all_gather_rows(rows.contiguous())
+        return everyone.index_select(0, torch.from_numpy(plan.gather_index(rows.shape[0])).to(rows.device))
+
+    def _all_logits(self, plan: Plan, hidden: torch.Tensor) -> torch.Tensor:
+        """Every new token's logits, float32 [T, vocab] in batch order."""
+        return self.model.logits(self._in_batch_order(plan, hidden)).cpu()
+
+    def _aux_gather(self, plan: Plan, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """This stage's auxiliary rows in batch order, float32 [T, n, hidden] (the
+        inverse of the CP layout's permutation); None when it holds none."""
+        if rows is None:
+            return None
+        with nvtx_range("aux_hidden", category="output"):
+            return self._in_batch_order(plan, rows).float().cpu()
+
+
+def prefill_prefixes(engine: PrefillEngine, prefixes: Sequence[object | None]) -> list[KVHandle | None]:
+    """Prefill the given prefixes (token ids; None for a request without one) in one
+    forward: the handles a batch of chunked requests then extends."""
+    idx = [i for i, p in enumerate(prefixes) if p is not None]
+    handles: list[KVHandle | None] = [None] * len(prefixes)
+    if idx:
+        for i, h in zip(idx, engine.prefill([Request(prefixes[i]) for i in idx], aux_hidden_layers=()).handles):
+            handles[i] = h
+    return handles
+
+
+def prefill_after_prefixes(engine: PrefillEngine, batch: Sequence[tuple[object | None, object]],
+                           all_logits: bool = False, **prefill_args) -> PrefillOutput:
+    """Prefill ``(prefix tokens or None, new tokens)`` requests the way a chunked
+    prefill sees them: every cached prefix first (one forward), then the new tokens
+    extending them (one forward, with ``prefill_args``: micro-batches, auxiliary
+    layers). On failure the prefixes are released."""
+    handles = prefill_prefixes(engine, [p for p, _ in batch])
+    try:
+        return engine.prefill([Request(new, h) for (_, new), h in zip(batch, handles)], all_logits=all_logits,
+                              **prefill_args)
+    except BaseException:
+        for h in handles:
+            if h is not None:
+                engine.release(h)
+        raise
