@@ -4,6 +4,8 @@ launcher (:mod:`graphcp.jobs.spec`)."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,17 +33,30 @@ def prefill_requests(engine: PrefillEngine, reqs: list[FileRequest], all_logits:
 
 
 def export_files(engine: PrefillEngine, out: PrefillOutput, reqs: list[FileRequest], folder: str | Path) -> None:
-    """``folder/<i>.safetensors`` for request i (graphcp.pd.files), written by rank 0;
-    every rank takes part (a layer-split cache sends each layer from its owner)."""
+    """``folder/<i>.safetensors`` for request i (graphcp.pd.files), written by global rank
+    0; every rank of every stage takes part (a layer-split cache sends each layer from its
+    owner, pipeline stages their own layers). The files appear only once every request's
+    export is complete on every rank: they are written into a temporary folder beside
+    ``folder`` and moved into it after a last collective; a failure leaves ``folder`` as
+    it was."""
     folder = Path(folder)
-    if engine.rank == 0:
-        folder.mkdir(exist_ok=True)
-    for i, (r, h) in enumerate(zip(reqs, out.handles)):
-        export = engine.export_kv(h, dst=0)
-        if export is not None:
-            export.token_ids = torch.tensor(r.tokens, dtype=torch.int64)
-            export.last_logits = out.last_logits[i]
-            save_kv(export, folder / f"{i}.safetensors")
+    first = engine.world_rank == 0
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent)) if first else None
+    try:
+        for i, (r, h) in enumerate(zip(reqs, out.handles)):
+            export = engine.export_kv(h, dst=0)
+            if export is not None:
+                export.token_ids = torch.tensor(r.tokens, dtype=torch.int64)
+                export.last_logits = out.last_logits[i]
+                save_kv(export, staging / f"{i}.safetensors")
+        engine.barrier()  # every rank's part is in: no rank failed after rank 0 wrote
+        if first:
+            folder.mkdir(exist_ok=True)
+            for f in sorted(staging.iterdir()):
+                f.replace(folder / f.name)
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def prefill_job(group: CPGroup, spec: JobSpec, reqs: list[FileRequest], all_logits: bool,

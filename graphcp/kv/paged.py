@@ -207,7 +207,7 @@ class PagedKVCache:
     # ---- export (graphcp.kv.spans.KVSource) --------------------------------------
     def kv_spans(self, handle: KVHandle, cp_size: int) -> list[KVSpan]:
         """Every layer whole; the ranks export contiguous layer ranges (every rank holds all)."""
-        return whole_layer_spans(self.num_layers, handle.num_tokens, cp_size)
+        return whole_layer_spans(self.num_layers, handle.num_tokens, cp_size, self.first_layer)
 
     def holds(self, span: KVSpan, rank: int) -> bool:
         return True

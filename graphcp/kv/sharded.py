@@ -174,7 +174,7 @@ class ShardedKVCache(PagedKVCache):
         """Per layer, one span per run of consecutive positions a rank stores (its zigzag
         blocks of every forward that wrote the request, adjacent blocks merged), owned by
         that rank, in position order: each rank exports what it holds, nothing else."""
-        return position_spans(self.num_layers, [handle.positions(r) for r in range(cp_size)])
+        return position_spans(self.num_layers, [handle.positions(r) for r in range(cp_size)], self.first_layer)
 
     def holds(self, span: KVSpan, rank: int) -> bool:
         return rank == span.owner

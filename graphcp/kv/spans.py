@@ -62,10 +62,12 @@ def layer_owner(layer: int, num_layers: int, cp_size: int) -> int:
     return layer // layers_per_rank(num_layers, cp_size)
 
 
-def whole_layer_spans(num_layers: int, num_tokens: int, cp_size: int) -> list[KVSpan]:
+def whole_layer_spans(num_layers: int, num_tokens: int, cp_size: int, first_layer: int = 0) -> list[KVSpan]:
     """One span a layer over all tokens, exported by the layer's owner under the layer
-    split (a replicated cache exports the same way, so C ranks send C contiguous parts)."""
-    return [KVSpan(i, 0, num_tokens, layer_owner(i, num_layers, cp_size)) for i in range(num_layers)]
+    split (a replicated cache exports the same way, so C ranks send C contiguous parts).
+    Spans name global decoder layers: a pipeline stage's cache holds ``num_layers``
+    layers from ``first_layer`` on."""
+    return [KVSpan(first_layer + i, 0, num_tokens, layer_owner(i, num_layers, cp_size)) for i in range(num_layers)]
 
 
 def position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
@@ -78,9 +80,10 @@ def position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), stops.tolist()))
 
 
-def position_spans(num_layers: int, held: Sequence[np.ndarray]) -> list[KVSpan]:
+def position_spans(num_layers: int, held: Sequence[np.ndarray], first_layer: int = 0) -> list[KVSpan]:
     """The spans of a cache that keeps each position on one rank (the token-sharded
     cache): ``held[r]`` the increasing positions rank r stores; per layer one span per
-    run of consecutive positions, owned by the rank that stores it, in position order."""
+    run of consecutive positions, owned by the rank that stores it, in position order
+    (global layers ``first_layer ..``, as :func:`whole_layer_spans`)."""
     runs = sorted((s, e, r) for r, pos in enumerate(held) for s, e in position_runs(np.asarray(pos)))
-    return [KVSpan(layer, s, e, r) for layer in range(num_layers) for s, e, r in runs]
+    return [KVSpan(layer, s, e, r) for layer in range(first_layer, first_layer + num_layers) for s, e, r in runs]

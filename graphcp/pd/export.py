@@ -170,6 +170,15 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
     message: a point-to-point send to ``dst``, or a broadcast when every rank receives.
     At most C - 1 messages a request (not one per span: a token-sharded cache has 2C
     runs a layer per chunk)."""
+    out = assemble_tensors(source, handle, spans, group, meta, dst, device)
+    return None if out is None else meta.make_export(out)
+
+
+def assemble_tensors(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta, dst: int | None,
+                     device: torch.device) -> list[dict[str, torch.Tensor]] | None:
+    """:func:`assemble`'s tensors, per layer by name, on the receiving ranks (None on the
+    others): every layer of ``meta`` is allocated, the spans' layers are filled (under
+    pipeline stages, the stage's own layers: :func:`gather_stages` fills the rest)."""
     me = group.rank
     receivers = range(group.size) if dst is None else (dst,)
     receive = me in receivers
@@ -199,7 +208,50 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
         else:
             group.recv_(buf, owner)
         _unpack(out, theirs, buf, meta)
-    return meta.make_export(out) if receive else None
+    return out if receive else None
+
+
+def gather_stages(out: list[dict[str, torch.Tensor]] | None, meta, stage_layers: list[range], stage: int,
+                  world: CPGroup, cp_size: int, dst: int | None, device: torch.device) -> None:
+    """Under pipeline stages: each stage's CP group has assembled its own layers (with
+    :func:`assemble_tensors`, at every rank when ``dst`` is None, else at the CP rank
+    ``dst % cp_size``); move every stage's layers to the final receivers over ``world``
+    (every rank of the pipeline, stage-major: global rank ``s * cp_size + r``). One
+    message a stage: a broadcast from the stage's first rank when every rank receives,
+    else a send from rank ``(s, dst % cp_size)`` to ``dst``. Every rank calls it."""
+    dtype = meta.torch_dtype
+    for s, layers in enumerate(stage_layers):
+        numel = sum(meta.nbytes_of(i, n, meta.num_tokens) for i in layers for n in meta.layer_tensors(i))
+        numel //= dtype.itemsize
+        if dst is None:
+            root = s * cp_size
+            if stage == s:
+                buf = _pack(out, layers, meta) if world.rank == root else torch.empty(numel, dtype=dtype, device=device)
+            else:
+                buf = torch.empty(numel, dtype=dtype, device=device)
+            world.broadcast_(buf, root)
+            if stage != s:
+                _unpack_layers(out, layers, buf, meta)
+            continue
+        dst_stage, dst_cp = divmod(dst, cp_size)
+        src = s * cp_size + dst_cp
+        if s == dst_stage:
+            continue  # dst assembled its own stage's layers
+        if world.rank == src:
+            world.send(_pack(out, layers, meta), dst)
+        elif world.rank == dst:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            world.recv_(buf, src)
+            _unpack_layers(out, layers, buf, meta)
+
+
+def _pack(out: list[dict[str, torch.Tensor]], layers: range, meta) -> torch.Tensor:
+    """Whole layers' tensors, in layer then tensor order, flattened into one message."""
+    return torch.cat([out[i][n].reshape(-1) for i in layers for n in meta.layer_tensors(i)])
+
+
+def _unpack_layers(out: list[dict[str, torch.Tensor]], layers: range, buf: torch.Tensor, meta) -> None:
+    _unpack(out, [KVSpan(i, 0, meta.num_tokens, -1) for i in layers], buf, meta)
 
 
 def _unpack(out: list[dict[str, torch.Tensor]], spans: list[KVSpan], buf: torch.Tensor, meta) -> None:

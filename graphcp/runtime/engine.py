@@ -43,7 +43,7 @@ from graphcp.model.forward_context import KV_RECEIVED, AuxCapture
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
 from graphcp.nvtx_ranges import nvtx_range
-from graphcp.pd.export import KVExport, KVMeta, assemble
+from graphcp.pd.export import KVExport, KVMeta, assemble, assemble_tensors, gather_stages
 from graphcp.pd.fingerprint import model_fingerprint
 from graphcp.pd.mla_export import MlaExport, MlaMeta, mla_meta
 from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBatch, Request
@@ -208,7 +208,22 @@ class PrefillEngine:
     # ---- public API -------------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This rank in its CP group (its stage's, under pipeline stages)."""
         return self.group.rank
+
+    @property
+    def world(self) -> CPGroup:
+        """Every rank of the run: the pipeline's (stage-major), or the CP group without stages."""
+        return self.pipeline.world if self.pipeline is not None else self.group
+
+    @property
+    def world_rank(self) -> int:
+        return self.world.rank
+
+    def barrier(self) -> None:
+        """Return once every rank of the run has called it (a collective under the group's
+        timeout: a rank that failed ends the others with a CollectiveError)."""
+        self.world.all_reduce_(torch.zeros(1, device=self.device))
 
     @property
     def attention(self):
@@ -244,10 +259,27 @@ class PrefillEngine:
         rank calls it (like prefill); ``dst`` is the rank that gets the export (the others
         get None), None: every rank. Each rank contributes the spans its cache mode holds;
         only this request's KV moves. Releases nothing (``release`` stays explicit);
-        KVHandleError for a handle that is not live here."""
+        KVHandleError for a handle that is not live here.
+
+        Under pipeline stages every rank of every stage calls it and ``dst`` is a rank of
+        the whole pipeline (stage-major, as ``torch.distributed`` numbers them): each
+        stage's CP group assembles its own layers, then each stage's layers travel to the
+        receivers in one message (graphcp.pd.export.gather_stages)."""
         self.kv.check_handle(handle)
+        world = self.world
+        if dst is not None:
+            check_int(dst, "export_kv: dst (the rank that receives the export)", lo=0, hi=world.size - 1,
+                      err=InputError)
         spans = self.kv.kv_spans(handle, self.group.size)
-        return assemble(self.kv, handle, spans, self.group, self.kv_meta(handle), dst, self.device)
+        meta = self.kv_meta(handle)
+        if self.pipeline is None:
+            return assemble(self.kv, handle, spans, self.group, meta, dst, self.device)
+        C = self.group.size
+        out = assemble_tensors(self.kv, handle, spans, self.group, meta, None if dst is None else dst % C,
+                               self.device)
+        stage_layers = self.parallel.stage_layers(self.cfg.num_layers)
+        gather_stages(out, meta, stage_layers, self.pipeline.stage, world, C, dst, self.device)
+        return meta.make_export(out) if dst is None or world.rank == dst else None
 
     def export_kv_batch(self, handles: Sequence[KVHandle],
                         dst: int | None = None) -> list[KVExport | MlaExport | None]:

@@ -19,10 +19,12 @@ DSA_ATTENTION = ("torch", "triton", "auto")
 
 
 def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, pp_size: int = 1) -> None:
-    if rt.kv_cache == "sharded" or pp_size > 1:
-        raise ConfigError(f"RuntimeConfig.kv_cache={rt.kv_cache!r} with pp_size={pp_size}: {cfg.family} models run "
-                          "kv_cache='replicated' or 'layer-split' with pp_size=1 (their latent cache is not sharded "
-                          "by token or split into pipeline stages yet)")
+    if pp_size > 1:
+        raise ConfigError(f"ParallelConfig.pp_size={pp_size}: {cfg.family} models (DSA) run one pipeline stage, "
+                          "pp_size=1 (their latent and indexer-key caches are not split into stages yet)")
+    if rt.kv_cache == "sharded":
+        raise ConfigError(f"RuntimeConfig.kv_cache='sharded': {cfg.family} models (DSA) run kv_cache='replicated' or "
+                          "'layer-split' (their latent cache is not sharded by token yet)")
     if rt.attention not in DSA_ATTENTION:
         raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {cfg.family} models run MLA with the DSA indexer "
                           "on the torch sparse-MLA reference or the Triton sparse-MLA kernel only; use "
