@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphcp import PrefillEngine, Request, RuntimeConfig
+from graphcp import ConfigError, ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import free_port, launch
 from graphcp.pd.errors import TransferError
 from graphcp.pd.files import read_kv, save_kv
@@ -129,6 +129,41 @@ def test_two_ranks_send_a_mixed_batch_bitwise(hf_model_dir, tmp_path):
             recv = read_kv(tmp_path / f"{mode}-{i}.safetensors")
             assert recv.meta.num_tokens == LENS[i] + 5 * (mode == "sharded") and recv.meta.num_layers == 4
             assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), (mode, i)
+
+
+def _send_pp(group, folder, address):
+    """PP 2 x CP 1: each stage's rank sends its own layers; a sender named for another
+    rank is refused."""
+    from graphcp.pd.sender import KVSender
+
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024), group, parallel=ParallelConfig(pp_size=2))
+    handles = eng.prefill(_requests(eng.cfg.vocab_size)).handles
+    wrong = KVSender(address, 0, 1, timeout_s=60)  # a single-rank sender's identity on a 2-rank pipeline
+    try:
+        wrong.send(eng, handles[:1], ["wrong"])
+        refused = None
+    except ConfigError as e:
+        refused = str(e)
+    finally:
+        wrong.close()
+    sender = KVSender(address, eng.world_rank, eng.world.size, timeout_s=60)
+    sender.send(eng, handles, [f"pp-{i}" for i in range(len(handles))])
+    sender.close()
+    exports = eng.export_kv_batch(handles, dst=0)
+    return ([(e.k, e.v) for e in exports] if eng.world_rank == 0 else None), refused
+
+
+def test_pipeline_stages_send_their_own_layers(hf_model_dir, tmp_path):
+    folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=4)
+    ids = [f"pp-{i}" for i in range(len(LENS))]
+    rx = Receiver("good", tmp_path, ids, timeout_s=120)
+    (sent, refused), (_, refused1) = launch(_send_pp, 2, folder, rx.address)
+    got = rx.results()
+    assert sorted(got.pop("completed")) == [] and all(v == ("ok", "") for v in got.values()), got
+    assert "give each sender its engine's world_rank and world.size" in refused and refused1 is not None
+    for i, (k, v) in enumerate(sent):
+        recv = read_kv(tmp_path / f"pp-{i}.safetensors")
+        assert recv.meta.num_layers == 4 and all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), i
 
 
 def _faulty_send(group, folder, address, ids, die_before_done=False):

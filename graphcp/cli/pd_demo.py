@@ -62,7 +62,7 @@ def _prefill_and_send(group, spec: JobSpec, prompt: np.ndarray, prefix: int, tra
     handle = out.handles[0]
     t0 = time.perf_counter()
     if transport == "mooncake":
-        sender = KVSender(where, group.rank, group.size, timeout_s=timeout_s)
+        sender = KVSender(where, engine.world_rank, engine.world.size, timeout_s=timeout_s)
         sender.send(engine, [handle], [REQUEST_ID])
         sender.close()
     else:
