@@ -1,4 +1,6 @@
-"""The prefill side of the Mooncake transport: :class:`KVSender`, one per CP rank.
+"""The prefill side of the Mooncake transport: :class:`KVSender`, one per prefill rank
+(``KVSender(address, engine.world_rank, engine.world.size)``: under pipeline stages every
+rank of every stage, each sending its stage's layers).
 
 Every rank of the prefill group calls :meth:`KVSender.send` with the same handles and
 request ids (like ``prefill``), and sends only the spans its cache mode makes it the
@@ -19,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from graphcp.errors import ConfigError
 from graphcp.pd.control import Channel, connect
 from graphcp.pd.errors import ReceiverDied, ReceiverUnreachable, TransferFailed, TransferTimeout
 from graphcp.pd.mooncake import MooncakeEngine
@@ -57,6 +60,10 @@ class KVSender:
         or TransferTimeout naming the request; releases nothing."""
         if len(handles) != len(request_ids):
             raise ValueError(f"{len(handles)} handles but {len(request_ids)} request ids")
+        if (self.rank, self.cp_size) != (engine.world_rank, engine.world.size):
+            raise ConfigError(f"KVSender(rank={self.rank}, cp_size={self.cp_size}) sends for an engine that is rank "
+                              f"{engine.world_rank} of {engine.world.size}: give each sender its engine's "
+                              "world_rank and world.size (every rank of every pipeline stage sends its part)")
         for h in handles:
             engine.kv.check_handle(h)
         for h, rid in zip(handles, request_ids):
@@ -90,7 +97,8 @@ class KVSender:
 
     def _send_one(self, engine, handle, rid: str) -> None:
         meta = engine.kv_meta(handle)  # either format: the runs come from its layout (graphcp.pd.layout)
-        mine = [s for s in engine.kv.kv_spans(handle, self.cp_size) if s.owner == self.rank]
+        # the spans this rank owns in its CP group (under pipeline stages: of its stage's layers)
+        mine = [s for s in engine.kv.kv_spans(handle, engine.group.size) if s.owner == engine.rank]
         self.channel.send(op="open", id=rid, rank=self.rank, senders=self.cp_size, meta=meta.to_dict())
         base = int(self._reply(rid, ("region", "refused", "failed"), "region")["addr"])
         item = meta.torch_dtype.itemsize
