@@ -63,13 +63,27 @@ class PipelineStage:
         return self.index == self.num_stages - 1
 
 
+def default_stage_counts(num_layers: int, pp_size: int) -> list[int]:
+    """Decoder layers per pipeline stage when none are given: an even split, and when
+    ``num_layers`` does not divide by ``pp_size`` the extra layers go one each to the
+    stages just before the last, from the second-to-last backwards (vLLM's rule): the
+    last stage also runs the final norm and the LM head, the first only the embedding,
+    so this keeps the busiest stage as light as a split can (10 layers over 4 stages:
+    2, 3, 3, 2)."""
+    counts = [num_layers // pp_size] * pp_size
+    for s in range(num_layers % pp_size):
+        counts[-2 - s] += 1
+    return counts
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """The parallel degrees graphcp honours, validated up front: ``cp_size`` ranks of
     context parallelism, whose group is also the tensor-parallel group of the MLP
     (TP = CP; attention weights are whole on every rank), and ``pp_size`` pipeline
     stages, each a CP group holding a contiguous range of decoder layers (an even
-    split, or ``pp_layers`` layers per stage). Ranks are stage-major: global rank
+    split with the extra layers before the last stage, :func:`default_stage_counts`, or
+    ``pp_layers`` layers per stage). Ranks are stage-major: global rank
     ``s * cp_size + r`` is CP rank ``r`` of stage ``s``. Degrees that graphcp does
     not run yet have no field here, so none can be set and silently ignored; new
     kinds of parallelism add their degree here, with the world size to match."""
@@ -104,16 +118,15 @@ class ParallelConfig:
         return self.pp_size * self.cp_size
 
     def stage_layers(self, num_layers: int, source: str = "the model") -> list[range]:
-        """Each stage's decoder layers (contiguous ranges, in stage order); ConfigError
-        when ``num_layers`` does not split as configured."""
+        """Each stage's decoder layers (contiguous ranges, in stage order): ``pp_layers``
+        when given, else :func:`default_stage_counts`; ConfigError when they do not fit
+        ``num_layers``."""
         P = self.pp_size
         if self.pp_layers is None:
-            if num_layers % P:
-                raise ConfigError(
-                    f"{source}: num_hidden_layers={num_layers} does not divide by pp_size={P}; give each "
-                    f"stage's layer count with ParallelConfig.pp_layers (--pp-layers), summing to {num_layers}"
-                )
-            counts = [num_layers // P] * P
+            if num_layers < P:
+                raise ConfigError(f"{source}: pp_size={P} is more than num_hidden_layers={num_layers}; each "
+                                  "pipeline stage needs at least one decoder layer")
+            counts = default_stage_counts(num_layers, P)
         else:
             counts = list(self.pp_layers)
             if sum(counts) != num_layers:

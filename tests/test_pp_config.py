@@ -29,8 +29,18 @@ def test_stage_split_and_its_errors():
         with pytest.raises(ConfigError, match=msg):
             ParallelConfig(**kw)
     model = ModelConfig.from_file(ensure_preset("default") / "config.json")  # 4 layers
-    with pytest.raises(ConfigError, match="num_hidden_layers=4 does not divide by pp_size=3; give each stage's"):
-        model.check_parallel(ParallelConfig(pp_size=3))
+    # layers that do not divide by the stages: the extra ones before the last stage
+    model.check_parallel(ParallelConfig(pp_size=3))
+    assert ParallelConfig(pp_size=3).stage_layers(4) == [range(0, 1), range(1, 3), range(3, 4)]
+    assert [len(r) for r in ParallelConfig(pp_size=4).stage_layers(10)] == [2, 3, 3, 2]
+    assert [len(r) for r in ParallelConfig(pp_size=4).stage_layers(11)] == [3, 3, 3, 2]
+    assert [len(r) for r in ParallelConfig(pp_size=2).stage_layers(61)] == [31, 30]
+    for n in range(1, 40):
+        for pp in range(1, n + 1):
+            counts = [len(r) for r in ParallelConfig(pp_size=pp).stage_layers(n)]
+            assert sum(counts) == n and max(counts) - min(counts) <= 1 and counts[-1] == min(counts), (n, pp)
+    with pytest.raises(ConfigError, match="pp_size=5 is more than num_hidden_layers=4; each pipeline stage needs"):
+        model.check_parallel(ParallelConfig(pp_size=5))
     with pytest.raises(ConfigError, match=r"pp_layers=\[2, 1\] sums to 3 layers, the model has num_hidden_layers=4"):
         model.check_parallel(ParallelConfig(pp_size=2, pp_layers=(2, 1)))
     with pytest.raises(ConfigError, match="pp_size=2 x cp_size=1 needs 2 ranks, the process group has 1"):
@@ -93,7 +103,7 @@ def test_a_stage_caches_and_loads_only_its_layers():
 
 @pytest.mark.parametrize("flags,msg", [
     (["--pp-layers", "2,1", "--pp", "2"], "pp_layers=[2, 1] sums to 3 layers"),
-    (["--pp", "3"], "num_hidden_layers=4 does not divide by pp_size=3"),
+    (["--pp", "5"], "pp_size=5 is more than num_hidden_layers=4"),
     (["--pp", "2", "--pp-layers", "1,x"], "argument --pp-layers: expected comma-separated integers"),
     (["--aux-hidden-layers", "1,4"], "[1] must be a decoder layer index in [0, 4), got 4"),
     (["--pp-microbatches", "0"], "microbatches must be >= 1, got 0"),

@@ -152,3 +152,21 @@ def test_pp2_with_moe_layers_equals_single_rank():
                 assert rel_err(got, want) <= TOL["float32"], where
             for got, want in zip(aux, one.aux_hidden):
                 assert rel_err(got, want) <= TOL["float32"], where
+
+
+def _uneven_job(group, folder, dtype):
+    eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=4096, microbatches=2), group,
+                        parallel=ParallelConfig(pp_size=3))  # 4 layers over 3 stages, no --pp-layers
+    return list(eng.stage.layers), run_batch(eng, _batch(eng.cfg.vocab_size)).logits
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layers_that_do_not_divide_split_by_default(models, references, dtype):
+    """PP 3 over the 4-layer model without --pp-layers: the extra layer goes to the stage
+    before the last (config.default_stage_counts) and the logits are the single rank's."""
+    ranks = launch(_uneven_job, 3, models["qwen3"], dtype)
+    assert [layers for layers, _ in ranks] == [[0], [1, 2], [3]]
+    one, _ = references["qwen3", dtype]
+    for _, logits in ranks:
+        for got, want in zip(logits, one.logits):
+            assert rel_err(got, want) <= TOL[dtype]
