@@ -447,8 +447,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device: str =
 
 
 def barrier(group: CPGroup) -> None:
+    """Every rank of ``group`` arrives (CollectiveError, like every collective, when a
+    peer died: the first failing rank's own error is then reported first)."""
     if group.distributed:
-        dist.barrier()
+        try:
+            dist.barrier(group=group.pg)
+        except Exception as e:  # noqa: BLE001
+            raise group._fail("barrier", e) from e
 
 
 def gather_object(group: CPGroup, obj: Any) -> list[Any]:
@@ -456,5 +461,8 @@ def gather_object(group: CPGroup, obj: Any) -> list[Any]:
     if not group.distributed:
         return [obj]
     out: list[Any] = [None] * group.size
-    dist.all_gather_object(out, obj)
+    try:
+        dist.all_gather_object(out, obj, group=group.pg)
+    except Exception as e:  # noqa: BLE001
+        raise group._fail("all_gather_object", e) from e
     return out

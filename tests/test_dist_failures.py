@@ -125,3 +125,21 @@ def test_one_rank_launch_after_multithreaded_work_does_not_hang():
     res = subprocess.run([sys.executable, "-c", _ONE_RANK_AFTER_WORK], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert res.returncode == 0 and res.stdout.strip() == "[1.0]", res.stderr[-2000:]
+
+
+def _dies_before_gather(group):
+    from graphcp.dist import gather_object
+
+    if group.rank == 1:
+        os._exit(7)  # dies without a word, while rank 0 waits in a gather
+    return gather_object(group, group.rank)
+
+
+def test_a_gather_that_loses_its_peer_names_the_dead_rank_first():
+    """gather_object (and barrier) fail as collectives (CollectiveError), so the launcher
+    names the rank that died, not the survivor's "connection closed by peer"."""
+    with pytest.raises(RankFailure) as err:
+        launch(_dies_before_gather, 2, timeout_s=TIMEOUT_S)
+    msg = str(err.value)
+    assert msg.startswith("rank 1 failed first: rank 1 died (exit code 7)"), msg
+    assert "rank 0: CollectiveError: rank 0/2: all_gather_object over the CP group failed" in msg, msg
