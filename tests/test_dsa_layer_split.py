@@ -120,7 +120,7 @@ def test_pools_hold_the_owned_layers_and_one_scratch_layer_each():
     assert kv.index_keys(2).data_ptr() == kv.index_keys(3).data_ptr() == kv.index_pool[1].data_ptr()
     with pytest.raises(ValueError, match="layer 1 reuses an earlier layer's top-k"):
         kv.index_keys(1)
-    with pytest.raises(IndexError, match="layer 4 is outside the model's 4 layers"):
+    with pytest.raises(IndexError, match="layer 4 is not split here: this cache splits layers 0..3"):
         kv.latent(4)
     assert [c.shape[-1] for c in kv.layer_pools(2)] == [40, 16] and len(kv.layer_pools(1)) == 1
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphcp import PrefillEngine, Request, RuntimeConfig
+from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import launch
 from graphcp.errors import ConfigError
 from graphcp.kv.layer_split import LayerSplitKVCache
@@ -107,3 +107,42 @@ def test_refusals():
     h = kv.handle(kv.extend([None], [3])[0])
     with pytest.raises(ValueError, match="rank 0 does not hold layer 3 .* read it on rank 1"):
         kv.read_span(h, KVSpan(3, 0, 3, 1))
+
+
+def _pipeline_caches(group, folder, cases):
+    """PP 2 x CP 2 on an 8-layer model: each stage splits its own 4 layers over its 2 CP
+    ranks. Per case the replicated and the layer-split engines' logits, pool bytes and
+    export (every rank receives), with graphs as asked and micro-batches."""
+    out = []
+    for dtype, microbatches, graph in cases:
+        res = {}
+        for mode in ("replicated", "layer-split"):
+            rt = RuntimeConfig(dtype=dtype, kv_tokens=512, kv_cache=mode, graph=graph, microbatches=microbatches,
+                               verify_capture=False)
+            eng = PrefillEngine(folder, rt, group, BucketSet((16, 32, 64, 128), padding_factor=64.0),
+                                ParallelConfig(cp_size=2, pp_size=2))
+            o = prefill_after_prefixes(eng, _batch(eng.cfg.vocab_size), all_logits=True)
+            exports = eng.export_kv_batch(o.handles)
+            res[mode] = (o.last_logits, o.logits, eng.stats()["kv_pool_bytes"], [e.k + e.v for e in exports],
+                         o.info.path, list(eng.kv.owned) if mode == "layer-split" else None)
+        out.append(res)
+    return out
+
+
+def test_pipeline_stages_split_their_own_layers(hf_model_dir):
+    folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=8)
+    cases = [("float32", 1, "off"), ("bfloat16", 4, "off"), ("float32", 2, "breakable")]
+    per_rank = launch(_pipeline_caches, 4, folder, cases)
+    for rank, results in enumerate(per_rank):
+        stage, cp_rank = divmod(rank, 2)
+        for case, res in zip(cases, results):
+            (rl, rall, rbytes, rkv, rpath, _), (sl, sall, sbytes, skv, spath, owned) = (
+                res["replicated"], res["layer-split"])
+            where = (rank, case)
+            assert owned == [4 * stage + 2 * cp_rank, 4 * stage + 2 * cp_rank + 1], where  # global layers
+            assert spath == rpath == ("graph" if case[2] == "breakable" else "eager"), where
+            assert torch.equal(sl, rl) and all(torch.equal(a, b) for a, b in zip(sall, rall)), where
+            # the stage's 4 layers: 2 owned + the scratch layer, the same pages
+            assert sbytes * 4 == rbytes * 3, (where, sbytes, rbytes)
+            # the export gathers every stage's layers from their owners: the replicated bits
+            assert all(torch.equal(a, b) for x, y in zip(skv, rkv) for a, b in zip(x, y)), where

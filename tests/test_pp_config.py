@@ -109,7 +109,6 @@ def test_a_stage_caches_and_loads_only_its_layers():
     (["--pp-microbatches", "0"], "microbatches must be >= 1, got 0"),
     # cache modes not built for pipeline stages yet: refused, not run wrongly
     (["--pp", "2", "--kv-cache", "sharded"], "kv_cache='sharded' runs pp_size=1"),
-    (["--pp", "2", "--kv-cache", "layer-split"], "kv_cache='layer-split' runs pp_size=1"),
 ])
 def test_bad_pipeline_flags_are_one_line(tmp_path, capsys, flags, msg):
     req = tmp_path / "r.jsonl"

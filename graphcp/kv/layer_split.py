@@ -1,7 +1,8 @@
 """LayerSplit: each CP rank keeps the KV cache of a contiguous range of layers.
 
 Rank r owns layers ``[r * k, (r + 1) * k)``, k = ceil(L / C), for every request
-(graphcp.kv.spans.owned_layers). Its pool holds those layers plus **one scratch
+(graphcp.kv.spans.owned_layers); under pipeline stages L is the stage's layers, counted
+from the stage's first. Its pool holds those layers plus **one scratch
 layer** with the same pages: the forward's all-gathered KV of every other layer is
 written into the scratch (the exchange writes ``layer(i)`` whatever it is), which is
 reused layer after layer. A rank's pool is so (k + 1) / L of the replicated one.
@@ -47,19 +48,23 @@ class LayerOwnership:
 
     needs_prefix_fetch = True
 
-    def _split(self, num_layers: int, rank: int, cp_size: int) -> None:
-        self.split_layers = num_layers  # the model's (a pool holds len(owned) + 1 of them)
+    def _split(self, num_layers: int, rank: int, cp_size: int, first_layer: int = 0) -> None:
+        """Split the global layers ``first_layer .. first_layer + num_layers - 1`` (the
+        model's, or a pipeline stage's) over the ``cp_size`` ranks."""
+        self.split_layers, self.split_first = num_layers, first_layer  # a pool holds len(owned) + 1
         self.rank, self.cp_size = rank, cp_size
-        self.owned = owned_layers(rank, num_layers, cp_size)
+        local = owned_layers(rank, num_layers, cp_size)
+        self.owned = range(first_layer + local.start, first_layer + local.stop)
 
     def owner(self, layer: int) -> int:
-        return layer_owner(layer, self.split_layers, self.cp_size)
+        return layer_owner(layer - self.split_first, self.split_layers, self.cp_size)
 
     def pool_index(self, layer: int, owned: Sequence[int]) -> int:
         """Where ``layer`` lives in a pool holding the ``owned`` layers then one scratch
         layer: its own slot when this rank owns it, else the scratch."""
-        if not 0 <= layer < self.split_layers:
-            raise IndexError(f"layer {layer} is outside the model's {self.split_layers} layers")
+        first, n = self.split_first, self.split_layers
+        if not first <= layer < first + n:
+            raise IndexError(f"layer {layer} is not split here: this cache splits layers {first}..{first + n - 1}")
         return owned.index(layer) if layer in owned else len(owned)
 
     def holds(self, span: KVSpan, rank: int) -> bool:
@@ -98,11 +103,12 @@ class LayerOwnership:
 class LayerSplitKVCache(LayerOwnership, PagedKVCache):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, layout: KVLayout, max_pages_per_seq: int | None,
-                 rank: int, cp_size: int) -> None:
-        self._split(num_layers, rank, cp_size)
+                 rank: int, cp_size: int, first_layer: int = 0) -> None:
+        """``num_layers`` from ``first_layer``: the model's, or a pipeline stage's layers."""
+        self._split(num_layers, rank, cp_size, first_layer)
         super().__init__(pool_layers(num_layers, rank, cp_size), num_pages, page_size, num_kv_heads, head_dim,
-                         dtype, device, layout, max_pages_per_seq)
-        self.num_layers = num_layers  # the model's; the pool holds len(owned) + 1 of them
+                         dtype, device, layout, max_pages_per_seq, first_layer)
+        self.num_layers = num_layers  # the split's; the pool holds len(owned) + 1 of them
         self.scratch_layer = self.pool.shape[0] - 1
 
     def layer(self, i: int) -> torch.Tensor:

@@ -140,13 +140,10 @@ class PrefillEngine:
     def _make_kv_cache(self, num_pages: int, kv_layout) -> PagedKVCache:
         rt, cfg = self.runtime, self.cfg
         max_pages = self._max_pages_per_seq(num_pages)
-        if rt.kv_cache == "layer-split":
-            if self.pipeline is not None:
-                raise ConfigError(f"RuntimeConfig.kv_cache='layer-split' runs pp_size=1 (LayerSplit spreads one "
-                                  f"stage's layers over its CP ranks), got pp_size={self.parallel.pp_size}")
-            return LayerSplitKVCache(cfg.num_layers, num_pages, rt.page_size, cfg.num_kv_heads, cfg.head_dim,
-                                     self.dtype, self.device, kv_layout, max_pages,
-                                     rank=self.group.rank, cp_size=self.group.size)
+        if rt.kv_cache == "layer-split":  # a stage splits its own layers over its CP ranks
+            return LayerSplitKVCache(len(self.stage.layers), num_pages, rt.page_size, cfg.num_kv_heads, cfg.head_dim,
+                                     self.dtype, self.device, kv_layout, max_pages, rank=self.group.rank,
+                                     cp_size=self.group.size, first_layer=self.stage.layers.start)
         if self.sharded and self.pipeline is not None:
             raise ConfigError(f"RuntimeConfig.kv_cache='sharded' runs pp_size=1 (the rings over a stage's CP "
                               f"group are not built or tested yet), got pp_size={self.parallel.pp_size}")
@@ -159,7 +156,7 @@ class PrefillEngine:
     def _pool_layers(self) -> int:
         """Layers this rank's pool holds (LayerSplit: its own and one scratch layer)."""
         if self.runtime.kv_cache == "layer-split":
-            return pool_layers(self.cfg.num_layers, self.group.rank, self.group.size)
+            return pool_layers(len(self.stage.layers), self.group.rank, self.group.size)
         return len(self.stage.layers)
 
     def _check_pool_fits(self, num_pages: int) -> None:
