@@ -107,8 +107,6 @@ def test_a_stage_caches_and_loads_only_its_layers():
     (["--pp", "2", "--pp-layers", "1,x"], "argument --pp-layers: expected comma-separated integers"),
     (["--aux-hidden-layers", "1,4"], "[1] must be a decoder layer index in [0, 4), got 4"),
     (["--pp-microbatches", "0"], "microbatches must be >= 1, got 0"),
-    # cache modes not built for pipeline stages yet: refused, not run wrongly
-    (["--pp", "2", "--kv-cache", "sharded"], "kv_cache='sharded' runs pp_size=1"),
 ])
 def test_bad_pipeline_flags_are_one_line(tmp_path, capsys, flags, msg):
     req = tmp_path / "r.jsonl"

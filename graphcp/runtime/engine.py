@@ -144,9 +144,6 @@ class PrefillEngine:
             return LayerSplitKVCache(len(self.stage.layers), num_pages, rt.page_size, cfg.num_kv_heads, cfg.head_dim,
                                      self.dtype, self.device, kv_layout, max_pages, rank=self.group.rank,
                                      cp_size=self.group.size, first_layer=self.stage.layers.start)
-        if self.sharded and self.pipeline is not None:
-            raise ConfigError(f"RuntimeConfig.kv_cache='sharded' runs pp_size=1 (the rings over a stage's CP "
-                              f"group are not built or tested yet), got pp_size={self.parallel.pp_size}")
         # sharded: this rank's pool of the token-sharded cache (kv_tokens is one rank's); a
         # pipeline stage caches its own layers
         return make_kv_cache(self.sharded, self.group.size, self.group.rank, len(self.stage.layers), num_pages,
@@ -304,7 +301,7 @@ class PrefillEngine:
             if self.pipeline is None and m == 1:
                 out = self._prefill_once(batch, all_logits, force_eager, aux, call)
             else:
-                ops = StageOps(lambda prep, rows: self._stage_rows(prep, rows, force_eager, aux),
+                ops = StageOps(lambda prep, rows: self._recorded_stage_rows(prep, rows, force_eager, aux),
                                self._last_logits, self._all_logits, self._aux_gather)
                 out = self.microbatched.run(batch, ops, m, call, all_logits, aux)
             out.info.timings["total_s"] = time.perf_counter() - t0
@@ -413,6 +410,14 @@ class PrefillEngine:
         info = ForwardInfo("eager", required, required, fallback)
         info.stats.update(prep.stats)
         return hidden, info, None if capture is None else capture.out
+
+    def _recorded_stage_rows(self, prep: PreparedBatch, hidden_in: torch.Tensor | None, force_eager: bool,
+                             aux: tuple[int, ...]) -> tuple[torch.Tensor, ForwardInfo, torch.Tensor | None]:
+        """:meth:`_stage_rows` of one micro-batch (or one stage's forward), its figures
+        recorded as a forward of its own (the exchange it ran, the bytes it received)."""
+        hidden, info, aux_rows = self._stage_rows(prep, hidden_in, force_eager, aux)
+        self._record(prep, info)
+        return hidden, info, aux_rows
 
     def _last_logits(self, plan: Plan, hidden: torch.Tensor) -> torch.Tensor:
         mine = np.flatnonzero(plan.last_owner == self.rank)
