@@ -40,6 +40,8 @@ def _job(group, folder, cases):
             o = prefill_after_prefixes(eng, _batch(eng.cfg.vocab_size), all_logits=True)
             exports = eng.export_kv_batch(o.handles)
             st = eng.stats()
+            assert (st["world_rank"], st["stage"], st["layers"]) == (group.rank, group.rank // 2,
+                                                                      [2 * (group.rank // 2), 2 * (group.rank // 2) + 2])
             used = {f["exchange"] for f in st["forwards"]}  # every forward's, micro-batches each their own
             res[mode] = (o.logits, o.info.path, used, st["kv_stored_tokens"],
                          st["kv_pool_bytes"] // st["kv_pool_tokens"], [e.k + e.v for e in exports],

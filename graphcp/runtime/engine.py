@@ -367,7 +367,9 @@ class PrefillEngine:
         stats file lists every rank's)."""
         kv = self.kv
         return {
-            "rank": self.rank, "cp_size": self.group.size, "kv_cache": self.runtime.kv_cache,
+            "rank": self.rank, "cp_size": self.group.size, "world_rank": self.world_rank,
+            "stage": 0 if self.pipeline is None else self.pipeline.stage,
+            "layers": [self.stage.layers.start, self.stage.layers.stop], "kv_cache": self.runtime.kv_cache,
             "exchange": "all-gather" if not self.sharded else self.runtime.exchange,
             "kv_pool_tokens": (kv.num_pages - 1) * kv.page_size,
             "kv_pool_bytes": kv.pool_bytes,  # every page pool (MLA: latent and indexer keys)

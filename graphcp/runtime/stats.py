@@ -1,7 +1,8 @@
 """What each rank did: ``PrefillEngine.stats()`` and the file ``graphcp prefill --stats``
 writes. Other tools read these names (keys may be added, never renamed)::
 
-    {"ranks": [{"rank": 0, "cp_size": 4, "kv_cache": "sharded", "exchange": "auto",
+    {"ranks": [{"rank": 0, "cp_size": 4, "world_rank": 0, "stage": 0, "layers": [0, 32],
+                "kv_cache": "sharded", "exchange": "auto",
                 "kv_pool_tokens": N, "kv_pool_bytes": N,
                 "kv_stored_tokens": N, "kv_stored_pages": N,
                 "forwards": [{"path": "graph" | "eager", "bucket": N | null,
@@ -10,10 +11,12 @@ writes. Other tools read these names (keys may be added, never renamed)::
                               "bytes_received_per_layer": N, ...}, ...],
                 "forwards_dropped": N}, ...]}
 
-``kv_pool_*`` describe one rank's pool; ``kv_stored_tokens`` counts the tokens whose
+``rank`` is the rank in its CP group, ``world_rank`` in the whole run (stage-major
+under pipeline stages), ``stage`` its pipeline stage and ``layers`` the ``[first, end)``
+decoder layers it runs. ``kv_pool_*`` describe one rank's pool; ``kv_stored_tokens`` counts the tokens whose
 KV the rank holds at the end (live handles). ``forwards`` lists every forward in
 order (the command line prefills prefixes first, so a request with a prefix
-contributes two), each with every key of its ``ForwardInfo.stats``: besides those
+contributes two; under pipeline stages each micro-batch is a forward), each with every key of its ``ForwardInfo.stats``: besides those
 above, ``exchange_choice`` (the per-batch rule's inputs and thresholds, sharded
 cache) and whatever other parts record there. An engine keeps the last
 :data:`HISTORY` forwards (``forwards_dropped`` counts older ones).
