@@ -24,7 +24,7 @@ def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, pp_size: int = 1) -> None
                           "pp_size=1 (their latent and indexer-key caches are not split into stages yet)")
     if rt.kv_cache == "sharded":
         raise ConfigError(f"RuntimeConfig.kv_cache='sharded': {cfg.family} models (DSA) run kv_cache='replicated' or "
-                          "'layer-split' (their latent cache is not sharded by token yet)")
+                          "'layer-split' (LayerSplit holds within 3 % of a token-sharded pool, with no ring; docs/dsa.md)")
     if rt.attention not in DSA_ATTENTION:
         raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {cfg.family} models run MLA with the DSA indexer "
                           "on the torch sparse-MLA reference or the Triton sparse-MLA kernel only; use "
