@@ -58,6 +58,10 @@ def make_cache_and_attention(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int
                          d.index_n_heads, d.index_head_dim, d.index_topk, d.softmax_scale, d.num_indexer_layers)
     if rt.attention != "triton":
         return kv, TorchSparseMla(spec)
+    from graphcp.attention.backends.triton import cpu_problem
+
+    if (problem := cpu_problem(device)) is not None:
+        raise ConfigError(f"RuntimeConfig.attention='triton': {problem}")
     from graphcp.attention.sparse.triton import TritonSparseMla  # imports triton: only when chosen
 
     try:
