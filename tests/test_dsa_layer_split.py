@@ -136,8 +136,8 @@ def _pp_refusal(group, folder):
 
 def test_refusals_name_the_value(folders):
     folder = folders["deepseek_v32"]
-    with pytest.raises(ConfigError, match="kv_cache='sharded' with pp_size=1: deepseek_v32 models run "
-                                          "kv_cache='replicated' or 'layer-split'"):
+    with pytest.raises(ConfigError, match="RuntimeConfig.kv_cache='sharded': deepseek_v32 models run "
+                                          "RuntimeConfig.kv_cache='replicated' or layer-split"):
         PrefillEngine(folder, RuntimeConfig(kv_tokens=256, kv_cache="sharded"))
     for msg in launch(_pp_refusal, 2, folder):
-        assert msg is not None and "kv_cache='layer-split' with pp_size=2" in msg, msg
+        assert msg is not None and "pp_size=2: deepseek_v32 models run pp_size=1" in msg, msg

@@ -18,19 +18,32 @@ from graphcp.model.config import ModelConfig
 DSA_ATTENTION = ("torch", "triton", "auto")
 
 
-def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, pp_size: int = 1) -> None:
-    if rt.kv_cache == "sharded" or pp_size > 1:
-        raise ConfigError(f"RuntimeConfig.kv_cache={rt.kv_cache!r} with pp_size={pp_size}: {cfg.family} models run "
-                          "kv_cache='replicated' or 'layer-split' with pp_size=1 (their latent cache is not sharded "
-                          "by token or split into pipeline stages yet)")
+#: an option as the API names it (the value follows as ``=value``) and as the command line does
+_API_NAMES = {"kv_cache": "RuntimeConfig.kv_cache", "attention": "RuntimeConfig.attention", "graph": "RuntimeConfig.graph",
+              "pp_size": "pp_size"}
+_FLAGS = {"kv_cache": "--kv-cache", "attention": "--attention", "graph": "--graph", "pp_size": "--pp"}
+
+
+def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, pp_size: int = 1, flags: bool = False) -> None:
+    """Refuse what DSA models do not run; ``flags``: name the command-line flags the
+    user typed rather than the RuntimeConfig fields."""
+    def say(key: str, value) -> str:
+        return f"{_FLAGS[key]} {value}" if flags else f"{_API_NAMES[key]}={value!r}"
+
+    if rt.kv_cache == "sharded":
+        raise ConfigError(f"{say('kv_cache', rt.kv_cache)}: {cfg.family} models run {say('kv_cache', 'replicated')} "
+                          "or layer-split (their latent cache is not sharded by token yet)")
+    if pp_size > 1:
+        raise ConfigError(f"{say('pp_size', pp_size)}: {cfg.family} models run {say('pp_size', 1)} (their latent "
+                          "cache is not split into pipeline stages yet)")
     if rt.attention not in DSA_ATTENTION:
-        raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {cfg.family} models run MLA with the DSA indexer "
+        raise ConfigError(f"{say('attention', rt.attention)}: {cfg.family} models run MLA with the DSA indexer "
                           "on the torch sparse-MLA reference or the Triton sparse-MLA kernel only; use "
                           f"one of {', '.join(DSA_ATTENTION)}")
     if rt.graph == "full":
-        raise ConfigError(f"RuntimeConfig.graph='full': {cfg.family} models run the indexer's top-k and sparse "
+        raise ConfigError(f"{say('graph', 'full')}: {cfg.family} models run the indexer's top-k and sparse "
                           "attention in the attention break (they read the live batch's segments on the host); use "
-                          "graph='breakable'")
+                          f"{say('graph', 'breakable')}")
 
 
 def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, rank: int, cp_size: int) -> int:
