@@ -17,12 +17,13 @@ import torch
 
 from graphcp.attention.sparse.mla import indexer_report
 from graphcp.checks import check_output_dir, check_output_path
-from graphcp.cli.jobs import prefill_job, run_job
+from graphcp.cli.jobs import mixed_batch, prefill_job, run_job, twin_dtype
 from graphcp.cli.pd_demo import add_pd_demo_parser
-from graphcp.cli.requests import parse_requests
+from graphcp.cli.requests import check_request_vocabulary, parse_requests
 from graphcp.errors import one_line, report
 from graphcp.gpucheck.cli import add_gpu_check_parser
-from graphcp.jobs.args import add_runtime_args, job_spec, preflight
+from graphcp.jobs.args import add_runtime_args, interpret_triton_on_cpu, job_spec, preflight
+from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.profile.cli import add_profile_parser
 from graphcp.runtime.stats import write_stats
@@ -35,6 +36,16 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """An unknown flag is reported by the command it was given to (``graphcp prefill:
+        error: unrecognized arguments: ...``): argparse leaves the leftovers of a
+        subcommand to the top-level parser, which would say ``graphcp: error:``."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            commands = getattr(self, "commands", {})
+            commands.get(getattr(ns, "command", None), self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
 
 
 def _save(obj, path: str) -> None:
@@ -56,7 +67,10 @@ def cmd_prefill(args) -> int:
         check_output_dir(args.export_kv, "--export-kv")
     spec = job_spec(args)
     reqs = parse_requests(args.input)
-    preflight(spec)
+    check_request_vocabulary(reqs, preflight(spec).vocab_size)
+    if args.memory_check:  # the prefixes' forward, then the new tokens'
+        tokens = max(sum(r.prefix for r in reqs), sum(len(r.new_tokens) for r in reqs))
+        check_local_ranks_fit(spec, job_memory(spec, tokens))
     res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits, bool(args.stats), args.export_kv)
     if res is not None:
         out = {"last_logits": res["last_logits"]}
@@ -91,6 +105,10 @@ def cmd_run(args) -> int:
         check_output_path(args.json, "--json")
     spec = job_spec(args)
     preflight(spec)
+    if args.memory_check:  # every bucket, and a second engine in the other float dtype
+        tokens = sum(len(t) for t in mixed_batch(1))
+        check_local_ranks_fit(spec, job_memory(spec, tokens, capture_all=spec.runtime.graph != "off",
+                                               twin_dtype=twin_dtype(spec.runtime.dtype)))
     res = run_job_on_ranks(run_job, spec)
     rows = [
         ("model", res["model"]),
@@ -181,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_parser(sub)
     add_pd_demo_parser(sub)
     add_gpu_check_parser(sub)
+    parser.commands = sub.choices  # for the unknown-flag error (_Parser.parse_args)
     for p in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the top-level value
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
@@ -190,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command line. graphcp's own errors become one stderr line and exit code 2
     (bad input) or 1 (a failed run); anything else is a bug and surfaces as one."""
     args = build_parser().parse_args(argv)
+    interpret_triton_on_cpu(args, f"graphcp {args.command}")
     try:
         return int(args.func(args) or 0)
     except Exception as e:  # noqa: BLE001 - graphcp's errors are reported, the rest re-raised

@@ -5,11 +5,15 @@ profile; gpu-check sweeps its own matrix of them): one parser helper, one conver
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
+from graphcp.attention.backends.triton import cpu_problem
 from graphcp.checks import check_layer_list
 from graphcp.config import RuntimeConfig
 from graphcp.jobs.spec import JobSpec
 from graphcp.model.config import ModelConfig
+from graphcp.model.dsa import runtime as dsa_runtime
 from graphcp.model.presets import resolve_model
 from graphcp.options import (
     ATTENTION_BACKENDS,
@@ -70,9 +74,22 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each new bucket on a synthetic batch and compare it bitwise with the same-bucket "
                         "eager body (default: on for the trace graph backend, off for cuda; on for `graphcp run`)")
+    p.add_argument("--memory-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="estimate a rank's memory (weights, KV pool, graphs) and refuse local ranks that do not fit "
+                        "the machine before launching them (default: on)")
     p.add_argument("--moe", default="ep", choices=MOE_LAYOUTS,
                    help="mixture-of-experts layers: ep splits the experts over the CP ranks (all-to-all dispatch "
                         "and combine), tp shards every expert like the dense MLP (default: ep)")
+
+
+def interpret_triton_on_cpu(args: argparse.Namespace, prog: str) -> None:
+    """``--attention triton`` on a CPU runs Triton's interpreter: chosen here, in the
+    launching process before any rank imports triton (ranks inherit the environment),
+    and said once on stderr."""
+    if getattr(args, "attention", None) == "triton" and cpu_problem(args.device) is not None:
+        os.environ["TRITON_INTERPRET"] = "1"
+        print(f"{prog}: note: --attention triton on a CPU runs Triton's interpreter (TRITON_INTERPRET=1 set): "
+              "exact, but slow", file=sys.stderr)
 
 
 def graph_mode(args: argparse.Namespace) -> str:
@@ -92,12 +109,19 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
     return JobSpec(args.model, rt, args.buckets, args.cp, args.pp, args.pp_layers)
 
 
-def preflight(spec: JobSpec) -> None:
+def preflight(spec: JobSpec) -> ModelConfig:
     """What can be refused before ranks start, in this process: the parallel config, the
-    model's config.json against it (TP shards, pipeline stages, auxiliary layers), and
-    the bucket file (each rank would fail the same way, only later and N times)."""
+    model's config.json against it (TP shards, pipeline stages, auxiliary layers; a DSA
+    model's cache, attention and graph modes, in the flags' names), and the bucket file
+    and its fit to the run (each rank would fail the same way, only later and N times).
+    The model's config."""
     config = resolve_model(spec.model) / "config.json"
     model = ModelConfig.from_file(config)
     model.check_parallel(spec.parallel, str(config), spec.runtime.moe)
     check_layer_list(spec.runtime.aux_hidden_layers, f"--aux-hidden-layers ({config})", model.num_layers)
-    spec.buckets()
+    if model.dsa is not None:
+        dsa_runtime.check_runtime(model, spec.runtime, spec.pp_size, flags=True)
+    buckets = spec.buckets()
+    if buckets is not None:
+        buckets.check_compatible(spec.cp_size, spec.runtime.layout)
+    return model
