@@ -1,4 +1,7 @@
-"""The ``graphcp`` command: run, prefill, tune, profile.
+"""The ``graphcp`` command: ``run`` (the main job on the built-in model), ``prefill``
+(a request file, logits saved), ``tune`` (bucket capacities for a workload),
+``profile`` (per-rank traces and a range summary), ``pd-demo`` (a prefill/decode
+round trip) and ``gpu-check`` (the one-shot GPU check). ``graphcp CMD --help`` for each.
 
 Exit codes: 0 done; 2 bad input (one ``graphcp CMD: error: ...`` line on stderr,
 nothing written or changed); 1 a failed run (one line) or a bug (a traceback).
@@ -22,7 +25,7 @@ from graphcp.cli.pd_demo import add_pd_demo_parser
 from graphcp.cli.requests import check_request_vocabulary, parse_requests
 from graphcp.errors import one_line, report
 from graphcp.gpucheck.cli import add_gpu_check_parser
-from graphcp.jobs.args import add_runtime_args, interpret_triton_on_cpu, job_spec, preflight
+from graphcp.jobs.args import add_runtime_args, help_text, interpret_triton_on_cpu, job_spec, preflight
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.profile.cli import add_profile_parser
@@ -171,7 +174,7 @@ def cmd_run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="graphcp", description=__doc__,
+    parser = _Parser(prog="graphcp", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", default=False,
                         help="print tracebacks of graphcp's errors (also GRAPHCP_DEBUG=1)")

@@ -14,7 +14,7 @@ from graphcp.config import RuntimeConfig
 from graphcp.jobs.spec import JobSpec
 from graphcp.model.config import ModelConfig
 from graphcp.model.dsa import runtime as dsa_runtime
-from graphcp.model.presets import resolve_model
+from graphcp.model.presets import PRESETS, resolve_model
 from graphcp.options import (
     ATTENTION_BACKENDS,
     CLI_DTYPES,
@@ -36,12 +36,20 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,5,9, got {text!r}") from None
 
 
+def help_text(doc: str) -> str:
+    """A docstring as terminal text (a command's description): reST's double backticks go."""
+    return doc.replace("``", "")
+
+
 def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> None:
     """The model and RuntimeConfig flags (``default_graph`` None: breakable)."""
-    p.add_argument("--model", default="default", help="checkpoint folder or preset name (default: the built-in preset)")
-    p.add_argument("--dtype", default="float32", choices=CLI_DTYPES)
-    p.add_argument("--device", default="cpu", choices=DEVICE_KINDS)
-    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (= TP ranks of the MLP)")
+    p.add_argument("--model", default="default",
+                   help=f"checkpoint folder (config.json + safetensors) or a built-in preset: {', '.join(PRESETS)} "
+                        "(default: %(default)s, written once to $GRAPHCP_CACHE or ~/.cache/graphcp/models)")
+    p.add_argument("--dtype", default="float32", choices=CLI_DTYPES, help="model dtype (default: %(default)s)")
+    p.add_argument("--device", default="cpu", choices=DEVICE_KINDS, help="default: %(default)s")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (= TP ranks of the MLP; default: "
+                                                     "%(default)s)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages, each a CP group of --cp ranks (pp x cp ranks in all, stage-major)")
     p.add_argument("--pp-layers", type=int_list, default=None, metavar="N,N,...",
@@ -51,11 +59,13 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--aux-hidden-layers", type=int_list, default=(), metavar="L,L,...",
                    help="decoder layers whose output hidden states prefill returns (OUT.pt 'aux_hidden'; "
                         "graphs copy them inside the captured segments)")
-    p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
+    p.add_argument("--layout", default="zigzag", choices=LAYOUTS,
+                   help="how a request's tokens are split over the CP ranks (default: %(default)s)")
     p.add_argument("--graph", default=default_graph, choices=GRAPH_MODES,
                    help="graph mode (default: breakable)")
     p.add_argument("--graph-backend", default="auto", choices=GRAPH_BACKENDS)
-    p.add_argument("--attention", default="torch", choices=ATTENTION_BACKENDS)
+    p.add_argument("--attention", default="torch", choices=ATTENTION_BACKENDS,
+                   help="attention backend (default: %(default)s; triton on a CPU runs Triton's interpreter)")
     p.add_argument("--buckets", default=None, help="bucket file written by `graphcp tune`")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens (one rank's pool)")

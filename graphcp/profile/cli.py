@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from graphcp.errors import InputError
-from graphcp.jobs.args import add_runtime_args, graph_mode, job_spec
+from graphcp.jobs.args import add_runtime_args, graph_mode, help_text, job_spec
 from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.profile import nsys
 from graphcp.profile.job import ProfileJob, profile_rank
@@ -42,7 +42,7 @@ TOOLS = ("auto", "torch", "nsys", "nvtx")
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("profile", help="profile a workload: per-rank traces and a range summary",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_runtime_args(p, "breakable")
     p.set_defaults(cp=2)
     src = p.add_mutually_exclusive_group()
