@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "profiles" / "README.md",
         ROOT / "workloads" / "README.md"]
 COMMANDS: dict[str, argparse.ArgumentParser] = build_parser().commands
-#: a usage line: `graphcp CMD ...` (or `python -m graphcp CMD ...`) in a code block, with
-#: its continuation lines (indented, starting with a flag or an optional group)
-START = re.compile(r"\s*(?:\$ )?(?:python -m )?graphcp ([a-z-]+)\b(.*)")
+#: a usage line: `graphcp CMD ...` (or `python -m graphcp CMD ...`; `graphcp A|B ...` for
+#: flags several commands share) in a code block, with its continuation lines (indented,
+#: starting with a flag or an optional group)
+START = re.compile(r"\s*(?:\$ )?(?:python -m )?graphcp ([a-z-]+(?:\|[a-z-]+)*)(?![a-z-])(.*)")
 CONTINUED = re.compile(r"\s+[\[-]")
 FLAG = re.compile(r"(--[a-z][a-z0-9-]*)(?:[ =]([a-z0-9][a-z0-9.-]*(?:\|[a-z0-9][a-z0-9.-]*)+))?")
 
@@ -31,14 +32,14 @@ def usage_lines() -> list[tuple[str, str, str]]:
                 block, current = not block, None
                 continue
             m = START.match(line) if block else None
-            if m and m.group(1) in COMMANDS:
+            if m and all(c in COMMANDS for c in m.group(1).split("|")):
                 current = [doc.name, m.group(1), m.group(2)]
                 out.append(current)  # type: ignore[arg-type]
             elif current is not None and CONTINUED.match(line):
                 current[2] += " " + line
             else:
                 current = None
-    return [tuple(x) for x in out]  # type: ignore[misc]
+    return [(doc, cmd, text) for doc, cmds, text in out for cmd in cmds.split("|")]
 
 
 def shown_flags() -> dict[tuple[str, str], list[tuple[str, str | None]]]:

@@ -23,6 +23,7 @@ from graphcp.checks import check_output_dir, check_output_path
 from graphcp.cli.jobs import mixed_batch, prefill_job, run_job, twin_dtype
 from graphcp.cli.pd_demo import add_pd_demo_parser
 from graphcp.cli.requests import check_request_vocabulary, parse_requests
+from graphcp.cli.table import print_table
 from graphcp.errors import one_line, report
 from graphcp.gpucheck.cli import add_gpu_check_parser
 from graphcp.jobs.args import add_runtime_args, help_text, interpret_triton_on_cpu, job_spec, preflight
@@ -88,8 +89,9 @@ def cmd_prefill(args) -> int:
         ranks = f"{info['cp_size']} rank(s)" if info["pp_size"] == 1 else \
             f"{info['pp_size'] * info['cp_size']} ranks ({info['pp_size']} stages x CP {info['cp_size']})"
         print(f"prefilled {len(reqs)} requests on {ranks}, layout {info['layout']}, "
-              f"path {info['path']} (local capacity {info['capacity']}), {info['kv_cache']} KV cache, exchange "
-              f"{info['exchange']} -> {args.output}" + (f" (stats: {args.stats})" if args.stats else "")
+              f"path {info['path']} (local capacity {info['capacity']}), {info['kv_cache']} KV cache"
+              + (f", exchange {info['exchange']}" if info["exchange"] is not None else "")  # a pipeline has none
+              + f" -> {args.output}" + (f" (stats: {args.stats})" if args.stats else "")
               + (f"; KV -> {args.export_kv}/<i>.safetensors" if args.export_kv is not None else ""))
         indexer = indexer_report(info["stats_per_rank"])
         if indexer is not None:  # DSA models
@@ -152,11 +154,7 @@ def cmd_run(args) -> int:
             rows.append((f"graph vs eager ({c['dtype']})",
                          f"same bucket: {same}; unpadded: max |diff| {c['max_abs_diff']:.3g}, "
                          f"relative {c['rel_diff']:.3g} (bucket {c['bucket']})"))
-    w = max(len(k) for k, _ in rows)
-    print("| " + "what".ljust(w) + " | value |")
-    print("|-" + "-" * w + "-|-------|")
-    for k, v in rows:
-        print(f"| {k.ljust(w)} | {v} |")
+    print_table(rows)
     indexer = indexer_report(res["stats_per_rank"])
     if indexer is not None:  # DSA models: the eager forward's indexer work per rank
         print(indexer)

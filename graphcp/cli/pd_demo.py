@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from graphcp.cli.table import print_table
 from graphcp.errors import ConfigError
 from graphcp.jobs.args import add_runtime_args, job_spec, preflight
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
@@ -93,6 +94,9 @@ def _decode_main(model_dir: str, transport: str, ready, jobs, results, timeout_s
             return
         next_token, steps = job
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its "Loading weights" bars are not the demo's output
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         if receiver is not None:
@@ -111,6 +115,9 @@ def _decode_main(model_dir: str, transport: str, ready, jobs, results, timeout_s
 def _reference(model_dir: Path, prompt: np.ndarray, steps: int) -> list[int]:
     """transformers alone: the greedy continuation of the prompt (first token included)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.from_numpy(prompt).view(1, -1)
@@ -176,9 +183,7 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
         ("transformers alone", " ".join(map(str, want))),
         ("match", "yes" if mine == want else "NO"),
     ]
-    w = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"| {k.ljust(w)} | {v} |")
+    print_table(rows)
     return 0 if mine == want else 1
 
 
