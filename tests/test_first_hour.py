@@ -178,3 +178,26 @@ def test_item7_the_dsa_refusals_name_the_flags_typed(capsys, tmp_path, hf_model_
                                r"layer-split")
     assert "RuntimeConfig" not in err and "pp_size" not in err
     one_line_error(capsys, base + ["--graph", "full"], match=r"error: --graph full: .*use --graph breakable")
+
+
+# ---- 6: --help -------------------------------------------------------------------------
+def test_item6_help_shows_defaults_presets_and_every_command_in_plain_text(capsys):
+    for argv in (["--help"], *([c, "--help"] for c in ("run", "prefill", "tune", "profile", "pd-demo", "gpu-check"))):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = capsys.readouterr().out
+        assert "``" not in text, f"reST double backticks in graphcp {' '.join(argv)}"
+        if argv[0] == "--help":
+            assert "pd-demo (a prefill/decode" in text and "gpu-check (the one-shot GPU check)" in text
+        if argv[0] in ("run", "prefill"):
+            flat = " ".join(text.split())
+            for shown in ("model dtype (default: float32)", "default: cpu", "(default: zigzag)",
+                          "(default: torch;", "default-moe", "qwen3-1b-like", "default-dsa"):
+                assert shown in flat, (argv[0], shown)
+            assert ("default: 2)" if argv[0] == "run" else "default: 1)") in flat
+
+
+# ---- 11: the README's length --------------------------------------------------------------
+def test_item11_the_readme_stays_under_10_kb():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= 10_000, f"README.md is {size} bytes: move per-capability detail to docs/ and link it"
