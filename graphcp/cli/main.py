@@ -73,8 +73,8 @@ def cmd_prefill(args) -> int:
     reqs = parse_requests(args.input)
     check_request_vocabulary(reqs, preflight(spec).vocab_size)
     if args.memory_check:  # the prefixes' forward, then the new tokens'
-        tokens = max(sum(r.prefix for r in reqs), sum(len(r.new_tokens) for r in reqs))
-        check_local_ranks_fit(spec, job_memory(spec, tokens))
+        forwards = [sum(r.prefix for r in reqs), sum(len(r.new_tokens) for r in reqs)]
+        check_local_ranks_fit(spec, job_memory(spec, forwards))
     res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits, bool(args.stats), args.export_kv)
     if res is not None:
         out = {"last_logits": res["last_logits"]}
@@ -111,8 +111,8 @@ def cmd_run(args) -> int:
     spec = job_spec(args)
     preflight(spec)
     if args.memory_check:  # every bucket, and a second engine in the other float dtype
-        tokens = sum(len(t) for t in mixed_batch(1))
-        check_local_ranks_fit(spec, job_memory(spec, tokens, capture_all=spec.runtime.graph != "off",
+        forwards = [sum(len(t) for t in mixed_batch(1))]
+        check_local_ranks_fit(spec, job_memory(spec, forwards, capture_all=spec.runtime.graph != "off",
                                                twin_dtype=twin_dtype(spec.runtime.dtype)))
     res = run_job_on_ranks(run_job, spec)
     rows = [

@@ -145,7 +145,7 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
     spec = job_spec(args)
     preflight(spec)
     if args.memory_check:
-        check_local_ranks_fit(spec, job_memory(spec, max(args.prefix_tokens, args.prompt_tokens - args.prefix_tokens)))
+        check_local_ranks_fit(spec, job_memory(spec, [args.prefix_tokens, args.prompt_tokens - args.prefix_tokens]))
     model_dir = resolve_model(spec.model)
     from graphcp.model.config import ModelConfig
 

@@ -6,6 +6,7 @@ decides); ``--no-memory-check`` launches anyway."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -93,14 +94,18 @@ def estimate_twin(spec: JobSpec, rows: int, dtype: str) -> RankMemory:
     return estimate_rank_memory(twin, rows, bucket_rows(twin, rows), with_process=False)
 
 
-def job_memory(spec: JobSpec, tokens: int, capture_all: bool = False, twin_dtype: str | None = None) -> RankMemory:
-    """A rank of a job whose largest forward prefills ``tokens`` tokens (split over the
-    CP ranks): it captures the bucket those rows need, or every bucket
+def job_memory(spec: JobSpec, forwards: Sequence[int], capture_all: bool = False,
+               twin_dtype: str | None = None) -> RankMemory:
+    """A rank of a job whose forwards prefill ``forwards`` tokens each (split over the
+    CP ranks): it captures the buckets those rows need, or every bucket
     (``capture_all``, ``graphcp run``), and, with ``twin_dtype``, a second engine."""
-    rows = -(-tokens // spec.cp_size)
-    captured = sum((spec.buckets() or BucketSet()).capacities) if capture_all else bucket_rows(spec, rows)
-    need = estimate_rank_memory(spec, rows, captured)
-    return need + estimate_twin(spec, rows, twin_dtype) if twin_dtype is not None else need
+    rows = [-(-n // spec.cp_size) for n in forwards if n > 0]
+    if capture_all:
+        captured = sum((spec.buckets() or BucketSet()).capacities)
+    else:
+        captured = sum({bucket_rows(spec, r) for r in rows})
+    need = estimate_rank_memory(spec, max(rows), captured)
+    return need + estimate_twin(spec, max(rows), twin_dtype) if twin_dtype is not None else need
 
 
 def available_memory(device: str) -> tuple[int, str, int] | None:
