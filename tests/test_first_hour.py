@@ -112,6 +112,20 @@ def test_item2_local_ranks_that_do_not_fit_are_refused_up_front(model_dir, monke
         check_local_ranks_fit(gpus, need, (2 * need.total - 1, "free memory of a GPU", 4))
 
 
+def test_item2_gpu_memory_comes_from_nvidia_smi_for_the_visible_gpus(tmp_path, monkeypatch):
+    """Not from CUDA: that would open a context on every GPU in the launching process."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '81000\\n40000\\n60000\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert memory.available_memory("cuda") == (40000 << 20, "free memory of a GPU", 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")
+    assert memory.available_memory("cuda") == (60000 << 20, "free memory of a GPU", 2)
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert memory.available_memory("cuda") is None  # no nvidia-smi: not checked
+
+
 def test_item2_the_command_refuses_before_launching_and_the_flag_overrides(capsys, tmp_path, model_dir, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(memory, "available_memory", lambda device: (1 << 30, "available host memory", 1))

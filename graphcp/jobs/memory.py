@@ -6,10 +6,9 @@ decides); ``--no-memory-check`` launches anyway."""
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-
-import torch
 
 from graphcp.errors import ConfigError
 from graphcp.jobs.spec import JobSpec
@@ -112,10 +111,7 @@ def available_memory(device: str) -> tuple[int, str, int] | None:
     """(bytes available, what they are, how many devices the local ranks share), or
     None where it cannot be told."""
     if device == "cuda":
-        if not torch.cuda.is_available():
-            return None
-        n = torch.cuda.device_count()
-        return min(torch.cuda.mem_get_info(i)[0] for i in range(n)), "free memory of a GPU", n
+        return _gpu_free_memory()
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -127,6 +123,22 @@ def available_memory(device: str) -> tuple[int, str, int] | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory", 1
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def _gpu_free_memory() -> tuple[int, str, int] | None:
+    """The least free memory of this process's GPUs, from nvidia-smi: asking CUDA would
+    open a context on every GPU in the launching process, which then holds its memory
+    for the whole run. None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        free = [int(x) << 20 for x in out.split()]  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and all(x.strip().isdigit() for x in visible.split(",") if x.strip()):
+        free = [free[int(x)] for x in visible.split(",") if x.strip() and int(x) < len(free)]
+    return (min(free), "free memory of a GPU", len(free)) if free else None
 
 
 def check_local_ranks_fit(spec: JobSpec, need: RankMemory, available: tuple[int, str, int] | None = None) -> None:
