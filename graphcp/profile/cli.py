@@ -102,6 +102,8 @@ def inner_args(args) -> list[str]:
                         ("--synthetic", args.synthetic), ("--max-batches", args.max_batches)):
         if value is not None:
             out += [flag, str(value)]
+    if not args.memory_check:  # the run under nsys launches the ranks, and checks their memory
+        out.append("--no-memory-check")
     return out
 
 
