@@ -215,3 +215,15 @@ def test_item6_help_shows_defaults_presets_and_every_command_in_plain_text(capsy
 def test_item11_the_readme_stays_under_10_kb():
     size = len((ROOT / "README.md").read_bytes())
     assert size <= 10_000, f"README.md is {size} bytes: move per-capability detail to docs/ and link it"
+
+
+# ---- 8: output polish ------------------------------------------------------------------
+def test_item8_a_dsa_batch_within_index_topk_says_why_nothing_was_scored():
+    from graphcp.attention.sparse.mla import STAT_PAIRS, STAT_REPLICATED, STAT_ROWS, indexer_report
+
+    none = {STAT_ROWS: 0, STAT_PAIRS: 0, STAT_REPLICATED: 0}
+    assert indexer_report([none, none]) == ("indexer: no key scored (no row sees more than index_topk keys: "
+                                            "attention is dense)")
+    some = [{STAT_ROWS: 3, STAT_PAIRS: 30, STAT_REPLICATED: 100}, {STAT_ROWS: 4, STAT_PAIRS: 70, STAT_REPLICATED: 100}]
+    assert indexer_report(some).endswith("replicated indexer's 100): rank 0: 3 rows, 30 pairs (0.300), "
+                                         "rank 1: 4 rows, 70 pairs (0.700)")
