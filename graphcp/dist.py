@@ -39,15 +39,17 @@ class RankFailure(GraphcpError, RuntimeError):
     """A launched rank died or raised. The message is one line naming the rank that
     failed first and what it raised; ``cause`` is that exception (when it could be sent
     back), ``tracebacks`` each failing rank's traceback (``graphcp --debug`` prints
-    them), and ``rank_bug`` says the rank raised something that is not a graphcp error
-    (a bug: the command line lets it surface with its traceback)."""
+    them), ``others`` what every other failing rank reported (the message counts them),
+    and ``rank_bug`` says the rank raised something that is not a graphcp error (a bug:
+    the command line lets it surface with its traceback)."""
 
     def __init__(self, message: str, cause: BaseException | None = None, tracebacks: dict[int, str] | None = None,
-                 rank_bug: bool = False) -> None:
+                 rank_bug: bool = False, others: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.cause = cause
         self.tracebacks = tracebacks or {}
         self.rank_bug = rank_bug
+        self.others = others or {}
 
 
 def _error_report(e: BaseException) -> dict:
@@ -341,6 +343,19 @@ def _rank_main(rank, size, port, backend, timeout_s, fn, args, results, threads)
                 pass
 
 
+def _others(others: dict[int, str]) -> str:
+    """The other failing ranks in the one-line message: one is named with its reason,
+    more are counted (64 killed ranks made a message of several KB; ``RankFailure.others``
+    keeps each, and --debug prints their tracebacks)."""
+    if len(others) == 1:
+        (r, summary), = others.items()
+        return f" (also rank {r}: {summary})"
+    if others:
+        ranks = sorted(others)
+        return f" (and {len(ranks)} other ranks: {', '.join(map(str, ranks[:4]))}{', ...' if len(ranks) > 4 else ''})"
+    return ""
+
+
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
@@ -417,11 +432,12 @@ def launch(
         # survivor noticing it (and may reach the queue first)
         errors.sort(key=lambda e: (e[2]["collective"], e[0]))
         first_rank, first = errors[0][1], errors[0][2]
-        others = "; ".join(f"rank {r}: {rep['summary']}" for _, r, rep in errors[1:])
         cause = pickle.loads(first["cause"]) if first["cause"] is not None else None
+        others = {r: rep["summary"] for _, r, rep in errors[1:]}
         raise RankFailure(
-            f"rank {first_rank} failed first: {first['summary']}" + (f" (other ranks: {others})" if others else ""),
+            f"rank {first_rank} failed first: {first['summary']}" + _others(others),
             cause, {r: rep["traceback"] for _, r, rep in errors if rep["traceback"]}, rank_bug=not first["graphcp"],
+            others=others,
         )
     return [outputs[r] for r in range(nprocs)]
 

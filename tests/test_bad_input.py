@@ -265,7 +265,7 @@ def _cli(capsys, model, req, tmp_path, *extra):
     [
         (['{"tokens": [1, 2, 3]}', '{"tokens": [1, 2'], [], r"req.jsonl line 2: not valid JSON"),
         ([{"tokens": [1, 2, 3], "prefix": 3}], [], r"req.jsonl line 1: prefix 3 is not shorter"),
-        ([{"tokens": [1, 2]}, {"tokens": [5, 6, 7, VOCAB + 3]}], [], r"request 1, position 3: token id 515"),
+        ([{"tokens": [1, 2]}, {"tokens": [5, 6, 7, VOCAB + 3]}], [], r"req.jsonl line 2, position 3: token id 515"),
         ([{"tokens": [1] * 4097}], [], r"exceed the model's context of 4096"),
         ([{"tokens": [1] * 65}], ["--kv-tokens", "64"], r"65 tokens exceed the KV pool of 64"),
         ([{"tokens": [1] * 40}, {"tokens": [2] * 40}], ["--kv-tokens", "64"],
@@ -285,7 +285,7 @@ def test_cli_bad_input_exits_2(capsys, tmp_path, model_dir, lines, extra, match)
 def test_cli_bad_input_exits_2_on_the_default_graph_path(capsys, tmp_path, model_dir):
     req = _jsonl(tmp_path, [{"tokens": [1, 2, VOCAB]}])
     code, err, _ = _cli(capsys, model_dir, req, tmp_path)
-    assert code == 2 and "request 0, position 2: token id 512" in err
+    assert code == 2 and "req.jsonl line 1, position 2: token id 512" in err
 
 
 def test_cli_missing_files_and_bad_model_exit_2(capsys, tmp_path, model_dir):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from graphcp.config import ParallelConfig, RuntimeConfig
-from graphcp.dist import RankFailure, launch
+from graphcp.dist import RankFailure, barrier, launch
 from graphcp import ConsistencyError, PrefillEngine, Request
 
 TIMEOUT_S = 20.0
@@ -31,13 +31,34 @@ def _killed_mid_forward(group, victim: int, layer: int, parallel: ParallelConfig
 
 
 def _failure(nprocs: int, *args) -> str:
-    """The RankFailure message of a launch whose victim is killed; every other rank must
-    have stopped on its own within the timeout."""
+    """The RankFailure message of a launch whose victim is killed, with what every other
+    rank reported after it; every other rank must have stopped on its own within the
+    timeout."""
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as err:
         launch(_killed_mid_forward, nprocs, *args, timeout_s=TIMEOUT_S)
     assert time.monotonic() - t0 < TIMEOUT_S + 10
-    return str(err.value)
+    return str(err.value) + "".join(f"\nrank {r}: {s}" for r, s in sorted(err.value.others.items()))
+
+
+def _all_killed(group):
+    barrier(group)  # every rank through the group's set-up (a kill during it fails the others differently)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_many_failing_ranks_make_one_short_line():
+    # issue 31: 64 ranks killed by the OOM killer listed every rank (several KB); now the
+    # first is named and the others counted, each kept on the exception
+    with pytest.raises(RankFailure) as err:
+        launch(_all_killed, 6, timeout_s=TIMEOUT_S)
+    msg = str(err.value)
+    first = int(msg.split()[1])
+    assert msg.startswith(f"rank {first} failed first: rank {first} died (killed by signal 9)"), msg
+    assert msg.endswith("(and 5 other ranks: " + ", ".join(str(r) for r in sorted(set(range(6)) - {first})[:4])
+                        + ", ...)"), msg
+    assert msg.count("killed by signal") == 1 and len(msg) < 120, msg
+    assert sorted(err.value.others) == sorted(set(range(6)) - {first})
 
 
 def test_killed_rank_stops_the_others_with_the_documented_error():

@@ -136,9 +136,9 @@ def _pp_refusal(group, folder):
 
 def test_refusals_name_the_value(folders):
     folder = folders["deepseek_v32"]
-    with pytest.raises(ConfigError, match="kv_cache='sharded': deepseek_v32 models \\(DSA\\) run "
-                                          "kv_cache='replicated' or 'layer-split'"):
+    with pytest.raises(ConfigError, match="RuntimeConfig.kv_cache='sharded': deepseek_v32 models \\(DSA\\) run "
+                                          "RuntimeConfig.kv_cache='replicated' or layer-split"):
         PrefillEngine(folder, RuntimeConfig(kv_tokens=256, kv_cache="sharded"))
     for msg in launch(_pp_refusal, 2, folder):  # DSA and PP named, not the cache mode
-        assert msg is not None and "pp_size=2: deepseek_v32 models (DSA) run one pipeline stage" in msg, msg
+        assert msg is not None and "ParallelConfig.pp_size=2: deepseek_v32 models (DSA) run one pipeline stage" in msg, msg
         assert "kv_cache" not in msg, msg

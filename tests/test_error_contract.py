@@ -60,8 +60,8 @@ def test_case01_rank_error_is_the_rank_message_in_one_line(capsys, tmp_path, mod
     out = tmp_path / "out.pt"
     single = one_line_error(capsys, _prefill(model_dir, req, out))
     double = one_line_error(capsys, _prefill(model_dir, req, out, "--cp", "2"))
-    # the rank's own clear message, exactly what one rank prints
-    assert double == single and "request 0, position 2: token id 600 is outside the vocabulary" in double
+    # the same clear message at CP 1 and 2 (checked before ranks start: it names the line)
+    assert double == single and "req.jsonl line 1, position 2: token id 600 is outside the vocabulary" in double
     assert not out.exists()
     # intermediate_size 128 does not divide by 5: refused before any rank starts
     one_line_error(capsys, _prefill(model_dir, req, out, "--cp", "5"), match=r"intermediate_size=128 does not divide")

@@ -159,7 +159,7 @@ def test_generated_engine_level_requests(capsys, tmp_path, model_dir):
         cp = ["--cp", "2"] if i < 1 else []
         cases.append(Case(f"vocab-{i}", ["prefill", "--model", model_dir, "--input", req, "--output",
                                          tmp_path / f"v{i}.pt", "--graph", "off", *cp],
-                          rf"request {i % 3}, position {pos}: token id {toks[pos]} is outside the vocabulary",
+                          rf"v{i}.jsonl line {i % 3 + 1}, position {pos}: token id {toks[pos]} is outside the vocabulary",
                           out=tmp_path / f"v{i}.pt"))
     ctx = tmp_path / "ctx.jsonl"
     ctx.write_text(json.dumps({"tokens": [5] * 4097}) + "\n")
@@ -277,7 +277,9 @@ def test_generated_prefill_flags(capsys, tmp_path, model_dir):
         (["--kv-tokens", v], rf"kv_tokens must be {w}") for v, w in
         (("0", ">= 1"), ("-1", ">= 1"), ("-16", ">= 1"), (str(2**31), "<= 2147483647"), (str(2**40), "<="))
     ] + [
-        (["--kv-tokens", str(2**31 - 1)], r"kv_tokens=2147483647: a KV pool of .* tokens needs .* GiB, more than"),
+        (["--kv-tokens", str(2**31 - 1)], r"--cp 1: 1 rank needs about .* GiB \(a rank, estimated, .* kv pool 1024\.00"),
+        (["--kv-tokens", str(2**31 - 1), "--no-memory-check"],
+         r"kv_tokens=2147483647: a KV pool of .* tokens needs .* GiB, more than"),
     ] + [
         (["--page-size", v], r"page_size must be") for v in ("0", "-1", "5000", str(10**9))
     ] + [
@@ -435,7 +437,7 @@ def test_subprocess_runs_print_one_line(tmp_path, model_dir):
     p = subprocess.run([sys.executable, "-m", "graphcp", *map(str, runs[0][0])], env={**env, "GRAPHCP_DEBUG": "1"},
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" in p.stderr and "BatchError" in p.stderr, p.stderr
-    assert re.search(r"^graphcp prefill: error: request 0, position 1: token id 513", p.stderr.splitlines()[-1])
+    assert re.search(r"^graphcp prefill: error: r.jsonl line 1, position 1: token id 513", p.stderr.splitlines()[-1])
 
 
 def test_a_bug_is_not_reported_as_bad_input(capsys, tmp_path, model_dir, monkeypatch):

@@ -58,3 +58,22 @@ def test_pd_demo_round_trip_matches_transformers(hf_model_dir, capsys):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "via mooncake" in proc.stdout and "| match" in proc.stdout and "yes |" in proc.stdout
     assert "the decode side holds 150 tokens" in proc.stdout
+
+
+def test_pd_demo_defaults_to_the_file_transport_where_mooncake_does_not_import(hf_model_dir, capsys, monkeypatch):
+    """Issue 31: the README's install has no Mooncake (the .[pd] extra and libibverbs1);
+    pd-demo then goes through a file and says so, instead of refusing to run."""
+    import graphcp.cli.pd_demo as pd_demo
+
+    monkeypatch.setattr(pd_demo, "mooncake_problem", lambda: "the Mooncake transfer engine cannot be imported (test)")
+    folder = hf_model_dir("llama", False, "float32")
+    args = ("pd-demo", "--model", folder, "--graph", "off", "--kv-tokens", 512, "--prompt-tokens", 60,
+            "--prefix-tokens", 20, "--steps", 2, "--transfer-timeout", 30)
+    proc = _graphcp(capsys, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "via file" in proc.stdout and "yes |" in proc.stdout
+    assert [x for x in proc.stderr.splitlines() if "note:" in x] == [
+        'graphcp pd-demo: note: Mooncake is not importable here, so the KV goes through a file (--transport file); '
+        'for Mooncake: pip install -e ".[pd]" (and, on CPU machines, apt-get install libibverbs1)']
+    asked = _graphcp(capsys, *args, "--transport", "mooncake")  # asked for by name: refused, saying how
+    assert asked.returncode == 2 and asked.stderr.startswith("graphcp pd-demo: error: --transport mooncake: ")

@@ -188,7 +188,10 @@ def test_nsys_profile_command_line(tmp_path):
     # the inner arguments parse back to the same run
     inner = build_parser().parse_args(["profile", *profile_cli.inner_args(args)])
     assert profile_cli.run_config(inner, "w", []) == profile_cli.run_config(args, "w", [])
-    assert inner.tool == "nvtx"
+    assert inner.tool == "nvtx" and inner.memory_check
+    # the run under nsys launches the ranks: --no-memory-check goes with it
+    unchecked = build_parser().parse_args(["profile", "--no-memory-check", "--out", str(tmp_path)])
+    assert not build_parser().parse_args(["profile", *profile_cli.inner_args(unchecked)]).memory_check
 
 
 def test_nsys_stats_command_line(tmp_path):

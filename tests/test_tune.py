@@ -466,3 +466,29 @@ def test_required_rows_in_blocks_equals_one_pass(monkeypatch):
         np.testing.assert_array_equal(required.required_rows(w, cp), whole)
         monkeypatch.undo()
 
+
+
+def test_plot_keeps_the_spike_at_a_bucket_visible_and_no_stray_zero(tmp_path):
+    """Issue 31, item 10: the bucket lines were drawn over the histogram (hiding the 60%
+    spike at 2048 in the worked example), and the symlog cost axis labelled a stray 0."""
+    pytest.importorskip("matplotlib")
+    rng = np.random.default_rng(0)
+    req = np.concatenate([rng.integers(50, 2000, 300), np.full(500, 2048)])  # a spike exactly at a bucket
+    tuned = optimise(req, 4, 8, 8192, CostModel(2.0, 2.0))
+    tuned_set = BucketSet(tuned.capacities, 8, 2.0)
+    assert 2048 in tuned_set.capacities
+    baselines = {n: b.bucket_set(4, 8, 2.0) for n, b in BASELINES.items()}
+    rep = build_report(req, tuned, tuned_set, baselines,
+                       dict(cp_size=4, layout="zigzag", align=8, padding_factor=2.0, max_capacity=8192,
+                            max_buckets=4, baselines=list(BASELINES)), {"name": "spike"})
+    fig = rep.figure()
+    hist_ax, cost_ax = fig.axes
+    bars = max(p.zorder for p in hist_ax.patches)
+    lines = [ln for ln in hist_ax.lines if ln.get_xdata()[0] in tuned_set.capacities and len(ln.get_xdata()) == 2]
+    assert len(lines) == len(tuned_set.capacities) and all(ln.zorder < bars for ln in lines)
+    fig.canvas.draw()
+    lo, hi = cost_ax.get_ylim()
+    labels = [t.get_text() for t in cost_ax.get_yticklabels() if lo <= t.get_position()[1] <= hi]
+    assert lo > 0 and labels and not any(t.replace("$", "").strip() in ("0", "\\mathdefault{0}") for t in labels), labels
+    rep.plot(tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0

@@ -120,6 +120,11 @@ def make_attention(
     pass the union (e.g. ``max_segments``). A missing required option still
     raises ``TypeError``."""
     chosen = resolve(name, device, spec.kv_layout)
+    if chosen == "triton":
+        from graphcp.attention.backends.triton import cpu_problem
+
+        if (problem := cpu_problem(device)) is not None:  # not Triton's "0 active drivers" traceback
+            raise ValueError(problem)
     cls = _backend_class(chosen)
     params = inspect.signature(cls.__init__).parameters
     # callers pass the union of options (e.g. max_segments); each backend takes its own

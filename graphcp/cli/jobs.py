@@ -126,6 +126,11 @@ def compare_paths(engine: PrefillEngine, batch: list[np.ndarray]) -> dict:
             "rel_diff": float((g - e).norm() / e.norm())}
 
 
+def twin_dtype(dtype: str) -> str:
+    """The float dtype `graphcp run` compares the graph path in besides ``dtype``."""
+    return "bfloat16" if dtype != "bfloat16" else "float32"
+
+
 def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
     """`graphcp run`: capture the buckets, run a mixed batch on the graph path and
     eagerly, compare, and time both; then the same comparison in the other float
@@ -160,8 +165,7 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
     comparisons = []
     if engine.runner is not None:
         comparisons.append(compare_paths(engine, batch))
-        other = "bfloat16" if spec.runtime.dtype != "bfloat16" else "float32"
-        twin = make_engine(group, spec, replace(spec.runtime, dtype=other))
+        twin = make_engine(group, spec, replace(spec.runtime, dtype=twin_dtype(spec.runtime.dtype)))
         comparisons.append(compare_paths(twin, batch))
     stored_per_rank = gather_object(group, stored)  # every rank takes part
     stats = gather_object(group, dict(outs["eager"].info.stats))  # every rank's figures (the indexer's work, say)

@@ -1,4 +1,7 @@
-"""The ``graphcp`` command: run, prefill, tune, profile.
+"""The ``graphcp`` command: ``run`` (the main job on the built-in model), ``prefill``
+(a request file, logits saved), ``tune`` (bucket capacities for a workload),
+``profile`` (per-rank traces and a range summary), ``pd-demo`` (a prefill/decode
+round trip) and ``gpu-check`` (the one-shot GPU check). ``graphcp CMD --help`` for each.
 
 Exit codes: 0 done; 2 bad input (one ``graphcp CMD: error: ...`` line on stderr,
 nothing written or changed); 1 a failed run (one line) or a bug (a traceback).
@@ -17,12 +20,14 @@ import torch
 
 from graphcp.attention.sparse.mla import indexer_report
 from graphcp.checks import check_output_dir, check_output_path
-from graphcp.cli.jobs import prefill_job, run_job
+from graphcp.cli.jobs import mixed_batch, prefill_job, run_job, twin_dtype
 from graphcp.cli.pd_demo import add_pd_demo_parser
-from graphcp.cli.requests import parse_requests
+from graphcp.cli.requests import check_request_vocabulary, parse_requests
+from graphcp.cli.table import print_table
 from graphcp.errors import one_line, report
 from graphcp.gpucheck.cli import add_gpu_check_parser
-from graphcp.jobs.args import add_runtime_args, job_spec, preflight
+from graphcp.jobs.args import add_runtime_args, help_text, interpret_triton_on_cpu, job_spec, preflight
+from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.profile.cli import add_profile_parser
 from graphcp.runtime.stats import write_stats
@@ -35,6 +40,16 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """An unknown flag is reported by the command it was given to (``graphcp prefill:
+        error: unrecognized arguments: ...``): argparse leaves the leftovers of a
+        subcommand to the top-level parser, which would say ``graphcp: error:``."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            commands = getattr(self, "commands", {})
+            commands.get(getattr(ns, "command", None), self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
 
 
 def _save(obj, path: str) -> None:
@@ -56,7 +71,10 @@ def cmd_prefill(args) -> int:
         check_output_dir(args.export_kv, "--export-kv")
     spec = job_spec(args)
     reqs = parse_requests(args.input)
-    preflight(spec)
+    check_request_vocabulary(reqs, preflight(spec).vocab_size)
+    if args.memory_check:  # the prefixes' forward, then the new tokens'
+        forwards = [sum(r.prefix for r in reqs), sum(len(r.new_tokens) for r in reqs)]
+        check_local_ranks_fit(spec, job_memory(spec, forwards))
     res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits, bool(args.stats), args.export_kv)
     if res is not None:
         out = {"last_logits": res["last_logits"]}
@@ -71,8 +89,9 @@ def cmd_prefill(args) -> int:
         ranks = f"{info['cp_size']} rank(s)" if info["pp_size"] == 1 else \
             f"{info['pp_size'] * info['cp_size']} ranks ({info['pp_size']} stages x CP {info['cp_size']})"
         print(f"prefilled {len(reqs)} requests on {ranks}, layout {info['layout']}, "
-              f"path {info['path']} (local capacity {info['capacity']}), {info['kv_cache']} KV cache, exchange "
-              f"{info['exchange']} -> {args.output}" + (f" (stats: {args.stats})" if args.stats else "")
+              f"path {info['path']} (local capacity {info['capacity']}), {info['kv_cache']} KV cache"
+              + (f", exchange {info['exchange']}" if info["exchange"] is not None else "")  # a pipeline has none
+              + f" -> {args.output}" + (f" (stats: {args.stats})" if args.stats else "")
               + (f"; KV -> {args.export_kv}/<i>.safetensors" if args.export_kv is not None else ""))
         indexer = indexer_report(info["stats_per_rank"])
         if indexer is not None:  # DSA models
@@ -91,6 +110,10 @@ def cmd_run(args) -> int:
         check_output_path(args.json, "--json")
     spec = job_spec(args)
     preflight(spec)
+    if args.memory_check:  # every bucket, and a second engine in the other float dtype
+        forwards = [sum(len(t) for t in mixed_batch(1))]
+        check_local_ranks_fit(spec, job_memory(spec, forwards, capture_all=spec.runtime.graph != "off",
+                                               twin_dtype=twin_dtype(spec.runtime.dtype)))
     res = run_job_on_ranks(run_job, spec)
     rows = [
         ("model", res["model"]),
@@ -131,11 +154,7 @@ def cmd_run(args) -> int:
             rows.append((f"graph vs eager ({c['dtype']})",
                          f"same bucket: {same}; unpadded: max |diff| {c['max_abs_diff']:.3g}, "
                          f"relative {c['rel_diff']:.3g} (bucket {c['bucket']})"))
-    w = max(len(k) for k, _ in rows)
-    print("| " + "what".ljust(w) + " | value |")
-    print("|-" + "-" * w + "-|-------|")
-    for k, v in rows:
-        print(f"| {k.ljust(w)} | {v} |")
+    print_table(rows)
     indexer = indexer_report(res["stats_per_rank"])
     if indexer is not None:  # DSA models: the eager forward's indexer work per rank
         print(indexer)
@@ -153,7 +172,7 @@ def cmd_run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="graphcp", description=__doc__,
+    parser = _Parser(prog="graphcp", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", default=False,
                         help="print tracebacks of graphcp's errors (also GRAPHCP_DEBUG=1)")
@@ -181,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_parser(sub)
     add_pd_demo_parser(sub)
     add_gpu_check_parser(sub)
+    parser.commands = sub.choices  # for the unknown-flag error (_Parser.parse_args)
     for p in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the top-level value
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
@@ -190,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command line. graphcp's own errors become one stderr line and exit code 2
     (bad input) or 1 (a failed run); anything else is a bug and surfaces as one."""
     args = build_parser().parse_args(argv)
+    interpret_triton_on_cpu(args, f"graphcp {args.command}")
     try:
         return int(args.func(args) or 0)
     except Exception as e:  # noqa: BLE001 - graphcp's errors are reported, the rest re-raised

@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import multiprocessing as mp
 import pickle
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,15 +23,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from graphcp.cli.table import print_table
 from graphcp.errors import ConfigError
 from graphcp.jobs.args import add_runtime_args, job_spec, preflight
+from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
 from graphcp.model.presets import resolve_model
 from graphcp.pd.errors import TransferError
 from graphcp.pd.files import save_kv
 from graphcp.pd.hf import greedy_continue, to_transformers_cache
 from graphcp.pd.load import load_kv
-from graphcp.pd.mooncake import mooncake_problem
+from graphcp.pd.mooncake import PD_EXTRA, mooncake_problem
 from graphcp.pd.receiver import KVReceiver
 from graphcp.pd.sender import KVSender
 from graphcp.runtime.engine import prefill_after_prefixes
@@ -42,8 +45,9 @@ def add_pd_demo_parser(sub) -> None:
     p = sub.add_parser("pd-demo", help="prefill at CP N, hand the KV to a decode process, continue it with transformers")
     add_runtime_args(p, "breakable")
     p.set_defaults(cp=2, func=cmd_pd_demo)
-    p.add_argument("--transport", default="mooncake", choices=("mooncake", "file"),
-                   help="mooncake: the transfer engine on loopback TCP; file: a safetensors file")
+    p.add_argument("--transport", default=None, choices=("mooncake", "file"),
+                   help="mooncake: the transfer engine on loopback TCP (the .[pd] extra); file: a safetensors file "
+                        "(default: mooncake where it imports, else file)")
     p.add_argument("--prompt-tokens", type=int, default=1024, help="the prompt's length")
     p.add_argument("--prefix-tokens", type=int, default=384, help="of which prefilled first, as a cached prefix")
     p.add_argument("--steps", type=int, default=8, help="greedy tokens the decode side generates")
@@ -90,6 +94,9 @@ def _decode_main(model_dir: str, transport: str, ready, jobs, results, timeout_s
             return
         next_token, steps = job
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its "Loading weights" bars are not the demo's output
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         if receiver is not None:
@@ -108,6 +115,9 @@ def _decode_main(model_dir: str, transport: str, ready, jobs, results, timeout_s
 def _reference(model_dir: Path, prompt: np.ndarray, steps: int) -> list[int]:
     """transformers alone: the greedy continuation of the prompt (first token included)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.from_numpy(prompt).view(1, -1)
@@ -119,7 +129,13 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("transformers") is None:
         raise ConfigError("graphcp pd-demo continues the request with transformers, which is not installed "
                           "(pip install transformers)")
-    if args.transport == "mooncake" and (problem := mooncake_problem()) is not None:
+    problem = mooncake_problem() if args.transport != "file" else None
+    if args.transport is None:  # the default: what this install can run
+        args.transport = "mooncake" if problem is None else "file"
+        if problem is not None:
+            print(f"graphcp pd-demo: note: Mooncake is not importable here, so the KV goes through a file "
+                  f"(--transport file); for Mooncake: {PD_EXTRA}", file=sys.stderr)
+    elif problem is not None:
         raise ConfigError(f"--transport mooncake: {problem}; or use --transport file")
     if not 0 <= args.prefix_tokens < args.prompt_tokens:
         raise ConfigError(f"--prefix-tokens must be in [0, --prompt-tokens={args.prompt_tokens}), "
@@ -128,6 +144,8 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     spec = job_spec(args)
     preflight(spec)
+    if args.memory_check:
+        check_local_ranks_fit(spec, job_memory(spec, [args.prefix_tokens, args.prompt_tokens - args.prefix_tokens]))
     model_dir = resolve_model(spec.model)
     from graphcp.model.config import ModelConfig
 
@@ -165,9 +183,7 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
         ("transformers alone", " ".join(map(str, want))),
         ("match", "yes" if mine == want else "NO"),
     ]
-    w = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"| {k.ljust(w)} | {v} |")
+    print_table(rows)
     return 0 if mine == want else 1
 
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from graphcp.errors import InputError
 from graphcp.jsonl import read_jsonl
+from graphcp.runtime.batch import check_vocabulary
 
 #: token ids must fit int64 (the vocabulary check, which names the position, comes later)
 _ID_RANGE = (-(2**63), 2**63 - 1)
@@ -24,6 +27,7 @@ class RequestFileError(InputError):
 class FileRequest:
     tokens: list[int]
     prefix: int = 0
+    where: str = ""  # "FILE line N", for errors found later
 
     @property
     def new_tokens(self) -> list[int]:
@@ -34,6 +38,10 @@ def parse_requests(path: str | Path) -> list[FileRequest]:
     p = Path(path)
     out: list[FileRequest] = []
     for where, d in read_jsonl(p, RequestFileError, "{name} line {line}", "request file"):
+        if isinstance(d, dict) and "tokens" not in d and "extend" in d:  # the other JSONL format graphcp reads
+            raise RequestFileError(f'{where}: this looks like a `graphcp tune` workload ("extend" lengths a batch, '
+                                   'workloads/README.md), not a request file: expected {"tokens": [ids...], '
+                                   '"prefix": K} a line (examples/requests.jsonl)')
         if not isinstance(d, dict) or "tokens" not in d:
             raise RequestFileError(f'{where}: expected an object with "tokens" (and optionally "prefix")')
         toks, prefix = d["tokens"], d.get("prefix", 0)
@@ -55,7 +63,12 @@ def parse_requests(path: str | Path) -> list[FileRequest]:
         unknown = set(d) - {"tokens", "prefix"}
         if unknown:
             raise RequestFileError(f"{where}: unknown keys {sorted(unknown)}")
-        out.append(FileRequest(toks, prefix))
+        out.append(FileRequest(toks, prefix, where))
     if not out:
         raise RequestFileError(f"{p}: no requests (empty batch)")
     return out
+
+
+def check_request_vocabulary(reqs: list[FileRequest], vocab_size: int) -> None:
+    """The prefill's vocabulary check, before any rank starts, naming the file and line."""
+    check_vocabulary([np.asarray(r.tokens, dtype=np.int64) for r in reqs], vocab_size, lambda j: reqs[j].where)

@@ -32,6 +32,7 @@ import torch
 from graphcp.attention.registry import BACKENDS
 from graphcp.errors import InputError
 from graphcp.gpucheck.common import log
+from graphcp.jobs.args import help_text
 from graphcp.gpucheck.run import run_check
 from graphcp.gpucheck.settings import BUDGET_S, LARGE_MODEL, PARTS, settings_from_args
 from graphcp.model.presets import PRESETS
@@ -71,7 +72,7 @@ def at_least(cast: Callable, lo: float) -> Callable:
 
 def add_gpu_check_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("gpu-check", help="the one-shot GPU check (kernels, graphs, timing, launches)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_results",
                    help="output folder for gpu_check.json, gpu_check.md and the traces (default: $OUT when set, "
                         "else %(default)s)")

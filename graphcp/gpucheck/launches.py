@@ -22,6 +22,7 @@ from graphcp.gpucheck.common import fail, free_device_memory, log, skip, sync
 from graphcp.gpucheck.settings import Settings
 from graphcp.gpucheck.timing import ENGINE_PATHS, graph_units, one_prefill, open_engine, row, tokens_for
 from graphcp.jobs.op_counter import OpCounter
+from graphcp.jobs.quiet_profiler import without_kineto_log
 from graphcp.nvtx_ranges import PREFIX, family
 from graphcp.runtime.capture.buckets import align_up
 
@@ -42,11 +43,12 @@ def count_launches(fn: Callable[[], Any], device: torch.device, with_profiler: b
         return res
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with tempfile.TemporaryDirectory() as tmp:
-        with profile(activities=acts) as prof:
-            fn()
-            sync(device)
         path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
+        with without_kineto_log():
+            with profile(activities=acts) as prof:
+                fn()
+                sync(device)
+            prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
         if trace_path is not None:

@@ -5,12 +5,16 @@ profile; gpu-check sweeps its own matrix of them): one parser helper, one conver
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
+from graphcp.attention.backends.triton import cpu_problem
 from graphcp.checks import check_layer_list
 from graphcp.config import RuntimeConfig
 from graphcp.jobs.spec import JobSpec
 from graphcp.model.config import ModelConfig
-from graphcp.model.presets import resolve_model
+from graphcp.model.dsa import runtime as dsa_runtime
+from graphcp.model.presets import PRESETS, resolve_model
 from graphcp.options import (
     ATTENTION_BACKENDS,
     CLI_DTYPES,
@@ -32,12 +36,20 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,5,9, got {text!r}") from None
 
 
+def help_text(doc: str) -> str:
+    """A docstring as terminal text (a command's description): reST's double backticks go."""
+    return doc.replace("``", "")
+
+
 def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> None:
     """The model and RuntimeConfig flags (``default_graph`` None: breakable)."""
-    p.add_argument("--model", default="default", help="checkpoint folder or preset name (default: the built-in preset)")
-    p.add_argument("--dtype", default="float32", choices=CLI_DTYPES)
-    p.add_argument("--device", default="cpu", choices=DEVICE_KINDS)
-    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (= TP ranks of the MLP)")
+    p.add_argument("--model", default="default",
+                   help=f"checkpoint folder (config.json + safetensors) or a built-in preset: {', '.join(PRESETS)} "
+                        "(default: %(default)s, written once to $GRAPHCP_CACHE or ~/.cache/graphcp/models)")
+    p.add_argument("--dtype", default="float32", choices=CLI_DTYPES, help="model dtype (default: %(default)s)")
+    p.add_argument("--device", default="cpu", choices=DEVICE_KINDS, help="default: %(default)s")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (= TP ranks of the MLP; default: "
+                                                     "%(default)s)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages, each a CP group of --cp ranks (pp x cp ranks in all, stage-major)")
     p.add_argument("--pp-layers", type=int_list, default=None, metavar="N,N,...",
@@ -47,11 +59,13 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--aux-hidden-layers", type=int_list, default=(), metavar="L,L,...",
                    help="decoder layers whose output hidden states prefill returns (OUT.pt 'aux_hidden'; "
                         "graphs copy them inside the captured segments)")
-    p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
+    p.add_argument("--layout", default="zigzag", choices=LAYOUTS,
+                   help="how a request's tokens are split over the CP ranks (default: %(default)s)")
     p.add_argument("--graph", default=default_graph, choices=GRAPH_MODES,
                    help="graph mode (default: breakable)")
     p.add_argument("--graph-backend", default="auto", choices=GRAPH_BACKENDS)
-    p.add_argument("--attention", default="torch", choices=ATTENTION_BACKENDS)
+    p.add_argument("--attention", default="torch", choices=ATTENTION_BACKENDS,
+                   help="attention backend (default: %(default)s; triton on a CPU runs Triton's interpreter)")
     p.add_argument("--buckets", default=None, help="bucket file written by `graphcp tune`")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens (one rank's pool)")
@@ -70,9 +84,22 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each new bucket on a synthetic batch and compare it bitwise with the same-bucket "
                         "eager body (default: on for the trace graph backend, off for cuda; on for `graphcp run`)")
+    p.add_argument("--memory-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="estimate a rank's memory (weights, KV pool, graphs) and refuse local ranks that do not fit "
+                        "the machine before launching them (default: on)")
     p.add_argument("--moe", default="ep", choices=MOE_LAYOUTS,
                    help="mixture-of-experts layers: ep splits the experts over the CP ranks (all-to-all dispatch "
                         "and combine), tp shards every expert like the dense MLP (default: ep)")
+
+
+def interpret_triton_on_cpu(args: argparse.Namespace, prog: str) -> None:
+    """``--attention triton`` on a CPU runs Triton's interpreter: chosen here, in the
+    launching process before any rank imports triton (ranks inherit the environment),
+    and said once on stderr."""
+    if getattr(args, "attention", None) == "triton" and cpu_problem(args.device) is not None:
+        os.environ["TRITON_INTERPRET"] = "1"
+        print(f"{prog}: note: --attention triton on a CPU runs Triton's interpreter (TRITON_INTERPRET=1 set): "
+              "exact, but slow", file=sys.stderr)
 
 
 def graph_mode(args: argparse.Namespace) -> str:
@@ -92,12 +119,19 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
     return JobSpec(args.model, rt, args.buckets, args.cp, args.pp, args.pp_layers)
 
 
-def preflight(spec: JobSpec) -> None:
+def preflight(spec: JobSpec) -> ModelConfig:
     """What can be refused before ranks start, in this process: the parallel config, the
-    model's config.json against it (TP shards, pipeline stages, auxiliary layers), and
-    the bucket file (each rank would fail the same way, only later and N times)."""
+    model's config.json against it (TP shards, pipeline stages, auxiliary layers; a DSA
+    model's cache, attention and graph modes, in the flags' names), and the bucket file
+    and its fit to the run (each rank would fail the same way, only later and N times).
+    The model's config."""
     config = resolve_model(spec.model) / "config.json"
     model = ModelConfig.from_file(config)
     model.check_parallel(spec.parallel, str(config), spec.runtime.moe)
     check_layer_list(spec.runtime.aux_hidden_layers, f"--aux-hidden-layers ({config})", model.num_layers)
-    spec.buckets()
+    if model.dsa is not None:
+        dsa_runtime.check_runtime(model, spec.runtime, spec.pp_size, flags=True)
+    buckets = spec.buckets()
+    if buckets is not None:
+        buckets.check_compatible(spec.cp_size, spec.runtime.layout)
+    return model

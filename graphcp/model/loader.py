@@ -170,6 +170,16 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
+def model_on_meta(cfg: ModelConfig, dtype: torch.dtype, parallel: ParallelConfig, rank: int = 0, stage: int = 0,
+                  moe: MoeLayout = "ep", max_positions: int | None = None) -> DecoderModel:
+    """Rank ``rank``'s model of pipeline stage ``stage`` on the meta device: the shapes
+    of its own shards with no memory behind them (what the loader fills, and what sizes
+    a rank's weights before any rank starts)."""
+    with torch.device("meta"):
+        return (DsaModel if cfg.dsa is not None else DecoderModel)(
+            cfg, parallel.tp_size, dtype, max_positions, rank, moe, parallel.stage(stage, cfg.num_layers))
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype,
@@ -192,9 +202,7 @@ def load_model(
     tp_size = parallel.tp_size
     declared = DTYPES.get(cfg.torch_dtype) if cfg.torch_dtype else None
     dsa = cfg.dsa is not None
-    with torch.device("meta"):
-        model = (DsaModel if dsa else DecoderModel)(cfg, tp_size, dtype, max_positions, rank, moe,
-                                                    parallel.stage(stage, cfg.num_layers))
+    model = model_on_meta(cfg, dtype, parallel, rank, stage, moe, max_positions)
     # materialise on the target device; the rotary tables are computed, not loaded
     model = model.to_empty(device=device)
     model.rotary = model.make_rotary(cfg, max_positions).to(device)

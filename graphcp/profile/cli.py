@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from graphcp.errors import InputError
-from graphcp.jobs.args import add_runtime_args, graph_mode, job_spec
+from graphcp.jobs.args import add_runtime_args, graph_mode, help_text, job_spec
+from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.profile import nsys
 from graphcp.profile.job import ProfileJob, profile_rank
@@ -42,7 +43,7 @@ TOOLS = ("auto", "torch", "nsys", "nvtx")
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("profile", help="profile a workload: per-rank traces and a range summary",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_runtime_args(p, "breakable")
     p.set_defaults(cp=2)
     src = p.add_mutually_exclusive_group()
@@ -101,6 +102,8 @@ def inner_args(args) -> list[str]:
                         ("--synthetic", args.synthetic), ("--max-batches", args.max_batches)):
         if value is not None:
             out += [flag, str(value)]
+    if not args.memory_check:  # the run under nsys launches the ranks, and checks their memory
+        out.append("--no-memory-check")
     return out
 
 
@@ -151,7 +154,10 @@ def cmd_profile(args) -> int:
     trace_dir = Path(args.trace_dir or out)
     trace_dir.mkdir(parents=True, exist_ok=True)
     job = ProfileJob(batches, str(out), str(trace_dir), args.warmup, args.iters, tool, args.seed)
-    res = run_job_on_ranks(profile_rank, job_spec(args), job)
+    spec = job_spec(args)
+    if args.memory_check:  # each batch: its prefixes' forward, then its new tokens'
+        check_local_ranks_fit(spec, job_memory(spec, [sum(part) for batch in batches for part in batch]))
+    res = run_job_on_ranks(profile_rank, spec, job)
     if tool == "nvtx":  # an outer nsys holds the data; it summarises
         print(f"ran {args.iters} measured passes with NVTX ranges only (tool nvtx)")
         return 0

@@ -16,6 +16,7 @@ import torch
 
 from graphcp.dist import CPGroup, barrier, gather_object
 from graphcp.errors import InputError
+from graphcp.jobs.quiet_profiler import without_kineto_log
 from graphcp.jobs.spec import make_engine
 from graphcp.kv.paged import KVCacheFull, KVHandle
 from graphcp.nvtx_ranges import nvtx_range
@@ -99,14 +100,15 @@ def profile_rank(group: CPGroup, spec, job: ProfileJob) -> list[dict] | None:
             write_rank_pids(job.out_dir, pids)
         return None
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=acts) as prof:
-        with nvtx_range("measure"):
-            for _ in range(job.iters):
-                _pass(engine, batches)
-            if cuda:
-                torch.cuda.synchronize()
     trace = Path(job.trace_dir) / f"trace_rank{group.rank}.json"
-    prof.export_chrome_trace(str(trace))
+    with without_kineto_log():
+        with torch.profiler.profile(activities=acts) as prof:
+            with nvtx_range("measure"):
+                for _ in range(job.iters):
+                    _pass(engine, batches)
+                if cuda:
+                    torch.cuda.synchronize()
+        prof.export_chrome_trace(str(trace))
     meta["trace"] = str(trace)
     rp = rank_profile(group.rank, events_from_chrome_trace(trace), _captures_ms(engine), meta)
     write_rank(job.out_dir, rp)

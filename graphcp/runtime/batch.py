@@ -14,7 +14,7 @@ import time
 import zlib
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 import torch
@@ -180,16 +180,7 @@ class BatchPreparer:
             if have + t.size > self.kv.capacity_tokens:
                 raise BatchError(f"request {j}: {have + t.size} tokens exceed the KV pool of {self.kv.capacity_tokens}")
             out.append(t.astype(np.int64, copy=False))
-        # the vocabulary check over the whole batch at once; per request only to name the culprit
-        flat = np.concatenate(out) if len(out) > 1 else out[0]
-        if int(flat.min()) < 0 or int(flat.max()) >= vocab:
-            for j, t in enumerate(out):
-                bad = np.flatnonzero((t < 0) | (t >= vocab))
-                if bad.size:
-                    p = int(bad[0])
-                    raise BatchError(
-                        f"request {j}, position {p}: token id {int(t[p])} is outside the vocabulary [0, {vocab})"
-                    )
+        flat = check_vocabulary(out, vocab)
         return flat, np.fromiter((t.shape[0] for t in out), dtype=np.int64, count=len(out))
 
     def _check_consistency(self, group: CPGroup, flat: np.ndarray, extend: np.ndarray, prefix: np.ndarray, batch,
@@ -245,6 +236,21 @@ def _prefix_pages(batch: Sequence[Request]) -> np.ndarray | None:
     when no request extends a prefix."""
     pages = [p for r in batch if r.prefix is not None for p in r.prefix.pages]
     return np.asarray(pages, dtype=np.int64) if pages else None
+
+
+def check_vocabulary(tokens: Sequence[np.ndarray], vocab: int, where: Callable[[int], str] = "request {}".format
+                     ) -> np.ndarray:
+    """Every id of every request's ``tokens`` in [0, vocab), or a BatchError naming the
+    first bad request (``where(j)``: "request j", or a file's line), position and id.
+    The batch's ids, concatenated (checked at once; per request only to name the culprit)."""
+    flat = np.concatenate(tokens) if len(tokens) > 1 else np.asarray(tokens[0])
+    if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
+        for j, t in enumerate(tokens):
+            bad = np.flatnonzero((t < 0) | (t >= vocab))
+            if bad.size:
+                p = int(bad[0])
+                raise BatchError(f"{where(j)}, position {p}: token id {int(t[p])} is outside the vocabulary [0, {vocab})")
+    return flat
 
 
 def _token_array(tokens, j: int) -> np.ndarray:

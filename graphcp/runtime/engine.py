@@ -35,7 +35,7 @@ from graphcp.config import MAX_MICROBATCHES, ParallelConfig, RuntimeConfig
 from graphcp.cp import Plan, make_layout
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, ConfigError, InputError
-from graphcp.kv.layer_split import LayerSplitKVCache, pool_layers
+from graphcp.kv.layer_split import LayerSplitKVCache
 from graphcp.kv.paged import KVHandle, PagedKVCache
 from graphcp.kv.sharded import make_kv_cache
 from graphcp.model.dsa import runtime as dsa_runtime
@@ -50,6 +50,7 @@ from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, Pre
 from graphcp.runtime.body import Body
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.capture.runner import Fallback, GraphRunner
+from graphcp.runtime.pool_size import pool_bytes, pool_pages
 from graphcp.runtime.pp.groups import pipeline_groups
 from graphcp.runtime.pp.prefill import MicrobatchedPrefill, StageOps, per_request
 from graphcp.runtime.stats import HISTORY, forward_entry
@@ -88,8 +89,7 @@ class PrefillEngine:
         self.max_context = self.cfg.max_position_embeddings
         self.layout = make_layout(rt.layout, self.parallel.cp_size)
         kv_layout = preferred_kv_layout(rt.attention, self.device)
-        kv_tokens = rt.kv_tokens if rt.kv_tokens is not None else min(4 * self.cfg.max_position_embeddings, 1 << 16)
-        num_pages = -(-kv_tokens // rt.page_size) + 1  # + the scratch page
+        num_pages = pool_pages(rt, self.cfg)
         self._check_pool_fits(num_pages)
         self._fingerprint: str | None = None  # the model's, computed on the first export
         self.buckets = buckets or BucketSet()
@@ -150,20 +150,11 @@ class PrefillEngine:
                              rt.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device, kv_layout,
                              max_pages_per_seq=max_pages, first_layer=self.stage.layers.start)
 
-    def _pool_layers(self) -> int:
-        """Layers this rank's pool holds (LayerSplit: its own and one scratch layer)."""
-        if self.runtime.kv_cache == "layer-split":
-            return pool_layers(len(self.stage.layers), self.group.rank, self.group.size)
-        return len(self.stage.layers)
-
     def _check_pool_fits(self, num_pages: int) -> None:
         """Refuse a KV pool larger than the device's memory up front (a clear error,
         not an allocator failure or the OOM killer halfway through zeroing it)."""
         rt, cfg = self.runtime, self.cfg
-        if cfg.dsa is not None:
-            need = dsa_runtime.pool_bytes(cfg, rt, num_pages, self.group.rank, self.group.size)
-        else:
-            need = self._pool_layers() * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        need = pool_bytes(cfg, rt, num_pages, len(self.stage.layers), self.group.rank, self.group.size)
         if self.device.type == "cuda":
             have = torch.cuda.mem_get_info(self.device)[0]
         else:

@@ -216,6 +216,16 @@ class Report:
 
     # ---- plot ---------------------------------------------------------------------
     def plot(self, path: str | Path) -> None:
+        import matplotlib.pyplot as plt
+
+        fig = self.figure()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    def figure(self):
+        """Left, the histogram of required rows with the tuned buckets behind it (dotted
+        lines, and ticks above the axes): a spike at a bucket stays visible. Right, the
+        cost for every bucket count."""
         import matplotlib  # lazy: the runtime never needs it
 
         matplotlib.use("Agg")
@@ -223,12 +233,15 @@ class Report:
 
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
         req = self.required
-        ax1.hist(req, bins=min(200, max(10, len(np.unique(req)))), color="0.6")
+        ax1.hist(req, bins=min(200, max(10, len(np.unique(req)))), color="0.45", zorder=2)
         ax1.set_yscale("log")  # chunked workloads pile most batches into one bin
+        top = ax1.get_xaxis_transform()  # x in data, y in axes fractions: a tick above the plot
         for i, c in enumerate(self.tuned.capacities):
-            ax1.axvline(c, color="tab:red", lw=1, label="tuned buckets" if i == 0 else None)
+            ax1.axvline(c, color="tab:red", lw=0.8, ls=":", alpha=0.8, zorder=1,
+                        label="tuned buckets" if i == 0 else None)
+            ax1.plot([c], [1.0], marker="v", ms=7, color="tab:red", transform=top, clip_on=False, zorder=3)
         if self.settings.get("max_capacity") and self.over_max_capacity:
-            ax1.axvline(self.settings["max_capacity"], color="k", ls="--", lw=1, label="max capacity")
+            ax1.axvline(self.settings["max_capacity"], color="k", ls="--", lw=1, zorder=1, label="max capacity")
         ax1.set_xlabel("required local rows (largest rank)")
         ax1.set_ylabel("batches")
         ax1.set_title(f"{self.workload['name']}: cp={self.settings['cp_size']} {self.settings['layout']}")
@@ -246,16 +259,17 @@ class Report:
                 ax2.plot([r.k], [100 * r.overhead], "s", ms=7, label=f"{r.name} ({r.k})")
         ax2.set_xscale("log")
         ax2.set_yscale("symlog", linthresh=1.0)  # baselines that run eagerly sit near 100%
-        top = max([100 * p["overhead"] for p in self.pareto] + [100 * r.overhead for r in self.rows] + [1.0])
-        ax2.set_ylim(0, top * 1.6)
+        shown = [100 * p["overhead"] for p in self.pareto] + [100 * r.overhead for r in self.rows]
+        top = max(shown + [1.0])
+        # start at the smallest cost shown, not 0: symlog would label a stray "0" at the bottom
+        ax2.set_ylim(min([x for x in shown if x > 0] + [1.0]) / 2, top * 1.6)
         ax2.set_xlabel("buckets (k)")
         ax2.set_ylabel("overhead % (padding + eager penalty)")
         ax2.set_title("cost vs bucket count")
         ax2.grid(True, which="both", alpha=0.3)
         ax2.legend()
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        return fig
 
 
 def per_bucket_stats(bucket_set: BucketSet, required: np.ndarray, measured: list[dict] | None = None) -> list[dict]:

@@ -30,6 +30,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def cpu_problem(device: torch.device | str) -> str | None:
+    """Why Triton kernels cannot run on ``device`` in this process, or None: on a CPU
+    only Triton's interpreter runs them, and Triton reads ``TRITON_INTERPRET`` when a
+    kernel is defined (imported), so it must be set before that."""
+    if torch.device(device).type != "cpu" or interpreting():
+        return None
+    return ("on a CPU Triton runs kernels only in its interpreter: set TRITON_INTERPRET=1 before triton is "
+            "imported (the graphcp command does so itself)")
+
+
 def _import_kernel() -> ModuleType:
     try:
         from graphcp.attention.kernels import paged_prefill as triton_kernel

@@ -125,8 +125,10 @@ def indexer_report(stats_per_rank: list[dict]) -> str | None:
     if not stats_per_rank or STAT_PAIRS not in stats_per_rank[0]:
         return None
     rep = stats_per_rank[0][STAT_REPLICATED]
+    if not rep:  # not "a share of 0": say why nothing was scored
+        return "indexer: no key scored (no row sees more than index_topk keys: attention is dense)"
     shares = ", ".join(f"rank {r}: {s[STAT_ROWS]} rows, {s[STAT_PAIRS]} pairs"
-                       + (f" ({s[STAT_PAIRS] / rep:.3f})" if rep else "") for r, s in enumerate(stats_per_rank))
+                       + f" ({s[STAT_PAIRS] / rep:.3f})" for r, s in enumerate(stats_per_rank))
     return f"indexer (query rows x key tokens scored, share of the replicated indexer's {rep}): {shares}"
 
 

@@ -18,21 +18,33 @@ from graphcp.model.config import ModelConfig
 DSA_ATTENTION = ("torch", "triton", "auto")
 
 
-def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, pp_size: int = 1) -> None:
-    if pp_size > 1:
-        raise ConfigError(f"ParallelConfig.pp_size={pp_size}: {cfg.family} models (DSA) run one pipeline stage, "
-                          "pp_size=1 (their latent and indexer-key caches are not split into stages yet)")
+#: an option as the API names it (the value follows as ``=value``) and as the command line does
+_API_NAMES = {"kv_cache": "RuntimeConfig.kv_cache", "attention": "RuntimeConfig.attention", "graph": "RuntimeConfig.graph",
+              "pp_size": "ParallelConfig.pp_size"}
+_FLAGS = {"kv_cache": "--kv-cache", "attention": "--attention", "graph": "--graph", "pp_size": "--pp"}
+
+
+def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, pp_size: int = 1, flags: bool = False) -> None:
+    """Refuse what DSA models do not run; ``flags``: name the command-line flags the
+    user typed rather than the RuntimeConfig fields."""
+    def say(key: str, value) -> str:
+        return f"{_FLAGS[key]} {value}" if flags else f"{_API_NAMES[key]}={value!r}"
+
     if rt.kv_cache == "sharded":
-        raise ConfigError(f"RuntimeConfig.kv_cache='sharded': {cfg.family} models (DSA) run kv_cache='replicated' or "
-                          "'layer-split' (LayerSplit holds within 3 % of a token-sharded pool, with no ring; docs/dsa.md)")
+        raise ConfigError(f"{say('kv_cache', rt.kv_cache)}: {cfg.family} models (DSA) run "
+                          f"{say('kv_cache', 'replicated')} or layer-split (LayerSplit holds within 3 % of a "
+                          "token-sharded pool, with no ring; docs/dsa.md)")
+    if pp_size > 1:
+        raise ConfigError(f"{say('pp_size', pp_size)}: {cfg.family} models (DSA) run one pipeline stage, "
+                          f"{say('pp_size', 1)} (their latent and indexer-key caches are not split into stages yet)")
     if rt.attention not in DSA_ATTENTION:
-        raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {cfg.family} models run MLA with the DSA indexer "
+        raise ConfigError(f"{say('attention', rt.attention)}: {cfg.family} models run MLA with the DSA indexer "
                           "on the torch sparse-MLA reference or the Triton sparse-MLA kernel only; use "
                           f"one of {', '.join(DSA_ATTENTION)}")
     if rt.graph == "full":
-        raise ConfigError(f"RuntimeConfig.graph='full': {cfg.family} models run the indexer's top-k and sparse "
+        raise ConfigError(f"{say('graph', 'full')}: {cfg.family} models run the indexer's top-k and sparse "
                           "attention in the attention break (they read the live batch's segments on the host); use "
-                          "graph='breakable'")
+                          f"{say('graph', 'breakable')}")
 
 
 def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, rank: int, cp_size: int) -> int:
@@ -60,6 +72,10 @@ def make_cache_and_attention(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int
                          d.index_n_heads, d.index_head_dim, d.index_topk, d.softmax_scale, d.num_indexer_layers)
     if rt.attention != "triton":
         return kv, TorchSparseMla(spec)
+    from graphcp.attention.backends.triton import cpu_problem
+
+    if (problem := cpu_problem(device)) is not None:
+        raise ConfigError(f"RuntimeConfig.attention='triton': {problem}")
     from graphcp.attention.sparse.triton import TritonSparseMla  # imports triton: only when chosen
 
     try:

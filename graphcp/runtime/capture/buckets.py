@@ -62,6 +62,8 @@ class BucketSet:
     cp_size: int | None = None
     layout: str | None = None
     meta: dict = field(default_factory=dict, compare=False)
+    #: the file it was loaded from (errors name it)
+    source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         caps = _check_fields("BucketSet", self.capacities, self.align, self.padding_factor, self.cp_size, self.layout,
@@ -85,15 +87,18 @@ class BucketSet:
         return Selection(required_rows, cap)
 
     def check_compatible(self, cp_size: int, layout: str) -> None:
+        what = f"bucket file {self.source}" if self.source else "bucket set"
         if self.cp_size is not None and self.cp_size != cp_size:
-            raise ConfigError(f"bucket file was tuned for cp_size={self.cp_size}, this run has cp_size={cp_size}")
+            raise ConfigError(f"{what} was tuned for cp_size={self.cp_size}, this run has cp_size={cp_size} "
+                              f"(tune for it: graphcp tune --cp {cp_size})")
         if self.layout is not None and self.layout != layout:
-            raise ConfigError(f"bucket file was tuned for layout={self.layout!r}, this run uses {layout!r}")
+            raise ConfigError(f"{what} was tuned for layout={self.layout!r}, this run uses {layout!r}")
 
     # ---- file -----------------------------------------------------------------
     def to_json(self) -> dict:
         d = asdict(self)
         d["capacities"] = list(self.capacities)
+        del d["source"]  # where this copy came from, not part of the set
         return {"version": BUCKET_FILE_VERSION, **d}
 
     def save(self, path: str | Path) -> None:
@@ -119,7 +124,7 @@ class BucketSet:
                       padding_factor=d.get("padding_factor", DEFAULT_PADDING_FACTOR), cp_size=d.get("cp_size"),
                       layout=d.get("layout"), meta=d.get("meta", {}))
         _check_fields(f"bucket file {p}", **fields)  # names the file, not the class
-        return cls(**{**fields, "capacities": tuple(fields["capacities"])})
+        return cls(**{**fields, "capacities": tuple(fields["capacities"])}, source=str(p))
 
 
 def check_align(align: int, name: str = "align", err: type = ConfigError, where: str | None = None) -> int:
