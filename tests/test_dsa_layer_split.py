@@ -16,7 +16,6 @@ import torch
 from conftest import save_cases
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
-from graphcp.config import ParallelConfig
 from graphcp.dist import launch
 from graphcp.errors import ConfigError
 from graphcp.kv.mla_layer_split import LayerSplitMlaKVCache
@@ -125,20 +124,8 @@ def test_pools_hold_the_owned_layers_and_one_scratch_layer_each():
     assert [c.shape[-1] for c in kv.layer_pools(2)] == [40, 16] and len(kv.layer_pools(1)) == 1
 
 
-def _pp_refusal(group, folder):
-    try:
-        PrefillEngine(folder, RuntimeConfig(kv_tokens=256, kv_cache="layer-split"), group,
-                      parallel=ParallelConfig(cp_size=1, pp_size=2))
-    except ConfigError as e:
-        return str(e)
-    return None
-
-
 def test_refusals_name_the_value(folders):
     folder = folders["deepseek_v32"]
     with pytest.raises(ConfigError, match="RuntimeConfig.kv_cache='sharded': deepseek_v32 models \\(DSA\\) run "
                                           "RuntimeConfig.kv_cache='replicated' or layer-split"):
         PrefillEngine(folder, RuntimeConfig(kv_tokens=256, kv_cache="sharded"))
-    for msg in launch(_pp_refusal, 2, folder):  # DSA and PP named, not the cache mode
-        assert msg is not None and "ParallelConfig.pp_size=2: deepseek_v32 models (DSA) run one pipeline stage" in msg, msg
-        assert "kv_cache" not in msg, msg

@@ -130,7 +130,7 @@ def preflight(spec: JobSpec) -> ModelConfig:
     model.check_parallel(spec.parallel, str(config), spec.runtime.moe)
     check_layer_list(spec.runtime.aux_hidden_layers, f"--aux-hidden-layers ({config})", model.num_layers)
     if model.dsa is not None:
-        dsa_runtime.check_runtime(model, spec.runtime, spec.pp_size, flags=True)
+        dsa_runtime.check_runtime(model, spec.runtime, spec.parallel.stage_layers(model.num_layers), flags=True)
     buckets = spec.buckets()
     if buckets is not None:
         buckets.check_compatible(spec.cp_size, spec.runtime.layout)

@@ -72,13 +72,14 @@ def estimate_rank_memory(spec: JobSpec, rows: int, captured_rows: int, with_proc
     CUDA graphs share one pool, the largest bucket's."""
     rt, par = spec.runtime, spec.parallel
     cfg = ModelConfig.from_file(resolve_model(spec.model) / "config.json")
-    weights, layers = 0, 0
+    weights, stage_layers = 0, range(0)
     for stage in range(par.pp_size):
         model = model_on_meta(cfg, rt.torch_dtype, par, 0, stage, rt.moe)
         tensors = [*model.parameters(), *model.buffers()]  # the RoPE tables included
         weights = max(weights, sum(t.numel() * t.element_size() for t in tensors))
-        layers = max(layers, len(model.stage.layers))
-    pool = pool_bytes(cfg, rt, pool_pages(rt, cfg), layers, 0, par.cp_size)
+        stage_layers = max(stage_layers, model.stage.layers, key=len)
+    layers = len(stage_layers)
+    pool = pool_bytes(cfg, rt, pool_pages(rt, cfg), stage_layers, 0, par.cp_size)
     per_row = row_bytes(cfg, par.tp_size, rt.torch_dtype.itemsize)
     trace = rt.graph_backend == "trace" or (rt.graph_backend == "auto" and rt.device != "cuda")
     graphs = 0 if rt.graph == "off" else captured_rows * per_row * (layers if trace else 1)

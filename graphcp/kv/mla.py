@@ -46,15 +46,19 @@ class MlaKVCache(PagedKVCache):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         max_pages_per_seq: int | None = None,
+        first_layer: int = 0,
     ) -> None:
+        """``num_layers`` from global layer ``first_layer`` on (a pipeline stage's, or the
+        model's); ``indexer_layers``: which of them run the indexer."""
         if len(indexer_layers) != num_layers:
             raise ValueError(f"indexer_layers has {len(indexer_layers)} entries for {num_layers} layers")
         self.kv_lora_rank, self.rope_dim, self.index_dim = kv_lora_rank, rope_dim, index_dim
-        #: layer -> its slot of index_pool (layers that run the indexer only)
-        self.index_slot = {layer: j for j, layer in enumerate(i for i, full in enumerate(indexer_layers) if full)}
+        #: global layer -> its slot of index_pool (layers that run the indexer only)
+        self.index_slot = {first_layer + i: j
+                           for j, i in enumerate(i for i, full in enumerate(indexer_layers) if full)}
         # the base class's "one head of latent_dim" is what a token holds: its bookkeeping fits
         super().__init__(num_layers, num_pages, page_size, 1, kv_lora_rank + rope_dim, dtype, device, "NHD",
-                         max_pages_per_seq)
+                         max_pages_per_seq, first_layer)
 
     @property
     def latent_dim(self) -> int:
@@ -80,7 +84,7 @@ class MlaKVCache(PagedKVCache):
 
     def latent(self, layer: int) -> torch.Tensor:
         """``[num_pages, page_size, latent_dim]``: layer ``layer``'s latent + rope keys."""
-        return self.pool[layer]
+        return self.pool[self.local_layer(layer)]
 
     def layer(self, i: int) -> torch.Tensor:
         return self.latent(i)

@@ -36,12 +36,13 @@ def mla_pool_layers(indexer_layers: tuple[bool, ...], rank: int, cp_size: int) -
 class LayerSplitMlaKVCache(LayerOwnership, MlaKVCache):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int, rope_dim: int,
                  index_dim: int, indexer_layers: tuple[bool, ...], dtype: torch.dtype, device: torch.device | str,
-                 max_pages_per_seq: int | None, rank: int, cp_size: int) -> None:
-        self._split(num_layers, rank, cp_size)
+                 max_pages_per_seq: int | None, rank: int, cp_size: int, first_layer: int = 0) -> None:
+        self._split(num_layers, rank, cp_size, first_layer)
         #: the owned layers that run the indexer, in index_pool's order (its scratch after them)
-        self.owned_index = [i for i in self.owned if indexer_layers[i]] if len(indexer_layers) == num_layers else []
+        self.owned_index = ([i for i in self.owned if indexer_layers[i - first_layer]]
+                            if len(indexer_layers) == num_layers else [])
         super().__init__(num_layers, num_pages, page_size, kv_lora_rank, rope_dim, index_dim, indexer_layers, dtype,
-                         device, max_pages_per_seq)
+                         device, max_pages_per_seq, first_layer)
 
     def _allocate_pool(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         shape = (self.num_pages, self.page_size)

@@ -192,11 +192,15 @@ class PagedKVCache:
 
     def layer(self, i: int) -> torch.Tensor:
         """The cache of global decoder layer ``i``."""
+        return self.pool[self.local_layer(i)]
+
+    def local_layer(self, i: int) -> int:
+        """The pool index of global decoder layer ``i`` (IndexError when another stage holds it)."""
         j = i - self.first_layer
         if not 0 <= j < self.num_layers:  # a negative index would silently wrap
             raise IndexError(f"layer {i} is not cached here: this KV cache holds layers "
                              f"{self.first_layer}..{self.first_layer + self.num_layers - 1}")
-        return self.pool[j]
+        return j
 
     @property
     def pool_bytes(self) -> int:

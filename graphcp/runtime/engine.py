@@ -99,7 +99,7 @@ class PrefillEngine:
         if self.cfg.dsa is not None:  # MLA's latent + indexer-key cache and sparse attention
             self.kv, attention = dsa_runtime.make_cache_and_attention(
                 self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.group.rank,
-                self.group.size, self.parallel.pp_size)
+                self.group.size, self.parallel.stage_layers(self.cfg.num_layers), self.stage.index)
         else:
             self.kv = self._make_kv_cache(num_pages, kv_layout)
             spec = AttentionSpec(
@@ -154,7 +154,7 @@ class PrefillEngine:
         """Refuse a KV pool larger than the device's memory up front (a clear error,
         not an allocator failure or the OOM killer halfway through zeroing it)."""
         rt, cfg = self.runtime, self.cfg
-        need = pool_bytes(cfg, rt, num_pages, len(self.stage.layers), self.group.rank, self.group.size)
+        need = pool_bytes(cfg, rt, num_pages, self.stage.layers, self.group.rank, self.group.size)
         if self.device.type == "cuda":
             have = torch.cuda.mem_get_info(self.device)[0]
         else:

@@ -22,11 +22,11 @@ def pool_pages(rt: RuntimeConfig, cfg: ModelConfig) -> int:
     return -(-kv_tokens // rt.page_size) + 1
 
 
-def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, stage_layers: int, rank: int,
+def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, layers: range, rank: int,
                cp_size: int) -> int:
-    """Bytes of rank ``rank``'s pool of ``num_pages`` pages: ``stage_layers`` layers
-    (its pipeline stage's), or under ``layer-split`` its own of them and one scratch layer."""
+    """Bytes of rank ``rank``'s pool of ``num_pages`` pages for ``layers`` (its pipeline
+    stage's), or under ``layer-split`` its own of them and one scratch layer."""
     if cfg.dsa is not None:
-        return dsa_runtime.pool_bytes(cfg, rt, num_pages, rank, cp_size)
-    layers = pool_layers(stage_layers, rank, cp_size) if rt.kv_cache == "layer-split" else stage_layers
-    return layers * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * rt.torch_dtype.itemsize
+        return dsa_runtime.pool_bytes(cfg, rt, num_pages, rank, cp_size, layers)
+    held = pool_layers(len(layers), rank, cp_size) if rt.kv_cache == "layer-split" else len(layers)
+    return held * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * rt.torch_dtype.itemsize

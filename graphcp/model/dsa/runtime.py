@@ -24,9 +24,11 @@ _API_NAMES = {"kv_cache": "RuntimeConfig.kv_cache", "attention": "RuntimeConfig.
 _FLAGS = {"kv_cache": "--kv-cache", "attention": "--attention", "graph": "--graph", "pp_size": "--pp"}
 
 
-def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, pp_size: int = 1, flags: bool = False) -> None:
-    """Refuse what DSA models do not run; ``flags``: name the command-line flags the
-    user typed rather than the RuntimeConfig fields."""
+def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, stages: list[range] | None = None,
+                  flags: bool = False) -> None:
+    """Refuse what DSA models do not run; ``stages``: the pipeline stages' layers (None:
+    one stage); ``flags``: name the command-line flags the user typed rather than the
+    RuntimeConfig fields."""
     def say(key: str, value) -> str:
         return f"{_FLAGS[key]} {value}" if flags else f"{_API_NAMES[key]}={value!r}"
 
@@ -34,9 +36,14 @@ def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, pp_size: int = 1, flags: 
         raise ConfigError(f"{say('kv_cache', rt.kv_cache)}: {cfg.family} models (DSA) run "
                           f"{say('kv_cache', 'replicated')} or layer-split (LayerSplit holds within 3 % of a "
                           "token-sharded pool, with no ring; docs/dsa.md)")
-    if pp_size > 1:
-        raise ConfigError(f"{say('pp_size', pp_size)}: {cfg.family} models (DSA) run one pipeline stage, "
-                          f"{say('pp_size', 1)} (their latent and indexer-key caches are not split into stages yet)")
+    for s, layers in list(enumerate(stages or []))[1:]:
+        if not cfg.dsa.indexer_layers[layers.start]:
+            full = [i for i, f in enumerate(cfg.dsa.indexer_layers) if f]
+            split = "--pp-layers" if flags else "ParallelConfig.pp_layers"
+            raise ConfigError(
+                f"{say('pp_size', len(stages))}: stage {s} starts at layer {layers.start}, a 'shared' layer "
+                f"(indexer_types) that reuses the top-k of the last 'full' layer before it, on stage {s - 1}; "
+                f"start every stage at a 'full' layer (one of {full}) with {split}")
     if rt.attention not in DSA_ATTENTION:
         raise ConfigError(f"{say('attention', rt.attention)}: {cfg.family} models run MLA with the DSA indexer "
                           "on the torch sparse-MLA reference or the Triton sparse-MLA kernel only; use "
@@ -47,27 +54,34 @@ def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, pp_size: int = 1, flags: 
                           f"{say('graph', 'breakable')}")
 
 
-def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, rank: int, cp_size: int) -> int:
-    """Bytes of one rank's pools (a layer split: the layers it holds, scratch included)."""
+def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, rank: int, cp_size: int,
+               layers: range | None = None) -> int:
+    """Bytes of one rank's pools for ``layers`` (a pipeline stage's; None: the model's);
+    a layer split: the layers it holds, scratch included."""
     d = cfg.dsa
-    layers, index_layers = cfg.num_layers, d.num_indexer_layers
+    indexer = d.indexer_layers[layers.start:layers.stop] if layers is not None else d.indexer_layers
+    held, index_held = len(indexer), sum(indexer)
     if rt.kv_cache == "layer-split":
-        layers, index_layers = mla_pool_layers(d.indexer_layers, rank, cp_size)
-    return num_pages * MlaKVCache.bytes_per_page(layers, rt.page_size, d.latent_dim, d.index_head_dim, index_layers,
+        held, index_held = mla_pool_layers(indexer, rank, cp_size)
+    return num_pages * MlaKVCache.bytes_per_page(held, rt.page_size, d.latent_dim, d.index_head_dim, index_held,
                                                  rt.torch_dtype.itemsize)
 
 
 def make_cache_and_attention(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, max_pages_per_seq: int,
                              device: torch.device, rank: int = 0, cp_size: int = 1,
-                             pp_size: int = 1) -> tuple[MlaKVCache, SparseMlaBackend]:
-    check_runtime(cfg, rt, pp_size)
+                             stages: list[range] | None = None,
+                             stage: int = 0) -> tuple[MlaKVCache, SparseMlaBackend]:
+    """The cache of pipeline stage ``stage``'s layers (of ``stages``; None: one stage) and
+    the sparse MLA backend."""
+    check_runtime(cfg, rt, stages)
     d = cfg.dsa
-    args = (cfg.num_layers, num_pages, rt.page_size, d.kv_lora_rank, d.qk_rope_head_dim, d.index_head_dim,
-            d.indexer_layers, rt.torch_dtype, device, max_pages_per_seq)
+    layers = stages[stage] if stages else range(cfg.num_layers)
+    args = (len(layers), num_pages, rt.page_size, d.kv_lora_rank, d.qk_rope_head_dim, d.index_head_dim,
+            d.indexer_layers[layers.start:layers.stop], rt.torch_dtype, device, max_pages_per_seq)
     if rt.kv_cache == "layer-split":
-        kv = LayerSplitMlaKVCache(*args, rank=rank, cp_size=cp_size)
+        kv = LayerSplitMlaKVCache(*args, rank=rank, cp_size=cp_size, first_layer=layers.start)
     else:
-        kv = MlaKVCache(*args)
+        kv = MlaKVCache(*args, first_layer=layers.start)
     spec = SparseMlaSpec(cfg.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank,
                          d.index_n_heads, d.index_head_dim, d.index_topk, d.softmax_scale, d.num_indexer_layers)
     if rt.attention != "triton":
