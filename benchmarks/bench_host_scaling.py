@@ -1,0 +1,153 @@
+"""How the whole host preparation grows: requests x CP size x tokens per request.
+
+One rank's whole preparation (validation, KV reservation, plan, this rank's inputs,
+fill of the static buffers, and the undo: ``host_stack.HostStack``) for requests in
+{1, 4, 16, 64, 256} x C in {2, 8, 32, 64} x new tokens per request in {16, 512, 8192},
+over a replicated and a token-sharded cache, with tiny head dimensions (the host
+path is the engine's; only the tensors are small). Run:
+
+    python -m pytest benchmarks/bench_host_scaling.py --benchmark-only --benchmark-max-time=0.02
+
+At the end it prints the table (min and median per cell), fits
+
+    t = a + b * requests + c * requests * 2C + d * requests * tokens
+
+per cache mode by least squares on the medians of the cells with <= 512 tokens a request
+(b: per request, c: per block), states the token term d apart (numpy's vectorised
+work only, from the 8192-token cells), and writes the plot (time vs requests,
+one line per C, a panel per tokens per request and mode) and the figures as JSON
+under ``profiles/host_scaling/``. Targets (issue 30): linear in requests and blocks;
+256 requests at C = 8 in <= 400 us.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from host_stack import batch_of, host_stack
+
+REQUESTS = (1, 4, 16, 64, 256)
+CP_SIZES = (2, 8, 32, 64)
+TOKENS = (16, 512, 8192)
+MODES = ("replicated", "sharded")
+OUT = Path(__file__).resolve().parent.parent / "profiles" / "host_scaling"
+
+_results: list[dict] = []
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("cp", CP_SIZES)
+@pytest.mark.parametrize("requests", REQUESTS)
+def test_whole_preparation_scaling(benchmark, requests, cp, tokens, mode):
+    stack = host_stack(cp, mode == "sharded", requests, tokens)
+    batch = batch_of(requests, tokens)
+    benchmark.group = f"host scaling {mode}"
+    benchmark.pedantic(stack.prepare_fill_abort, (batch,), rounds=_rounds(requests * tokens), warmup_rounds=2)
+    st = benchmark.stats.stats
+    row = {"mode": mode, "requests": requests, "cp": cp, "tokens": tokens,
+           "min_us": st.min * 1e6, "median_us": st.median * 1e6}
+    benchmark.extra_info.update(row)
+    _results.append(row)
+
+
+def _rounds(total_tokens: int) -> int:
+    """Enough rounds for a stable median, few for the big batches (the machine is shared)."""
+    return 200 if total_tokens <= 1 << 14 else 40 if total_tokens <= 1 << 18 else 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    if len(_results) == len(REQUESTS) * len(CP_SIZES) * len(TOKENS) * len(MODES):
+        write_report(_results, OUT)
+
+
+def fit(rows: list[dict]) -> dict:
+    """Least squares of the medians on [1, R, R * 2C]: the fixed cost and the cost per
+    request and per block (us), with each cell weighted by 1/t (every cell counts by
+    its relative error, not the big ones alone), and the worst relative residual."""
+    x = np.array([[1.0, r["requests"], r["requests"] * 2 * r["cp"]] for r in rows])
+    y = np.array([r["median_us"] for r in rows])
+    coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
+    pred = x @ coef
+    return {"fixed_us": coef[0], "per_request_us": coef[1], "per_block_us": coef[2],
+            "max_rel_residual": float(np.max(np.abs(pred - y) / y)), "cells": len(rows)}
+
+
+def per_token_ns(rows: list[dict], cp: int) -> float:
+    """The token term: (t(8192) - t(16)) / (R * 8176) at the largest R, C = ``cp``: numpy's
+    vectorised work per token (concatenation, vocabulary check, this rank's gathers, fill)."""
+    r = max(REQUESTS)
+    t = {x["tokens"]: x["median_us"] for x in rows if x["requests"] == r and x["cp"] == cp}
+    return (t[max(TOKENS)] - t[min(TOKENS)]) * 1e3 / (r * (max(TOKENS) - min(TOKENS)))
+
+
+def write_report(rows: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    # the per-request and per-block costs from the cells whose token work is small; the
+    # token term apart (it is numpy's, and cache effects bend it at millions of tokens)
+    fits = {m: fit([r for r in rows if r["mode"] == m and r["tokens"] <= 512]) for m in MODES}
+    for m in MODES:
+        fits[m]["per_token_ns_c8"] = per_token_ns([r for r in rows if r["mode"] == m], 8)
+    lines = [f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+             "mode        tokens  C  " + "".join(f"{'R=' + str(r):>18}" for r in REQUESTS)]
+    for m in MODES:
+        for t in TOKENS:
+            for c in CP_SIZES:
+                cells = {r["requests"]: r for r in rows if (r["mode"], r["tokens"], r["cp"]) == (m, t, c)}
+                lines.append(f"{m:11s} {t:6d} {c:2d}  " + "".join(
+                    f"{cells[n]['min_us']:8.0f}/{cells[n]['median_us']:<9.0f}" for n in REQUESTS))
+    for m, f in fits.items():
+        lines.append(f"fit {m} (tokens <= 512, {f['cells']} cells): t = {f['fixed_us']:.1f} us + "
+                     f"{f['per_request_us']:.2f} us x R + {f['per_block_us']:.4f} us x R*2C (worst cell off by "
+                     f"{100 * f['max_rel_residual']:.0f}%); tokens: {f['per_token_ns_c8']:.2f} ns a token "
+                     "(256 requests, C = 8)")
+    text = "\n".join(lines)
+    print("\n" + text)
+    (out / "table.txt").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps({"load": load, "rows": rows, "fits": fits,
+                                                  "commit": _commit()}, indent=1) + "\n")
+    _plot(rows, out / "host_scaling.png")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return ""
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(MODES), len(TOKENS), figsize=(13, 7), sharex=True, squeeze=False)
+    for i, m in enumerate(MODES):
+        for k, t in enumerate(TOKENS):
+            ax = axes[i][k]
+            for c in CP_SIZES:
+                pts = sorted((r["requests"], r["median_us"]) for r in rows if (r["mode"], r["tokens"], r["cp"]) == (m, t, c))
+                ax.plot(*zip(*pts), marker="o", label=f"C = {c}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{m}, {t} tokens/request", fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+            if k == 0:
+                ax.set_ylabel("whole preparation, median (us)")
+            if i == len(MODES) - 1:
+                ax.set_xlabel("requests")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("graphcp host preparation per forward (one rank): validation, KV reservation, plan, fill, undo")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
