@@ -171,6 +171,7 @@ class PagedKVCache:
         self._page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else None
         self.num_kv_heads, self.head_dim, self.layout = num_kv_heads, head_dim, layout
         self.pool = self._allocate_pool(dtype, device)
+        self._layer_views: tuple = (None, ())  # (the pool they view, its layers)
         # the free pages, a LIFO stack: _free[:_num_free], top last (recently freed
         # pages are reused first: warm in cache); page 1 is handed out first
         self._free = np.arange(num_pages - 1, SCRATCH_PAGE, -1, dtype=np.int32)
@@ -222,12 +223,17 @@ class PagedKVCache:
         return -(-tokens // self.page_size)
 
     def layer(self, i: int) -> torch.Tensor:
-        """The cache of global decoder layer ``i``."""
+        """The cache of global decoder layer ``i`` (one view per layer, made once per pool:
+        every attention break asks, and slicing the pool costs ~1 us a time)."""
         j = i - self.first_layer
         if not 0 <= j < self.num_layers:  # a negative index would silently wrap
             raise IndexError(f"layer {i} is not cached here: this KV cache holds layers "
                              f"{self.first_layer}..{self.first_layer + self.num_layers - 1}")
-        return self.pool[j]
+        pool, views = self._layer_views
+        if pool is not self.pool:  # first use, or the pool was replaced
+            with torch.inference_mode(False):  # plain views, whichever mode the first call ran in
+                pool, views = self._layer_views = (self.pool, self.pool.unbind(0))
+        return views[j]
 
     @property
     def pool_bytes(self) -> int:
