@@ -53,7 +53,7 @@ def _tokens(rng: random.Random, n: int):
         return rng.choice([np.asarray(ids, dtype=np.float32), np.asarray(ids, dtype=bool), [ids, ids],
                            torch.tensor(ids, dtype=torch.float32), torch.tensor(ids).bool(), "abc", 7,
                            np.asarray(ids, dtype=object), np.asarray(ids).reshape(1, -1),
-                           np.asarray(ids, dtype=">i8")])
+                           np.asarray(ids, dtype=">i8"), np.asarray(ids, dtype=np.dtype(np.int64, metadata={"m": 1}))])
     return np.asarray(ids, dtype=np.int64)
 
 

@@ -255,15 +255,12 @@ class BatchPreparer:
 
 
 _INT64_MAX = np.iinfo(np.int64).max
-_tokens_of = attrgetter("tokens")
-_prefix_of = attrgetter("prefix")
 _num_tokens_of = attrgetter("num_tokens")
-_ndim_and_dtype = attrgetter("ndim", "dtype")
-_INT64 = {(1, np.dtype(np.int64))}
-#: token arrays the array checks take: 1-D, integer, native byte order (others go
-#: request by request, which takes or words them)
-_VECTOR_KINDS = {(1, np.dtype(t)) for t in (np.int8, np.int16, np.int32, np.int64,
-                                             np.uint8, np.uint16, np.uint32, np.uint64)}
+_INT64 = {np.dtype(np.int64)}
+#: the token dtypes the array checks take (native integers; others go request by
+#: request, which takes or words them)
+_INTEGER_DTYPES = {np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
+                                          np.uint8, np.uint16, np.uint32, np.uint64)}
 
 
 @dataclass
@@ -286,17 +283,17 @@ def _check_batch(batch: Sequence, kv: PagedKVCache, vocab: int, max_tokens: int)
     if set(map(type, batch)) != {Request}:
         return None
     try:  # CPU tensors convert without a copy; what cannot convert is worded by the per-request path
-        arrays = list(map(np.asarray, map(_tokens_of, batch)))
+        arrays = list(map(np.asarray, [r.tokens for r in batch]))
     except Exception:  # noqa: BLE001 - any failure: the per-request path says what and where
         return None
-    kinds = set(map(_ndim_and_dtype, arrays))
-    if not kinds <= _VECTOR_KINDS:
+    dtypes = {a.dtype for a in arrays}  # (comprehensions: Python 3.11's attribute loads beat attrgetter)
+    if {a.ndim for a in arrays} != {1} or not dtypes <= _INTEGER_DTYPES:
         return None
     lens = list(map(len, arrays))  # (small lists: Python's min and max beat numpy's)
     if min(lens) < 1:
         return None
     extend = np.array(lens, dtype=np.int64)
-    prefixes = list(map(_prefix_of, batch))
+    prefixes = [r.prefix for r in batch]
     try:
         rows = kv.prefix_rows(prefixes)
     except KVHandleError:
@@ -312,7 +309,7 @@ def _check_batch(batch: Sequence, kv: PagedKVCache, vocab: int, max_tokens: int)
         if int(np.maximum.reduce(prefix + extend)) > max_tokens:
             return None
     # uint64 ids past int64 wrap negative here; a negative id, seen unsigned, is >= vocab
-    flat = np.concatenate(arrays) if kinds == _INT64 else np.concatenate(arrays, dtype=np.int64, casting="unsafe")
+    flat = np.concatenate(arrays) if dtypes == _INT64 else np.concatenate(arrays, dtype=np.int64, casting="unsafe")
     if int(np.maximum.reduce(flat.view(np.uint64))) >= vocab:
         return None
     return CheckedBatch(flat, extend, prefix, prefixes)
