@@ -123,7 +123,7 @@ _INITIAL_ROWS = 16
 class _Reservation:
     """What one :meth:`PagedKVCache.extend` changed, to undo it without recomputing."""
 
-    ids: list[int]  # the list extend returned (a rollback of that very list may use this)
+    ids: list[int]  # the sequence ids it returned (a copy)
     new: list[int]  # the new tokens it reserved
     rows: np.ndarray  # the requests' table rows
     cells: np.ndarray | None  # flat table cells it wrote its pages to (None: no page)
@@ -131,6 +131,10 @@ class _Reservation:
     tokens_before: np.ndarray | int  # each row's tokens and pages before (0: all were new)
     pages_before: np.ndarray | int
     created: list[bool] | None  # which requests it made a new sequence for (None: all)
+
+    def undoes(self, seq_ids) -> bool:
+        """Whether a rollback of ``seq_ids`` is this extend's (the same ids, in order)."""
+        return type(seq_ids) is list and seq_ids == self.ids
 _seq_id_of = attrgetter("seq_id")
 _cache_id_of = attrgetter("cache_id")
 _num_tokens_of = attrgetter("num_tokens")
@@ -448,7 +452,7 @@ class PagedKVCache:
             self._table.reshape(-1)[cells] = self._free[top - need : top][::-1]
         self._row_pages[rows] = total_pages
         self._row_tokens[rows] = total
-        self._last = _Reservation(ids, new.tolist(), rows, cells, need, have, have_pages, created)
+        self._last = _Reservation(ids[:], new.tolist(), rows, cells, need, have, have_pages, created)
         return ids, rows
 
     def _refuse_width(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray,
@@ -471,7 +475,7 @@ class PagedKVCache:
         (their order included) are exactly what they were before the extend."""
         new = np.asarray(new_tokens, dtype=np.int64)
         last = self._last
-        if last is not None and last.ids is seq_ids and last.new == new.tolist():
+        if last is not None and last.undoes(seq_ids) and last.new == new.tolist():
             self._undo_last()
             return
         rows = self.table_rows(seq_ids)

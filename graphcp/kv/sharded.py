@@ -138,7 +138,7 @@ class ShardedKVCache(PagedKVCache):
         for i in np.flatnonzero(dropped).tolist():
             del self._chunks[seq_ids[i]]
         last = self._last
-        if last is not None and last.ids is seq_ids:  # the last extend, nothing changed since
+        if last is not None and last.undoes(seq_ids):  # the last extend, nothing changed since
             self._undo_last()
         else:
             self._undo(seq_ids, rows, self._row_tokens[rows] - counts[self.rank], dropped)
