@@ -8,13 +8,12 @@ path is the engine's; only the tensors are small). Run:
 
     python -m pytest benchmarks/bench_host_scaling.py --benchmark-only --benchmark-max-time=0.02
 
-At the end it prints the table (min and median per cell), fits
+At the end it prints the table (min and median per cell), fits each cell's median as
 
-    t = a + b * requests + c * requests * 2C + d * requests * tokens
+    t = a + e * C + b * R + c * R * 2C + d * R * L + f * R * L / C
 
-per cache mode by least squares on the medians of the cells with <= 512 tokens a request
-(b: per request, c: per block), states the token term d apart (numpy's vectorised
-work only, from the 8192-token cells), and writes the plot (time vs requests,
+(R requests of L tokens; R * 2C blocks; R * L / C this rank's rows) per cache mode by
+least squares over the cells with <= 512 tokens a request, and writes the plot (time vs requests,
 one line per C, a panel per tokens per request and mode) and the figures as JSON
 under ``profiles/host_scaling/``. Targets (issue 30): linear in requests and blocks;
 256 requests at C = 8 in <= 400 us.
@@ -68,34 +67,30 @@ def _report():
         write_report(_results, OUT)
 
 
+#: the fit's terms: what each cell's median is modelled as a sum of (us a unit)
+TERMS = ("fixed", "per rank (C)", "per request (R)", "per block (R*2C)", "per token (R*L)", "per local row (R*L/C)")
+
+
 def fit(rows: list[dict]) -> dict:
-    """Least squares of the medians on [1, R, R * 2C]: the fixed cost and the cost per
-    request and per block (us), with each cell weighted by 1/t (every cell counts by
-    its relative error, not the big ones alone), and the worst relative residual."""
-    x = np.array([[1.0, r["requests"], r["requests"] * 2 * r["cp"]] for r in rows])
+    """Least squares of the medians on [1, C, R, R * 2C, R * L, R * L / C] (L: tokens a
+    request; R * L / C: this rank's rows), each cell weighted by 1/t so that every cell
+    counts by its relative error, not the big ones alone; with the median and worst
+    relative residual."""
+    x = np.array([[1.0, r["cp"], r["requests"], r["requests"] * 2 * r["cp"], r["requests"] * r["tokens"],
+                   r["requests"] * r["tokens"] / r["cp"]] for r in rows])
     y = np.array([r["median_us"] for r in rows])
     coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
-    pred = x @ coef
-    return {"fixed_us": coef[0], "per_request_us": coef[1], "per_block_us": coef[2],
-            "max_rel_residual": float(np.max(np.abs(pred - y) / y)), "cells": len(rows)}
-
-
-def per_token_ns(rows: list[dict], cp: int) -> float:
-    """The token term: (t(8192) - t(16)) / (R * 8176) at the largest R, C = ``cp``: numpy's
-    vectorised work per token (concatenation, vocabulary check, this rank's gathers, fill)."""
-    r = max(REQUESTS)
-    t = {x["tokens"]: x["median_us"] for x in rows if x["requests"] == r and x["cp"] == cp}
-    return (t[max(TOKENS)] - t[min(TOKENS)]) * 1e3 / (r * (max(TOKENS) - min(TOKENS)))
+    res = np.abs(x @ coef - y) / y
+    return {"us": dict(zip(TERMS, coef.tolist())), "median_rel_residual": float(np.median(res)),
+            "max_rel_residual": float(res.max()), "cells": len(rows)}
 
 
 def write_report(rows: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
-    # the per-request and per-block costs from the cells whose token work is small; the
-    # token term apart (it is numpy's, and cache effects bend it at millions of tokens)
+    # fitted on the cells up to 512 tokens a request: at 8192 (up to 2M tokens, a rank's
+    # rows tens of MB) memory traffic bends the token terms; those cells are in the table
     fits = {m: fit([r for r in rows if r["mode"] == m and r["tokens"] <= 512]) for m in MODES}
-    for m in MODES:
-        fits[m]["per_token_ns_c8"] = per_token_ns([r for r in rows if r["mode"] == m], 8)
     lines = [f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
              "mode        tokens  C  " + "".join(f"{'R=' + str(r):>18}" for r in REQUESTS)]
     for m in MODES:
@@ -105,10 +100,9 @@ def write_report(rows: list[dict], out: Path) -> None:
                 lines.append(f"{m:11s} {t:6d} {c:2d}  " + "".join(
                     f"{cells[n]['min_us']:8.0f}/{cells[n]['median_us']:<9.0f}" for n in REQUESTS))
     for m, f in fits.items():
-        lines.append(f"fit {m} (tokens <= 512, {f['cells']} cells): t = {f['fixed_us']:.1f} us + "
-                     f"{f['per_request_us']:.2f} us x R + {f['per_block_us']:.4f} us x R*2C (worst cell off by "
-                     f"{100 * f['max_rel_residual']:.0f}%); tokens: {f['per_token_ns_c8']:.2f} ns a token "
-                     "(256 requests, C = 8)")
+        terms = " + ".join(f"{v:.4g} us {k}" for k, v in f["us"].items())
+        lines.append(f"fit {m} ({f['cells']} cells, <= 512 tokens a request): {terms}; residual median "
+                     f"{100 * f['median_rel_residual']:.1f}%, worst {100 * f['max_rel_residual']:.0f}%")
     text = "\n".join(lines)
     print("\n" + text)
     (out / "table.txt").write_text(text + "\n")
