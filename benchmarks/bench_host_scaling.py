@@ -130,7 +130,8 @@ def _plot(rows: list[dict], path: Path) -> None:
         for k, t in enumerate(TOKENS):
             ax = axes[i][k]
             for c in CP_SIZES:
-                pts = sorted((r["requests"], r["median_us"]) for r in rows if (r["mode"], r["tokens"], r["cp"]) == (m, t, c))
+                pts = sorted((r["requests"], r["median_us"]) for r in rows
+                             if (r["mode"], r["tokens"], r["cp"]) == (m, t, c))
                 ax.plot(*zip(*pts), marker="o", label=f"C = {c}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

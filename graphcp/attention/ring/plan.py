@@ -122,17 +122,21 @@ def visible_keys(start: np.ndarray, length: np.ndarray, held_before: np.ndarray)
     return vis
 
 
-def visible_keys_of(rank: int, start: np.ndarray, length: np.ndarray,
-                    held_before: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``visible_keys(...)[rank]`` and ``visible_keys(...)[:, rank]``, int64 [C, R, 2]
-    each: what this rank's query blocks see of every rank's keys, and what every rank's
-    query blocks see of this rank's keys; O(C R). Raises RingPlanError unless this
-    rank's rows get their whole causal history (every rank checks its own)."""
+def visible_keys_of(rank: int, start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
+    """``visible_keys(...)[rank]``, int64 [C, R, 2]: what this rank's query blocks see of
+    every rank's keys, O(C R). Raises RingPlanError unless this rank's rows get their
+    whole causal history (every rank checks its own)."""
     end = start + length
     row = np.where(length[rank] == 0, 0, _seen(end[rank], start, length, held_before))
-    col = np.where(length == 0, 0, _seen(end, start[rank], length[rank], held_before[rank]))
     _check_history(row.sum(axis=0)[None], end[rank][None], (length[rank] > 0)[None], np.array([rank]))
-    return row, col
+    return row
+
+
+def visible_keys_to(rank: int, start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
+    """``visible_keys(...)[:, rank]``, int64 [C, R, 2]: what every rank's query blocks see
+    of this rank's keys (what pass-Q attends here), O(C R)."""
+    col = _seen(start + length, start[rank], length[rank], held_before[rank])
+    return np.where(length == 0, 0, col)
 
 
 def _meta(cu: np.ndarray, kv_lens: np.ndarray, table: np.ndarray, page_size: int, device, causal: bool):
@@ -145,8 +149,8 @@ def _cu(q_lens: np.ndarray) -> np.ndarray:
     return cu
 
 
-def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: np.ndarray, length: np.ndarray,
-                pages: np.ndarray, seg_request: np.ndarray, seg_table: np.ndarray, page_size: int,
+def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: np.ndarray | None,
+                length: np.ndarray, pages: np.ndarray, seg_request: np.ndarray, seg_table: np.ndarray, page_size: int,
                 device) -> list[AttentionMetadata]:
     """Steps 1 .. C-1's metadata, built for all steps at once into one packed int32
     buffer (a row a step: cu_seqlens_q, kv_lens, page table, as ``from_host`` packs
@@ -193,10 +197,11 @@ def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank:
     start, length = plan.blocks()
     held_after = kv.rank_tokens(seq_ids)  # [C, R]
     held_before = held_after - length.sum(axis=2)
-    row, col = visible_keys_of(rank, start, length, held_before)
+    row = visible_keys_of(rank, start, length, held_before)
+    col = visible_keys_to(rank, start, length, held_before) if exchange == "pass-q" else None
     pages = -(-held_after // ps)  # [C, R]: each rank's pages of each request
     seq_rows = kv.table_rows(seq_ids)
-    seg_request = np.repeat(np.arange(R), 2)
+    seg_request = plan.rank(rank).seg_request  # (the rank's plan is built and cached by now)
     q_lens = length[rank].reshape(-1)
     cu = _cu(q_lens)
     # this rank's own keys of the batch's requests, all of them (pass-Q and step 0 read them)
@@ -205,7 +210,9 @@ def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank:
     seg_table = own_table[seg_request]
     meta0 = _meta(cu, row[rank].reshape(-1), seg_table, ps, device, causal=True)
     # local index of each new row: after the request's cached pieces, early block first
-    local0 = held_before[rank][:, None] + np.stack([np.zeros(R, dtype=np.int64), length[rank, :, 0]], axis=1)
+    local0 = np.empty((R, 2), dtype=np.int64)
+    local0[:, 0] = held_before[rank]
+    np.add(held_before[rank], length[rank, :, 0], out=local0[:, 1])
     n = int(cu[-1])
     local = np.repeat(local0.reshape(-1) - cu[:-1], q_lens) + np.arange(n)
     slots = kv.slots(seq_rows, local, seg_request, q_lens)
