@@ -89,28 +89,31 @@ class ShardedKVCache(PagedKVCache):
             held = np.zeros_like(counts)
         else:
             held = np.where(rows >= 0, self._held[rows].T, 0)
-        self._check_room(held, counts)
-        ids, rows = self._reserve(prefixes, rows, counts[self.rank])
         after = held + counts
+        need = self._check_room(held, after)
+        ids, rows = self._reserve(prefixes, rows, counts[self.rank])
         self._held[rows] = after.T
         # each request's chunks gain (cached, new): zip(zip(a, b)) yields ((a_i, b_i),)
         chunks = self._chunks
         cached = held.sum(axis=0).tolist()
         chunks.update(zip(ids, map(add, map(chunks.get, ids, repeat(())), zip(zip(cached, new.tolist())))))
-        self._used += self._pages(after).sum(axis=1) - self._pages(held).sum(axis=1)
+        self._used += need
         return ids
 
-    def _check_room(self, held: np.ndarray, counts: np.ndarray) -> None:
-        """KVCacheFull (on every rank alike) unless every rank's pool takes its share."""
-        after = self._pages(held + counts)  # [C, R]
+    def _check_room(self, held: np.ndarray, after: np.ndarray) -> np.ndarray:
+        """int64 [C]: the pages the batch takes on every rank (``held``: each rank's tokens
+        of each request before, ``after``: after); KVCacheFull (on every rank alike)
+        unless every rank's pool takes its share."""
+        after = self._pages(after)  # [C, R]
         width = self.table_width
-        if (after > width).any():
+        if after.size and int(np.maximum.reduce(after, axis=None)) > width:
             k, j = (int(x[0]) for x in np.nonzero(after > width))
             raise KVCacheFull(
                 f"KV cache full: request {j} needs {int(after[k, j])} pages of {self.page_size} tokens on rank {k}, "
                 f"the page table holds at most {width} per sequence"
             )
-        need = after.sum(axis=1) - self._pages(held).sum(axis=1)
+        need = np.add.reduce(after, axis=1)
+        need -= np.add.reduce(self._pages(held), axis=1)
         free = self.rank_free_pages()
         short = np.flatnonzero(need > free)
         if short.size:
@@ -120,6 +123,7 @@ class ShardedKVCache(PagedKVCache):
                 f"there, {int(free[k])} are free (one rank's pool: {self.num_pages - 1} usable pages, "
                 f"{self.rank_capacity_tokens} tokens; the sharded cache spreads each request over {self.cp_size} pools)"
             )
+        return need
 
     def rollback(self, seq_ids: list[int], new_tokens=None) -> None:
         """Undo an :meth:`extend`: each request's last chunk (the ledger's, so
