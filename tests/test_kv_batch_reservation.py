@@ -94,7 +94,7 @@ def _run(kv, ref, rng: random.Random, steps: int, sharded: bool) -> int:
         new = [rng.choice([1, 2, 3, rng.randint(1, 40), rng.randint(1, 200)]) for _ in prefixes]
         if rng.random() < 0.5:
             new = np.asarray(new, dtype=np.int64)  # what the preparer passes
-        before = kv.snapshot()
+        before, table = kv.snapshot(), kv.table.copy()
         errs = []
         for who in (kv, ref):
             try:
@@ -111,7 +111,8 @@ def _run(kv, ref, rng: random.Random, steps: int, sharded: bool) -> int:
             refused += 1
             if not sharded and isinstance(a, KVCacheFull):
                 assert str(a) == str(b)
-            assert kv.snapshot() == before  # a refusal changes nothing
+            assert kv.snapshot() == before  # a refusal changes nothing, the table included
+            np.testing.assert_array_equal(kv.table, table)
             continue
         pending.append((ids, list(map(int, new)) if rng.random() < 0.5 else new))
         _same(kv, ref, live + [s for p in pending for s in p[0]])
