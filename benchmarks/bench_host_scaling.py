@@ -13,7 +13,8 @@ At the end it prints the table (min and median per cell), fits each cell's media
     t = a + e * C + b * R + c * R * 2C + d * R * L + f * R * L / C
 
 (R requests of L tokens; R * 2C blocks; R * L / C this rank's rows) per cache mode by
-least squares over the cells with <= 512 tokens a request, and writes the plot (time vs requests,
+least squares over the cells with <= 512 tokens a request, on the mins and on the
+medians, and writes the plot (time vs requests,
 one line per C, a panel per tokens per request and mode) and the figures as JSON
 under ``profiles/host_scaling/``. Targets (issue 30): linear in requests and blocks;
 256 requests at C = 8 in <= 400 us.
@@ -71,26 +72,30 @@ def _report():
 TERMS = ("fixed", "per rank (C)", "per request (R)", "per block (R*2C)", "per token (R*L)", "per local row (R*L/C)")
 
 
-def fit(rows: list[dict]) -> dict:
-    """Least squares of the medians on [1, C, R, R * 2C, R * L, R * L / C] (L: tokens a
-    request; R * L / C: this rank's rows), each cell weighted by 1/t so that every cell
-    counts by its relative error, not the big ones alone; with the median and worst
-    relative residual."""
+def fit(rows: list[dict], key: str = "min_us") -> dict:
+    """Least squares of each cell's ``key`` (min: what the neighbours' load disturbs
+    least; or median) on [1, C, R, R * 2C, R * L, R * L / C] (L: tokens a request;
+    R * L / C: this rank's rows), each cell weighted by 1/t so that every cell counts by
+    its relative error, not the big ones alone; with the median and worst relative
+    residual."""
     x = np.array([[1.0, r["cp"], r["requests"], r["requests"] * 2 * r["cp"], r["requests"] * r["tokens"],
                    r["requests"] * r["tokens"] / r["cp"]] for r in rows])
-    y = np.array([r["median_us"] for r in rows])
+    y = np.array([r[key] for r in rows])
     coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
     res = np.abs(x @ coef - y) / y
     return {"us": dict(zip(TERMS, coef.tolist())), "median_rel_residual": float(np.median(res)),
             "max_rel_residual": float(res.max()), "cells": len(rows)}
 
 
-def write_report(rows: list[dict], out: Path) -> None:
+def write_report(rows: list[dict], out: Path, load: tuple[float, ...] | None = None) -> None:
+    """The table, the fits, the JSON and the plot of one run (``load``: the machine's
+    load average at the run; now by default)."""
     out.mkdir(parents=True, exist_ok=True)
-    load = os.getloadavg()
+    load = tuple(load) if load is not None else os.getloadavg()
     # fitted on the cells up to 512 tokens a request: at 8192 (up to 2M tokens, a rank's
     # rows tens of MB) memory traffic bends the token terms; those cells are in the table
-    fits = {m: fit([r for r in rows if r["mode"] == m and r["tokens"] <= 512]) for m in MODES}
+    fits = {f"{m}, {k[:-3]}": fit([r for r in rows if r["mode"] == m and r["tokens"] <= 512], k)
+            for m in MODES for k in ("min_us", "median_us")}
     lines = [f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
              "mode        tokens  C  " + "".join(f"{'R=' + str(r):>18}" for r in REQUESTS)]
     for m in MODES:
