@@ -13,13 +13,17 @@ cache), with tiny heads (1 query head, head_dim 8) so that compute is negligible
 - ``torch``: with the torch reference backend (on this CPU its "kernels" are ATen
   calls, a few per segment: dispatch, not FLOPs, at these sizes);
 - ``triton``: only where it runs (a GPU, or the interpreter), skipped otherwise;
-- ``prepare``: the backend's host planning, once per forward (not per layer).
+- ``prepare``: the backend's host planning, once per forward (not per layer);
+- ``ring``: the token-sharded cache's break at C = 2 (two gloo processes), kernels
+  taken out: the ring's bookkeeping and its exchange (loopback gloo, not NVLink).
 
 extra_info carries the per-layer figure and breaks x layers for 32, 48, 64 and 80
 layers. Run: ``python -m pytest benchmarks/bench_break_overhead.py --benchmark-only``.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -28,6 +32,9 @@ from host_stack import PAGE_SIZE, batch_of, host_stack
 
 from graphcp.attention.base import AttentionBackend, AttentionSpec
 from graphcp.attention.registry import available_backends, make_attention
+from graphcp.attention.ring.attention import RingAttention
+from graphcp.attention.ring.plan import plan_sharded
+from graphcp.dist import CPGroup, barrier, launch
 from graphcp.model.forward_context import ForwardContext
 from graphcp.model.llama import attend
 
@@ -94,6 +101,41 @@ def test_backend_prepare_per_forward(benchmark, live_batch, name):
     backend = _backend(name)
     benchmark.group = "attention prepare (one forward)"
     benchmark(backend.prepare, prep.meta)
+
+
+def _ring_break_times(group: CPGroup, exchange: str, calls: int) -> list[float]:
+    """One rank of a sharded cache at C = group.size: the ring break of one layer (the
+    same 16 x 64-token batch, backends that launch nothing), ``calls`` times; seconds each."""
+    stack = host_stack(group.size, True, 16, 64, rank=group.rank)
+    prep = stack.preparer.prepare(batch_of(16, 64))
+    kv = stack.preparer.kv
+    kv.pool = torch.zeros((1, kv.num_pages, 2, PAGE_SIZE, HEADS, HEAD_DIM))
+    spec = AttentionSpec(HEADS, HEADS, HEAD_DIM, PAGE_SIZE, HEAD_DIM ** -0.5, "NHD")
+    ring = RingAttention(lambda: _NoKernel(spec), group, "cpu")
+    plan = plan_sharded(prep.plan, kv, prep.seq_ids, group.rank, exchange, torch.device("cpu"))
+    ring.prepare(plan.ring)
+    q = torch.randn(prep.ids.shape[0], HEADS, HEAD_DIM)
+    out = torch.empty_like(q)
+    times = []
+    for _ in range(calls):
+        barrier(group)  # both ranks enter together: the time is the ring's, not the other rank's lag
+        t0 = time.perf_counter()
+        ring.attend(plan.ring, _NoKernel(spec), kv.layer(0), q, out)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+@pytest.mark.parametrize("exchange", ["pass-kv", "pass-q"])
+def test_ring_break_host_time_cp2(benchmark, exchange):
+    """The sharded cache's attention break at C = 2 (two gloo processes on this machine),
+    kernels taken out: the ring's bookkeeping and its exchange over loopback gloo. Timed
+    inside the ranks (pytest-benchmark times the launch once); rank 0's figures."""
+    calls = 200
+    times = benchmark.pedantic(lambda: launch(_ring_break_times, 2, exchange, calls)[0], rounds=1, iterations=1)
+    t = np.array(times[calls // 10:]) * 1e6  # past the first calls (buffers grow once)
+    benchmark.extra_info.update(
+        per_layer_min_us=round(float(t.min()), 1), per_layer_median_us=round(float(np.median(t)), 1),
+        **{f"x{n}_layers_median_us": round(float(np.median(t)) * n, 1) for n in LAYERS})
 
 
 def _per_layer(benchmark) -> None:
