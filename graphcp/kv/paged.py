@@ -19,10 +19,16 @@ slot -1 (padding) can be redirected to slot 0 and keep the write's shape static.
 Page table
 ----------
 The allocator keeps one dense ``int32`` table ``[rows, max_pages_per_seq]``: each live
-sequence owns a row holding its ``pages`` followed by the scratch page. Every
-allocator call keeps it exactly in step with the page lists, so the per-forward
+sequence owns a row holding its pages followed by the scratch page. The table *is*
+the page lists (with each row's page and token counts beside it), so the per-forward
 :meth:`PagedKVCache.page_table` is one numpy gather, not a Python loop per request.
-Rows are recycled; when none is free the table doubles its rows.
+Rows are recycled; when too few are free the table doubles its rows.
+
+A batch is reserved and undone whole: :meth:`PagedKVCache.extend` takes all the
+batch's new pages off the free stack in one slice and writes them into the table
+rows in one scattered assignment; :meth:`PagedKVCache.rollback` gathers them back
+the same way. The free pages are a stack (a numpy array and its height), so the
+order of the free list after a rollback is exactly what it was before the extend.
 
 What a rank holds
 -----------------
@@ -38,11 +44,14 @@ rank derives every other rank's holdings from the handle (``chunks``) alone.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 
 import numpy as np
 import torch
 
+from graphcp.cp.base import arange
 from graphcp.cp.zigzag import ZigzagLayout
 from graphcp.errors import BatchError
 from graphcp.kv.layout import KVLayout, kv_cache_views
@@ -107,14 +116,28 @@ class KVHandle:
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-@dataclass
-class _Sequence:
-    num_tokens: int
-    row: int  # its row of the dense page table
-    pages: list[int] = field(default_factory=list)
-
-
 _INITIAL_ROWS = 16
+
+
+@dataclass
+class _Reservation:
+    """What one :meth:`PagedKVCache.extend` changed, to undo it without recomputing."""
+
+    ids: list[int]  # the sequence ids it returned (a copy)
+    new: list[int]  # the new tokens it reserved
+    rows: np.ndarray  # the requests' table rows
+    cells: np.ndarray | None  # flat table cells it wrote its pages to (None: no page)
+    need: int  # pages it took off the free stack
+    tokens_before: np.ndarray | int  # each row's tokens and pages before (0: all were new)
+    pages_before: np.ndarray | int
+    created: list[bool] | None  # which requests it made a new sequence for (None: all)
+
+    def undoes(self, seq_ids) -> bool:
+        """Whether a rollback of ``seq_ids`` is this extend's (the same ids, in order)."""
+        return type(seq_ids) is list and seq_ids == self.ids
+_seq_id_of = attrgetter("seq_id")
+_cache_id_of = attrgetter("cache_id")
+_num_tokens_of = attrgetter("num_tokens")
 
 
 class PagedKVCache:
@@ -152,14 +175,19 @@ class PagedKVCache:
         self._page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else None
         self.num_kv_heads, self.head_dim, self.layout = num_kv_heads, head_dim, layout
         self.pool = self._allocate_pool(dtype, device)
-        # LIFO free list: recently freed pages are reused first (warm in cache)
-        self._free: list[int] = list(range(num_pages - 1, SCRATCH_PAGE, -1))
-        self._seqs: dict[int, _Sequence] = {}
+        self._layer_views: tuple = (None, ())  # (the pool they view, its layers)
+        # the free pages, a LIFO stack: _free[:_num_free], top last (recently freed
+        # pages are reused first: warm in cache); page 1 is handed out first
+        self._free = np.arange(num_pages - 1, SCRATCH_PAGE, -1, dtype=np.int32)
+        self._num_free = num_pages - 1
+        self._rows: dict[int, int] = {}  # live sequence id -> its row of the dense table
         self._next_id = 0
         self.cache_id = uuid.uuid4().hex  # stamped on every handle this cache issues
-        # the dense page table; _row_pages[r] = len(pages) of row r's sequence (0 when free)
+        # the dense page table, and per row its sequence's page and token counts (0 when free)
         self._table = np.full((_INITIAL_ROWS, max_pages_per_seq), SCRATCH_PAGE, dtype=np.int32)
         self._row_pages = np.zeros(_INITIAL_ROWS, dtype=np.int64)
+        self._row_tokens = np.zeros(_INITIAL_ROWS, dtype=np.int64)
+        self._last: _Reservation | None = None  # the last extend, while nothing else changed
         self._free_rows: list[int] = list(range(_INITIAL_ROWS - 1, -1, -1))  # LIFO, low rows first
 
     def _allocate_pool(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -185,14 +213,28 @@ class PagedKVCache:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def _pages(self, tokens: np.ndarray) -> np.ndarray:
+        """:meth:`pages_for` of every entry of a non-negative integer array (a new array)."""
+        if self._page_shift is not None:  # a power-of-two page: an add and a shift
+            out = tokens + (self.page_size - 1)
+            out >>= self._page_shift
+            return out
+        return -(-tokens // self.page_size)
+
     def layer(self, i: int) -> torch.Tensor:
-        """The cache of global decoder layer ``i``."""
-        return self.pool[self.local_layer(i)]
+        """The cache of global decoder layer ``i`` (one view per layer, made once per pool:
+        every attention break asks, and slicing the pool costs ~1 us a time)."""
+        j = self.local_layer(i)
+        pool, views = self._layer_views
+        if pool is not self.pool:  # first use, or the pool was replaced
+            with torch.inference_mode(False):  # plain views, whichever mode the first call ran in
+                pool, views = self._layer_views = (self.pool, self.pool.unbind(0))
+        return views[j]
 
     def local_layer(self, i: int) -> int:
         """The pool index of global decoder layer ``i`` (IndexError when another stage holds it)."""
@@ -252,20 +294,32 @@ class PagedKVCache:
         view.flags.writeable = False
         return view
 
-    def _take_row(self) -> int:
-        if not self._free_rows:  # double the rows; the new ones are handed out low first
-            n, w = self._table.shape
-            table = np.full((2 * n, w), SCRATCH_PAGE, dtype=np.int32)
-            table[:n] = self._table
-            self._table = table
-            self._row_pages = np.concatenate([self._row_pages, np.zeros(n, dtype=np.int64)])
-            self._free_rows = list(range(2 * n - 1, n - 1, -1))
-        return self._free_rows.pop()
+    def _take_rows(self, k: int) -> list[int]:
+        """``k`` free table rows, in the order ``k`` pops of the row stack give them."""
+        free = self._free_rows
+        while len(free) < k:  # double the rows; the new ones are handed out low first, after the old
+            n = self._table.shape[0]
+            self._grow_rows(2 * n)
+            free[:0] = range(2 * n - 1, n - 1, -1)
+        rows = free[len(free) - k:]
+        del free[len(free) - k:]
+        rows.reverse()
+        return rows
 
-    def _truncate(self, seq: _Sequence, keep: int) -> None:
-        """Drop ``seq``'s pages past ``keep`` from its row (the page list is the caller's)."""
-        self._table[seq.row, keep : len(seq.pages)] = SCRATCH_PAGE
-        self._row_pages[seq.row] = keep
+    def _grow_rows(self, rows: int) -> None:
+        """Make the table (and every per-row array) ``rows`` rows long; new rows free."""
+        n, w = self._table.shape
+        table = np.full((rows, w), SCRATCH_PAGE, dtype=np.int32)
+        table[:n] = self._table
+        self._table = table
+        self._row_pages = np.concatenate([self._row_pages, np.zeros(rows - n, dtype=np.int64)])
+        self._row_tokens = np.concatenate([self._row_tokens, np.zeros(rows - n, dtype=np.int64)])
+
+    def _row_of(self, seq_id: int) -> int:
+        return self._rows[seq_id]
+
+    def _pages_of_row(self, row: int) -> tuple[int, ...]:
+        return tuple(self._table[row, : self._row_pages[row]].tolist())
 
     # ---- allocation -----------------------------------------------------------
     def check_handle(self, handle: KVHandle) -> None:
@@ -276,123 +330,254 @@ class PagedKVCache:
         if handle.cache_id != self.cache_id:
             raise KVHandleError(f"KV handle seq_id={handle.seq_id} was issued by another KV cache (another engine); "
                                 "pass a handle only to the engine that returned it")
-        seq = self._seqs.get(handle.seq_id)
-        if seq is None:
+        row = self._rows.get(handle.seq_id)
+        if row is None:
             raise KVHandleError(f"KV handle seq_id={handle.seq_id} is not live (released, or its forward failed)")
-        total = self._request_tokens(handle.seq_id)
+        total = int(self._request_tokens(np.array([row]))[0])
         if total != handle.num_tokens:
             raise KVHandleError(
                 f"KV handle seq_id={handle.seq_id} is stale: it holds {handle.num_tokens} tokens, "
                 f"the cache now holds {total} (it was extended since)"
             )
 
-    def _request_tokens(self, seq_id: int) -> int:
-        """A live sequence's positions (what its handle's num_tokens says): here all of
-        them are stored; a sharded cache stores a share."""
-        return self._seqs[seq_id].num_tokens
+    def prefix_rows(self, prefixes: "list[KVHandle | None]") -> np.ndarray | None:
+        """int64 [len(prefixes)]: each prefix's row of the dense table, -1 for None (a new
+        sequence); None when every entry is None. KVHandleError (as :meth:`check_handle`
+        words it, or naming a handle given twice) unless every handle is live, current,
+        this cache's and given once. Array checks over the batch; the handles are
+        checked one by one only to word an error."""
+        if prefixes.count(None) == len(prefixes):
+            return None
+        given = list(map(is_not, prefixes, repeat(None)))  # True where a handle is given
+        handles = list(compress(prefixes, given))
+        rows = self._handle_rows(handles)
+        if rows is None:
+            self._check_each(handles)  # raises, naming what is wrong
+            rows = np.fromiter(map(self._rows.__getitem__, map(_seq_id_of, handles)), np.int64, len(handles))
+        out = np.full(len(prefixes), -1, dtype=np.int64)
+        out[np.fromiter(given, bool, len(given))] = rows
+        return out
 
-    def extend(self, prefixes: "list[KVHandle | None]", new_tokens: list[int]) -> list[int]:
+    def _handle_rows(self, handles: list) -> np.ndarray | None:
+        """The rows of ``handles`` when all are live, current, this cache's and distinct;
+        None otherwise (:meth:`_check_each` then says why)."""
+        if set(map(type, handles)) != {KVHandle} or set(map(_cache_id_of, handles)) != {self.cache_id}:
+            return None
+        ids = list(map(_seq_id_of, handles))
+        if len(set(ids)) != len(ids):
+            return None
+        rows = np.fromiter(map(self._rows.get, ids, repeat(-1)), np.int64, len(ids))
+        if (rows < 0).any():
+            return None
+        held = np.fromiter(map(_num_tokens_of, handles), np.int64, len(ids))
+        if not np.array_equal(self._request_tokens(rows), held):
+            return None
+        return rows
+
+    def _check_each(self, handles: list) -> None:
+        """The handle checks one by one: raises on the first bad or repeated handle."""
+        seen: set[int] = set()
+        for h in handles:
+            self.check_handle(h)
+            if h.seq_id in seen:
+                raise KVHandleError(f"KV handle seq_id={h.seq_id} is the prefix of two requests in one batch")
+            seen.add(h.seq_id)
+
+    def _request_tokens(self, rows: np.ndarray) -> np.ndarray:
+        """int64: the positions of the live sequences in these rows (what their handles'
+        num_tokens say): here all of them are stored; a sharded cache stores a share."""
+        return self._row_tokens[rows]
+
+    def extend(self, prefixes: "list[KVHandle | None]", new_tokens) -> list[int]:
         """Reserve room for ``new_tokens[i]`` more tokens after ``prefixes[i]`` (a new
         sequence when None), all or nothing. Returns the sequence ids."""
         if len(prefixes) != len(new_tokens):
             raise ValueError("prefixes and new_tokens must have the same length")
-        seen: set[int] = set()
-        need = 0
+        new = np.asarray(new_tokens, dtype=np.int64)
+        return self._reserve(prefixes, self.prefix_rows(prefixes), new)[0]
+
+    def _reserve(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """Reserve ``new[i]`` more tokens in row ``rows[i]`` (``prefixes[i]``'s; -1, or
+        ``rows`` None: a new sequence), all or nothing; KVCacheFull naming the request
+        that does not fit. Returns the sequence ids and their rows. The batch's new pages
+        come off the free stack in one slice (request 0's first, each request's in pop
+        order) and go into the table in one scattered write: a few numpy calls whatever
+        the batch."""
+        num = new.shape[0]
         width = self._table.shape[1]
-        for i, (h, n) in enumerate(zip(prefixes, new_tokens)):
-            have = 0
-            if h is not None:
-                self.check_handle(h)
-                if h.seq_id in seen:
-                    raise KVHandleError(f"KV handle seq_id={h.seq_id} is the prefix of two requests in one batch")
-                seen.add(h.seq_id)
-                have = self._seqs[h.seq_id].num_tokens  # what this pool stores of it
-            total = self.pages_for(have + n)
-            if total > width:
-                what = "a new sequence" if h is None else f"sequence {h.seq_id}"
-                raise KVCacheFull(
-                    f"KV cache full: request {i} ({what}, {have} + {n} tokens) needs {total} pages of "
-                    f"{self.page_size} tokens, the page table holds at most {width} per sequence"
-                )
-            need += total - self.pages_for(have)
-        if need > len(self._free):
+        if rows is None:  # every request a new sequence: nothing held yet
+            have = have_pages = 0
+            total = new
+            total_pages = grow = self._pages(new)
+        else:
+            held = rows >= 0
+            have = np.where(held, self._row_tokens[rows], 0)
+            have_pages = np.where(held, self._row_pages[rows], 0)
+            total = have + new
+            total_pages = self._pages(total)
+            grow = total_pages - have_pages
+        ends = np.add.accumulate(grow)
+        need = ends.item(-1) if num else 0
+        # (when every request is new, one wider than the table makes the sum wider too)
+        if (rows is not None or need > width) and num and int(np.maximum.reduce(total_pages)) > width:
+            self._refuse_width(prefixes, rows, new, total_pages)
+        if need > self._num_free:
             raise KVCacheFull(
                 f"KV cache full: the batch needs {need} more pages of {self.page_size} tokens, "
-                f"{len(self._free)} are free (pool of {self.num_pages - 1} usable pages)"
+                f"{self._num_free} are free (pool of {self.num_pages - 1} usable pages)"
             )
-        ids = []
-        for h, n in zip(prefixes, new_tokens):
-            if h is None:
-                sid, seq = self._next_id, _Sequence(0, self._take_row())
-                self._next_id += 1
-                self._seqs[sid] = seq
-            else:
-                sid, seq = h.seq_id, self._seqs[h.seq_id]
-            have = len(seq.pages)
-            grow = self.pages_for(seq.num_tokens + n) - have
-            if grow:
-                taken = self._free[-grow:]  # slices, not a pop per page: batches take thousands
-                del self._free[-grow:]
-                taken.reverse()
-                seq.pages.extend(taken)
-                self._table[seq.row, have : have + grow] = taken
-                self._row_pages[seq.row] = have + grow
-            seq.num_tokens += n
-            ids.append(sid)
-        return ids
+        # nothing can fail past this point
+        first = self._next_id
+        if rows is None:
+            created = None
+            fresh = self._take_rows(num)
+            ids = list(range(first, first + num))
+            self._rows.update(zip(ids, fresh))
+            rows = np.array(fresh, dtype=np.int64)
+        else:
+            new_seq = rows < 0
+            created = new_seq.tolist()
+            fresh = self._take_rows(sum(created))
+            rows = rows.copy()
+            rows[new_seq] = fresh
+            fresh_ids = iter(range(first, first + len(fresh)))
+            ids = [next(fresh_ids) if h is None else h.seq_id for h in prefixes]
+            self._rows.update(zip(range(first, first + len(fresh)), fresh))
+        self._next_id = first + len(fresh)
+        cells = None
+        if need:
+            top = self._num_free
+            self._num_free = top - need
+            # request i's pages go to cells [rows[i], have_pages[i] : total_pages[i])
+            cells = rows * width
+            cells += total_pages
+            cells -= ends
+            cells = cells.repeat(grow)
+            cells += arange(need)
+            self._table.reshape(-1)[cells] = self._free[top - need : top][::-1]
+        self._row_pages[rows] = total_pages
+        self._row_tokens[rows] = total
+        self._last = _Reservation(ids[:], new.tolist(), rows, cells, need, have, have_pages, created)
+        return ids, rows
 
-    def rollback(self, seq_ids: list[int], new_tokens: list[int]) -> None:
-        """Undo an :meth:`extend` (a forward that failed after reserving). Sequences are
-        undone last-first and pages pushed back in reverse pop order, so the free list
-        (its order included) is exactly what it was before the extend."""
-        for sid, n in reversed(list(zip(seq_ids, new_tokens))):
-            self._shrink(sid, n, drop=self._seqs[sid].num_tokens == n)
+    def _refuse_width(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray,
+                      total_pages: np.ndarray) -> None:
+        """KVCacheFull naming the first request that needs more pages than a table row holds."""
+        width = self._table.shape[1]
+        i = int(np.argmax(total_pages > width))
+        old = rows is not None and rows[i] >= 0
+        what = f"sequence {prefixes[i].seq_id}" if old else "a new sequence"
+        have = int(self._row_tokens[rows[i]]) if old else 0
+        raise KVCacheFull(
+            f"KV cache full: request {i} ({what}, {have} + {int(new[i])} tokens) needs {int(total_pages[i])} "
+            f"pages of {self.page_size} tokens, the page table holds at most {width} per sequence"
+        )
 
-    def _shrink(self, sid: int, n: int, drop: bool) -> None:
-        """Give back sequence ``sid``'s last ``n`` tokens (their pages, in reverse pop
-        order); ``drop``: the sequence was created by the undone extend, so it goes too."""
-        seq = self._seqs[sid]
-        seq.num_tokens -= n
-        keep = self.pages_for(seq.num_tokens)
-        if len(seq.pages) > keep:
-            self._free.extend(reversed(seq.pages[keep:]))
-            self._truncate(seq, keep)
-            del seq.pages[keep:]
-        if drop:
-            del self._seqs[sid]
-            self._free_rows.append(seq.row)  # undone last-first: the row free list is restored too
+    def rollback(self, seq_ids: list[int], new_tokens) -> None:
+        """Undo an :meth:`extend` (a forward that failed after reserving): give back each
+        sequence's last ``new_tokens[i]`` tokens and drop the sequences it created. The
+        pages go back in reverse pop order and the rows likewise, so the free lists
+        (their order included) are exactly what they were before the extend."""
+        new = np.asarray(new_tokens, dtype=np.int64)
+        last = self._last
+        if last is not None and last.undoes(seq_ids) and last.new == new.tolist():
+            self._undo_last()
+            return
+        rows = self.table_rows(seq_ids)
+        tokens = self._row_tokens[rows]
+        tokens -= new
+        self._undo(seq_ids, rows, tokens, tokens == 0)
+
+    def _undo_last(self) -> None:
+        """Undo the last :meth:`extend` when nothing changed since (what a failed forward
+        undoes): its pages still lie above the free stack's top, in order, and the cells
+        they went to are known, so the undo writes back what it wrote."""
+        last, self._last = self._last, None
+        if last.need:
+            self._table.reshape(-1)[last.cells] = SCRATCH_PAGE
+            self._num_free += last.need
+        rows = last.rows
+        self._row_pages[rows] = last.pages_before
+        self._row_tokens[rows] = last.tokens_before
+        self._drop(last.ids, rows, [True] * len(last.ids) if last.created is None else last.created)
+
+    def _undo(self, seq_ids, rows: np.ndarray, tokens: np.ndarray, drop: np.ndarray) -> None:
+        """Shrink row ``rows[i]`` to ``tokens[i]`` tokens (its pages past them back on the
+        free stack, last first, in one gather) and drop the sequences marked in ``drop``
+        (created by the undone extend)."""
+        self._last = None
+        keep = self._pages(tokens)
+        count = self._row_pages[rows]
+        count -= keep
+        ends = np.add.accumulate(count)
+        total = ends.item(-1) if ends.shape[0] else 0
+        if total:
+            cells = rows * self._table.shape[1]
+            cells += keep
+            cells += count
+            cells -= ends
+            cells = cells.repeat(count)
+            cells += arange(total)
+            flat = self._table.reshape(-1)
+            top = self._num_free
+            self._free[top : top + total] = flat[cells][::-1]
+            self._num_free = top + total
+            flat[cells] = SCRATCH_PAGE
+        self._row_pages[rows] = keep
+        self._row_tokens[rows] = tokens
+        self._drop(seq_ids, rows, drop.tolist())
+
+    def _drop(self, seq_ids, rows: np.ndarray, drop: list[bool]) -> None:
+        """Forget the sequences marked in ``drop`` and push their rows, last first (the
+        row stack as it was before the extend that took them)."""
+        if all(drop):
+            gone, gone_rows = seq_ids, rows.tolist()
+        elif any(drop):
+            gone, gone_rows = list(compress(seq_ids, drop)), list(compress(rows.tolist(), drop))
+        else:
+            return
+        for _ in map(self._rows.__delitem__, gone):  # (C-level loop)
+            pass
+        gone_rows.reverse()
+        self._free_rows.extend(gone_rows)
 
     def handle(self, seq_id: int) -> KVHandle:
-        seq = self._seqs[seq_id]
-        return KVHandle(seq_id, seq.num_tokens, tuple(seq.pages), self.cache_id)
+        row = self._rows[seq_id]
+        return KVHandle(seq_id, int(self._row_tokens[row]), self._pages_of_row(row), self.cache_id)
 
     def release(self, handle: KVHandle) -> None:
         if not isinstance(handle, KVHandle) or handle.cache_id != self.cache_id:
             self.check_handle(handle)  # raises, naming what is wrong
-        seq = self._seqs.pop(handle.seq_id, None)
-        if seq is None:
+        row = self._rows.pop(handle.seq_id, None)
+        if row is None:
             raise KVHandleError(f"KV handle seq_id={handle.seq_id} is not live (already released?)")
-        self._free.extend(reversed(seq.pages))
-        self._truncate(seq, 0)
-        self._free_rows.append(seq.row)
+        self._last = None
+        n, top = int(self._row_pages[row]), self._num_free
+        self._free[top : top + n] = self._table[row, :n][::-1]
+        self._num_free = top + n
+        self._table[row, :n] = SCRATCH_PAGE
+        self._row_pages[row] = self._row_tokens[row] = 0
+        self._free_rows.append(row)
 
     def stored_tokens(self) -> int:
         """Tokens whose KV this pool holds for live sequences."""
-        return sum(seq.num_tokens for seq in self._seqs.values())
+        return int(self._row_tokens.sum())  # free rows hold 0
 
     def stored_pages(self) -> int:
         """Pages this pool has handed out (scratch excluded)."""
-        return self.num_pages - 1 - len(self._free)
+        return self.num_pages - 1 - self._num_free
 
     def snapshot(self) -> tuple:
-        """Allocator state, for tests that assert a failed call changed nothing."""
-        return (tuple(self._free), tuple((k, v.num_tokens, tuple(v.pages)) for k, v in sorted(self._seqs.items())))
+        """Allocator state, for tests that assert a failed call changed nothing: the free
+        stack (bottom first) and each live sequence's (id, tokens, pages)."""
+        free = tuple(self._free[: self._num_free].tolist())
+        rt = self._row_tokens
+        return free, tuple((k, int(rt[r]), self._pages_of_row(r)) for k, r in sorted(self._rows.items()))
 
     # ---- metadata -------------------------------------------------------------
     def table_rows(self, seq_ids: list[int]) -> np.ndarray:
         """[len(seq_ids)] int64: each live sequence's row of :attr:`table`."""
-        seqs = self._seqs
-        return np.array([seqs[s].row for s in seq_ids], dtype=np.int64)
+        return np.fromiter(map(self._rows.__getitem__, seq_ids), np.int64, len(seq_ids))
 
     def page_table(self, seq_ids: list[int], width: int | None = None) -> np.ndarray:
         """[len(seq_ids), width] int32 page ids, padded with the scratch page (a fresh

@@ -18,25 +18,14 @@ one rank's pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from itertools import repeat
+from operator import add, itemgetter, not_
 
 import numpy as np
 
 from graphcp.cp.zigzag import rank_token_counts
-from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError, PagedKVCache
+from graphcp.kv.paged import KVCacheFull, KVHandle, PagedKVCache
 from graphcp.kv.spans import KVSpan, position_spans
-
-
-@dataclass
-class _Shares:
-    """The ledger entry of one live request (the same on every rank)."""
-
-    rank_tokens: np.ndarray  # int64 [C]: positions each rank holds
-    chunks: list[tuple[int, int]] = field(default_factory=list)  # (cached, new) of each forward
-
-    @property
-    def total(self) -> int:
-        return int(self.rank_tokens.sum())
 
 
 class ShardedKVCache(PagedKVCache):
@@ -50,9 +39,17 @@ class ShardedKVCache(PagedKVCache):
         if not 0 <= rank < cp_size:
             raise ValueError(f"rank must be in [0, {cp_size}), got {rank}")
         self.cp_size, self.rank = cp_size, rank
-        self._shares: dict[int, _Shares] = {}
+        # the ledger: per table row, the positions each rank holds of its request, and per
+        # live request the (cached, new) tokens of every forward that wrote it, in order
+        self._held = np.zeros((self._table.shape[0], cp_size), dtype=np.int64)
+        self._chunks: dict[int, tuple[tuple[int, int], ...]] = {}
         #: pages each rank's pool has handed out (scratch excluded), from the ledger
         self._used = np.zeros(cp_size, dtype=np.int64)
+
+    def _grow_rows(self, rows: int) -> None:
+        super()._grow_rows(rows)
+        more = np.zeros((rows - self._held.shape[0], self.cp_size), dtype=np.int64)
+        self._held = np.concatenate([self._held, more])
 
     # ---- capacity ---------------------------------------------------------------
     @property
@@ -76,50 +73,47 @@ class ShardedKVCache(PagedKVCache):
         """int64 [C]: free pages of every rank's pool."""
         return self.num_pages - 1 - self._used
 
-    def _request_tokens(self, seq_id: int) -> int:
-        return self._shares[seq_id].total
+    def _request_tokens(self, rows: np.ndarray) -> np.ndarray:
+        return self._held[rows].sum(axis=1)
 
     # ---- allocation -------------------------------------------------------------
-    def extend(self, prefixes: "list[KVHandle | None]", new_tokens: list[int]) -> list[int]:
+    def extend(self, prefixes: "list[KVHandle | None]", new_tokens) -> list[int]:
         """Reserve, on every rank, each request's share of ``new_tokens[i]`` more tokens
         after ``prefixes[i]``; all or nothing, and the same outcome on every rank."""
         if len(prefixes) != len(new_tokens):
             raise ValueError("prefixes and new_tokens must have the same length")
-        counts = rank_token_counts(self.cp_size, np.asarray(new_tokens, dtype=np.int64))  # [C, R]
-        held = np.zeros_like(counts)
-        seen: set[int] = set()
-        for i, h in enumerate(prefixes):
-            if h is not None:
-                self.check_handle(h)
-                if h.seq_id in seen:
-                    raise KVHandleError(f"KV handle seq_id={h.seq_id} is the prefix of two requests in one batch")
-                seen.add(h.seq_id)
-                held[:, i] = self._shares[h.seq_id].rank_tokens
-        self._check_room(held, counts)
-        ids = super().extend(prefixes, counts[self.rank].tolist())
-        for i, (sid, h) in enumerate(zip(ids, prefixes)):
-            sh = self._shares.get(sid)
-            if sh is None:
-                sh = self._shares[sid] = _Shares(np.zeros(self.cp_size, dtype=np.int64))
-            sh.chunks.append((0 if h is None else h.num_tokens, int(new_tokens[i])))
-            sh.rank_tokens = sh.rank_tokens + counts[:, i]
-        self._used += self._pages(held + counts).sum(axis=1) - self._pages(held).sum(axis=1)
+        rows = self.prefix_rows(prefixes)
+        new = np.asarray(new_tokens, dtype=np.int64)
+        counts = rank_token_counts(self.cp_size, new)  # [C, R]
+        if rows is None:
+            held = np.zeros_like(counts)
+        else:
+            held = np.where(rows >= 0, self._held[rows].T, 0)
+        after = held + counts
+        need = self._check_room(held, after)
+        ids, rows = self._reserve(prefixes, rows, counts[self.rank])
+        self._held[rows] = after.T
+        # each request's chunks gain (cached, new): zip(zip(a, b)) yields ((a_i, b_i),)
+        chunks = self._chunks
+        cached = held.sum(axis=0).tolist()
+        chunks.update(zip(ids, map(add, map(chunks.get, ids, repeat(())), zip(zip(cached, new.tolist())))))
+        self._used += need
         return ids
 
-    def _pages(self, tokens: np.ndarray) -> np.ndarray:
-        return -(-tokens // self.page_size)
-
-    def _check_room(self, held: np.ndarray, counts: np.ndarray) -> None:
-        """KVCacheFull (on every rank alike) unless every rank's pool takes its share."""
-        after = self._pages(held + counts)  # [C, R]
+    def _check_room(self, held: np.ndarray, after: np.ndarray) -> np.ndarray:
+        """int64 [C]: the pages the batch takes on every rank (``held``: each rank's tokens
+        of each request before, ``after``: after); KVCacheFull (on every rank alike)
+        unless every rank's pool takes its share."""
+        after = self._pages(after)  # [C, R]
         width = self.table_width
-        if (after > width).any():
+        if after.size and int(np.maximum.reduce(after, axis=None)) > width:
             k, j = (int(x[0]) for x in np.nonzero(after > width))
             raise KVCacheFull(
                 f"KV cache full: request {j} needs {int(after[k, j])} pages of {self.page_size} tokens on rank {k}, "
                 f"the page table holds at most {width} per sequence"
             )
-        need = after.sum(axis=1) - self._pages(held).sum(axis=1)
+        need = np.add.reduce(after, axis=1)
+        need -= np.add.reduce(self._pages(held), axis=1)
         free = self.rank_free_pages()
         short = np.flatnonzero(need > free)
         if short.size:
@@ -129,40 +123,51 @@ class ShardedKVCache(PagedKVCache):
                 f"there, {int(free[k])} are free (one rank's pool: {self.num_pages - 1} usable pages, "
                 f"{self.rank_capacity_tokens} tokens; the sharded cache spreads each request over {self.cp_size} pools)"
             )
+        return need
 
-    def rollback(self, seq_ids: list[int], new_tokens: list[int]) -> None:
-        for sid in reversed(seq_ids):
-            sh = self._shares[sid]
-            cached, new = sh.chunks.pop()
-            counts = rank_token_counts(self.cp_size, np.array([new], dtype=np.int64))[:, 0]
-            before = sh.rank_tokens - counts
-            self._used -= self._pages(sh.rank_tokens) - self._pages(before)
-            sh.rank_tokens = before
-            dropped = not sh.chunks
-            if dropped:
-                del self._shares[sid]
-            self._shrink(sid, int(counts[self.rank]), drop=dropped)
+    def rollback(self, seq_ids: list[int], new_tokens=None) -> None:
+        """Undo an :meth:`extend`: each request's last chunk (the ledger's, so
+        ``new_tokens`` is not needed) comes off every rank's share at once."""
+        rows = self.table_rows(seq_ids)
+        chunks = list(map(self._chunks.__getitem__, seq_ids))
+        new = np.fromiter(map(itemgetter(1), map(itemgetter(-1), chunks)), np.int64, len(chunks))
+        counts = rank_token_counts(self.cp_size, new)  # [C, R]
+        after = self._held[rows].T
+        before = after - counts
+        self._used -= self._pages(after).sum(axis=1) - self._pages(before).sum(axis=1)
+        self._held[rows] = before.T
+        rest = list(map(itemgetter(slice(None, -1)), chunks))
+        self._chunks.update(zip(seq_ids, rest))
+        dropped = np.fromiter(map(not_, rest), bool, len(rest))  # no chunk left: the extend created it
+        for i in np.flatnonzero(dropped).tolist():
+            del self._chunks[seq_ids[i]]
+        last = self._last
+        if last is not None and last.undoes(seq_ids):  # the last extend, nothing changed since
+            self._undo_last()
+        else:
+            self._undo(seq_ids, rows, self._row_tokens[rows] - counts[self.rank], dropped)
 
     def release(self, handle: KVHandle) -> None:
+        row = self._rows.get(handle.seq_id) if isinstance(handle, KVHandle) else None
         super().release(handle)  # checks the handle, frees this rank's pages
-        sh = self._shares.pop(handle.seq_id)
-        self._used -= self._pages(sh.rank_tokens)
+        self._used -= self._pages(self._held[row])
+        self._held[row] = 0
+        del self._chunks[handle.seq_id]
 
     def handle(self, seq_id: int) -> KVHandle:
-        sh = self._shares[seq_id]
-        return KVHandle(seq_id, sh.total, tuple(self._seqs[seq_id].pages), self.cache_id, "sharded",
-                        self.cp_size, tuple(sh.chunks), tuple(int(x) for x in sh.rank_tokens))
+        row = self._rows[seq_id]
+        held = self._held[row].tolist()
+        return KVHandle(seq_id, sum(held), self._pages_of_row(row), self.cache_id, "sharded",
+                        self.cp_size, self._chunks[seq_id], tuple(held))
 
     def snapshot(self) -> tuple:
-        ledger = tuple((k, tuple(v.chunks), tuple(v.rank_tokens.tolist())) for k, v in sorted(self._shares.items()))
+        ledger = tuple((k, self._chunks[k], tuple(self._held[r].tolist())) for k, r in sorted(self._rows.items()))
         return super().snapshot() + (ledger, tuple(self._used.tolist()))
 
     # ---- what the ring reads ----------------------------------------------------
     def rank_tokens(self, seq_ids: list[int]) -> np.ndarray:
         """int64 [C, len(seq_ids)]: positions each rank holds of these live sequences."""
-        if not seq_ids:
-            return np.zeros((self.cp_size, 0), dtype=np.int64)
-        return np.stack([self._shares[s].rank_tokens for s in seq_ids], axis=1)
+        return np.ascontiguousarray(self._held[self.table_rows(seq_ids)].T)
 
     def rank_used_pages(self) -> np.ndarray:
         """int64 [C]: pages every rank's pool has handed out (the ledger's count)."""

@@ -32,12 +32,19 @@ from graphcp.nvtx_ranges import nvtx_range
 from graphcp.options import MoeLayout
 
 
+_ATTENTION_RANGES: dict[int, str] = {}  # the breaks' range names, formatted once a layer
+
+
+def _attention_range(layer: int) -> str:
+    return _ATTENTION_RANGES.setdefault(layer, f"attention[{layer}]")
+
+
 def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
     """Attend this rank's query rows over the cache (a sharded cache: the ring);
     writes ``out`` in place. A cache that keeps only some layers (LayerSplit) first
     fetches the batch's cached-prefix pages of this layer from their owner (the live
     batch's pages: in the break)."""
-    with nvtx_range(f"attention[{layer}]", category="break"):
+    with nvtx_range(_ATTENTION_RANGES.get(layer) or _attention_range(layer), category="break"):
         if ctx.prefix_pages is not None:
             ctx.add_received(ctx.kv_cache.fetch_prefix(layer, ctx.prefix_pages, ctx.group))
         cp_attend(ctx, layer, q, out)

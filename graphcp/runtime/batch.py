@@ -14,6 +14,8 @@ import time
 import zlib
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import attrgetter
 from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
@@ -111,15 +113,15 @@ class BatchPreparer:
         ``call_args``: the call's options every rank must agree on, as integers."""
         t0 = time.perf_counter()
         with nvtx_range("plan", category="host"):
-            flat, extend = self._validate(batch) if verified else self.validate(batch, call_args)
-            prefix = np.fromiter((0 if r.prefix is None else r.prefix.num_tokens for r in batch),
-                                 dtype=np.int64, count=len(batch))
-            plan = self.layout.plan(extend_lens=extend, prefix_lens=prefix)
-        seq_ids = self.kv.extend([r.prefix for r in batch], extend.tolist())
+            checked = self._validate(batch)
+            if not verified:
+                self._check_consistency_of(batch, checked, call_args)
+            plan = self.layout.plan(extend_lens=checked.extend, prefix_lens=checked.prefix)
+        seq_ids = self.kv.extend(checked.prefixes, checked.extend)
         try:
-            prep = self.rank_inputs(plan, seq_ids, flat)
+            prep = self.rank_inputs(plan, seq_ids, checked.flat)
         except BaseException:
-            self.kv.rollback(seq_ids, extend.tolist())
+            self.kv.rollback(seq_ids, checked.extend)
             raise
         if self.kv.needs_prefix_fetch:
             prep.prefix_pages = _prefix_pages(batch)
@@ -130,22 +132,30 @@ class BatchPreparer:
         """Check a batch (BatchError naming the request) and that every rank was given
         the same batch and options; the token ids flattened in batch order and each
         request's number of new tokens."""
-        flat, extend = self._validate(batch)
+        checked = self._validate(batch)
+        self._check_consistency_of(batch, checked, call_args)
+        return checked.flat, checked.extend
+
+    def _check_consistency_of(self, batch: Sequence[Request], checked: CheckedBatch,
+                              call_args: Sequence[int]) -> None:
         group = self.consistency_group or self.group
         if self.check_consistency and group.distributed:
-            prefix = np.fromiter((0 if r.prefix is None else r.prefix.num_tokens for r in batch),
-                                 dtype=np.int64, count=len(batch))
-            self._check_consistency(group, flat, extend, prefix, batch, call_args)
-        return flat, extend
+            self._check_consistency(group, checked.flat, checked.extend, checked.prefix, batch, call_args)
 
     def abort(self, prep: PreparedBatch) -> None:
         """Give back the KV a prepared batch reserved (its forward failed or was dropped)."""
-        self.kv.rollback(prep.seq_ids, prep.plan.extend_lens.tolist())
+        self.kv.rollback(prep.seq_ids, prep.plan.extend_lens)
 
-    def _validate(self, batch: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
-        """The batch's token ids, flattened in batch order (int64), and each request's
-        number of new tokens; BatchError naming the request when something is wrong
-        (types included: every refused batch is a BatchError, and changes nothing)."""
+    def _validate(self, batch: Sequence[Request]) -> CheckedBatch:
+        """The checked batch; BatchError naming the request (and position) when something
+        is wrong (types included: every refused batch is a BatchError, and changes
+        nothing). Array checks over the whole batch (:func:`_check_batch`); a batch they
+        do not pass goes through :meth:`_validate_each`, which words the error."""
+        self._check_batch_container(batch)
+        checked = _check_batch(batch, self.kv, self.vocab_size, min(self.max_context, self.kv.capacity_tokens))
+        return checked if checked is not None else self._validate_each(batch)
+
+    def _check_batch_container(self, batch: Sequence[Request]) -> None:
         if isinstance(batch, (str, bytes)) or not isinstance(batch, SequenceABC):
             raise BatchError(f"a batch must be a list of graphcp.Request, got {type(batch).__name__}")
         if len(batch) == 0:
@@ -153,6 +163,10 @@ class BatchPreparer:
         if self.max_requests is not None and len(batch) > self.max_requests:
             raise BatchError(f"batch has {len(batch)} requests; the attention backend was sized for "
                              f"RuntimeConfig.max_requests={self.max_requests}")
+
+    def _validate_each(self, batch: Sequence[Request]) -> CheckedBatch:
+        """:meth:`_validate` request by request: the reference the array checks must
+        agree with, and the path that names the first bad request and position."""
         vocab = self.vocab_size
         out = []
         extended: dict[int, int] = {}  # seq_id -> the request extending it
@@ -181,7 +195,10 @@ class BatchPreparer:
                 raise BatchError(f"request {j}: {have + t.size} tokens exceed the KV pool of {self.kv.capacity_tokens}")
             out.append(t.astype(np.int64, copy=False))
         flat = check_vocabulary(out, vocab)
-        return flat, np.fromiter((t.shape[0] for t in out), dtype=np.int64, count=len(out))
+        prefixes = [r.prefix for r in batch]
+        prefix = np.array([0 if h is None else h.num_tokens for h in prefixes], dtype=np.int64)
+        return CheckedBatch(flat, np.fromiter((t.shape[0] for t in out), dtype=np.int64, count=len(out)),
+                            prefix, prefixes)
 
     def _check_consistency(self, group: CPGroup, flat: np.ndarray, extend: np.ndarray, prefix: np.ndarray, batch,
                            call_args: Sequence[int] = ()) -> None:
@@ -229,6 +246,64 @@ class BatchPreparer:
 
 
 _INT64_MAX = np.iinfo(np.int64).max
+_num_tokens_of = attrgetter("num_tokens")
+_INT64 = {np.dtype(np.int64)}
+#: the token dtypes the array checks take (native integers; others go request by
+#: request, which takes or words them)
+_INTEGER_DTYPES = {np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
+                                          np.uint8, np.uint16, np.uint32, np.uint64)}
+
+
+@dataclass
+class CheckedBatch:
+    """A batch that passed validation, as the preparer uses it."""
+
+    flat: np.ndarray  # int64 [tokens]: the token ids, flattened in batch order
+    extend: np.ndarray  # int64 [R]: each request's new tokens
+    prefix: np.ndarray  # int64 [R]: each request's cached tokens (0 without a prefix)
+    prefixes: list  # each request's prefix handle, or None
+
+
+def _check_batch(batch: Sequence, kv: PagedKVCache, vocab: int, max_tokens: int) -> CheckedBatch | None:
+    """The batch checked with array operations over all of it (a few numpy calls, and
+    C-level maps over the requests: no Python per request or token); None when any
+    check fails or an input is unusual (then :meth:`BatchPreparer._validate_each`
+    finds and names the culprit). Accepts exactly what that accepts, with the same
+    result: 1-D integer token ids (arrays, CPU tensors, lists), non-empty, every id
+    in ``[0, vocab)``, live distinct prefix handles, ``max_tokens`` per request."""
+    if set(map(type, batch)) != {Request}:
+        return None
+    try:  # CPU tensors convert without a copy; what cannot convert is worded by the per-request path
+        arrays = list(map(np.asarray, [r.tokens for r in batch]))
+    except Exception:  # noqa: BLE001 - any failure: the per-request path says what and where
+        return None
+    dtypes = {a.dtype for a in arrays}  # (comprehensions: Python 3.11's attribute loads beat attrgetter)
+    if {a.ndim for a in arrays} != {1} or not dtypes <= _INTEGER_DTYPES:
+        return None
+    lens = list(map(len, arrays))  # (small lists: Python's min and max beat numpy's)
+    if min(lens) < 1:
+        return None
+    extend = np.array(lens, dtype=np.int64)
+    prefixes = [r.prefix for r in batch]
+    try:
+        rows = kv.prefix_rows(prefixes)
+    except KVHandleError:
+        return None
+    if rows is None:
+        prefix = np.zeros(len(lens), dtype=np.int64)
+        if max(lens) > max_tokens:
+            return None
+    else:
+        given = rows >= 0
+        prefix = np.zeros(len(lens), dtype=np.int64)
+        prefix[given] = np.fromiter(map(_num_tokens_of, compress(prefixes, given)), np.int64, int(given.sum()))
+        if int(np.maximum.reduce(prefix + extend)) > max_tokens:
+            return None
+    # uint64 ids past int64 wrap negative here; a negative id, seen unsigned, is >= vocab
+    flat = np.concatenate(arrays) if dtypes == _INT64 else np.concatenate(arrays, dtype=np.int64, casting="unsafe")
+    if int(np.maximum.reduce(flat.view(np.uint64))) >= vocab:
+        return None
+    return CheckedBatch(flat, extend, prefix, prefixes)
 
 
 def _prefix_pages(batch: Sequence[Request]) -> np.ndarray | None:

@@ -72,12 +72,26 @@ class TorchAttention(AttentionBackend):
     #: query rows per score block when LSE is asked (bounds the float32 score memory)
     lse_block_rows = 1024
 
+    #: (metadata, its segments with their page indices as tensors) of the forward
+    #: :meth:`prepare` planned: every layer's call reads them instead of redoing them
+    _planned: tuple | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self._planned = (meta, self._runs(meta))
+
+    @staticmethod
+    def _runs(meta: AttentionMetadata) -> list[tuple[int, int, int, torch.Tensor]]:
+        """:func:`coalesced_segments` with each page list a long tensor on the metadata's device."""
+        return [(q0, q1, kv_len, torch.as_tensor(pages, device=meta.device, dtype=torch.long))
+                for q0, q1, kv_len, pages in coalesced_segments(meta)]
+
     def forward(self, q, kv_cache, meta: AttentionMetadata, out, lse=None) -> None:
         spec = self.spec
         group = spec.num_q_heads // spec.num_kv_heads
         k_pages, v_pages = kv_cache_views(kv_cache, spec.kv_layout)
         causal = meta.causal
-        for q0, q1, kv_len, pages in coalesced_segments(meta):
+        planned = self._planned
+        for q0, q1, kv_len, pages in planned[1] if planned is not None and planned[0] is meta else self._runs(meta):
             if kv_len == 0:  # non-causal rows that see no key (the contract's values)
                 out[q0:q1] = 0
                 if lse is not None:

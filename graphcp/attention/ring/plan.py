@@ -88,27 +88,55 @@ class ShardedInputs:
     ring: RingPlan
 
 
-def visible_keys(start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
-    """int64 [C (queries), C (keys), R, 2]: keys of rank k a query block (q, j, e) sees,
-    from positions (module doc); 0 for empty query blocks. Raises RingPlanError unless
-    every query row gets its whole causal history."""
-    end = start + length  # one past each block's last position
-    end_q = end[:, None]  # [C, 1, R, 2]
-    vis = held_before[None, :, :, None] + np.zeros_like(end_q)
-    for e in (0, 1):
-        vis += np.clip(end_q - start[None, :, :, e : e + 1], 0, length[None, :, :, e : e + 1])
-    empty = (length == 0)[:, None]
-    vis = np.where(empty, 0, vis)
-    live = ~empty[:, 0]
-    total = vis.sum(axis=1)
+def _seen(end_q: np.ndarray, start: np.ndarray, length: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """Keys of a key rank that query blocks ending at ``end_q`` see (shapes broadcast;
+    the last axis of ``start``/``length`` is the key rank's early and late block)."""
+    vis = np.minimum(np.maximum(end_q - start[..., :1], 0), length[..., :1])
+    vis += np.minimum(np.maximum(end_q - start[..., 1:], 0), length[..., 1:])
+    vis += held[..., None]
+    return vis
+
+
+def _check_history(total: np.ndarray, end: np.ndarray, live: np.ndarray, ranks: np.ndarray) -> None:
+    """RingPlanError unless every live query block (ranks[q]'s, [Q, R, 2]) sees exactly
+    its causal history, ``end`` keys, over all steps (``total``)."""
     if not np.array_equal(total[live], end[live]):
         q, j, e = (int(x[0]) for x in np.nonzero(live & (total != end)))
         raise RingPlanError(
-            f"ring plan: rank {q}'s {'late' if e else 'early'} block of request {j} ends at position "
+            f"ring plan: rank {int(ranks[q])}'s {'late' if e else 'early'} block of request {j} ends at position "
             f"{int(end[q, j, e]) - 1} but the ring's steps show it {int(total[q, j, e])} keys (expected "
             f"{int(end[q, j, e])}); the cache's ledger and the batch plan disagree"
         )
+
+
+def visible_keys(start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
+    """int64 [C (queries), C (keys), R, 2]: keys of rank k a query block (q, j, e) sees,
+    from positions (module doc); 0 for empty query blocks. Raises RingPlanError unless
+    every query row gets its whole causal history. (Every rank's: O(C^2 R); a rank's
+    forward needs only its own row and column, :func:`visible_keys_of`.)"""
+    end = start + length  # one past each block's last position
+    vis = _seen(end[:, None], start[None], length[None], held_before[None])
+    empty = (length == 0)[:, None]
+    vis = np.where(empty, 0, vis)
+    _check_history(vis.sum(axis=1), end, ~empty[:, 0], np.arange(start.shape[0]))
     return vis
+
+
+def visible_keys_of(rank: int, start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
+    """``visible_keys(...)[rank]``, int64 [C, R, 2]: what this rank's query blocks see of
+    every rank's keys, O(C R). Raises RingPlanError unless this rank's rows get their
+    whole causal history (every rank checks its own)."""
+    end = start + length
+    row = np.where(length[rank] == 0, 0, _seen(end[rank], start, length, held_before))
+    _check_history(row.sum(axis=0)[None], end[rank][None], (length[rank] > 0)[None], np.array([rank]))
+    return row
+
+
+def visible_keys_to(rank: int, start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
+    """``visible_keys(...)[:, rank]``, int64 [C, R, 2]: what every rank's query blocks see
+    of this rank's keys (what pass-Q attends here), O(C R)."""
+    col = _seen(start + length, start[rank], length[rank], held_before[rank])
+    return np.where(length == 0, 0, col)
 
 
 def _meta(cu: np.ndarray, kv_lens: np.ndarray, table: np.ndarray, page_size: int, device, causal: bool):
@@ -121,13 +149,44 @@ def _cu(q_lens: np.ndarray) -> np.ndarray:
     return cu
 
 
-def _staged_table(pages: np.ndarray) -> np.ndarray:
-    """[R, width] page rows of a KV message laid out in a staging buffer: request j's
-    pages follow request j-1's, after the scratch page 0."""
-    base = 1 + _cu(pages)[:-1]
-    width = max(int(pages.max(initial=0)), 1)
-    col = np.arange(width)
-    return np.where(col < pages[:, None], base[:, None] + col, 0)
+def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: np.ndarray | None,
+                length: np.ndarray, pages: np.ndarray, seg_request: np.ndarray, seg_table: np.ndarray, page_size: int,
+                device) -> list[AttentionMetadata]:
+    """Steps 1 .. C-1's metadata, built for all steps at once into one packed int32
+    buffer (a row a step: cu_seqlens_q, kv_lens, page table, as ``from_host`` packs
+    one); the per-step Python is the metadata object alone. Pass-KV: this rank's rows
+    over rank (r - i)'s staged pages (a table as wide as the widest message's
+    request, scratch past each); pass-Q: rank (r - i)'s rows over this rank's pages."""
+    C = row.shape[0]
+    if C == 1:
+        return []
+    srcs = (rank - np.arange(1, C)) % C
+    n = C - 1
+    S = seg_request.shape[0]
+    if exchange == "pass-kv":
+        src_pages = pages[srcs]  # [n, R]
+        width = max(int(src_pages.max(initial=0)), 1)
+        first = 1 + np.add.accumulate(src_pages, axis=1) - src_pages  # after the scratch page
+        column = np.arange(width)
+        tables = np.where(column < src_pages[..., None], first[..., None] + column, 0)[:, seg_request]
+        kv_lens = row[srcs].reshape(n, S)
+        cus, q_lens = cu, length[rank].reshape(1, S)  # every step: this rank's rows
+    else:
+        width = seg_table.shape[1]
+        tables = seg_table  # every step: this rank's pages
+        kv_lens = col[srcs].reshape(n, S)
+        q_lens = length[srcs].reshape(n, S)
+        cus = np.zeros((n, S + 1), dtype=np.int64)
+        np.add.accumulate(q_lens, axis=1, out=cus[:, 1:])
+    buf = np.empty((n, 2 * S + 1 + S * width), dtype=np.int32)
+    buf[:, : S + 1] = cus
+    buf[:, S + 1 : 2 * S + 1] = kv_lens
+    buf[:, 2 * S + 1 :].reshape(n, S, width)[:] = tables
+    max_q = np.maximum.reduce(q_lens, axis=1).tolist() * (n // q_lens.shape[0]) if S else [0] * n
+    max_kv = np.maximum.reduce(kv_lens, axis=1).tolist() if S else [0] * n
+    return [AttentionMetadata(b[: S + 1], b[S + 1 : 2 * S + 1], b[2 * S + 1 :].reshape(S, width), page_size, mq, mk,
+                              device, _packed=b, causal=False)
+            for b, mq, mk in zip(buf, max_q, max_kv)]
 
 
 def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int, exchange: str,
@@ -138,33 +197,28 @@ def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank:
     start, length = plan.blocks()
     held_after = kv.rank_tokens(seq_ids)  # [C, R]
     held_before = held_after - length.sum(axis=2)
-    vis = visible_keys(start, length, held_before)
+    row = visible_keys_of(rank, start, length, held_before)
+    col = visible_keys_to(rank, start, length, held_before) if exchange == "pass-q" else None
     pages = -(-held_after // ps)  # [C, R]: each rank's pages of each request
     seq_rows = kv.table_rows(seq_ids)
-    seg_request = np.repeat(np.arange(R), 2)
+    seg_request = plan.rank(rank).seg_request  # (the rank's plan is built and cached by now)
     q_lens = length[rank].reshape(-1)
     cu = _cu(q_lens)
     # this rank's own keys of the batch's requests, all of them (pass-Q and step 0 read them)
     width = max(int(pages[rank].max(initial=0)), 1)
     own_table = kv.page_table_rows(seq_rows, width)
     seg_table = own_table[seg_request]
-    meta0 = _meta(cu, vis[rank, rank].reshape(-1), seg_table, ps, device, causal=True)
+    meta0 = _meta(cu, row[rank].reshape(-1), seg_table, ps, device, causal=True)
     # local index of each new row: after the request's cached pieces, early block first
-    local0 = held_before[rank][:, None] + np.stack([np.zeros(R, dtype=np.int64), length[rank, :, 0]], axis=1)
+    local0 = np.empty((R, 2), dtype=np.int64)
+    local0[:, 0] = held_before[rank]
+    np.add(held_before[rank], length[rank, :, 0], out=local0[:, 1])
     n = int(cu[-1])
     local = np.repeat(local0.reshape(-1) - cu[:-1], q_lens) + np.arange(n)
     slots = kv.slots(seq_rows, local, seg_request, q_lens)
-    steps = [meta0]
+    steps = [meta0, *_ring_steps(exchange, rank, cu, row, col, length, pages, seg_request, seg_table, ps, device)]
     msg_pages = [0] * C
     send_pages = np.zeros(0, dtype=np.int64)
-    for i in range(1, C):
-        src = (rank - i) % C
-        if exchange == "pass-kv":
-            table = _staged_table(pages[src])[seg_request]
-            steps.append(_meta(cu, vis[rank, src].reshape(-1), table, ps, device, causal=False))
-        else:
-            src_q = length[src].reshape(-1)
-            steps.append(_meta(_cu(src_q), vis[src, rank].reshape(-1), seg_table, ps, device, causal=False))
     if exchange == "pass-kv":
         msg_pages = pages.sum(axis=1).tolist()
         mask = np.arange(width) < pages[rank][:, None]
