@@ -90,14 +90,24 @@ def _run(backend, cache, meta, q, index_q, index_w, kv_b) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype,tile", [("float32", None), ("bfloat16", None),
                                         ("float32", SparseTileConfig(16, 16, 4, 1))],
                          ids=["float32", "bfloat16", "float32-tile16x16"])
-def test_kernel_matches_torch_reference(dtype, tile):
+def test_kernel_matches_torch_reference(dtype, tile, monkeypatch):
     """Random caches, pages out of order, -1-padded selections with few tokens, dense
     rows, a shared layer, padding rows: the Triton path equals the torch reference
-    (float32 on the same inputs)."""
+    (float32 on the same inputs). The kernel gets q_lat row-major [rows, H, kv_lora]:
+    bmm's transposed result had a head stride of rows x kv_lora, which passes 2**31
+    elements at ~33K rows of DeepSeek V3.2 (128 heads x 512)."""
     dt = getattr(torch, dtype)
     case = _case(dt)
     backend = TritonSparseMla(SPEC, few_selected, tile)
+    launch, strides = backend._kernel.launch, []
+
+    def spy(q_lat, *args, **kw):
+        strides.append(q_lat.stride())
+        return launch(q_lat, *args, **kw)
+
+    monkeypatch.setattr(backend._kernel, "launch", spy)
     got = _run(backend, *case)
+    assert strides == [(SPEC.num_heads * SPEC.kv_lora_rank, SPEC.kv_lora_rank, 1)] * 2
     q, index_q, index_w = case[2:5]
     sel = backend.selection(0, q.shape[0], index_q, index_w, case[0], q.device)
     ref_backend = TorchSparseMla(SPEC, few_selected)
@@ -219,7 +229,8 @@ print(json.dumps({"reports": reports, "wide": asdict(wide)}))
 def test_kernel_compiles_without_spills_for_sm90a_and_sm100a():
     """Compile-only (no GPU): DeepSeek V3.2 / GLM-5's latent (512 + 64 rope) with the
     settings sparse_tile_config picks, bfloat16 and float32, on sm_90a and sm_100a, has no
-    register spills. In a subprocess: this process runs Triton in interpreter mode."""
+    register spills, and its TTIR widens every row and head stride to int64 before the
+    offset products. In a subprocess: this process runs Triton in interpreter mode."""
     import importlib.util
     import json
     import os
@@ -242,6 +253,9 @@ def test_kernel_compiles_without_spills_for_sm90a_and_sm100a():
         (a, d) for a in ("sm_90a", "sm_100a") for d in ("bfloat16", "float32")}
     for r in res["reports"]:
         assert 0 < r["registers"] <= 255 and r["spill_store_bytes"] == r["spill_load_bytes"] == 0, r
+        # every row and head offset is an int64 product: q_lat's head stride passes 2**31
+        # elements at ~33K rows of DeepSeek V3.2 (128 heads x 512) if anything makes it rows x 512
+        assert r["narrow_strides"] == [], r
     assert res["wide"]["spill_store_bytes"] > 0, res["wide"]
 
 
