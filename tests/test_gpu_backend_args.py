@@ -19,10 +19,15 @@ import numpy as np
 import pytest
 import torch
 from backend_cases import EXAMPLE, check_against_reference, num_pages_for, spec_for, static_meta, zigzag_meta
-from fake_flashinfer import SM_COUNT, STALE_LSE, Recorder, counter_bytes, fake_flashinfer
+import fake_flashinfer as fake_fi
+from fake_flashinfer import (
+    HOPPER_SM_COUNT, SM_COUNT, STALE_LSE, Recorder, counter_bytes, fa2_plan_workspace, fake_flashinfer,
+)
 
 from graphcp.attention import registry
-from graphcp.attention.backends.flashinfer import FlashInferAttention
+from graphcp.attention.backends.flashinfer import DEFAULT_WORKSPACE_BYTES, FlashInferAttention
+from graphcp.attention.base import AttentionSpec
+from graphcp.errors import ConfigError
 from graphcp.attention.backends.trtllm import TrtllmAttention
 from graphcp.attention.reference_cases import SENTINEL, tensors
 
@@ -177,6 +182,49 @@ def test_flashinfer_errors():
         make_fi(rec, spec, max_segments=2, max_pages=3).prepare(zigzag_meta([40], [40], 2, 0, 16))
     with pytest.raises(ValueError, match="planned for torch.bfloat16"):
         fi.forward(q.float(), kv, meta, out.float())
+
+
+#: the engine's sizes at its defaults: max_q_rows = max(largest bucket, pool rows), 2 x max_requests segments
+DEFAULT_ROWS, DEFAULT_SEGMENTS = 65552, 128
+#: (query heads, KV heads, head_dim): the default preset, qwen3-1b-like, an 8B-like model
+MODELS = {"default": (8, 2, 64), "qwen3-1b-like": (16, 8, 128), "8b-like": (32, 8, 128)}
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)], ids=["sm90", "sm100"])
+@pytest.mark.parametrize("model", MODELS)
+def test_flashinfer_plans_at_the_engine_default_sizes(model, capability):
+    """In CUDA-graph mode FA2 splits the keys unless told not to and carves tmp_v (heads x
+    the row capacity's tiles x head_dim x 4 B) from the float workspace: at the engine's
+    default 65,552 rows that overflows the 128 MiB workspace for every model here (the
+    real plan raised "Buffer overflow ... Increase the workspace buffer size" at the first
+    call). The backend plans with split-KV off: no float workspace, and the capacity plan
+    and a real plan succeed."""
+    heads, kv, d = MODELS[model]
+    sms = HOPPER_SM_COUNT if capability[0] == 9 else SM_COUNT
+    need, _, split = fa2_plan_workspace(DEFAULT_ROWS, DEFAULT_SEGMENTS, heads, kv, d, sms, disable_split_kv=False)
+    assert split and need > DEFAULT_WORKSPACE_BYTES, need  # default ~143 MB, 8B-like ~1.1 GB
+    assert fa2_plan_workspace(DEFAULT_ROWS, DEFAULT_SEGMENTS, heads, kv, d, sms, disable_split_kv=True)[:1] == (0,)
+    rec = Recorder()
+    spec = AttentionSpec(heads, kv, d, 16, d ** -0.5, "HND")
+    fi = make_fi(rec, spec, capability, max_segments=DEFAULT_SEGMENTS, max_pages=4 * DEFAULT_SEGMENTS,
+                 max_q_rows=DEFAULT_ROWS)
+    fi.prepare(zigzag_meta(**EXAMPLE))
+    plans = rec.named("plan")
+    assert len(plans) == 2 and all(kw["disable_split_kv"] is True for _, kw in plans)
+    assert fi.wrapper.max_rows == DEFAULT_ROWS
+
+
+def test_flashinfer_plan_failure_is_a_config_error(monkeypatch):
+    """A plan the library refuses (its allocator's RuntimeError) is one line of ConfigError
+    naming the sizes (here the int workspace is made too small for the tile schedule)."""
+    monkeypatch.setattr(fake_fi, "INT_WORKSPACE_BYTES", 64)
+    with pytest.raises(ConfigError) as err:
+        make_fi(Recorder(), spec_for(16))
+    msg = str(err.value)
+    assert "\n" not in msg and isinstance(err.value.__cause__, RuntimeError)
+    assert msg.startswith("flashinfer plan failed for 24 query rows (capacity max_q_rows=24), 6 segments, 8/2 heads "
+                          "x 64, float workspace 134217728 B: Buffer overflow when allocating memory for "
+                          "batch_prefill_"), msg
 
 
 # ---- trtllm -----------------------------------------------------------------------
