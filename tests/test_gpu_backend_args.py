@@ -84,7 +84,8 @@ def test_flashinfer_plan_arguments_worked_example():
         [14, 12, 1, 1, 1, 1],  # last_page_len: 30-16, 60-48, 1, then inert segments 1
         8, 2, 64, 16,  # num_qo_heads, num_kv_heads, head_dim, page_size
     )
-    assert kw == dict(causal=True, sm_scale=0.125, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    assert kw == dict(causal=True, sm_scale=0.125, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                      disable_split_kv=True)
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 64])
