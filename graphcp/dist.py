@@ -138,11 +138,11 @@ class CPGroup:
         ``src`` (point-to-point, one batch: a ring step); either may be None (nothing
         that way; both sides must agree). Returns at once: ``wait()`` completes both, so
         work can overlap the transfer."""
-        ops = []
+        ops = []  # P2POp's peer is a global rank even with group= (a group's own rank: group_peer=)
         if send is not None:
-            ops.append(dist.P2POp(dist.isend, send, dst, group=self.pg))
+            ops.append(dist.P2POp(dist.isend, send, self._global(dst), group=self.pg))
         if recv is not None:
-            ops.append(dist.P2POp(dist.irecv, recv, src, group=self.pg))
+            ops.append(dist.P2POp(dist.irecv, recv, self._global(src), group=self.pg))
         if self.size == 1 or not ops:
             return Pending(self, [])
         try:
