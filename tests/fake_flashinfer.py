@@ -38,6 +38,10 @@ the headers under ``data/include``):
   row capacity fixed by the first plan in CUDA-graph mode,
   ``q.size(0) == qo_indptr[-1]`` of the latest plan, ``out``/``lse`` shapes,
   the planned dtype.
+- **trtllm-gen's workspace**: a call that returns LSE carves softmax statistics of
+  ``heads x batch_size x round_up(max_q_len, 256)`` float2 plus a 1 MiB guard from
+  ``workspace_buffer`` (``trtllm_fmha_kernel_launcher.cu``), the allocator's
+  overflow error when it does not fit.
 - **trtllm-gen** writes LSE for every row of ``query``: the launcher sets
   ``sum_seq_q = query.size(0)`` and the LSE pass covers them all, so rows past
   ``cum_seq_lens_q[batch_size]`` get stale workspace statistics
@@ -396,6 +400,10 @@ def make_trtllm_fn(rec: Recorder):
             raise ValueError(f"lse must be float32 {(query.size(0), heads)}, got {lse.dtype} {tuple(lse.shape)}")
         if lse is None and return_lse:
             lse = torch.empty(query.size(0), heads, dtype=torch.float32, device=query.device)
+        if lse is not None:  # the launcher's softmax statistics, then its 1 MiB guard
+            _Allocator(workspace_buffer.numel() * workspace_buffer.element_size()).alloc(
+                8 * heads * batch_size * (-(-int(max_q_len) // 256) * 256) + (1 << 20), 16,
+                "trtllm_gen_softmax_workspace")
         need = counter_bytes(batch_size, heads)
         if multi_ctas_kv_counter_buffer is None:
             rec.counter_allocations += 1  # FlashInfer creates a fresh zeroed buffer for this call

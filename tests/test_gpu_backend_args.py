@@ -28,7 +28,7 @@ from graphcp.attention import registry
 from graphcp.attention.backends.flashinfer import DEFAULT_WORKSPACE_BYTES, FlashInferAttention
 from graphcp.attention.base import AttentionSpec
 from graphcp.errors import ConfigError
-from graphcp.attention.backends.trtllm import TrtllmAttention
+from graphcp.attention.backends.trtllm import TrtllmAttention, lse_stats_bytes
 from graphcp.attention.reference_cases import SENTINEL, tensors
 
 BLACKWELL = lambda: (10, 0)  # noqa: E731
@@ -279,6 +279,35 @@ def test_trtllm_lse_padding_rows_untouched(dtype):
     trt.prepare(meta)
     trt.forward(q, kv, meta, out, lse)
     assert not (lse == STALE_LSE).any()
+    check_against_reference(spec, q, kv, meta, out, lse)
+
+
+def test_trtllm_lse_statistics_formula():
+    """The launcher's softmax statistics: heads x batch x round_up(max_q_len, 256) float2 +
+    1 MiB; the issue's ring step (64 heads, 16 segments, 32K rows) needs 268 MB, past the
+    default workspace."""
+    assert lse_stats_bytes(64, 16, 32768) == 8 * 64 * 16 * 32768 + (1 << 20) > DEFAULT_WORKSPACE_BYTES
+    assert lse_stats_bytes(8, 3, 257) == 8 * 8 * 3 * 512 + (1 << 20)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_trtllm_grows_the_workspace_for_lse_statistics(dtype):
+    """A call returning LSE whose statistics do not fit the workspace (here a 1 MiB one: the
+    guard alone fills it) grows it first, zeroed; the result equals the reference. The old
+    backend passed the fixed workspace and trtllm-gen's allocator overflowed."""
+    rec = Recorder()
+    spec = spec_for(16, "HND")
+    trt = make_trt(rec, spec, max_segments=8, max_pages_per_segment=10, max_q_rows=64, workspace_bytes=1 << 20)
+    meta = zigzag_meta([70, 5, 2, 9], [33, 100, 0, 64], cp=2, rank=1, page_size=16, width=10)
+    q, kv, out, lse = tensors(spec, 64, num_pages_for(meta), dtype)
+    trt.prepare(meta)
+    trt.forward(q, kv, meta, out)  # no LSE: no statistics, the workspace stays
+    assert trt.workspace.numel() == 1 << 20
+    trt.prepare(meta)
+    trt.forward(q, kv, meta, out, lse)
+    b, max_q, _ = trt._batch
+    assert trt.workspace.numel() == lse_stats_bytes(spec.num_q_heads, b, max_q) and not trt.workspace.any()
+    assert rec.named("trtllm")[-1][1]["workspace_buffer"] is trt.workspace
     check_against_reference(spec, q, kv, meta, out, lse)
 
 
