@@ -34,6 +34,11 @@ the headers under ``data/include``):
   tile schedule. Sized at the row capacity (``max_total_num_rows`` or the first
   plan's rows); a plan that does not fit raises the allocator's "Buffer overflow
   ... Increase the workspace buffer size" (:func:`fa2_plan_workspace`).
+- **The pinned schedule upload**: in CUDA-graph mode ``plan`` writes its schedule into
+  the wrapper's pinned int buffer and queues ``cudaMemcpyAsync`` from it; given a
+  copy engine (``tests/fake_copy_engine.py``) the fake queues that upload there, and a
+  plan that rewrites the pinned buffer while its previous upload is still queued is
+  recorded in ``Recorder.errors`` (the real upload would carry the new schedule).
 - **Wrapper checks** the real code makes on the host: fixed batch size and a
   row capacity fixed by the first plan in CUDA-graph mode,
   ``q.size(0) == qo_indptr[-1]`` of the latest plan, ``out``/``lse`` shapes,
@@ -212,8 +217,12 @@ def _(q, k_cache, v_cache, out, lse, qo_indptr, kv_indptr, kv_indices, last_page
 class FakePrefillWrapper:
     """``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (paged prefill)."""
 
-    def __init__(self, rec: Recorder, capability: tuple[int, int], *args, **kwargs) -> None:
+    def __init__(self, rec: Recorder, capability: tuple[int, int], copy_engine, *args, **kwargs) -> None:
         rec.raw.append(("BatchPrefillWithPagedKVCacheWrapper.__init__", args, kwargs))
+        self.copy_engine = copy_engine
+        self._upload_at: int | None = None  # queue index of the last schedule upload
+        self._pinned_schedule = torch.zeros(1, dtype=torch.int32)  # total_num_rows, as plan writes it
+        self.device_schedule = torch.zeros(1, dtype=torch.int32)
         self._init(rec, capability, *args, **kwargs)
 
     def plan(self, *args, **kwargs) -> None:
@@ -280,6 +289,14 @@ class FakePrefillWrapper:
                                    bool(kw.get("disable_split_kv", False)), self.workspace_bytes, INT_WORKSPACE_BYTES)
             for buf, src in zip(self.bufs, (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)):
                 buf[: len(src)].copy_(src)
+            eng = self.copy_engine
+            if eng is not None:  # the schedule: written to the pinned buffer, uploaded when the stream gets there
+                if self._upload_at is not None and eng.ran <= self._upload_at:
+                    self.rec.errors.append("fake FlashInfer: plan rewrote the pinned int workspace while the "
+                                           "previous plan's upload was still queued")
+                self._pinned_schedule[0] = rows
+                eng.upload(self.device_schedule, self._pinned_schedule)
+                self._upload_at = len(eng.queue) - 1
             bufs = self.bufs
         else:
             bufs = tuple(t.clone() for t in (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len))
@@ -424,12 +441,14 @@ def make_trtllm_fn(rec: Recorder):
     return trtllm_batch_context_with_kv_cache
 
 
-def fake_flashinfer(rec: Recorder, capability: tuple[int, int] = (10, 0)) -> types.ModuleType:
-    """A ``flashinfer`` module for a device of ``capability`` (SM100 by default)."""
+def fake_flashinfer(rec: Recorder, capability: tuple[int, int] = (10, 0), copy_engine=None) -> types.ModuleType:
+    """A ``flashinfer`` module for a device of ``capability`` (SM100 by default);
+    ``copy_engine``: a :class:`fake_copy_engine.FakeCopyEngine` the wrapper's pinned
+    schedule uploads go through (None: uploads are not modelled)."""
     fi = types.ModuleType("flashinfer")
 
     def wrapper(*args, **kwargs):
-        return FakePrefillWrapper(rec, capability, *args, **kwargs)
+        return FakePrefillWrapper(rec, capability, copy_engine, *args, **kwargs)
 
     fi.BatchPrefillWithPagedKVCacheWrapper = wrapper
     fi.prefill = types.ModuleType("flashinfer.prefill")

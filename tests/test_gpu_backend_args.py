@@ -185,6 +185,30 @@ def test_flashinfer_errors():
         fi.forward(q.float(), kv, meta, out.float())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flashinfer_plan_waits_for_the_previous_schedule_upload(dtype):
+    """plan uploads its schedule from the wrapper's pinned buffer asynchronously; with the
+    host running ahead (a pipeline stage before the last, two micro-batches) the next plan
+    must not rewrite that buffer before the previous upload ran. Fake copy engine: uploads
+    run only at a wait or a sync; the fake wrapper records a rewrite over a queued upload."""
+    from fake_copy_engine import FakeCopyEngine
+
+    eng, rec = FakeCopyEngine(), Recorder()
+    spec = spec_for(16)
+    fi = FlashInferAttention(spec, "cpu", flashinfer=fake_flashinfer(rec, copy_engine=eng), max_segments=6,
+                             max_pages=12, max_q_rows=24, dtype=dtype, staging=eng)
+    metas = [zigzag_meta(**EXAMPLE), zigzag_meta([8, 8], [0, 4], 2, 0, 16)]
+    for meta in metas:
+        q, kv, out, lse = tensors(spec, 24, num_pages_for(metas[0]), dtype)
+        fi.prepare(meta)
+        eng.launch(lambda: None)  # the layers' kernels, queued behind the upload
+        fi.forward(q, kv, meta, out, lse)
+        check_against_reference(spec, q, kv, meta, out, lse)
+    eng.sync()
+    assert not rec.errors, rec.errors
+    assert eng.waits == 2 and int(fi.wrapper.device_schedule[0]) == metas[1].num_q_rows
+
+
 #: the engine's sizes at its defaults: max_q_rows = max(largest bucket, pool rows), 2 x max_requests segments
 DEFAULT_ROWS, DEFAULT_SEGMENTS = 65552, 128
 #: (query heads, KV heads, head_dim): the default preset, qwen3-1b-like, an 8B-like model

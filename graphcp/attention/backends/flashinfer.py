@@ -27,6 +27,12 @@ GPU without splitting keys; no scratch, no merge kernel. A plan the library stil
 (a C++ ``RuntimeError``) becomes a one-line :class:`~graphcp.errors.ConfigError` naming
 the sizes.
 
+Pinned schedule. ``plan`` writes its tile schedule into the wrapper's pinned int buffer and
+uploads it with ``cudaMemcpyAsync`` (``scheduler.cuh``): the copy reads the buffer when it
+runs. Each plan marks an event after itself and the next plan waits on it before the
+library rewrites the buffer (:class:`~graphcp.attention.staging.PinnedStaging`): a
+pipeline stage before the last runs ahead of its GPU into the next micro-batch.
+
 Argument contract (what ``plan`` receives):
 
 - the batch is always ``max_segments`` long (CUDA-graph mode fixes it): the
@@ -83,6 +89,7 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from graphcp.attention.staging import PinnedStaging
 from graphcp.errors import ConfigError
 from graphcp.kv.paged import SCRATCH_PAGE
 
@@ -213,9 +220,11 @@ class FlashInferAttention(AttentionBackend):
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         flashinfer: ModuleType | None = None,
         workspace: torch.Tensor | None = None,
+        staging: PinnedStaging | None = None,
     ) -> None:
         """``workspace``: a float workspace to share (ring steps run one after another);
-        None allocates ``workspace_bytes``."""
+        None allocates ``workspace_bytes``. ``staging``: the fence between plans (None:
+        a CUDA event; tests pass a fake copy engine)."""
         super().__init__(spec)
         if max_segments < 1 or max_q_rows < 1:
             raise ValueError(f"max_segments and max_q_rows must be >= 1, got {max_segments}, {max_q_rows}")
@@ -245,6 +254,9 @@ class FlashInferAttention(AttentionBackend):
             backend=WRAPPER_BACKEND,
         )
         self._lse = Base2Lse(max_q_rows, dev)
+        # plan uploads its schedule from the wrapper's pinned buffer asynchronously: the next
+        # plan rewrites that buffer only after the previous upload ran
+        self._plan_fence = staging if staging is not None else PinnedStaging(dev)
         self._planned_rows: int | None = None
         self._planned_static = False
         self._planned_causal = True
@@ -275,6 +287,7 @@ class FlashInferAttention(AttentionBackend):
 
     def _plan(self, a: PagedPlanArgs, causal: bool = True) -> None:
         spec = self.spec
+        self._plan_fence.wait()
         try:
             self.wrapper.plan(
                 torch.from_numpy(a.qo_indptr),
@@ -301,6 +314,7 @@ class FlashInferAttention(AttentionBackend):
                 f"{self.max_q_rows}), {self.max_segments} segments, {spec.num_q_heads}/{spec.num_kv_heads} heads "
                 f"x {spec.head_dim}, float workspace {self.workspace.numel() * self.workspace.element_size()} B: "
                 f"{first}") from e
+        self._plan_fence.mark()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.page_size != self.spec.page_size:
