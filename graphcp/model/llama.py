@@ -27,7 +27,7 @@ from graphcp.model.graph_break import graph_break
 from graphcp.model.layers import ParallelMLP, RMSNorm, Rotary
 from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.moe.ep import STAT_LAYERS, STAT_LAYOUT, STAT_RECEIVED, STAT_SENT
-from graphcp.model.moe.experts import grouped_mm_capturable
+from graphcp.model.moe.experts import grouped_mm_capturable, grouped_mm_sync_free
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.options import MoeLayout
 
@@ -213,10 +213,15 @@ class DecoderModel(nn.Module):
                     "(RuntimeConfig.moe='ep') sizes its all-to-all from each batch's routing on the host; use "
                     "graph='breakable' or moe='tp'")
         tp_moe = any(isinstance(layer.mlp, SparseMoeBlock) and not layer.exchanges for layer in self.layers)
-        if tp_moe and not grouped_mm_capturable(device, self.dtype):
+        if tp_moe and not grouped_mm_sync_free(device, self.dtype):
             return (f"RuntimeConfig.moe='tp' keeps the experts inside the captured graphs, which needs "
-                    f"torch._grouped_mm's sync-free kernel (bfloat16 on sm90/sm100); {self.dtype} on {device} "
+                    f"torch._grouped_mm's sync-free kernel (bfloat16 on sm90/sm100/sm103); {self.dtype} on {device} "
                     "copies the group sizes to the host: use moe='ep', dtype='bfloat16' or graph='off'")
+        if tp_moe and not grouped_mm_capturable(device, self.dtype):
+            return ("RuntimeConfig.moe='tp' keeps the experts inside the captured graphs, and a captured "
+                    "torch._grouped_mm has not yet replayed correctly on a GPU here (pytorch issue 169970: an "
+                    "illegal memory access at replay on H100/H200, torch >= 2.9): use moe='ep' (the experts run "
+                    "in the attention break, eagerly) or graph='off'")
         return None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
