@@ -26,8 +26,15 @@ e before it is stored.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # loops over device-read ranges, Triton 3.6 too
+    from graphcp.attention.kernels import interpreter_compat
+
+    interpreter_compat.patch()
 
 LOG2E = 1.4426950408889634
 #: the row- and head-stride arguments the kernel multiplies in int64 (the compile check verifies it)

@@ -21,7 +21,9 @@ What spilled before (one 64 x 64 tile, 4 warps for every shape): bf16 at
 head_dim 128 used 255 registers and 1.1-1.4 KB of stack a thread on sm_90a; the
 float32 ("ieee" products, FMA dots, no tensor cores) variants spilled 10-17 KB.
 Group sizes 1 and 8 stay spill-free too (the tightest: MHA at head_dim 64 on
-sm_100a, 248 registers). Counts with every row and head offset an int64 product.
+sm_100a, 248 registers). Counts with every row and head offset an int64 product. Triton
+3.6 (the GPU image's), group 4, LSE on: spill-free too, 125-246 registers (the most:
+bf16 head_dim 128 on sm_100a).
 ``block_m`` counts *lanes*: query rows x the GQA group (rounded up to a power of
 two) packed in one tile, so it is raised to the group's lanes when smaller.
 """
