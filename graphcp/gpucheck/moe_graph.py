@@ -14,7 +14,7 @@ import torch
 
 from graphcp.dist import CPGroup
 from graphcp.gpucheck.budget import Budget
-from graphcp.gpucheck.common import fail, free_device_memory, log, skip, sync
+from graphcp.gpucheck.common import dtype_rows, fail, free_device_memory, log, sync
 from graphcp.gpucheck.settings import Settings
 from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.moe.experts import reference_moe
@@ -39,13 +39,9 @@ def check_moe_graph(st: Settings, budget: Budget) -> list[dict]:
     dev = torch.device(st.device)
     rows, hidden, experts, top_k, inter = st.moe_shape
     out: list[dict] = []
-    for i, name in enumerate(st.moe_dtypes):
-        rec = {"dtype": name, "rows": rows, "hidden": hidden, "experts": experts, "top_k": top_k,
-               "intermediate": inter, "graph_backend": st.graph_backend, "status": "pending", "error": None}
-        out.append(rec)
-        if not budget.allows(1.0):
-            skip(rec, "time budget")
-            continue
+    base = {"rows": rows, "hidden": hidden, "experts": experts, "top_k": top_k, "intermediate": inter,
+            "graph_backend": st.graph_backend}
+    for i, name, rec in dtype_rows(out, st.moe_dtypes, base, budget):
         dtype = getattr(torch, name)
         try:
             g = torch.Generator(device=dev).manual_seed(st.seed + 100 + i)

@@ -20,7 +20,7 @@ import torch
 from graphcp.attention.backends.triton import interpreting
 from graphcp.attention.kernels.sparse_mla_configs import sparse_tile_config
 from graphcp.gpucheck.budget import Budget
-from graphcp.gpucheck.common import fail, free_device_memory, log, skip, sync
+from graphcp.gpucheck.common import dtype_rows, fail, free_device_memory, log, skip, sync
 from graphcp.gpucheck.settings import Settings
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -73,12 +73,7 @@ def check_sparse_mla(st: Settings, budget: Budget, available: list[str]) -> list
 
     dev = torch.device(st.device)
     scale = (lora + rope) ** -0.5
-    for i, name in enumerate(st.sparse_dtypes):
-        rec = {**base, "dtype": name, "status": "pending", "error": None}
-        out.append(rec)
-        if not budget.allows(1.0):
-            skip(rec, "time budget")
-            continue
+    for i, name, rec in dtype_rows(out, st.sparse_dtypes, base, budget):
         dtype = getattr(torch, name)
         try:
             x = _inputs(st, dtype, dev, torch.Generator(device=dev).manual_seed(st.seed + i))
