@@ -216,22 +216,29 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
     assert m.moe.layers == (0, 1, 2) and not m.has_dense_mlp and m.moe.norm_topk_prob
 
 
-def test_tp_moe_graphs_on_cuda_are_refused_until_validated(monkeypatch):
-    """The engine's capture check (DecoderModel.capture_problem) for moe='tp' on an H200:
-    bfloat16 is sync-free, but a captured grouped matmul has not replayed on a GPU yet, so
-    it refuses and names moe='ep'; with the validation flag set it captures."""
+def test_tp_moe_graphs_on_cuda_hold_the_experts_out_until_validated(monkeypatch):
+    """The engine's capture check for moe='tp' on an H200: bfloat16 is sync-free, but a
+    captured grouped matmul has not replayed on a GPU yet, so a full graph is refused and
+    breakable graphs move the experts into the attention breaks; with the validation flag
+    set both capture them."""
     from graphcp.model import moe as moe_pkg
     from graphcp.model.config import ModelConfig
     from graphcp.model.llama import DecoderModel
     from graphcp.model.presets import PRESETS
 
     cfg = ModelConfig.from_hf_dict(PRESETS["default-moe"])
-    model = DecoderModel(cfg, 1, torch.bfloat16, moe="tp")
+    cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    problem = model.capture_problem(torch.device("cuda"), full=False)
-    assert problem is not None and "pytorch issue 169970" in problem and "moe='ep'" in problem
+    model = DecoderModel(cfg, 1, torch.bfloat16, moe="tp")
+    problem = model.capture_problem(cuda, full=True)
+    assert problem is not None and "pytorch issue 169970" in problem and "graph='breakable'" in problem
+    assert model.capture_problem(cuda, full=False) is None
+    assert model.hold_experts_out_of_graphs(cuda)
+    sparse = [layer for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert sparse and all(layer.exchanges for layer in sparse)
     assert model.capture_problem(torch.device("cpu"), full=False) is None
     monkeypatch.setattr(moe_pkg.experts, "GROUPED_MM_GRAPHS_VALIDATED", True)
-    assert model.capture_problem(torch.device("cuda"), full=False) is None
+    fresh = DecoderModel(cfg, 1, torch.bfloat16, moe="tp")
+    assert fresh.capture_problem(cuda, full=True) is None and not fresh.hold_experts_out_of_graphs(cuda)
     model32 = DecoderModel(cfg, 1, torch.float32, moe="tp")
-    assert "sync-free kernel" in model32.capture_problem(torch.device("cuda"), full=False)
+    assert "sync-free kernel" in model32.capture_problem(cuda, full=False)

@@ -3,7 +3,7 @@ matmuls ``torch._grouped_mm``, combine) captured once and replayed with inputs w
 routing differs at every replay, against the same layer run eagerly, bitwise, and the
 plain per-expert loop (``reference_moe``). PyTorch issue 169970 reports an illegal memory
 access at replay of a captured ``_grouped_mm`` on H100/H200 (torch >= 2.9); graphcp keeps
-``moe='tp'`` out of CUDA graphs until this part passes on a GPU
+the ``tp`` layout's experts out of CUDA graphs (in the attention break) until this part passes on a GPU
 (``graphcp.model.moe.experts.GROUPED_MM_GRAPHS_VALIDATED``; docs/moe.md). The ``cuda``
 graph backend on a GPU (bfloat16, the sync-free kernel), ``trace`` in a dry run.
 """

@@ -19,8 +19,9 @@ of ``torch._grouped_mm`` on H100/H200 with torch >= 2.9. Until graphcp's GPU che
 replayed a MoE layer whose routing changes between replays against eager
 (``graphcp gpu-check``, part ``moe_graph``) and :data:`GROUPED_MM_GRAPHS_VALIDATED` is
 set from that report, the ``tp`` layout's experts are not captured on CUDA
-(:func:`grouped_mm_capturable`): the engine refuses ``moe='tp'`` with graphs there and
-names ``moe='ep'``, whose experts run in the attention break, eagerly.
+(:func:`grouped_mm_capturable`): breakable graphs run them in the attention break,
+eagerly, as ``ep`` runs its exchange (``DecoderModel.hold_experts_out_of_graphs``), and a
+full graph with ``moe='tp'`` is refused there.
 
 :func:`reference_moe` is the plain form (a loop over experts with masks, as
 transformers computes it) that the tests and the benchmark compare with.
