@@ -24,10 +24,29 @@ the headers under ``data/include``):
   (``params.nnz_qo = q.size(0)`` in ``batch_prefill_sm90.cu``): a replay reads no
   row past the extent the call had, and a zero extent fails to initialise the
   descriptor (recorded in ``Recorder.errors``; the real one prints a CUDA error).
+- **FA2's plan workspace** in CUDA-graph mode (``PrefillSplitQOKVIndptr`` and
+  ``PrefillPlanImpl`` in ``attention/scheduler.cuh``, ``AlignedAllocator`` in
+  ``allocator.h``): the tile size from the longest possible query
+  (``FA2DetermineCtaTileQ``), the grid padded to ``max(2 x SMs / kv heads,
+  tiles)``; unless ``disable_split_kv=True`` split-KV is always on in graph mode,
+  and the float workspace must hold ``tmp_v``/``tmp_s`` (query heads x partial
+  rows x head_dim x 4 bytes); the int workspace (the wrapper's own 8 MiB) the
+  tile schedule. Sized at the row capacity (``max_total_num_rows`` or the first
+  plan's rows); a plan that does not fit raises the allocator's "Buffer overflow
+  ... Increase the workspace buffer size" (:func:`fa2_plan_workspace`).
+- **The pinned schedule upload**: in CUDA-graph mode ``plan`` writes its schedule into
+  the wrapper's pinned int buffer and queues ``cudaMemcpyAsync`` from it; given a
+  copy engine (``tests/fake_copy_engine.py``) the fake queues that upload there, and a
+  plan that rewrites the pinned buffer while its previous upload is still queued is
+  recorded in ``Recorder.errors`` (the real upload would carry the new schedule).
 - **Wrapper checks** the real code makes on the host: fixed batch size and a
   row capacity fixed by the first plan in CUDA-graph mode,
   ``q.size(0) == qo_indptr[-1]`` of the latest plan, ``out``/``lse`` shapes,
   the planned dtype.
+- **trtllm-gen's workspace**: a call that returns LSE carves softmax statistics of
+  ``heads x batch_size x round_up(max_q_len, 256)`` float2 plus a 1 MiB guard from
+  ``workspace_buffer`` (``trtllm_fmha_kernel_launcher.cu``), the allocator's
+  overflow error when it does not fit.
 - **trtllm-gen** writes LSE for every row of ``query``: the launcher sets
   ``sum_seq_q = query.size(0)`` and the LSE pass covers them all, so rows past
   ``cum_seq_lens_q[batch_size]`` get stale workspace statistics
@@ -59,8 +78,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 LN2 = math.log(2.0)
 #: LSE the fake trtllm-gen kernel leaves in rows past the live ones (stale workspace statistics)
 STALE_LSE = 77.0
-#: streaming multiprocessors of the fake device (B200: 148)
+#: streaming multiprocessors of the fake device (B200: 148; an SM90 device is an H100/H200: 132)
 SM_COUNT = 148
+HOPPER_SM_COUNT = 132
+#: the int workspace the wrapper allocates itself (``prefill.py``: 8 MiB)
+INT_WORKSPACE_BYTES = 8 * 1024 * 1024
 FA3_MIN_Q_LEN = 65  # auto picks FA2 when no query is longer than 64 rows
 
 
@@ -105,6 +127,59 @@ def _pages_nhd(cache: torch.Tensor, hnd: bool) -> torch.Tensor:
     return cache.transpose(1, 2) if hnd else cache
 
 
+# ---- FlashInfer's FA2 plan: the workspace it carves ----------------------------------------
+def fa2_cta_tile_q(packed_qo_len: int, head_dim: int) -> int:
+    """``FA2DetermineCtaTileQ`` (``utils.cuh``) on an SM80+ device, head_dim_qk == head_dim_vo."""
+    if head_dim >= 512:
+        return 16 if packed_qo_len <= 32 else 32
+    if packed_qo_len > 64 and head_dim < 256:
+        return 128
+    return 64 if packed_qo_len > 16 else 16
+
+
+class _Allocator:
+    """``AlignedAllocator``: carves named, aligned pieces out of ``space`` bytes."""
+
+    def __init__(self, space: int) -> None:
+        self.space, self.used = space, 0
+
+    def alloc(self, size: int, alignment: int, name: str) -> None:
+        start = -(-self.used // alignment) * alignment
+        if start + size > self.space:
+            raise RuntimeError(f"Buffer overflow when allocating memory for {name} with size {size} and alignment "
+                               f"{alignment}, but only {max(self.space - start, 0)} bytes available in "
+                               "AlignedAllocator. Increase the workspace buffer size.")
+        self.used = start + size
+
+
+def fa2_plan_workspace(total_num_rows: int, batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                       sm_count: int, disable_split_kv: bool, float_bytes: int = 1 << 62,
+                       int_bytes: int = 1 << 62) -> tuple[int, int, bool]:
+    """FA2's plan in CUDA-graph mode (no fixed split size, no window): carves the int and
+    float workspaces (raising the allocator's overflow error when one does not fit) and
+    returns (float bytes used, int bytes used, split_kv)."""
+    group = num_qo_heads // num_kv_heads
+    max_qo_len = (total_num_rows - batch_size + 1) * group
+    cta = fa2_cta_tile_q(max_qo_len, head_dim)
+    tiles = -(-total_num_rows * group // cta) + batch_size - 1
+    max_batch_if_split = 2 * sm_count // num_kv_heads
+    split = not disable_split_kv  # PrefillBinarySearchKVChunkSize: enable_cuda_graph || ...
+    padded = max(max_batch_if_split, tiles)
+    ints, floats = _Allocator(int_bytes), _Allocator(float_bytes)
+    for name in ("request_indices", "qo_tile_indices", "kv_tile_indices"):
+        ints.alloc(4 * padded, 16, f"batch_prefill_{name}")
+    ints.alloc(4 * (batch_size + 1), 16, "batch_prefill_o_indptr")
+    ints.alloc(4, 1, "batch_prefill_kv_chunk_size_ptr")
+    ints.alloc(4, 16, "batch_prefill_total_num_rows")
+    if split:
+        partial_rows = -(-padded * cta // group)
+        floats.alloc(num_qo_heads * partial_rows * head_dim * 4, 16, "batch_prefill_tmp_v")
+        floats.alloc(num_qo_heads * partial_rows * 4, 16, "batch_prefill_tmp_s")
+        ints.alloc(4 * (total_num_rows + 1), 16, "batch_prefill_merge_indptr")
+    ints.alloc(padded, 16, "batch_prefill_block_valid_mask")
+    return floats.used, ints.used, split
+
+
 # ---- FlashInfer BatchPrefillWithPagedKVCacheWrapper kernels ------------------------------
 @torch.library.custom_op("graphcp_fake::batch_prefill_paged", mutates_args=("out", "lse"))
 def batch_prefill_paged(
@@ -142,8 +217,12 @@ def _(q, k_cache, v_cache, out, lse, qo_indptr, kv_indptr, kv_indices, last_page
 class FakePrefillWrapper:
     """``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (paged prefill)."""
 
-    def __init__(self, rec: Recorder, capability: tuple[int, int], *args, **kwargs) -> None:
+    def __init__(self, rec: Recorder, capability: tuple[int, int], copy_engine, *args, **kwargs) -> None:
         rec.raw.append(("BatchPrefillWithPagedKVCacheWrapper.__init__", args, kwargs))
+        self.copy_engine = copy_engine
+        self._upload_at: int | None = None  # queue index of the last schedule upload
+        self._pinned_schedule = torch.zeros(1, dtype=torch.int32)  # total_num_rows, as plan writes it
+        self.device_schedule = torch.zeros(1, dtype=torch.int32)
         self._init(rec, capability, *args, **kwargs)
 
     def plan(self, *args, **kwargs) -> None:
@@ -168,6 +247,7 @@ class FakePrefillWrapper:
         if backend == "fa3" and capability[0] != 9:
             raise RuntimeError(f"FA3 needs SM90, the fake device is SM{capability[0]}{capability[1]}")
         self.rec, self.capability = rec, capability
+        self.workspace_bytes = float_workspace_buffer.numel() * float_workspace_buffer.element_size()
         self.kv_layout, self.use_cuda_graph = kv_layout, use_cuda_graph
         self.requested_backend, self.backend = backend, None if backend == "auto" else backend
         self.bufs = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf)
@@ -203,8 +283,20 @@ class FakePrefillWrapper:
                                  f"the number of rows set during initialization {self.max_rows}.")
             if len(paged_kv_indices) > len(self.bufs[2]):
                 raise ValueError("The length of paged_kv_indices exceeds the allocated buffer size.")
+            if self.backend == "fa2":  # the schedule is sized at the row capacity
+                fa2_plan_workspace(self.max_rows, batch, num_qo_heads, num_kv_heads, head_dim_qk,
+                                   HOPPER_SM_COUNT if self.capability[0] == 9 else SM_COUNT,
+                                   bool(kw.get("disable_split_kv", False)), self.workspace_bytes, INT_WORKSPACE_BYTES)
             for buf, src in zip(self.bufs, (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)):
                 buf[: len(src)].copy_(src)
+            eng = self.copy_engine
+            if eng is not None:  # the schedule: written to the pinned buffer, uploaded when the stream gets there
+                if self._upload_at is not None and eng.ran <= self._upload_at:
+                    self.rec.errors.append("fake FlashInfer: plan rewrote the pinned int workspace while the "
+                                           "previous plan's upload was still queued")
+                self._pinned_schedule[0] = rows
+                eng.upload(self.device_schedule, self._pinned_schedule)
+                self._upload_at = len(eng.queue) - 1
             bufs = self.bufs
         else:
             bufs = tuple(t.clone() for t in (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len))
@@ -325,6 +417,10 @@ def make_trtllm_fn(rec: Recorder):
             raise ValueError(f"lse must be float32 {(query.size(0), heads)}, got {lse.dtype} {tuple(lse.shape)}")
         if lse is None and return_lse:
             lse = torch.empty(query.size(0), heads, dtype=torch.float32, device=query.device)
+        if lse is not None:  # the launcher's softmax statistics, then its 1 MiB guard
+            _Allocator(workspace_buffer.numel() * workspace_buffer.element_size()).alloc(
+                8 * heads * batch_size * (-(-int(max_q_len) // 256) * 256) + (1 << 20), 16,
+                "trtllm_gen_softmax_workspace")
         need = counter_bytes(batch_size, heads)
         if multi_ctas_kv_counter_buffer is None:
             rec.counter_allocations += 1  # FlashInfer creates a fresh zeroed buffer for this call
@@ -345,12 +441,14 @@ def make_trtllm_fn(rec: Recorder):
     return trtllm_batch_context_with_kv_cache
 
 
-def fake_flashinfer(rec: Recorder, capability: tuple[int, int] = (10, 0)) -> types.ModuleType:
-    """A ``flashinfer`` module for a device of ``capability`` (SM100 by default)."""
+def fake_flashinfer(rec: Recorder, capability: tuple[int, int] = (10, 0), copy_engine=None) -> types.ModuleType:
+    """A ``flashinfer`` module for a device of ``capability`` (SM100 by default);
+    ``copy_engine``: a :class:`fake_copy_engine.FakeCopyEngine` the wrapper's pinned
+    schedule uploads go through (None: uploads are not modelled)."""
     fi = types.ModuleType("flashinfer")
 
     def wrapper(*args, **kwargs):
-        return FakePrefillWrapper(rec, capability, *args, **kwargs)
+        return FakePrefillWrapper(rec, capability, copy_engine, *args, **kwargs)
 
     fi.BatchPrefillWithPagedKVCacheWrapper = wrapper
     fi.prefill = types.ModuleType("flashinfer.prefill")

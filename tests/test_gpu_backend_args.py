@@ -19,11 +19,16 @@ import numpy as np
 import pytest
 import torch
 from backend_cases import EXAMPLE, check_against_reference, num_pages_for, spec_for, static_meta, zigzag_meta
-from fake_flashinfer import SM_COUNT, STALE_LSE, Recorder, counter_bytes, fake_flashinfer
+import fake_flashinfer as fake_fi
+from fake_flashinfer import (
+    HOPPER_SM_COUNT, SM_COUNT, STALE_LSE, Recorder, counter_bytes, fa2_plan_workspace, fake_flashinfer,
+)
 
 from graphcp.attention import registry
-from graphcp.attention.backends.flashinfer import FlashInferAttention
-from graphcp.attention.backends.trtllm import TrtllmAttention
+from graphcp.attention.backends.flashinfer import DEFAULT_WORKSPACE_BYTES, FlashInferAttention
+from graphcp.attention.base import AttentionSpec
+from graphcp.errors import ConfigError
+from graphcp.attention.backends.trtllm import TrtllmAttention, lse_stats_bytes
 from graphcp.attention.reference_cases import SENTINEL, tensors
 
 BLACKWELL = lambda: (10, 0)  # noqa: E731
@@ -79,7 +84,8 @@ def test_flashinfer_plan_arguments_worked_example():
         [14, 12, 1, 1, 1, 1],  # last_page_len: 30-16, 60-48, 1, then inert segments 1
         8, 2, 64, 16,  # num_qo_heads, num_kv_heads, head_dim, page_size
     )
-    assert kw == dict(causal=True, sm_scale=0.125, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    assert kw == dict(causal=True, sm_scale=0.125, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                      disable_split_kv=True)
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 64])
@@ -179,6 +185,73 @@ def test_flashinfer_errors():
         fi.forward(q.float(), kv, meta, out.float())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flashinfer_plan_waits_for_the_previous_schedule_upload(dtype):
+    """plan uploads its schedule from the wrapper's pinned buffer asynchronously; with the
+    host running ahead (a pipeline stage before the last, two micro-batches) the next plan
+    must not rewrite that buffer before the previous upload ran. Fake copy engine: uploads
+    run only at a wait or a sync; the fake wrapper records a rewrite over a queued upload."""
+    from fake_copy_engine import FakeCopyEngine
+
+    eng, rec = FakeCopyEngine(), Recorder()
+    spec = spec_for(16)
+    fi = FlashInferAttention(spec, "cpu", flashinfer=fake_flashinfer(rec, copy_engine=eng), max_segments=6,
+                             max_pages=12, max_q_rows=24, dtype=dtype, staging=eng)
+    metas = [zigzag_meta(**EXAMPLE), zigzag_meta([8, 8], [0, 4], 2, 0, 16)]
+    for meta in metas:
+        q, kv, out, lse = tensors(spec, 24, num_pages_for(metas[0]), dtype)
+        fi.prepare(meta)
+        eng.launch(lambda: None)  # the layers' kernels, queued behind the upload
+        fi.forward(q, kv, meta, out, lse)
+        check_against_reference(spec, q, kv, meta, out, lse)
+    eng.sync()
+    assert not rec.errors, rec.errors
+    assert eng.waits == 2 and int(fi.wrapper.device_schedule[0]) == metas[1].num_q_rows
+
+
+#: the engine's sizes at its defaults: max_q_rows = max(largest bucket, pool rows), 2 x max_requests segments
+DEFAULT_ROWS, DEFAULT_SEGMENTS = 65552, 128
+#: (query heads, KV heads, head_dim): the default preset, qwen3-1b-like, an 8B-like model
+MODELS = {"default": (8, 2, 64), "qwen3-1b-like": (16, 8, 128), "8b-like": (32, 8, 128)}
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)], ids=["sm90", "sm100"])
+@pytest.mark.parametrize("model", MODELS)
+def test_flashinfer_plans_at_the_engine_default_sizes(model, capability):
+    """In CUDA-graph mode FA2 splits the keys unless told not to and carves tmp_v (heads x
+    the row capacity's tiles x head_dim x 4 B) from the float workspace: at the engine's
+    default 65,552 rows that overflows the 128 MiB workspace for every model here (the
+    real plan raised "Buffer overflow ... Increase the workspace buffer size" at the first
+    call). The backend plans with split-KV off: no float workspace, and the capacity plan
+    and a real plan succeed."""
+    heads, kv, d = MODELS[model]
+    sms = HOPPER_SM_COUNT if capability[0] == 9 else SM_COUNT
+    need, _, split = fa2_plan_workspace(DEFAULT_ROWS, DEFAULT_SEGMENTS, heads, kv, d, sms, disable_split_kv=False)
+    assert split and need > DEFAULT_WORKSPACE_BYTES, need  # default ~143 MB, 8B-like ~1.1 GB
+    assert fa2_plan_workspace(DEFAULT_ROWS, DEFAULT_SEGMENTS, heads, kv, d, sms, disable_split_kv=True)[:1] == (0,)
+    rec = Recorder()
+    spec = AttentionSpec(heads, kv, d, 16, d ** -0.5, "HND")
+    fi = make_fi(rec, spec, capability, max_segments=DEFAULT_SEGMENTS, max_pages=4 * DEFAULT_SEGMENTS,
+                 max_q_rows=DEFAULT_ROWS)
+    fi.prepare(zigzag_meta(**EXAMPLE))
+    plans = rec.named("plan")
+    assert len(plans) == 2 and all(kw["disable_split_kv"] is True for _, kw in plans)
+    assert fi.wrapper.max_rows == DEFAULT_ROWS
+
+
+def test_flashinfer_plan_failure_is_a_config_error(monkeypatch):
+    """A plan the library refuses (its allocator's RuntimeError) is one line of ConfigError
+    naming the sizes (here the int workspace is made too small for the tile schedule)."""
+    monkeypatch.setattr(fake_fi, "INT_WORKSPACE_BYTES", 64)
+    with pytest.raises(ConfigError) as err:
+        make_fi(Recorder(), spec_for(16))
+    msg = str(err.value)
+    assert "\n" not in msg and isinstance(err.value.__cause__, RuntimeError)
+    assert msg.startswith("flashinfer plan failed for 24 query rows (capacity max_q_rows=24), 6 segments, 8/2 heads "
+                          "x 64, float workspace 134217728 B: Buffer overflow when allocating memory for "
+                          "batch_prefill_"), msg
+
+
 # ---- trtllm -----------------------------------------------------------------------
 def make_trt(rec, spec, **kw) -> TrtllmAttention:
     args = dict(max_segments=6, max_pages_per_segment=8, max_q_rows=24, capability=BLACKWELL, sm_count=SM_COUNT)
@@ -230,6 +303,35 @@ def test_trtllm_lse_padding_rows_untouched(dtype):
     trt.prepare(meta)
     trt.forward(q, kv, meta, out, lse)
     assert not (lse == STALE_LSE).any()
+    check_against_reference(spec, q, kv, meta, out, lse)
+
+
+def test_trtllm_lse_statistics_formula():
+    """The launcher's softmax statistics: heads x batch x round_up(max_q_len, 256) float2 +
+    1 MiB; the issue's ring step (64 heads, 16 segments, 32K rows) needs 268 MB, past the
+    default workspace."""
+    assert lse_stats_bytes(64, 16, 32768) == 8 * 64 * 16 * 32768 + (1 << 20) > DEFAULT_WORKSPACE_BYTES
+    assert lse_stats_bytes(8, 3, 257) == 8 * 8 * 3 * 512 + (1 << 20)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_trtllm_grows_the_workspace_for_lse_statistics(dtype):
+    """A call returning LSE whose statistics do not fit the workspace (here a 1 MiB one: the
+    guard alone fills it) grows it first, zeroed; the result equals the reference. The old
+    backend passed the fixed workspace and trtllm-gen's allocator overflowed."""
+    rec = Recorder()
+    spec = spec_for(16, "HND")
+    trt = make_trt(rec, spec, max_segments=8, max_pages_per_segment=10, max_q_rows=64, workspace_bytes=1 << 20)
+    meta = zigzag_meta([70, 5, 2, 9], [33, 100, 0, 64], cp=2, rank=1, page_size=16, width=10)
+    q, kv, out, lse = tensors(spec, 64, num_pages_for(meta), dtype)
+    trt.prepare(meta)
+    trt.forward(q, kv, meta, out)  # no LSE: no statistics, the workspace stays
+    assert trt.workspace.numel() == 1 << 20
+    trt.prepare(meta)
+    trt.forward(q, kv, meta, out, lse)
+    b, max_q, _ = trt._batch
+    assert trt.workspace.numel() == lse_stats_bytes(spec.num_q_heads, b, max_q) and not trt.workspace.any()
+    assert rec.named("trtllm")[-1][1]["workspace_buffer"] is trt.workspace
     check_against_reference(spec, q, kv, meta, out, lse)
 
 

@@ -51,11 +51,11 @@ def test_dry_run_environment_and_notes(dry_run):
     assert res["env"]["nvtx"] is False and any("nvtx" in n for n in res["notes"])
     assert any("flashinfer is not installed" in n for n in res["notes"])
     used, shares = res["phases"]["used"], res["phases"]["shares"]
-    assert set(used) == set(shares) == {"warmup", "kernels", "graphs", "timing", "launches"}
+    assert set(used) == set(shares) == {"warmup", "kernels", "sparse_mla", "graphs", "timing", "launches", "moe_graph"}
     # every phase ran and was timed; whether it kept to its share is the budget's own test
     # (test_budget_shares_carry_over, a fake clock): a wall-clock bound here fails under load
     assert all(used[p] > 0 for p in used) and sum(shares.values()) <= res["budget_s"]
-    assert res["errors"] == []
+    assert res["errors"] == [] and res["failures"] == [] and res["failed_parts"] == []
 
 
 def test_dry_run_triton_warmup_and_kernel_checks(dry_run):
@@ -72,6 +72,51 @@ def test_dry_run_triton_warmup_and_kernel_checks(dry_run):
     seen = {(c["backend"], c["dtype"], c["head_dim"]) for c in checks}
     assert {(b, d, h) for b in ("torch", "triton") for d in ("float32", "bfloat16") for h in (64, 128)} == seen
     assert all(c["num_q_heads"] > c["num_kv_heads"] for c in checks)  # GQA
+
+
+def test_dry_run_sparse_mla_and_moe_graph(dry_run):
+    """The DSA kernel part (interpreted, tiny) against the float32 absorbed attention, both
+    dtypes, every row checked; the MoE part: trace-captured layer, routing changing at
+    every replay, replays equal eager bitwise and the per-expert loop."""
+    _, res, _ = dry_run
+    sparse = {r["dtype"]: r for r in res["sparse_mla"]}
+    assert set(sparse) == {"float32", "bfloat16"}
+    for r in sparse.values():
+        assert r["status"] == "pass" and r["max_rel_err"] <= r["tol"] and r["empty_rows_zero"], r
+        assert r["checked_rows"] == r["rows"] == 40 and r["last_row_checked"] == 39
+    (moe,) = res["moe_graph"]
+    assert moe["status"] == "pass" and moe["graph_backend"] == "trace" and moe["routing_changed"], moe
+    assert moe["bitwise_equal"] and moe["max_rel_err_vs_loop"] <= moe["tol"] and moe["replays"] == 3
+
+
+def test_gpu_default_sparse_part_is_past_int32():
+    """On a GPU the sparse part's q_lat has more than 2**31 elements (DeepSeek V3.2's heads
+    and latent), where a 32-bit row or head offset wraps."""
+    st = settings_from_args(build_parser().parse_args(["gpu-check"]))
+    rows, heads, lora, _ = st.sparse_shape
+    assert heads == 128 and lora == 512 and rows * heads * lora >= 2**31 and st.moe_dtypes == ("bfloat16",)
+
+
+def test_a_part_that_errors_makes_the_command_fail_and_names_it(tmp_path, monkeypatch, capsys):
+    """A part that raises, and a part whose row fails, each named; exit code 1 (it was 0
+    whatever the parts logged, e.g. every Triton part under Triton 3.6's interpreter)."""
+    from graphcp.gpucheck import moe_graph, sparse_mla
+
+    def boom(*a, **k):
+        raise RuntimeError("InterpreterError: only 0-dimensional arrays can be converted to Python scalars")
+
+    monkeypatch.setattr(sparse_mla, "check_sparse_mla", boom)
+    monkeypatch.setattr(moe_graph, "check_moe_graph",
+                        lambda st, budget: [{"dtype": "float32", "graph_backend": "trace", "status": "fail",
+                                             "error": "replay differs"}])
+    code = main(["gpu-check", "--dry-run", "--no-triton", "--budget-s", "30", "--out", str(tmp_path),
+                 "--skip", "warmup,kernels,graphs,timing,launches"])
+    err = capsys.readouterr().err
+    assert code == 1
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert res["failures"] == ["sparse_mla: raised (see errors)", "moe_graph: float32 trace fail (replay differs)"]
+    assert "FAILED: 2 check(s) errored or failed: sparse_mla: raised" in err
+    assert "## Failed" in (tmp_path / "gpu_check.md").read_text()
 
 
 def test_dry_run_graph_replays_bitwise(dry_run):
@@ -147,7 +192,7 @@ def test_budget_guard_skips_instead_of_running(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags,expected", [
     (["--sizes", "1k"], "--sizes: expected comma-separated int values, got '1k'"),
-    (["--skip", "timing,graph"], "--skip: expected one or more of warmup, kernels, graphs, timing, launches"),
+    (["--skip", "timing,graph"], "--skip: expected one or more of warmup, kernels, sparse_mla, graphs, timing, launches, moe_graph"),
     (["--backends", "flash"], "--backends: expected one or more of torch, triton, flashinfer, trtllm"),
     (["--models", "llama-70b"], "--models: expected one or more of default, qwen3-1b-like"),
     (["--repeats", "0"], "--repeats: expected int >= 1, got '0'"),

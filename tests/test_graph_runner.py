@@ -192,3 +192,23 @@ def test_interleave_layout_replays_breakable_graphs(dtype):
         assert (gpath, epath) == ("graph", "eager"), rank
         for j, (g, e) in enumerate(zip(glogits, elogits)):
             assert rel_err(g, e) < UNPADDED_TOL[dtype], f"rank {rank}, request {j}: {rel_err(g, e):.3g}"
+
+
+def test_cuda_pool_bytes_count_only_the_graph_pool(monkeypatch):
+    """The capture stats' pool_bytes is the graphs' own pool (its allocator segments), not
+    memory_reserved (every pool and the eager allocations): a snapshot with an eager
+    segment, another pool's and another device's counts only this pool's on this device."""
+    from graphcp.runtime.capture import graphs
+
+    snapshot = [
+        {"device": 0, "total_size": 2 << 20, "segment_pool_id": (0, 0)},  # eager allocations
+        {"device": 0, "total_size": 20 << 20, "segment_pool_id": (1, 7)},  # the graphs' pool
+        {"device": 0, "total_size": 4 << 20, "segment_pool_id": (1, 7)},
+        {"device": 0, "total_size": 8 << 20, "segment_pool_id": (1, 9)},  # another graph pool
+        {"device": 1, "total_size": 16 << 20, "segment_pool_id": (1, 7)},  # another GPU
+    ]
+    backend = object.__new__(graphs.CudaBackend)  # no CUDA here: the fields pool_bytes reads
+    backend.pool, backend.device = (1, 7), torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda **kw: snapshot)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **kw: sum(s["total_size"] for s in snapshot))
+    assert backend.pool_bytes() == 24 << 20

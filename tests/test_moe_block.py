@@ -19,7 +19,9 @@ from graphcp.model.config import ModelConfig
 from graphcp.model.layers import ParallelMLP
 from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.moe.ep import ExchangePlan
-from graphcp.model.moe.experts import Experts, grouped_mm_capturable, reference_moe, routed_experts
+from graphcp.model.moe.experts import (
+    GROUPED_MM_GRAPHS_VALIDATED, Experts, grouped_mm_capturable, grouped_mm_sync_free, reference_moe, routed_experts,
+)
 from graphcp.model.moe_config import MoeConfig
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -160,13 +162,28 @@ def test_shared_expert_is_added_to_the_routed_output():
         assert torch.equal(block.forward_ep(x, 5, CPGroup())[5:], block.shared(x, CPGroup())[5:])
 
 
-def test_grouped_mm_capturable_where_the_kernel_is_sync_free():
-    assert grouped_mm_capturable(torch.device("cpu"), torch.float32)
+def test_grouped_mm_sync_free_where_torch_takes_its_cutlass_kernel():
+    """torch's fast path takes the major version only (9 or 10): SM103 (10, 3) too."""
+    assert grouped_mm_sync_free(torch.device("cpu"), torch.float32)
     cuda = torch.device("cuda")
-    assert grouped_mm_capturable(cuda, torch.bfloat16, (9, 0))
-    assert grouped_mm_capturable(cuda, torch.bfloat16, (10, 0))
-    assert not grouped_mm_capturable(cuda, torch.float32, (9, 0))
-    assert not grouped_mm_capturable(cuda, torch.bfloat16, (8, 0))
+    for cap in ((9, 0), (10, 0), (10, 3)):
+        assert grouped_mm_sync_free(cuda, torch.bfloat16, cap), cap
+    assert not grouped_mm_sync_free(cuda, torch.float32, (9, 0))
+    assert not grouped_mm_sync_free(cuda, torch.bfloat16, (8, 0))
+    assert not grouped_mm_sync_free(cuda, torch.bfloat16, (12, 0))
+
+
+def test_grouped_mm_is_not_captured_on_cuda_until_validated_on_a_gpu():
+    """pytorch issue 169970 (illegal access at replay, H100/H200): until the GPU check's
+    MoE capture/replay has passed, the tp layout's experts stay out of CUDA graphs; the
+    CPU trace backend replays them as always."""
+    cuda = torch.device("cuda")
+    assert not GROUPED_MM_GRAPHS_VALIDATED
+    assert grouped_mm_capturable(torch.device("cpu"), torch.float32)
+    assert not grouped_mm_capturable(cuda, torch.bfloat16, (9, 0))
+    assert grouped_mm_capturable(cuda, torch.bfloat16, (9, 0), validated=True)
+    assert grouped_mm_capturable(cuda, torch.bfloat16, (10, 3), validated=True)
+    assert not grouped_mm_capturable(cuda, torch.float32, (9, 0), validated=True)
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -197,3 +214,31 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
     d = hf_config("mixtral", False, num_hidden_layers=3).to_dict()
     m = ModelConfig.from_hf_dict(d)
     assert m.moe.layers == (0, 1, 2) and not m.has_dense_mlp and m.moe.norm_topk_prob
+
+
+def test_tp_moe_graphs_on_cuda_hold_the_experts_out_until_validated(monkeypatch):
+    """The engine's capture check for moe='tp' on an H200: bfloat16 is sync-free, but a
+    captured grouped matmul has not replayed on a GPU yet, so a full graph is refused and
+    breakable graphs move the experts into the attention breaks; with the validation flag
+    set both capture them."""
+    from graphcp.model import moe as moe_pkg
+    from graphcp.model.config import ModelConfig
+    from graphcp.model.llama import DecoderModel
+    from graphcp.model.presets import PRESETS
+
+    cfg = ModelConfig.from_hf_dict(PRESETS["default-moe"])
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    model = DecoderModel(cfg, 1, torch.bfloat16, moe="tp")
+    problem = model.capture_problem(cuda, full=True)
+    assert problem is not None and "pytorch issue 169970" in problem and "graph='breakable'" in problem
+    assert model.capture_problem(cuda, full=False) is None
+    assert model.hold_experts_out_of_graphs(cuda)
+    sparse = [layer for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert sparse and all(layer.exchanges for layer in sparse)
+    assert model.capture_problem(torch.device("cpu"), full=False) is None
+    monkeypatch.setattr(moe_pkg.experts, "GROUPED_MM_GRAPHS_VALIDATED", True)
+    fresh = DecoderModel(cfg, 1, torch.bfloat16, moe="tp")
+    assert fresh.capture_problem(cuda, full=True) is None and not fresh.hold_experts_out_of_graphs(cuda)
+    model32 = DecoderModel(cfg, 1, torch.float32, moe="tp")
+    assert "sync-free kernel" in model32.capture_problem(cuda, full=False)

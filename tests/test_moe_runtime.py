@@ -36,6 +36,39 @@ def test_tp_in_cuda_graphs_needs_the_sync_free_grouped_kernel(hf_model_dir, monk
     assert eng.model.capture_problem(torch.device("cpu"), full=True) is None  # tp is static-shaped
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tp_experts_held_out_of_graphs_run_in_the_attention_break(hf_model_dir, monkeypatch, dtype):
+    """Where a captured torch._grouped_mm is not trusted (CUDA until the GPU check's
+    moe_graph passes; pytorch issue 169970), breakable graphs keep the tp layout's experts
+    out of the captured segments: they run in the attention break, still one break a
+    layer, and the logits equal the eager forward's. Forced here on the CPU trace backend;
+    a full graph is refused. (Before, moe='tp' with graphs on CUDA had no such path.)"""
+    from graphcp.model import llama
+    from graphcp.runtime.capture.buckets import BucketSet
+
+    monkeypatch.setattr(llama, "grouped_mm_capturable", lambda device, dt, *a, **k: False)
+    folder = hf_model_dir("qwen3_moe")
+    with pytest.raises(ConfigError, match=r"graph='full' would capture the experts of moe='tp'.*169970"):
+        PrefillEngine(folder, RuntimeConfig(graph="full", attention="triton", moe="tp", kv_tokens=256))
+    eng = PrefillEngine(folder, RuntimeConfig(graph="breakable", moe="tp", kv_tokens=1024, dtype=dtype), None,
+                        BucketSet((32,), padding_factor=64.0))
+    moe_layers = [layer for layer in eng.model.layers if layer.mlp.__class__.__name__ == "SparseMoeBlock"]
+    assert moe_layers and all(layer.exchanges for layer in moe_layers)
+    rng = np.random.default_rng(3)
+    toks = [rng.integers(0, 512, n) for n in (13, 7)]
+    out = {}
+    for path in ("graph", "eager"):
+        o = eng.prefill([Request(t) for t in toks], all_logits=True, force_eager=path == "eager")
+        assert o.info.path == path
+        out[path] = o.logits
+        for h in o.handles:
+            eng.release(h)
+    assert len(eng.runner.graphs[32].graph.breaks) == eng.cfg.num_layers  # the experts joined the attention breaks
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for g, e in zip(out["graph"], out["eager"]):
+        assert rel_err(g, e) <= tol
+
+
 def test_default_moe_preset_matches_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -90,14 +90,24 @@ def _run(backend, cache, meta, q, index_q, index_w, kv_b) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype,tile", [("float32", None), ("bfloat16", None),
                                         ("float32", SparseTileConfig(16, 16, 4, 1))],
                          ids=["float32", "bfloat16", "float32-tile16x16"])
-def test_kernel_matches_torch_reference(dtype, tile):
+def test_kernel_matches_torch_reference(dtype, tile, monkeypatch):
     """Random caches, pages out of order, -1-padded selections with few tokens, dense
     rows, a shared layer, padding rows: the Triton path equals the torch reference
-    (float32 on the same inputs)."""
+    (float32 on the same inputs). The kernel gets q_lat row-major [rows, H, kv_lora]:
+    bmm's transposed result had a head stride of rows x kv_lora, which passes 2**31
+    elements at ~33K rows of DeepSeek V3.2 (128 heads x 512)."""
     dt = getattr(torch, dtype)
     case = _case(dt)
     backend = TritonSparseMla(SPEC, few_selected, tile)
+    launch, strides = backend._kernel.launch, []
+
+    def spy(q_lat, *args, **kw):
+        strides.append(q_lat.stride())
+        return launch(q_lat, *args, **kw)
+
+    monkeypatch.setattr(backend._kernel, "launch", spy)
     got = _run(backend, *case)
+    assert strides == [(SPEC.num_heads * SPEC.kv_lora_rank, SPEC.kv_lora_rank, 1)] * 2
     q, index_q, index_w = case[2:5]
     sel = backend.selection(0, q.shape[0], index_q, index_w, case[0], q.device)
     ref_backend = TorchSparseMla(SPEC, few_selected)
@@ -203,6 +213,66 @@ def test_bad_settings_and_inputs_name_what_is_wrong():
         backend.forward(0, q, index_q, index_w, kv_b, cache, out[:, :, :8])
 
 
+#: the kernel on a q_lat whose head stride times the head index passes 2**31 elements
+#: (2**30 + 16 elements a head, 3 heads; the tensor is mostly untouched virtual memory:
+#: 4 GiB in bfloat16, 8 GiB in float32, ~0.3 GB resident), against the same q_lat made
+#: contiguous and the float32 attention of its row
+WRAP = r"""
+import json, sys
+import torch
+from graphcp.attention.kernels import sparse_mla as sk
+
+def case(dtype):
+    heads, lora, rope, page, k = 3, 16, 8, 4, 8
+    S = 2**30 + 16  # head stride: head 2's offset 2**31 + 32 passes int32
+    big = torch.empty(2 * S + lora, dtype=dtype)  # virtual: only the three head rows are touched
+    q_lat = big.as_strided((1, heads, lora), (heads * lora, S, 1))
+    g = torch.Generator().manual_seed(0)
+    q_lat.copy_(torch.randn(1, heads, lora, generator=g).to(dtype))
+    q_rope = torch.randn(1, heads, rope, generator=g).to(dtype)
+    cache = torch.randn(4, page, lora + rope, generator=g).to(dtype)
+    page_table = torch.tensor([[2, 1, 3]], dtype=torch.int32)
+    selected = torch.tensor([[0, 2, 3, 5, 7, 8, 10, 11]], dtype=torch.int32)
+    counts = torch.tensor([k], dtype=torch.int32)
+    row_table = torch.zeros(1, dtype=torch.int32)
+    outs = []
+    for q in (q_lat, q_lat.contiguous()):
+        out = torch.zeros(1, heads, lora, dtype=dtype)
+        sk.launch(q, q_rope, cache, out, selected, counts, row_table, page_table, page_size=page, scale=0.25,
+                  block_h=16, block_n=16, upcast_dot=dtype != torch.float32, num_warps=4, num_stages=1)
+        outs.append(out)
+    pos = selected[0].long()
+    tok = cache[page_table[0].long()[pos // page], pos % page].float()
+    s = (q_lat[0].float() @ tok[:, :lora].T + q_rope[0].float() @ tok[:, lora:].T) * 0.25
+    want = torch.softmax(s, -1) @ tok[:, :lora]
+    err = float((outs[0][0].float() - want).norm() / want.norm())
+    return {"strided_equals_contiguous": bool(torch.equal(outs[0], outs[1])), "rel_err": err}
+
+print(json.dumps({d: case(getattr(torch, d)) for d in sys.argv[1:]}))
+"""
+
+
+def test_head_offsets_past_int32_read_the_right_rows():
+    """Under the interpreter (which multiplies i32 by i32 in numpy int32, as the GPU does)
+    a head offset of 2**31 + 32 elements must not wrap: the old kernel read 8 GiB below
+    q_lat (a segmentation fault, here in a subprocess), the fixed one gives the contiguous
+    launch's output bit for bit and the reference within the dtype's tolerance."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", WRAP, "float32", "bfloat16"], capture_output=True, text=True,
+                          timeout=300, cwd=root, env=env)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for dtype, r in res.items():
+        assert r["strided_equals_contiguous"] and r["rel_err"] < TOL[dtype], (dtype, r)
+
+
 COMPILE = r"""
 import json, torch
 from dataclasses import asdict
@@ -219,7 +289,8 @@ print(json.dumps({"reports": reports, "wide": asdict(wide)}))
 def test_kernel_compiles_without_spills_for_sm90a_and_sm100a():
     """Compile-only (no GPU): DeepSeek V3.2 / GLM-5's latent (512 + 64 rope) with the
     settings sparse_tile_config picks, bfloat16 and float32, on sm_90a and sm_100a, has no
-    register spills. In a subprocess: this process runs Triton in interpreter mode."""
+    register spills, and its TTIR widens every row and head stride to int64 before the
+    offset products. In a subprocess: this process runs Triton in interpreter mode."""
     import importlib.util
     import json
     import os
@@ -242,6 +313,9 @@ def test_kernel_compiles_without_spills_for_sm90a_and_sm100a():
         (a, d) for a in ("sm_90a", "sm_100a") for d in ("bfloat16", "float32")}
     for r in res["reports"]:
         assert 0 < r["registers"] <= 255 and r["spill_store_bytes"] == r["spill_load_bytes"] == 0, r
+        # every row and head offset is an int64 product: q_lat's head stride passes 2**31
+        # elements at ~33K rows of DeepSeek V3.2 (128 heads x 512) if anything makes it rows x 512
+        assert r["narrow_strides"] == [], r
     assert res["wide"]["spill_store_bytes"] > 0, res["wide"]
 
 

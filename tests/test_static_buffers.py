@@ -74,3 +74,28 @@ def test_fill_rejects_what_does_not_fit():
     with pytest.raises(ValueError, match="7 segments exceed the buffers' 6"):
         b.fill(16, np.arange(1), np.arange(1), np.arange(1), np.zeros(8, int), np.ones(7, int),
                np.zeros((7, 1), int))
+
+
+def test_fill_waits_for_the_previous_uploads_before_rewriting_the_staging_buffers():
+    """Pinned staging (CUDA): a fill's uploads read the pinned buffers when they run. On
+    a pipeline stage before the last nothing synchronises the host between micro-batches,
+    so the next fill used to rewrite the buffers while the previous uploads were still
+    queued, and the first micro-batch's replay read the second's tokens. With the fake
+    copy engine (uploads deferred until a wait or a sync) each replay reads its own batch."""
+    from fake_copy_engine import FakeCopyEngine
+
+    eng = FakeCopyEngine()
+    b = StaticBuffers(64, 2, num_q_heads=2, head_dim=4, hidden_size=8, max_segments=6, max_pages_per_seq=4,
+                      dtype=torch.float32, device="cpu", staging=eng)
+    batches = [np.array([11, 12, 13]), np.array([21, 22, 23, 24, 25])]
+    seen = []
+    for ids in batches:  # two micro-batches, host running ahead (no sync in between)
+        v = b.fill(16, ids, ids + 100, ids + 200)
+        eng.launch(lambda v=v: seen.append((v.input_ids.clone(), v.positions.clone(), v.kv_slots.clone())))
+    eng.sync()
+    assert eng.waits == 1  # the second fill waited for the first one's uploads
+    for ids, (got_ids, got_pos, got_slots) in zip(batches, seen):
+        pad = 16 - ids.size
+        assert got_ids.tolist() == ids.tolist() + [0] * pad
+        assert got_pos.tolist() == (ids + 100).tolist() + [0] * pad
+        assert got_slots.tolist() == (ids + 200).tolist() + [-1] * pad

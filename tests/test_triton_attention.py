@@ -136,3 +136,34 @@ def test_rejects_bad_shapes():
         TritonAttention(AttentionSpec(4, 2, 96, 16, 0.1))
     with pytest.raises(ValueError, match="block_m=16 lanes cannot hold one row of a GQA group of 32"):
         TritonAttention(AttentionSpec(32, 1, 64, 16, 0.1), block_m=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_kernels_run_under_a_triton_3_6_style_interpreter(dtype, monkeypatch):
+    """Triton 3.6's interpreter (the GPU image's) converts a loop bound with
+    ``int(handle.data)``, which numpy 2 refuses for its one-element scalars: every kernel
+    with a device-read range failed ("only 0-dimensional arrays can be converted to Python
+    scalars"). Emulated here on whatever Triton is installed (CI's is newer): the 3.6
+    ``__index__`` replaces the installed one, the compatibility patch goes on top (as the
+    kernel modules apply it at import), and the paged kernel matches the reference.
+    ``TRITON_INTERPRET=1 PYTHONPATH=<triton 3.6> pytest tests/test_triton_attention.py``
+    runs the real thing (docs/gpu_check.md)."""
+    if not interpreting():
+        pytest.skip("an interpreter test")
+    from triton.runtime import interpreter
+
+    from graphcp.attention.kernels import interpreter_compat, paged_prefill  # noqa: F401 - patched at import
+
+    installed = interpreter._patch_lang_tensor
+
+    def triton_3_6(tensor, scope, *args, **kwargs):
+        installed(tensor, scope, *args, **kwargs)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))  # Triton 3.6's
+
+    plan = zigzag_plan([37, 3, 20], [0, 5, 19], cp=2, rank=0)
+    spec = AttentionSpec(4, 1, 64, 16, 0.125, "NHD")
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", triton_3_6)
+    with pytest.raises(Exception, match="only 0-dimensional arrays"):  # what 3.6 did
+        check_triton(spec, plan, dtype, pad_rows=9, with_lse=True, seed=6)
+    interpreter_compat.patch()
+    check_triton(spec, plan, dtype, pad_rows=9, with_lse=True, seed=6)

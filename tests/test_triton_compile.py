@@ -47,6 +47,7 @@ def test_bf16_kernel_does_not_spill_on_sm90():
         assert r["arch"] == "sm_90a" and r["dtype"] == "bfloat16"
         assert 0 < r["registers"] <= 255
         assert r["spill_store_bytes"] == r["spill_load_bytes"] == 0, r
+        assert r["narrow_strides"] == [], r  # row/head offsets are int64 products (TTIR)
         seen.add((r["head_dim"], r["has_lse"]))
     assert seen == {(64, True), (64, False), (128, True), (128, False)}
     # the check can fail: the old setting spills at head_dim 128

@@ -10,10 +10,14 @@ Parts, each with a share of the time budget (``settings.PHASES``; time a part
 leaves passes on, what does not fit is recorded as skipped): ``warmup`` (every
 Triton variant the run launches, compiled first), ``kernels`` (every available
 attention backend against the torch reference, bfloat16 and float32),
-``graphs`` (breakable and full ``cuda`` graphs at CP = 1: every replay equals the
-same-bucket eager body bitwise, capture self-check on), ``timing`` (eager vs
-breakable vs full prefill at 1K / 8K / 32K tokens), ``launches`` (kernels, launch
-calls and graph launches per forward, with ``torch.profiler`` traces).
+``sparse_mla`` (the DSA models' sparse MLA Triton kernel against its torch form
+at 34,000 rows x 128 heads x 512, past 32-bit offsets), ``graphs`` (breakable and
+full ``cuda`` graphs at CP = 1: every replay equals the same-bucket eager body
+bitwise, capture self-check on), ``timing`` (eager vs breakable vs full prefill at
+1K / 8K / 32K tokens), ``launches`` (kernels, launch calls and graph launches per
+forward, with ``torch.profiler`` traces), ``moe_graph`` (a MoE layer's grouped
+matmuls captured and replayed with changing routing, against eager; last).
+The command exits 1 when a part raised or a checked row errored or failed, naming them.
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` to ``--out`` (default ``$OUT``
 when set) after every part; the Markdown is printed last on stdout, progress
@@ -113,6 +117,9 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
             log("warning: TRITON_INTERPRET is set: triton kernels would run in the interpreter; unset it")
         torch.set_float32_matmul_precision("highest")  # the float32 reference without TF32
     options = {k: v for k, v in vars(args).items() if k not in ("func", "command", "debug")}
-    md = run_check(st, Path(args.out), args.budget_s, set(args.skip), options, no_triton=args.no_triton)
+    md, failed = run_check(st, Path(args.out), args.budget_s, set(args.skip), options, no_triton=args.no_triton)
     print(md, end="", flush=True)
+    if failed:
+        log(f"FAILED: {len(failed)} check(s) errored or failed: " + "; ".join(failed))
+        return 1
     return 0

@@ -11,6 +11,7 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 
 import torch
 
@@ -46,6 +47,18 @@ def skip(rec: dict, reason: str) -> dict:
     """Mark a result row skipped (not run), with why."""
     rec.update(status="skipped", error=reason)
     return rec
+
+
+def dtype_rows(out: list[dict], dtypes: tuple[str, ...], base: dict, budget) -> Iterator[tuple[int, str, dict]]:
+    """A pending result row per dtype appended to ``out``; yields (index, dtype name, row)
+    for each the budget still allows a second for, the others become ``skipped``."""
+    for i, name in enumerate(dtypes):
+        rec = {**base, "dtype": name, "status": "pending", "error": None}
+        out.append(rec)
+        if not budget.allows(1.0):
+            skip(rec, "time budget")
+            continue
+        yield i, name, rec
 
 
 def sync(device: torch.device) -> None:

@@ -38,6 +38,39 @@ def _status(r: dict, ok: tuple[str, ...] = ("ok", "pass"), n: int = 60) -> str:
     return r["status"] + (f": {_short(r.get('error'), n)}" if r["status"] not in ok else "")
 
 
+#: a row's statuses that make the run fail (skipped, fallback and pending rows do not)
+BAD = ("fail", "error")
+
+
+def _checked_rows(res: dict):
+    """(part, label, row) of every checked row of the report."""
+    for c in res["backends"]["checks"]:
+        yield "kernels", f"{c['backend']} {c['dtype']} {c['num_q_heads']}/{c['num_kv_heads']}x{c['head_dim']}", c
+    for r in res.get("sparse_mla", []):
+        yield "sparse_mla", f"{r['dtype']} {r.get('rows')} rows", r
+    for g in res.get("graphs", []):
+        yield "graphs", f"{g['dtype']} {g['graph']}", g
+    for r in res.get("timing", []):
+        yield "timing", f"{r['model']} {r['backend']} {r['path']} {r['tokens']}", r
+    for r in res.get("launches", []):
+        yield "launches", f"{r['model']} {r['backend']} {r['path']}", r
+    for r in res.get("moe_graph", []):
+        yield "moe_graph", f"{r['dtype']} {r['graph_backend']}", r
+
+
+def failures(res: dict) -> list[str]:
+    """``"part: what"`` for every part that raised and every checked row that errored or
+    failed (skipped, fallback and pending rows do not): the command exits non-zero when
+    there is any."""
+    out = [f"{p}: raised (see errors)" for p in res.get("failed_parts", [])]
+    w = res.get("triton_warmup") or {}
+    if str(w.get("status", "ok")).startswith("error"):
+        out.append(f"warmup: {w['status']}")
+    out += [f"{part}: {label} {r['status']}" + (f" ({_short(r.get('error'), 80)})" if r.get("error") else "")
+            for part, label, r in _checked_rows(res) if r.get("status") in BAD]
+    return out
+
+
 def render_markdown(res: dict) -> str:
     env, dev = res["env"], res["device"]
     out = [f"# graphcp GPU check{' (dry run, CPU)' if res['dry_run'] else ''}", ""]
@@ -110,13 +143,34 @@ def render_markdown(res: dict) -> str:
                         _short(", ".join(f"{k} {v}" for k, v in (r.get("ranges") or {}).items()), 90) or "-",
                         _fmt(r.get("trace")), _status(r)] for r in res["launches"]])
         out.append("")
-    problems = [("kernels", f"{c['backend']} {c['dtype']} {c['num_q_heads']}/{c['num_kv_heads']}x{c['head_dim']}",
-                 c["status"], c["error"]) for c in checks if c["status"] in ("error", "fail")]
-    problems += [("graphs", f"{g['dtype']} {g['graph']}", g["status"], g.get("error")) for g in res["graphs"]
-                 if g["status"] in ("error", "fail")]
-    problems += [("timing", f"{r['model']} {r['backend']} {r['path']} {r['tokens']}", r["status"], r.get("error"))
-                 for r in res["timing"] if r["status"] in ("error", "fallback")]
+    if res.get("sparse_mla"):
+        out += ["## Sparse MLA kernel at long row counts (DSA)", "",
+                "The Triton kernel over every row; the first and last rows against the absorbed attention in "
+                "float32 (||x - ref|| / ||ref||); past int32: q_lat has >= 2**31 elements.", ""]
+        out += _table(["dtype", "rows", "heads", "latent", "topk", "past int32", "rows checked", "last row",
+                       "rel err", "tol", "kernel ms", "status"],
+                      [[r["dtype"], _fmt(r.get("rows")), _fmt(r.get("heads")),
+                        f"{r.get('kv_lora_rank')}+{r.get('rope_dim')}", _fmt(r.get("topk")), _fmt(r.get("past_int32")), _fmt(r.get("checked_rows")),
+                        _fmt(r.get("last_row_checked")), _fmt(r.get("max_rel_err"), ".2e"), _fmt(r.get("tol"), ".0e"),
+                        _fmt(r.get("kernel_ms"), ".1f"), _status(r, ("pass",))] for r in res["sparse_mla"]])
+        out.append("")
+    if res.get("moe_graph"):
+        out += ["## MoE layer captured, replayed with changing routing (moe='tp', grouped matmuls)", "",
+                "bitwise: each replay equals the layer run eagerly on the same input; rel err: vs the per-expert "
+                "loop in float32 (pytorch issue 169970: a replay's illegal memory access would end the run here).",
+                ""]
+        out += _table(["dtype", "backend", "rows", "experts", "top-k", "replays", "routing changed", "bitwise",
+                       "max abs diff", "rel err", "tol", "status"],
+                      [[r["dtype"], r["graph_backend"], _fmt(r.get("rows")), _fmt(r.get("experts")), _fmt(r.get("top_k")),
+                        _fmt(r.get("replays")), _fmt(r.get("routing_changed")), _fmt(r.get("bitwise_equal")),
+                        _fmt(r.get("max_abs_diff_vs_eager"), ".1e"), _fmt(r.get("max_rel_err_vs_loop"), ".2e"),
+                        _fmt(r.get("tol"), ".0e"), _status(r, ("pass",))] for r in res["moe_graph"]])
+        out.append("")
+    problems = [(part, label, r["status"], r.get("error")) for part, label, r in _checked_rows(res)
+                if r.get("status") in BAD or (part == "timing" and r.get("status") == "fallback")]
     problems += [("run", "", "error", e) for e in res.get("errors", [])]
+    if res.get("failures"):
+        out += ["## Failed", ""] + [f"- {f}" for f in res["failures"]] + [""]
     if problems:
         out += ["## Errors", ""]
         out += _table(["where", "what", "status", "message"], [[a, b, c, _short(d, 160)] for a, b, c, d in problems])

@@ -11,8 +11,11 @@ from graphcp.model.presets import PRESETS
 LARGE_MODEL = "qwen3-1b-like"
 #: the parts of a run, in order, with the seconds each may take on one H200 (docs/gpu_check.md);
 #: time a part leaves unused passes to the next
-PHASES = {"warmup": 45.0, "kernels": 45.0, "graphs": 60.0, "timing": 180.0, "launches": 40.0}
-DRY_PHASES = {"warmup": 20.0, "kernels": 40.0, "graphs": 60.0, "timing": 60.0, "launches": 20.0}
+#: moe_graph is last: an illegal memory access at replay (what it looks for) ends the CUDA context
+PHASES = {"warmup": 45.0, "kernels": 45.0, "sparse_mla": 30.0, "graphs": 60.0, "timing": 160.0, "launches": 40.0,
+          "moe_graph": 30.0}
+DRY_PHASES = {"warmup": 20.0, "kernels": 40.0, "sparse_mla": 20.0, "graphs": 60.0, "timing": 60.0, "launches": 20.0,
+              "moe_graph": 20.0}
 PARTS = tuple(PHASES)
 #: the whole run's budget: the parts' shares, start-up and the report fit it (a 540 s device limit)
 BUDGET_S = 420.0
@@ -37,6 +40,16 @@ class Settings:
     graph_attention: dict[str, str]  # graph mode -> attention backend
     graph_buckets: tuple[int, ...]
     graph_batches: tuple[tuple[int, ...], ...]  # new tokens per request, one tuple a batch
+    # sparse MLA kernel (DSA) against the torch form at a row count past the old int32 offsets
+    sparse_dtypes: tuple[str, ...]
+    sparse_shape: tuple[int, int, int, int]  # (query rows, heads, kv_lora_rank, rope dim)
+    sparse_topk: int  # selected tokens a row
+    sparse_tokens: int  # cached tokens the rows select from
+    sparse_checked_rows: int  # rows compared with the reference (the last ones among them)
+    # MoE layer (tp layout, grouped matmuls) captured, replayed with changing routing
+    moe_dtypes: tuple[str, ...]
+    moe_shape: tuple[int, int, int, int, int]  # (rows, hidden, experts, top_k, expert intermediate)
+    moe_replays: int
     # timing
     timing_dtype: str
     models: tuple[str, ...]
@@ -73,6 +86,16 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         graph_attention={"breakable": "torch" if dry else "triton", "full": "triton"},
         graph_buckets=(48,) if dry else (256, 1024),
         graph_batches=((9, 3, 20),) if dry else ((700,), (300, 9, 61, 2), (1000,)),
+        sparse_dtypes=("float32", "bfloat16"),
+        # GPU: DeepSeek V3.2's 128 heads x 512 latent over 34,000 rows: 2.2e9 q_lat elements (> 2**31)
+        sparse_shape=(40, 16, 32, 8) if dry else (34000, 128, 512, 64),
+        sparse_topk=16 if dry else 64,
+        sparse_tokens=48 if dry else 4096,
+        sparse_checked_rows=40 if dry else 512,
+        # the CUDA path is bfloat16 (the grouped matmul's sync-free kernel); the trace backend replays float32
+        moe_dtypes=("float32",) if dry else ("bfloat16",),
+        moe_shape=(24, 64, 8, 2, 32) if dry else (2048, 2048, 64, 8, 768),
+        moe_replays=3 if dry else 5,
         timing_dtype="float32" if dry else "bfloat16",
         models=models,
         large_layers=a.large_layers or None,

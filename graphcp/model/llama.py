@@ -27,7 +27,7 @@ from graphcp.model.graph_break import graph_break
 from graphcp.model.layers import ParallelMLP, RMSNorm, Rotary
 from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.moe.ep import STAT_LAYERS, STAT_LAYOUT, STAT_RECEIVED, STAT_SENT
-from graphcp.model.moe.experts import grouped_mm_capturable
+from graphcp.model.moe.experts import grouped_mm_capturable, grouped_mm_sync_free
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.options import MoeLayout
 
@@ -112,13 +112,19 @@ class ExpertParallelTail(nn.Module):
 
     def after_attention(self, ctx: ForwardContext, attn_out: torch.Tensor, resid: torch.Tensor,
                         out: torch.Tensor) -> None:
-        """o_proj, residual, norm and the expert-parallel MoE of this rank's live rows
-        (padding rows pass through with no MLP output); the layer's rows into ``out``."""
+        """o_proj, residual, norm and the MoE: expert-parallel over this rank's live rows
+        (padding rows pass through with no MLP output), or the ``tp`` layout over every
+        row as a captured graph would run it (its experts held out of CUDA graphs,
+        :meth:`DecoderModel.hold_experts_out_of_graphs`); the layer's rows into ``out``."""
         n = resid.shape[0]
         h = resid + self.self_attn.o_proj(attn_out.view(n, -1))
         live = n if ctx.live_rows is None else ctx.live_rows
         with nvtx_range(f"moe[{self.layer}]", category="break"):
-            moe = self.mlp.forward_ep(self.post_attention_layernorm(h), live, ctx.group, ctx.stats)
+            x = self.post_attention_layernorm(h)
+            if self.mlp.layout == "ep":
+                moe = self.mlp.forward_ep(x, live, ctx.group, ctx.stats)
+            else:
+                moe = self.mlp(x, ctx.group)
         torch.add(h, moe, out=out)
 
 
@@ -134,7 +140,8 @@ class DecoderLayer(ExpertParallelTail):
             self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, moe, rank, tp_size, dtype)
         else:
             self.mlp = ParallelMLP(cfg.hidden_size, cfg.intermediate_size, tp_size, cfg.mlp_bias, dtype)
-        #: experts split over the ranks: the all-to-all exchange runs in the attention break
+        #: the MoE runs in the attention break: experts split over the ranks (the all-to-all
+        #: exchange), or tp experts held out of CUDA graphs (DecoderModel.hold_experts_out_of_graphs)
         self.exchanges = isinstance(self.mlp, SparseMoeBlock) and moe == "ep"
 
     def forward(self, h, positions, rotary, ctx):
@@ -220,11 +227,28 @@ class DecoderModel(nn.Module):
                     "(RuntimeConfig.moe='ep') sizes its all-to-all from each batch's routing on the host; use "
                     "graph='breakable' or moe='tp'")
         tp_moe = any(isinstance(layer.mlp, SparseMoeBlock) and not layer.exchanges for layer in self.layers)
-        if tp_moe and not grouped_mm_capturable(device, self.dtype):
+        if tp_moe and not grouped_mm_sync_free(device, self.dtype):
             return (f"RuntimeConfig.moe='tp' keeps the experts inside the captured graphs, which needs "
-                    f"torch._grouped_mm's sync-free kernel (bfloat16 on sm90/sm100); {self.dtype} on {device} "
+                    f"torch._grouped_mm's sync-free kernel (bfloat16 on sm90/sm100/sm103); {self.dtype} on {device} "
                     "copies the group sizes to the host: use moe='ep', dtype='bfloat16' or graph='off'")
+        if tp_moe and full and not grouped_mm_capturable(device, self.dtype):
+            return ("RuntimeConfig.graph='full' would capture the experts of moe='tp', and a captured "
+                    "torch._grouped_mm has not yet replayed correctly on a GPU here (pytorch issue 169970: an "
+                    "illegal memory access at replay on H100/H200, torch >= 2.9): use graph='breakable' (the "
+                    "experts then run in the attention break, eagerly), moe='ep' or graph='off'")
         return None
+
+    def hold_experts_out_of_graphs(self, device: torch.device) -> bool:
+        """Breakable graphs on ``device`` where a captured grouped matmul is not trusted yet
+        (:func:`grouped_mm_capturable`): the ``tp`` layout's MoE layers run their experts in
+        the attention break, eagerly, as ``ep`` layers run their exchange (one break per
+        layer still). Returns whether any layer moved."""
+        moved = False
+        if not grouped_mm_capturable(device, self.dtype):
+            for layer in self.layers:
+                if isinstance(layer.mlp, SparseMoeBlock) and not layer.exchanges:
+                    layer.exchanges = moved = True
+        return moved
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

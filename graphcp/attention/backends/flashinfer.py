@@ -18,6 +18,21 @@ captured at one row count reads no row past it on replay, and at zero rows the
 descriptor cannot even be built. (FA3 would be faster for eager calls on
 Hopper; one wrapper serves eager, breakable and full-graph calls alike.)
 
+Split-KV off (``disable_split_kv=True`` at every plan). In CUDA-graph mode FA2 otherwise
+always splits the keys (``scheduler.cuh``: ``enable_cuda_graph || ...``), pads its grid to
+the tiles of the row capacity and carves ``tmp_v`` of query heads x those tiles' rows x
+head_dim x 4 bytes from the float workspace: past a GB for an 8B model at the engine's
+default 65K rows, where the fixed workspace has 128 MiB. A prefill's query tiles fill the
+GPU without splitting keys; no scratch, no merge kernel. A plan the library still refuses
+(a C++ ``RuntimeError``) becomes a one-line :class:`~graphcp.errors.ConfigError` naming
+the sizes.
+
+Pinned schedule. ``plan`` writes its tile schedule into the wrapper's pinned int buffer and
+uploads it with ``cudaMemcpyAsync`` (``scheduler.cuh``): the copy reads the buffer when it
+runs. Each plan marks an event after itself and the next plan waits on it before the
+library rewrites the buffer (:class:`~graphcp.attention.staging.PinnedStaging`): a
+pipeline stage before the last runs ahead of its GPU into the next micro-batch.
+
 Argument contract (what ``plan`` receives):
 
 - the batch is always ``max_segments`` long (CUDA-graph mode fixes it): the
@@ -74,6 +89,8 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from graphcp.attention.staging import PinnedStaging
+from graphcp.errors import ConfigError
 from graphcp.kv.paged import SCRATCH_PAGE
 
 FLASHINFER_EXTRA = "pip install graphcp[flashinfer]"
@@ -203,9 +220,11 @@ class FlashInferAttention(AttentionBackend):
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         flashinfer: ModuleType | None = None,
         workspace: torch.Tensor | None = None,
+        staging: PinnedStaging | None = None,
     ) -> None:
         """``workspace``: a float workspace to share (ring steps run one after another);
-        None allocates ``workspace_bytes``."""
+        None allocates ``workspace_bytes``. ``staging``: the fence between plans (None:
+        a CUDA event; tests pass a fake copy engine)."""
         super().__init__(spec)
         if max_segments < 1 or max_q_rows < 1:
             raise ValueError(f"max_segments and max_q_rows must be >= 1, got {max_segments}, {max_q_rows}")
@@ -235,6 +254,9 @@ class FlashInferAttention(AttentionBackend):
             backend=WRAPPER_BACKEND,
         )
         self._lse = Base2Lse(max_q_rows, dev)
+        # plan uploads its schedule from the wrapper's pinned buffer asynchronously: the next
+        # plan rewrites that buffer only after the previous upload ran
+        self._plan_fence = staging if staging is not None else PinnedStaging(dev)
         self._planned_rows: int | None = None
         self._planned_static = False
         self._planned_causal = True
@@ -265,20 +287,34 @@ class FlashInferAttention(AttentionBackend):
 
     def _plan(self, a: PagedPlanArgs, causal: bool = True) -> None:
         spec = self.spec
-        self.wrapper.plan(
-            torch.from_numpy(a.qo_indptr),
-            torch.from_numpy(a.paged_kv_indptr),
-            torch.from_numpy(a.paged_kv_indices),
-            torch.from_numpy(a.paged_kv_last_page_len),
-            spec.num_q_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-            spec.page_size,
-            causal=causal,
-            sm_scale=spec.scale,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-        )
+        self._plan_fence.wait()
+        try:
+            self.wrapper.plan(
+                torch.from_numpy(a.qo_indptr),
+                torch.from_numpy(a.paged_kv_indptr),
+                torch.from_numpy(a.paged_kv_indices),
+                torch.from_numpy(a.paged_kv_last_page_len),
+                spec.num_q_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.page_size,
+                causal=causal,
+                sm_scale=spec.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+                # in CUDA-graph mode split-KV is always on otherwise, over a grid padded to the row
+                # capacity's tiles: tmp_v alone is heads x ~max_q_rows x head_dim x 4 bytes (1.1 GB
+                # for an 8B model at 65K rows). A prefill has query tiles enough: no scratch, no merge
+                disable_split_kv=True,
+            )
+        except RuntimeError as e:  # the library's allocator and checks (C++ errors)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"flashinfer plan failed for {int(a.qo_indptr[-1])} query rows (capacity max_q_rows="
+                f"{self.max_q_rows}), {self.max_segments} segments, {spec.num_q_heads}/{spec.num_kv_heads} heads "
+                f"x {spec.head_dim}, float workspace {self.workspace.numel() * self.workspace.element_size()} B: "
+                f"{first}") from e
+        self._plan_fence.mark()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.page_size != self.spec.page_size:

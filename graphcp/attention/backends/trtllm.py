@@ -45,6 +45,13 @@ Non-causal metadata (ring steps, always live) is passed as ``causal=False``
 (FlashInfer 0.7.4's signature has it); segments whose rows see no key get the
 inert scratch key and then the contract's output 0 and LSE -inf.
 
+Workspace. Whenever LSE is requested the launcher carves softmax statistics from the
+float workspace: ``heads x batch_size x round_up(max_q_len, 256)`` float2 plus a 1 MiB
+guard (``trtllm_fmha_kernel_launcher.cu``); 64 heads x 16 segments x 32K rows is 268 MB,
+past the default 128 MiB. ``forward`` grows the workspace (zeroed) to
+:func:`lse_stats_bytes` of the planned batch before such a call; inside a graph capture
+it cannot, and says so (a :class:`~graphcp.errors.ConfigError` naming the sizes).
+
 The cache must be HND with pages of 16, 32 or 64 tokens. The kernel's LSE is
 base 2 (``ComputeLSEFromMD`` writes ``log2e * m + log2(d)``); it is converted
 to base e on the device (see :class:`Base2Lse`).
@@ -68,10 +75,20 @@ from graphcp.attention.backends.flashinfer import (
     write_no_key_rows,
 )
 from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from graphcp.errors import ConfigError
 from graphcp.kv.paged import SCRATCH_PAGE
 
 SUPPORTED_CAPABILITIES = ((10, 0), (10, 3))
 SUPPORTED_PAGE_SIZES = (16, 32, 64)
+#: the pad trtllm-gen adds after its softmax statistics (``kTrtllmGenSoftmaxStatsGuardBytes``)
+LSE_STATS_GUARD_BYTES = 1 << 20
+
+
+def lse_stats_bytes(num_q_heads: int, batch_size: int, max_q_len: int) -> int:
+    """Workspace bytes a call that returns LSE takes for softmax statistics: ``heads x
+    batch x round_up(max_q_len, 256)`` float2 plus the guard (the launcher's formula;
+    the first carve of the workspace, so its 16-byte alignment costs nothing)."""
+    return 8 * num_q_heads * batch_size * (-(-max_q_len // 256) * 256) + LSE_STATS_GUARD_BYTES
 
 
 def counter_buffer_bytes(batch_size: int, num_q_heads: int, sm_count: int) -> int:
@@ -235,6 +252,8 @@ class TrtllmAttention(AttentionBackend):
                 raise ValueError(f"full-graph capture: q has {q.shape[0]} rows, the static metadata bounds {rows}")
             # the whole q: the captured launch serves every replay; LSE through the scratch
             kernel_lse = None if lse is None else self._lse_scratch[: q.shape[0]]
+            if kernel_lse is not None:
+                self._reserve_lse_stats()
             self._call(q, kv_cache, out, kernel_lse)
             if lse is not None:
                 self._lse.copy_live_base_e(kernel_lse, lse, self.cum_seq_lens_q)
@@ -242,10 +261,27 @@ class TrtllmAttention(AttentionBackend):
         if rows == 0:
             return  # no rows, no launch
         lse_n = None if lse is None else lse[:rows]
+        if lse_n is not None:
+            self._reserve_lse_stats()
         self._call(q[:rows], kv_cache, out[:rows], lse_n, meta.causal)
         if lse_n is not None:
             lse_n.mul_(LN2)  # every row of the slice is live: base 2 -> base e
         write_no_key_rows(meta, out, lse)
+
+    def _reserve_lse_stats(self) -> None:
+        """Grow the workspace (zeroed, as trtllm-gen expects) to hold the planned batch's
+        softmax statistics, before a call that returns LSE."""
+        b, max_q, _ = self._batch
+        need = lse_stats_bytes(self.spec.num_q_heads, b, max_q)
+        have = self.workspace.numel()
+        if need <= have:
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ConfigError(
+                f"trtllm: LSE statistics for {b} segments x max_q_len {max_q} x {self.spec.num_q_heads} heads need "
+                f"{need} B of workspace, it has {have} B, and a graph capture cannot grow it (build the backend "
+                f"with workspace_bytes >= {need})")
+        self.workspace = torch.zeros(need, dtype=torch.uint8, device=self.device)
 
     def _call(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
               causal: bool = True) -> None:

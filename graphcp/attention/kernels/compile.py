@@ -33,14 +33,21 @@ class KernelUsage:
     stack_bytes: int
     shared_bytes: int
     seconds: float
+    narrow_strides: list[str]  # wide strides the TTIR multiplies in 32 bits (:func:`narrow_strides`)
 
     @property
     def spills(self) -> bool:
         return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
 
+    @property
+    def failed(self) -> bool:
+        """A spill or a 32-bit offset product: the check's exit code is 1."""
+        return self.spills or bool(self.narrow_strides)
+
     def usage_line(self) -> str:
+        narrow = f", 32-bit products of {', '.join(self.narrow_strides)}" if self.narrow_strides else ""
         return (f"{self.registers} regs, spill {self.spill_store_bytes}/{self.spill_load_bytes} B, "
-                f"stack {self.stack_bytes} B, shared {self.shared_bytes} B ({self.seconds} s)")
+                f"stack {self.stack_bytes} B, shared {self.shared_bytes} B{narrow} ({self.seconds} s)")
 
 
 def _ptxas(arch: int) -> str:
@@ -86,12 +93,28 @@ def parse_ptxas_log(log: str) -> dict[str, int]:
     }
 
 
+def narrow_strides(ttir: str, wide: tuple[str, ...]) -> list[str]:
+    """The arguments of ``wide`` (i32 strides the kernel promises to multiply in int64) that
+    the kernel's TTIR uses other than by widening them first (``arith.extsi %s : i32 to
+    i64``): Triton passes an integer below 2**31 as i32, and an i32 x i32 offset product
+    wraps past 2**31 elements (an illegal access, or a read of the wrong row)."""
+    out = []
+    for name in wide:
+        uses = [ln.strip() for ln in ttir.splitlines()
+                if re.search(rf"%{name}\b(?!:)", ln) and "tt.func" not in ln]
+        if any(not re.search(rf"arith\.extsi %{name} : i32 to i64", u) for u in uses):  # unused: fine
+            out.append(name)
+    return out
+
+
 def compile_kernel(fn, signature: dict[str, str], constexprs: dict[str, object], arch: int, num_warps: int,
-                   num_stages: int) -> dict[str, int | float]:
+                   num_stages: int, wide: tuple[str, ...] = ()) -> dict[str, int | float | list[str]]:
     """Compile jitted ``fn`` for ``sm_<arch>a`` (``signature``: every argument's type,
     ``"constexpr"`` for those in ``constexprs``) and read its resource use with ``ptxas
     -v``: ``registers``, ``spill_store_bytes``, ``spill_load_bytes``, ``stack_bytes``,
-    ``shared_bytes``, ``seconds``. Any Triton kernel (the dense and the sparse MLA ones)."""
+    ``shared_bytes``, ``seconds``; and ``narrow_strides``, those of ``wide`` its TTIR
+    multiplies in 32 bits (:func:`narrow_strides`). Any Triton kernel (the dense and the
+    sparse MLA ones)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("TRITON_INTERPRET is set: the kernel would be interpreted, not compiled; unset it")
     import triton
@@ -112,7 +135,7 @@ def compile_kernel(fn, signature: dict[str, str], constexprs: dict[str, object],
     if proc.returncode != 0:
         raise RuntimeError(f"ptxas failed for {gpu}: {proc.stderr[-2000:]}")
     return dict(parse_ptxas_log(proc.stderr + proc.stdout), shared_bytes=int(compiled.metadata.shared),
-                seconds=round(time.perf_counter() - t0, 2))
+                seconds=round(time.perf_counter() - t0, 2), narrow_strides=narrow_strides(compiled.asm["ttir"], wide))
 
 
 def csv_values(s: str, cast=str) -> list:
@@ -121,7 +144,8 @@ def csv_values(s: str, cast=str) -> list:
 
 
 def finish(reports: list[KernelUsage], json_path: str | None) -> int:
-    """Write the reports as JSON (when asked); the exit code: 1 if a variant spills."""
+    """Write the reports as JSON (when asked); the exit code: 1 if a variant spills or
+    multiplies a wide stride in 32 bits."""
     if json_path:
         Path(json_path).write_text(json.dumps([asdict(r) for r in reports], indent=1) + "\n")
-    return 1 if any(r.spills for r in reports) else 0
+    return 1 if any(r.failed for r in reports) else 0

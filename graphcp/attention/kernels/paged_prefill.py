@@ -26,10 +26,20 @@ e before it is stored.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # loops over device-read ranges, Triton 3.6 too
+    from graphcp.attention.kernels import interpreter_compat
+
+    interpreter_compat.patch()
+
 LOG2E = 1.4426950408889634
+#: the row- and head-stride arguments the kernel multiplies in int64 (the compile check verifies it)
+WIDE_STRIDES = ("stride_qm", "stride_qh", "stride_om", "stride_oh", "stride_lm", "stride_lh", "stride_kp", "stride_kt",
+                "stride_kh", "stride_vp", "stride_vt", "stride_vh", "stride_pts")
 
 
 # the metadata's count, pointers and page-table stride are not specialised (== 1, multiples of 16,
@@ -64,7 +74,9 @@ def _paged_prefill_kernel(
     # for every query head that reads it
     ROWS: tl.constexpr = BLOCK_M // GROUP_P
     tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # head- and row-stride products in int64 (rows64, heads, kv_head, seg below): a stride
+    # below 2**31 comes in as i32, and i32 x i32 wraps past 2**31 elements
+    kv_head = tl.program_id(1).to(tl.int64)
 
     total_rows = tl.load(CU_SEQLENS_Q + num_segments)
     row0 = tile * ROWS
@@ -76,7 +88,7 @@ def _paged_prefill_kernel(
         lanes = tl.arange(0, BLOCK_M)
         rows = row0 + lanes // GROUP_P
         g = lanes % GROUP_P
-        heads = kv_head * GROUP + g
+        heads = kv_head * GROUP + g  # int64 (kv_head is)
         dims = tl.arange(0, HEAD_DIM)
         lane_ok = (rows < total_rows) & (g < GROUP)
         rows64 = rows.to(tl.int64)
@@ -105,7 +117,7 @@ def _paged_prefill_kernel(
                 # every row sees all kv_len keys (0 keys: output 0, LSE -inf below)
                 limit = rows * 0 + (kv_len - 1)
                 kv_hi = tl.where(q_len > 0, kv_len, 0)
-            pt_row = PAGE_TABLE + seg * stride_pts
+            pt_row = PAGE_TABLE + stride_pts.to(tl.int64) * seg  # seg: a Python int when interpreted
             for n0 in range(0, kv_hi, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 col_ok = cols < kv_hi

@@ -72,7 +72,7 @@ def compile_variant(arch: int, dtype: torch.dtype, head_dim: int, group: int, ha
     consts = dict(GROUP=group, GROUP_P=lanes, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, SEARCH_STEPS=tk.search_steps(16), HAS_LSE=has_lse, UPCAST_DOT=False,
                   DOT_PRECISION="ieee" if dtype == torch.float32 else None, CAUSAL=True)
-    usage = compile_kernel(fn, sig, consts, arch, cfg.num_warps, cfg.num_stages)
+    usage = compile_kernel(fn, sig, consts, arch, cfg.num_warps, cfg.num_stages, tk.WIDE_STRIDES)
     return CompileReport(arch=f"sm_{arch}a", dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, group=group,
                          has_lse=has_lse, block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages, **usage)

@@ -29,10 +29,20 @@ powers of two: they are padded to one and masked.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # loops over device-read ranges, Triton 3.6 too
+    from graphcp.attention.kernels import interpreter_compat
+
+    interpreter_compat.patch()
+
 LOG2E = 1.4426950408889634
+#: the row- and head-stride arguments the kernel multiplies in int64 (the compile check verifies it)
+WIDE_STRIDES = ("stride_lm", "stride_lh", "stride_rm", "stride_rh", "stride_cp", "stride_ct", "stride_om", "stride_oh",
+                "stride_sm", "stride_ptr")
 
 
 # the metadata pointers and the page-table stride change with the batch: not specialised
@@ -58,18 +68,23 @@ def _sparse_mla_kernel(
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    # every row- and head-stride product in int64: a stride below 2**31 comes in as i32, and
+    # i32 x i32 wraps (a head stride of rows x kv_lora passes 2**31 at ~33K rows x 128 heads).
+    # The tile's first head times the stride is a scalar, its lanes a [BLOCK_H, 1] int64 vector
+    # (an int64 heads vector kept live to the store made the fp32 sm_90a variant spill)
     row = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < num_heads
+    h0 = tl.program_id(1).to(tl.int64) * BLOCK_H
+    hl = tl.arange(0, BLOCK_H).to(tl.int64)[:, None]
+    h_ok = (h0 + hl) < num_heads
     d = tl.arange(0, LORA_P)
     d_ok = d < KV_LORA
     r = tl.arange(0, ROPE_P)
     r_ok = r < ROPE
 
-    ql = tl.load(Q_LAT + row * stride_lm + heads[:, None] * stride_lh + d[None, :] * stride_ld,
-                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    qr = tl.load(Q_ROPE + row * stride_rm + heads[:, None] * stride_rh + r[None, :] * stride_rd,
-                 mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    ql = tl.load(Q_LAT + row * stride_lm + (h0 + hl) * stride_lh + d[None, :] * stride_ld,
+                 mask=h_ok & d_ok[None, :], other=0.0)
+    qr = tl.load(Q_ROPE + row * stride_rm + (h0 + hl) * stride_rh + r[None, :] * stride_rd,
+                 mask=h_ok & r_ok[None, :], other=0.0)
     if UPCAST_DOT:
         ql = ql.to(tl.float32)
         qr = qr.to(tl.float32)
@@ -108,8 +123,8 @@ def _sparse_mla_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    tl.store(OUT + row * stride_om + heads[:, None] * stride_oh + d[None, :] * stride_od, o.to(OUT.dtype.element_ty),
-             mask=h_ok[:, None] & d_ok[None, :])
+    tl.store(OUT + row * stride_om + (h0 + hl) * stride_oh + d[None, :] * stride_od, o.to(OUT.dtype.element_ty),
+             mask=h_ok & d_ok[None, :])
 
 
 def padded(n: int) -> int:

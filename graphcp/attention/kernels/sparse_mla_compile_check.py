@@ -61,7 +61,7 @@ def compile_sparse_variant(arch: int, dtype: torch.dtype, kv_lora_rank: int, rop
     consts = dict(KV_LORA=kv_lora_rank, ROPE=rope_dim, LORA_P=sk.padded(kv_lora_rank), ROPE_P=sk.padded(rope_dim),
                   PAGE_SIZE=page_size, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, UPCAST_DOT=False,
                   DOT_PRECISION="ieee" if dtype == torch.float32 else None)
-    usage = compile_kernel(fn, sig, consts, arch, cfg.num_warps, cfg.num_stages)
+    usage = compile_kernel(fn, sig, consts, arch, cfg.num_warps, cfg.num_stages, sk.WIDE_STRIDES)
     return SparseCompileReport(arch=f"sm_{arch}a", dtype=str(dtype).removeprefix("torch."), kv_lora_rank=kv_lora_rank,
                                rope_dim=rope_dim, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages, **usage)

@@ -107,7 +107,9 @@ class TritonSparseMla(SelectingSparseMla):
         w = kv_b_weight.view(sp.num_heads, sp.qk_nope_head_dim + sp.v_head_dim, sp.kv_lora_rank)
         w_uk, w_uv = w.split([sp.qk_nope_head_dim, sp.v_head_dim], dim=1)  # [H, nope, c], [H, v, c]
         q_nope, q_rope = q.split([sp.qk_nope_head_dim, sp.qk_rope_head_dim], dim=-1)
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [rows, H, c]
+        # [rows, H, c] row-major, as the kernel reads it: bmm's [H, rows, c] transposed would make
+        # the head stride rows x c (past 2**31 elements at DeepSeek V3.2's 128 x 512 and ~33K rows)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()
         out_lat = torch.empty(rows, sp.num_heads, sp.kv_lora_rank, dtype=q.dtype, device=dev)
         cfg = self.config(q.dtype)
         self._kernel.launch(q_lat, q_rope, cache.latent(layer), out_lat, selected, counts, row_table, page_table,

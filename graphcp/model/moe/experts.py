@@ -8,10 +8,20 @@ rows, never on the routing, so the same code runs inside a captured graph (the
 or experts.
 
 Where ``torch._grouped_mm`` is sync-free: CPU (one op; the trace graph backend
-replays it with the live group ends) and CUDA bfloat16 on sm90 / sm100 (its CUTLASS
-kernel). Elsewhere on CUDA (float32, other architectures) it falls back to a loop that
-copies the group ends to the host: correct eagerly, not inside a CUDA graph
-(:func:`grouped_mm_capturable` says which).
+replays it with the live group ends) and CUDA bfloat16 on compute capability 9.x /
+10.x (its CUTLASS kernel: torch's ``_scaled_mm_allowed_device(sm90_only, sm100_only)``
+takes the major only, so SM103 too). Elsewhere on CUDA (float32, other architectures)
+it falls back to a loop that copies the group ends to the host: correct eagerly, not
+inside a CUDA graph (:func:`grouped_mm_sync_free`).
+
+Inside a CUDA graph. PyTorch issue 169970 reports an illegal memory access at *replay*
+of ``torch._grouped_mm`` on H100/H200 with torch >= 2.9. Until graphcp's GPU check has
+replayed a MoE layer whose routing changes between replays against eager
+(``graphcp gpu-check``, part ``moe_graph``) and :data:`GROUPED_MM_GRAPHS_VALIDATED` is
+set from that report, the ``tp`` layout's experts are not captured on CUDA
+(:func:`grouped_mm_capturable`): breakable graphs run them in the attention break,
+eagerly, as ``ep`` runs its exchange (``DecoderModel.hold_experts_out_of_graphs``), and a
+full graph with ``moe='tp'`` is refused there.
 
 :func:`reference_moe` is the plain form (a loop over experts with masks, as
 transformers computes it) that the tests and the benchmark compare with.
@@ -23,9 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: CUDA capabilities whose torch._grouped_mm kernel reads the group ends on the device
-#: (torch's ``_scaled_mm_allowed_device(sm90_only, sm100_only)``), bfloat16 only
-CAPTURABLE_CAPABILITIES = ((9, 0), (10, 0))
+#: CUDA major versions whose torch._grouped_mm kernel reads the group ends on the device
+#: (torch's ``_scaled_mm_allowed_device(sm90_only, sm100_only)``: major 9 or 10), bfloat16 only
+SYNC_FREE_MAJORS = (9, 10)
+#: whether a captured torch._grouped_mm has replayed correctly on a GPU (pytorch issue
+#: 169970): set only from a passing ``moe_graph`` part of the GPU check
+GROUPED_MM_GRAPHS_VALIDATED = False
 
 
 class Experts(nn.Module):
@@ -105,13 +118,24 @@ def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     return out
 
 
-def grouped_mm_capturable(device: torch.device, dtype: torch.dtype,
-                          capability: tuple[int, int] | None = None) -> bool:
+def grouped_mm_sync_free(device: torch.device, dtype: torch.dtype,
+                         capability: tuple[int, int] | None = None) -> bool:
     """Whether :class:`Experts` runs without a host sync on ``device`` in ``dtype``
-    (so the ``tp`` layout can stay inside a CUDA graph). ``capability``: the CUDA
-    device's (read from the device when None)."""
+    (torch's CUTLASS path). ``capability``: the CUDA device's (read from the device when None)."""
     if device.type != "cuda":
         return True
     if capability is None:
         capability = torch.cuda.get_device_capability(device)
-    return dtype == torch.bfloat16 and tuple(capability) in CAPTURABLE_CAPABILITIES
+    return dtype == torch.bfloat16 and tuple(capability)[0] in SYNC_FREE_MAJORS
+
+
+def grouped_mm_capturable(device: torch.device, dtype: torch.dtype,
+                          capability: tuple[int, int] | None = None,
+                          validated: bool | None = None) -> bool:
+    """Whether :class:`Experts` may sit inside a captured graph on ``device``: sync-free,
+    and on CUDA only once a captured replay has been validated on a GPU (``validated``:
+    None reads :data:`GROUPED_MM_GRAPHS_VALIDATED`; the GPU check passes True)."""
+    if device.type != "cuda":
+        return True
+    ok = GROUPED_MM_GRAPHS_VALIDATED if validated is None else validated
+    return ok and grouped_mm_sync_free(device, dtype, capability)

@@ -240,7 +240,18 @@ class CudaBackend(GraphBackend):
         torch.cuda.synchronize(self.device)
 
     def pool_bytes(self) -> int:
-        return int(torch.cuda.memory_reserved(self.device))
+        """Bytes of the graphs' own memory pool: the caching allocator's segments owned by
+        it on this device (``memory_reserved`` would count every pool and the eager
+        allocations too)."""
+        return pool_segment_bytes(torch.cuda.memory_snapshot(include_traces=False), tuple(self.pool),
+                                  self.device.index if self.device.index is not None else torch.cuda.current_device())
+
+
+def pool_segment_bytes(snapshot: list[dict], pool: tuple[int, int], device: int) -> int:
+    """The cudaMalloc'd bytes (``total_size``) of a memory snapshot's segments that belong
+    to ``pool`` (``segment_pool_id``) on ``device``."""
+    return sum(int(s["total_size"]) for s in snapshot
+               if tuple(s.get("segment_pool_id", ())) == tuple(pool) and s.get("device", device) == device)
 
 
 def make_graph_backend(name: str, device: torch.device) -> GraphBackend:

@@ -103,6 +103,8 @@ class GraphRunner:
         problem = body.model.capture_problem(body.device, self.full)
         if problem is not None:
             raise ConfigError(problem)
+        if not self.full:  # tp experts into the breaks where a captured grouped matmul is not trusted yet
+            body.model.hold_experts_out_of_graphs(body.device)
         self.body, self.preparer, self.buckets = body, preparer, buckets
         self.max_context, self.max_requests = max_context, rt.max_requests
         cfg, kv = body.model.cfg, body.kv

@@ -17,6 +17,8 @@ from operator import is_
 import numpy as np
 import torch
 
+from graphcp.attention.staging import PinnedStaging
+
 
 @dataclass
 class BucketView:
@@ -65,11 +67,14 @@ class StaticBuffers:
         hidden_in: bool = False,
         aux_layers: int = 0,
         extra_rows: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+        staging: PinnedStaging | None = None,
     ) -> None:
         """``hidden_in``: the body takes input rows (a pipeline stage after the first);
         ``aux_layers``: how many layers' auxiliary hidden states it copies out;
         ``extra_rows``: name -> (row shape, dtype) of the rows a model's breaks read
-        and write besides attn_q / attn_out (MLA's query and output, say)."""
+        and write besides attn_q / attn_out (MLA's query and output, say);
+        ``staging``: how inputs reach the device (None: pinned staging on CUDA, the
+        static tensors themselves written in place on CPU; tests pass a fake copy engine)."""
         self.max_capacity, self.cp_size = max_capacity, cp_size
         self.max_segments, self.max_pages_per_seq = max_segments, max_pages_per_seq
         dev = torch.device(device)
@@ -92,13 +97,15 @@ class StaticBuffers:
         self.aux_out = (torch.zeros(max_capacity, aux_layers, hidden_size, dtype=dtype, device=dev)
                         if aux_layers else None)
         # host staging: on CPU the static tensors themselves (numpy views share their
-        # memory, so a fill is in place); on CUDA pinned copies, uploaded per bucket
+        # memory, so a fill is in place); on CUDA pinned copies, uploaded per bucket and
+        # fenced (a fill waits until the previous fill's uploads ran before rewriting them)
         self._views: dict[int, tuple[tuple, BucketView]] = {}
-        self._staged = dev.type == "cuda"
+        self._staging = staging if staging is not None else PinnedStaging(dev) if dev.type == "cuda" else None
+        self._staged = self._staging is not None
         if self._staged:
-            self._ids_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=True)
-            self._pos_host = torch.zeros(max_capacity, dtype=torch.long, pin_memory=True)
-            self._slots_host = torch.full((max_capacity,), -1, dtype=torch.long, pin_memory=True)
+            self._ids_host = self._staging.host(max_capacity, torch.long)
+            self._pos_host = self._staging.host(max_capacity, torch.long)
+            self._slots_host = self._staging.host(max_capacity, torch.long, -1)
         self._host_cache: tuple = ((), ())
         #: rows [0, _dirty) of the host inputs may hold a batch; past it they are inert
         #: (as allocated: token 0, position 0, slot -1)
@@ -195,6 +202,8 @@ class StaticBuffers:
                 f"input_ids, positions and kv_slots must have one entry per local row; got {n}, "
                 f"{positions.shape[0]} and {kv_slots.shape[0]}"
             )
+        if self._staged:
+            self._staging.wait()  # the previous fill's uploads read these buffers when they run
         ids, pos, slots = self._host_arrays()
         ids[:n] = input_ids
         pos[:n] = positions
@@ -209,9 +218,10 @@ class StaticBuffers:
         # rows past this bucket keep what they held; within it only the first n are live
         self._dirty = dirty if dirty > capacity else n
         if self._staged:
-            self.input_ids[:capacity].copy_(self._ids_host[:capacity], non_blocking=True)
-            self.positions[:capacity].copy_(self._pos_host[:capacity], non_blocking=True)
-            self.kv_slots[:capacity].copy_(self._slots_host[:capacity], non_blocking=True)
+            self._staging.upload(self.input_ids[:capacity], self._ids_host[:capacity])
+            self._staging.upload(self.positions[:capacity], self._pos_host[:capacity])
+            self._staging.upload(self.kv_slots[:capacity], self._slots_host[:capacity])
+            self._staging.mark()
         if cu_seqlens_q is not None:
             self._fill_segments(cu_seqlens_q, kv_lens, page_table)
         if self.hidden_in is not None:

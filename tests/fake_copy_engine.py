@@ -1,0 +1,51 @@
+"""A CPU model of one CUDA stream whose pinned-to-device copies run late.
+
+A copy from pinned host memory (``copy_(..., non_blocking=True)``, ``cudaMemcpyAsync``)
+reads its source when the stream gets to it, not when the host queues it. The fake
+defers every queued operation (uploads, and "kernels" a test queues with ``launch``)
+until the host waits on an event past it (``mark`` / ``wait``, the fence of
+:class:`graphcp.attention.staging.PinnedStaging`) or synchronises (``sync``), so a host
+that rewrites a staging buffer too early is seen on the CPU: the late copy carries the
+new values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class FakeCopyEngine:
+    def __init__(self) -> None:
+        self.queue: list[Callable[[], object]] = []
+        self.ran = 0
+        self._event: int | None = None
+        self.waits = 0
+
+    def host(self, n: int, dtype: torch.dtype, fill_value: int | float = 0) -> torch.Tensor:
+        return torch.full((n,), fill_value, dtype=dtype)  # "pinned": read when the copy runs
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.queue.append(lambda: dst.copy_(src))
+
+    def launch(self, fn: Callable[[], object]) -> None:
+        """Queue a kernel: it reads device tensors when it runs."""
+        self.queue.append(fn)
+
+    def mark(self) -> None:
+        self._event = len(self.queue)
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self.waits += 1
+            self._run(self._event)
+            self._event = None
+
+    def sync(self) -> None:
+        self._run(len(self.queue))
+
+    def _run(self, upto: int) -> None:
+        while self.ran < upto:
+            self.queue[self.ran]()
+            self.ran += 1
