@@ -77,3 +77,40 @@ def test_replay_with_a_sharded_cache_equals_the_same_bucket_eager_body():
             assert err <= UNPADDED_TOL[dtype], f"{where}: {err}"
             assert allocs == 0, f"{where}: the replay allocated {allocs} ring buffers"
             assert received[0] == received[1] > 0, (where, received)  # the replay's ring moved what eager's did
+
+
+def _fresh_replays(group):
+    """Buckets captured, then batches that never ran before (the largest bucket's rows,
+    a long cached prefix): the replays' ring breaks allocate no buffer."""
+    out = []
+    for exchange in ("auto", "pass-kv", "pass-q"):
+        eng = PrefillEngine("default", RuntimeConfig(graph="breakable", kv_tokens=4096, kv_cache="sharded",
+                                                     exchange=exchange, verify_capture=False), group, BUCKETS)
+        eng.capture()
+        reserved = eng.body.ring.buffers.allocations
+        rng = np.random.default_rng(9)
+        vocab = eng.cfg.vocab_size
+        # a prefix (its pages travel in pass-KV's messages), then extends up to the largest bucket
+        first = eng.prefill([Request(rng.integers(0, vocab, 250))])
+        prefix = first.handles[0]
+        after_prefix = eng.body.ring.buffers.allocations
+        paths = [(first.info.path, first.info.stats["exchange"])]
+        for lens in ([128 * group.size - 5], [200, 3, 1], [64 * group.size + 1]):
+            reqs = [Request(rng.integers(0, vocab, n), prefix if j == 0 else None) for j, n in enumerate(lens)]
+            o = eng.prefill(reqs)
+            paths.append((o.info.path, o.info.stats["exchange"]))
+            prefix = o.handles[0]
+            for h in o.handles[1:]:
+                eng.release(h)
+        out.append((exchange, reserved, after_prefix, eng.body.ring.buffers.allocations, paths))
+    return out
+
+
+def test_ring_buffers_are_reserved_per_bucket_at_capture():
+    for rank, results in enumerate(launch(_fresh_replays, 2)):
+        for exchange, reserved, after_prefix, after, paths in results:
+            where = (rank, exchange, paths)
+            assert reserved > 0, where  # allocated at capture
+            assert all(p == "graph" for p, _ in paths), where
+            assert exchange == "auto" or all(e == exchange for _, e in paths), where
+            assert after == after_prefix == reserved, where  # no replay allocated a ring buffer

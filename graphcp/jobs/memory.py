@@ -83,6 +83,8 @@ def estimate_rank_memory(spec: JobSpec, rows: int, captured_rows: int, with_proc
     per_row = row_bytes(cfg, par.tp_size, rt.torch_dtype.itemsize)
     trace = rt.graph_backend == "trace" or (rt.graph_backend == "auto" and rt.device != "cuda")
     graphs = 0 if rt.graph == "off" else captured_rows * per_row * (layers if trace else 1)
+    if rt.graph != "off" and rt.kv_cache == "sharded" and rt.exchange != "pass-q":
+        graphs += 2 * pool // max(layers, 1)  # pass-KV's staging, reserved at capture: two layers of the pool
     process = PROCESS_BYTES.get(rt.device, PROCESS_BYTES["cpu"]) if with_process else 0
     return RankMemory(weights, pool, graphs, rows * per_row, process)
 

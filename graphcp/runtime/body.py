@@ -34,6 +34,14 @@ class Body:
     #: the sharded cache's ring (None: the replicated cache)
     ring: RingAttention | None = None
 
+    def reserve_ring(self, capacity: int) -> None:
+        """Before a bucket's capture: the ring's buffers for ``capacity`` local rows, so its
+        replays allocate none (a sharded cache; nothing otherwise)."""
+        if self.ring is not None:
+            cfg = self.model.cfg
+            layer = self.kv.layer(self.model.stage.layers.start)
+            self.ring.reserve(capacity, layer, cfg.num_heads, cfg.head_dim, self.model.dtype)
+
     @property
     def takes_hidden(self) -> bool:
         """A pipeline stage after the first: its input is the previous stage's hidden rows."""

@@ -27,6 +27,7 @@ import torch
 
 from graphcp.attention.base import AttentionSpec
 from graphcp.attention.registry import make_attention, preferred_kv_layout
+from graphcp.attention.ring.attention import RINGS
 from graphcp.attention.ring.attention import RingAttention
 from graphcp.attention.ring.hardware import HardwareSpec
 from graphcp.attention.ring.plan import RingPlanner
@@ -112,7 +113,8 @@ class PrefillEngine:
                 # the ring's steps 1 .. C-1 plan their own metadata (FlashInfer: one float workspace for all)
                 ring = RingAttention(lambda: make_attention(rt.attention, spec, self.device, **limits,
                                                             workspace=getattr(attention, "workspace", None)),
-                                     self.group, self.device) if self.sharded else None
+                                     self.group, self.device,
+                                     tuple(RINGS) if rt.exchange == "auto" else (rt.exchange,)) if self.sharded else None
             except (ValueError, ImportError) as e:  # a backend refusing this model or device, or not installed
                 raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {e}") from e
         self.body = Body(self.model, attention, self.kv, self.group, self.device, ring)

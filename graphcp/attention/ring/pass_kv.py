@@ -27,6 +27,19 @@ from graphcp.attention.ring.plan import RingPlan
 from graphcp.attention.ring.schedule import run_ring_schedule
 
 
+def buffers(rows: int, max_pages: int, heads: int, dim: int, q_dtype: torch.dtype, page_shape: tuple[int, ...],
+            kv_dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every buffer pass-KV uses, name -> (shape, dtype), for ``rows`` query rows of this
+    rank and messages of up to ``max_pages`` pages: the two staging buffers (page 0 of
+    each is scratch: empty segments' page-table entries point there), the step's partial
+    output and LSE, the merge's float32 accumulators. The run and the per-bucket
+    reservation (:meth:`RingAttention.reserve`) both size them here."""
+    f32 = torch.float32
+    return {"kv_stage0": ((1 + max_pages, *page_shape), kv_dtype), "kv_stage1": ((1 + max_pages, *page_shape), kv_dtype),
+            "part_out": ((rows, heads, dim), q_dtype), "part_lse": ((rows, heads), f32),
+            "acc_out": ((rows, heads, dim), f32), "acc_lse": ((rows, heads), f32)}
+
+
 def run_pass_kv(ring: RingPlan, group, backends: Sequence[AttentionBackend], kv_layer: torch.Tensor,
                 bufs: RingBuffers, q: torch.Tensor, out: torch.Tensor) -> int:
     """Attend this rank's rows ``q[:n]`` over every rank's keys; write ``out[:n]``.
@@ -34,15 +47,13 @@ def run_pass_kv(ring: RingPlan, group, backends: Sequence[AttentionBackend], kv_
     n, (_, heads, dim) = ring.rows[ring.rank], q.shape
     page_shape = tuple(kv_layer.shape[1:])
     pages = ring.msg_pages
-    # page 0 of each staging buffer is scratch (empty segments' page-table entries point there)
-    stage = [bufs.get(f"kv_stage{b}", (1 + max(pages), *page_shape), kv_layer.dtype) for b in (0, 1)]
+    b = {name: bufs.get(name, *spec)
+         for name, spec in buffers(n, max(pages), heads, dim, q.dtype, page_shape, kv_layer.dtype).items()}
+    stage = [b["kv_stage0"], b["kv_stage1"]]
     mine = pages[ring.rank]
     if mine:
         torch.index_select(kv_layer, 0, ring.send_index(kv_layer.device), out=stage[0][1 : 1 + mine])
-    part = bufs.get("part_out", (n, heads, dim), q.dtype)
-    part_lse = bufs.get("part_lse", (n, heads), torch.float32)
-    acc = bufs.get("acc_out", (n, heads, dim), torch.float32)
-    acc_lse = bufs.get("acc_lse", (n, heads), torch.float32)
+    part, part_lse, acc, acc_lse = b["part_out"], b["part_lse"], b["acc_out"], b["acc_lse"]
 
     def step(i: int, src: int) -> None:
         keys = kv_layer if i == 0 else stage[i % 2][: 1 + pages[src]]

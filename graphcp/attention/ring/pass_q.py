@@ -25,6 +25,20 @@ from graphcp.attention.ring.plan import RingPlan
 from graphcp.attention.ring.schedule import run_ring_schedule
 
 
+def buffers(max_rows: int, total_rows: int, rows: int, cp_size: int, heads: int, dim: int,
+            q_dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every buffer pass-Q uses, name -> (shape, dtype): the two visiting-query buffers
+    (``max_rows``: the most rows a rank has), every rank's partial outputs and LSEs
+    (``total_rows``), and the all-to-all's send (the others' rows) and receive (this
+    rank's ``rows`` from each other rank) of ``[output bytes | LSE bytes]`` rows. The
+    run and the per-bucket reservation (:meth:`RingAttention.reserve`) both size them here."""
+    width = heads * dim * q_dtype.itemsize + heads * 4
+    f32, u8 = torch.float32, torch.uint8
+    return {"q_stage0": ((max_rows, heads, dim), q_dtype), "q_stage1": ((max_rows, heads, dim), q_dtype),
+            "parts_out": ((total_rows, heads, dim), q_dtype), "parts_lse": ((total_rows, heads), f32),
+            "a2a_send": ((total_rows - rows, width), u8), "a2a_recv": (((cp_size - 1) * rows, width), u8)}
+
+
 def run_pass_q(ring: RingPlan, group, backends: Sequence[AttentionBackend], kv_layer: torch.Tensor,
                bufs: RingBuffers, q: torch.Tensor, out: torch.Tensor) -> int:
     """Attend every rank's rows to this rank's keys, return the partials to their
@@ -32,10 +46,10 @@ def run_pass_q(ring: RingPlan, group, backends: Sequence[AttentionBackend], kv_l
     C, r = ring.cp_size, ring.rank
     rows = ring.rows
     n, (_, heads, dim) = rows[r], q.shape
-    qbuf = [bufs.get(f"q_stage{b}", (max(rows), heads, dim), q.dtype) for b in (0, 1)]
     off = np.concatenate([[0], np.cumsum(rows)]).tolist()
-    part = bufs.get("parts_out", (off[-1], heads, dim), q.dtype)  # every rank's rows, rank-major
-    part_lse = bufs.get("parts_lse", (off[-1], heads), torch.float32)
+    bs = {name: bufs.get(name, *spec) for name, spec in buffers(max(rows), off[-1], n, C, heads, dim, q.dtype).items()}
+    qbuf = [bs["q_stage0"], bs["q_stage1"]]
+    part, part_lse = bs["parts_out"], bs["parts_lse"]  # every rank's rows, rank-major
 
     def step(i: int, src: int) -> None:
         a, b = off[src], off[src + 1]
@@ -45,16 +59,14 @@ def run_pass_q(ring: RingPlan, group, backends: Sequence[AttentionBackend], kv_l
     ob = heads * dim * q.element_size()  # a row's output bytes (a query row's too)
     received = run_ring_schedule(group, rows, ob, q, qbuf, step)
     # every other rank's partials go home in one all-to-all: [output bytes | LSE bytes] per row
-    width = ob + heads * 4
-    others = off[-1] - n
-    send = bufs.get("a2a_send", (others, width), torch.uint8)
+    send = bs["a2a_send"]
     for dst, (a, b) in zip((0, off[r]), ((0, off[r]), (off[r] + n, off[-1]))):
         send[dst : dst + b - a, :ob].view(q.dtype).copy_(part[a:b].reshape(b - a, heads * dim))
         send[dst : dst + b - a, ob:].view(torch.float32).copy_(part_lse[a:b])
     send_rows = [0 if k == r else rows[k] for k in range(C)]
     recv_rows = [0 if k == r else n for k in range(C)]
-    recv = group.all_to_all_rows(send, send_rows, recv_rows, bufs.get("a2a_recv", ((C - 1) * n, width), torch.uint8))
-    received += recv.shape[0] * width
+    recv = group.all_to_all_rows(send, send_rows, recv_rows, bs["a2a_recv"])
+    received += recv.shape[0] * recv.shape[1]
     outs = [part[off[r] : off[r] + n]]
     lses = [part_lse[off[r] : off[r] + n]]
     for b in range(C - 1):

@@ -170,6 +170,7 @@ class GraphRunner:
         body = self.body
         with nvtx_range(f"capture[{capacity}]", category="capture"), torch.inference_mode():
             t0 = time.perf_counter()
+            body.reserve_ring(capacity)  # a replay's ring breaks then allocate nothing
             view = self._fill_inert(capacity)
             pool0 = self.backend.pool_bytes()
             with self.backend.capture_stream():
