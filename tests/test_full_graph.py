@@ -1,6 +1,7 @@
 """--graph full: attention (the triton kernel, under the Triton interpreter on
 CPU) is captured inside the graph; replay equals the same-bucket eager body
-bitwise and the eager forward within rounding at CP = 2, float32 and bfloat16."""
+bitwise and the eager forward within rounding at CP = 2, float32 and bfloat16; the
+KV the captured segments wrote exports as the eager engine's."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def _job(group, graph: str, dtype: str):
             eng.preparer.abort(prep)
         o = eng.prefill(reqs, all_logits=True)
         segs = [g.graph.breaks for g in eng.runner.graphs.values()] if eng.runner else []
-        out.append((o.info.path, o.last_logits, o.logits, [len(b) for b in segs], bitwise))
+        export = eng.export_kv(o.handles[0])  # the KV the captured segments wrote, as a decode side gets it
+        out.append((o.info.path, o.last_logits, o.logits, [len(b) for b in segs], bitwise, export.k + export.v))
     return out
 
 
@@ -60,8 +62,11 @@ def test_full_graph_replay_equals_eager_cp2(dtype):
     full = launch(_job, 2, "full", dtype)
     eager = launch(_job, 2, "off", dtype)
     for rank in range(2):
-        for (path, last, logits, breaks, bitwise), (epath, elast, elogits, _, _) in zip(full[rank], eager[rank]):
+        for (path, last, logits, breaks, bitwise, kv), (epath, elast, elogits, _, _, ekv) in zip(full[rank],
+                                                                                            eager[rank]):
             assert path == "graph" and epath == "eager"
+            # PD export after a full-graph forward: the eager engine's K/V (a prefix extended, too)
+            assert len(kv) == len(ekv) and all(rel_err(a, b) <= TOL[dtype] for a, b in zip(kv, ekv))
             assert all(b == 0 for b in breaks)  # attention inside the graph: no breaks
             assert bitwise, "full-graph replay differs from the same-bucket eager body"
             assert rel_err(last, elast) <= TOL[dtype]
