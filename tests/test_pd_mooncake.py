@@ -132,38 +132,45 @@ def test_two_ranks_send_a_mixed_batch_bitwise(hf_model_dir, tmp_path):
 
 
 def _send_pp(group, folder, address):
-    """PP 2 x CP 1: each stage's rank sends its own layers; a sender named for another
-    rank is refused."""
+    """PP 2 x CP 2, every cache mode: each rank of each stage sends the spans it owns of
+    its stage's layers; a sender named for another rank is refused."""
     from graphcp.pd.sender import KVSender
 
-    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024), group, parallel=ParallelConfig(pp_size=2))
-    handles = eng.prefill(_requests(eng.cfg.vocab_size)).handles
-    wrong = KVSender(address, 0, 1, timeout_s=60)  # a single-rank sender's identity on a 2-rank pipeline
-    try:
-        wrong.send(eng, handles[:1], ["wrong"])
-        refused = None
-    except ConfigError as e:
-        refused = str(e)
-    finally:
-        wrong.close()
-    sender = KVSender(address, eng.world_rank, eng.world.size, timeout_s=60)
-    sender.send(eng, handles, [f"pp-{i}" for i in range(len(handles))])
-    sender.close()
-    exports = eng.export_kv_batch(handles, dst=0)
-    return ([(e.k, e.v) for e in exports] if eng.world_rank == 0 else None), refused
+    out, refused = {}, None
+    for mode in MODES:
+        eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache=mode), group,
+                            parallel=ParallelConfig(cp_size=2, pp_size=2))
+        handles = eng.prefill(_requests(eng.cfg.vocab_size)).handles
+        if mode == "replicated":
+            wrong = KVSender(address, 0, 1, timeout_s=60)  # a single-rank sender's identity on 4 ranks
+            try:
+                wrong.send(eng, handles[:1], ["wrong"])
+            except ConfigError as e:
+                refused = str(e)
+            finally:
+                wrong.close()
+        sender = KVSender(address, eng.world_rank, eng.world.size, timeout_s=60)
+        sender.send(eng, handles, [f"pp-{mode}-{i}" for i in range(len(handles))])
+        sender.close()
+        exports = eng.export_kv_batch(handles, dst=0)
+        out[mode] = [(e.k, e.v) for e in exports] if eng.world_rank == 0 else None
+    return out, refused
 
 
 def test_pipeline_stages_send_their_own_layers(hf_model_dir, tmp_path):
     folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=4)
-    ids = [f"pp-{i}" for i in range(len(LENS))]
+    ids = [f"pp-{m}-{i}" for m in MODES for i in range(len(LENS))]
     rx = Receiver("good", tmp_path, ids, timeout_s=120)
-    (sent, refused), (_, refused1) = launch(_send_pp, 2, folder, rx.address)
+    ranks = launch(_send_pp, 4, folder, rx.address)
     got = rx.results()
     assert sorted(got.pop("completed")) == [] and all(v == ("ok", "") for v in got.values()), got
-    assert "give each sender its engine's world_rank and world.size" in refused and refused1 is not None
-    for i, (k, v) in enumerate(sent):
-        recv = read_kv(tmp_path / f"pp-{i}.safetensors")
-        assert recv.meta.num_layers == 4 and all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), i
+    for _, refused in ranks:
+        assert refused is not None and "give each sender its engine's world_rank and world.size" in refused
+    for mode, exports in ranks[0][0].items():
+        for i, (k, v) in enumerate(exports):
+            recv = read_kv(tmp_path / f"pp-{mode}-{i}.safetensors")
+            assert recv.meta.num_layers == 4, (mode, i)
+            assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), (mode, i)
 
 
 def _faulty_send(group, folder, address, ids, die_before_done=False):
