@@ -131,6 +131,10 @@ def test_two_ranks_send_a_mixed_batch_bitwise(hf_model_dir, tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), (mode, i)
 
 
+#: the pipeline test's dtype per cache mode: both dtypes' bytes travel
+PP_DTYPES = {"replicated": "float32", "layer-split": "bfloat16", "sharded": "bfloat16"}
+
+
 def _send_pp(group, folder, address):
     """PP 2 x CP 2, every cache mode: each rank of each stage sends the spans it owns of
     its stage's layers; a sender named for another rank is refused."""
@@ -138,7 +142,8 @@ def _send_pp(group, folder, address):
 
     out, refused = {}, None
     for mode in MODES:
-        eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache=mode), group,
+        dtype = PP_DTYPES[mode]
+        eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache=mode, dtype=dtype), group,
                             parallel=ParallelConfig(cp_size=2, pp_size=2))
         handles = eng.prefill(_requests(eng.cfg.vocab_size)).handles
         if mode == "replicated":
@@ -169,7 +174,7 @@ def test_pipeline_stages_send_their_own_layers(hf_model_dir, tmp_path):
     for mode, exports in ranks[0][0].items():
         for i, (k, v) in enumerate(exports):
             recv = read_kv(tmp_path / f"pp-{mode}-{i}.safetensors")
-            assert recv.meta.num_layers == 4, (mode, i)
+            assert recv.meta.num_layers == 4 and recv.meta.dtype == PP_DTYPES[mode], (mode, i)
             assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), (mode, i)
 
 
