@@ -10,6 +10,7 @@ they keep: a top-level unit imports only units listed before it."""
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import subprocess
 import sys
@@ -76,7 +77,9 @@ def _targets(f: Path, mods: dict[str, Path]) -> list[str]:
     return out
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
+    """Module -> the graphcp modules it imports (computed once a run; callers do not change it)."""
     mods = _modules()
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for m, f in mods.items():

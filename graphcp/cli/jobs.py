@@ -16,7 +16,7 @@ import torch
 
 from graphcp.attention.exchange import exchanged_row_bytes_per_layer
 from graphcp.cli.requests import FileRequest
-from graphcp.dist import CPGroup, gather_object
+from graphcp.dist import CPGroup, barrier, gather_object
 from graphcp.jobs.op_counter import OpCounter
 from graphcp.jobs.spec import JobSpec, make_engine
 from graphcp.pd.files import save_kv
@@ -49,7 +49,7 @@ def export_files(engine: PrefillEngine, out: PrefillOutput, reqs: list[FileReque
                 export.token_ids = torch.tensor(r.tokens, dtype=torch.int64)
                 export.last_logits = out.last_logits[i]
                 save_kv(export, staging / f"{i}.safetensors")
-        engine.barrier()  # every rank's part is in: no rank failed after rank 0 wrote
+        barrier(engine.world)  # every rank's part is in: no rank failed after rank 0 wrote
         if first:
             folder.mkdir(exist_ok=True)
             for f in sorted(staging.iterdir()):

@@ -160,25 +160,19 @@ def check_tensors(export, source: str):
 
 
 def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta, dst: int | None,
-             device: torch.device):
+             device: torch.device) -> list[dict[str, torch.Tensor]] | None:
     """Put one request's KV together from the spans each rank holds, in ``meta``'s format
     (a :class:`KVMeta` or any :class:`TensorLayout` with ``make_export``: the DSA
-    models' graphcp-mla/1). Every rank calls it (the same spans everywhere). ``dst``:
-    the rank that receives the export (the others return None), or None for every rank.
+    models' graphcp-mla/1): its tensors, per layer by name, on the receiving ranks
+    (``meta.make_export`` makes the export of them), None on the others. Every rank
+    calls it (the same spans everywhere). ``dst``: the rank that receives, or None for
+    every rank. Every layer of ``meta`` is allocated and the spans' layers are filled
+    (under pipeline stages, the stage's own layers: :func:`gather_stages` fills the rest).
     A span every receiving rank holds is read locally (a replicated cache: no traffic);
     the others come from their owners, each owner packing all its spans into one
     message: a point-to-point send to ``dst``, or a broadcast when every rank receives.
     At most C - 1 messages a request (not one per span: a token-sharded cache has 2C
     runs a layer per chunk)."""
-    out = assemble_tensors(source, handle, spans, group, meta, dst, device)
-    return None if out is None else meta.make_export(out)
-
-
-def assemble_tensors(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta, dst: int | None,
-                     device: torch.device) -> list[dict[str, torch.Tensor]] | None:
-    """:func:`assemble`'s tensors, per layer by name, on the receiving ranks (None on the
-    others): every layer of ``meta`` is allocated, the spans' layers are filled (under
-    pipeline stages, the stage's own layers: :func:`gather_stages` fills the rest)."""
     me = group.rank
     receivers = range(group.size) if dst is None else (dst,)
     receive = me in receivers
@@ -214,7 +208,7 @@ def assemble_tensors(source: KVSource, handle, spans: list[KVSpan], group: CPGro
 def gather_stages(out: list[dict[str, torch.Tensor]] | None, meta, stage_layers: list[range], stage: int,
                   world: CPGroup, cp_size: int, dst: int | None, device: torch.device) -> None:
     """Under pipeline stages: each stage's CP group has assembled its own layers (with
-    :func:`assemble_tensors`, at every rank when ``dst`` is None, else at the CP rank
+    :func:`assemble`, at every rank when ``dst`` is None, else at the CP rank
     ``dst % cp_size``); move every stage's layers to the final receivers over ``world``
     (every rank of the pipeline, stage-major: global rank ``s * cp_size + r``). One
     message a stage: a broadcast from the stage's first rank when every rank receives,

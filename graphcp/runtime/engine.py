@@ -27,8 +27,7 @@ import torch
 
 from graphcp.attention.base import AttentionSpec
 from graphcp.attention.registry import make_attention, preferred_kv_layout
-from graphcp.attention.ring.attention import RINGS
-from graphcp.attention.ring.attention import RingAttention
+from graphcp.attention.ring.attention import RINGS, RingAttention
 from graphcp.attention.ring.hardware import HardwareSpec
 from graphcp.attention.ring.plan import RingPlanner
 from graphcp.checks import check_int, check_layer_list
@@ -44,7 +43,7 @@ from graphcp.model.forward_context import KV_RECEIVED, AuxCapture
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
 from graphcp.nvtx_ranges import nvtx_range
-from graphcp.pd.export import KVExport, KVMeta, assemble, assemble_tensors, gather_stages
+from graphcp.pd.export import KVExport, KVMeta, assemble, gather_stages
 from graphcp.pd.fingerprint import model_fingerprint
 from graphcp.pd.mla_export import MlaExport, MlaMeta, mla_meta
 from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBatch, Request
@@ -207,11 +206,6 @@ class PrefillEngine:
     def world_rank(self) -> int:
         return self.world.rank
 
-    def barrier(self) -> None:
-        """Return once every rank of the run has called it (a collective under the group's
-        timeout: a rank that failed ends the others with a CollectiveError)."""
-        self.world.all_reduce_(torch.zeros(1, device=self.device))
-
     @property
     def attention(self):
         return self.body.attention
@@ -259,13 +253,11 @@ class PrefillEngine:
                       err=InputError)
         spans = self.kv.kv_spans(handle, self.group.size)
         meta = self.kv_meta(handle)
-        if self.pipeline is None:
-            return assemble(self.kv, handle, spans, self.group, meta, dst, self.device)
-        C = self.group.size
-        out = assemble_tensors(self.kv, handle, spans, self.group, meta, None if dst is None else dst % C,
-                               self.device)
-        stage_layers = self.parallel.stage_layers(self.cfg.num_layers)
-        gather_stages(out, meta, stage_layers, self.pipeline.stage, world, C, dst, self.device)
+        C = self.group.size  # without stages dst % C is dst
+        out = assemble(self.kv, handle, spans, self.group, meta, None if dst is None else dst % C, self.device)
+        if self.pipeline is not None:
+            stage_layers = self.parallel.stage_layers(self.cfg.num_layers)
+            gather_stages(out, meta, stage_layers, self.pipeline.stage, world, C, dst, self.device)
         return meta.make_export(out) if dst is None or world.rank == dst else None
 
     def export_kv_batch(self, handles: Sequence[KVHandle],

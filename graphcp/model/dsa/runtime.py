@@ -36,8 +36,8 @@ def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, stages: list[range] | Non
         raise ConfigError(f"{say('kv_cache', rt.kv_cache)}: {cfg.family} models (DSA) run "
                           f"{say('kv_cache', 'replicated')} or layer-split (LayerSplit holds within 3 % of a "
                           "token-sharded pool, with no ring; docs/dsa.md)")
-    for s, layers in list(enumerate(stages or []))[1:]:
-        if not cfg.dsa.indexer_layers[layers.start]:
+    for s, layers in enumerate(stages or []):
+        if s > 0 and not cfg.dsa.indexer_layers[layers.start]:
             full = [i for i, f in enumerate(cfg.dsa.indexer_layers) if f]
             split = "--pp-layers" if flags else "ParallelConfig.pp_layers"
             raise ConfigError(
