@@ -78,25 +78,42 @@ def default_stage_counts(num_layers: int, pp_size: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The parallel degrees graphcp honours, validated up front: ``cp_size`` ranks of
-    context parallelism, whose group is also the tensor-parallel group of the MLP
-    (TP = CP; attention weights are whole on every rank), and ``pp_size`` pipeline
-    stages, each a CP group holding a contiguous range of decoder layers (an even
-    split with the extra layers before the last stage, :func:`default_stage_counts`, or
-    ``pp_layers`` layers per stage). Ranks are stage-major: global rank
-    ``s * cp_size + r`` is CP rank ``r`` of stage ``s``. Degrees that graphcp does
-    not run yet have no field here, so none can be set and silently ignored; new
-    kinds of parallelism add their degree here, with the world size to match."""
+    """The parallel degrees graphcp honours, validated up front (docs/parallel.md).
+
+    A pipeline stage holds ``tp_size`` = T ranks (the FFN's tensor-parallel group: the
+    dense MLP and the MoE layers run over all T), subdivided SGLang's way into
+    ``dp_size`` = D attention replicas of ``cp_size`` = C context-parallel partitions of
+    ``attn_tp_size`` = T / (D x C) attention-TP ranks (heads split). CP subdivides the TP
+    world: it adds no GPU multiplier. ``tp_size`` defaults to C x D (attention TP 1: the
+    MLP is TP-sharded over the CP group, TP = CP). ``pp_size`` pipeline stages each hold
+    that mesh and a contiguous range of decoder layers (an even split with the extra
+    layers before the last stage, :func:`default_stage_counts`, or ``pp_layers`` layers
+    per stage). Ranks: stage-major, then (dp, cp, attn_tp) with attention TP fastest
+    (:mod:`graphcp.mesh`); world = P x T."""
 
     cp_size: int = 1
     pp_size: int = 1
     #: decoder layers of each stage, in stage order (None: an even split)
     pp_layers: tuple[int, ...] | None = None
+    #: ranks of a stage, the FFN's TP degree (None: cp_size x dp_size, attention TP 1)
+    tp_size: int | None = None
+    #: attention data-parallel replicas of a stage
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         w = "ParallelConfig"
         check_int(self.cp_size, "cp_size", lo=1, hi=MAX_CP, where=w)
         check_int(self.pp_size, "pp_size", lo=1, hi=MAX_LAYERS, where=w)
+        check_int(self.dp_size, "dp_size", lo=1, hi=MAX_CP, where=w)
+        if self.tp_size is None:
+            object.__setattr__(self, "tp_size", self.cp_size * self.dp_size)
+        check_int(self.tp_size, "tp_size", lo=1, hi=MAX_CP, where=w)
+        split = self.cp_size * self.dp_size
+        if self.tp_size % split:
+            raise ConfigError(
+                f"{w}: tp_size={self.tp_size} must be a multiple of dp_size x cp_size = {self.dp_size} x "
+                f"{self.cp_size} = {split} (attention TP = tp / (dp x cp); CP subdivides the TP world): change "
+                f"tp_size to a multiple of {split}, or cp_size / dp_size to divide {self.tp_size}")
         if self.pp_layers is not None:
             if isinstance(self.pp_layers, (str, bytes)) or not isinstance(self.pp_layers, (tuple, list)):
                 raise ConfigError(f"{w}: pp_layers must be a list of layer counts, one per stage, "
@@ -109,13 +126,13 @@ class ParallelConfig:
             object.__setattr__(self, "pp_layers", tuple(int(n) for n in self.pp_layers))
 
     @property
-    def tp_size(self) -> int:
-        """The MLP's tensor-parallel degree: the CP group's size."""
-        return self.cp_size
+    def attn_tp_size(self) -> int:
+        """Attention tensor parallelism inside each CP partition: T / (D x C)."""
+        return self.tp_size // (self.dp_size * self.cp_size)
 
     @property
     def world_size(self) -> int:
-        return self.pp_size * self.cp_size
+        return self.pp_size * self.tp_size
 
     def stage_layers(self, num_layers: int, source: str = "the model") -> list[range]:
         """Each stage's decoder layers (contiguous ranges, in stage order): ``pp_layers``

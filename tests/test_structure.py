@@ -29,6 +29,7 @@ LAYERS = [
     # the parallel and runtime configs
     "errors", "options", "checks", "jsonl", "nvtx_ranges", "config",
     "dist",        # process groups and collectives
+    "mesh",        # the stage's mesh: (dp, cp, attn_tp) coordinates and the named groups
     "cp",          # layouts: which rank owns which tokens (numpy)
     "kv",          # the paged caches, one module a cache mode
     "attention",   # contract, registry, backends, kernels, ring, sparse

@@ -50,6 +50,10 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--device", default="cpu", choices=DEVICE_KINDS, help="default: %(default)s")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (= TP ranks of the MLP; default: "
                                                      "%(default)s)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="ranks of a stage, the MLP/MoE's TP degree; attention TP = tp / (dp x cp) splits heads inside "
+                        "each CP partition (default: cp x dp, attention TP 1; docs/parallel.md)")
+    p.add_argument("--dp", type=int, default=1, help="attention data-parallel replicas (default: %(default)s)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages, each a CP group of --cp ranks (pp x cp ranks in all, stage-major)")
     p.add_argument("--pp-layers", type=int_list, default=None, metavar="N,N,...",
@@ -116,7 +120,7 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
         link_gb_per_s=args.link_gb_per_s,
         aux_hidden_layers=args.aux_hidden_layers, microbatches=args.pp_microbatches, moe=args.moe,
     )
-    return JobSpec(args.model, rt, args.buckets, args.cp, args.pp, args.pp_layers)
+    return JobSpec(args.model, rt, args.buckets, args.cp, args.pp, args.pp_layers, args.tp, args.dp)
 
 
 def preflight(spec: JobSpec) -> ModelConfig:

@@ -21,17 +21,20 @@ class JobSpec:
     cp_size: int = 1
     pp_size: int = 1
     pp_layers: tuple[int, ...] | None = None
+    tp_size: int | None = None  # None: cp_size x dp_size
+    dp_size: int = 1
 
     def buckets(self) -> BucketSet | None:
         return BucketSet.load(self.buckets_file) if self.buckets_file else None
 
     @property
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(cp_size=self.cp_size, pp_size=self.pp_size, pp_layers=self.pp_layers)
+        return ParallelConfig(cp_size=self.cp_size, pp_size=self.pp_size, pp_layers=self.pp_layers,
+                              tp_size=self.tp_size, dp_size=self.dp_size)
 
 
 def run_job_on_ranks(fn, spec: JobSpec, *args: Any) -> Any:
-    """``fn(group, spec, *args)`` on every rank of ``spec``'s run (pp x cp ranks); rank 0's result."""
+    """``fn(group, spec, *args)`` on every rank of ``spec``'s run (pp x tp ranks); rank 0's result."""
     return run_ranks(fn, spec.parallel.world_size, spec, *args, device=spec.runtime.device,
                      timeout_s=spec.runtime.collective_timeout_s)
 

@@ -12,6 +12,7 @@ from typing import Any
 from graphcp.checks import MAX_TOKENS, check_bool, check_float, check_int, check_str
 from graphcp.config import MAX_LAYERS, ParallelConfig
 from graphcp.errors import ConfigError
+from graphcp.mesh import not_built
 from graphcp.model.dsa_config import DsaConfig, dsa_from_hf
 from graphcp.model.moe_config import MoeConfig, moe_from_hf
 from graphcp.model.rope import RopeConfig, rope_from_hf
@@ -201,17 +202,40 @@ class ModelConfig:
 
     def check_parallel(self, parallel: ParallelConfig, source: str = "the model", moe: MoeLayout = "ep") -> None:
         """Refuse this model under ``parallel`` when its sharded sizes do not divide by the
-        TP degree (or, with mixture-of-experts layers, its experts do not split over the
-        group as ``moe`` asks: see :meth:`MoeConfig.check_parallel`), or its layers do not
-        split into the pipeline stages."""
-        m = self
+        FFN's TP degree (``tp_size``: with mixture-of-experts layers, its experts must split
+        over the T ranks as ``moe`` asks, :meth:`MoeConfig.check_parallel`), its heads do
+        not split over attention TP, its layers do not split into the pipeline stages, or
+        the mesh is one graphcp has not built (:func:`graphcp.mesh.not_built`)."""
+        m, T = self, parallel.tp_size
+        problem = not_built(parallel)
+        if problem is not None:
+            raise ConfigError(problem)
         for experts in (m.moe, m.dsa.moe if m.dsa is not None else None):  # DeepSeek MoE lives in m.dsa
             if experts is not None:
-                experts.check_parallel(parallel.cp_size, moe, source, m.hidden_size)
+                experts.check_parallel(T, moe, source, m.hidden_size)
         dense = m.has_dense_mlp if m.dsa is None else m.dsa.has_dense_layers(m.num_layers)
-        if dense and m.intermediate_size % parallel.tp_size:
+        if dense and m.intermediate_size % T:
+            degree = f"tp_size=cp_size={T}" if T == parallel.cp_size else f"tp_size={T}"
             raise ConfigError(
-                f"{source}: intermediate_size={m.intermediate_size} does not divide by tp_size=cp_size="
-                f"{parallel.tp_size}; the MLP is column/row-parallel over the CP group"
+                f"{source}: intermediate_size={m.intermediate_size} does not divide by {degree}; the MLP is "
+                "column/row-parallel over the stage's tp_size ranks"
             )
+        self._check_heads(parallel.attn_tp_size, source)
         parallel.stage_layers(m.num_layers, source)
+
+    def _check_heads(self, size: int, source: str) -> None:
+        """Heads split over attention TP ``size`` (graphcp.model.heads): query heads evenly,
+        KV heads evenly or replicated when fewer than the ranks; DSA keeps attention TP 1."""
+        if size == 1:
+            return
+        if self.dsa is not None:
+            raise ConfigError(f"{source}: a DSA (MLA) model runs attention TP 1 under CP, as SGLang does; got "
+                              f"attention TP {size} (set tp_size = cp_size x dp_size)")
+        if self.num_heads % size:
+            raise ConfigError(f"{source}: num_attention_heads={self.num_heads} does not divide by attention TP "
+                              f"{size} (tp_size / (cp_size x dp_size)): change tp_size or cp_size")
+        kv = self.num_kv_heads
+        if kv % size and size % kv:
+            raise ConfigError(f"{source}: num_key_value_heads={kv} neither divides by attention TP {size} nor "
+                              "divides it (KV heads split, or replicate when fewer than the ranks): change tp_size "
+                              "or cp_size")

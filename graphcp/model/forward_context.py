@@ -17,6 +17,7 @@ from graphcp.attention.base import AttentionBackend, AttentionMetadata
 from graphcp.attention.ring.attention import RingAttention
 from graphcp.attention.ring.plan import RingPlan
 from graphcp.kv.paged import PagedKVCache
+from graphcp.model.communicator import LayerCommunicator
 
 #: the ForwardInfo.stats key of the bytes the KV exchange delivered to this rank (all layers)
 KV_RECEIVED = "bytes_received"
@@ -79,6 +80,12 @@ class ForwardContext:
     stats: dict[str, Any] | None = None
     #: auxiliary hidden states this forward copies out (None: none)
     aux: AuxCapture | None = None
+    #: moves rows between the attention and FFN layouts (None: CP = TP over ``group``)
+    comm: LayerCommunicator | None = None
+
+    def __post_init__(self) -> None:
+        if self.comm is None:
+            self.comm = LayerCommunicator(self.group)
 
     def add_received(self, nbytes: int) -> None:
         """Count bytes of K/V (or queries and partial outputs) this rank received."""

@@ -1,9 +1,10 @@
 """Building blocks of the decoder: RMSNorm, rotary embedding, and the CP = TP MLP.
 
-The MLP is tensor-parallel over the CP group: gate/up are column-parallel (each
-rank holds ``intermediate / C`` rows of each), down is row-parallel. Rows enter
-local (this rank's tokens), are all-gathered so every rank multiplies every row
-by its weight shard, and the partial sums are reduce-scattered back to local rows.
+The MLP is tensor-parallel over the stage's T ranks (the CP group when attention TP
+is 1): gate/up are column-parallel (each rank holds ``intermediate / T`` rows of each),
+down is row-parallel. The layer communicator (``communicator.py``) brings every row of
+the batch to every rank, each multiplies them by its weight shard, and the partial
+sums go back to the rank's own rows.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphcp.model.communicator import LayerCommunicator
 from graphcp.model.rope import RopeConfig
 
 
@@ -68,8 +70,10 @@ class ParallelMLP(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, group) -> torch.Tensor:
-        """x: this rank's rows [n, hidden] -> [n, hidden]."""
-        out = group.reduce_scatter_rows(self.partial(group.all_gather_rows(x)))
+        """x: this rank's rows [n, hidden] -> [n, hidden]; ``group``: the layer
+        communicator, or a CP group (CP = TP)."""
+        comm = LayerCommunicator.of(group)
+        out = comm.leave_ffn(self.partial(comm.enter_ffn(x)))
         return out + self.down_bias if self.down_bias is not None else out
 
     def partial(self, rows: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,11 @@ the layers ``MoeConfig.layers`` names; ``graphcp/model/moe/``).
 
 Per layer, on this rank's rows only:
   norm -> fused qkv -> (q/k norm) -> RoPE -> KV exchange + cache write
-  -> attention (a graph break) -> o_proj -> residual -> norm -> CP = TP MLP -> residual
-Attention weights are whole on every rank; the MLP is sharded over the CP group.
+  -> attention (a graph break) -> o_proj -> residual -> norm -> MLP -> residual
+Attention heads are split over attention TP (``graphcp/model/heads.py``: q/k/v
+column-parallel, o_proj row-parallel, its partial sums all-reduced); the MLP is
+sharded over the stage's T ranks, the layer communicator (``communicator.py``) moving
+the rows between the layouts. Attention TP 1: whole attention weights, TP = CP.
 A layer whose experts are split over the ranks (``RuntimeConfig.moe="ep"``) runs
 attention, o_proj, the residual, the norm and the MoE exchange in one graph break
 (the exchange's split sizes are read on the host), so it stays one segment and one
@@ -16,6 +19,7 @@ break a layer.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from graphcp.config import PipelineStage
@@ -24,6 +28,7 @@ from graphcp.model.cp_attention import attend as cp_attend
 from graphcp.model.cp_attention import begin_forward, store_kv
 from graphcp.model.forward_context import ForwardContext
 from graphcp.model.graph_break import graph_break
+from graphcp.model.heads import HeadShard, head_shard, local_config
 from graphcp.model.layers import ParallelMLP, RMSNorm, Rotary
 from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.moe.ep import STAT_LAYERS, STAT_LAYOUT, STAT_RECEIVED, STAT_SENT
@@ -63,10 +68,13 @@ def run_attention_moe(ctx: ForwardContext, layer: int, block: "ExpertParallelTai
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+    """One layer's attention over this rank's heads (``shard``; all of them at attention TP 1)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, shard: HeadShard | None = None) -> None:
         super().__init__()
         self.layer = layer
-        self.cfg = cfg
+        self.shard = shard = shard or head_shard(cfg)
+        self.cfg = cfg = local_config(cfg, shard)  # this rank's head counts
         self.qkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -75,7 +83,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext):
         q, out = self.prepare(x, positions, rotary, ctx)
         run_attention(ctx, self.layer, q, out)
-        return self.o_proj(out.view(x.shape[0], self.cfg.q_size))
+        return self.project(out.view(x.shape[0], self.cfg.q_size), ctx)
+
+    def project(self, attn: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """o_proj: row-parallel under attention TP (the partial sums all-reduced, the bias
+        added once after)."""
+        if not self.shard.split:
+            return self.o_proj(attn)
+        y = ctx.comm.reduce_attention(F.linear(attn, self.o_proj.weight))
+        return y if self.o_proj.bias is None else y + self.o_proj.bias
 
     def prepare(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext):
         """Everything before attention: the query rows and the tensor attention writes."""
@@ -117,24 +133,27 @@ class ExpertParallelTail(nn.Module):
         row as a captured graph would run it (its experts held out of CUDA graphs,
         :meth:`DecoderModel.hold_experts_out_of_graphs`); the layer's rows into ``out``."""
         n = resid.shape[0]
-        h = resid + self.self_attn.o_proj(attn_out.view(n, -1))
+        h = resid + self.self_attn.project(attn_out.view(n, -1), ctx)
         live = n if ctx.live_rows is None else ctx.live_rows
         with nvtx_range(f"moe[{self.layer}]", category="break"):
             x = self.post_attention_layernorm(h)
             if self.mlp.layout == "ep":
-                moe = self.mlp.forward_ep(x, live, ctx.group, ctx.stats)
+                moe = self.mlp.forward_ep(x, live, ctx.comm, ctx.stats)
             else:
-                moe = self.mlp(x, ctx.group)
+                moe = self.mlp(x, ctx.comm)
         torch.add(h, moe, out=out)
 
 
 class DecoderLayer(ExpertParallelTail):
+    """``tp_size``/``rank``: the FFN's TP degree and this rank's place in it (the stage's
+    T ranks); ``shard``: this rank's attention heads."""
+
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, dtype: torch.dtype, rank: int = 0,
-                 moe: MoeLayout = "ep") -> None:
+                 moe: MoeLayout = "ep", shard: HeadShard | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layer, dtype)
+        self.self_attn = Attention(cfg, layer, dtype, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.moe is not None and cfg.moe.is_sparse(layer):
             self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, moe, rank, tp_size, dtype)
@@ -151,7 +170,7 @@ class DecoderLayer(ExpertParallelTail):
             run_attention_moe(ctx, self.layer, self, q, attn_out, resid, out)
             return out
         h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h), ctx.group)
+        return h + self.mlp(self.post_attention_layernorm(h), ctx.comm)
 
 
 class DecoderModel(nn.Module):
@@ -161,9 +180,13 @@ class DecoderModel(nn.Module):
     holds the embedding matrix as its LM head)."""
 
     def __init__(self, cfg: ModelConfig, tp_size: int, dtype: torch.dtype, max_positions: int | None = None,
-                 rank: int = 0, moe: MoeLayout = "ep", stage: PipelineStage | None = None):
+                 rank: int = 0, moe: MoeLayout = "ep", stage: PipelineStage | None = None,
+                 shard: HeadShard | None = None):
         super().__init__()
         self.cfg, self.tp_size, self.dtype = cfg, tp_size, dtype
+        #: this rank's attention heads, and the config with its head counts (caches and backends size by it)
+        self.shard = shard or head_shard(cfg)
+        self.attn_cfg = local_config(cfg, self.shard)
         self.moe_layout = moe
         self.stage = stage = stage or PipelineStage(0, 1, range(cfg.num_layers))
         embed = stage.first or (stage.last and cfg.tie_word_embeddings)
@@ -179,7 +202,7 @@ class DecoderModel(nn.Module):
     def make_layer(self, cfg: ModelConfig, layer: int, tp_size: int, dtype: torch.dtype, rank: int,
                    moe: MoeLayout) -> nn.Module:
         """One decoder layer (a model family with other layers overrides it)."""
-        return DecoderLayer(cfg, layer, tp_size, dtype, rank, moe)
+        return DecoderLayer(cfg, layer, tp_size, dtype, rank, moe, self.shard)
 
     @staticmethod
     def make_rotary(cfg: ModelConfig, max_positions: int | None = None) -> nn.Module:
@@ -217,7 +240,8 @@ class DecoderModel(nn.Module):
         if not blocks:
             return {}
         row_bytes = self.cfg.hidden_size * self.dtype.itemsize
-        b = sum(m.static_bytes(rows, row_bytes, self.tp_size) for m in blocks)
+        A = self.shard.size
+        b = sum(m.static_bytes(rows, row_bytes, self.tp_size // A, A) for m in blocks)
         return {STAT_LAYOUT: self.moe_layout, STAT_LAYERS: len(blocks), STAT_SENT: b, STAT_RECEIVED: b}
 
     def capture_problem(self, device: torch.device, full: bool) -> str | None:

@@ -32,6 +32,7 @@ from graphcp.errors import InputError
 from graphcp.model.config import ModelConfig
 from graphcp.model.dsa.checkpoint import dsa_tensors, is_skipped
 from graphcp.model.dsa.model import DsaModel
+from graphcp.model.heads import HeadShard, head_shard
 from graphcp.model.llama import DecoderModel
 from graphcp.model.moe_config import MOE_NAMES
 from graphcp.options import MoeLayout
@@ -70,8 +71,11 @@ class _Target:
     index: int | None = None  # the slice lands in ``param[index]`` (a local expert), then as above
 
 
-def _targets(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "ep") -> dict[str, _Target | None]:
-    """Checkpoint tensor -> where it lands (None: another rank's expert, checked not read)."""
+def _targets(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "ep",
+             shard: HeadShard | None = None) -> dict[str, _Target | None]:
+    """Checkpoint tensor -> where it lands (None: another rank's expert, checked not read).
+    ``rank``/``tp``: the FFN's TP rank and degree; ``shard``: this rank's attention heads."""
+    heads = shard or head_shard(cfg)
     t: dict[str, _Target] = {
         "model.embed_tokens.weight": _Target("embed_tokens.weight", 0, 0),
         "model.norm.weight": _Target("norm.weight", 0, 0),
@@ -83,12 +87,12 @@ def _targets(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "ep") -> dic
         hf, me = f"model.layers.{i}.", f"layers.{i}."
         t[hf + "input_layernorm.weight"] = _Target(me + "input_layernorm.weight", 0, 0)
         t[hf + "post_attention_layernorm.weight"] = _Target(me + "post_attention_layernorm.weight", 0, 0)
-        offsets = {"q_proj": 0, "k_proj": cfg.q_size, "v_proj": cfg.q_size + cfg.kv_size}
-        for name, off in offsets.items():
-            t[hf + f"self_attn.{name}.weight"] = _Target(me + "self_attn.qkv.weight", 0, off)
+        for name, off, rows in _qkv_slices(cfg, heads):
+            t[hf + f"self_attn.{name}.weight"] = _Target(me + "self_attn.qkv.weight", 0, off, rows)
             if cfg.attention_bias:
-                t[hf + f"self_attn.{name}.bias"] = _Target(me + "self_attn.qkv.bias", 0, off)
-        t[hf + "self_attn.o_proj.weight"] = _Target(me + "self_attn.o_proj.weight", 0, 0)
+                t[hf + f"self_attn.{name}.bias"] = _Target(me + "self_attn.qkv.bias", 0, off, rows)
+        o_cols = None if not heads.split else (1, heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim)
+        t[hf + "self_attn.o_proj.weight"] = _Target(me + "self_attn.o_proj.weight", 1, 0, o_cols)
         if cfg.o_bias:
             t[hf + "self_attn.o_proj.bias"] = _Target(me + "self_attn.o_proj.bias", 0, 0)
         if cfg.qk_norm:
@@ -106,6 +110,16 @@ def _targets(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "ep") -> dic
             t[hf + "mlp.up_proj.bias"] = _Target(me + "mlp.gate_up.bias", 0, shard, rows)
             t[hf + "mlp.down_proj.bias"] = _Target(me + "mlp.down_bias", 0, 0)
     return t
+
+
+def _qkv_slices(cfg: ModelConfig, shard: HeadShard) -> list[tuple[str, int, tuple[int, int, int] | None]]:
+    """q/k/v: (name, offset in the fused projection, rows read: this rank's heads, or all)."""
+    d = cfg.head_dim
+    q, kv = shard.num_heads * d, shard.num_kv_heads * d
+    if not shard.split:
+        return [("q_proj", 0, None), ("k_proj", q, None), ("v_proj", q + kv, None)]
+    k_rows = (0, shard.kv_start * d, kv)
+    return [("q_proj", 0, (0, shard.q_start * d, q)), ("k_proj", q, k_rows), ("v_proj", q + kv, k_rows)]
 
 
 def _moe_targets(cfg: ModelConfig, i: int, rank: int, tp: int, moe: MoeLayout) -> dict[str, _Target | None]:
@@ -171,13 +185,18 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 
 def model_on_meta(cfg: ModelConfig, dtype: torch.dtype, parallel: ParallelConfig, rank: int = 0, stage: int = 0,
-                  moe: MoeLayout = "ep", max_positions: int | None = None) -> DecoderModel:
+                  moe: MoeLayout = "ep", max_positions: int | None = None, attn_rank: int = 0) -> DecoderModel:
     """Rank ``rank``'s model of pipeline stage ``stage`` on the meta device: the shapes
     of its own shards with no memory behind them (what the loader fills, and what sizes
-    a rank's weights before any rank starts)."""
+    a rank's weights before any rank starts). ``rank``: the FFN's TP rank (the stage-local
+    rank); ``attn_rank``: the attention-TP rank (its heads)."""
+    shard = head_shard(cfg, parallel.attn_tp_size, attn_rank)
     with torch.device("meta"):
-        return (DsaModel if cfg.dsa is not None else DecoderModel)(
-            cfg, parallel.tp_size, dtype, max_positions, rank, moe, parallel.stage(stage, cfg.num_layers))
+        if cfg.dsa is not None:
+            return DsaModel(cfg, parallel.tp_size, dtype, max_positions, rank, moe,
+                            parallel.stage(stage, cfg.num_layers))
+        return DecoderModel(cfg, parallel.tp_size, dtype, max_positions, rank, moe,
+                            parallel.stage(stage, cfg.num_layers), shard)
 
 
 def load_model(
@@ -191,10 +210,12 @@ def load_model(
     moe: MoeLayout = "ep",
     parallel: ParallelConfig | None = None,
     stage: int = 0,
+    attn_rank: int = 0,
 ) -> tuple[ModelConfig, DecoderModel]:
     """The model with this rank's weights: pipeline stage ``stage`` of ``parallel``
-    (whose cp_size is the TP degree: it overrides ``tp_size``), or without
-    ``parallel`` the whole model at ``tp_size``."""
+    (whose tp_size is the FFN's TP degree: it overrides ``tp_size``; ``rank`` is the
+    stage-local rank, ``attn_rank`` the attention-TP rank whose heads it holds), or
+    without ``parallel`` the whole model at ``tp_size``."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_file(model_dir / "config.json")
     parallel = parallel or ParallelConfig(cp_size=tp_size)
@@ -202,7 +223,7 @@ def load_model(
     tp_size = parallel.tp_size
     declared = DTYPES.get(cfg.torch_dtype) if cfg.torch_dtype else None
     dsa = cfg.dsa is not None
-    model = model_on_meta(cfg, dtype, parallel, rank, stage, moe, max_positions)
+    model = model_on_meta(cfg, dtype, parallel, rank, stage, moe, max_positions, attn_rank)
     # materialise on the target device; the rotary tables are computed, not loaded
     model = model.to_empty(device=device)
     model.rotary = model.make_rotary(cfg, max_positions).to(device)
@@ -215,7 +236,7 @@ def load_model(
         expected = {n: t.shape for n, t in table.items()}
         float32 = {n for n, t in table.items() if t.float32}
     else:
-        targets, expected, float32 = _targets(cfg, rank, tp_size, moe), None, set()
+        targets, expected, float32 = _targets(cfg, rank, tp_size, moe, model.shard), None, set()
     files = checkpoint_files(model_dir)
     by_file: dict[Path, list[str]] = {}
     listed = set()

@@ -98,10 +98,13 @@ def inner_args(args) -> list[str]:
            "--attention", args.attention, "--page-size", str(args.page_size), "--max-requests", str(args.max_requests),
            "--timeout", str(args.timeout), "--seed", str(args.seed), "--warmup", str(args.warmup),
            "--iters", str(args.iters), "--out", str(args.out), "--tool", "nvtx", "--label", label(args)]
-    for flag, value in (("--buckets", args.buckets), ("--kv-tokens", args.kv_tokens), ("--workload", args.workload),
+    for flag, value in (("--tp", args.tp), ("--buckets", args.buckets), ("--kv-tokens", args.kv_tokens),
+                        ("--workload", args.workload),
                         ("--synthetic", args.synthetic), ("--max-batches", args.max_batches)):
         if value is not None:
             out += [flag, str(value)]
+    if args.dp != 1:
+        out += ["--dp", str(args.dp)]
     if not args.memory_check:  # the run under nsys launches the ranks, and checks their memory
         out.append("--no-memory-check")
     return out

@@ -18,6 +18,7 @@ from graphcp.attention.ring.plan import RingPlan
 from graphcp.attention.sparse.mla import SparseMlaBackend
 from graphcp.dist import CPGroup
 from graphcp.kv.paged import PagedKVCache
+from graphcp.model.communicator import LayerCommunicator
 from graphcp.model.forward_context import AuxCapture, ForwardContext
 from graphcp.model.llama import DecoderModel
 from graphcp.nvtx_ranges import nvtx_range
@@ -33,12 +34,14 @@ class Body:
     device: torch.device
     #: the sharded cache's ring (None: the replicated cache)
     ring: RingAttention | None = None
+    #: moves rows between the attention and FFN layouts (None: CP = TP over ``group``)
+    comm: LayerCommunicator | None = None
 
     def reserve_ring(self, capacity: int) -> None:
         """Before a bucket's capture: the ring's buffers for ``capacity`` local rows, so its
         replays allocate none (a sharded cache; nothing otherwise)."""
         if self.ring is not None:
-            cfg = self.model.cfg
+            cfg = self.model.attn_cfg  # this rank's heads
             layer = self.kv.layer(self.model.stage.layers.start)
             self.ring.reserve(capacity, layer, cfg.num_heads, cfg.head_dim, self.model.dtype)
 
@@ -62,7 +65,7 @@ class Body:
         LayerSplit cache fetches."""
         live = meta if plan is None else plan
         self.attention.prepare(live)
-        ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group, aux=aux)
+        ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group, aux=aux, comm=self.comm)
         ctx.live_rows = live.num_q_rows
         if prefix_pages is not None:
             ctx.prefix_pages = torch.from_numpy(prefix_pages).to(self.device)

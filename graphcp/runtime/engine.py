@@ -40,6 +40,8 @@ from graphcp.kv.paged import KVHandle, PagedKVCache
 from graphcp.kv.sharded import make_kv_cache
 from graphcp.model.dsa import runtime as dsa_runtime
 from graphcp.model.forward_context import KV_RECEIVED, AuxCapture
+from graphcp.mesh import build_mesh, not_built
+from graphcp.model.communicator import LayerCommunicator
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
 from graphcp.nvtx_ranges import nvtx_range
@@ -71,19 +73,28 @@ class PrefillEngine:
         self.runtime = rt = runtime or RuntimeConfig()
         group = group or CPGroup()
         self.parallel = parallel or ParallelConfig(cp_size=group.size)
-        if self.parallel.pp_size == 1 and self.parallel.cp_size != group.size:
-            raise ConfigError(f"ParallelConfig.cp_size={self.parallel.cp_size} but the process group has "
-                              f"{group.size} ranks")
-        #: the pipeline's groups and links (None without pipeline parallelism); ``group``
-        #: is this rank's CP group either way (its stage's, under PP)
+        problem = not_built(self.parallel)
+        if problem is not None:
+            raise ConfigError(problem)
+        if self.parallel.pp_size == 1 and self.parallel.world_size != group.size:
+            degree = (f"cp_size={self.parallel.cp_size}" if self.parallel.tp_size == self.parallel.cp_size
+                      else f"tp_size={self.parallel.tp_size}")
+            raise ConfigError(f"ParallelConfig.{degree} but the process group has {group.size} ranks")
+        #: the pipeline's groups and links (None without pipeline parallelism)
         self.pipeline = pipeline_groups(group, self.parallel) if self.parallel.pp_size > 1 else None
-        self.group = self.pipeline.cp if self.pipeline is not None else group
+        #: the mesh's named groups (graphcp.mesh); ``group`` is this rank's CP group (its stage's, under PP)
+        self.mesh = (build_mesh(group, self.parallel) if self.pipeline is None
+                     else build_mesh(self.pipeline.world, self.parallel, self.pipeline.cp))
+        self.group = self.mesh.cp
         self.device = torch.device(rt.device)
         self.dtype = rt.torch_dtype
         self.model_dir = resolve_model(model)
-        self.cfg, self.model = load_model(self.model_dir, self.dtype, self.device, rank=self.group.rank,
+        self.cfg, self.model = load_model(self.model_dir, self.dtype, self.device, rank=self.mesh.ffn.rank,
                                           parallel=self.parallel, moe=rt.moe,
-                                          stage=self.pipeline.stage if self.pipeline is not None else 0)
+                                          stage=self.pipeline.stage if self.pipeline is not None else 0,
+                                          attn_rank=self.mesh.attn_tp.rank)
+        #: the config with this rank's head counts (attention TP): what the cache and backends size by
+        self.attn_cfg = self.model.attn_cfg if self.cfg.dsa is None else self.cfg
         self.stage = self.model.stage
         check_layer_list(rt.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", self.cfg.num_layers)
         self.max_context = self.cfg.max_position_embeddings
@@ -102,10 +113,9 @@ class PrefillEngine:
                 self.group.size, self.parallel.stage_layers(self.cfg.num_layers), self.stage.index)
         else:
             self.kv = self._make_kv_cache(num_pages, kv_layout)
-            spec = AttentionSpec(
-                self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, rt.page_size,
-                self.cfg.head_dim ** -0.5, kv_layout,
-            )
+            acfg = self.attn_cfg
+            spec = AttentionSpec(acfg.num_heads, acfg.num_kv_heads, acfg.head_dim, rt.page_size,
+                                 acfg.head_dim ** -0.5, kv_layout)
             limits = self._attention_limits(num_pages)
             try:
                 attention = make_attention(rt.attention, spec, self.device, **limits)
@@ -116,14 +126,16 @@ class PrefillEngine:
                                      tuple(RINGS) if rt.exchange == "auto" else (rt.exchange,)) if self.sharded else None
             except (ValueError, ImportError) as e:  # a backend refusing this model or device, or not installed
                 raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {e}") from e
-        self.body = Body(self.model, attention, self.kv, self.group, self.device, ring)
+        self.body = Body(self.model, attention, self.kv, self.group, self.device, ring,
+                         LayerCommunicator(self.group, self.mesh.attn_tp, self.mesh.ffn))
         self.preparer = BatchPreparer(
             self.layout, self.kv, self.group, self.cfg.vocab_size, self.max_context, self.device,
             rt.check_consistency, rt.max_requests if attention.name in _SIZED_BACKENDS else None,
-            RingPlanner(rt.exchange, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim,
+            RingPlanner(rt.exchange, self.attn_cfg.num_heads, self.attn_cfg.num_kv_heads, self.cfg.head_dim,
                         self.dtype.itemsize, HardwareSpec(rt.peak_tflops, rt.link_gb_per_s)) if self.sharded else None,
-            # every stage of a pipeline must be given the same batch
-            consistency_group=self.pipeline.world if self.pipeline is not None else None,
+            # every stage of a pipeline (every rank of the mesh) must be given the same batch
+            consistency_group=self.pipeline.world if self.pipeline is not None else (
+                self.mesh.ffn if self.mesh.ffn.size != self.group.size else None),
         )
         self._forwards: deque[dict] = deque(maxlen=HISTORY)
         self._forwards_seen = 0
@@ -139,7 +151,7 @@ class PrefillEngine:
         return min(num_pages - 1, -(-self.max_context // self.runtime.page_size))
 
     def _make_kv_cache(self, num_pages: int, kv_layout) -> PagedKVCache:
-        rt, cfg = self.runtime, self.cfg
+        rt, cfg = self.runtime, self.attn_cfg  # a rank's cache holds its own KV heads
         max_pages = self._max_pages_per_seq(num_pages)
         if rt.kv_cache == "layer-split":  # a stage splits its own layers over its CP ranks
             return LayerSplitKVCache(len(self.stage.layers), num_pages, rt.page_size, cfg.num_kv_heads, cfg.head_dim,
@@ -154,7 +166,7 @@ class PrefillEngine:
     def _check_pool_fits(self, num_pages: int) -> None:
         """Refuse a KV pool larger than the device's memory up front (a clear error,
         not an allocator failure or the OOM killer halfway through zeroing it)."""
-        rt, cfg = self.runtime, self.cfg
+        rt, cfg = self.runtime, self.attn_cfg
         need = pool_bytes(cfg, rt, num_pages, self.stage.layers, self.group.rank, self.group.size)
         if self.device.type == "cuda":
             have = torch.cuda.mem_get_info(self.device)[0]
@@ -247,6 +259,9 @@ class PrefillEngine:
         stage's CP group assembles its own layers, then each stage's layers travel to the
         receivers in one message (graphcp.pd.export.gather_stages)."""
         self.kv.check_handle(handle)
+        if self.mesh.attn_tp.size > 1:
+            raise ConfigError(f"export_kv under attention TP {self.mesh.attn_tp.size} is not built yet: each rank "
+                              "holds only its heads (export from a run with tp_size = cp_size)")
         world = self.world
         if dst is not None:
             check_int(dst, "export_kv: dst (the rank that receives the export)", lo=0, hi=world.size - 1,
@@ -353,6 +368,10 @@ class PrefillEngine:
         kv = self.kv
         return {
             "rank": self.rank, "cp_size": self.group.size, "world_rank": self.world_rank,
+            # the mesh: this rank's (dp, cp, attn_tp) coordinates, the degrees, the KV heads it stores
+            "mesh": self.mesh.coords.as_dict(), "tp_size": self.parallel.tp_size,
+            "attn_tp_size": self.parallel.attn_tp_size, "dp_size": self.parallel.dp_size,
+            "kv_heads": self.attn_cfg.num_kv_heads,
             "stage": 0 if self.pipeline is None else self.pipeline.stage,
             "layers": [self.stage.layers.start, self.stage.layers.stop], "kv_cache": self.runtime.kv_cache,
             "exchange": "all-gather" if not self.sharded else self.runtime.exchange,

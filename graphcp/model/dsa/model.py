@@ -50,7 +50,7 @@ class DsaLayer(ExpertParallelTail):
                                out)
             return out
         h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h), ctx.group)
+        return h + self.mlp(self.post_attention_layernorm(h), ctx.comm)
 
 
 class DsaModel(DecoderModel):

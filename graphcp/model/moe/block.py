@@ -1,4 +1,5 @@
-"""The sparse MoE block of a decoder layer, in either layout over the CP group.
+"""The sparse MoE block of a decoder layer, in either layout over the stage's T ranks
+(the CP group when attention TP is 1; the layer communicator moves the rows).
 
 - ``tp``: every rank holds every expert's ``I / C`` slice (gate/up rows, down
   columns), like the dense MLP: rows all-gathered before, the router run on all of
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphcp.model.communicator import LayerCommunicator
 from graphcp.model.layers import ParallelMLP
 from graphcp.model.moe.ep import ep_forward, tp_layer_bytes
 from graphcp.model.moe.experts import Experts, routed_experts
@@ -40,23 +42,30 @@ class SparseMoeBlock(nn.Module):
                        if moe.shared_intermediate_size else None)
 
     def forward(self, x: torch.Tensor, group) -> torch.Tensor:
-        """The ``tp`` layout: this rank's rows ``[n, hidden]`` -> ``[n, hidden]``."""
-        rows = group.all_gather_rows(x)
+        """The ``tp`` layout: this rank's rows ``[n, hidden]`` -> ``[n, hidden]``;
+        ``group``: the layer communicator, or a CP group (CP = TP)."""
+        comm = LayerCommunicator.of(group)
+        rows = comm.enter_ffn(x)
         ids, weights = self.router(rows)
-        out = group.reduce_scatter_rows(routed_experts(rows, ids, weights, self.experts))
-        return out if self.shared is None else out + self.shared(x, group)
+        out = comm.leave_ffn(routed_experts(rows, ids, weights, self.experts))
+        return out if self.shared is None else out + self.shared(x, comm)
 
     def forward_ep(self, x: torch.Tensor, live: int, group, stats: dict | None = None) -> torch.Tensor:
         """The ``ep`` layout: rows ``[n, hidden]`` of which the first ``live`` are real
-        (the rest, a bucket's padding, are not routed and get no routed output)."""
-        routed = ep_forward(x[:live], self.router, self.experts, group, self.num_experts, stats)
-        out = torch.zeros_like(x) if self.shared is None else self.shared(x, group)
+        (the rest, a bucket's padding, are not routed and get no routed output). Under
+        attention TP each rank of a partition dispatches its slice of the live rows over
+        the stage's ranks (the communicator's ep_slice) and the slices are gathered back."""
+        comm = LayerCommunicator.of(group)
+        start, stop = comm.ep_slice(live)
+        routed = comm.ep_gather(
+            ep_forward(x[start:stop], self.router, self.experts, comm.ffn, self.num_experts, stats), live)
+        out = torch.zeros_like(x) if self.shared is None else self.shared(x, comm)
         out[:live] += routed
         return out
 
-    def static_bytes(self, rows: int, row_bytes: int, group_size: int) -> int:
+    def static_bytes(self, rows: int, row_bytes: int, group_size: int, attn_tp_size: int = 1) -> int:
         """Bytes each way this block's collectives move at a fixed shape (``rows``
-        local rows): the ``tp`` layout's and the shared expert's; the ``ep`` exchange
-        depends on the routing and is counted as it runs."""
-        n = tp_layer_bytes(rows, row_bytes, group_size) if self.layout == "tp" else 0
-        return n + (tp_layer_bytes(rows, row_bytes, group_size) if self.shared is not None else 0)
+        local rows; ``group_size``: the CP degree): the ``tp`` layout's and the shared
+        expert's; the ``ep`` exchange depends on the routing and is counted as it runs."""
+        one = tp_layer_bytes(rows, row_bytes, group_size, attn_tp_size)
+        return (one if self.layout == "tp" else 0) + (one if self.shared is not None else 0)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphcp.model.communicator import ffn_bytes
 from graphcp.model.moe.experts import Experts, combine, sort_by_expert, unsort
 from graphcp.nvtx_ranges import nvtx_range
 
@@ -116,7 +117,8 @@ def ep_forward(x: torch.Tensor, router, experts: Experts, group, num_experts: in
     return combine(unsort(back, order), weights, x.dtype)
 
 
-def tp_layer_bytes(rows: int, row_bytes: int, group_size: int) -> int:
+def tp_layer_bytes(rows: int, row_bytes: int, cp_size: int, attn_tp_size: int = 1) -> int:
     """Bytes a rank sends (and receives) in one ``tp`` MoE layer over ``rows`` local
-    rows: the all-gather before and the reduce-scatter after (ring algorithms)."""
-    return 2 * (group_size - 1) * rows * row_bytes
+    rows: the all-gather before and the reduce-scatter after (ring algorithms), and the
+    all-reduce over attention TP (the layer communicator's figure)."""
+    return ffn_bytes(rows, row_bytes, cp_size, attn_tp_size)

@@ -113,7 +113,7 @@ class GraphRunner:
         #: share of RuntimeConfig.aux_hidden_layers): a graph knows which layers it copies
         self.aux_layers = tuple(i for i in rt.aux_hidden_layers if i in body.model.stage.layers)
         self.buffers = StaticBuffers(
-            buckets.largest, body.group.size, cfg.num_heads, cfg.head_dim, cfg.hidden_size,
+            buckets.largest, body.group.size, body.model.attn_cfg.num_heads, cfg.head_dim, cfg.hidden_size,
             2 * rt.max_requests, self.max_pages, body.model.dtype, body.device, moe_rows=body.model.exchanges,
             hidden_in=body.takes_hidden, aux_layers=len(self.aux_layers),
             extra_rows=body.model.static_rows(),

@@ -1,0 +1,89 @@
+"""The layer communicator: moves a layer's hidden rows between the attention layout and
+the FFN layout (docs/parallel.md). Only it knows which rows a rank holds in which.
+
+- Attention layout: rank (cp c, attn_tp a) holds its CP partition's rows (the layout's
+  local rows), the same rows on every attention-TP rank of the partition, with its own
+  heads; after o_proj the attention-TP partial sums are all-reduced
+  (:meth:`reduce_attention`), so the rows are whole again on each of them.
+- FFN layout, dense MLP and MoE ``tp`` (TP over all T = C x A ranks of the stage): every
+  row of the batch (:meth:`enter_ffn`: all-gather over CP), multiplied by the rank's
+  1 / T shard; :meth:`leave_ffn` reduce-scatters the partial sums over CP back to each
+  partition's rows and all-reduces them over attention TP.
+- FFN layout, MoE ``ep`` (experts split over the T ranks): each attention-TP rank of a
+  partition dispatches a disjoint slice of the partition's live rows
+  (:meth:`ep_slice`) over the FFN group; :meth:`ep_gather` puts the slices back
+  together (an all-reduce over attention TP of rows that are zero outside each slice:
+  exact).
+
+With attention TP 1 it is exactly the CP = TP path (attention TP collectives are no-ops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from graphcp.dist import CPGroup
+
+
+@dataclass
+class LayerCommunicator:
+    cp: CPGroup
+    attn_tp: CPGroup = field(default_factory=CPGroup)
+    #: every rank of the stage (the MoE ep exchange); None: the CP group (attention TP 1)
+    ffn: CPGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.ffn is None:
+            self.ffn = self.cp
+
+    @classmethod
+    def of(cls, group) -> "LayerCommunicator":
+        """``group`` itself when it is a communicator, else CP = TP over the CP group ``group``."""
+        return group if isinstance(group, LayerCommunicator) else cls(group)
+
+    @property
+    def tp_size(self) -> int:
+        """The FFN's TP degree: C x A."""
+        return self.cp.size * self.attn_tp.size
+
+    def reduce_attention(self, y: torch.Tensor) -> torch.Tensor:
+        """o_proj's partial sums over the partition's heads -> the whole rows (in place)."""
+        return self.attn_tp.all_reduce_(y)
+
+    def enter_ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The partition's rows [n, h] -> every row of the batch [C * n, h] (CP rank-major)."""
+        return self.cp.all_gather_rows(x)
+
+    def leave_ffn(self, partial: torch.Tensor) -> torch.Tensor:
+        """Every row's partial sum [C * n, h] -> the partition's rows of the sum [n, h]."""
+        return self.attn_tp.all_reduce_(self.cp.reduce_scatter_rows(partial))
+
+    def ep_slice(self, live: int) -> tuple[int, int]:
+        """The live rows of the partition this rank dispatches to the experts."""
+        A, a = self.attn_tp.size, self.attn_tp.rank
+        return live * a // A, live * (a + 1) // A
+
+    def ep_gather(self, routed: torch.Tensor, live: int) -> torch.Tensor:
+        """This rank's routed slice (:meth:`ep_slice`) -> the partition's ``live`` rows."""
+        if self.attn_tp.size == 1:
+            return routed
+        start, stop = self.ep_slice(live)
+        out = routed.new_zeros((live, routed.shape[1]))
+        out[start:stop] = routed
+        return self.attn_tp.all_reduce_(out)
+
+
+
+def ffn_bytes(rows: int, row_bytes: int, cp_size: int, attn_tp_size: int = 1) -> int:
+    """Bytes each way a rank's :meth:`LayerCommunicator.enter_ffn` + ``leave_ffn`` move for
+    ``rows`` partition rows (ring algorithms): the all-gather and the reduce-scatter over
+    CP, ``(C - 1) n`` rows each, and the all-reduce over attention TP, ``2 (A - 1) n / A``."""
+    C, A = cp_size, attn_tp_size
+    return 2 * (C - 1) * rows * row_bytes + 2 * (A - 1) * rows * row_bytes // A
+
+
+def attention_reduce_bytes(rows: int, row_bytes: int, attn_tp_size: int) -> int:
+    """Bytes each way of :meth:`LayerCommunicator.reduce_attention` (a ring all-reduce)."""
+    return 2 * (attn_tp_size - 1) * rows * row_bytes // attn_tp_size

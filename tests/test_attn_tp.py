@@ -1,0 +1,160 @@
+"""Attention TP inside CP (ParallelConfig.tp_size > cp_size): each rank holds a slice of
+the heads, its KV cache holds only them, the KV exchange runs over the CP group within
+one head shard, o_proj's partial sums are all-reduced over attention TP, and the layer
+communicator runs the MLP / MoE over all T ranks.
+
+One launch of 4 gloo ranks runs every case (engines of different meshes over the same
+ranks): (T, C) = (4, 2), (4, 1) (KV heads replicated: 2 KV heads over 4 ranks) and (4, 4)
+(attention TP 1), a dense family (Qwen3) and Qwen3-MoE (a dense layer between, ep and
+tp), zigzag and interleave, replicated / sharded / layer-split caches, graphs off and
+breakable, float32 and bfloat16, with cached prefixes: last-token and all-token logits
+and auxiliary hidden states against a single-rank run (1e-5 / 2e-2) and transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import rel_err
+
+from graphcp import ConfigError, ModelConfig, ParallelConfig, PrefillEngine, RuntimeConfig
+from graphcp.dist import launch
+from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.engine import prefill_after_prefixes
+
+LENS = [37, 1, 6, 20]
+PREFIX = [0, 0, 13, 4]
+AUX = (1, 0)
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+HF_TOL = 1e-4
+BUCKETS = BucketSet((16, 32, 64), padding_factor=64.0)
+#: (tp, cp, family, dtype, layout, kv_cache, graph, moe)
+CASES = [
+    (4, 2, "qwen3", "float32", "zigzag", "replicated", "off", "ep"),
+    (4, 2, "qwen3", "float32", "interleave", "replicated", "breakable", "ep"),
+    (4, 2, "qwen3", "float32", "zigzag", "sharded", "breakable", "ep"),
+    (4, 2, "qwen3", "bfloat16", "zigzag", "layer-split", "breakable", "ep"),
+    (4, 2, "qwen3", "bfloat16", "interleave", "replicated", "off", "ep"),
+    (4, 1, "qwen3", "float32", "zigzag", "replicated", "breakable", "ep"),
+    (4, 1, "qwen3", "bfloat16", "zigzag", "sharded", "off", "ep"),
+    (4, 4, "qwen3", "float32", "zigzag", "replicated", "breakable", "ep"),
+    (4, 2, "qwen3_moe", "float32", "zigzag", "replicated", "breakable", "ep"),
+    (4, 2, "qwen3_moe", "bfloat16", "zigzag", "sharded", "off", "ep"),
+    (4, 2, "qwen3_moe", "float32", "zigzag", "sharded", "off", "tp"),
+    (4, 2, "qwen3_moe", "bfloat16", "zigzag", "replicated", "breakable", "tp"),
+    (4, 1, "qwen3_moe", "float32", "interleave", "layer-split", "off", "ep"),
+]
+
+
+def _batch(vocab: int):
+    rng = np.random.default_rng(5)
+    return [(rng.integers(0, vocab, p) if p else None, rng.integers(0, vocab, n)) for n, p in zip(LENS, PREFIX)]
+
+
+def _run(eng):
+    out = prefill_after_prefixes(eng, _batch(eng.cfg.vocab_size), all_logits=True, aux_hidden_layers=AUX)
+    for h in out.handles:
+        eng.release(h)
+    return out
+
+
+def _model(family: str, dtype: str) -> str:
+    """bfloat16 MoE runs the all-experts twin (top-8 of 8): a near-tie in the router flips
+    an expert under bfloat16 rounding with top-k < E (tests/test_moe_parity.py)."""
+    return family + "-all" if family == "qwen3_moe" and dtype == "bfloat16" else family
+
+
+def _job(group, folders, cases):
+    res = []
+    for tp, cp, family, dtype, layout, kv_cache, graph, moe in cases:
+        rt = RuntimeConfig(dtype=dtype, layout=layout, kv_cache=kv_cache, graph=graph, moe=moe, kv_tokens=1024,
+                           aux_hidden_layers=AUX)
+        eng = PrefillEngine(folders[_model(family, dtype)], rt, group, BUCKETS,
+                            ParallelConfig(tp_size=tp, cp_size=cp))
+        out = _run(eng)
+        st = eng.stats()
+        res.append((out.last_logits, out.logits, out.aux_hidden, out.info.path,
+                    {k: st[k] for k in ("mesh", "kv_heads", "attn_tp_size")}, eng.kv.pool_bytes))
+    return res
+
+
+@pytest.fixture(scope="module")
+def folders(hf_model_dir):
+    return {"qwen3": hf_model_dir("qwen3"), "qwen3_moe": hf_model_dir("qwen3_moe"),
+            "qwen3_moe-all": hf_model_dir("qwen3_moe", num_experts_per_tok=8)}
+
+
+@pytest.fixture(scope="module")
+def results(folders):
+    return launch(_job, 4, folders, CASES, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def single(folders):
+    """The single-rank run of each (family, dtype)."""
+    out = {}
+    for family in ("qwen3", "qwen3_moe"):
+        for dtype in TOL:
+            rt = RuntimeConfig(dtype=dtype, kv_tokens=1024, aux_hidden_layers=AUX)
+            o = _run(PrefillEngine(folders[_model(family, dtype)], rt))
+            out[family, dtype] = (o.last_logits, o.logits, o.aux_hidden)
+    return out
+
+
+def test_attention_tp_equals_a_single_rank(results, single):
+    for case, rank_results in zip(CASES, zip(*results)):
+        tp, cp, family, dtype, layout, kv_cache, graph, moe = case
+        rlast, rlogits, raux = single[family, dtype]
+        for rank, (last, logits, aux, path, mesh, _) in enumerate(rank_results):
+            assert path == ("eager" if graph == "off" else "graph"), case
+            assert rel_err(last, rlast) <= TOL[dtype], (case, rank, rel_err(last, rlast))
+            for a, b in zip(logits, rlogits):
+                assert rel_err(a, b) <= TOL[dtype], (case, rank)
+            for a, b in zip(aux, raux):
+                assert rel_err(a, b) <= TOL[dtype], (case, rank)
+            A = tp // cp
+            assert mesh == {"mesh": {"stage": 0, "dp": 0, "cp": rank // A, "attn_tp": rank % A},
+                            "kv_heads": 2 // A if A <= 2 else 1, "attn_tp_size": A}, case
+        # every rank returns the same outputs
+        for last, *_ in rank_results[1:]:
+            assert torch.equal(last, rank_results[0][0]), case
+
+
+def test_a_rank_stores_its_heads_only(results):
+    """The KV pool of a rank at attention TP 2 is half of attention TP 1's (same cache mode)."""
+    pool = {(c[0] // c[1], c[5]): r[0][5] for c, r in zip(CASES, zip(*results)) if c[2] == "qwen3"
+            and c[3] == "float32"}
+    assert pool[2, "replicated"] * 2 == pool[1, "replicated"]
+
+
+def test_attention_tp_matches_transformers(results, folders, hf_model):
+    for case, rank_results in zip(CASES, zip(*results)):
+        if case[3] != "float32" or case[0] // case[1] == 1:
+            continue
+        hf = hf_model(folders[case[2]])
+        logits = rank_results[0][1]
+        for (prefix, new), got in zip(_batch(hf.config.vocab_size), logits):
+            full = new if prefix is None else np.concatenate([prefix, new])
+            with torch.no_grad():
+                want = hf(torch.as_tensor(full)[None]).logits[0, -len(new):].float()
+            assert rel_err(got, want) <= HF_TOL, case
+
+
+def test_meshes_that_do_not_split_are_refused(hf_model_dir):
+    """Heads that do not split, a DSA model under attention TP, DP and PP with attention
+    TP: one-line ConfigErrors naming the degree (the engine and the CLI's preflight both
+    check through ModelConfig.check_parallel)."""
+    def check(folder, **kw):
+        ModelConfig.from_file(folder / "config.json").check_parallel(ParallelConfig(**kw))
+
+    dense = hf_model_dir("qwen3")
+    with pytest.raises(ConfigError, match=r"num_attention_heads=4 does not divide by attention TP 8"):
+        check(dense, tp_size=8)
+    with pytest.raises(ConfigError, match=r"num_key_value_heads=2 neither divides by attention TP 3"):
+        check(hf_model_dir("qwen3", num_attention_heads=6, num_key_value_heads=2, intermediate_size=96), tp_size=3)
+    with pytest.raises(ConfigError, match=r"a DSA \(MLA\) model runs attention TP 1 under CP"):
+        check(hf_model_dir("deepseek_v32"), tp_size=2)
+    with pytest.raises(ConfigError, match=r"dp_size=2: attention data parallelism is not built yet"):
+        PrefillEngine(dense, RuntimeConfig(kv_tokens=256), parallel=ParallelConfig(dp_size=2))
+    with pytest.raises(ConfigError, match=r"with pp_size=2 pipeline stages is not built yet"):
+        PrefillEngine(dense, RuntimeConfig(kv_tokens=256), parallel=ParallelConfig(tp_size=2, pp_size=2))
