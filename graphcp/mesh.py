@@ -96,9 +96,6 @@ def not_built(parallel: ParallelConfig) -> str | None:
     if parallel.dp_size > 1:
         return (f"ParallelConfig.dp_size={parallel.dp_size}: attention data parallelism is not built yet "
                 "(use dp_size=1; docs/parallel.md lists what combines)")
-    if parallel.attn_tp_size > 1 and parallel.pp_size > 1:
-        return (f"attention TP {parallel.attn_tp_size} (tp_size={parallel.tp_size} / cp_size={parallel.cp_size}) "
-                f"with pp_size={parallel.pp_size} pipeline stages is not built yet: use tp_size=cp_size or pp_size=1")
     return None
 
 

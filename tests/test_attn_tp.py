@@ -18,6 +18,7 @@ import torch
 from helpers import rel_err
 
 from graphcp import ConfigError, ModelConfig, ParallelConfig, PrefillEngine, RuntimeConfig
+from graphcp.attention.exchange import exchanged_bytes_per_layer
 from graphcp.dist import launch
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.engine import prefill_after_prefixes
@@ -28,21 +29,24 @@ AUX = (1, 0)
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 HF_TOL = 1e-4
 BUCKETS = BucketSet((16, 32, 64), padding_factor=64.0)
-#: (tp, cp, family, dtype, layout, kv_cache, graph, moe)
+#: (tp, cp, pp, family, dtype, layout, kv_cache, graph, moe)
 CASES = [
-    (4, 2, "qwen3", "float32", "zigzag", "replicated", "off", "ep"),
-    (4, 2, "qwen3", "float32", "interleave", "replicated", "breakable", "ep"),
-    (4, 2, "qwen3", "float32", "zigzag", "sharded", "breakable", "ep"),
-    (4, 2, "qwen3", "bfloat16", "zigzag", "layer-split", "breakable", "ep"),
-    (4, 2, "qwen3", "bfloat16", "interleave", "replicated", "off", "ep"),
-    (4, 1, "qwen3", "float32", "zigzag", "replicated", "breakable", "ep"),
-    (4, 1, "qwen3", "bfloat16", "zigzag", "sharded", "off", "ep"),
-    (4, 4, "qwen3", "float32", "zigzag", "replicated", "breakable", "ep"),
-    (4, 2, "qwen3_moe", "float32", "zigzag", "replicated", "breakable", "ep"),
-    (4, 2, "qwen3_moe", "bfloat16", "zigzag", "sharded", "off", "ep"),
-    (4, 2, "qwen3_moe", "float32", "zigzag", "sharded", "off", "tp"),
-    (4, 2, "qwen3_moe", "bfloat16", "zigzag", "replicated", "breakable", "tp"),
-    (4, 1, "qwen3_moe", "float32", "interleave", "layer-split", "off", "ep"),
+    (4, 2, 1, "qwen3", "float32", "zigzag", "replicated", "off", "ep"),
+    (4, 2, 1, "qwen3", "float32", "interleave", "replicated", "breakable", "ep"),
+    (4, 2, 1, "qwen3", "float32", "zigzag", "sharded", "breakable", "ep"),
+    (4, 2, 1, "qwen3", "bfloat16", "zigzag", "layer-split", "breakable", "ep"),
+    (4, 2, 1, "qwen3", "bfloat16", "interleave", "replicated", "off", "ep"),
+    (4, 1, 1, "qwen3", "float32", "zigzag", "replicated", "breakable", "ep"),
+    (4, 1, 1, "qwen3", "bfloat16", "zigzag", "sharded", "off", "ep"),
+    (4, 4, 1, "qwen3", "float32", "zigzag", "replicated", "breakable", "ep"),
+    (4, 2, 1, "qwen3_moe", "float32", "zigzag", "replicated", "breakable", "ep"),
+    (4, 2, 1, "qwen3_moe", "bfloat16", "zigzag", "sharded", "off", "ep"),
+    (4, 2, 1, "qwen3_moe", "float32", "zigzag", "sharded", "off", "tp"),
+    (4, 2, 1, "qwen3_moe", "bfloat16", "zigzag", "replicated", "breakable", "tp"),
+    (4, 1, 1, "qwen3_moe", "float32", "interleave", "layer-split", "off", "ep"),
+    # two pipeline stages, each holding attention TP 2 (world 4 = 2 stages x 2)
+    (2, 1, 2, "qwen3", "float32", "zigzag", "replicated", "breakable", "ep"),
+    (2, 1, 2, "qwen3_moe", "bfloat16", "zigzag", "sharded", "off", "tp"),
 ]
 
 
@@ -66,15 +70,17 @@ def _model(family: str, dtype: str) -> str:
 
 def _job(group, folders, cases):
     res = []
-    for tp, cp, family, dtype, layout, kv_cache, graph, moe in cases:
+    for tp, cp, pp, family, dtype, layout, kv_cache, graph, moe in cases:
         rt = RuntimeConfig(dtype=dtype, layout=layout, kv_cache=kv_cache, graph=graph, moe=moe, kv_tokens=1024,
                            aux_hidden_layers=AUX)
         eng = PrefillEngine(folders[_model(family, dtype)], rt, group, BUCKETS,
-                            ParallelConfig(tp_size=tp, cp_size=cp))
+                            ParallelConfig(tp_size=tp, cp_size=cp, pp_size=pp))
         out = _run(eng)
         st = eng.stats()
+        last = st["forwards"][-1]
         res.append((out.last_logits, out.logits, out.aux_hidden, out.info.path,
-                    {k: st[k] for k in ("mesh", "kv_heads", "attn_tp_size")}, eng.kv.pool_bytes))
+                    {k: st[k] for k in ("mesh", "kv_heads", "attn_tp_size")}, eng.kv.pool_bytes,
+                    (last["bytes_received_per_layer"], out.info.capacity)))
     return res
 
 
@@ -103,9 +109,9 @@ def single(folders):
 
 def test_attention_tp_equals_a_single_rank(results, single):
     for case, rank_results in zip(CASES, zip(*results)):
-        tp, cp, family, dtype, layout, kv_cache, graph, moe = case
+        tp, cp, pp, family, dtype, layout, kv_cache, graph, moe = case
         rlast, rlogits, raux = single[family, dtype]
-        for rank, (last, logits, aux, path, mesh, _) in enumerate(rank_results):
+        for rank, (last, logits, aux, path, mesh, _, _) in enumerate(rank_results):
             assert path == ("eager" if graph == "off" else "graph"), case
             assert rel_err(last, rlast) <= TOL[dtype], (case, rank, rel_err(last, rlast))
             for a, b in zip(logits, rlogits):
@@ -113,25 +119,42 @@ def test_attention_tp_equals_a_single_rank(results, single):
             for a, b in zip(aux, raux):
                 assert rel_err(a, b) <= TOL[dtype], (case, rank)
             A = tp // cp
-            assert mesh == {"mesh": {"stage": 0, "dp": 0, "cp": rank // A, "attn_tp": rank % A},
+            stage, i = divmod(rank, tp)
+            assert mesh == {"mesh": {"stage": stage, "dp": 0, "cp": i // A, "attn_tp": i % A},
                             "kv_heads": 2 // A if A <= 2 else 1, "attn_tp_size": A}, case
         # every rank returns the same outputs
         for last, *_ in rank_results[1:]:
             assert torch.equal(last, rank_results[0][0]), case
 
 
-def test_a_rank_stores_its_heads_only(results):
-    """The KV pool of a rank at attention TP 2 is half of attention TP 1's (same cache mode)."""
-    pool = {(c[0] // c[1], c[5]): r[0][5] for c, r in zip(CASES, zip(*results)) if c[2] == "qwen3"
-            and c[3] == "float32"}
+def test_a_rank_stores_and_receives_its_heads_only(results, folders):
+    """At attention TP 2 a rank's KV pool and the KV bytes it receives per layer (the
+    stats, the replicated cache's all-gather over CP) are half of attention TP 1's: the
+    formula at the rank's KV heads, and half of it at the model's."""
+    cfg = ModelConfig.from_file(folders["qwen3"] / "config.json")
+    pool = {(c[0] // c[1], c[6]): r[0][5] for c, r in zip(CASES, zip(*results)) if c[3] == "qwen3"
+            and c[4] == "float32" and c[2] == 1}
     assert pool[2, "replicated"] * 2 == pool[1, "replicated"]
+    checked = 0
+    for case, rank_results in zip(CASES, zip(*results)):
+        tp, cp, pp, _, dtype, _, kv_cache, _, _ = case
+        if kv_cache != "replicated" or pp != 1 or cp == 1:
+            continue
+        itemsize = 4 if dtype == "float32" else 2
+        for r in rank_results:
+            got, capacity = r[6]
+            mine = exchanged_bytes_per_layer(capacity, cp, r[4]["kv_heads"], cfg.head_dim, itemsize)
+            whole = exchanged_bytes_per_layer(capacity, cp, cfg.num_kv_heads, cfg.head_dim, itemsize)
+            assert got == mine == whole * r[4]["kv_heads"] // cfg.num_kv_heads, case
+            checked += 1
+    assert checked >= 8
 
 
 def test_attention_tp_matches_transformers(results, folders, hf_model):
     for case, rank_results in zip(CASES, zip(*results)):
-        if case[3] != "float32" or case[0] // case[1] == 1:
+        if case[4] != "float32" or case[0] // case[1] == 1:
             continue
-        hf = hf_model(folders[case[2]])
+        hf = hf_model(folders[case[3]])
         logits = rank_results[0][1]
         for (prefix, new), got in zip(_batch(hf.config.vocab_size), logits):
             full = new if prefix is None else np.concatenate([prefix, new])
@@ -141,8 +164,7 @@ def test_attention_tp_matches_transformers(results, folders, hf_model):
 
 
 def test_meshes_that_do_not_split_are_refused(hf_model_dir):
-    """Heads that do not split, a DSA model under attention TP, DP and PP with attention
-    TP: one-line ConfigErrors naming the degree (the engine and the CLI's preflight both
+    """Heads that do not split, a DSA model under attention TP, DP: one-line ConfigErrors naming the degree (the engine and the CLI's preflight both
     check through ModelConfig.check_parallel)."""
     def check(folder, **kw):
         ModelConfig.from_file(folder / "config.json").check_parallel(ParallelConfig(**kw))
@@ -156,5 +178,3 @@ def test_meshes_that_do_not_split_are_refused(hf_model_dir):
         check(hf_model_dir("deepseek_v32"), tp_size=2)
     with pytest.raises(ConfigError, match=r"dp_size=2: attention data parallelism is not built yet"):
         PrefillEngine(dense, RuntimeConfig(kv_tokens=256), parallel=ParallelConfig(dp_size=2))
-    with pytest.raises(ConfigError, match=r"with pp_size=2 pipeline stages is not built yet"):
-        PrefillEngine(dense, RuntimeConfig(kv_tokens=256), parallel=ParallelConfig(tp_size=2, pp_size=2))

@@ -2,6 +2,8 @@
 writes. Other tools read these names (keys may be added, never renamed)::
 
     {"ranks": [{"rank": 0, "cp_size": 4, "world_rank": 0, "stage": 0, "layers": [0, 32],
+                "mesh": {"stage": 0, "dp": 0, "cp": 0, "attn_tp": 0}, "tp_size": 4, "attn_tp_size": 1,
+                "dp_size": 1, "kv_heads": N,
                 "kv_cache": "sharded", "exchange": "auto",
                 "kv_pool_tokens": N, "kv_pool_bytes": N,
                 "kv_stored_tokens": N, "kv_stored_pages": N,
@@ -13,7 +15,9 @@ writes. Other tools read these names (keys may be added, never renamed)::
 
 ``rank`` is the rank in its CP group, ``world_rank`` in the whole run (stage-major
 under pipeline stages), ``stage`` its pipeline stage and ``layers`` the ``[first, end)``
-decoder layers it runs. ``kv_pool_*`` describe one rank's pool; ``kv_stored_tokens`` counts the tokens whose
+decoder layers it runs; ``mesh`` its (dp, cp, attn_tp) coordinates (docs/parallel.md)
+and ``kv_heads`` the KV heads its cache stores (the model's, split over attention TP).
+``kv_pool_*`` describe one rank's pool; ``kv_stored_tokens`` counts the tokens whose
 KV the rank holds at the end (live handles). ``forwards`` lists every forward in
 order (the command line prefills prefixes first, so a request with a prefix
 contributes two; under pipeline stages each micro-batch is a forward), each with every key of its ``ForwardInfo.stats``: besides those
