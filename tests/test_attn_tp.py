@@ -56,10 +56,17 @@ def _batch(vocab: int):
 
 
 def _run(eng):
+    """The batch's outputs, and the KV export (every rank receiving) of request 2: its
+    cached prefix and new tokens, every layer's K and V with all the model's KV heads."""
     out = prefill_after_prefixes(eng, _batch(eng.cfg.vocab_size), all_logits=True, aux_hidden_layers=AUX)
+    export = eng.export_kv(out.handles[2])
+    last = eng.world.size - 1  # one receiver: the last rank (of the last stage)
+    to_last = eng.export_kv(out.handles[2], dst=last)
+    assert (to_last is None) == (eng.world.rank != last)
+    assert to_last is None or all(torch.equal(a, b) for a, b in zip(to_last.k + to_last.v, export.k + export.v))
     for h in out.handles:
         eng.release(h)
-    return out
+    return out, export
 
 
 def _model(family: str, dtype: str) -> str:
@@ -75,12 +82,12 @@ def _job(group, folders, cases):
                            aux_hidden_layers=AUX)
         eng = PrefillEngine(folders[_model(family, dtype)], rt, group, BUCKETS,
                             ParallelConfig(tp_size=tp, cp_size=cp, pp_size=pp))
-        out = _run(eng)
+        out, export = _run(eng)
         st = eng.stats()
         last = st["forwards"][-1]
         res.append((out.last_logits, out.logits, out.aux_hidden, out.info.path,
                     {k: st[k] for k in ("mesh", "kv_heads", "attn_tp_size")}, eng.kv.pool_bytes,
-                    (last["bytes_received_per_layer"], out.info.capacity)))
+                    (last["bytes_received_per_layer"], out.info.capacity), export.k + export.v))
     return res
 
 
@@ -102,16 +109,19 @@ def single(folders):
     for family in ("qwen3", "qwen3_moe"):
         for dtype in TOL:
             rt = RuntimeConfig(dtype=dtype, kv_tokens=1024, aux_hidden_layers=AUX)
-            o = _run(PrefillEngine(folders[_model(family, dtype)], rt))
-            out[family, dtype] = (o.last_logits, o.logits, o.aux_hidden)
+            o, export = _run(PrefillEngine(folders[_model(family, dtype)], rt))
+            out[family, dtype] = (o.last_logits, o.logits, o.aux_hidden, export.k + export.v)
     return out
 
 
 def test_attention_tp_equals_a_single_rank(results, single):
     for case, rank_results in zip(CASES, zip(*results)):
         tp, cp, pp, family, dtype, layout, kv_cache, graph, moe = case
-        rlast, rlogits, raux = single[family, dtype]
-        for rank, (last, logits, aux, path, mesh, _, _) in enumerate(rank_results):
+        rlast, rlogits, raux, rkv = single[family, dtype]
+        for rank, (last, logits, aux, path, mesh, _, _, kv) in enumerate(rank_results):
+            assert len(kv) == len(rkv)
+            for a, b in zip(kv, rkv):  # the export holds every KV head, in the model's order
+                assert a.shape == b.shape and rel_err(a, b) <= TOL[dtype], (case, rank)
             assert path == ("eager" if graph == "off" else "graph"), case
             assert rel_err(last, rlast) <= TOL[dtype], (case, rank, rel_err(last, rlast))
             for a, b in zip(logits, rlogits):

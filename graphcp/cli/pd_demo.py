@@ -144,9 +144,6 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     spec = job_spec(args)
     preflight(spec)
-    if spec.parallel.attn_tp_size > 1:
-        raise ConfigError(f"--tp {spec.parallel.tp_size} with --cp {spec.cp_size}: the KV export under attention TP "
-                          f"{spec.parallel.attn_tp_size} is not built yet (use --tp {spec.cp_size})")
     if args.memory_check:
         check_local_ranks_fit(spec, job_memory(spec, [args.prefix_tokens, args.prompt_tokens - args.prefix_tokens]))
     model_dir = resolve_model(spec.model)

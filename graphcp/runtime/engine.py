@@ -47,6 +47,7 @@ from graphcp.model.presets import resolve_model
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.pd.export import KVExport, KVMeta, assemble, gather_stages
 from graphcp.pd.fingerprint import model_fingerprint
+from graphcp.pd.heads import gather_heads, shard_meta
 from graphcp.pd.mla_export import MlaExport, MlaMeta, mla_meta
 from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBatch, Request
 from graphcp.runtime.body import Body
@@ -259,9 +260,6 @@ class PrefillEngine:
         stage's CP group assembles its own layers, then each stage's layers travel to the
         receivers in one message (graphcp.pd.export.gather_stages)."""
         self.kv.check_handle(handle)
-        if self.mesh.attn_tp.size > 1:
-            raise ConfigError(f"export_kv under attention TP {self.mesh.attn_tp.size} is not built yet: each rank "
-                              "holds only its heads (export from a run with tp_size = cp_size)")
         world = self.world
         if dst is not None:
             check_int(dst, "export_kv: dst (the rank that receives the export)", lo=0, hi=world.size - 1,
@@ -269,7 +267,13 @@ class PrefillEngine:
         spans = self.kv.kv_spans(handle, self.group.size)
         meta = self.kv_meta(handle)
         C = self.group.size  # without stages dst % C is dst
-        out = assemble(self.kv, handle, spans, self.group, meta, None if dst is None else dst % C, self.device)
+        if self.mesh.attn_tp.size > 1:  # each shard over CP, every rank receiving; then the heads over attention TP
+            out = assemble(self.kv, handle, spans, self.group, shard_meta(meta, self.attn_cfg.num_kv_heads), None,
+                           self.device)
+            gather_heads(out, self.mesh.attn_tp, meta.num_kv_heads)
+            C = self.mesh.ffn.size  # every rank of a stage holds the export now
+        else:
+            out = assemble(self.kv, handle, spans, self.group, meta, None if dst is None else dst % C, self.device)
         if self.pipeline is not None:
             stage_layers = self.parallel.stage_layers(self.cfg.num_layers)
             gather_stages(out, meta, stage_layers, self.pipeline.stage, world, C, dst, self.device)
