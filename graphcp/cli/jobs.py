@@ -77,6 +77,7 @@ def prefill_job(group: CPGroup, spec: JobSpec, reqs: list[FileRequest], all_logi
         result["aux_hidden_layers"] = list(spec.runtime.aux_hidden_layers)
     result["info"] = {"path": out.info.path, "capacity": out.info.capacity, "fallback": out.info.fallback,
                       "cp_size": spec.cp_size, "pp_size": spec.pp_size, "layout": spec.runtime.layout,
+                      "tp_size": spec.parallel.tp_size, "dp_size": spec.dp_size,
                       "graph": spec.runtime.graph,
                       "kv_cache": spec.runtime.kv_cache, "exchange": out.info.stats.get("exchange"),
                       "stats_per_rank": stats}
@@ -173,6 +174,7 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         return None
     res = {
         "model": str(engine.model_dir), "cp_size": spec.cp_size, "pp_size": spec.pp_size,
+        "tp_size": spec.parallel.tp_size, "dp_size": spec.dp_size,
         "layout": spec.runtime.layout,
         "kv_cache": spec.runtime.kv_cache, "kv_stored_per_rank": [s.get("graph", s.get("eager")) for s in stored_per_rank],
         "graph": spec.runtime.graph, "attention": engine.attention.name, "dtype": spec.runtime.dtype,

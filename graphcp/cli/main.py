@@ -23,7 +23,7 @@ from graphcp.checks import check_output_dir, check_output_path
 from graphcp.cli.jobs import mixed_batch, prefill_job, run_job, twin_dtype
 from graphcp.cli.pd_demo import add_pd_demo_parser
 from graphcp.cli.requests import check_request_vocabulary, parse_requests
-from graphcp.cli.table import print_table
+from graphcp.cli.table import print_table, ranks_text
 from graphcp.errors import one_line, report
 from graphcp.gpucheck.cli import add_gpu_check_parser
 from graphcp.jobs.args import add_runtime_args, help_text, interpret_triton_on_cpu, job_spec, preflight
@@ -86,8 +86,11 @@ def cmd_prefill(args) -> int:
         if args.stats:
             write_stats(args.stats, res["stats"])
         info = res["info"]
-        ranks = f"{info['cp_size']} rank(s)" if info["pp_size"] == 1 else \
-            f"{info['pp_size'] * info['cp_size']} ranks ({info['pp_size']} stages x CP {info['cp_size']})"
+        if info["tp_size"] == info["cp_size"]:
+            ranks = f"{info['cp_size']} rank(s)" if info["pp_size"] == 1 else \
+                f"{info['pp_size'] * info['cp_size']} ranks ({info['pp_size']} stages x CP {info['cp_size']})"
+        else:
+            ranks = "ranks " + ranks_text(info["pp_size"], info["tp_size"], info["cp_size"], info["dp_size"])[1]
         print(f"prefilled {len(reqs)} requests on {ranks}, layout {info['layout']}, "
               f"path {info['path']} (local capacity {info['capacity']}), {info['kv_cache']} KV cache"
               + (f", exchange {info['exchange']}" if info["exchange"] is not None else "")  # a pipeline has none
@@ -117,8 +120,7 @@ def cmd_run(args) -> int:
     res = run_job_on_ranks(run_job, spec)
     rows = [
         ("model", res["model"]),
-        ("ranks (CP = TP)", res["cp_size"]) if res["pp_size"] == 1 else
-        ("ranks (PP x CP, CP = TP)", f"{res['pp_size']} stages x {res['cp_size']}"),
+        ranks_text(res["pp_size"], res["tp_size"], res["cp_size"], res["dp_size"]),
         ("layout / graph / attention", f"{res['layout']} / {res['graph']} / {res['attention']}"),
         ("batch", f"{res['requests']} requests, {res['tokens']} tokens"),
         ("buckets captured", ", ".join(map(str, res["buckets"])) or "-"),
