@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.model.communicator import LayerCommunicator
+from graphcp.model.communicator import LayerCommunicator, attention_reduce_bytes
 from graphcp.model.layers import ParallelMLP
-from graphcp.model.moe.ep import ep_forward, tp_layer_bytes
+from graphcp.model.moe.ep import STAT_RECEIVED, STAT_SENT, ep_forward, tp_layer_bytes
 from graphcp.model.moe.experts import Experts, routed_experts
 from graphcp.model.moe.router import make_router
 from graphcp.model.moe_config import MoeConfig
@@ -59,6 +59,10 @@ class SparseMoeBlock(nn.Module):
         start, stop = comm.ep_slice(live)
         routed = comm.ep_gather(
             ep_forward(x[start:stop], self.router, self.experts, comm.ffn, self.num_experts, stats), live)
+        if stats is not None and comm.attn_tp.size > 1:  # the slices put back together
+            b = attention_reduce_bytes(live, x.shape[1] * x.element_size(), comm.attn_tp.size)
+            stats[STAT_SENT] = stats.get(STAT_SENT, 0) + b
+            stats[STAT_RECEIVED] = stats.get(STAT_RECEIVED, 0) + b
         out = torch.zeros_like(x) if self.shared is None else self.shared(x, comm)
         out[:live] += routed
         return out
