@@ -6,8 +6,8 @@ communicator runs the MLP / MoE over all T ranks.
 One launch of 4 gloo ranks runs every case (engines of different meshes over the same
 ranks): (T, C) = (4, 2), (4, 1) (KV heads replicated: 2 KV heads over 4 ranks) and (4, 4)
 (attention TP 1), a dense family (Qwen3) and Qwen3-MoE (a dense layer between, ep and
-tp), zigzag and interleave, replicated / sharded / layer-split caches, graphs off and
-breakable, float32 and bfloat16, with cached prefixes: last-token and all-token logits
+tp), zigzag and interleave, replicated / sharded / layer-split caches, graphs off,
+breakable and full, float32 and bfloat16, two pipeline stages each holding the mesh, with cached prefixes: last-token and all-token logits
 and auxiliary hidden states against a single-rank run (1e-5 / 2e-2) and transformers."""
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ CASES = [
     (4, 1, 1, "qwen3", "float32", "zigzag", "replicated", "breakable", "ep"),
     (4, 1, 1, "qwen3", "bfloat16", "zigzag", "sharded", "off", "ep"),
     (4, 4, 1, "qwen3", "float32", "zigzag", "replicated", "breakable", "ep"),
+    (4, 2, 1, "qwen3", "float32", "zigzag", "replicated", "full", "ep"),  # attention captured too (triton)
     (4, 2, 1, "qwen3_moe", "float32", "zigzag", "replicated", "breakable", "ep"),
     (4, 2, 1, "qwen3_moe", "bfloat16", "zigzag", "sharded", "off", "ep"),
     (4, 2, 1, "qwen3_moe", "float32", "zigzag", "sharded", "off", "tp"),
@@ -79,7 +80,7 @@ def _job(group, folders, cases):
     res = []
     for tp, cp, pp, family, dtype, layout, kv_cache, graph, moe in cases:
         rt = RuntimeConfig(dtype=dtype, layout=layout, kv_cache=kv_cache, graph=graph, moe=moe, kv_tokens=1024,
-                           aux_hidden_layers=AUX)
+                           aux_hidden_layers=AUX, attention="triton" if graph == "full" else "torch")
         eng = PrefillEngine(folders[_model(family, dtype)], rt, group, BUCKETS,
                             ParallelConfig(tp_size=tp, cp_size=cp, pp_size=pp))
         out, export = _run(eng)
