@@ -10,8 +10,9 @@ Run: ``python -m pytest benchmarks/bench_mesh.py --benchmark-only -q -s``
     over CP), next to the formula ``(C - 1) x capacity x 2 x (H_kv / A) x d x b``.
 (b) ``test_communicator_bytes_per_layer``: one dense MLP layer (hidden 1024,
     intermediate 4096, bfloat16) over 4096 tokens, 4096 / C rows a rank, at (C, A) =
-    (2, 1), (4, 1), (2, 2), (1, 4): the bytes a rank's collectives move (measured from
-    the calls, :class:`graphcp.profile.comm_bytes.CollectiveBytes`) for the MLP's enter
+    (2, 1), (4, 1), (2, 2), (1, 4), and C = 2 with 2 DP replicas: the bytes a rank's
+    collectives move (measured from the calls,
+    :class:`graphcp.profile.comm_bytes.CollectiveBytes`) for the MLP's enter
     and leave and for o_proj's attention-TP all-reduce, next to
     :func:`graphcp.model.communicator.ffn_bytes` and ``attention_reduce_bytes``; and a
     MoE ``ep`` layer (16 experts, top-4) over the T ranks, against the stats it reports.
@@ -61,9 +62,9 @@ def test_kv_bytes_per_layer(benchmark, attn_tp):
           f"receives {row['received_MiB']:.2f} MiB a layer (formula {row['formula_MiB']:.2f})")
 
 
-def _comm_job(world, cp: int, attn_tp: int):
-    mesh = build_mesh(world, ParallelConfig(tp_size=world.size, cp_size=cp))
-    comm = LayerCommunicator(mesh.cp, mesh.attn_tp, mesh.ffn)
+def _comm_job(world, cp: int, attn_tp: int, dp: int):
+    mesh = build_mesh(world, ParallelConfig(tp_size=world.size, cp_size=cp, dp_size=dp))
+    comm = LayerCommunicator(mesh.cp, mesh.attn_tp, mesh.ffn, mesh.dp)
     torch.manual_seed(0)
     mlp = ParallelMLP(HIDDEN, INTER, world.size, False, DTYPE)
     for p in mlp.parameters():
@@ -86,12 +87,12 @@ def _comm_job(world, cp: int, attn_tp: int):
             "ep": (ep.sent, ep.received), "ep_reported": (stats["moe_bytes_sent"], stats["moe_bytes_received"])}
 
 
-@pytest.mark.parametrize("cp,attn_tp", [(2, 1), (4, 1), (2, 2), (1, 4)])
-def test_communicator_bytes_per_layer(benchmark, cp, attn_tp):
-    ranks = benchmark.pedantic(launch, args=(_comm_job, cp * attn_tp, cp, attn_tp), rounds=1, iterations=1)
+@pytest.mark.parametrize("cp,attn_tp,dp", [(2, 1, 1), (4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2)])
+def test_communicator_bytes_per_layer(benchmark, cp, attn_tp, dp):
+    ranks = benchmark.pedantic(launch, args=(_comm_job, cp * attn_tp * dp, cp, attn_tp, dp), rounds=1, iterations=1)
     row_bytes = HIDDEN * DTYPE.itemsize
     n = ranks[0]["rows"]
-    want = {"ffn": ffn_bytes(n, row_bytes, cp, attn_tp), "attn": attention_reduce_bytes(n, row_bytes, attn_tp)}
+    want = {"ffn": ffn_bytes(n, row_bytes, cp, attn_tp, dp), "attn": attention_reduce_bytes(n, row_bytes, attn_tp)}
     for r in ranks:
         for k in want:
             assert r[k] == (want[k], want[k]), (k, r[k], want[k])
@@ -99,6 +100,6 @@ def test_communicator_bytes_per_layer(benchmark, cp, attn_tp):
     row = {f"{k}_MiB": want[k] / 2**20 for k in want}
     row["ep_mean_MiB"] = float(np.mean([r["ep"][0] for r in ranks])) / 2**20
     benchmark.extra_info.update(row)
-    print(f"\nC={cp} A={attn_tp} (T={cp * attn_tp}): MLP enter+leave {row['ffn_MiB']:.2f} MiB, o_proj all-reduce "
+    print(f"\nC={cp} A={attn_tp} D={dp} (T={cp * attn_tp * dp}): MLP enter+leave {row['ffn_MiB']:.2f} MiB, o_proj all-reduce "
           f"{row['attn_MiB']:.2f} MiB each way a rank a layer (= formula); MoE ep (16 experts, top-4) "
           f"{row['ep_mean_MiB']:.2f} MiB (= its stats)")

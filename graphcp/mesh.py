@@ -93,9 +93,16 @@ class MeshGroups:
 
 def not_built(parallel: ParallelConfig) -> str | None:
     """Why graphcp cannot run this mesh yet (a valid mesh it has not built), or None."""
+    if parallel.dp_size > 1 and parallel.pp_size > 1:
+        return (f"ParallelConfig.dp_size={parallel.dp_size} with pp_size={parallel.pp_size}: attention data "
+                "parallelism under pipeline stages is not built yet (use dp_size=1 or pp_size=1)")
+    return None
+
+
+def export_not_built(parallel: ParallelConfig) -> str | None:
+    """Why a KV export cannot run under this mesh yet (attention DP), or None."""
     if parallel.dp_size > 1:
-        return (f"ParallelConfig.dp_size={parallel.dp_size}: attention data parallelism is not built yet "
-                "(use dp_size=1; docs/parallel.md lists what combines)")
+        return f"export_kv under attention DP (dp_size={parallel.dp_size}) is not built yet: use dp_size=1"
     return None
 
 

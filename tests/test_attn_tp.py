@@ -175,7 +175,7 @@ def test_attention_tp_matches_transformers(results, folders, hf_model):
 
 
 def test_meshes_that_do_not_split_are_refused(hf_model_dir):
-    """Heads that do not split, a DSA model under attention TP, DP: one-line ConfigErrors naming the degree (the engine and the CLI's preflight both
+    """Heads that do not split, a DSA model under attention TP: one-line ConfigErrors naming the degree (the engine and the CLI's preflight both
     check through ModelConfig.check_parallel)."""
     def check(folder, **kw):
         ModelConfig.from_file(folder / "config.json").check_parallel(ParallelConfig(**kw))
@@ -187,5 +187,3 @@ def test_meshes_that_do_not_split_are_refused(hf_model_dir):
         check(hf_model_dir("qwen3", num_attention_heads=6, num_key_value_heads=2, intermediate_size=96), tp_size=3)
     with pytest.raises(ConfigError, match=r"a DSA \(MLA\) model runs attention TP 1 under CP"):
         check(hf_model_dir("deepseek_v32"), tp_size=2)
-    with pytest.raises(ConfigError, match=r"dp_size=2: attention data parallelism is not built yet"):
-        PrefillEngine(dense, RuntimeConfig(kv_tokens=256), parallel=ParallelConfig(dp_size=2))

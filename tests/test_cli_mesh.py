@@ -47,6 +47,19 @@ def test_the_seed_example_qwen3_moe_tp4_cp2_ep4_matches_one_rank(tmp_path, reque
     assert moe and all(f["moe_bytes_received"] > 0 for f in moe)
 
 
+def test_prefill_with_attention_dp_matches_one_rank(tmp_path, requests_file, capsys):
+    """--tp 4 --cp 2 --dp 2: two replicas of CP 2, the requests split between them."""
+    one, dp = tmp_path / "one.pt", tmp_path / "dp.pt"
+    base = ["prefill", "--model", "default", "--input", str(requests_file), "--all-logits", "--kv-tokens", "1024"]
+    assert main(base + ["--output", str(one), "--graph", "off"]) == 0
+    assert main(base + ["--output", str(dp), "--tp", "4", "--cp", "2", "--dp", "2"]) == 0
+    assert "on ranks 4 = DP 2 x CP 2 x attention TP 1; MLP/MoE TP 4" in capsys.readouterr().out
+    a, b = torch.load(one), torch.load(dp)
+    assert rel_err(b["last_logits"], a["last_logits"]) <= 1e-5
+    for x, y in zip(b["logits"], a["logits"]):
+        assert x.shape == y.shape and rel_err(x, y) <= 1e-5
+
+
 def test_run_shows_the_mesh(tmp_path, hf_model_dir, capsys):
     buckets = tmp_path / "b.json"
     BucketSet((2048,)).save(buckets)
@@ -65,13 +78,21 @@ def test_run_shows_the_mesh(tmp_path, hf_model_dir, capsys):
 @pytest.mark.parametrize("flags,msg", [
     (["--tp", "3", "--cp", "2"], "tp_size=3 must be a multiple of dp_size x cp_size = 1 x 2 = 2"),
     (["--tp", "16"], "num_attention_heads=8 does not divide by attention TP 16"),
-    (["--cp", "2", "--dp", "2"], "dp_size=2: attention data parallelism is not built yet"),
+    (["--dp", "2", "--pp", "2"], "dp_size=2 with pp_size=2: attention data parallelism under pipeline stages"),
+    (["--dp", "2", "--export-kv", "KV"], "export_kv under attention DP (dp_size=2) is not built yet"),
     (["--model", "default-dsa", "--tp", "2"], "a DSA (MLA) model runs attention TP 1 under CP"),
 ])
 def test_bad_mesh_flags_are_one_line(tmp_path, capsys, flags, msg):
     req = tmp_path / "r.jsonl"
     req.write_text('{"tokens": [1, 2, 3]}\n')
+    flags = [str(tmp_path / f) if f == "KV" else f for f in flags]
     code = main(["prefill", "--input", str(req), "--output", str(tmp_path / "o.pt"), *flags])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and msg in err and "error:" in err, err
     assert not (tmp_path / "o.pt").exists()
+
+
+def test_pd_demo_under_attention_dp_is_one_line(capsys):
+    assert main(["pd-demo", "--dp", "2", "--transport", "file"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "export_kv under attention DP (dp_size=2) is not built yet" in err, err

@@ -68,7 +68,9 @@ def test_membership_table_822():
 
 def test_meshes_not_built_yet_are_refused():
     assert not_built(ParallelConfig(tp_size=4, cp_size=2)) is None
-    assert "dp_size=2: attention data parallelism is not built yet" in not_built(ParallelConfig(cp_size=2, dp_size=2))
+    assert not_built(ParallelConfig(cp_size=2, dp_size=2)) is None
+    assert "attention data parallelism under pipeline stages is not built yet" in not_built(
+        ParallelConfig(cp_size=2, dp_size=2, pp_size=2))
     assert not_built(ParallelConfig(tp_size=4, cp_size=2, pp_size=2)) is None  # each stage holds the mesh
 
 

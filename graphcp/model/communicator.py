@@ -5,10 +5,11 @@ the FFN layout (docs/parallel.md). Only it knows which rows a rank holds in whic
   local rows), the same rows on every attention-TP rank of the partition, with its own
   heads; after o_proj the attention-TP partial sums are all-reduced
   (:meth:`reduce_attention`), so the rows are whole again on each of them.
-- FFN layout, dense MLP and MoE ``tp`` (TP over all T = C x A ranks of the stage): every
-  row of the batch (:meth:`enter_ffn`: all-gather over CP), multiplied by the rank's
-  1 / T shard; :meth:`leave_ffn` reduce-scatters the partial sums over CP back to each
-  partition's rows and all-reduces them over attention TP.
+- FFN layout, dense MLP and MoE ``tp`` (TP over all T = D x C x A ranks of the stage):
+  every row of the batch, of every DP replica (:meth:`enter_ffn`: all-gather over CP,
+  then over DP), multiplied by the rank's 1 / T shard; :meth:`leave_ffn` reduce-scatters
+  the partial sums over DP and CP back to each partition's rows and all-reduces them
+  over attention TP.
 - FFN layout, MoE ``ep`` (experts split over the T ranks): each attention-TP rank of a
   partition dispatches a disjoint slice of the partition's live rows
   (:meth:`ep_slice`) over the FFN group; :meth:`ep_gather` puts the slices back
@@ -33,6 +34,8 @@ class LayerCommunicator:
     attn_tp: CPGroup = field(default_factory=CPGroup)
     #: every rank of the stage (the MoE ep exchange); None: the CP group (attention TP 1)
     ffn: CPGroup | None = None
+    #: the attention-DP replicas at this rank's (cp, attn_tp) coordinates (size 1: no DP)
+    dp: CPGroup = field(default_factory=CPGroup)
 
     def __post_init__(self) -> None:
         if self.ffn is None:
@@ -45,20 +48,22 @@ class LayerCommunicator:
 
     @property
     def tp_size(self) -> int:
-        """The FFN's TP degree: C x A."""
-        return self.cp.size * self.attn_tp.size
+        """The FFN's TP degree: D x C x A."""
+        return self.dp.size * self.cp.size * self.attn_tp.size
 
     def reduce_attention(self, y: torch.Tensor) -> torch.Tensor:
         """o_proj's partial sums over the partition's heads -> the whole rows (in place)."""
         return self.attn_tp.all_reduce_(y)
 
     def enter_ffn(self, x: torch.Tensor) -> torch.Tensor:
-        """The partition's rows [n, h] -> every row of the batch [C * n, h] (CP rank-major)."""
-        return self.cp.all_gather_rows(x)
+        """The partition's rows [n, h] -> every row of the batch [C * n, h] (CP rank-major);
+        under attention DP every replica's batch, [D * C * n, h] (replica-major: every
+        replica runs the same capacity n)."""
+        return self.dp.all_gather_rows(self.cp.all_gather_rows(x))
 
     def leave_ffn(self, partial: torch.Tensor) -> torch.Tensor:
-        """Every row's partial sum [C * n, h] -> the partition's rows of the sum [n, h]."""
-        return self.attn_tp.all_reduce_(self.cp.reduce_scatter_rows(partial))
+        """Every row's partial sum [D * C * n, h] -> the partition's rows of the sum [n, h]."""
+        return self.attn_tp.all_reduce_(self.cp.reduce_scatter_rows(self.dp.reduce_scatter_rows(partial)))
 
     def ep_slice(self, live: int) -> tuple[int, int]:
         """The live rows of the partition this rank dispatches to the experts."""
@@ -76,12 +81,14 @@ class LayerCommunicator:
 
 
 
-def ffn_bytes(rows: int, row_bytes: int, cp_size: int, attn_tp_size: int = 1) -> int:
+def ffn_bytes(rows: int, row_bytes: int, cp_size: int, attn_tp_size: int = 1, dp_size: int = 1) -> int:
     """Bytes each way a rank's :meth:`LayerCommunicator.enter_ffn` + ``leave_ffn`` move for
     ``rows`` partition rows (ring algorithms): the all-gather and the reduce-scatter over
-    CP, ``(C - 1) n`` rows each, and the all-reduce over attention TP, ``2 (A - 1) n / A``."""
-    C, A = cp_size, attn_tp_size
-    return 2 * (C - 1) * rows * row_bytes + 2 * (A - 1) * rows * row_bytes // A
+    CP, ``(C - 1) n`` rows each, over DP, ``(D - 1) C n`` each, and the all-reduce over
+    attention TP, ``2 (A - 1) n / A``."""
+    C, A, D = cp_size, attn_tp_size, dp_size
+    return (2 * (C - 1) * rows * row_bytes + 2 * (D - 1) * C * rows * row_bytes
+            + 2 * (A - 1) * rows * row_bytes // A)
 
 
 def attention_reduce_bytes(rows: int, row_bytes: int, attn_tp_size: int) -> int:

@@ -221,6 +221,9 @@ class ModelConfig:
                 "column/row-parallel over the stage's tp_size ranks"
             )
         self._check_heads(parallel.attn_tp_size, source)
+        if m.dsa is not None and parallel.dp_size > 1:
+            raise ConfigError(f"{source}: a DSA (MLA) model with attention DP (dp_size={parallel.dp_size}) is not "
+                              "built yet: use dp_size=1")
         parallel.stage_layers(m.num_layers, source)
 
     def _check_heads(self, size: int, source: str) -> None:

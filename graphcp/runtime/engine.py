@@ -40,7 +40,7 @@ from graphcp.kv.paged import KVHandle, PagedKVCache
 from graphcp.kv.sharded import make_kv_cache
 from graphcp.model.dsa import runtime as dsa_runtime
 from graphcp.model.forward_context import KV_RECEIVED, AuxCapture
-from graphcp.mesh import build_mesh, not_built
+from graphcp.mesh import build_mesh, export_not_built, not_built
 from graphcp.model.communicator import LayerCommunicator
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
@@ -53,6 +53,7 @@ from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, Pre
 from graphcp.runtime.body import Body
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.capture.runner import Fallback, GraphRunner
+from graphcp.runtime.dp import DataParallelPrefill, ReplicaHandle, ReplicaOps
 from graphcp.runtime.pool_size import pool_bytes, pool_pages
 from graphcp.runtime.pp.groups import pipeline_groups
 from graphcp.runtime.pp.prefill import MicrobatchedPrefill, StageOps, per_request
@@ -128,7 +129,10 @@ class PrefillEngine:
             except (ValueError, ImportError) as e:  # a backend refusing this model or device, or not installed
                 raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {e}") from e
         self.body = Body(self.model, attention, self.kv, self.group, self.device, ring,
-                         LayerCommunicator(self.group, self.mesh.attn_tp, self.mesh.ffn))
+                         LayerCommunicator(self.group, self.mesh.attn_tp, self.mesh.ffn, self.mesh.dp))
+        #: attention DP: the batch split over the replicas (None without DP)
+        self.dp = DataParallelPrefill(self.mesh.coords.dp, self.parallel.dp_size, self.mesh.dp, self.mesh.ffn,
+                                      self.device) if self.parallel.dp_size > 1 else None
         self.preparer = BatchPreparer(
             self.layout, self.kv, self.group, self.cfg.vocab_size, self.max_context, self.device,
             rt.check_consistency, rt.max_requests if attention.name in _SIZED_BACKENDS else None,
@@ -136,7 +140,7 @@ class PrefillEngine:
                         self.dtype.itemsize, HardwareSpec(rt.peak_tflops, rt.link_gb_per_s)) if self.sharded else None,
             # every stage of a pipeline (every rank of the mesh) must be given the same batch
             consistency_group=self.pipeline.world if self.pipeline is not None else (
-                self.mesh.ffn if self.mesh.ffn.size != self.group.size else None),
+                self.mesh.ffn if self.mesh.ffn.size != self.group.size and self.dp is None else None),
         )
         self._forwards: deque[dict] = deque(maxlen=HISTORY)
         self._forwards_seen = 0
@@ -229,9 +233,14 @@ class PrefillEngine:
             raise ConfigError("RuntimeConfig.graph='off': there is nothing to capture")
         return self.runner.capture_all(progress=progress)
 
-    def release(self, handle: KVHandle) -> None:
+    def release(self, handle: KVHandle | ReplicaHandle) -> None:
         """Free a handle's KV pages; KVHandleError (a BatchError) for a handle that is
-        not live here (released already, or from another engine)."""
+        not live here (released already, or from another engine). Under attention DP
+        (a ReplicaHandle) the replica that holds it frees it."""
+        if isinstance(handle, ReplicaHandle):
+            if handle.local is not None:
+                self.kv.release(handle.local)
+            return
         self.kv.release(handle)
 
     def kv_meta(self, handle: KVHandle) -> KVMeta | MlaMeta:
@@ -259,6 +268,9 @@ class PrefillEngine:
         the whole pipeline (stage-major, as ``torch.distributed`` numbers them): each
         stage's CP group assembles its own layers, then each stage's layers travel to the
         receivers in one message (graphcp.pd.export.gather_stages)."""
+        problem = export_not_built(self.parallel)
+        if problem is not None:
+            raise ConfigError(problem)
         self.kv.check_handle(handle)
         world = self.world
         if dst is not None:
@@ -302,7 +314,11 @@ class PrefillEngine:
             m = self._microbatches(microbatches)
             aux = self._aux_layers(aux_hidden_layers)
             call = (int(bool(all_logits)), int(bool(force_eager)), m, len(aux), *aux)
-            if self.pipeline is None and m == 1:
+            if self.dp is not None:
+                if m != 1:
+                    raise BatchError(f"prefill: microbatches={m} under attention DP is not built yet (use 1)")
+                out = self.dp.run(batch, self._replica_ops(all_logits, force_eager, aux, call), all_logits)
+            elif self.pipeline is None and m == 1:
                 out = self._prefill_once(batch, all_logits, force_eager, aux, call)
             else:
                 ops = StageOps(lambda prep, rows: self._recorded_stage_rows(prep, rows, force_eager, aux),
@@ -351,6 +367,22 @@ class PrefillEngine:
                              None if logits is None else list(torch.split(logits, ext)), info,
                              None if aux_hidden is None else per_request(aux_hidden, ext))
 
+    def _replica_ops(self, all_logits: bool, force_eager: bool, aux: tuple[int, ...],
+                     call: tuple[int, ...]) -> ReplicaOps:
+        """How an attention-DP replica runs its share of a batch (graphcp.runtime.dp)."""
+        def outputs(prep, hidden, info, aux_rows, all_logits):
+            ext = prep.plan.extend_lens.tolist()
+            last = self._last_logits(prep.plan, hidden)
+            logits = list(torch.split(self._all_logits(prep.plan, hidden), ext)) if all_logits else None
+            rows = self._aux_gather(prep.plan, aux_rows) if aux else None
+            return last, logits, None if rows is None else per_request(rows, ext)
+
+        return ReplicaOps(
+            prepare=lambda sub: self.preparer.prepare(sub, call_args=call),
+            abort=self.preparer.abort,
+            forward=lambda prep, rows: self._stage_rows(prep, None, force_eager, aux, rows),
+            outputs=outputs, handle=self.kv.handle, record=self._record)
+
     # ---- stats ------------------------------------------------------------------
     def _record(self, prep: PreparedBatch, info: ForwardInfo) -> None:
         """The forward's figures into its ForwardInfo.stats, and the entry into the history."""
@@ -394,15 +426,16 @@ class PrefillEngine:
 
     # ---- steps ------------------------------------------------------------------
     def _stage_rows(self, prep: PreparedBatch, hidden_in: torch.Tensor | None, force_eager: bool,
-                    aux: tuple[int, ...]) -> tuple[torch.Tensor, ForwardInfo, torch.Tensor | None]:
+                    aux: tuple[int, ...], rows: int | None = None) -> tuple[torch.Tensor, ForwardInfo, torch.Tensor | None]:
         """This rank's body output rows, replayed from the bucket's graph or eager, its
         info, and the rows of the asked auxiliary layers this stage holds ([rows,
-        n, hidden] in the asked order; None when it holds none)."""
+        n, hidden] in the asked order; None when it holds none). ``rows``: the rows the
+        forward must hold (attention DP: the largest replica's; default this batch's)."""
         mine = tuple(i for i in aux if i in self.stage.layers)
-        required = prep.plan.max_local_rows
+        required = rows or prep.plan.max_local_rows
         fallback = None
         if self.runner is not None and not force_eager:
-            outcome = self.runner.try_replay(prep, hidden_in)
+            outcome = self.runner.try_replay(prep, hidden_in, rows)
             if not isinstance(outcome, Fallback):
                 hidden, info = outcome
                 info.stats.update(prep.stats)

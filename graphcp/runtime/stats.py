@@ -16,7 +16,8 @@ writes. Other tools read these names (keys may be added, never renamed)::
 ``rank`` is the rank in its CP group, ``world_rank`` in the whole run (stage-major
 under pipeline stages), ``stage`` its pipeline stage and ``layers`` the ``[first, end)``
 decoder layers it runs; ``mesh`` its (dp, cp, attn_tp) coordinates (docs/parallel.md)
-and ``kv_heads`` the KV heads its cache stores (the model's, split over attention TP).
+and ``kv_heads`` the KV heads its cache stores (the model's, split over attention TP);
+under attention DP a forward's ``dp_assignment`` lists each request's replica.
 ``kv_pool_*`` describe one rank's pool; ``kv_stored_tokens`` counts the tokens whose
 KV the rank holds at the end (live handles). ``forwards`` lists every forward in
 order (the command line prefills prefixes first, so a request with a prefix

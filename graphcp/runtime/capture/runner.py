@@ -301,13 +301,15 @@ class GraphRunner:
         self._checked[capacity] = view
 
     @torch.inference_mode()
-    def try_replay(self, prep: PreparedBatch,
-                   hidden_in: torch.Tensor | None = None) -> tuple[torch.Tensor, ForwardInfo] | Fallback:
+    def try_replay(self, prep: PreparedBatch, hidden_in: torch.Tensor | None = None,
+                   rows: int | None = None) -> tuple[torch.Tensor, ForwardInfo] | Fallback:
         """Replay the bucket for this batch (capturing it first if needed): the body's
         output rows and the forward's info; or the Fallback that says why it must run
-        eagerly. ``hidden_in``: a later pipeline stage's input rows."""
+        eagerly. ``hidden_in``: a later pipeline stage's input rows; ``rows``: the rows
+        the bucket must hold (attention DP: the largest replica's, so every replica
+        replays the same bucket; default this batch's)."""
         with nvtx_range("select", category="host"):
-            sel = self.select(prep.plan.max_local_rows)
+            sel = self.select(rows or prep.plan.max_local_rows)
             if sel.graph and self.full and prep.meta.num_segments > self.buffers.max_segments:
                 # a full graph reads static segment metadata sized for max_requests
                 sel = Selection(sel.required, None, FALLBACK_REQUESTS)

@@ -1,0 +1,177 @@
+"""Attention data parallelism: a batch's requests split over the D replicas of a stage.
+
+Each replica (its C x A ranks: CP partitions, attention-TP head shards) prefills its own
+requests with its own KV cache; the MLP and MoE layers still run over all T ranks of the
+stage (the layer communicator gathers every replica's rows, graphcp/model/communicator.py),
+so every replica runs every forward, with the same row capacity (the largest replica's).
+
+- The assignment (:func:`assign_replicas`): requests extending a cached prefix go to the
+  replica that holds it (:class:`ReplicaHandle` knows it); the others, largest causal
+  attention work first, each to the least-loaded replica (ties: the lower index). Pure
+  host code on the batch's lengths: the same decision on every rank.
+- A replica with no request prefills one padding request of one token (SGLang pads an
+  idle DP rank the same way), whose pages are given back after the forward: it joins the
+  FFN collectives and never hangs them.
+- A refusal on one replica (a ``BatchError``) is agreed by every rank before any forward:
+  every rank raises, nothing changes.
+- Every rank returns the whole batch's outputs in request order, and a
+  :class:`ReplicaHandle` per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from graphcp.dist import CPGroup, gather_object
+from graphcp.errors import BatchError
+from graphcp.kv.paged import KVHandle, KVHandleError
+from graphcp.runtime.batch import ForwardInfo, PrefillOutput, PreparedBatch, Request
+
+
+@dataclass(frozen=True)
+class ReplicaHandle:
+    """A request's KV under attention DP: the replica that holds it, and this rank's
+    cache handle when this rank is in that replica (None on the others)."""
+
+    replica: int
+    num_tokens: int
+    local: KVHandle | None = None
+
+
+def causal_work(new: int, cached: int) -> int:
+    """Query-key pairs of causal attention over ``new`` tokens after ``cached`` ones."""
+    return new * (new + 1) // 2 + new * cached
+
+
+def assign_replicas(new: Sequence[int], cached: Sequence[int], fixed: Sequence[int | None], replicas: int) -> list[int]:
+    """Each request's replica (see the module doc); ``fixed``: a replica the request must
+    go to (its prefix's), else None."""
+    load = [0] * replicas
+    out = [-1] * len(new)
+    for i, d in enumerate(fixed):
+        if d is not None:
+            out[i] = d
+            load[d] += causal_work(new[i], cached[i])
+    free = sorted((i for i, d in enumerate(fixed) if d is None), key=lambda i: (-causal_work(new[i], cached[i]), i))
+    for i in free:
+        d = min(range(replicas), key=lambda r: (load[r], r))
+        out[i] = d
+        load[d] += causal_work(new[i], cached[i])
+    return out
+
+
+@dataclass
+class ReplicaOps:
+    """How the engine prepares, runs and reads out one replica's sub-batch."""
+
+    prepare: Callable[[list[Request]], PreparedBatch]
+    abort: Callable[[PreparedBatch], None]
+    #: (prep, rows every replica runs) -> (body rows, info, aux rows or None)
+    forward: Callable[[PreparedBatch, int], tuple[torch.Tensor, ForwardInfo, torch.Tensor | None]]
+    #: (prep, body rows, info, aux rows, all_logits) -> (last logits, logits, aux) of the sub-batch
+    outputs: Callable[..., tuple]
+    handle: Callable[[int], KVHandle]
+    record: Callable[[PreparedBatch, ForwardInfo], None]
+
+
+@dataclass
+class DataParallelPrefill:
+    replica: int  # this rank's replica (its dp coordinate)
+    replicas: int
+    dp: CPGroup  # the replicas' ranks at this rank's (cp, attn_tp)
+    stage: CPGroup  # every rank of the stage (agreements)
+    device: torch.device
+
+    def run(self, batch: Sequence[Request], ops: ReplicaOps, all_logits: bool) -> PrefillOutput:
+        reqs = list(batch)
+        new, cached, fixed = self._lengths(reqs)
+        where = assign_replicas(new, cached, fixed, self.replicas)
+        mine = [i for i, d in enumerate(where) if d == self.replica]
+        padding = not mine
+        sub = [Request([0])] if padding else [Request(reqs[i].tokens, self._local(reqs[i].prefix)) for i in mine]
+        prep, error = None, None
+        try:
+            prep = ops.prepare(sub)
+        except BatchError as e:
+            error = e
+        self._agree(error is None, prep, ops)
+        if error is not None:
+            raise error
+        try:
+            rows = self._max(prep.plan.max_local_rows)
+            hidden, info, aux_rows = ops.forward(prep, rows)
+            last, logits, aux = ops.outputs(prep, hidden, info, aux_rows, all_logits)
+        except BaseException:
+            ops.abort(prep)
+            raise
+        if padding:
+            ops.abort(prep)
+            part = None
+        else:
+            ops.record(prep, info)
+            part = (mine, last, logits, aux, [ops.handle(s).num_tokens for s in prep.seq_ids])
+            handles = {i: ops.handle(s) for i, s in zip(mine, prep.seq_ids)}
+        parts = [p for p in gather_object(self.dp, part) if p is not None]
+        return self._assemble(reqs, where, parts, handles if not padding else {}, info, all_logits)
+
+    def _lengths(self, reqs: list[Request]) -> tuple[list[int], list[int], list[int | None]]:
+        new, cached, fixed = [], [], []
+        for j, r in enumerate(reqs):
+            if not isinstance(r, Request):
+                raise BatchError(f"batch item {j}: expected a graphcp.Request, got {type(r).__name__}")
+            h = r.prefix
+            if h is not None and not isinstance(h, ReplicaHandle):
+                raise KVHandleError(f"request {j}: under attention DP a prefix is the ReplicaHandle this engine "
+                                    f"returned, got {type(h).__name__}")
+            if h is not None and not 0 <= h.replica < self.replicas:
+                raise KVHandleError(f"request {j}: its handle names replica {h.replica}, this engine has "
+                                    f"{self.replicas}")
+            new.append(int(np.asarray(r.tokens).size))
+            cached.append(0 if h is None else h.num_tokens)
+            fixed.append(None if h is None else h.replica)
+        if not reqs:
+            raise BatchError("empty batch: prefill needs at least one request")
+        return new, cached, fixed
+
+    def _local(self, h: ReplicaHandle | None) -> KVHandle | None:
+        if h is None:
+            return None
+        if h.local is None:  # a handle issued on a rank of another replica: not this rank's
+            raise KVHandleError(f"a ReplicaHandle of replica {h.replica} passed to a rank of replica {self.replica}; "
+                                "pass each rank the handles its own engine returned")
+        return h.local
+
+    def _agree(self, ok: bool, prep: PreparedBatch | None, ops: ReplicaOps) -> None:
+        """Every rank of the stage learns whether every replica prepared its sub-batch."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
+        self.stage.all_reduce_(flag, op="min")
+        if int(flag.item()) == 0 and ok:
+            ops.abort(prep)
+            raise BatchError("another attention-DP replica refused its share of the batch (its ranks name the "
+                             "request); nothing was changed")
+
+    def _max(self, rows: int) -> int:
+        t = torch.tensor([rows], dtype=torch.int64, device=self.device)
+        return int(self.stage.all_reduce_(t, op="max").item())
+
+    def _assemble(self, reqs, where, parts, handles, info: ForwardInfo, all_logits: bool) -> PrefillOutput:
+        R = len(reqs)
+        last = [None] * R
+        logits = [None] * R if all_logits else None
+        aux = None
+        out_handles: list = [None] * R
+        for mine, plast, plogits, paux, tokens in parts:
+            for k, i in enumerate(mine):
+                last[i] = plast[k]
+                if all_logits:
+                    logits[i] = plogits[k]
+                if paux is not None:
+                    aux = aux or [None] * R
+                    aux[i] = paux[k]
+                out_handles[i] = ReplicaHandle(where[i], tokens[k], handles.get(i))
+        info.stats["dp_assignment"] = where
+        return PrefillOutput(torch.stack(last), out_handles, logits, info, aux)
