@@ -31,6 +31,7 @@ CASES = [
     (4, 1, 2, "qwen3", "float32", "zigzag", "replicated", "breakable", "ep"),  # attention TP 2 in each replica
     (4, 2, 2, "qwen3_moe", "float32", "zigzag", "replicated", "breakable", "ep"),
     (4, 1, 2, "qwen3_moe", "bfloat16", "interleave", "replicated", "off", "tp"),
+    (4, 2, 2, "qwen3", "float32", "zigzag", "replicated", "full", "ep"),  # attention captured too (triton)
 ]
 
 
@@ -58,7 +59,7 @@ def _job(group, folders, cases):
     res = []
     for tp, cp, dp, family, dtype, layout, kv_cache, graph, moe in cases:
         rt = RuntimeConfig(dtype=dtype, layout=layout, kv_cache=kv_cache, graph=graph, moe=moe, kv_tokens=1024,
-                           aux_hidden_layers=AUX)
+                           aux_hidden_layers=AUX, attention="triton" if graph == "full" else "torch")
         eng = PrefillEngine(folders[_model(family, dtype)], rt, group, BUCKETS,
                             ParallelConfig(tp_size=tp, cp_size=cp, dp_size=dp))
         out, one = _run(eng)
