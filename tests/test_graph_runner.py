@@ -152,10 +152,11 @@ def test_graph_path_refuses_unsupported_configurations():
         PrefillEngine("default", RuntimeConfig(graph="full", kv_tokens=4096))
     from graphcp.config import ParallelConfig
 
-    # degrees graphcp does not run have no field: they cannot be set and ignored
-    assert ParallelConfig(cp_size=2).tp_size == 2
+    # degrees graphcp does not run have no field: they cannot be set and ignored (tp and dp
+    # are the mesh's: docs/parallel.md; tp defaults to cp x dp)
+    assert ParallelConfig(cp_size=2).tp_size == 2 and ParallelConfig(cp_size=2, dp_size=2).tp_size == 4
     with pytest.raises(TypeError):
-        ParallelConfig(cp_size=2, dp_size=2)
+        ParallelConfig(cp_size=2, ep_size=2)
 
 
 def test_bucket_file_mismatch_is_an_error(tmp_path):

@@ -112,7 +112,11 @@ class MlaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: DsaRotary, ctx: ForwardContext):
         q, index_q, index_w, out = self.prepare(x, positions, rotary, ctx)
         run_sparse_mla(ctx, self.layer, q, index_q, index_w, self.kv_b_proj.weight, out)
-        return self.o_proj(out.view(x.shape[0], -1))
+        return self.project(out.view(x.shape[0], -1), ctx)
+
+    def project(self, attn: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """o_proj (every head on every rank: DSA models keep attention TP 1)."""
+        return self.o_proj(attn)
 
     def prepare(self, x: torch.Tensor, positions: torch.Tensor, rotary: DsaRotary, ctx: ForwardContext):
         """Everything before the attention break: projections, RoPE, the exchange and
