@@ -350,7 +350,9 @@ def combinations_doc() -> str:
            "Generated from `graphcp/combinations.py` by `python scripts/combinations_doc.py` (a test checks it "
            "is current). Every pair of values below that is not refused combines, and "
            "`tests/test_combinations.py` runs each such pair at least once at CP 2 on a tiny model "
-           "(PP 2 x CP 2 where `pp` is `>1`) against the single-rank eager engine, float32 and bfloat16.", "",
+           "(PP 2 x CP 2 where `pp` is `>1`) against the single-rank eager engine, float32 and bfloat16 (a MoE "
+           "model's bfloat16 runs take its all-experts twin, so that a router near-tie cannot flip an expert "
+           "between two summation orders).", "",
            "## The options", "", "| option | values | API | flag |", "| --- | --- | --- | --- |"]
     for a in AXES.values():
         note = f" (only with {a.applies[0]} {'/'.join(a.applies[1])})" if a.applies else ""
