@@ -28,7 +28,11 @@ from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.attention.exchange import exchanged_bytes_per_layer
 from graphcp.dist import launch
 from graphcp.mesh import build_mesh
-from graphcp.model.communicator import LayerCommunicator, attention_reduce_bytes, ffn_bytes
+from graphcp.model.communicator import (
+    LayerCommunicator,
+    attention_reduce_bytes,
+    ffn_bytes,
+)
 from graphcp.model.layers import ParallelMLP
 from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.moe_config import MoeConfig

@@ -61,7 +61,7 @@ def all_groups(parallel: ParallelConfig) -> dict[str, list[list[int]]]:
     """Every group of each kind, as lists of global ranks (the same lists on every rank,
     in the order they are created)."""
     P, D, C, A = mesh_shape(parallel)
-    g = lambda s, d, c, a: global_rank(parallel, s, d, c, a)  # noqa: E731
+    g = lambda s, d, c, a: global_rank(parallel, s, d, c, a)
     return {
         "attn_tp": [[g(s, d, c, a) for a in range(A)] for s in range(P) for d in range(D) for c in range(C)],
         "cp": [[g(s, d, c, a) for c in range(C)] for s in range(P) for d in range(D) for a in range(A)],

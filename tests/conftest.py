@@ -22,6 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...`
 
+# one intra-op thread in the test process: the models here are tiny, so an OpenMP team
+# costs more than it saves, and its threads spin against the forked ranks (one thread
+# each) and anything else on a 2-core runner (transformers' references ran 10-30x slower)
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # and in the graphcp commands the tests start
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #: mixture-of-experts families (hf_config builds them too; 8 experts split over CP 1, 2 and 4)
 MOE_FAMILIES = ("qwen3_moe", "mixtral")

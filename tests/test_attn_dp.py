@@ -12,7 +12,15 @@ import pytest
 import torch
 from helpers import rel_err
 
-from graphcp import BatchError, ConfigError, ModelConfig, ParallelConfig, PrefillEngine, Request, RuntimeConfig
+from graphcp import (
+    BatchError,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    PrefillEngine,
+    Request,
+    RuntimeConfig,
+)
 from graphcp.dist import launch
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.dp import ReplicaHandle, assign_replicas, causal_work

@@ -17,7 +17,13 @@ import pytest
 import torch
 from helpers import rel_err
 
-from graphcp import ConfigError, ModelConfig, ParallelConfig, PrefillEngine, RuntimeConfig
+from graphcp import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    PrefillEngine,
+    RuntimeConfig,
+)
 from graphcp.attention.exchange import exchanged_bytes_per_layer
 from graphcp.dist import launch
 from graphcp.runtime.capture.buckets import BucketSet

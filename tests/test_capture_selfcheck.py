@@ -25,9 +25,15 @@ DTYPES = ("float32", "bfloat16")
 BUCKETS = BucketSet((32, 64), padding_factor=8.0)
 
 
-def _engine(group=None, dtype="float32", verify=None, kv_tokens=2048):
+@pytest.fixture(scope="module")
+def model(hf_model_dir):
+    """The tiny tied Qwen3 checkpoint: the default preset's family at a sixteenth of its work."""
+    return hf_model_dir("qwen3", True)
+
+
+def _engine(model, group=None, dtype="float32", verify=None, kv_tokens=2048):
     rt = RuntimeConfig(graph="breakable", kv_tokens=kv_tokens, dtype=dtype, verify_capture=verify)
-    return PrefillEngine("default", rt, group, BUCKETS)
+    return PrefillEngine(model, rt, group, BUCKETS)
 
 
 def _baked_scalar(eng):
@@ -55,8 +61,8 @@ def _stale_buffer(eng):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inject", [_baked_scalar, _stale_buffer], ids=["baked_scalar", "stale_buffer"])
-def test_an_injected_capture_bug_is_a_capture_error(inject, dtype):
-    eng = _engine(dtype=dtype)
+def test_an_injected_capture_bug_is_a_capture_error(inject, dtype, model):
+    eng = _engine(model, dtype=dtype)
     inject(eng)
     free = eng.kv.snapshot()
     with pytest.raises(CaptureError, match=r"self-check of bucket 64: .*hidden_out rows \[0, 1, 2"):
@@ -65,9 +71,9 @@ def test_an_injected_capture_bug_is_a_capture_error(inject, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_without_the_check_the_same_bug_returns_wrong_logits(dtype):
+def test_without_the_check_the_same_bug_returns_wrong_logits(dtype, model):
     """What the check prevents: the graph path silently differs from eager."""
-    eng = _engine(dtype=dtype, verify=False)
+    eng = _engine(model, dtype=dtype, verify=False)
     _baked_scalar(eng)
     eng.capture()
     reqs = [Request(np.arange(40)), Request(np.arange(9) + 7)]
@@ -78,8 +84,8 @@ def test_without_the_check_the_same_bug_returns_wrong_logits(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_correct_capture_passes_and_reports_its_cost(dtype):
-    eng = _engine(dtype=dtype)
+def test_a_correct_capture_passes_and_reports_its_cost(dtype, model):
+    eng = _engine(model, dtype=dtype)
     free = eng.kv.snapshot()
     stats = eng.capture()
     assert [s.capacity for s in stats] == [64, 32]
@@ -87,33 +93,33 @@ def test_a_correct_capture_passes_and_reports_its_cost(dtype):
         assert s.verify_skipped is None and s.verify_s is not None and s.verify_s > 0
     assert eng.kv.snapshot() == free
     # on by default for the trace backend only; the flag turns it off
-    assert all(s.verify_s is None for s in _engine(verify=False).capture())
+    assert all(s.verify_s is None for s in _engine(model, verify=False).capture())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_full_graph_with_triton_passes_and_catches_a_baked_scalar(dtype):
+def test_full_graph_with_triton_passes_and_catches_a_baked_scalar(dtype, model):
     """Full graphs capture attention too (static device metadata): the check covers it."""
     pytest.importorskip("triton")
     rt = RuntimeConfig(graph="full", attention="triton", kv_tokens=1024, max_requests=2, dtype=dtype)
-    stats = PrefillEngine("default", rt, None, BucketSet((16,))).capture()
+    stats = PrefillEngine(model, rt, None, BucketSet((16,))).capture()
     assert stats[0].verify_skipped is None and stats[0].verify_s > 0
-    eng = PrefillEngine("default", rt, None, BucketSet((16,)))
+    eng = PrefillEngine(model, rt, None, BucketSet((16,)))
     _baked_scalar(eng)
     with pytest.raises(CaptureError, match="bucket 16"):
         eng.capture()
 
 
-def test_lazy_capture_is_checked_too():
+def test_lazy_capture_is_checked_too(model):
     """A bucket first needed by a user batch is captured and checked before it replays."""
-    eng = _engine()
+    eng = _engine(model)
     _baked_scalar(eng)
     with pytest.raises(CaptureError, match="bucket 64"):
         eng.prefill([Request(np.arange(50))])
     assert eng.kv.num_free_pages == eng.kv.num_pages - 1  # the user batch was rolled back too
 
 
-def test_a_full_pool_skips_the_check_and_says_why():
-    eng = _engine(kv_tokens=32)  # two pages: the synthetic batch fits a token at most
+def test_a_full_pool_skips_the_check_and_says_why(model):
+    eng = _engine(model, kv_tokens=32)  # two pages: the synthetic batch fits a token at most
     held = eng.prefill([Request(np.arange(32))], force_eager=True).handles[0]
     stats = eng.capture()
     assert all(s.verify_s is not None for s in stats)
@@ -121,8 +127,8 @@ def test_a_full_pool_skips_the_check_and_says_why():
     eng.release(held)
 
 
-def _cp2_job(group, bad_rank):
-    eng = _engine(group)
+def _cp2_job(group, model, bad_rank):
+    eng = _engine(model, group)
     if group.rank == bad_rank:
         _baked_scalar(eng)
     try:
@@ -132,8 +138,8 @@ def _cp2_job(group, bad_rank):
     return None
 
 
-def test_cp2_every_rank_raises_when_one_rank_differs():
-    msgs = launch(_cp2_job, 2, 1)
+def test_cp2_every_rank_raises_when_one_rank_differs(model):
+    msgs = launch(_cp2_job, 2, model, 1)
     assert "hidden_out rows" in msgs[1] and "bucket 64" in msgs[1]
     assert "another rank's output differs" in msgs[0] and msgs[0].startswith("rank 0")
 

@@ -14,14 +14,25 @@ from graphcp.cli.main import main
 from graphcp.runtime.capture.buckets import BucketSet
 
 
+#: the tiny checkpoint's vocabulary and hidden size (tests/conftest.py TINY)
+VOCAB, HIDDEN = 512, 64
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_model_dir):
+    """The tiny tied Qwen3 at the default preset's 4 layers (2 KV heads, head_dim 32):
+    the commands' code paths at a sixteenth of the preset's work (hidden 64, vocab 512)."""
+    return str(hf_model_dir("qwen3", True, num_hidden_layers=4))
+
+
 @pytest.fixture()
 def requests_file(tmp_path):
     rng = np.random.default_rng(3)
     lines = [
-        {"tokens": rng.integers(0, 8192, 130).tolist(), "prefix": 50},
-        {"tokens": rng.integers(0, 8192, 3).tolist()},
+        {"tokens": rng.integers(0, VOCAB, 130).tolist(), "prefix": 50},
+        {"tokens": rng.integers(0, VOCAB, 3).tolist()},
         {"tokens": [42]},
-        {"tokens": rng.integers(0, 8192, 77).tolist(), "prefix": 1},
+        {"tokens": rng.integers(0, VOCAB, 77).tolist(), "prefix": 1},
     ]
     p = tmp_path / "req.jsonl"
     p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
@@ -34,26 +45,26 @@ TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 @pytest.mark.parametrize("layout,graph,dtype", [("zigzag", "breakable", "float32"), ("zigzag", "breakable", "bfloat16"),
                                                 ("interleave", "off", "float32")])
-def test_prefill_cp2_writes_the_same_out_as_one_rank(tmp_path, requests_file, layout, graph, dtype):
+def test_prefill_cp2_writes_the_same_out_as_one_rank(tmp_path, tiny, requests_file, layout, graph, dtype):
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    base = ["prefill", "--model", "default", "--input", str(requests_file), "--all-logits", "--kv-tokens", "4096",
+    base = ["prefill", "--model", tiny, "--input", str(requests_file), "--all-logits", "--kv-tokens", "4096",
             "--dtype", dtype]
     assert main(base + ["--output", str(one), "--graph", "off"]) == 0
     assert main(base + ["--output", str(two), "--cp", "2", "--layout", layout, "--graph", graph]) == 0
     a, b = torch.load(one), torch.load(two)
     assert set(a) == set(b) == {"last_logits", "logits"}
-    assert a["last_logits"].dtype == torch.float32 and a["last_logits"].shape == (4, 8192)
+    assert a["last_logits"].dtype == torch.float32 and a["last_logits"].shape == (4, VOCAB)
     assert rel_err(b["last_logits"], a["last_logits"]) <= TOL[dtype]
     assert [x.shape[0] for x in b["logits"]] == [80, 3, 1, 76]
     for x, y in zip(b["logits"], a["logits"]):
         assert rel_err(x, y) <= TOL[dtype]
 
 
-def test_run_main_job_cp2(tmp_path, capsys):
+def test_run_main_job_cp2(tmp_path, tiny, capsys):
     buckets = tmp_path / "b.json"
     BucketSet((512, 1536)).save(buckets)  # fewer buckets than the default, to keep CI short
     out = tmp_path / "run.json"
-    assert main(["run", "--buckets", str(buckets), "--json", str(out)]) == 0
+    assert main(["run", "--model", tiny, "--buckets", str(buckets), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["cp_size"] == 2 and res["graph_path"] == "graph"
     assert res["buckets"] == [1536, 512]
@@ -66,22 +77,22 @@ def test_run_main_job_cp2(tmp_path, capsys):
     assert res["verify_s"] > 0 and all(c["verify_s"] > 0 for c in res["captures"])
     # one segment per layer boundary plus one break per layer
     assert res["graph_breaks"] == 4 and res["graph_segments"] == 5
-    # (C - 1) x capacity rows of K and V, 2 kv heads x 64 dims, float32
-    assert res["kv_bytes_per_layer"] == 1 * 1536 * 2 * 2 * 64 * 4
+    # (C - 1) x capacity rows of K and V, 2 kv heads x 32 dims, float32
+    assert res["kv_bytes_per_layer"] == 1 * 1536 * 2 * 2 * 32 * 4
     table = capsys.readouterr().out
     for row in ("buckets captured", "capture time", "self-check", "eager forward", "graph forward",
                 "graph vs eager (float32)", "graph vs eager (bfloat16)"):
         assert row in table
 
 
-def test_prefill_under_torchrun_matches_one_rank(tmp_path, requests_file):
+def test_prefill_under_torchrun_matches_one_rank(tmp_path, tiny, requests_file):
     """Each torchrun process is one rank (gloo on CPU); rank 0 writes OUT.pt."""
     import os
     import subprocess
     import sys
 
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    base = ["prefill", "--model", "default", "--input", str(requests_file), "--kv-tokens", "4096"]
+    base = ["prefill", "--model", tiny, "--input", str(requests_file), "--kv-tokens", "4096"]
     assert main(base + ["--output", str(one), "--graph", "off"]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     from graphcp.dist import free_port
@@ -94,7 +105,7 @@ def test_prefill_under_torchrun_matches_one_rank(tmp_path, requests_file):
     assert rel_err(b["last_logits"], a["last_logits"]) <= 1e-5
 
 
-def test_prefill_pp2_under_torchrun_with_microbatches_and_aux_matches_one_rank(tmp_path, requests_file):
+def test_prefill_pp2_under_torchrun_with_microbatches_and_aux_matches_one_rank(tmp_path, tiny, requests_file):
     """--pp 2 under torchrun (2 processes, stage-major), an uneven --pp-layers split,
     micro-batches and auxiliary layers on both stages: the same OUT.pt as one rank,
     written by global rank 0."""
@@ -105,7 +116,7 @@ def test_prefill_pp2_under_torchrun_with_microbatches_and_aux_matches_one_rank(t
     from graphcp.dist import free_port
 
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    base = ["prefill", "--model", "default", "--input", str(requests_file), "--all-logits", "--kv-tokens", "4096",
+    base = ["prefill", "--model", tiny, "--input", str(requests_file), "--all-logits", "--kv-tokens", "4096",
             "--aux-hidden-layers", "3,1"]
     assert main(base + ["--output", str(one), "--graph", "off"]) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
@@ -116,7 +127,7 @@ def test_prefill_pp2_under_torchrun_with_microbatches_and_aux_matches_one_rank(t
     a, b = torch.load(one), torch.load(two)
     assert set(a) == set(b) == {"last_logits", "logits", "aux_hidden", "aux_hidden_layers"}
     assert b["aux_hidden_layers"] == [3, 1]
-    assert [x.shape for x in b["aux_hidden"]] == [(80, 512), (3, 512), (1, 512), (76, 512)]
+    assert [x.shape for x in b["aux_hidden"]] == [(80, 2 * HIDDEN), (3, 2 * HIDDEN), (1, 2 * HIDDEN), (76, 2 * HIDDEN)]
     assert rel_err(b["last_logits"], a["last_logits"]) <= TOL["float32"]
     for key in ("logits", "aux_hidden"):
         for x, y in zip(b[key], a[key]):

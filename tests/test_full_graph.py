@@ -27,21 +27,28 @@ BUCKETS = BucketSet((16, 64), padding_factor=16.0)
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
-def _job(group, graph: str, dtype: str):
+@pytest.fixture(scope="module")
+def tiny(hf_model_dir):
+    """The tiny Qwen3 checkpoint (explicit head_dim, q/k norms, GQA): the interpreted
+    kernel's cost grows with heads x rows x layers, and the default preset has 4x them."""
+    return hf_model_dir("qwen3")
+
+
+def _job(group, folder, graph: str, dtype: str):
     # the reference runs the torch attention eagerly: full graph + triton must equal it
     attention = "triton" if graph == "full" else "torch"
     # the comparisons below are the self-check's, done here on the test's own batches
     # (the interpreted kernel makes a second, synthetic check per bucket slow)
     rt = RuntimeConfig(graph=graph, attention=attention, kv_tokens=2048, max_requests=4, debug_graphs=True,
                        dtype=dtype, verify_capture=False)
-    eng = PrefillEngine("default", rt, group, BUCKETS)
+    eng = PrefillEngine(folder, rt, group, BUCKETS)
     if eng.runner is not None:
         eng.capture()  # before the same-bucket comparisons (see tests/test_graph_runner.py)
-    rng = np.random.default_rng(5)
+    rng, vocab = np.random.default_rng(5), eng.cfg.vocab_size
     out = []
     for lens, prefix in (([40, 3, 1], 0), ([90], 17)):
-        h = eng.prefill([Request(rng.integers(0, 8192, prefix))]).handles[0] if prefix else None
-        reqs = [Request(rng.integers(0, 8192, n), h if i == 0 else None) for i, n in enumerate(lens)]
+        h = eng.prefill([Request(rng.integers(0, vocab, prefix))]).handles[0] if prefix else None
+        reqs = [Request(rng.integers(0, vocab, n), h if i == 0 else None) for i, n in enumerate(lens)]
         bitwise = None
         if eng.runner is not None:  # replay vs the same body run eagerly on the same bucket
             prep = eng.preparer.prepare(reqs)
@@ -58,9 +65,9 @@ def _job(group, graph: str, dtype: str):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_full_graph_replay_equals_eager_cp2(dtype):
-    full = launch(_job, 2, "full", dtype)
-    eager = launch(_job, 2, "off", dtype)
+def test_full_graph_replay_equals_eager_cp2(dtype, tiny):
+    full = launch(_job, 2, tiny, "full", dtype)
+    eager = launch(_job, 2, tiny, "off", dtype)
     for rank in range(2):
         for (path, last, logits, breaks, bitwise, kv), (epath, elast, elogits, _, _, ekv) in zip(full[rank],
                                                                                             eager[rank]):
@@ -75,11 +82,11 @@ def test_full_graph_replay_equals_eager_cp2(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_triton_backend_in_breakable_mode_matches_torch(dtype):
-    a = PrefillEngine("default", RuntimeConfig(graph="breakable", attention="triton", kv_tokens=2048,
+def test_triton_backend_in_breakable_mode_matches_torch(dtype, tiny):
+    a = PrefillEngine(tiny, RuntimeConfig(graph="breakable", attention="triton", kv_tokens=2048,
                                                max_requests=4, dtype=dtype, verify_capture=False), None, BUCKETS)
-    b = PrefillEngine("default", RuntimeConfig(kv_tokens=2048, dtype=dtype))
-    toks = [np.arange(50) % 8192, np.arange(7) + 100]
+    b = PrefillEngine(tiny, RuntimeConfig(kv_tokens=2048, dtype=dtype))
+    toks = [np.arange(50), np.arange(7) + 100]
     a.capture()
     prep = a.preparer.prepare([Request(t) for t in toks])
     same_bucket = a.runner.eager_on_bucket(prep, 64).clone()

@@ -14,7 +14,6 @@ from helpers import graph_then_eager
 from graphcp import PrefillEngine, Request
 from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup, launch
-from graphcp.errors import ConfigError
 from graphcp.runtime.capture.buckets import FALLBACK_PADDING, FALLBACK_TOO_LARGE, BucketSet
 from graphcp.runtime.capture.runner import ReplayInputError
 
@@ -25,9 +24,16 @@ DTYPES = ("float32", "bfloat16")
 UNPADDED_TOL = {"float32": 1e-6, "bfloat16": 2e-2}
 
 
-def _engine(group=None, buckets=BUCKETS, **kw):
+@pytest.fixture(scope="module")
+def model(hf_model_dir):
+    """The tiny tied Qwen3 checkpoint (the default preset's family at a sixteenth of its
+    work: every batch below runs several bodies on several buckets)."""
+    return hf_model_dir("qwen3", True)
+
+
+def _engine(model, group=None, buckets=BUCKETS, **kw):
     rt = RuntimeConfig(graph="breakable", kv_tokens=8192, debug_graphs=True, **kw)
-    return PrefillEngine("default", rt, group, buckets)
+    return PrefillEngine(model, rt, group, buckets)
 
 
 def _sequence(cp: int, vocab: int, seed: int):
@@ -50,8 +56,8 @@ def _prefixed(engine, prefix_lens, rng):
     return handles
 
 
-def _equality_job(group, seed: int, dtype: str):
-    eng = _engine(group, dtype=dtype)
+def _equality_job(group, model, seed: int, dtype: str):
+    eng = _engine(model, group, dtype=dtype)
     # capture (and self-check) first: a lazy capture between the eager body and the
     # replay below would refill the buffers, and padding rows (in no attention
     # segment) keep whatever attention output an earlier batch left there
@@ -80,8 +86,8 @@ def _equality_job(group, seed: int, dtype: str):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_replay_equals_eager_on_the_same_bucket(cp, dtype):
-    results = [_equality_job(CPGroup(), 3, dtype)] if cp == 1 else launch(_equality_job, cp, 3, dtype)
+def test_replay_equals_eager_on_the_same_bucket(cp, dtype, model):
+    results = [_equality_job(CPGroup(), model, 3, dtype)] if cp == 1 else launch(_equality_job, cp, model, 3, dtype)
     for report, replays in results:
         caps = [r[0] for r in report]
         assert caps[2] == 64 and caps[3] == 128  # the boundary batches land on both sides
@@ -92,11 +98,11 @@ def test_replay_equals_eager_on_the_same_bucket(cp, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_graph_prefill_equals_eager_prefill_logits(dtype):
-    graph, eager = _engine(dtype=dtype), PrefillEngine("default", RuntimeConfig(kv_tokens=8192, dtype=dtype))
+def test_graph_prefill_equals_eager_prefill_logits(dtype, model):
+    graph, eager = _engine(model, dtype=dtype), PrefillEngine(model, RuntimeConfig(kv_tokens=8192, dtype=dtype))
     rng = np.random.default_rng(0)
     for lens in ([200, 7, 1], [30], [90, 90]):
-        toks = [rng.integers(0, 8192, n) for n in lens]
+        toks = [rng.integers(0, graph.cfg.vocab_size, n) for n in lens]
         a = graph.prefill([Request(t) for t in toks], all_logits=True)
         b = eager.prefill([Request(t) for t in toks], all_logits=True)
         assert a.info.path == "graph"
@@ -105,12 +111,12 @@ def test_graph_prefill_equals_eager_prefill_logits(dtype):
             assert rel_err(x, y) <= UNPADDED_TOL[dtype]
 
 
-def test_fallbacks_run_eagerly_and_are_counted():
-    eng = _engine(buckets=BucketSet((16, 32)))
+def test_fallbacks_run_eagerly_and_are_counted(model):
+    eng = _engine(model, buckets=BucketSet((16, 32)))
     rng = np.random.default_rng(0)
-    ref = PrefillEngine("default", RuntimeConfig(kv_tokens=8192))
-    too_large = [rng.integers(0, 8192, 100)]
-    over_factor = [rng.integers(0, 8192, 6)]  # 6 rows: bucket 16 pads past 2x
+    ref = PrefillEngine(model, RuntimeConfig(kv_tokens=8192))
+    too_large = [rng.integers(0, eng.cfg.vocab_size, 100)]
+    over_factor = [rng.integers(0, eng.cfg.vocab_size, 6)]  # 6 rows: bucket 16 pads past 2x
     for toks, reason in ((too_large, FALLBACK_TOO_LARGE), (over_factor, FALLBACK_PADDING)):
         out = eng.prefill([Request(t) for t in toks])
         assert out.info.path == "eager" and out.info.fallback == reason
@@ -119,8 +125,8 @@ def test_fallbacks_run_eagerly_and_are_counted():
     assert eng.runner.stats.replays == 0
 
 
-def test_capture_stats_and_largest_first():
-    eng = _engine(buckets=BucketSet((16, 32, 64)))
+def test_capture_stats_and_largest_first(model):
+    eng = _engine(model, buckets=BucketSet((16, 32, 64)))
     stats = eng.capture()
     assert [s.capacity for s in stats] == [64, 32, 16]
     for s in stats:
@@ -128,8 +134,8 @@ def test_capture_stats_and_largest_first():
         assert len(s.ops_per_segment) == s.segments and all(n > 0 for n in s.ops_per_segment)
 
 
-def test_debug_mode_detects_moved_static_buffers():
-    eng = _engine(buckets=BucketSet((32,)))
+def test_debug_mode_detects_moved_static_buffers(model):
+    eng = _engine(model, buckets=BucketSet((32,)))
     toks = [np.arange(20)]
     assert eng.prefill([Request(t) for t in toks]).info.path == "graph"
     eng.runner.buffers.input_ids = torch.zeros_like(eng.runner.buffers.input_ids)  # a reallocation
@@ -137,19 +143,16 @@ def test_debug_mode_detects_moved_static_buffers():
         eng.prefill([Request(t) for t in toks])
 
 
-def test_replay_rejects_inputs_unlike_the_capture():
-    eng = _engine(buckets=BucketSet((32,)))
+def test_replay_rejects_inputs_unlike_the_capture(model):
+    eng = _engine(model, buckets=BucketSet((32,)))
     eng.prefill([Request(np.arange(20))])
     eng.runner.buffers.positions = eng.runner.buffers.positions.to(torch.int32)
     with pytest.raises(ReplayInputError, match="positions is .*torch.int32.*captured as .*torch.int64"):
         eng.prefill([Request(np.arange(20))])
 
 
-def test_graph_path_refuses_unsupported_configurations():
-    with pytest.raises(ConfigError, match="graph='full' runs the zigzag layout only, got layout='interleave'"):
-        PrefillEngine("default", RuntimeConfig(graph="full", attention="triton", layout="interleave", kv_tokens=4096))
-    with pytest.raises(ConfigError, match="reads only static device metadata; 'torch' does not"):
-        PrefillEngine("default", RuntimeConfig(graph="full", kv_tokens=4096))
+def test_degrees_graphcp_does_not_run_cannot_be_set():
+    # (the layouts and backends a full graph refuses: tests/test_combinations.py)
     from graphcp.config import ParallelConfig
 
     # degrees graphcp does not run have no field: they cannot be set and ignored (tp and dp
@@ -159,14 +162,14 @@ def test_graph_path_refuses_unsupported_configurations():
         ParallelConfig(cp_size=2, ep_size=2)
 
 
-def test_bucket_file_mismatch_is_an_error(tmp_path):
+def test_bucket_file_mismatch_is_an_error(tmp_path, model):
     BucketSet((16, 32), cp_size=4, layout="zigzag").save(tmp_path / "b.json")
     with pytest.raises(ValueError, match="tuned for cp_size=4, this run has cp_size=1"):
-        _engine(buckets=BucketSet.load(tmp_path / "b.json"))
+        _engine(model, buckets=BucketSet.load(tmp_path / "b.json"))
 
 
-def test_replacing_a_buffer_is_caught_without_debug_mode():
-    eng = PrefillEngine("default", RuntimeConfig(graph="breakable", kv_tokens=2048), None, BucketSet((32,)))
+def test_replacing_a_buffer_is_caught_without_debug_mode(model):
+    eng = PrefillEngine(model, RuntimeConfig(graph="breakable", kv_tokens=2048), None, BucketSet((32,)))
     eng.prefill([Request(np.arange(20))])
     eng.prefill([Request(np.arange(20))])  # checked once, then trusted while the buffers stay
     eng.runner.buffers.positions = eng.runner.buffers.positions.to(torch.int32)
@@ -174,9 +177,9 @@ def test_replacing_a_buffer_is_caught_without_debug_mode():
         eng.prefill([Request(np.arange(20))])
 
 
-def _interleave_job(group, dtype):
+def _interleave_job(group, model, dtype):
     """The interleave layout on breakable graphs: graph path and eager, with a prefix."""
-    eng = _engine(group, layout="interleave", dtype=dtype)
+    eng = _engine(model, group, layout="interleave", dtype=dtype)
     rng = np.random.default_rng(5)
     toks = [rng.integers(0, eng.cfg.vocab_size, n) for n in (3, 130, 1, 47)]
     outs = graph_then_eager(eng, toks, rng.integers(0, eng.cfg.vocab_size, 40), extends=1)
@@ -184,11 +187,11 @@ def _interleave_job(group, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_interleave_layout_replays_breakable_graphs(dtype):
+def test_interleave_layout_replays_breakable_graphs(dtype, model):
     """Breakable graphs take the interleave layout (its one-row segments are read live
     in the break); the capture self-check compared each bucket bitwise with the eager
     body, and the replay agrees with the unpadded eager forward."""
-    for rank, res in enumerate(launch(_interleave_job, 2, dtype)):
+    for rank, res in enumerate(launch(_interleave_job, 2, model, dtype)):
         (gpath, glogits), (epath, elogits) = res["graph"], res["eager"]
         assert (gpath, epath) == ("graph", "eager"), rank
         for j, (g, e) in enumerate(zip(glogits, elogits)):

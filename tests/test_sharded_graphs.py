@@ -8,6 +8,7 @@ path too (the replicated all-gather's, captured inside segments, as well)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from helpers import rel_err
 
@@ -22,12 +23,18 @@ BUCKETS = BucketSet((16, 32, 64, 128), padding_factor=64.0)
 UNPADDED_TOL = {"float32": 1e-6, "bfloat16": 2e-2}
 
 
-def _job(group):
+@pytest.fixture(scope="module")
+def model(hf_model_dir):
+    """The tiny tied Qwen3 checkpoint: the default preset's family at a sixteenth of its work."""
+    return hf_model_dir("qwen3", True)
+
+
+def _job(group, model):
     report = []
     for dtype in ("float32", "bfloat16"):
         for exchange in ("pass-kv", "pass-q"):
-            eng = PrefillEngine("default", RuntimeConfig(dtype=dtype, graph="breakable", kv_tokens=4096,
-                                                         kv_cache="sharded", exchange=exchange, debug_graphs=True),
+            eng = PrefillEngine(model, RuntimeConfig(dtype=dtype, graph="breakable", kv_tokens=4096,
+                                                     kv_cache="sharded", exchange=exchange, debug_graphs=True),
                                 group, BUCKETS)
             eng.capture()  # each bucket self-checked (the trace backend's default)
             rng = np.random.default_rng(5)
@@ -54,7 +61,7 @@ def _job(group):
             eng.release(prefix)
     # the replicated cache's all-gather runs inside the captured segments: counted once at
     # capture, added to every replay (the whole bucket's rows travel)
-    rep = PrefillEngine("default", RuntimeConfig(graph="breakable", kv_tokens=4096, verify_capture=False), group,
+    rep = PrefillEngine(model, RuntimeConfig(graph="breakable", kv_tokens=4096, verify_capture=False), group,
                         BucketSet((64,), padding_factor=64.0))
     out = rep.prefill([Request(np.arange(70) % 100)])
     cfg = rep.cfg
@@ -63,8 +70,8 @@ def _job(group):
     return report, (out.info.path, out.info.stats["bytes_received"], want, out.info.stats["exchange"]), link
 
 
-def test_replay_with_a_sharded_cache_equals_the_same_bucket_eager_body():
-    for rank, (report, replicated, link) in enumerate(launch(_job, 2)):
+def test_replay_with_a_sharded_cache_equals_the_same_bucket_eager_body(model):
+    for rank, (report, replicated, link) in enumerate(launch(_job, 2, model)):
         assert link > 0
         path, received, want, exchange = replicated
         assert path == "graph" and exchange == "all-gather" and received == want > 0, replicated
@@ -79,13 +86,13 @@ def test_replay_with_a_sharded_cache_equals_the_same_bucket_eager_body():
             assert received[0] == received[1] > 0, (where, received)  # the replay's ring moved what eager's did
 
 
-def _fresh_replays(group):
+def _fresh_replays(group, model):
     """Buckets captured, then batches that never ran before (the largest bucket's rows,
     a long cached prefix): the replays' ring breaks allocate no buffer."""
     out = []
     for exchange in ("auto", "pass-kv", "pass-q"):
-        eng = PrefillEngine("default", RuntimeConfig(graph="breakable", kv_tokens=4096, kv_cache="sharded",
-                                                     exchange=exchange, verify_capture=False), group, BUCKETS)
+        eng = PrefillEngine(model, RuntimeConfig(graph="breakable", kv_tokens=4096, kv_cache="sharded",
+                                                 exchange=exchange, verify_capture=False), group, BUCKETS)
         eng.capture()
         reserved = eng.body.ring.buffers.allocations
         rng = np.random.default_rng(9)
@@ -106,8 +113,8 @@ def _fresh_replays(group):
     return out
 
 
-def test_ring_buffers_are_reserved_per_bucket_at_capture():
-    for rank, results in enumerate(launch(_fresh_replays, 2)):
+def test_ring_buffers_are_reserved_per_bucket_at_capture(model):
+    for rank, results in enumerate(launch(_fresh_replays, 2, model)):
         for exchange, reserved, after_prefix, after, paths in results:
             where = (rank, exchange, paths)
             assert reserved > 0, where  # allocated at capture

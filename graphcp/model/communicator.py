@@ -42,7 +42,7 @@ class LayerCommunicator:
             self.ffn = self.cp
 
     @classmethod
-    def of(cls, group) -> "LayerCommunicator":
+    def of(cls, group) -> LayerCommunicator:
         """``group`` itself when it is a communicator, else CP = TP over the CP group ``group``."""
         return group if isinstance(group, LayerCommunicator) else cls(group)
 

@@ -20,8 +20,8 @@ so every replica runs every forward, with the same row capacity (the largest rep
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
