@@ -185,6 +185,17 @@ def test_attention_tp_matches_transformers(results, folders, hf_model):
             assert rel_err(got, want) <= HF_TOL, case
 
 
+def test_the_memory_estimate_counts_the_ranks_kv_heads(hf_model_dir):
+    """--memory-check sizes a rank's KV pool with its own KV heads: half at attention TP 2."""
+    from graphcp.jobs.memory import job_memory
+    from graphcp.jobs.spec import JobSpec
+
+    folder = str(hf_model_dir("qwen3"))
+    rt = RuntimeConfig(kv_tokens=4096)
+    one, two = (job_memory(JobSpec(folder, rt, cp_size=2, tp_size=tp), [1024]) for tp in (2, 4))
+    assert two.kv_pool * 2 == one.kv_pool and two.weights < one.weights
+
+
 def test_meshes_that_do_not_split_are_refused(hf_model_dir):
     """Heads that do not split, a DSA model under attention TP: one-line ConfigErrors naming the degree (the engine and the CLI's preflight both
     check through ModelConfig.check_parallel)."""
@@ -198,3 +209,7 @@ def test_meshes_that_do_not_split_are_refused(hf_model_dir):
         check(hf_model_dir("qwen3", num_attention_heads=6, num_key_value_heads=2, intermediate_size=96), tp_size=3)
     with pytest.raises(ConfigError, match=r"a DSA \(MLA\) model runs attention TP 1 under CP"):
         check(hf_model_dir("deepseek_v32"), tp_size=2)
+    # the experts split over all tp_size ranks: the error names that degree (8 experts over 16)
+    with pytest.raises(ConfigError, match=r"num_experts=8 does not divide by tp_size=16.*num_experts / tp_size"):
+        check(hf_model_dir("qwen3_moe", num_attention_heads=16, num_key_value_heads=16, head_dim=8,
+                           intermediate_size=256), tp_size=16, cp_size=2)

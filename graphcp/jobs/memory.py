@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 from graphcp.errors import ConfigError
 from graphcp.jobs.spec import JobSpec
 from graphcp.model.config import ModelConfig
+from graphcp.model.heads import head_shard, local_config
 from graphcp.model.loader import model_on_meta
 from graphcp.model.presets import resolve_model
 from graphcp.runtime.capture.buckets import BucketSet
@@ -79,7 +80,9 @@ def estimate_rank_memory(spec: JobSpec, rows: int, captured_rows: int, with_proc
         weights = max(weights, sum(t.numel() * t.element_size() for t in tensors))
         stage_layers = max(stage_layers, model.stage.layers, key=len)
     layers = len(stage_layers)
-    pool = pool_bytes(cfg, rt, pool_pages(rt, cfg), stage_layers, 0, par.cp_size)
+    # a rank's pool holds its own KV heads (attention TP)
+    pool = pool_bytes(local_config(cfg, head_shard(cfg, par.attn_tp_size)), rt, pool_pages(rt, cfg), stage_layers, 0,
+                      par.cp_size)
     per_row = row_bytes(cfg, par.tp_size, rt.torch_dtype.itemsize)
     trace = rt.graph_backend == "trace" or (rt.graph_backend == "auto" and rt.device != "cuda")
     graphs = 0 if rt.graph == "off" else captured_rows * per_row * (layers if trace else 1)

@@ -231,7 +231,7 @@ class ModelConfig:
             raise ConfigError(problem)
         for experts in (m.moe, m.dsa.moe if m.dsa is not None else None):  # DeepSeek MoE lives in m.dsa
             if experts is not None:
-                experts.check_parallel(T, moe, source, m.hidden_size)
+                experts.check_parallel(T, moe, source, m.hidden_size, "cp_size" if T == parallel.cp_size else "tp_size")
         dense = m.has_dense_mlp if m.dsa is None else m.dsa.has_dense_layers(m.num_layers)
         if dense and m.intermediate_size % T:
             degree = f"tp_size=cp_size={T}" if T == parallel.cp_size else f"tp_size={T}"

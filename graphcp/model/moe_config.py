@@ -80,32 +80,35 @@ class MoeConfig:
     def is_sparse(self, layer: int) -> bool:
         return layer in self.layers
 
-    def check_parallel(self, cp_size: int, layout: str, source: str, hidden_size: int) -> None:
+    def check_parallel(self, cp_size: int, layout: str, source: str, hidden_size: int,
+                       degree: str = "cp_size") -> None:
         """Refuse a split of the experts over ``cp_size`` ranks that does not divide, and
-        sizes the grouped matmuls cannot take (``layout``: RuntimeConfig.moe, checked there)."""
+        sizes the grouped matmuls cannot take (``layout``: RuntimeConfig.moe, checked there).
+        ``cp_size``: the ranks the experts split over (the stage's tp_size); ``degree``: its
+        name in the messages (cp_size without attention TP or DP, else tp_size)."""
         if hidden_size % GROUPED_ALIGN:
             raise ConfigError(f"{source}: hidden_size={hidden_size} of a mixture-of-experts model must be a multiple "
                               f"of {GROUPED_ALIGN} (the grouped expert matmuls need 16-byte rows)")
         if layout == "ep" and self.num_experts % cp_size:
             raise ConfigError(
-                f"{source}: num_experts={self.num_experts} does not divide by cp_size={cp_size}; "
-                f"RuntimeConfig.moe='ep' gives each rank num_experts / cp_size contiguous experts "
-                f"(use moe='tp', or a CP size that divides {self.num_experts})"
+                f"{source}: num_experts={self.num_experts} does not divide by {degree}={cp_size}; "
+                f"RuntimeConfig.moe='ep' gives each rank num_experts / {degree} contiguous experts "
+                f"(use moe='tp', or a degree that divides {self.num_experts})"
             )
         if layout != "ep" and self.intermediate_size % cp_size:
             raise ConfigError(
                 f"{source}: the experts' intermediate size {self.intermediate_size} does not divide by "
-                f"cp_size={cp_size}; RuntimeConfig.moe='tp' shards every expert over the CP group (use moe='ep')"
+                f"{degree}={cp_size}; RuntimeConfig.moe='tp' shards every expert over the TP ranks (use moe='ep')"
             )
         per_rank = self.intermediate_size // (1 if layout == "ep" else cp_size)
         if per_rank % GROUPED_ALIGN:
             raise ConfigError(
-                f"{source}: each rank's expert intermediate size is {per_rank} (moe={layout!r}, cp_size={cp_size}); "
+                f"{source}: each rank's expert intermediate size is {per_rank} (moe={layout!r}, {degree}={cp_size}); "
                 f"the grouped expert matmuls (torch._grouped_mm) need a multiple of {GROUPED_ALIGN} (16-byte rows)"
             )
         if self.shared_intermediate_size % cp_size:
             raise ConfigError(f"{source}: shared_intermediate_size={self.shared_intermediate_size} does not "
-                              f"divide by cp_size={cp_size}; the shared expert is sharded like the dense MLP")
+                              f"divide by {degree}={cp_size}; the shared expert is sharded like the dense MLP")
 
 
 def moe_from_hf(d: dict[str, Any], family: str, num_layers: int, source: str) -> MoeConfig | None:
