@@ -446,7 +446,7 @@ def launch(
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu",
               timeout_s: float = 300.0) -> Any:
     """Run ``fn(group, *args)`` on every rank of a run (``world_size`` = pp_size x
-    cp_size ranks); return rank 0's result.
+    tp_size ranks: tp_size = cp_size without attention TP or DP); return rank 0's result.
 
     Under torchrun (``WORLD_SIZE`` set) this process is one rank and joins the group;
     otherwise ``world_size`` local ranks are launched (1 runs in-process).
@@ -454,7 +454,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device: str =
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         group = init_from_env(device, timeout_s)
         if group.size != world_size:
-            raise ConfigError(f"this run needs {world_size} ranks (pp_size x cp_size) but torchrun started "
+            raise ConfigError(f"this run needs {world_size} ranks (pp_size x tp_size) but torchrun started "
                               f"{group.size}")
         return fn(group, *args)
     if world_size == 1:

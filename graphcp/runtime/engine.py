@@ -103,7 +103,7 @@ class PrefillEngine:
                                           stage=self.pipeline.stage if self.pipeline is not None else 0,
                                           attn_rank=self.mesh.attn_tp.rank)
         #: the config with this rank's head counts (attention TP): what the cache and backends size by
-        self.attn_cfg = self.model.attn_cfg if self.cfg.dsa is None else self.cfg
+        self.attn_cfg = self.model.attn_cfg
         self.stage = self.model.stage
         check_layer_list(rt.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", self.cfg.num_layers)
         self.max_context = self.cfg.max_position_embeddings
