@@ -44,8 +44,15 @@ class Axis:
     def say(self, value: str, flags: bool, family: str | None = None) -> str:
         """The option set to ``value`` as the API or (``flags``) the command line names it;
         ``family``: the model's (the model axis)."""
-        if self.key == "pp":
-            return f"{self.flag} >1" if flags else f"{self.api} > 1"
+        if self.key == "attn_tp":  # tp_size / (cp_size x dp_size)
+            rel = ">" if value == ">1" else "="
+            return (f"attention TP {value.lstrip('>')}{' > 1' if value == '>1' else ''} "
+                    f"({'--tp' if flags else 'ParallelConfig.tp_size'} {rel} "
+                    f"{'--cp x --dp' if flags else 'cp_size x dp_size'})").replace("TP 1 > 1", "TP > 1")
+        if self.key in ("pp", "dp"):
+            if value == ">1":
+                return f"{self.flag} >1" if flags else f"{self.api} > 1"
+            return f"{self.flag} {value}" if flags else f"{self.api}={value}"
         if self.key in ("aux", "export"):
             return self.flag if flags else self.api
         if self.key == "model":
@@ -65,6 +72,8 @@ AXES: dict[str, Axis] = {a.key: a for a in (
     Axis("exchange", EXCHANGES, "RuntimeConfig.exchange", "--exchange"),
     Axis("moe", MOE_LAYOUTS, "RuntimeConfig.moe", "--moe", applies=("model", ("moe", "dsa"))),
     Axis("pp", ("1", ">1"), "ParallelConfig.pp_size", "--pp"),
+    Axis("attn_tp", ("1", ">1"), "attention TP", "--tp"),
+    Axis("dp", ("1", ">1"), "ParallelConfig.dp_size", "--dp"),
     Axis("aux", ("off", "on"), "RuntimeConfig.aux_hidden_layers", "--aux-hidden-layers"),
     Axis("export", ("off", "on"), "PrefillEngine.export_kv", "--export-kv"),
 )}
@@ -111,6 +120,16 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("dsa",)), ("graph", ("full",)),
             "the indexer's top-k and sparse attention read the live batch's segments on the host, in the break",
             (("graph", "breakable"),), "top-k reads the live batch"),
+    Refusal(("model", ("dsa",)), ("attn_tp", (">1",)),
+            "a DSA (MLA) model runs attention TP 1 under CP, as SGLang does (its latent KV is one head)",
+            (("attn_tp", "1"),), "MLA keeps attention TP 1"),
+    Refusal(("model", ("dsa",)), ("dp", (">1",)),
+            "attention DP is not built yet for DSA (MLA) models", (("dp", "1"),), "not built yet"),
+    Refusal(("dp", (">1",)), ("pp", (">1",)),
+            "attention data parallelism under pipeline stages is not built yet", (("dp", "1"), ("pp", "1")),
+            "not built yet"),
+    Refusal(("dp", (">1",)), ("export", ("on",)),
+            "the KV export under attention DP is not built yet", (("dp", "1"),), "not built yet"),
     Refusal(("exchange", _RINGS), ("kv_cache", _ALL_GATHER_CACHES),
             "the rings run on the token-sharded cache; the replicated and layer-split caches all-gather K/V",
             (("kv_cache", "sharded"), ("exchange", "auto")), "rings need the sharded cache"),
@@ -180,6 +199,12 @@ def runtime_settings(rt) -> dict[str, str]:
     if s["dtype"] not in AXES["dtype"].values:  # float16: API-only, combines as bfloat16 does
         s["dtype"] = "bfloat16"
     return s
+
+
+def parallel_settings(parallel) -> dict[str, str]:
+    """The axes a ParallelConfig fixes: pipeline stages, attention TP, attention DP."""
+    return {"pp": "1" if parallel.pp_size == 1 else ">1", "attn_tp": "1" if parallel.attn_tp_size == 1 else ">1",
+            "dp": "1" if parallel.dp_size == 1 else ">1"}
 
 
 def model_kind(is_dsa: bool, is_moe: bool) -> str:
@@ -273,17 +298,17 @@ def _held(run: Mapping[str, str]) -> set[Pair]:
 def cpu_cost(run: Mapping[str, str]) -> float:
     """A run's relative time on a CPU, which the matrix test's runs keep low: Triton's
     kernels run in its interpreter, slower again with one-row segments (interleave) and
-    as the sparse MLA kernel (DSA); pipeline stages double the ranks."""
+    as the sparse MLA kernel (DSA); pipeline stages, attention TP and DP each double the
+    ranks (2 at CP 2 alone), and more ranks than cores cost more than their number."""
     cost = 1.0
     if run.get("attention") == "triton":
         cost *= 10 * (3 if run.get("layout") == "interleave" else 1) * (3 if run.get("model") == "dsa" else 1)
-    return cost * (1.5 if run.get("pp") == ">1" else 1)
+    return cost * 4.0 ** sum(run.get(k) == ">1" for k in ("pp", "attn_tp", "dp"))  # (ranks / 2) ** 2
 
 
 def _grow(seed: Pair, vals: Mapping[str, tuple[str, ...]], todo: set[Pair]) -> dict[str, str]:
     """A whole configuration holding ``seed``: each other axis, in order, takes the value
-    that holds most pairs of ``todo`` with the values taken so far (the cheaper on a tie,
-    :func:`cpu_cost`)."""
+    that holds most pairs of ``todo`` with the values taken so far per :func:`cpu_cost`."""
     run = dict(seed)
     for k in vals:
         cond = AXES[k].applies
@@ -294,7 +319,8 @@ def _grow(seed: Pair, vals: Mapping[str, tuple[str, ...]], todo: set[Pair]) -> d
             # the seed must stay meaningful (its MoE layout needs a MoE model)
             if not all(_meaningful(_pair(x, (k, v))) for x in seed) or _complete({**run, k: v}, vals) is None:
                 continue
-            gain = (sum(_pair((k, v), x) in todo for x in run.items()), -cpu_cost({**run, k: v}))
+            trial = {**run, k: v}
+            gain = len(_held(applicable(trial)) & todo) / cpu_cost(trial)
             if best is None or gain > best_gain:
                 best, best_gain = v, gain
         run[k] = best

@@ -91,21 +91,6 @@ class MeshGroups:
         return {n: [getattr(self, n).rank, getattr(self, n).size] for n in GROUP_NAMES}
 
 
-def not_built(parallel: ParallelConfig) -> str | None:
-    """Why graphcp cannot run this mesh yet (a valid mesh it has not built), or None."""
-    if parallel.dp_size > 1 and parallel.pp_size > 1:
-        return (f"ParallelConfig.dp_size={parallel.dp_size} with pp_size={parallel.pp_size}: attention data "
-                "parallelism under pipeline stages is not built yet (use dp_size=1 or pp_size=1)")
-    return None
-
-
-def export_not_built(parallel: ParallelConfig) -> str | None:
-    """Why a KV export cannot run under this mesh yet (attention DP), or None."""
-    if parallel.dp_size > 1:
-        return f"export_kv under attention DP (dp_size={parallel.dp_size}) is not built yet: use dp_size=1"
-    return None
-
-
 def _single(world: CPGroup, name: str) -> CPGroup:
     return CPGroup(0, 1, None, world.timeout_s, name, world.rank)
 

@@ -1,7 +1,7 @@
 """The combination matrix (graphcp/combinations.py), checked three ways:
 
-- every allowed pair of option values runs at least once at CP 2 (PP 2 x CP 2 where the
-  run has pipeline stages) on a tiny model of its kind, and its logits, auxiliary hidden
+- every allowed pair of option values runs at least once at CP 2 (with 2 stages, 2
+  attention-TP ranks and 2 attention-DP replicas where the run has them) on a tiny model, and its logits, auxiliary hidden
   states and exported KV match the single-rank eager engine on the same batch (float32
   1e-5, bfloat16 2e-2; the single-rank engine is checked against transformers by the
   parity tests), the graph path taken where a graph mode is set;
@@ -95,11 +95,16 @@ def _outputs(engine, export: bool) -> dict:
             "export": [_flat(e) for e in engine.export_kv_batch(o.handles)] if export else None}
 
 
+def _parallel(run: dict) -> ParallelConfig:
+    """CP 2, and each of stages, attention TP and attention DP that the run has at 2."""
+    two = {k: 2 if run.get(k) == ">1" else 1 for k in ("pp", "attn_tp", "dp")}
+    return ParallelConfig(cp_size=2, pp_size=two["pp"], dp_size=two["dp"], tp_size=2 * two["dp"] * two["attn_tp"])
+
+
 def _runs_job(group, runs: list[dict], folders: dict) -> list[dict]:
     out = []
     for run in runs:
-        parallel = ParallelConfig(cp_size=2, pp_size=2 if run["pp"] == ">1" else 1)
-        eng = PrefillEngine(folders[run["model"], run["dtype"]], _runtime(run), group, BUCKETS, parallel)
+        eng = PrefillEngine(folders[run["model"], run["dtype"]], _runtime(run), group, BUCKETS, _parallel(run))
         out.append(_outputs(eng, run["export"] == "on"))
     return out
 
@@ -109,8 +114,8 @@ def test_every_allowed_pair_runs_against_the_single_rank_engine(folders):
     for kind, dtype in sorted({(r["model"], r["dtype"]) for r in CPU_RUNS}):
         eng = PrefillEngine(folders[kind, dtype], RuntimeConfig(dtype=dtype, aux_hidden_layers=AUX, kv_tokens=512))
         refs[kind, dtype] = _outputs(eng, True)
-    for pp, world in (("1", 2), (">1", 4)):
-        runs = [r for r in CPU_RUNS if r["pp"] == pp]
+    for world in sorted({_parallel(r).world_size for r in CPU_RUNS}):
+        runs = [r for r in CPU_RUNS if _parallel(r).world_size == world]
         per_rank = launch(_runs_job, world, runs, folders)
         for rank, results in enumerate(per_rank):
             for run, got in zip(runs, results):

@@ -24,12 +24,13 @@ from graphcp.cli.jobs import mixed_batch, prefill_job, run_job, twin_dtype
 from graphcp.cli.pd_demo import add_pd_demo_parser
 from graphcp.cli.requests import check_request_vocabulary, parse_requests
 from graphcp.cli.table import print_table, ranks_text
-from graphcp.errors import ConfigError, one_line, report
+from graphcp.combinations import check as check_combination
+from graphcp.combinations import parallel_settings
+from graphcp.errors import one_line, report
 from graphcp.gpucheck.cli import add_gpu_check_parser
 from graphcp.jobs.args import add_runtime_args, help_text, interpret_triton_on_cpu, job_spec, preflight
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.spec import run_job_on_ranks
-from graphcp.mesh import export_not_built
 from graphcp.profile.cli import add_profile_parser
 from graphcp.runtime.stats import write_stats
 from graphcp.tune.cli import add_tune_parser
@@ -71,8 +72,8 @@ def cmd_prefill(args) -> int:
     if args.export_kv is not None:
         check_output_dir(args.export_kv, "--export-kv")
     spec = job_spec(args)
-    if args.export_kv is not None and export_not_built(spec.parallel) is not None:
-        raise ConfigError(export_not_built(spec.parallel))
+    if args.export_kv is not None:
+        check_combination({**parallel_settings(spec.parallel), "export": "on"}, flags=True)
     reqs = parse_requests(args.input)
     check_request_vocabulary(reqs, preflight(spec).vocab_size)
     if args.memory_check:  # the prefixes' forward, then the new tokens'

@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from graphcp.cli.table import print_table
+from graphcp.combinations import check as check_combination
+from graphcp.combinations import parallel_settings
 from graphcp.errors import ConfigError
 from graphcp.jobs.args import add_runtime_args, job_spec, preflight
-from graphcp.mesh import export_not_built
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
 from graphcp.model.presets import resolve_model
@@ -145,9 +146,7 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     spec = job_spec(args)
     preflight(spec)
-    problem = export_not_built(spec.parallel)
-    if problem is not None:
-        raise ConfigError(problem)
+    check_combination({**parallel_settings(spec.parallel), "export": "on"}, flags=True)
     if args.memory_check:
         check_local_ranks_fit(spec, job_memory(spec, [args.prefix_tokens, args.prompt_tokens - args.prefix_tokens]))
     model_dir = resolve_model(spec.model)

@@ -135,8 +135,8 @@ def preflight(spec: JobSpec) -> ModelConfig:
     The model's config."""
     config = resolve_model(spec.model) / "config.json"
     model = ModelConfig.from_file(config)
-    model.check_parallel(spec.parallel, str(config), spec.runtime.moe)
     model.check_combination(spec.runtime, spec.parallel, flags=True)
+    model.check_parallel(spec.parallel, str(config), spec.runtime.moe)
     check_layer_list(spec.runtime.aux_hidden_layers, f"--aux-hidden-layers ({config})", model.num_layers)
     if model.dsa is not None:
         dsa_runtime.check_stages(model, spec.parallel.stage_layers(model.num_layers), flags=True)

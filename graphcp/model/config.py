@@ -11,10 +11,9 @@ from typing import Any
 
 from graphcp.checks import MAX_TOKENS, check_bool, check_float, check_int, check_str
 from graphcp.combinations import check as check_combination
-from graphcp.combinations import model_kind, runtime_settings
+from graphcp.combinations import model_kind, parallel_settings, runtime_settings
 from graphcp.config import MAX_LAYERS, ParallelConfig, RuntimeConfig
 from graphcp.errors import ConfigError
-from graphcp.mesh import not_built
 from graphcp.model.dsa_config import DsaConfig, dsa_from_hf
 from graphcp.model.moe_config import MoeConfig, moe_from_hf
 from graphcp.model.rope import RopeConfig, rope_from_hf
@@ -213,8 +212,8 @@ class ModelConfig:
         DSA model with the sharded cache, a MoE model's ``ep`` layout in a full graph, ...);
         ``attention``: the backend ``auto`` stands for on the device (None: as configured);
         ``flags``: name the command-line flags."""
-        settings = {**runtime_settings(runtime), "model": self.kind, "moe": runtime.moe,
-                    "pp": "1" if parallel.pp_size == 1 else ">1"}
+        settings = {**runtime_settings(runtime), **parallel_settings(parallel), "model": self.kind,
+                    "moe": runtime.moe}
         if attention is not None:
             settings["attention"] = attention
         check_combination(settings, flags, self.family)
@@ -223,12 +222,10 @@ class ModelConfig:
         """Refuse this model under ``parallel`` when its sharded sizes do not divide by the
         FFN's TP degree (``tp_size``: with mixture-of-experts layers, its experts must split
         over the T ranks as ``moe`` asks, :meth:`MoeConfig.check_parallel`), its heads do
-        not split over attention TP, its layers do not split into the pipeline stages, or
-        the mesh is one graphcp has not built (:func:`graphcp.mesh.not_built`)."""
+        not split over attention TP, or its layers do not split into the pipeline stages
+        (meshes graphcp has not built, e.g. attention DP with stages, are refused as
+        combinations: :meth:`check_combination`)."""
         m, T = self, parallel.tp_size
-        problem = not_built(parallel)
-        if problem is not None:
-            raise ConfigError(problem)
         for experts in (m.moe, m.dsa.moe if m.dsa is not None else None):  # DeepSeek MoE lives in m.dsa
             if experts is not None:
                 experts.check_parallel(T, moe, source, m.hidden_size, "cp_size" if T == parallel.cp_size else "tp_size")
@@ -240,9 +237,6 @@ class ModelConfig:
                 "column/row-parallel over the stage's tp_size ranks"
             )
         self._check_heads(parallel.attn_tp_size, source)
-        if m.dsa is not None and parallel.dp_size > 1:
-            raise ConfigError(f"{source}: a DSA (MLA) model with attention DP (dp_size={parallel.dp_size}) is not "
-                              "built yet: use dp_size=1")
         parallel.stage_layers(m.num_layers, source)
 
     def _check_heads(self, size: int, source: str) -> None:
@@ -250,9 +244,8 @@ class ModelConfig:
         KV heads evenly or replicated when fewer than the ranks; DSA keeps attention TP 1."""
         if size == 1:
             return
-        if self.dsa is not None:
-            raise ConfigError(f"{source}: a DSA (MLA) model runs attention TP 1 under CP, as SGLang does; got "
-                              f"attention TP {size} (set tp_size = cp_size x dp_size)")
+        if self.dsa is not None:  # refused as the combination it is (graphcp/combinations.py)
+            check_combination({"model": "dsa", "attn_tp": ">1"}, family=self.family)
         if self.num_heads % size:
             raise ConfigError(f"{source}: num_attention_heads={self.num_heads} does not divide by attention TP "
                               f"{size} (tp_size / (cp_size x dp_size)): change tp_size or cp_size")

@@ -32,6 +32,8 @@ from graphcp.attention.ring.attention import RINGS, RingAttention
 from graphcp.attention.ring.hardware import HardwareSpec
 from graphcp.attention.ring.plan import RingPlanner
 from graphcp.checks import check_int, check_layer_list
+from graphcp.combinations import check as check_combination
+from graphcp.combinations import parallel_settings
 from graphcp.config import MAX_MICROBATCHES, ParallelConfig, RuntimeConfig
 from graphcp.cp import Plan, make_layout
 from graphcp.dist import CPGroup
@@ -41,7 +43,7 @@ from graphcp.kv.paged import KVHandle, PagedKVCache
 from graphcp.kv.sharded import make_kv_cache
 from graphcp.model.dsa import runtime as dsa_runtime
 from graphcp.model.forward_context import KV_RECEIVED, AuxCapture
-from graphcp.mesh import build_mesh, export_not_built, not_built
+from graphcp.mesh import build_mesh
 from graphcp.model.communicator import LayerCommunicator
 from graphcp.model.config import ModelConfig
 from graphcp.model.loader import load_model
@@ -77,9 +79,12 @@ class PrefillEngine:
         self.runtime = rt = runtime or RuntimeConfig()
         group = group or CPGroup()
         self.parallel = parallel or ParallelConfig(cp_size=group.size)
-        problem = not_built(self.parallel)
-        if problem is not None:
-            raise ConfigError(problem)
+        self.model_dir = resolve_model(model)
+        # options that do not combine are refused before any group or weight (graphcp/combinations.py);
+        # 'auto' as the device resolves it (a DSA model's: the torch sparse-MLA reference)
+        cfg = ModelConfig.from_file(self.model_dir / "config.json")
+        cfg.check_combination(rt, self.parallel, "torch" if cfg.dsa is not None and rt.attention == "auto" else
+                              resolve_attention(rt.attention, rt.device))
         if self.parallel.pp_size == 1 and self.parallel.world_size != group.size:
             degree = (f"cp_size={self.parallel.cp_size}" if self.parallel.tp_size == self.parallel.cp_size
                       else f"tp_size={self.parallel.tp_size}")
@@ -92,12 +97,6 @@ class PrefillEngine:
         self.group = self.mesh.cp
         self.device = torch.device(rt.device)
         self.dtype = rt.torch_dtype
-        self.model_dir = resolve_model(model)
-        # options that do not combine are refused before any weight loads (graphcp/combinations.py);
-        # 'auto' as the device resolves it (a DSA model's: the torch sparse-MLA reference)
-        cfg = ModelConfig.from_file(self.model_dir / "config.json")
-        cfg.check_combination(rt, self.parallel, "torch" if cfg.dsa is not None and rt.attention == "auto" else
-                              resolve_attention(rt.attention, self.device))
         self.cfg, self.model = load_model(self.model_dir, self.dtype, self.device, rank=self.mesh.ffn.rank,
                                           parallel=self.parallel, moe=rt.moe,
                                           stage=self.pipeline.stage if self.pipeline is not None else 0,
@@ -270,9 +269,7 @@ class PrefillEngine:
         the whole pipeline (stage-major, as ``torch.distributed`` numbers them): each
         stage's CP group assembles its own layers, then each stage's layers travel to the
         receivers in one message (graphcp.pd.export.gather_stages)."""
-        problem = export_not_built(self.parallel)
-        if problem is not None:
-            raise ConfigError(problem)
+        check_combination({**parallel_settings(self.parallel), "export": "on"})
         self.kv.check_handle(handle)
         world = self.world
         if dst is not None:
