@@ -44,6 +44,7 @@ rank derives every other rank's holdings from the handle (``chunks``) alone.
 from __future__ import annotations
 
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import attrgetter, is_not
@@ -119,12 +120,12 @@ class KVHandle:
 _INITIAL_ROWS = 16
 
 
-@dataclass
+@dataclass(slots=True)
 class _Reservation:
     """What one :meth:`PagedKVCache.extend` changed, to undo it without recomputing."""
 
     ids: list[int]  # the sequence ids it returned (a copy)
-    new: list[int]  # the new tokens it reserved
+    new: np.ndarray  # the new tokens it reserved (read-only: the caller's when it was, else a copy)
     rows: np.ndarray  # the requests' table rows
     cells: np.ndarray | None  # flat table cells it wrote its pages to (None: no page)
     need: int  # pages it took off the free stack
@@ -135,6 +136,14 @@ class _Reservation:
     def undoes(self, seq_ids) -> bool:
         """Whether a rollback of ``seq_ids`` is this extend's (the same ids, in order)."""
         return type(seq_ids) is list and seq_ids == self.ids
+
+
+def _frozen_copy(a: np.ndarray) -> np.ndarray:
+    out = a.copy()
+    out.setflags(write=False)
+    return out
+
+
 _seq_id_of = attrgetter("seq_id")
 _cache_id_of = attrgetter("cache_id")
 _num_tokens_of = attrgetter("num_tokens")
@@ -393,8 +402,15 @@ class PagedKVCache:
         sequence when None), all or nothing. Returns the sequence ids."""
         if len(prefixes) != len(new_tokens):
             raise ValueError("prefixes and new_tokens must have the same length")
-        new = np.asarray(new_tokens, dtype=np.int64)
-        return self._reserve(prefixes, self.prefix_rows(prefixes), new)[0]
+        return self.reserve(prefixes, self.prefix_rows(prefixes), np.asarray(new_tokens, dtype=np.int64))[0]
+
+    def reserve(self, prefixes: "list[KVHandle | None]", rows: np.ndarray | None,
+                new: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """:meth:`extend` for a caller that has the prefixes' rows already (the batch
+        preparer's hot path): ``rows`` is what :meth:`prefix_rows` returned for
+        ``prefixes``, nothing changed since, ``new`` int64 [R]. Returns the sequence ids
+        and their table rows (:meth:`table_rows`)."""
+        return self._reserve(prefixes, rows, new)
 
     def _reserve(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray) -> tuple[list[int], np.ndarray]:
         """Reserve ``new[i]`` more tokens in row ``rows[i]`` (``prefixes[i]``'s; -1, or
@@ -457,7 +473,9 @@ class PagedKVCache:
             self._table.reshape(-1)[cells] = self._free[top - need : top][::-1]
         self._row_pages[rows] = total_pages
         self._row_tokens[rows] = total
-        self._last = _Reservation(ids[:], new.tolist(), rows, cells, need, have, have_pages, created)
+        rows.setflags(write=False)  # the caller's copy and the undo's: read-only
+        self._last = _Reservation(ids[:], new if not new.flags.writeable else _frozen_copy(new), rows, cells, need,
+                                  have, have_pages, created)
         return ids, rows
 
     def _refuse_width(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray,
@@ -480,7 +498,7 @@ class PagedKVCache:
         (their order included) are exactly what they were before the extend."""
         new = np.asarray(new_tokens, dtype=np.int64)
         last = self._last
-        if last is not None and last.undoes(seq_ids) and last.new == new.tolist():
+        if last is not None and last.undoes(seq_ids) and (new is last.new or np.array_equal(new, last.new)):
             self._undo_last()
             return
         rows = self.table_rows(seq_ids)
@@ -536,8 +554,7 @@ class PagedKVCache:
             gone, gone_rows = list(compress(seq_ids, drop)), list(compress(rows.tolist(), drop))
         else:
             return
-        for _ in map(self._rows.__delitem__, gone):  # (C-level loop)
-            pass
+        deque(map(self._rows.__delitem__, gone), maxlen=0)  # (a C-level loop)
         gone_rows.reverse()
         self._free_rows.extend(gone_rows)
 

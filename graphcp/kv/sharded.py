@@ -77,13 +77,11 @@ class ShardedKVCache(PagedKVCache):
         return self._held[rows].sum(axis=1)
 
     # ---- allocation -------------------------------------------------------------
-    def extend(self, prefixes: "list[KVHandle | None]", new_tokens) -> list[int]:
-        """Reserve, on every rank, each request's share of ``new_tokens[i]`` more tokens
-        after ``prefixes[i]``; all or nothing, and the same outcome on every rank."""
-        if len(prefixes) != len(new_tokens):
-            raise ValueError("prefixes and new_tokens must have the same length")
-        rows = self.prefix_rows(prefixes)
-        new = np.asarray(new_tokens, dtype=np.int64)
+    def reserve(self, prefixes: "list[KVHandle | None]", rows: np.ndarray | None,
+                new: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """Reserve, on every rank, each request's share of ``new[i]`` more tokens after
+        ``prefixes[i]``; all or nothing, and the same outcome on every rank (``extend``
+        through here; the arguments as :meth:`PagedKVCache.reserve` takes them)."""
         counts = rank_token_counts(self.cp_size, new)  # [C, R]
         if rows is None:
             held = np.zeros_like(counts)
@@ -98,7 +96,7 @@ class ShardedKVCache(PagedKVCache):
         cached = held.sum(axis=0).tolist()
         chunks.update(zip(ids, map(add, map(chunks.get, ids, repeat(())), zip(zip(cached, new.tolist())))))
         self._used += need
-        return ids
+        return ids, rows
 
     def _check_room(self, held: np.ndarray, after: np.ndarray) -> np.ndarray:
         """int64 [C]: the pages the batch takes on every rank (``held``: each rank's tokens
