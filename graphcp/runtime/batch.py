@@ -232,7 +232,7 @@ class BatchPreparer:
             kv = self.kv
             rp = plan.rank(self.group.rank)
             if self.ring is not None:
-                sh = self.ring.inputs(plan, kv, seq_ids, self.group.rank, self.device)
+                sh = self.ring.inputs(plan, kv, seq_ids, self.group.rank, self.device, seq_rows)
                 return PreparedBatch(plan, seq_ids, flat[rp.rows], rp.positions, sh.slots, sh.meta,
                                      sh.seg_page_table, ring=sh.ring)
             if seq_rows is None:

@@ -190,17 +190,20 @@ def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: 
 
 
 def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int, exchange: str,
-                 device: torch.device, choice: ExchangeChoice | None = None) -> ShardedInputs:
+                 device: torch.device, choice: ExchangeChoice | None = None,
+                 seq_rows: np.ndarray | None = None) -> ShardedInputs:
     """Rank ``rank``'s inputs for one batch over a sharded cache whose pages the batch
-    has reserved (``kv.extend`` ran: the ledger counts this forward's blocks)."""
+    has reserved (``kv.extend`` ran: the ledger counts this forward's blocks;
+    ``seq_rows``: the sequences' table rows, when the caller has them)."""
     C, R, ps = plan.cp_size, plan.num_requests, kv.page_size
     start, length = plan.blocks()
-    held_after = kv.rank_tokens(seq_ids)  # [C, R]
+    if seq_rows is None:
+        seq_rows = kv.table_rows(seq_ids)
+    held_after = kv.rank_tokens(seq_ids, seq_rows)  # [C, R]
     held_before = held_after - length.sum(axis=2)
     row = visible_keys_of(rank, start, length, held_before)
     col = visible_keys_to(rank, start, length, held_before) if exchange == "pass-q" else None
     pages = -(-held_after // ps)  # [C, R]: each rank's pages of each request
-    seq_rows = kv.table_rows(seq_ids)
     seg_request = plan.rank(rank).seg_request  # (the rank's plan is built and cached by now)
     q_lens = length[rank].reshape(-1)
     cu = _cu(q_lens)
@@ -245,6 +248,6 @@ class RingPlanner:
                                self.num_kv_heads, self.head_dim, plan.cp_size, self.elem_bytes, self.hardware)
 
     def inputs(self, plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int,
-               device: torch.device) -> ShardedInputs:
+               device: torch.device, seq_rows: np.ndarray | None = None) -> ShardedInputs:
         choice = self.choose(plan)
-        return plan_sharded(plan, kv, seq_ids, rank, choice.exchange, device, choice)
+        return plan_sharded(plan, kv, seq_ids, rank, choice.exchange, device, choice, seq_rows)
