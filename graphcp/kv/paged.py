@@ -496,8 +496,8 @@ class PagedKVCache:
         sequence's last ``new_tokens[i]`` tokens and drop the sequences it created. The
         pages go back in reverse pop order and the rows likewise, so the free lists
         (their order included) are exactly what they were before the extend."""
-        new = np.asarray(new_tokens, dtype=np.int64)
         last = self._last
+        new = new_tokens if last is not None and new_tokens is last.new else np.asarray(new_tokens, dtype=np.int64)
         if last is not None and last.undoes(seq_ids) and (new is last.new or np.array_equal(new, last.new)):
             self._undo_last()
             return
@@ -517,7 +517,7 @@ class PagedKVCache:
         rows = last.rows
         self._row_pages[rows] = last.pages_before
         self._row_tokens[rows] = last.tokens_before
-        self._drop(last.ids, rows, [True] * len(last.ids) if last.created is None else last.created)
+        self._drop(last.ids, rows, last.created)
 
     def _undo(self, seq_ids, rows: np.ndarray, tokens: np.ndarray, drop: np.ndarray) -> None:
         """Shrink row ``rows[i]`` to ``tokens[i]`` tokens (its pages past them back on the
@@ -545,10 +545,10 @@ class PagedKVCache:
         self._row_tokens[rows] = tokens
         self._drop(seq_ids, rows, drop.tolist())
 
-    def _drop(self, seq_ids, rows: np.ndarray, drop: list[bool]) -> None:
-        """Forget the sequences marked in ``drop`` and push their rows, last first (the
-        row stack as it was before the extend that took them)."""
-        if all(drop):
+    def _drop(self, seq_ids, rows: np.ndarray, drop: list[bool] | None) -> None:
+        """Forget the sequences marked in ``drop`` (None: all) and push their rows, last
+        first (the row stack as it was before the extend that took them)."""
+        if drop is None or all(drop):
             gone, gone_rows = seq_ids, rows.tolist()
         elif any(drop):
             gone, gone_rows = list(compress(seq_ids, drop)), list(compress(rows.tolist(), drop))
@@ -633,11 +633,15 @@ class PagedKVCache:
         ``j``'s row of the dense table (:meth:`table_rows`). The pages must be reserved
         (:meth:`extend`). Per token: one add, one table lookup and a few bit operations.
         """
+        return self.run_slots(seq_rows[run_request], positions, run_length)
+
+    def run_slots(self, run_rows: np.ndarray, positions: np.ndarray, run_length: np.ndarray) -> np.ndarray:
+        """:meth:`slots` with each run's table row given (``run_rows[s]``: the row of run
+        ``s``'s request), for a caller that gathered them already (the page table's)."""
         ps, table = self.page_size, self._table
         # virtual position: a request's positions offset by its table row, so that
         # vpos // page_size indexes the flattened table and vpos % page_size is the offset
-        base = seq_rows[run_request]
-        base *= table.shape[1] * ps
+        base = run_rows * (table.shape[1] * ps)
         vpos = base.repeat(run_length)
         vpos += positions
         flat = table.reshape(-1)

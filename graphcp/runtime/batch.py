@@ -244,10 +244,12 @@ class BatchPreparer:
             buf, cu, kvl, pt = AttentionMetadata.host_buffers(kv_lens.shape[0], max(1, kv.pages_for(max_kv)))
             cu[:] = rp.cu_seqlens_q
             kvl[:] = kv_lens
-            kv.page_table_rows(seq_rows[rp.seg_request], pt.shape[1], out=pt)
-            meta = AttentionMetadata(cu, kvl, pt, kv.page_size, max(rp.seg_q_len.tolist(), default=0), max_kv,
+            seg_rows = seq_rows[rp.seg_request]
+            kv.page_table_rows(seg_rows, pt.shape[1], out=pt)
+            q_lens = rp.seg_q_len
+            meta = AttentionMetadata(cu, kvl, pt, kv.page_size, max(q_lens.tolist(), default=0), max_kv,
                                      self.device, _packed=buf)
-            slots = kv.slots(seq_rows, rp.positions, rp.seg_request, rp.seg_q_len)
+            slots = kv.run_slots(seg_rows, rp.positions, q_lens)
             return PreparedBatch(plan, seq_ids, flat[rp.rows], rp.positions, slots, meta, pt)
 
 

@@ -126,10 +126,27 @@ def visible_keys_of(rank: int, start: np.ndarray, length: np.ndarray, held_befor
     """``visible_keys(...)[rank]``, int64 [C, R, 2]: what this rank's query blocks see of
     every rank's keys, O(C R). Raises RingPlanError unless this rank's rows get their
     whole causal history (every rank checks its own)."""
-    end = start + length
-    row = np.where(length[rank] == 0, 0, _seen(end[rank], start, length, held_before))
-    _check_history(row.sum(axis=0)[None], end[rank][None], (length[rank] > 0)[None], np.array([rank]))
-    return row
+    # (:func:`_seen`'s sums over [C, R] arrays, the key blocks' early/late halves made
+    # contiguous first: numpy's inner loops then run over the requests, not over pairs)
+    start_x, length_x = start.transpose(2, 0, 1).copy(), length.transpose(2, 0, 1).copy()  # [x, C, R]
+    end_q = start_x[:, rank] + length_x[:, rank]  # [e, R]: this rank's query blocks' ends
+    live = length_x[:, rank] > 0
+    vis = np.empty((2, *held_before.shape), dtype=np.int64)  # [e, C, R]
+    for e in (0, 1):
+        v = vis[e]
+        np.subtract(end_q[e], start_x[0], out=v)
+        np.maximum(v, 0, out=v)
+        np.minimum(v, length_x[0], out=v)
+        late = end_q[e] - start_x[1]
+        np.maximum(late, 0, out=late)
+        np.minimum(late, length_x[1], out=late)
+        v += late
+        v += held_before
+        v *= live[e]  # an empty query block sees nothing
+    total = np.add.reduce(vis, axis=1)  # [e, R]
+    if not np.array_equal(total, end_q * live):  # (the check in this layout; the error worded as everywhere)
+        _check_history(total.T[None], end_q.T[None], live.T[None], np.array([rank]))
+    return np.ascontiguousarray(vis.transpose(1, 2, 0))
 
 
 def visible_keys_to(rank: int, start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
@@ -200,7 +217,8 @@ def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank:
     if seq_rows is None:
         seq_rows = kv.table_rows(seq_ids)
     held_after = kv.rank_tokens(seq_ids, seq_rows)  # [C, R]
-    held_before = held_after - length.sum(axis=2)
+    held_before = held_after - length[..., 0]
+    held_before -= length[..., 1]
     row = visible_keys_of(rank, start, length, held_before)
     col = visible_keys_to(rank, start, length, held_before) if exchange == "pass-q" else None
     pages = -(-held_after // ps)  # [C, R]: each rank's pages of each request
@@ -226,7 +244,8 @@ def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank:
         msg_pages = pages.sum(axis=1).tolist()
         mask = np.arange(width) < pages[rank][:, None]
         send_pages = own_table[mask].astype(np.int64)
-    ring = RingPlan(exchange, C, rank, steps, length.sum(axis=(1, 2)).tolist(), msg_pages, send_pages, choice)
+    ring = RingPlan(exchange, C, rank, steps, np.add.reduce(length.reshape(C, -1), axis=1).tolist(), msg_pages,
+                    send_pages, choice)
     return ShardedInputs(slots, meta0, seg_table, ring)
 
 
