@@ -189,7 +189,8 @@ class PagedKVCache:
         # pages are reused first: warm in cache); page 1 is handed out first
         self._free = np.arange(num_pages - 1, SCRATCH_PAGE, -1, dtype=np.int32)
         self._num_free = num_pages - 1
-        self._rows: dict[int, int] = {}  # live sequence id -> its row of the dense table
+        self._rows: dict[int, int] = {}  # live sequence id -> its row of the dense table (read: _live_rows)
+        self._pending: tuple[list[int], list[int]] | None = None  # (ids, rows) not yet in _rows
         self._next_id = 0
         self.cache_id = uuid.uuid4().hex  # stamped on every handle this cache issues
         # the dense page table, and per row its sequence's page and token counts (0 when free)
@@ -324,8 +325,19 @@ class PagedKVCache:
         self._row_pages = np.concatenate([self._row_pages, np.zeros(rows - n, dtype=np.int64)])
         self._row_tokens = np.concatenate([self._row_tokens, np.zeros(rows - n, dtype=np.int64)])
 
+    def _live_rows(self) -> dict[int, int]:
+        """Live sequence id -> table row. An all-new reservation's entries are written on
+        the first read after it (by then its forward ran: the handles read them), so a
+        batch that is undone before (a failed forward) never writes them: no per-request
+        dict work on the path to the first launch."""
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            self._rows.update(zip(*pending))
+        return self._rows
+
     def _row_of(self, seq_id: int) -> int:
-        return self._rows[seq_id]
+        return self._live_rows()[seq_id]
 
     def _pages_of_row(self, row: int) -> tuple[int, ...]:
         return tuple(self._table[row, : self._row_pages[row]].tolist())
@@ -339,7 +351,7 @@ class PagedKVCache:
         if handle.cache_id != self.cache_id:
             raise KVHandleError(f"KV handle seq_id={handle.seq_id} was issued by another KV cache (another engine); "
                                 "pass a handle only to the engine that returned it")
-        row = self._rows.get(handle.seq_id)
+        row = self._live_rows().get(handle.seq_id)
         if row is None:
             raise KVHandleError(f"KV handle seq_id={handle.seq_id} is not live (released, or its forward failed)")
         total = int(self._request_tokens(np.array([row]))[0])
@@ -362,7 +374,7 @@ class PagedKVCache:
         rows = self._handle_rows(handles)
         if rows is None:
             self._check_each(handles)  # raises, naming what is wrong
-            rows = np.fromiter(map(self._rows.__getitem__, map(_seq_id_of, handles)), np.int64, len(handles))
+            rows = np.fromiter(map(self._live_rows().__getitem__, map(_seq_id_of, handles)), np.int64, len(handles))
         out = np.full(len(prefixes), -1, dtype=np.int64)
         out[np.fromiter(given, bool, len(given))] = rows
         return out
@@ -375,7 +387,7 @@ class PagedKVCache:
         ids = list(map(_seq_id_of, handles))
         if len(set(ids)) != len(ids):
             return None
-        rows = np.fromiter(map(self._rows.get, ids, repeat(-1)), np.int64, len(ids))
+        rows = np.fromiter(map(self._live_rows().get, ids, repeat(-1)), np.int64, len(ids))
         if (rows < 0).any():
             return None
         held = np.fromiter(map(_num_tokens_of, handles), np.int64, len(ids))
@@ -444,11 +456,11 @@ class PagedKVCache:
             )
         # nothing can fail past this point
         first = self._next_id
+        live = self._live_rows()  # (the previous reservation's deferred entries, written now)
         if rows is None:
             created = None
             fresh = self._take_rows(num)
             ids = list(range(first, first + num))
-            self._rows.update(zip(ids, fresh))
             rows = np.array(fresh, dtype=np.int64)
         else:
             new_seq = rows < 0
@@ -458,7 +470,7 @@ class PagedKVCache:
             rows[new_seq] = fresh
             fresh_ids = iter(range(first, first + len(fresh)))
             ids = [next(fresh_ids) if h is None else h.seq_id for h in prefixes]
-            self._rows.update(zip(range(first, first + len(fresh)), fresh))
+            live.update(zip(range(first, first + len(fresh)), fresh))
         self._next_id = first + len(fresh)
         cells = None
         if need:
@@ -476,6 +488,8 @@ class PagedKVCache:
         rows.setflags(write=False)  # the caller's copy and the undo's: read-only
         self._last = _Reservation(ids[:], new if not new.flags.writeable else _frozen_copy(new), rows, cells, need,
                                   have, have_pages, created)
+        if created is None:  # every request new: their id -> row entries wait for the first read
+            self._pending = (self._last.ids, fresh)
         return ids, rows
 
     def _refuse_width(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray,
@@ -554,18 +568,22 @@ class PagedKVCache:
             gone, gone_rows = list(compress(seq_ids, drop)), list(compress(rows.tolist(), drop))
         else:
             return
-        deque(map(self._rows.__delitem__, gone), maxlen=0)  # (a C-level loop)
+        pending = self._pending
+        if pending is not None and pending[0] is gone:  # the entries were never written: nothing to forget
+            self._pending = None
+        else:
+            deque(map(self._live_rows().__delitem__, gone), maxlen=0)  # (a C-level loop)
         gone_rows.reverse()
         self._free_rows.extend(gone_rows)
 
     def handle(self, seq_id: int) -> KVHandle:
-        row = self._rows[seq_id]
+        row = self._live_rows()[seq_id]
         return KVHandle(seq_id, int(self._row_tokens[row]), self._pages_of_row(row), self.cache_id)
 
     def release(self, handle: KVHandle) -> None:
         if not isinstance(handle, KVHandle) or handle.cache_id != self.cache_id:
             self.check_handle(handle)  # raises, naming what is wrong
-        row = self._rows.pop(handle.seq_id, None)
+        row = self._live_rows().pop(handle.seq_id, None)
         if row is None:
             raise KVHandleError(f"KV handle seq_id={handle.seq_id} is not live (already released?)")
         self._last = None
@@ -589,12 +607,12 @@ class PagedKVCache:
         stack (bottom first) and each live sequence's (id, tokens, pages)."""
         free = tuple(self._free[: self._num_free].tolist())
         rt = self._row_tokens
-        return free, tuple((k, int(rt[r]), self._pages_of_row(r)) for k, r in sorted(self._rows.items()))
+        return free, tuple((k, int(rt[r]), self._pages_of_row(r)) for k, r in sorted(self._live_rows().items()))
 
     # ---- metadata -------------------------------------------------------------
     def table_rows(self, seq_ids: list[int]) -> np.ndarray:
         """[len(seq_ids)] int64: each live sequence's row of :attr:`table`."""
-        return np.fromiter(map(self._rows.__getitem__, seq_ids), np.int64, len(seq_ids))
+        return np.fromiter(map(self._live_rows().__getitem__, seq_ids), np.int64, len(seq_ids))
 
     def page_table(self, seq_ids: list[int], width: int | None = None) -> np.ndarray:
         """[len(seq_ids), width] int32 page ids, padded with the scratch page (a fresh

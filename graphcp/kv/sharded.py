@@ -47,6 +47,17 @@ class ShardedKVCache(PagedKVCache):
         #: pages each rank's pool has handed out (scratch excluded), from the ledger
         self._used = np.zeros(cp_size, dtype=np.int64)
         self._ledger_undo: tuple | None = None  # (the reservation, held before, pages it took, chunks before)
+        self._pending_chunks: tuple | None = None  # (ids, new tokens) of an all-new reservation, not yet in _chunks
+
+    def _ledger_chunks(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        """Live sequence id -> its chunks. Like the base's id -> row map, an all-new
+        reservation's entries are written on the first read after it (:meth:`_live_rows`)."""
+        pending = self._pending_chunks
+        if pending is not None:
+            self._pending_chunks = None
+            ids, new = pending
+            self._chunks.update(zip(ids, zip(zip(repeat(0), new.tolist()))))
+        return self._chunks
 
     def _grow_rows(self, rows: int) -> None:
         super()._grow_rows(rows)
@@ -95,10 +106,10 @@ class ShardedKVCache(PagedKVCache):
         ids, rows = self._reserve(prefixes, rows, counts[:, self.rank])
         self._held[rows] = after
         # each request's chunks gain (cached, new): zip(zip(a, b)) yields ((a_i, b_i),)
-        chunks = self._chunks
-        if held is None:
+        chunks = self._ledger_chunks()  # (the previous reservation's deferred chunks, written now)
+        if held is None:  # every request new: its one chunk (0, new) waits for the first read
             before = None
-            chunks.update(zip(ids, zip(zip(repeat(0), new.tolist()))))
+            self._pending_chunks = (self._last.ids, new.copy() if new.flags.writeable else new)
         else:
             before = list(map(chunks.get, ids, repeat(())))
             chunks.update(zip(ids, map(add, before, zip(zip(held.sum(axis=1).tolist(), new.tolist())))))
@@ -141,7 +152,7 @@ class ShardedKVCache(PagedKVCache):
             self._undo_last_ledger(seq_ids, last, undo)
             return
         rows = self.table_rows(seq_ids)
-        chunks = list(map(self._chunks.__getitem__, seq_ids))
+        chunks = list(map(self._ledger_chunks().__getitem__, seq_ids))
         new = np.fromiter(map(itemgetter(1), map(itemgetter(-1), chunks)), np.int64, len(chunks))
         counts = rank_token_counts(self.cp_size, new)  # [C, R]
         after = self._held[rows].T
@@ -167,29 +178,34 @@ class ShardedKVCache(PagedKVCache):
         self._ledger_undo = None
         self._held[last.rows] = 0 if held is None else held
         self._used -= need
-        chunks = self._chunks
-        if before is None:  # every request was new: its ledger entry goes
-            deque(map(chunks.__delitem__, seq_ids), maxlen=0)
+        if before is None:  # every request was new: its ledger entry goes (or was never written)
+            pending = self._pending_chunks
+            if pending is not None and pending[0] is last.ids:
+                self._pending_chunks = None
+            else:
+                deque(map(self._ledger_chunks().__delitem__, seq_ids), maxlen=0)
         else:
+            chunks = self._ledger_chunks()
             chunks.update(zip(seq_ids, before))
             deque(map(chunks.__delitem__, compress(seq_ids, last.created)), maxlen=0)
         self._undo_last()
 
     def release(self, handle: KVHandle) -> None:
-        row = self._rows.get(handle.seq_id) if isinstance(handle, KVHandle) else None
+        row = self._live_rows().get(handle.seq_id) if isinstance(handle, KVHandle) else None
         super().release(handle)  # checks the handle, frees this rank's pages
         self._used -= self._pages(self._held[row])
         self._held[row] = 0
-        del self._chunks[handle.seq_id]
+        del self._ledger_chunks()[handle.seq_id]
 
     def handle(self, seq_id: int) -> KVHandle:
-        row = self._rows[seq_id]
+        row = self._live_rows()[seq_id]
         held = self._held[row].tolist()
         return KVHandle(seq_id, sum(held), self._pages_of_row(row), self.cache_id, "sharded",
-                        self.cp_size, self._chunks[seq_id], tuple(held))
+                        self.cp_size, self._ledger_chunks()[seq_id], tuple(held))
 
     def snapshot(self) -> tuple:
-        ledger = tuple((k, self._chunks[k], tuple(self._held[r].tolist())) for k, r in sorted(self._rows.items()))
+        chunks = self._ledger_chunks()
+        ledger = tuple((k, chunks[k], tuple(self._held[r].tolist())) for k, r in sorted(self._live_rows().items()))
         return super().snapshot() + (ledger, tuple(self._used.tolist()))
 
     # ---- what the ring reads ----------------------------------------------------
