@@ -65,7 +65,7 @@ class PrefillOutput:
     aux_hidden: list[torch.Tensor] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class PreparedBatch:
     """Host-side result of planning one batch on this rank."""
 

@@ -34,6 +34,7 @@ import torch
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.ring.exchange_choice import ExchangeChoice, choose_exchange
 from graphcp.attention.ring.hardware import HardwareSpec
+from graphcp.cp.base import arange
 from graphcp.cp.zigzag import ZigzagPlan
 from graphcp.kv.sharded import ShardedKVCache
 
@@ -231,12 +232,11 @@ def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank:
     seg_table = own_table[seg_request]
     meta0 = _meta(cu, row[rank].reshape(-1), seg_table, ps, device, causal=True)
     # local index of each new row: after the request's cached pieces, early block first
-    local0 = np.empty((R, 2), dtype=np.int64)
-    local0[:, 0] = held_before[rank]
-    np.add(held_before[rank], length[rank, :, 0], out=local0[:, 1])
-    n = int(cu[-1])
-    local = np.repeat(local0.reshape(-1) - cu[:-1], q_lens) + np.arange(n)
-    slots = kv.slots(seq_rows, local, seg_request, q_lens)
+    # (a request's two blocks are consecutive rows here: one run per request)
+    req_rows = length[rank, :, 0] + length[rank, :, 1]
+    local = np.repeat(held_before[rank] - cu[:-1:2], req_rows)
+    local += arange(local.shape[0])
+    slots = kv.run_slots(seq_rows, local, req_rows)
     steps = [meta0, *_ring_steps(exchange, rank, cu, row, col, length, pages, seg_request, seg_table, ps, device)]
     msg_pages = [0] * C
     send_pages = np.zeros(0, dtype=np.int64)
