@@ -27,6 +27,7 @@ batch order, in a staging buffer (page 0 is scratch). Pass-Q: at step ``i`` rank
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -157,14 +158,18 @@ def visible_keys_to(rank: int, start: np.ndarray, length: np.ndarray, held_befor
     return np.where(length == 0, 0, col)
 
 
-def _meta(cu: np.ndarray, kv_lens: np.ndarray, table: np.ndarray, page_size: int, device, causal: bool):
-    return AttentionMetadata.from_host(cu, kv_lens, table, page_size, device, validate=False, causal=causal)
-
-
 def _cu(q_lens: np.ndarray) -> np.ndarray:
     cu = np.zeros(q_lens.size + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
     return cu
+
+
+@lru_cache(maxsize=1024)
+def _sources(cp_size: int, rank: int) -> np.ndarray:
+    """int64 [C - 1]: the rank whose keys (pass-KV) or rows (pass-Q) step i >= 1 reads, (r - i) mod C."""
+    out = (rank - np.arange(1, cp_size)) % cp_size
+    out.setflags(write=False)
+    return out
 
 
 def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: np.ndarray | None,
@@ -178,7 +183,7 @@ def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: 
     C = row.shape[0]
     if C == 1:
         return []
-    srcs = (rank - np.arange(1, C)) % C
+    srcs = _sources(C, rank)
     n = C - 1
     S = seg_request.shape[0]
     if exchange == "pass-kv":
@@ -229,8 +234,14 @@ def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank:
     # this rank's own keys of the batch's requests, all of them (pass-Q and step 0 read them)
     width = max(int(pages[rank].max(initial=0)), 1)
     own_table = kv.page_table_rows(seq_rows, width)
-    seg_table = own_table[seg_request]
-    meta0 = _meta(cu, row[rank].reshape(-1), seg_table, ps, device, causal=True)
+    # step 0's metadata written in place into its packed buffer (as from_host packs it)
+    buf, cu0, kv0, seg_table = AttentionMetadata.host_buffers(2 * R, width)
+    cu0[:] = cu
+    kv_own = row[rank].reshape(-1)
+    kv0[:] = kv_own
+    own_table.take(seg_request, axis=0, out=seg_table)
+    meta0 = AttentionMetadata(cu0, kv0, seg_table, ps, max(q_lens.tolist(), default=0),
+                              max(kv_own.tolist(), default=0), device, _packed=buf)
     # local index of each new row: after the request's cached pieces, early block first
     # (a request's two blocks are consecutive rows here: one run per request)
     req_rows = length[rank, :, 0] + length[rank, :, 1]
