@@ -127,28 +127,42 @@ def visible_keys(start: np.ndarray, length: np.ndarray, held_before: np.ndarray)
 def visible_keys_of(rank: int, start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
     """``visible_keys(...)[rank]``, int64 [C, R, 2]: what this rank's query blocks see of
     every rank's keys, O(C R). Raises RingPlanError unless this rank's rows get their
-    whole causal history (every rank checks its own)."""
-    # (:func:`_seen`'s sums over [C, R] arrays, the key blocks' early/late halves made
-    # contiguous first: numpy's inner loops then run over the requests, not over pairs)
-    start_x, length_x = start.transpose(2, 0, 1).copy(), length.transpose(2, 0, 1).copy()  # [x, C, R]
-    end_q = start_x[:, rank] + length_x[:, rank]  # [e, R]: this rank's query blocks' ends
-    live = length_x[:, rank] > 0
-    vis = np.empty((2, *held_before.shape), dtype=np.int64)  # [e, C, R]
-    for e in (0, 1):
-        v = vis[e]
-        np.subtract(end_q[e], start_x[0], out=v)
-        np.maximum(v, 0, out=v)
-        np.minimum(v, length_x[0], out=v)
-        late = end_q[e] - start_x[1]
-        np.maximum(late, 0, out=late)
-        np.minimum(late, length_x[1], out=late)
-        v += late
-        v += held_before
-        v *= live[e]  # an empty query block sees nothing
-    total = np.add.reduce(vis, axis=1)  # [e, R]
-    if not np.array_equal(total, end_q * live):  # (the check in this layout; the error worded as everywhere)
-        _check_history(total.T[None], end_q.T[None], live.T[None], np.array([rank]))
-    return np.ascontiguousarray(vis.transpose(1, 2, 0))
+    whole causal history (every rank checks its own).
+
+    ``start``/``length`` are a zigzag plan's blocks (:meth:`ZigzagPlan.blocks`), so the
+    counts need no positions: a request's blocks are consecutive in position order,
+    block ``k`` on rank ``k`` (early) and ``2C-1-k`` on rank ``k`` (late), so a key
+    block is wholly visible to a query block when its index is not above the query
+    block's, else not at all. This rank's early block (index r) sees the early blocks of
+    ranks k <= r; its late block (2C-1-r) every early block and the late blocks of ranks
+    k >= r; both see every cached position. A few numpy calls over [C, R] (the general
+    count from positions is :func:`visible_keys`, which the tests hold this to); the
+    history check still compares the sums with the blocks' positions."""
+    below, above = _rank_masks(start.shape[0], rank)
+    early, late = length[..., 0], length[..., 1]  # [C, R]
+    vis = np.empty(length.shape, dtype=np.int64)
+    np.multiply(early, below, out=vis[..., 0])
+    vis[..., 0] += held_before
+    np.multiply(late, above, out=vis[..., 1])
+    vis[..., 1] += early
+    vis[..., 1] += held_before
+    live = length[rank] > 0  # [R, 2]
+    vis *= live  # an empty query block sees nothing
+    end = start[rank] + length[rank]
+    total = np.add.reduce(vis, axis=0)
+    if not np.array_equal(total, end * live):  # (every live block's whole history; the error worded as everywhere)
+        _check_history(total[None], end[None], live[None], np.array([rank]))
+    return vis
+
+
+@lru_cache(maxsize=1024)
+def _rank_masks(cp_size: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 [C, 1] each: 1 for the ranks k <= rank, and for the ranks k >= rank."""
+    k = np.arange(cp_size, dtype=np.int64)[:, None]
+    below, above = (k <= rank).astype(np.int64), (k >= rank).astype(np.int64)
+    below.setflags(write=False)
+    above.setflags(write=False)
+    return below, above
 
 
 def visible_keys_to(rank: int, start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
