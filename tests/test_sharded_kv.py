@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphcp.attention.ring.plan import RingPlanError, plan_sharded, visible_keys, visible_keys_of
+from graphcp.attention.ring.plan import RingPlanError, plan_sharded, visible_keys, visible_keys_of, visible_keys_to
 from graphcp.cp import ZigzagLayout
 from graphcp.kv.paged import KVCacheFull, KVHandleError
 from graphcp.kv.sharded import ShardedKVCache
@@ -169,8 +169,10 @@ def test_a_row_no_step_touches_is_refused_before_any_kernel():
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_one_ranks_visible_keys_are_its_row_of_every_ranks(cp):
-    """visible_keys_of (a forward's, in its own array layout) against visible_keys (every
-    rank's, the definition) on random batches: prefixes, requests shorter than 2C."""
+    """visible_keys_of and visible_keys_to (a forward's: what this rank's rows see, what
+    every rank's rows see of this rank's keys; counted from block indices) against
+    visible_keys (every rank's, counted from positions: the definition) on random
+    batches: prefixes, requests shorter than 2C."""
     rng = np.random.default_rng(cp)
     for _ in range(20):
         num = int(rng.integers(1, 9))
@@ -182,3 +184,4 @@ def test_one_ranks_visible_keys_are_its_row_of_every_ranks(cp):
         every = visible_keys(start, length, held)
         for rank in range(cp):
             np.testing.assert_array_equal(visible_keys_of(rank, start, length, held), every[rank])
+            np.testing.assert_array_equal(visible_keys_to(rank, start, length, held), every[:, rank])

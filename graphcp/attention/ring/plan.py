@@ -167,9 +167,19 @@ def _rank_masks(cp_size: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
 
 def visible_keys_to(rank: int, start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
     """``visible_keys(...)[:, rank]``, int64 [C, R, 2]: what every rank's query blocks see
-    of this rank's keys (what pass-Q attends here), O(C R)."""
-    col = _seen(start + length, start[rank], length[rank], held_before[rank])
-    return np.where(length == 0, 0, col)
+    of this rank's keys (what pass-Q attends here), O(C R). From block indices, as
+    :func:`visible_keys_of` counts (``start``/``length``: a zigzag plan's blocks): rank
+    q's early block (index q) sees this rank's early block when q >= rank; its late
+    block (2C-1-q) sees this rank's early block always and its late block when q <= rank."""
+    below, above = _rank_masks(start.shape[0], rank)  # [C, 1] over q: q <= rank, q >= rank
+    early, late, held = length[rank, :, 0], length[rank, :, 1], held_before[rank]  # [R]
+    col = np.empty(length.shape, dtype=np.int64)
+    np.multiply(above, early, out=col[..., 0])
+    col[..., 0] += held
+    np.multiply(below, late, out=col[..., 1])
+    col[..., 1] += early + held
+    col *= length > 0  # an empty query block sees nothing
+    return col
 
 
 def _cu(q_lens: np.ndarray) -> np.ndarray:
