@@ -95,7 +95,7 @@ class ShardedKVCache(PagedKVCache):
         """Reserve, on every rank, each request's share of ``new[i]`` more tokens after
         ``prefixes[i]``; all or nothing, and the same outcome on every rank (``extend``
         through here; the arguments as :meth:`PagedKVCache.reserve` takes them)."""
-        counts = rank_token_counts(self.cp_size, new).T  # [R, C], as the ledger's rows hold them
+        counts = rank_token_counts(self.cp_size, new).T  # [R, C] (a view), as the ledger's rows hold them
         if rows is None:  # every request new: nothing held, no chunk before
             held = None
             after = counts
