@@ -116,6 +116,12 @@ def test_array_checks_accept_exactly_what_the_per_request_path_accepts(seed):
             np.testing.assert_array_equal(c.extend, slow.extend)
             np.testing.assert_array_equal(c.prefix, slow.prefix)
             assert all(a is b for a, b in zip(c.prefixes, slow.prefixes))
+            # what the plan and the reservation take from it: the rows, the least extend, read-only lengths
+            assert (c.rows is None) == (slow.rows is None)
+            if c.rows is not None:
+                np.testing.assert_array_equal(c.rows, slow.rows)
+            assert c.min_extend == int(slow.extend.min())
+            assert not c.extend.flags.writeable and not c.prefix.flags.writeable
     assert accepted > 50 and refused > 50  # both sides exercised
 
 
