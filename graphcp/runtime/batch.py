@@ -316,8 +316,8 @@ def _check_batch(batch: Sequence, kv: PagedKVCache, vocab: int, max_tokens: int)
         return None
     if flat.ndim != 1 or int(np.maximum.reduce(flat.view(np.uint64))) >= vocab:
         return None
-    lengths.setflags(write=False)
-    return CheckedBatch(flat, extend, prefix, prefixes, rows, least)
+    lengths.setflags(write=False)  # (before the views the plan keeps: a view made earlier stays writeable)
+    return CheckedBatch(flat, lengths[:num], lengths[num:], prefixes, rows, least)
 
 
 def _lengths(arrays: list[np.ndarray]) -> tuple[np.ndarray, int, int]:
