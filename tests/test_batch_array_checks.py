@@ -116,6 +116,12 @@ def test_array_checks_accept_exactly_what_the_per_request_path_accepts(seed):
             np.testing.assert_array_equal(c.extend, slow.extend)
             np.testing.assert_array_equal(c.prefix, slow.prefix)
             assert all(a is b for a, b in zip(c.prefixes, slow.prefixes))
+            # what the plan and the reservation take from it: the rows, the least extend, read-only lengths
+            assert (c.rows is None) == (slow.rows is None)
+            if c.rows is not None:
+                np.testing.assert_array_equal(c.rows, slow.rows)
+            assert c.min_extend == int(slow.extend.min())
+            assert not c.extend.flags.writeable and not c.prefix.flags.writeable
     assert accepted > 50 and refused > 50  # both sides exercised
 
 
@@ -125,3 +131,32 @@ def test_a_bad_id_is_named_by_request_and_position_whatever_the_form():
                    np.array([1, 2, (1 << 64) - 1], dtype=np.uint64), np.array([1, 2, -3], dtype=np.int8)):
         with pytest.raises(BatchError, match=r"request 1, position 2: token id"):
             prep._validate([Request([4, 5]), Request(tokens)])
+
+
+def test_array_checks_of_many_requests_agree_with_the_per_request_path():
+    """Batches of more requests than the small-batch branch takes (its lengths through
+    numpy): good ones agree with the per-request path, and bad ones (an empty request, a
+    0-d token array, an id past the vocabulary, one request too long) are refused by
+    both, the error naming the same request."""
+    prep = _preparer()
+    rng = np.random.default_rng(30)
+    for bad in (None, "empty", "scalar", "id", "long"):
+        batch = [Request(rng.integers(0, VOCAB, int(n))) for n in rng.integers(1, 3, 100)]
+        j = int(rng.integers(0, 100))
+        if bad == "empty":
+            batch[j] = Request(np.zeros(0, dtype=np.int64))
+        elif bad == "scalar":
+            batch[j] = Request(np.int64(3))
+        elif bad == "id":
+            batch[j] = Request(np.array([1, VOCAB]))
+        elif bad == "long":
+            batch[j] = Request(np.ones(201, dtype=np.int64))
+        fast = _check_batch(batch, prep.kv, VOCAB, min(prep.max_context, prep.kv.capacity_tokens))
+        slow, err = _result(lambda: prep._validate_each(batch))
+        if bad is None:
+            assert err is None and fast is not None
+            np.testing.assert_array_equal(fast.flat, slow.flat)
+            np.testing.assert_array_equal(fast.extend, slow.extend)
+            assert fast.min_extend == slow.min_extend == int(slow.extend.min())
+        else:
+            assert fast is None and err is not None and f"request {j}" in str(err)

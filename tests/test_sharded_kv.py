@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphcp.attention.ring.plan import RingPlanError, plan_sharded, visible_keys
+from graphcp.attention.ring.plan import RingPlanError, plan_sharded, visible_keys, visible_keys_of, visible_keys_to
 from graphcp.cp import ZigzagLayout
 from graphcp.kv.paged import KVCacheFull, KVHandleError
 from graphcp.kv.sharded import ShardedKVCache
@@ -162,3 +162,26 @@ def test_a_row_no_step_touches_is_refused_before_any_kernel():
     visible_keys(start, length, held)  # consistent: fine
     with pytest.raises(RingPlanError, match=r"rank 0.s early block of request 0 .*expected 6"):
         visible_keys(start, length, np.array([[2], [1]]))  # a ledger that lost a cached position
+    for rank in (0, 1):  # one rank's own check (what a forward runs) refuses it alike
+        with pytest.raises(RingPlanError, match=rf"rank {rank}.s early block of request 0 .*expected"):
+            visible_keys_of(rank, start, length, np.array([[2], [1]]))
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_one_ranks_visible_keys_are_its_row_of_every_ranks(cp):
+    """visible_keys_of and visible_keys_to (a forward's: what this rank's rows see, what
+    every rank's rows see of this rank's keys; counted from block indices) against
+    visible_keys (every rank's, counted from positions: the definition) on random
+    batches: prefixes, requests shorter than 2C."""
+    rng = np.random.default_rng(cp)
+    for _ in range(20):
+        num = int(rng.integers(1, 9))
+        ext = rng.integers(1, 6 * cp, num)
+        pre = rng.integers(0, 3 * cp, num) * (rng.random(num) < 0.5)
+        plan = ZigzagLayout(cp).plan(ext, pre)
+        start, length = plan.blocks()
+        held = np.stack([np.bincount(rng.integers(0, cp, int(p)), minlength=cp) for p in pre], axis=1)  # [C, R]
+        every = visible_keys(start, length, held)
+        for rank in range(cp):
+            np.testing.assert_array_equal(visible_keys_of(rank, start, length, held), every[rank])
+            np.testing.assert_array_equal(visible_keys_to(rank, start, length, held), every[:, rank])

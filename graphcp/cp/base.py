@@ -443,6 +443,12 @@ class Layout(ABC):
         ext, pre, least = validate_lengths(extend_lens, prefix_lens)
         return self._plan(ext, pre, least)
 
+    def plan_checked(self, extend_lens: np.ndarray, prefix_lens: np.ndarray, min_extend: int) -> Plan:
+        """:meth:`plan` of lengths the caller has checked (the batch preparer's hot path:
+        no checks, no copy): read-only int64 [R] arrays, R >= 1, every extend length
+        >= 1 (``min_extend``, the smallest), every prefix length >= 0. The plan keeps them."""
+        return self._plan(extend_lens, prefix_lens, min_extend)
+
     @abstractmethod
     def _plan(self, extend_lens: np.ndarray, prefix_lens: np.ndarray, min_extend: int) -> Plan:
         """Build the plan from validated int64 lengths (``min_extend``: the smallest)."""

@@ -27,7 +27,7 @@ a few dozen numpy calls whatever the token count); per-token arrays are one
 
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -41,9 +41,27 @@ def rank_token_counts(cp_size: int, extend_lens: np.ndarray) -> np.ndarray:
     its late block 2C-1-r; the rule above), without planning the batch: what a
     token-sharded KV cache reserves on each rank."""
     c2 = 2 * cp_size
-    sizes = np.asarray(extend_lens, dtype=np.int64)[:, None] + np.arange(c2 - 1, -1, -1, dtype=np.int64)
-    sizes //= c2  # [R, 2C]
-    return (sizes[:, :cp_size] + sizes[:, : cp_size - 1 : -1]).T
+    # [2C, R]: numpy's inner loops run over the requests, not over a request's few blocks
+    sizes = _size_offset(c2)[:, None] + np.asarray(extend_lens, dtype=np.int64)
+    _floor_div(sizes, c2)
+    return sizes[:cp_size] + sizes[: cp_size - 1 : -1]
+
+
+@lru_cache(maxsize=64)
+def _size_offset(c2: int) -> np.ndarray:
+    """2C-1-k per block k (read-only; see the module doc's rule)."""
+    out = np.arange(c2 - 1, -1, -1, dtype=np.int64)
+    out.setflags(write=False)
+    return out
+
+
+def _floor_div(a: np.ndarray, d: int) -> None:
+    """``a //= d`` in place for non-negative ``a``: a shift when ``d`` is a power of two
+    (numpy's integer division costs ~1 ns an element; at hundreds of requests, microseconds)."""
+    if d & (d - 1) == 0:
+        a >>= d.bit_length() - 1
+    else:
+        a //= d
 
 
 class _BatchTables:
@@ -78,9 +96,9 @@ class _BatchTables:
         #: request of each rank-major block
         self.request_rm = np.broadcast_to(j, (c, num, 2)).ravel()
         self.zeros = np.zeros(num, dtype=np.int64)
-        #: 2C-1-k per block k: block k of a request of length L has (L + 2C-1-k) // 2C
-        #: rows (base + 1 for the first L % 2C blocks, else base)
-        self.size_offset = np.arange(c2 - 1, -1, -1, dtype=np.int64)
+        #: 2C-1-k per block k, global block order: block k of a request of length L has
+        #: (L + 2C-1-k) // 2C rows (base + 1 for the first L % 2C blocks, else base)
+        self.size_offset = np.tile(np.arange(c2 - 1, -1, -1, dtype=np.int64), num)
         #: global block index of each rank-major block, and the inverse
         self.global_of_rm = (j * c2 + k_rm).ravel()
         self.rm_of_global = np.empty_like(self.global_of_rm)
@@ -151,9 +169,10 @@ class ZigzagPlan(Plan):
         nseg = 2 * num
         tab = (tables if tables is not None else _ZigzagTables(cp_size)).batch(num)
         # block k of a request of length L has (L + 2C-1-k) // 2C rows
-        sizes = extend_lens[:, None] + tab.size_offset  # [R, 2C], global order
-        sizes //= c2
-        sizes = sizes.reshape(-1)
+        # (a repeat and a flat add: a broadcast [R, 1] + [2C] loops over R short rows)
+        sizes = extend_lens.repeat(c2)  # global block order
+        sizes += tab.size_offset
+        _floor_div(sizes, c2)
         q = sizes[tab.global_of_rm]  # rank-major
         # each block's end in its owner's local order
         local_end = np.add.accumulate(q.reshape(cp_size, nseg), axis=1).reshape(-1)

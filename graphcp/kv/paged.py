@@ -44,6 +44,7 @@ rank derives every other rank's holdings from the handle (``chunks``) alone.
 from __future__ import annotations
 
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import attrgetter, is_not
@@ -119,12 +120,12 @@ class KVHandle:
 _INITIAL_ROWS = 16
 
 
-@dataclass
+@dataclass(slots=True)
 class _Reservation:
     """What one :meth:`PagedKVCache.extend` changed, to undo it without recomputing."""
 
     ids: list[int]  # the sequence ids it returned (a copy)
-    new: list[int]  # the new tokens it reserved
+    new: np.ndarray  # the new tokens it reserved (read-only: the caller's when it was, else a copy)
     rows: np.ndarray  # the requests' table rows
     cells: np.ndarray | None  # flat table cells it wrote its pages to (None: no page)
     need: int  # pages it took off the free stack
@@ -135,6 +136,14 @@ class _Reservation:
     def undoes(self, seq_ids) -> bool:
         """Whether a rollback of ``seq_ids`` is this extend's (the same ids, in order)."""
         return type(seq_ids) is list and seq_ids == self.ids
+
+
+def _frozen_copy(a: np.ndarray) -> np.ndarray:
+    out = a.copy()
+    out.setflags(write=False)
+    return out
+
+
 _seq_id_of = attrgetter("seq_id")
 _cache_id_of = attrgetter("cache_id")
 _num_tokens_of = attrgetter("num_tokens")
@@ -180,7 +189,8 @@ class PagedKVCache:
         # pages are reused first: warm in cache); page 1 is handed out first
         self._free = np.arange(num_pages - 1, SCRATCH_PAGE, -1, dtype=np.int32)
         self._num_free = num_pages - 1
-        self._rows: dict[int, int] = {}  # live sequence id -> its row of the dense table
+        self._rows: dict[int, int] = {}  # live sequence id -> its row of the dense table (read: _live_rows)
+        self._pending: tuple[list[int], list[int]] | None = None  # (ids, rows) not yet in _rows
         self._next_id = 0
         self.cache_id = uuid.uuid4().hex  # stamped on every handle this cache issues
         # the dense page table, and per row its sequence's page and token counts (0 when free)
@@ -315,8 +325,19 @@ class PagedKVCache:
         self._row_pages = np.concatenate([self._row_pages, np.zeros(rows - n, dtype=np.int64)])
         self._row_tokens = np.concatenate([self._row_tokens, np.zeros(rows - n, dtype=np.int64)])
 
+    def _live_rows(self) -> dict[int, int]:
+        """Live sequence id -> table row. An all-new reservation's entries are written on
+        the first read after it (by then its forward ran: the handles read them), so a
+        batch that is undone before (a failed forward) never writes them: no per-request
+        dict work on the path to the first launch."""
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            self._rows.update(zip(*pending))
+        return self._rows
+
     def _row_of(self, seq_id: int) -> int:
-        return self._rows[seq_id]
+        return self._live_rows()[seq_id]
 
     def _pages_of_row(self, row: int) -> tuple[int, ...]:
         return tuple(self._table[row, : self._row_pages[row]].tolist())
@@ -330,7 +351,7 @@ class PagedKVCache:
         if handle.cache_id != self.cache_id:
             raise KVHandleError(f"KV handle seq_id={handle.seq_id} was issued by another KV cache (another engine); "
                                 "pass a handle only to the engine that returned it")
-        row = self._rows.get(handle.seq_id)
+        row = self._live_rows().get(handle.seq_id)
         if row is None:
             raise KVHandleError(f"KV handle seq_id={handle.seq_id} is not live (released, or its forward failed)")
         total = int(self._request_tokens(np.array([row]))[0])
@@ -353,7 +374,7 @@ class PagedKVCache:
         rows = self._handle_rows(handles)
         if rows is None:
             self._check_each(handles)  # raises, naming what is wrong
-            rows = np.fromiter(map(self._rows.__getitem__, map(_seq_id_of, handles)), np.int64, len(handles))
+            rows = np.fromiter(map(self._live_rows().__getitem__, map(_seq_id_of, handles)), np.int64, len(handles))
         out = np.full(len(prefixes), -1, dtype=np.int64)
         out[np.fromiter(given, bool, len(given))] = rows
         return out
@@ -366,7 +387,7 @@ class PagedKVCache:
         ids = list(map(_seq_id_of, handles))
         if len(set(ids)) != len(ids):
             return None
-        rows = np.fromiter(map(self._rows.get, ids, repeat(-1)), np.int64, len(ids))
+        rows = np.fromiter(map(self._live_rows().get, ids, repeat(-1)), np.int64, len(ids))
         if (rows < 0).any():
             return None
         held = np.fromiter(map(_num_tokens_of, handles), np.int64, len(ids))
@@ -393,8 +414,15 @@ class PagedKVCache:
         sequence when None), all or nothing. Returns the sequence ids."""
         if len(prefixes) != len(new_tokens):
             raise ValueError("prefixes and new_tokens must have the same length")
-        new = np.asarray(new_tokens, dtype=np.int64)
-        return self._reserve(prefixes, self.prefix_rows(prefixes), new)[0]
+        return self.reserve(prefixes, self.prefix_rows(prefixes), np.asarray(new_tokens, dtype=np.int64))[0]
+
+    def reserve(self, prefixes: "list[KVHandle | None]", rows: np.ndarray | None,
+                new: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """:meth:`extend` for a caller that has the prefixes' rows already (the batch
+        preparer's hot path): ``rows`` is what :meth:`prefix_rows` returned for
+        ``prefixes``, nothing changed since, ``new`` int64 [R]. Returns the sequence ids
+        and their table rows (:meth:`table_rows`)."""
+        return self._reserve(prefixes, rows, new)
 
     def _reserve(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray) -> tuple[list[int], np.ndarray]:
         """Reserve ``new[i]`` more tokens in row ``rows[i]`` (``prefixes[i]``'s; -1, or
@@ -428,11 +456,11 @@ class PagedKVCache:
             )
         # nothing can fail past this point
         first = self._next_id
+        live = self._live_rows()  # (the previous reservation's deferred entries, written now)
         if rows is None:
             created = None
             fresh = self._take_rows(num)
             ids = list(range(first, first + num))
-            self._rows.update(zip(ids, fresh))
             rows = np.array(fresh, dtype=np.int64)
         else:
             new_seq = rows < 0
@@ -442,7 +470,7 @@ class PagedKVCache:
             rows[new_seq] = fresh
             fresh_ids = iter(range(first, first + len(fresh)))
             ids = [next(fresh_ids) if h is None else h.seq_id for h in prefixes]
-            self._rows.update(zip(range(first, first + len(fresh)), fresh))
+            live.update(zip(range(first, first + len(fresh)), fresh))
         self._next_id = first + len(fresh)
         cells = None
         if need:
@@ -457,7 +485,11 @@ class PagedKVCache:
             self._table.reshape(-1)[cells] = self._free[top - need : top][::-1]
         self._row_pages[rows] = total_pages
         self._row_tokens[rows] = total
-        self._last = _Reservation(ids[:], new.tolist(), rows, cells, need, have, have_pages, created)
+        rows.setflags(write=False)  # the caller's copy and the undo's: read-only
+        self._last = _Reservation(ids[:], new if not new.flags.writeable else _frozen_copy(new), rows, cells, need,
+                                  have, have_pages, created)
+        if created is None:  # every request new: their id -> row entries wait for the first read
+            self._pending = (self._last.ids, fresh)
         return ids, rows
 
     def _refuse_width(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray,
@@ -478,9 +510,9 @@ class PagedKVCache:
         sequence's last ``new_tokens[i]`` tokens and drop the sequences it created. The
         pages go back in reverse pop order and the rows likewise, so the free lists
         (their order included) are exactly what they were before the extend."""
-        new = np.asarray(new_tokens, dtype=np.int64)
         last = self._last
-        if last is not None and last.undoes(seq_ids) and last.new == new.tolist():
+        new = new_tokens if last is not None and new_tokens is last.new else np.asarray(new_tokens, dtype=np.int64)
+        if last is not None and last.undoes(seq_ids) and (new is last.new or np.array_equal(new, last.new)):
             self._undo_last()
             return
         rows = self.table_rows(seq_ids)
@@ -499,7 +531,7 @@ class PagedKVCache:
         rows = last.rows
         self._row_pages[rows] = last.pages_before
         self._row_tokens[rows] = last.tokens_before
-        self._drop(last.ids, rows, [True] * len(last.ids) if last.created is None else last.created)
+        self._drop(last.ids, rows, last.created)
 
     def _undo(self, seq_ids, rows: np.ndarray, tokens: np.ndarray, drop: np.ndarray) -> None:
         """Shrink row ``rows[i]`` to ``tokens[i]`` tokens (its pages past them back on the
@@ -527,28 +559,31 @@ class PagedKVCache:
         self._row_tokens[rows] = tokens
         self._drop(seq_ids, rows, drop.tolist())
 
-    def _drop(self, seq_ids, rows: np.ndarray, drop: list[bool]) -> None:
-        """Forget the sequences marked in ``drop`` and push their rows, last first (the
-        row stack as it was before the extend that took them)."""
-        if all(drop):
+    def _drop(self, seq_ids, rows: np.ndarray, drop: list[bool] | None) -> None:
+        """Forget the sequences marked in ``drop`` (None: all) and push their rows, last
+        first (the row stack as it was before the extend that took them)."""
+        if drop is None or all(drop):
             gone, gone_rows = seq_ids, rows.tolist()
         elif any(drop):
             gone, gone_rows = list(compress(seq_ids, drop)), list(compress(rows.tolist(), drop))
         else:
             return
-        for _ in map(self._rows.__delitem__, gone):  # (C-level loop)
-            pass
+        pending = self._pending
+        if pending is not None and pending[0] is gone:  # the entries were never written: nothing to forget
+            self._pending = None
+        else:
+            deque(map(self._live_rows().__delitem__, gone), maxlen=0)  # (a C-level loop)
         gone_rows.reverse()
         self._free_rows.extend(gone_rows)
 
     def handle(self, seq_id: int) -> KVHandle:
-        row = self._rows[seq_id]
+        row = self._live_rows()[seq_id]
         return KVHandle(seq_id, int(self._row_tokens[row]), self._pages_of_row(row), self.cache_id)
 
     def release(self, handle: KVHandle) -> None:
         if not isinstance(handle, KVHandle) or handle.cache_id != self.cache_id:
             self.check_handle(handle)  # raises, naming what is wrong
-        row = self._rows.pop(handle.seq_id, None)
+        row = self._live_rows().pop(handle.seq_id, None)
         if row is None:
             raise KVHandleError(f"KV handle seq_id={handle.seq_id} is not live (already released?)")
         self._last = None
@@ -572,12 +607,12 @@ class PagedKVCache:
         stack (bottom first) and each live sequence's (id, tokens, pages)."""
         free = tuple(self._free[: self._num_free].tolist())
         rt = self._row_tokens
-        return free, tuple((k, int(rt[r]), self._pages_of_row(r)) for k, r in sorted(self._rows.items()))
+        return free, tuple((k, int(rt[r]), self._pages_of_row(r)) for k, r in sorted(self._live_rows().items()))
 
     # ---- metadata -------------------------------------------------------------
     def table_rows(self, seq_ids: list[int]) -> np.ndarray:
         """[len(seq_ids)] int64: each live sequence's row of :attr:`table`."""
-        return np.fromiter(map(self._rows.__getitem__, seq_ids), np.int64, len(seq_ids))
+        return np.fromiter(map(self._live_rows().__getitem__, seq_ids), np.int64, len(seq_ids))
 
     def page_table(self, seq_ids: list[int], width: int | None = None) -> np.ndarray:
         """[len(seq_ids), width] int32 page ids, padded with the scratch page (a fresh
@@ -616,11 +651,15 @@ class PagedKVCache:
         ``j``'s row of the dense table (:meth:`table_rows`). The pages must be reserved
         (:meth:`extend`). Per token: one add, one table lookup and a few bit operations.
         """
+        return self.run_slots(seq_rows[run_request], positions, run_length)
+
+    def run_slots(self, run_rows: np.ndarray, positions: np.ndarray, run_length: np.ndarray) -> np.ndarray:
+        """:meth:`slots` with each run's table row given (``run_rows[s]``: the row of run
+        ``s``'s request), for a caller that gathered them already (the page table's)."""
         ps, table = self.page_size, self._table
         # virtual position: a request's positions offset by its table row, so that
         # vpos // page_size indexes the flattened table and vpos % page_size is the offset
-        base = seq_rows[run_request]
-        base *= table.shape[1] * ps
+        base = run_rows * (table.shape[1] * ps)
         vpos = base.repeat(run_length)
         vpos += positions
         flat = table.reshape(-1)

@@ -18,7 +18,8 @@ one rank's pool.
 
 from __future__ import annotations
 
-from itertools import repeat
+from collections import deque
+from itertools import compress, repeat
 from operator import add, itemgetter, not_
 
 import numpy as np
@@ -45,6 +46,18 @@ class ShardedKVCache(PagedKVCache):
         self._chunks: dict[int, tuple[tuple[int, int], ...]] = {}
         #: pages each rank's pool has handed out (scratch excluded), from the ledger
         self._used = np.zeros(cp_size, dtype=np.int64)
+        self._ledger_undo: tuple | None = None  # (the reservation, held before, pages it took, chunks before)
+        self._pending_chunks: tuple | None = None  # (ids, new tokens) of an all-new reservation, not yet in _chunks
+
+    def _ledger_chunks(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        """Live sequence id -> its chunks. Like the base's id -> row map, an all-new
+        reservation's entries are written on the first read after it (:meth:`_live_rows`)."""
+        pending = self._pending_chunks
+        if pending is not None:
+            self._pending_chunks = None
+            ids, new = pending
+            self._chunks.update(zip(ids, zip(zip(repeat(0), new.tolist()))))
+        return self._chunks
 
     def _grow_rows(self, rows: int) -> None:
         super()._grow_rows(rows)
@@ -77,43 +90,49 @@ class ShardedKVCache(PagedKVCache):
         return self._held[rows].sum(axis=1)
 
     # ---- allocation -------------------------------------------------------------
-    def extend(self, prefixes: "list[KVHandle | None]", new_tokens) -> list[int]:
-        """Reserve, on every rank, each request's share of ``new_tokens[i]`` more tokens
-        after ``prefixes[i]``; all or nothing, and the same outcome on every rank."""
-        if len(prefixes) != len(new_tokens):
-            raise ValueError("prefixes and new_tokens must have the same length")
-        rows = self.prefix_rows(prefixes)
-        new = np.asarray(new_tokens, dtype=np.int64)
-        counts = rank_token_counts(self.cp_size, new)  # [C, R]
-        if rows is None:
-            held = np.zeros_like(counts)
+    def reserve(self, prefixes: "list[KVHandle | None]", rows: np.ndarray | None,
+                new: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """Reserve, on every rank, each request's share of ``new[i]`` more tokens after
+        ``prefixes[i]``; all or nothing, and the same outcome on every rank (``extend``
+        through here; the arguments as :meth:`PagedKVCache.reserve` takes them)."""
+        counts = rank_token_counts(self.cp_size, new).T  # [R, C] (a view), as the ledger's rows hold them
+        if rows is None:  # every request new: nothing held, no chunk before
+            held = None
+            after = counts
         else:
-            held = np.where(rows >= 0, self._held[rows].T, 0)
-        after = held + counts
+            held = np.where((rows >= 0)[:, None], self._held[rows], 0)
+            after = held + counts
         need = self._check_room(held, after)
-        ids, rows = self._reserve(prefixes, rows, counts[self.rank])
-        self._held[rows] = after.T
+        ids, rows = self._reserve(prefixes, rows, counts[:, self.rank])
+        self._held[rows] = after
         # each request's chunks gain (cached, new): zip(zip(a, b)) yields ((a_i, b_i),)
-        chunks = self._chunks
-        cached = held.sum(axis=0).tolist()
-        chunks.update(zip(ids, map(add, map(chunks.get, ids, repeat(())), zip(zip(cached, new.tolist())))))
+        chunks = self._ledger_chunks()  # (the previous reservation's deferred chunks, written now)
+        if held is None:  # every request new: its one chunk (0, new) waits for the first read
+            before = None
+            self._pending_chunks = (self._last.ids, new.copy() if new.flags.writeable else new)
+        else:
+            before = list(map(chunks.get, ids, repeat(())))
+            chunks.update(zip(ids, map(add, before, zip(zip(held.sum(axis=1).tolist(), new.tolist())))))
         self._used += need
-        return ids
+        # what the undo of this reservation writes back (valid while it is the last one)
+        self._ledger_undo = (self._last, held, need, before)
+        return ids, rows
 
-    def _check_room(self, held: np.ndarray, after: np.ndarray) -> np.ndarray:
-        """int64 [C]: the pages the batch takes on every rank (``held``: each rank's tokens
-        of each request before, ``after``: after); KVCacheFull (on every rank alike)
-        unless every rank's pool takes its share."""
-        after = self._pages(after)  # [C, R]
+    def _check_room(self, held: np.ndarray | None, after: np.ndarray) -> np.ndarray:
+        """int64 [C]: the pages the batch takes on every rank (``held``: each request's
+        tokens on each rank before, [R, C], None: none; ``after``: after); KVCacheFull
+        (on every rank alike) unless every rank's pool takes its share."""
+        after = self._pages(after)  # [R, C]
         width = self.table_width
         if after.size and int(np.maximum.reduce(after, axis=None)) > width:
-            k, j = (int(x[0]) for x in np.nonzero(after > width))
+            j, k = (int(x[0]) for x in np.nonzero(after > width))
             raise KVCacheFull(
-                f"KV cache full: request {j} needs {int(after[k, j])} pages of {self.page_size} tokens on rank {k}, "
+                f"KV cache full: request {j} needs {int(after[j, k])} pages of {self.page_size} tokens on rank {k}, "
                 f"the page table holds at most {width} per sequence"
             )
-        need = np.add.reduce(after, axis=1)
-        need -= np.add.reduce(self._pages(held), axis=1)
+        need = np.add.reduce(after, axis=0)
+        if held is not None:
+            need -= np.add.reduce(self._pages(held), axis=0)
         free = self.rank_free_pages()
         short = np.flatnonzero(need > free)
         if short.size:
@@ -128,8 +147,12 @@ class ShardedKVCache(PagedKVCache):
     def rollback(self, seq_ids: list[int], new_tokens=None) -> None:
         """Undo an :meth:`extend`: each request's last chunk (the ledger's, so
         ``new_tokens`` is not needed) comes off every rank's share at once."""
+        last, undo = self._last, self._ledger_undo
+        if last is not None and undo is not None and undo[0] is last and last.undoes(seq_ids):
+            self._undo_last_ledger(seq_ids, last, undo)
+            return
         rows = self.table_rows(seq_ids)
-        chunks = list(map(self._chunks.__getitem__, seq_ids))
+        chunks = list(map(self._ledger_chunks().__getitem__, seq_ids))
         new = np.fromiter(map(itemgetter(1), map(itemgetter(-1), chunks)), np.int64, len(chunks))
         counts = rank_token_counts(self.cp_size, new)  # [C, R]
         after = self._held[rows].T
@@ -147,27 +170,49 @@ class ShardedKVCache(PagedKVCache):
         else:
             self._undo(seq_ids, rows, self._row_tokens[rows] - counts[self.rank], dropped)
 
+    def _undo_last_ledger(self, seq_ids: list[int], last, undo: tuple) -> None:
+        """Undo the last :meth:`reserve` when nothing changed since (what a failed forward
+        undoes): the ledger's rows, page counts and chunks as that reservation found them,
+        then this rank's pages and rows (:meth:`PagedKVCache._undo_last`)."""
+        _, held, need, before = undo
+        self._ledger_undo = None
+        self._held[last.rows] = 0 if held is None else held
+        self._used -= need
+        if before is None:  # every request was new: its ledger entry goes (or was never written)
+            pending = self._pending_chunks
+            if pending is not None and pending[0] is last.ids:
+                self._pending_chunks = None
+            else:
+                deque(map(self._ledger_chunks().__delitem__, seq_ids), maxlen=0)
+        else:
+            chunks = self._ledger_chunks()
+            chunks.update(zip(seq_ids, before))
+            deque(map(chunks.__delitem__, compress(seq_ids, last.created)), maxlen=0)
+        self._undo_last()
+
     def release(self, handle: KVHandle) -> None:
-        row = self._rows.get(handle.seq_id) if isinstance(handle, KVHandle) else None
+        row = self._live_rows().get(handle.seq_id) if isinstance(handle, KVHandle) else None
         super().release(handle)  # checks the handle, frees this rank's pages
         self._used -= self._pages(self._held[row])
         self._held[row] = 0
-        del self._chunks[handle.seq_id]
+        del self._ledger_chunks()[handle.seq_id]
 
     def handle(self, seq_id: int) -> KVHandle:
-        row = self._rows[seq_id]
+        row = self._live_rows()[seq_id]
         held = self._held[row].tolist()
         return KVHandle(seq_id, sum(held), self._pages_of_row(row), self.cache_id, "sharded",
-                        self.cp_size, self._chunks[seq_id], tuple(held))
+                        self.cp_size, self._ledger_chunks()[seq_id], tuple(held))
 
     def snapshot(self) -> tuple:
-        ledger = tuple((k, self._chunks[k], tuple(self._held[r].tolist())) for k, r in sorted(self._rows.items()))
+        chunks = self._ledger_chunks()
+        ledger = tuple((k, chunks[k], tuple(self._held[r].tolist())) for k, r in sorted(self._live_rows().items()))
         return super().snapshot() + (ledger, tuple(self._used.tolist()))
 
     # ---- what the ring reads ----------------------------------------------------
-    def rank_tokens(self, seq_ids: list[int]) -> np.ndarray:
-        """int64 [C, len(seq_ids)]: positions each rank holds of these live sequences."""
-        return np.ascontiguousarray(self._held[self.table_rows(seq_ids)].T)
+    def rank_tokens(self, seq_ids: list[int], rows: np.ndarray | None = None) -> np.ndarray:
+        """int64 [C, len(seq_ids)]: positions each rank holds of these live sequences
+        (``rows``: their :meth:`table_rows`, when the caller has them)."""
+        return np.ascontiguousarray(self._held[self.table_rows(seq_ids) if rows is None else rows].T)
 
     def rank_used_pages(self) -> np.ndarray:
         """int64 [C]: pages every rank's pool has handed out (the ledger's count)."""

@@ -65,7 +65,7 @@ class PrefillOutput:
     aux_hidden: list[torch.Tensor] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class PreparedBatch:
     """Host-side result of planning one batch on this rank."""
 
@@ -116,10 +116,10 @@ class BatchPreparer:
             checked = self._validate(batch)
             if not verified:
                 self._check_consistency_of(batch, checked, call_args)
-            plan = self.layout.plan(extend_lens=checked.extend, prefix_lens=checked.prefix)
-        seq_ids = self.kv.extend(checked.prefixes, checked.extend)
+            plan = self.layout.plan_checked(checked.extend, checked.prefix, checked.min_extend)
+        seq_ids, rows = self.kv.reserve(checked.prefixes, checked.rows, checked.extend)
         try:
-            prep = self.rank_inputs(plan, seq_ids, checked.flat)
+            prep = self.rank_inputs(plan, seq_ids, checked.flat, rows)
         except BaseException:
             self.kv.rollback(seq_ids, checked.extend)
             raise
@@ -196,9 +196,12 @@ class BatchPreparer:
             out.append(t.astype(np.int64, copy=False))
         flat = check_vocabulary(out, vocab)
         prefixes = [r.prefix for r in batch]
-        prefix = np.array([0 if h is None else h.num_tokens for h in prefixes], dtype=np.int64)
-        return CheckedBatch(flat, np.fromiter((t.shape[0] for t in out), dtype=np.int64, count=len(out)),
-                            prefix, prefixes)
+        num = len(out)
+        lengths = np.array([t.shape[0] for t in out] + [0 if h is None else h.num_tokens for h in prefixes],
+                           dtype=np.int64)
+        lengths.setflags(write=False)
+        return CheckedBatch(flat, lengths[:num], lengths[num:], prefixes, self.kv.prefix_rows(prefixes),
+                            min(t.shape[0] for t in out))
 
     def _check_consistency(self, group: CPGroup, flat: np.ndarray, extend: np.ndarray, prefix: np.ndarray, batch,
                            call_args: Sequence[int] = ()) -> None:
@@ -220,17 +223,20 @@ class BatchPreparer:
                 f"vs {[allfp[r].tolist() for r in differ]}); every rank must call prefill with the same requests"
             )
 
-    def rank_inputs(self, plan: Plan, seq_ids: list[int], flat: np.ndarray) -> PreparedBatch:
+    def rank_inputs(self, plan: Plan, seq_ids: list[int], flat: np.ndarray,
+                    seq_rows: np.ndarray | None = None) -> PreparedBatch:
         """This rank's host inputs for one planned batch (``flat``: the batch's token
-        ids in batch order, as :meth:`_validate` returns them)."""
+        ids in batch order, as :meth:`_validate` returns them; ``seq_rows``: the
+        sequences' page-table rows when the caller has them, as ``kv.reserve`` returns)."""
         with nvtx_range("prepare", category="host"):
             kv = self.kv
             rp = plan.rank(self.group.rank)
             if self.ring is not None:
-                sh = self.ring.inputs(plan, kv, seq_ids, self.group.rank, self.device)
+                sh = self.ring.inputs(plan, kv, seq_ids, self.group.rank, self.device, seq_rows)
                 return PreparedBatch(plan, seq_ids, flat[rp.rows], rp.positions, sh.slots, sh.meta,
                                      sh.seg_page_table, ring=sh.ring)
-            seq_rows = kv.table_rows(seq_ids)
+            if seq_rows is None:
+                seq_rows = kv.table_rows(seq_ids)
             # attention metadata written in place into one packed buffer; this rank's
             # segments read pages up to their kv lengths only
             kv_lens = rp.seg_kv_len
@@ -238,23 +244,26 @@ class BatchPreparer:
             buf, cu, kvl, pt = AttentionMetadata.host_buffers(kv_lens.shape[0], max(1, kv.pages_for(max_kv)))
             cu[:] = rp.cu_seqlens_q
             kvl[:] = kv_lens
-            kv.page_table_rows(seq_rows[rp.seg_request], pt.shape[1], out=pt)
-            meta = AttentionMetadata(cu, kvl, pt, kv.page_size, max(rp.seg_q_len.tolist(), default=0), max_kv,
+            seg_rows = seq_rows[rp.seg_request]
+            kv.page_table_rows(seg_rows, pt.shape[1], out=pt)
+            q_lens = rp.seg_q_len
+            meta = AttentionMetadata(cu, kvl, pt, kv.page_size, max(q_lens.tolist(), default=0), max_kv,
                                      self.device, _packed=buf)
-            slots = kv.slots(seq_rows, rp.positions, rp.seg_request, rp.seg_q_len)
+            slots = kv.run_slots(seg_rows, rp.positions, q_lens)
             return PreparedBatch(plan, seq_ids, flat[rp.rows], rp.positions, slots, meta, pt)
 
 
 _INT64_MAX = np.iinfo(np.int64).max
 _num_tokens_of = attrgetter("num_tokens")
 _INT64 = {np.dtype(np.int64)}
+_REQUEST = {Request}
 #: the token dtypes the array checks take (native integers; others go request by
 #: request, which takes or words them)
 _INTEGER_DTYPES = {np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
                                           np.uint8, np.uint16, np.uint32, np.uint64)}
 
 
-@dataclass
+@dataclass(slots=True)
 class CheckedBatch:
     """A batch that passed validation, as the preparer uses it."""
 
@@ -262,6 +271,10 @@ class CheckedBatch:
     extend: np.ndarray  # int64 [R]: each request's new tokens
     prefix: np.ndarray  # int64 [R]: each request's cached tokens (0 without a prefix)
     prefixes: list  # each request's prefix handle, or None
+    #: each prefix's row of the cache's page table, -1 for None; None: no prefix at all
+    #: (:meth:`PagedKVCache.prefix_rows`, which the reservation reuses)
+    rows: np.ndarray | None = None
+    min_extend: int = 0  # the fewest new tokens of a request
 
 
 def _check_batch(batch: Sequence, kv: PagedKVCache, vocab: int, max_tokens: int) -> CheckedBatch | None:
@@ -271,39 +284,56 @@ def _check_batch(batch: Sequence, kv: PagedKVCache, vocab: int, max_tokens: int)
     finds and names the culprit). Accepts exactly what that accepts, with the same
     result: 1-D integer token ids (arrays, CPU tensors, lists), non-empty, every id
     in ``[0, vocab)``, live distinct prefix handles, ``max_tokens`` per request."""
-    if set(map(type, batch)) != {Request}:
+    if set(map(type, batch)) != _REQUEST:
         return None
+    prefixes = [r.prefix for r in batch]
     try:  # CPU tensors convert without a copy; what cannot convert is worded by the per-request path
         arrays = list(map(np.asarray, [r.tokens for r in batch]))
+        lengths, least, most = _lengths(arrays)  # (a 0-d array has no len)
     except Exception:  # noqa: BLE001 - any failure: the per-request path says what and where
         return None
     dtypes = {a.dtype for a in arrays}  # (comprehensions: Python 3.11's attribute loads beat attrgetter)
-    if {a.ndim for a in arrays} != {1} or not dtypes <= _INTEGER_DTYPES:
+    if not dtypes <= _INTEGER_DTYPES or least < 1:
         return None
-    lens = list(map(len, arrays))  # (small lists: Python's min and max beat numpy's)
-    if min(lens) < 1:
-        return None
-    extend = np.array(lens, dtype=np.int64)
-    prefixes = [r.prefix for r in batch]
+    num = len(arrays)
+    extend, prefix = lengths[:num], lengths[num:]
     try:
         rows = kv.prefix_rows(prefixes)
     except KVHandleError:
         return None
     if rows is None:
-        prefix = np.zeros(len(lens), dtype=np.int64)
-        if max(lens) > max_tokens:
+        if most > max_tokens:
             return None
     else:
         given = rows >= 0
-        prefix = np.zeros(len(lens), dtype=np.int64)
         prefix[given] = np.fromiter(map(_num_tokens_of, compress(prefixes, given)), np.int64, int(given.sum()))
         if int(np.maximum.reduce(prefix + extend)) > max_tokens:
             return None
-    # uint64 ids past int64 wrap negative here; a negative id, seen unsigned, is >= vocab
-    flat = np.concatenate(arrays) if dtypes == _INT64 else np.concatenate(arrays, dtype=np.int64, casting="unsafe")
-    if int(np.maximum.reduce(flat.view(np.uint64))) >= vocab:
+    try:  # arrays of other ranks do not concatenate, or do but not to 1-D: the per-request path words it
+        # uint64 ids past int64 wrap negative here; a negative id, seen unsigned, is >= vocab
+        flat = np.concatenate(arrays) if dtypes == _INT64 else np.concatenate(arrays, dtype=np.int64, casting="unsafe")
+    except ValueError:
         return None
-    return CheckedBatch(flat, extend, prefix, prefixes)
+    if flat.ndim != 1 or int(np.maximum.reduce(flat.view(np.uint64))) >= vocab:
+        return None
+    lengths.setflags(write=False)  # (before the views the plan keeps: a view made earlier stays writeable)
+    return CheckedBatch(flat, lengths[:num], lengths[num:], prefixes, rows, least)
+
+
+def _lengths(arrays: list[np.ndarray]) -> tuple[np.ndarray, int, int]:
+    """An int64 [2R] zero buffer holding each array's length in its first half (the
+    extend lengths; the prefix lengths go in the second), and the least and most of
+    them. (Through a list and Python's min and max for a few requests, numpy's for
+    many: each is the faster there.)"""
+    num = len(arrays)
+    lengths = np.zeros(2 * num, dtype=np.int64)
+    if num <= 64:
+        lens = list(map(len, arrays))
+        lengths[:num] = lens
+        return lengths, min(lens), max(lens)
+    extend = lengths[:num]
+    extend[:] = np.fromiter(map(len, arrays), np.int64, num)
+    return lengths, int(np.minimum.reduce(extend)), int(np.maximum.reduce(extend))
 
 
 def _prefix_pages(batch: Sequence[Request]) -> np.ndarray | None:

@@ -27,6 +27,7 @@ batch order, in a staging buffer (page 0 is scratch). Pass-Q: at step ``i`` rank
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ import torch
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.ring.exchange_choice import ExchangeChoice, choose_exchange
 from graphcp.attention.ring.hardware import HardwareSpec
+from graphcp.cp.base import arange
 from graphcp.cp.zigzag import ZigzagPlan
 from graphcp.kv.sharded import ShardedKVCache
 
@@ -125,28 +127,73 @@ def visible_keys(start: np.ndarray, length: np.ndarray, held_before: np.ndarray)
 def visible_keys_of(rank: int, start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
     """``visible_keys(...)[rank]``, int64 [C, R, 2]: what this rank's query blocks see of
     every rank's keys, O(C R). Raises RingPlanError unless this rank's rows get their
-    whole causal history (every rank checks its own)."""
-    end = start + length
-    row = np.where(length[rank] == 0, 0, _seen(end[rank], start, length, held_before))
-    _check_history(row.sum(axis=0)[None], end[rank][None], (length[rank] > 0)[None], np.array([rank]))
-    return row
+    whole causal history (every rank checks its own).
+
+    ``start``/``length`` are a zigzag plan's blocks (:meth:`ZigzagPlan.blocks`), so the
+    counts need no positions: a request's blocks are consecutive in position order,
+    block ``k`` on rank ``k`` (early) and ``2C-1-k`` on rank ``k`` (late), so a key
+    block is wholly visible to a query block when its index is not above the query
+    block's, else not at all. This rank's early block (index r) sees the early blocks of
+    ranks k <= r; its late block (2C-1-r) every early block and the late blocks of ranks
+    k >= r; both see every cached position. A few numpy calls over [C, R] (the general
+    count from positions is :func:`visible_keys`, which the tests hold this to); the
+    history check still compares the sums with the blocks' positions."""
+    below, above = _rank_masks(start.shape[0], rank)
+    early, late = length[..., 0], length[..., 1]  # [C, R]
+    vis = np.empty(length.shape, dtype=np.int64)
+    np.multiply(early, below, out=vis[..., 0])
+    vis[..., 0] += held_before
+    np.multiply(late, above, out=vis[..., 1])
+    vis[..., 1] += early
+    vis[..., 1] += held_before
+    live = length[rank] > 0  # [R, 2]
+    vis *= live  # an empty query block sees nothing
+    end = start[rank] + length[rank]
+    total = np.add.reduce(vis, axis=0)
+    if not np.array_equal(total, end * live):  # (every live block's whole history; the error worded as everywhere)
+        _check_history(total[None], end[None], live[None], np.array([rank]))
+    return vis
+
+
+@lru_cache(maxsize=1024)
+def _rank_masks(cp_size: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 [C, 1] each: 1 for the ranks k <= rank, and for the ranks k >= rank."""
+    k = np.arange(cp_size, dtype=np.int64)[:, None]
+    below, above = (k <= rank).astype(np.int64), (k >= rank).astype(np.int64)
+    below.setflags(write=False)
+    above.setflags(write=False)
+    return below, above
 
 
 def visible_keys_to(rank: int, start: np.ndarray, length: np.ndarray, held_before: np.ndarray) -> np.ndarray:
     """``visible_keys(...)[:, rank]``, int64 [C, R, 2]: what every rank's query blocks see
-    of this rank's keys (what pass-Q attends here), O(C R)."""
-    col = _seen(start + length, start[rank], length[rank], held_before[rank])
-    return np.where(length == 0, 0, col)
-
-
-def _meta(cu: np.ndarray, kv_lens: np.ndarray, table: np.ndarray, page_size: int, device, causal: bool):
-    return AttentionMetadata.from_host(cu, kv_lens, table, page_size, device, validate=False, causal=causal)
+    of this rank's keys (what pass-Q attends here), O(C R). From block indices, as
+    :func:`visible_keys_of` counts (``start``/``length``: a zigzag plan's blocks): rank
+    q's early block (index q) sees this rank's early block when q >= rank; its late
+    block (2C-1-q) sees this rank's early block always and its late block when q <= rank."""
+    below, above = _rank_masks(start.shape[0], rank)  # [C, 1] over q: q <= rank, q >= rank
+    early, late, held = length[rank, :, 0], length[rank, :, 1], held_before[rank]  # [R]
+    col = np.empty(length.shape, dtype=np.int64)
+    np.multiply(above, early, out=col[..., 0])
+    col[..., 0] += held
+    np.multiply(below, late, out=col[..., 1])
+    col[..., 1] += early + held
+    col *= length > 0  # an empty query block sees nothing
+    return col
 
 
 def _cu(q_lens: np.ndarray) -> np.ndarray:
     cu = np.zeros(q_lens.size + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
     return cu
+
+
+@lru_cache(maxsize=1024)
+def _sources(cp_size: int, rank: int) -> np.ndarray:
+    """int64 [C - 1]: the rank whose keys (pass-KV) or rows (pass-Q) step i >= 1 reads, (r - i) mod C."""
+    out = (rank - np.arange(1, cp_size)) % cp_size
+    out.setflags(write=False)
+    return out
 
 
 def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: np.ndarray | None,
@@ -160,7 +207,7 @@ def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: 
     C = row.shape[0]
     if C == 1:
         return []
-    srcs = (rank - np.arange(1, C)) % C
+    srcs = _sources(C, rank)
     n = C - 1
     S = seg_request.shape[0]
     if exchange == "pass-kv":
@@ -190,32 +237,41 @@ def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: 
 
 
 def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int, exchange: str,
-                 device: torch.device, choice: ExchangeChoice | None = None) -> ShardedInputs:
+                 device: torch.device, choice: ExchangeChoice | None = None,
+                 seq_rows: np.ndarray | None = None) -> ShardedInputs:
     """Rank ``rank``'s inputs for one batch over a sharded cache whose pages the batch
-    has reserved (``kv.extend`` ran: the ledger counts this forward's blocks)."""
+    has reserved (``kv.extend`` ran: the ledger counts this forward's blocks;
+    ``seq_rows``: the sequences' table rows, when the caller has them)."""
     C, R, ps = plan.cp_size, plan.num_requests, kv.page_size
     start, length = plan.blocks()
-    held_after = kv.rank_tokens(seq_ids)  # [C, R]
-    held_before = held_after - length.sum(axis=2)
+    if seq_rows is None:
+        seq_rows = kv.table_rows(seq_ids)
+    held_after = kv.rank_tokens(seq_ids, seq_rows)  # [C, R]
+    held_before = held_after - length[..., 0]
+    held_before -= length[..., 1]
     row = visible_keys_of(rank, start, length, held_before)
     col = visible_keys_to(rank, start, length, held_before) if exchange == "pass-q" else None
     pages = -(-held_after // ps)  # [C, R]: each rank's pages of each request
-    seq_rows = kv.table_rows(seq_ids)
     seg_request = plan.rank(rank).seg_request  # (the rank's plan is built and cached by now)
     q_lens = length[rank].reshape(-1)
     cu = _cu(q_lens)
     # this rank's own keys of the batch's requests, all of them (pass-Q and step 0 read them)
     width = max(int(pages[rank].max(initial=0)), 1)
     own_table = kv.page_table_rows(seq_rows, width)
-    seg_table = own_table[seg_request]
-    meta0 = _meta(cu, row[rank].reshape(-1), seg_table, ps, device, causal=True)
+    # step 0's metadata written in place into its packed buffer (as from_host packs it)
+    buf, cu0, kv0, seg_table = AttentionMetadata.host_buffers(2 * R, width)
+    cu0[:] = cu
+    kv_own = row[rank].reshape(-1)
+    kv0[:] = kv_own
+    own_table.take(seg_request, axis=0, out=seg_table)
+    meta0 = AttentionMetadata(cu0, kv0, seg_table, ps, max(q_lens.tolist(), default=0),
+                              max(kv_own.tolist(), default=0), device, _packed=buf)
     # local index of each new row: after the request's cached pieces, early block first
-    local0 = np.empty((R, 2), dtype=np.int64)
-    local0[:, 0] = held_before[rank]
-    np.add(held_before[rank], length[rank, :, 0], out=local0[:, 1])
-    n = int(cu[-1])
-    local = np.repeat(local0.reshape(-1) - cu[:-1], q_lens) + np.arange(n)
-    slots = kv.slots(seq_rows, local, seg_request, q_lens)
+    # (a request's two blocks are consecutive rows here: one run per request)
+    req_rows = length[rank, :, 0] + length[rank, :, 1]
+    local = np.repeat(held_before[rank] - cu[:-1:2], req_rows)
+    local += arange(local.shape[0])
+    slots = kv.run_slots(seq_rows, local, req_rows)
     steps = [meta0, *_ring_steps(exchange, rank, cu, row, col, length, pages, seg_request, seg_table, ps, device)]
     msg_pages = [0] * C
     send_pages = np.zeros(0, dtype=np.int64)
@@ -223,7 +279,8 @@ def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank:
         msg_pages = pages.sum(axis=1).tolist()
         mask = np.arange(width) < pages[rank][:, None]
         send_pages = own_table[mask].astype(np.int64)
-    ring = RingPlan(exchange, C, rank, steps, length.sum(axis=(1, 2)).tolist(), msg_pages, send_pages, choice)
+    ring = RingPlan(exchange, C, rank, steps, np.add.reduce(length.reshape(C, -1), axis=1).tolist(), msg_pages,
+                    send_pages, choice)
     return ShardedInputs(slots, meta0, seg_table, ring)
 
 
@@ -245,6 +302,6 @@ class RingPlanner:
                                self.num_kv_heads, self.head_dim, plan.cp_size, self.elem_bytes, self.hardware)
 
     def inputs(self, plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int,
-               device: torch.device) -> ShardedInputs:
+               device: torch.device, seq_rows: np.ndarray | None = None) -> ShardedInputs:
         choice = self.choose(plan)
-        return plan_sharded(plan, kv, seq_ids, rank, choice.exchange, device, choice)
+        return plan_sharded(plan, kv, seq_ids, rank, choice.exchange, device, choice, seq_rows)
