@@ -142,10 +142,13 @@ def test_assignment_is_balanced_and_keeps_prefixes_home():
 
 def test_dp_refusals(hf_model_dir):
     dense = hf_model_dir("qwen3")
-    with pytest.raises(ConfigError, match=r"dp_size=2 with pp_size=2: attention data parallelism under pipeline"):
+    with pytest.raises(ConfigError, match=r"^ParallelConfig.dp_size > 1 with ParallelConfig.pp_size > 1: attention "
+                                          r"data parallelism under pipeline stages is not built yet"):
         PrefillEngine(dense, RuntimeConfig(kv_tokens=256), parallel=ParallelConfig(dp_size=2, pp_size=2))
-    with pytest.raises(ConfigError, match=r"a DSA \(MLA\) model with attention DP \(dp_size=2\) is not built yet"):
-        ModelConfig.from_file(hf_model_dir("deepseek_v32") / "config.json").check_parallel(ParallelConfig(dp_size=2))
+    with pytest.raises(ConfigError, match=r"^a deepseek_v32 model \(DSA\) with ParallelConfig.dp_size > 1: attention "
+                                          r"DP is not built yet for DSA"):
+        ModelConfig.from_file(hf_model_dir("deepseek_v32") / "config.json").check_combination(
+            RuntimeConfig(), ParallelConfig(dp_size=2))
 
 
 def _refusals(group, folder):
@@ -171,7 +174,8 @@ def test_dp_refuses_what_is_not_built_and_agrees_on_a_refused_batch(hf_model_dir
     results = launch(_refusals, 2, hf_model_dir("qwen3"), timeout_s=120)
     for errors, _, _ in results:
         assert len(errors) == 4, errors
-        assert "export_kv under attention DP (dp_size=2) is not built yet" in errors[0]
+        assert "ParallelConfig.dp_size > 1 with PrefillEngine.export_kv: the KV export under attention DP is not " \
+               "built yet" in errors[0]
         assert "microbatches=2 under attention DP is not built yet" in errors[1]
         assert "under attention DP a prefix is the ReplicaHandle" in errors[2]
         assert "exceed" in errors[3] or "another attention-DP replica refused" in errors[3]

@@ -78,8 +78,8 @@ def test_run_shows_the_mesh(tmp_path, hf_model_dir, capsys):
 @pytest.mark.parametrize("flags,msg", [
     (["--tp", "3", "--cp", "2"], "tp_size=3 must be a multiple of dp_size x cp_size = 1 x 2 = 2"),
     (["--tp", "16"], "num_attention_heads=8 does not divide by attention TP 16"),
-    (["--dp", "2", "--pp", "2"], "dp_size=2 with pp_size=2: attention data parallelism under pipeline stages"),
-    (["--dp", "2", "--export-kv", "KV"], "export_kv under attention DP (dp_size=2) is not built yet"),
+    (["--dp", "2", "--pp", "2"], "--dp >1 with --pp >1: attention data parallelism under pipeline stages"),
+    (["--dp", "2", "--export-kv", "KV"], "--dp >1 with --export-kv: the KV export under attention DP is not built yet"),
     (["--model", "default-dsa", "--tp", "2"], "a DSA (MLA) model runs attention TP 1 under CP"),
 ])
 def test_bad_mesh_flags_are_one_line(tmp_path, capsys, flags, msg):
@@ -95,4 +95,4 @@ def test_bad_mesh_flags_are_one_line(tmp_path, capsys, flags, msg):
 def test_pd_demo_under_attention_dp_is_one_line(capsys):
     assert main(["pd-demo", "--dp", "2", "--transport", "file"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "export_kv under attention DP (dp_size=2) is not built yet" in err, err
+    assert err.count("\n") == 1 and "the KV export under attention DP is not built yet" in err, err

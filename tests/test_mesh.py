@@ -10,7 +10,8 @@ import torch
 
 from graphcp import ConfigError, ParallelConfig
 from graphcp.dist import launch
-from graphcp.mesh import GROUP_NAMES, build_mesh, coords, not_built, rank_groups
+from graphcp.combinations import parallel_settings, refusal
+from graphcp.mesh import GROUP_NAMES, build_mesh, coords, rank_groups
 
 #: (T, C, D) = (4, 2, 1): attention TP 2 inside each of the 2 CP partitions
 TABLE_421 = {
@@ -67,11 +68,14 @@ def test_membership_table_822():
 
 
 def test_meshes_not_built_yet_are_refused():
-    assert not_built(ParallelConfig(tp_size=4, cp_size=2)) is None
-    assert not_built(ParallelConfig(cp_size=2, dp_size=2)) is None
-    assert "attention data parallelism under pipeline stages is not built yet" in not_built(
-        ParallelConfig(cp_size=2, dp_size=2, pp_size=2))
-    assert not_built(ParallelConfig(tp_size=4, cp_size=2, pp_size=2)) is None  # each stage holds the mesh
+    def refused(p: ParallelConfig):
+        return refusal(parallel_settings(p))
+
+    assert refused(ParallelConfig(tp_size=4, cp_size=2)) is None
+    assert refused(ParallelConfig(cp_size=2, dp_size=2)) is None
+    assert "attention data parallelism under pipeline stages is not built yet" in refused(
+        ParallelConfig(cp_size=2, dp_size=2, pp_size=2)).reason
+    assert refused(ParallelConfig(tp_size=4, cp_size=2, pp_size=2)) is None  # each stage holds the mesh
 
 
 def _members(world, tp: int, cp: int):
