@@ -193,6 +193,9 @@ class RuntimeConfig:
     aux_hidden_layers: tuple[int, ...] = ()
     #: micro-batches a prefill is pipelined as by default (pipeline parallelism)
     microbatches: int = 1
+    #: an EAGLE-3 draft checkpoint (a folder): every prefill then also runs the draft over
+    #: the same rows and caches its layer's K/V (docs/speculative.md); None: no draft
+    draft: str | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -221,6 +224,20 @@ class RuntimeConfig:
             self.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", MAX_LAYERS, err=ConfigError))
         check_int(self.microbatches, "microbatches", lo=1, hi=MAX_MICROBATCHES, where="RuntimeConfig")
         self._check_kv_cache()
+        self._check_draft()
+
+    def _check_draft(self) -> None:
+        """A draft runs after the target's whole body, over the same rows: not yet in
+        micro-batches, nor in a full graph (its attention is a break of its own graph)."""
+        if self.draft is None:
+            return
+        check_str(self.draft, "draft", where="RuntimeConfig")
+        if self.graph == "full":
+            raise ConfigError("RuntimeConfig.draft is not built for graph='full' (the draft's attention runs "
+                              "eagerly after the target's graph); use graph='breakable' or 'off'")
+        if self.microbatches != 1:
+            raise ConfigError(f"RuntimeConfig.draft runs one forward a batch, got microbatches={self.microbatches} "
+                              "(micro-batches and pipeline stages are not built for a draft; expected 1)")
 
     def _check_kv_cache(self) -> None:
         """The sharded cache's ring needs the zigzag layout (its masks follow from the
