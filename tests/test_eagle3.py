@@ -198,6 +198,8 @@ def test_what_a_draft_is_not_built_for_is_refused(models, hf_model_dir):
         RuntimeConfig(microbatches=2, draft=draft)
     with pytest.raises(ConfigError, match="not built for mixture-of-experts targets"):
         PrefillEngine(str(hf_model_dir("qwen3_moe")), RuntimeConfig(kv_tokens=256, draft=draft))
+    with pytest.raises(ConfigError, match="not built for DSA targets"):
+        PrefillEngine(str(hf_model_dir("deepseek_v32")), RuntimeConfig(kv_tokens=256, draft=draft))
     eng = PrefillEngine(target, RuntimeConfig(kv_tokens=256, draft=draft))
     with pytest.raises(BatchError, match="microbatches=2 with a draft"):
         eng.prefill([Request([1, 2])], microbatches=2)
