@@ -82,6 +82,8 @@ def cmd_prefill(args) -> int:
             out["logits"] = res["logits"]
         if "aux_hidden" in res:
             out["aux_hidden"], out["aux_hidden_layers"] = res["aux_hidden"], res["aux_hidden_layers"]
+        if "draft_logits" in res:
+            out["draft_logits"], out["draft_to_target"] = res["draft_logits"], res["draft_to_target"]
         _save(out, args.output)
         if args.stats:
             write_stats(args.stats, res["stats"])
@@ -187,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", default=None, metavar="STATS.json",
                    help="also write what each rank did: KV pool and stored tokens, and per forward its path, "
                         "bucket, exchange, new and cached tokens and bytes received (docs/sharded_kv.md)")
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="an EAGLE-3 draft checkpoint: also prefill the draft over the same rows (its K/V cached and "
+                        "exported with the target's) and save 'draft_logits' and 'draft_to_target' (docs/speculative.md)")
     add_runtime_args(p, None)
     p.set_defaults(func=cmd_prefill)
 

@@ -115,6 +115,7 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
         kv_cache=args.kv_cache, exchange=args.exchange, peak_tflops=args.peak_tflops,
         link_gb_per_s=args.link_gb_per_s,
         aux_hidden_layers=args.aux_hidden_layers, microbatches=args.pp_microbatches, moe=args.moe,
+        draft=getattr(args, "draft", None),  # prefill's --draft
     )
     return JobSpec(args.model, rt, args.buckets, args.cp, args.pp, args.pp_layers)
 
