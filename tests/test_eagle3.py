@@ -16,6 +16,7 @@ from helpers import rel_err
 import graphcp.runtime.draft as draft_runtime
 from graphcp import BatchError, ConfigError, ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import CPGroup, launch
+from graphcp.model.eagle3.shift import draft_input_ids
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.engine import prefill_after_prefixes
 
@@ -53,8 +54,34 @@ def _job(group, target, draft, cases):
         eng = PrefillEngine(target, rt, group, BUCKETS, ParallelConfig(cp_size=cp))
         res = prefill_after_prefixes(eng, _batch(), all_logits=True)
         out.append({"draft": res.draft, "last_logits": res.last_logits, "path": res.info.path,
-                    "stats": eng.stats()["forwards"][-1]})
+                    "stats": eng.stats()["forwards"][-1], "bitwise": _replay_bitwise(eng) if graph != "off" else None})
     return out
+
+
+def _replay_bitwise(eng) -> bool:
+    """The draft's replay (after the target's, which fills what it reads) equals, bitwise,
+    the same draft run eagerly on the same bucket: its rows and the K/V it wrote."""
+    toks = [np.arange(40) % 512, np.arange(3) + 7]
+    prep = eng.preparer.prepare([Request(t) for t in toks])
+    try:
+        cap = eng.runner.select(prep.plan.max_local_rows).capacity
+        eng.runner.try_replay(prep)
+        ids = draft_input_ids(np.concatenate(toks), prep.plan.extend_lens, np.array([5, 6]),
+                              prep.plan.rank(eng.rank).rows)
+        graphs, layer = eng.drafter.graphs, eng.kv.layer(eng.drafter.layer)
+        pages = torch.tensor([p for s in prep.seq_ids for p in eng.kv.handle(s).pages], dtype=torch.long)
+        layer.index_fill_(0, pages, 0)  # (a page's slots past the batch's: zeros for both)
+        want = [t.clone() for t in graphs.eager_on_bucket(prep, cap, ids)] + [layer[pages].clone()]
+        layer.index_fill_(0, pages, 0)
+        got = list(graphs.replay(prep, cap, ids, {})) + [layer[pages]]
+        graph = graphs.graphs[cap][0]  # the draft layer's computation in segments, its attention a break
+        ok = (len(graph.segments), len(graph.breaks)) == (2, 1) and all(torch.equal(a, b) for a, b in zip(got, want))
+        if eng.group.size == 1:  # capture() takes the draft's graph of every bucket after the target's
+            eng.capture()
+            ok = ok and set(graphs.graphs) == set(eng.runner.graphs) == set(BUCKETS.capacities)
+        return ok
+    finally:
+        eng.preparer.abort(prep)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +142,7 @@ def test_draft_logits_equal_the_reference(models, reference, ranks):
             w = reference["weights"]
             assert torch.equal(d.draft_to_target, torch.arange(128) + w["d2t"])
             assert got["path"] == ("graph" if graph != "off" else "eager"), where
+            assert got["bitwise"] is (True if graph != "off" else None), where
             st = got["stats"]
             itemsize = 4 if dtype == "float32" else 2
             new = sum(LENS)

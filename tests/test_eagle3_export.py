@@ -1,5 +1,5 @@
 """A request prefilled with an EAGLE-3 draft exports its draft layer's K/V after the
-target's (graphcp-kv/1 with ``draft_layers=1``), from every cache mode at CP 2, and the
+target's (graphcp-kv/1 with ``draft_layers=1``), from every cache mode at CP 2 (graphs off and breakable), and the
 export continues exactly in the reference: the target's layers in transformers' cache
 give the next token's logits, the draft's K/V are the reference draft's and a next
 draft step over them equals the reference over the whole sequence. The file transport
@@ -20,8 +20,8 @@ from graphcp.pd.hf import greedy_continue, to_dynamic_cache
 from graphcp.runtime.engine import prefill_after_prefixes
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
-CASES = [("replicated", "float32"), ("sharded", "float32"), ("layer-split", "float32"),
-         ("layer-split", "bfloat16"), ("sharded", "bfloat16")]
+CASES = [("replicated", "float32", "off"), ("sharded", "float32", "breakable"), ("layer-split", "float32", "off"),
+         ("layer-split", "bfloat16", "breakable"), ("sharded", "bfloat16", "off")]
 PREFIX, NEW = 11, 18
 
 
@@ -38,11 +38,12 @@ def _ids():
 def _job(group, target, draft, path):
     out = []
     ids = _ids()
-    for kv, dtype in CASES:
-        rt = RuntimeConfig(dtype=dtype, kv_tokens=1024, kv_cache=kv, draft=draft)
+    for kv, dtype, graph in CASES:
+        rt = RuntimeConfig(dtype=dtype, kv_tokens=1024, kv_cache=kv, draft=draft, graph=graph)
         eng = PrefillEngine(target, rt, group, None, ParallelConfig(cp_size=2))
         res = prefill_after_prefixes(eng, [(ids[:PREFIX], ids[PREFIX:])])
         export = eng.export_kv(res.handles[0])
+        assert res.info.path == ("graph" if graph != "off" else "eager")
         if group.rank == 0 and kv == "layer-split":
             save_kv(export, f"{path}/{dtype}.safetensors")
         out.append((export, int(res.draft.next_tokens[0]), res.draft.logits[0]))
@@ -58,7 +59,7 @@ def test_the_export_continues_in_the_reference(models, tmp_path):
     ids = _ids()
     hf = {d: AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, d)).eval() for d in TOL}
     for rank, per_case in enumerate(launch(_job, 2, target, draft, str(tmp_path))):
-        for (kv, dtype), (export, nxt, draft_logits) in zip(CASES, per_case):
+        for (kv, dtype, _), (export, nxt, draft_logits) in zip(CASES, per_case):
             where, tol, m = f"rank {rank}: {kv}, {dtype}", TOL[dtype], export.meta
             assert (m.num_layers, m.draft_layers, m.target_layers) == (5, 1, 4), where
             embed = hf[dtype].model.embed_tokens.weight.detach()

@@ -23,6 +23,7 @@ from graphcp.model.forward_context import KV_RECEIVED
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.batch import DraftOutput, PreparedBatch
 from graphcp.runtime.body import Body
+from graphcp.runtime.capture.draft_graphs import DraftGraphs
 
 #: ForwardInfo.stats keys of the draft phase (the stats file lists them per forward)
 STAT_INPUT_BYTES = "draft_hidden_bytes_received"  # target hidden states moved to feed the draft: 0
@@ -42,32 +43,42 @@ class DraftRunner:
         """The draft layer's index in the cache (after the target's layers)."""
         return self.draft.layer_index
 
-    def run(self, prep: PreparedBatch, flat: np.ndarray, hidden: torch.Tensor, next_tokens: np.ndarray,
-            all_logits: bool, stats: dict) -> DraftOutput:
+    #: the draft's graphs (graph modes; None: it runs eagerly)
+    graphs: DraftGraphs | None = None
+
+    def run(self, prep: PreparedBatch, flat: np.ndarray, hidden: torch.Tensor | None, next_tokens: np.ndarray,
+            all_logits: bool, stats: dict, bucket: int | None = None) -> DraftOutput:
         """The draft over this rank's rows of ``prep`` (``flat``: the batch's ids in batch
         order; ``hidden``: [>= rows, 3 * hidden] the target's states of this rank's rows;
-        ``next_tokens``: int64 [R], the token after each request's last new token). Adds
-        the phase's figures to ``stats``."""
-        plan, n = prep.plan, prep.ids.shape[0]
-        rows = plan.rank(self.group.rank).rows
-        capacity = plan.max_local_rows
-        ids = np.zeros(capacity, dtype=np.int64)
-        pos = np.zeros(capacity, dtype=np.int64)
-        slots = np.full(capacity, -1, dtype=np.int64)
-        ids[:n] = draft_input_ids(flat, plan.extend_lens, next_tokens, rows)
-        pos[:n], slots[:n] = prep.positions, prep.slots
-        x = torch.zeros(capacity, hidden.shape[1], dtype=hidden.dtype, device=self.device)
-        x[:n].copy_(hidden[:n])  # this rank's own rows: no collective feeds the draft
-        dev = self.device
+        ``next_tokens``: int64 [R], the token after each request's last new token).
+        ``bucket``: the target replayed this bucket's graph: the draft replays its own
+        (reading the target's static rows). Adds the phase's figures to ``stats``."""
+        plan = prep.plan
+        ids = draft_input_ids(flat, plan.extend_lens, next_tokens, plan.rank(self.group.rank).rows)
         phase: dict = {}
-        with nvtx_range("draft", category="eager"):
-            ctx = self.body.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=phase,
-                                    prefix_pages=prep.prefix_pages)
-            normed, pre = self.draft(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), x, ctx)
+        if bucket is not None and self.graphs is not None:
+            normed, pre = self.graphs.replay(prep, bucket, ids, phase)
+        else:
+            normed, pre = self._eager(prep, ids, hidden, phase)
         stats[STAT_INPUT_BYTES] = 0
         stats[STAT_KV_RECEIVED] = phase.get(KV_RECEIVED, 0)
         stats[STAT_KV_STORED] = self._stored(prep)
         return self._outputs(prep, normed, pre, next_tokens, all_logits)
+
+    def _eager(self, prep: PreparedBatch, ids: np.ndarray, hidden: torch.Tensor,
+               phase: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft run eagerly on the largest rank's rows, padded as the body pads them."""
+        n, capacity, dev = prep.ids.shape[0], prep.plan.max_local_rows, self.device
+        rows = np.zeros(capacity, dtype=np.int64)
+        pos = np.zeros(capacity, dtype=np.int64)
+        slots = np.full(capacity, -1, dtype=np.int64)
+        rows[:n], pos[:n], slots[:n] = ids, prep.positions, prep.slots
+        x = torch.zeros(capacity, hidden.shape[1], dtype=hidden.dtype, device=dev)
+        x[:n].copy_(hidden[:n])  # this rank's own rows: no collective feeds the draft
+        with nvtx_range("draft", category="eager"):
+            ctx = self.body.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=phase,
+                                    prefix_pages=prep.prefix_pages)
+            return self.draft(torch.from_numpy(rows).to(dev), torch.from_numpy(pos).to(dev), x, ctx)
 
     def _stored(self, prep: PreparedBatch) -> int:
         """Bytes of the draft layer's K/V this rank's cache stored for the batch's new tokens."""

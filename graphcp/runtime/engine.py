@@ -51,6 +51,7 @@ from graphcp.pd.mla_export import MlaExport, MlaMeta, mla_meta
 from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBatch, Request
 from graphcp.runtime.body import Body
 from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.capture.draft_graphs import DraftGraphs
 from graphcp.runtime.capture.runner import Fallback, GraphRunner
 from graphcp.runtime.draft import DraftRunner
 from graphcp.runtime.pool_size import pool_bytes, pool_pages
@@ -139,7 +140,9 @@ class PrefillEngine:
         self.runner = None if rt.graph == "off" else GraphRunner(
             self.body, self.preparer, self.buckets,
             replace(rt, aux_hidden_layers=rt.aux_hidden_layers + self._draft_aux), self.max_context)
-        self.drafter = None if self.draft is None else DraftRunner(self.draft, self.body, self.group, self.device)
+        self.drafter = None if self.draft is None else DraftRunner(
+            self.draft, self.body, self.group, self.device,
+            None if self.runner is None else DraftGraphs(self.draft, self.runner))
         #: the token each live sequence's last draft row took (a chunk extending it must start with it)
         self._draft_next: dict[int, int] = {}
         self.microbatched = MicrobatchedPrefill(
@@ -244,7 +247,11 @@ class PrefillEngine:
         """Capture every bucket (graph mode); returns per-bucket capture stats."""
         if self.runner is None:
             raise ConfigError("RuntimeConfig.graph='off': there is nothing to capture")
-        return self.runner.capture_all(progress=progress)
+        out = self.runner.capture_all(progress=progress)
+        if self.drafter is not None:  # the draft's graph of every bucket, after the target's
+            for cap in sorted(self.runner.graphs, reverse=True):
+                self.drafter.graphs.capture(cap)
+        return out
 
     def release(self, handle: KVHandle) -> None:
         """Free a handle's KV pages; KVHandleError (a BatchError) for a handle that is
@@ -421,7 +428,8 @@ class PrefillEngine:
         cols = torch.tensor([layers.index(i) for i in self.draft.aux_layer_ids], device=self.device)
         hidden = aux_rows.index_select(1, cols).flatten(1)  # [rows, 3 * hidden]: fc's input, this rank's rows
         flat = np.concatenate([np.asarray(r.tokens, dtype=np.int64).reshape(-1) for r in batch])
-        return self.drafter.run(prep, flat, hidden, nxt, all_logits, info.stats)
+        return self.drafter.run(prep, flat, hidden, nxt, all_logits, info.stats,
+                                info.capacity if info.path == "graph" else None)
 
     # ---- stats ------------------------------------------------------------------
     def _record(self, prep: PreparedBatch, info: ForwardInfo) -> None:
