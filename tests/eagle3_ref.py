@@ -139,3 +139,25 @@ def target_states(hf, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 def shifted(ids: np.ndarray, nxt: int) -> torch.Tensor:
     return torch.as_tensor(np.concatenate([ids[1:], [nxt]]), dtype=torch.int64)
+
+
+def write_moe_target(folder: Path, top_k: int, seed: int = 0) -> Path:
+    """A tiny Qwen3-MoE target with the dense target's attention shape (so the draft fits
+    both): 8 experts, top ``top_k`` renormalised, layer 1 dense."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(**TARGET, head_dim=16, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=top_k,
+                         moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # routers far from uniform: few near-ties
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return folder

@@ -160,9 +160,6 @@ class PrefillEngine:
         if self.cfg.dsa is not None:
             raise ConfigError(f"RuntimeConfig.draft is not built for DSA targets ({self.cfg.family}: MLA caches "
                               "latents, the EAGLE-3 draft's K/V are per head); expected a Llama-family target")
-        if self.cfg.moe is not None:
-            raise ConfigError(f"RuntimeConfig.draft is not built for mixture-of-experts targets ({self.cfg.family}) "
-                              "yet; expected a dense Llama-family target")
         return load_draft(rt.draft, self.cfg, self.model.embed_tokens, self.dtype, self.device, self.max_context)
 
     def _max_pages_per_seq(self, num_pages: int) -> int:
