@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from eagle3_ref import draft_tensors, write_draft, write_target
+from eagle3_ref import draft_config, draft_tensors, write_draft, write_target
 from helpers import rel_err
 
 from graphcp import PrefillEngine, RuntimeConfig
@@ -61,3 +61,11 @@ def test_prefill_draft_writes_the_draft_logits_and_map(tmp_path):
                "--kv-tokens", "1024", "--draft", str(bad), "--no-memory-check")
     assert res.returncode == 2 and "missing tensor 'norm.weight'" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    # refused before any rank starts: a draft that does not fit the target, pipeline stages
+    misfit = write_draft(tmp_path / "misfit", config=draft_config(num_key_value_heads=4))
+    for flags, message in ((["--draft", str(misfit)], "num_key_value_heads=4, the target model has 2"),
+                           (["--draft", str(draft), "--pp", "2"], "not built for pipeline stages (pp_size=2)")):
+        res = _cli("prefill", "--input", str(tmp_path / "r.jsonl"), "--output", str(out), "--model", str(target),
+                   "--kv-tokens", "1024", "--no-memory-check", *flags)
+        assert res.returncode == 2 and message in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr

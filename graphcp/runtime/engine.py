@@ -41,6 +41,7 @@ from graphcp.kv.paged import KVHandle, PagedKVCache
 from graphcp.kv.sharded import make_kv_cache
 from graphcp.model.dsa import runtime as dsa_runtime
 from graphcp.model.eagle3.checkpoint import load_draft
+from graphcp.model.eagle3.config import check_draft_target
 from graphcp.model.forward_context import KV_RECEIVED, AuxCapture
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
@@ -154,12 +155,7 @@ class PrefillEngine:
         rt = self.runtime
         if rt.draft is None:
             return None
-        if self.parallel.pp_size > 1:
-            raise ConfigError(f"RuntimeConfig.draft is not built for pipeline stages (pp_size={self.parallel.pp_size}); "
-                              "expected pp_size=1")
-        if self.cfg.dsa is not None:
-            raise ConfigError(f"RuntimeConfig.draft is not built for DSA targets ({self.cfg.family}: MLA caches "
-                              "latents, the EAGLE-3 draft's K/V are per head); expected a Llama-family target")
+        check_draft_target(self.cfg, self.parallel.pp_size)
         return load_draft(rt.draft, self.cfg, self.model.embed_tokens, self.dtype, self.device, self.max_context)
 
     def _max_pages_per_seq(self, num_pages: int) -> int:
