@@ -238,3 +238,65 @@ def test_what_a_draft_is_not_built_for_is_refused(models, hf_model_dir):
         plain.prefill([Request([1, 2])], draft_next=[3])
     assert plain.prefill([Request([1, 2])]).draft is None
     assert LAYER_IDS == eng.draft.aux_layer_ids
+
+
+def _traffic(group, target, draft, kv, layout):
+    """Every collective the draft phase runs before its outputs (the inputs and the draft's
+    forward), as (operation, the tensor's shape, dtype), with the phase's stats."""
+    from graphcp.dist import CPGroup as Group
+
+    calls, phase = [], {"on": False}
+    for name in ("all_gather_rows", "reduce_scatter_rows", "send_recv", "all_to_all_rows", "all_reduce_",
+                 "broadcast_", "send", "recv_"):
+        def record(self, *args, _name=name, _fn=getattr(Group, name), **kw):
+            if phase["on"]:
+                calls.extend((_name, tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
+            return _fn(self, *args, **kw)
+        setattr(Group, name, record)
+    run, outputs = draft_runtime.DraftRunner.run, draft_runtime.DraftRunner._outputs
+
+    def run_recorded(self, *args, **kw):
+        phase["on"] = True
+        try:
+            return run(self, *args, **kw)
+        finally:
+            phase["on"] = False
+
+    def outputs_unrecorded(self, *args, **kw):
+        phase["on"] = False
+        return outputs(self, *args, **kw)
+
+    draft_runtime.DraftRunner.run, draft_runtime.DraftRunner._outputs = run_recorded, outputs_unrecorded
+    eng = PrefillEngine(target, RuntimeConfig(kv_tokens=1024, kv_cache=kv, layout=layout, draft=draft), group)
+    res = prefill_after_prefixes(eng, _batch())
+    return calls, res.info.stats
+
+
+@pytest.mark.parametrize("kv, layout", [("replicated", "interleave"), ("sharded", "zigzag"),
+                                        ("layer-split", "zigzag")])
+def test_no_hidden_state_moves_to_feed_the_draft(models, kv, layout):
+    """At CP 2, with a cached prefix: the collectives of the draft's inputs and forward
+    carry no hidden-state rows (no tensor of width hidden or 3 x hidden), only cache slots
+    and K/V (heads of 16, or pages), and the K/V bytes the stats count."""
+    for calls, stats in launch(_traffic, 2, *models, kv, layout):
+        assert calls, "the draft's K/V exchange runs collectives"
+        hidden_wide = [c for c in calls if c[2].is_floating_point and c[1][-1] in (64, 192)]
+        assert hidden_wide == [], hidden_wide
+        assert stats["draft_hidden_bytes_received"] == 0 and stats["draft_kv_bytes_received"] > 0
+
+
+@pytest.mark.parametrize("graph", ["off", "breakable"])
+def test_asked_auxiliary_layers_ride_with_the_draft(models, graph):
+    """Auxiliary layers asked besides the draft's (overlapping them) come back as without a
+    draft, and the draft's logits do not depend on them."""
+    target, draft = models
+    batch = _batch()
+    outs = {}
+    for name, aux, d in (("both", (3, 0), draft), ("aux", (3, 0), None), ("draft", (), draft)):
+        rt = RuntimeConfig(kv_tokens=2048, graph=graph, aux_hidden_layers=aux, draft=d)
+        outs[name] = prefill_after_prefixes(PrefillEngine(target, rt, None, BUCKETS), batch, all_logits=True)
+    both, aux, only = outs["both"], outs["aux"], outs["draft"]
+    for j in range(len(LENS)):
+        assert torch.equal(both.aux_hidden[j], aux.aux_hidden[j])
+        assert torch.equal(both.draft.all_logits[j], only.draft.all_logits[j])
+    assert both.info.path == ("graph" if graph != "off" else "eager")
