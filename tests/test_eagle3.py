@@ -7,6 +7,8 @@ hidden-state exchange; the refusals are one-line errors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -233,6 +235,14 @@ def test_what_a_draft_is_not_built_for_is_refused(models, hf_model_dir):
         eng.prefill([Request([1, 2])], draft_next=[512])
     with pytest.raises(BatchError, match="one token .or None. per request"):
         eng.prefill([Request([1, 2])], draft_next=[1, 2])
+    # bad batches are the preparer's BatchErrors as without a draft, and change nothing
+    h = eng.prefill([Request([1, 2])]).handles[0]
+    before = eng.kv.snapshot()
+    for bad in ([Request("ab", h)], [Request([], h)], [Request([1], object())], (r for r in [Request([1])]), [],
+                [Request([1, 2], h), Request([3], h)], [Request([1], dataclasses.replace(h, cache_id="other"))]):
+        with pytest.raises(BatchError):
+            eng.prefill(bad)
+    assert eng.kv.snapshot() == before
     plain = PrefillEngine(target, RuntimeConfig(kv_tokens=256))
     with pytest.raises(BatchError, match="draft_next needs an engine with a draft"):
         plain.prefill([Request([1, 2])], draft_next=[3])

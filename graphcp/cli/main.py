@@ -26,7 +26,7 @@ from graphcp.cli.requests import check_request_vocabulary, parse_requests
 from graphcp.cli.table import print_table
 from graphcp.errors import one_line, report
 from graphcp.gpucheck.cli import add_gpu_check_parser
-from graphcp.jobs.args import add_runtime_args, help_text, interpret_triton_on_cpu, job_spec, preflight
+from graphcp.jobs.args import add_draft_arg, add_runtime_args, help_text, interpret_triton_on_cpu, job_spec, preflight
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.profile.cli import add_profile_parser
@@ -189,9 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", default=None, metavar="STATS.json",
                    help="also write what each rank did: KV pool and stored tokens, and per forward its path, "
                         "bucket, exchange, new and cached tokens and bytes received (docs/sharded_kv.md)")
-    p.add_argument("--draft", default=None, metavar="DIR",
-                   help="an EAGLE-3 draft checkpoint: also prefill the draft over the same rows (its K/V cached and "
-                        "exported with the target's) and save 'draft_logits' and 'draft_to_target' (docs/speculative.md)")
+    add_draft_arg(p)
     add_runtime_args(p, None)
     p.set_defaults(func=cmd_prefill)
 

@@ -93,6 +93,13 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
                         "and combine), tp shards every expert like the dense MLP (default: ep)")
 
 
+def add_draft_arg(p: argparse.ArgumentParser) -> None:
+    """``--draft DIR`` (RuntimeConfig.draft): the commands whose outputs carry a draft's (prefill)."""
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="an EAGLE-3 draft checkpoint: also prefill the draft over the same rows (its K/V cached and "
+                        "exported with the target's) and save 'draft_logits' and 'draft_to_target' (docs/speculative.md)")
+
+
 def interpret_triton_on_cpu(args: argparse.Namespace, prog: str) -> None:
     """``--attention triton`` on a CPU runs Triton's interpreter: chosen here, in the
     launching process before any rank imports triton (ranks inherit the environment),

@@ -345,7 +345,9 @@ class PrefillEngine:
         if m != 1:
             raise BatchError(f"prefill: microbatches={m} with a draft (RuntimeConfig.draft runs one forward a "
                              "batch; expected 1)")
-        n = len(batch) if isinstance(batch, Sequence) else 0
+        if isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence):
+            return np.zeros(0, dtype=np.int64)  # not a batch: prepare words it
+        n = len(batch)
         if given is None:
             given = [None] * n
         if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or len(given) != n:
@@ -356,8 +358,13 @@ class PrefillEngine:
                 out[j] = check_int(t, f"draft_next[{j}] (a token id)", lo=0, hi=self.cfg.vocab_size - 1,
                                    where="prefill", err=BatchError)
         for j, r in enumerate(batch):
-            want = self._draft_next.get(r.prefix.seq_id) if isinstance(r, Request) and r.prefix is not None else None
-            first = int(np.asarray(r.tokens).reshape(-1)[0]) if want is not None and len(r.tokens) else None
+            h = getattr(r, "prefix", None)
+            want = self._draft_next.get(h.seq_id) if isinstance(h, KVHandle) and h.cache_id == self.kv.cache_id \
+                else None
+            try:
+                first = None if want is None else int(np.asarray(r.tokens).reshape(-1)[0])
+            except (TypeError, ValueError, IndexError):  # not token ids: prepare words it
+                continue
             if want is not None and first != want:
                 raise BatchError(
                     f"request {j} extends a prefix whose last draft row took token {want}, but its first new token "
