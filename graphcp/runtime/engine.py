@@ -425,11 +425,12 @@ class PrefillEngine:
         """The draft over this rank's rows (graphcp.runtime.draft): its inputs the target's
         rows of its layers, in the checkpoint's order, and the batch's shifted ids."""
         nxt = np.where(draft_next >= 0, draft_next, last_logits.argmax(dim=-1).numpy())  # greedy by default
+        flat = np.concatenate([np.asarray(r.tokens, dtype=np.int64).reshape(-1) for r in batch])
+        if info.path == "graph":  # the draft's graph reads the bucket's static rows
+            return self.drafter.run(prep, flat, None, nxt, all_logits, info.stats, info.capacity)
         cols = torch.tensor([layers.index(i) for i in self.draft.aux_layer_ids], device=self.device)
         hidden = aux_rows.index_select(1, cols).flatten(1)  # [rows, 3 * hidden]: fc's input, this rank's rows
-        flat = np.concatenate([np.asarray(r.tokens, dtype=np.int64).reshape(-1) for r in batch])
-        return self.drafter.run(prep, flat, hidden, nxt, all_logits, info.stats,
-                                info.capacity if info.path == "graph" else None)
+        return self.drafter.run(prep, flat, hidden, nxt, all_logits, info.stats)
 
     # ---- stats ------------------------------------------------------------------
     def _record(self, prep: PreparedBatch, info: ForwardInfo) -> None:
