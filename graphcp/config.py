@@ -228,13 +228,10 @@ class RuntimeConfig:
 
     def _check_draft(self) -> None:
         """A draft runs after the target's whole body, over the same rows: not yet in
-        micro-batches, nor in a full graph (its attention is a break of its own graph)."""
+        micro-batches."""
         if self.draft is None:
             return
         check_str(self.draft, "draft", where="RuntimeConfig")
-        if self.graph == "full":
-            raise ConfigError("RuntimeConfig.draft is not built for graph='full' (the draft's attention runs "
-                              "eagerly after the target's graph); use graph='breakable' or 'off'")
         if self.microbatches != 1:
             raise ConfigError(f"RuntimeConfig.draft runs one forward a batch, got microbatches={self.microbatches} "
                               "(micro-batches and pipeline stages are not built for a draft; expected 1)")

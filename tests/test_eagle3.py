@@ -222,8 +222,6 @@ def test_what_a_draft_is_not_built_for_is_refused(models, hf_model_dir):
     target, draft = models
     for msg in launch(_pp, 2, target, draft):
         assert "not built for pipeline stages (pp_size=2)" in msg
-    with pytest.raises(ConfigError, match="not built for graph='full'"):
-        RuntimeConfig(graph="full", draft=draft)
     with pytest.raises(ConfigError, match="microbatches=2"):
         RuntimeConfig(microbatches=2, draft=draft)
     with pytest.raises(ConfigError, match="not built for DSA targets"):

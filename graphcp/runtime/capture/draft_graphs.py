@@ -1,8 +1,9 @@
 """An EAGLE-3 draft's graphs (``RuntimeConfig.draft`` with graphs): per bucket, the
-draft's forward captured as a breakable graph after the target's: its layer's
-computation the segments, its attention a break, reading the target's static views of
-the same bucket (positions, cache slots, the auxiliary rows the target's replay copied
-out, attn_q / attn_out) and its own static input ids. A replay equals, bitwise, the
+draft's forward captured after the target's, as the target is: breakable, its layer's
+computation the segments and its attention a break; full, its attention inside, on the
+target's static metadata of the bucket. It reads the target's static views of the same
+bucket (positions, cache slots, the auxiliary rows the target's replay copied out,
+attn_q / attn_out) and its own static input ids. A replay equals, bitwise, the
 same draft run eagerly on the same static buffers (:meth:`DraftGraphs.eager_on_bucket`).
 The target's replay of the bucket must come first: it fills what the draft reads."""
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionMetadata
 from graphcp.model.eagle3.layer import Eagle3Draft
 from graphcp.model.forward_context import KV_RECEIVED, ForwardContext
 from graphcp.nvtx_ranges import nvtx_range
@@ -39,11 +39,6 @@ class DraftGraphs:
         self.normed[:capacity].copy_(normed)
         self.pre[:capacity].copy_(pre)
 
-    def _inert_meta(self) -> AttentionMetadata:
-        """A breakable graph's capture metadata: an empty batch (the break reads the live one)."""
-        body = self.runner.body
-        return AttentionMetadata.from_host(np.zeros(1), np.zeros(0), np.zeros((0, 1)), body.kv.page_size, body.device)
-
     def capture(self, capacity: int) -> None:
         """Capture bucket ``capacity``'s draft graph (once)."""
         if capacity in self.graphs:
@@ -58,11 +53,13 @@ class DraftGraphs:
             view.positions.zero_()
             view.kv_slots.fill_(-1)
             with runner.backend.capture_stream():
-                ctx = body.context(self._inert_meta(), view.kv_slots, view, stats={})
+                ctx = body.context(runner.static_meta(capacity), view.kv_slots, view, stats={})
                 self._run(ctx, capacity)  # warm-up
                 runner.backend.synchronize()
                 ctx.stats.clear()
-                graph = capture_breakable(runner.backend, ctx, lambda: self._run(ctx, capacity))
+                # a full graph captures the attention too (its static metadata: the target's bucket's)
+                graph = capture_breakable(runner.backend, ctx, lambda: self._run(ctx, capacity),
+                                          breakable=not runner.full)
             runner.backend.synchronize()
             view.positions.copy_(live[0])
             view.kv_slots.copy_(live[1])
@@ -85,7 +82,8 @@ class DraftGraphs:
         view = self.runner.buffers.view(capacity)
         stats[KV_RECEIVED] = stats.get(KV_RECEIVED, 0) + segment_bytes
         with nvtx_range(f"replay_draft[{capacity}]", category="graph"):
-            ctx = self.runner.body.context(prep.meta, view.kv_slots, view, ring=prep.ring, stats=stats,
+            meta = self.runner.static_meta(capacity) if self.runner.full else prep.meta
+            ctx = self.runner.body.context(meta, view.kv_slots, view, plan=prep.meta, ring=prep.ring, stats=stats,
                                            prefix_pages=prep.prefix_pages)
             graph.replay(ctx)
         return self.normed[:capacity], self.pre[:capacity]
