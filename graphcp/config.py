@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.checks import MAX_CP, MAX_TOKENS, check_bool, check_float, check_int, check_layer_list, check_str
+from graphcp.combinations import check as check_combination
+from graphcp.combinations import runtime_settings
 from graphcp.errors import ConfigError
 from graphcp.options import (
     ATTENTION_BACKENDS,
@@ -223,7 +225,8 @@ class RuntimeConfig:
         object.__setattr__(self, "aux_hidden_layers", check_layer_list(
             self.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", MAX_LAYERS, err=ConfigError))
         check_int(self.microbatches, "microbatches", lo=1, hi=MAX_MICROBATCHES, where="RuntimeConfig")
-        self._check_kv_cache()
+        # the pairs of these fields that do not run together (graphcp/combinations.py)
+        check_combination(runtime_settings(self))
         self._check_draft()
 
     def _check_draft(self) -> None:
@@ -235,29 +238,6 @@ class RuntimeConfig:
         if self.microbatches != 1:
             raise ConfigError(f"RuntimeConfig.draft runs one forward a batch, got microbatches={self.microbatches} "
                               "(micro-batches and pipeline stages are not built for a draft; expected 1)")
-
-    def _check_kv_cache(self) -> None:
-        """The sharded cache's ring needs the zigzag layout (its masks follow from the
-        zigzag blocks) and eager attention breaks (point-to-point steps). LayerSplit
-        fetches each layer's cached-prefix pages from the layer's owner in the attention
-        break, with the live batch's page list: a full graph has no break."""
-        if self.kv_cache != "sharded":
-            if self.exchange != "auto":
-                raise ConfigError(f"RuntimeConfig.exchange={self.exchange!r} needs kv_cache='sharded'; the "
-                                  f"{self.kv_cache} cache all-gathers K/V (exchange='auto')")
-            if self.kv_cache == "layer-split" and self.graph == "full":
-                raise ConfigError(
-                    "RuntimeConfig.graph='full' cannot run kv_cache='layer-split': a cached prefix's pages of each "
-                    "layer are broadcast from the layer's owner in the attention break, sized by the live batch; "
-                    "use graph='breakable'")
-            return
-        if self.layout != "zigzag":
-            raise ConfigError(f"RuntimeConfig.kv_cache='sharded' runs the zigzag layout, got layout={self.layout!r}")
-        if self.graph == "full":
-            raise ConfigError(
-                "RuntimeConfig.graph='full' cannot run kv_cache='sharded': the ring's point-to-point steps cannot be "
-                "captured (NCCL send/recv under CUDA-graph capture is unsupported, pytorch #133984) and its per-step "
-                "metadata changes with every batch; use graph='breakable' (the ring runs in the attention break)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -126,6 +126,6 @@ def test_pools_hold_the_owned_layers_and_one_scratch_layer_each():
 
 def test_refusals_name_the_value(folders):
     folder = folders["deepseek_v32"]
-    with pytest.raises(ConfigError, match="RuntimeConfig.kv_cache='sharded': deepseek_v32 models \\(DSA\\) run "
-                                          "RuntimeConfig.kv_cache='replicated' or layer-split"):
+    with pytest.raises(ConfigError, match=r"^a deepseek_v32 model \(DSA\) with RuntimeConfig.kv_cache='sharded': "
+                                          r".*; use RuntimeConfig.kv_cache='layer-split' or "):
         PrefillEngine(folder, RuntimeConfig(kv_tokens=256, kv_cache="sharded"))

@@ -188,10 +188,11 @@ def test_item7_the_dsa_refusals_name_the_flags_typed(capsys, tmp_path, hf_model_
     req = _requests(tmp_path, [{"tokens": [1, 2, 3]}])
     base = ["prefill", "--model", folder, "--input", req, "--output", tmp_path / "o.pt"]
     err = one_line_error(capsys, base + ["--kv-cache", "sharded"],
-                         match=r"error: --kv-cache sharded: deepseek_v32 models \(DSA\) run --kv-cache replicated or "
-                               r"layer-split")
+                         match=r"error: a deepseek_v32 model \(DSA\) with --kv-cache sharded: .*; use --kv-cache "
+                               r"layer-split or --kv-cache replicated$")
     assert "RuntimeConfig" not in err and "pp_size" not in err
-    one_line_error(capsys, base + ["--graph", "full"], match=r"error: --graph full: .*use --graph breakable")
+    one_line_error(capsys, base + ["--graph", "full", "--attention", "triton"], match=r"error: a deepseek_v32 model \(DSA\) with --graph full: "
+                                                             r".*; use --graph breakable$")
 
 
 # ---- 6: --help -------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from helpers import graph_then_eager
 from graphcp import PrefillEngine, Request
 from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup, launch
-from graphcp.errors import ConfigError
 from graphcp.runtime.capture.buckets import FALLBACK_PADDING, FALLBACK_TOO_LARGE, BucketSet
 from graphcp.runtime.capture.runner import ReplayInputError
 
@@ -145,11 +144,8 @@ def test_replay_rejects_inputs_unlike_the_capture():
         eng.prefill([Request(np.arange(20))])
 
 
-def test_graph_path_refuses_unsupported_configurations():
-    with pytest.raises(ConfigError, match="graph='full' runs the zigzag layout only, got layout='interleave'"):
-        PrefillEngine("default", RuntimeConfig(graph="full", attention="triton", layout="interleave", kv_tokens=4096))
-    with pytest.raises(ConfigError, match="reads only static device metadata; 'torch' does not"):
-        PrefillEngine("default", RuntimeConfig(graph="full", kv_tokens=4096))
+def test_degrees_graphcp_does_not_run_cannot_be_set():
+    # (the layouts and backends a full graph refuses: tests/test_combinations.py)
     from graphcp.config import ParallelConfig
 
     # degrees graphcp does not run have no field: they cannot be set and ignored

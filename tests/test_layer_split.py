@@ -95,12 +95,8 @@ def test_owned_layers_cover_every_layer_once(num_layers, cp):
 
 
 def test_refusals():
-    with pytest.raises(ConfigError, match="graph='full' cannot run kv_cache='layer-split'"):
-        RuntimeConfig(kv_cache="layer-split", graph="full")
     with pytest.raises(ConfigError, match="kv_cache must be one of replicated, sharded, layer-split"):
         RuntimeConfig(kv_cache="paged")
-    with pytest.raises(ConfigError, match="exchange='pass-q' needs kv_cache='sharded'; the layer-split cache"):
-        RuntimeConfig(kv_cache="layer-split", exchange="pass-q")
     kv = LayerSplitKVCache(4, 8, 16, 2, 32, torch.float32, "cpu", "NHD", None, rank=0, cp_size=2)
     assert kv.pool.shape[0] == 3 and kv.layer(1).data_ptr() == kv.pool[1].data_ptr()
     assert kv.layer(2).data_ptr() == kv.layer(3).data_ptr() == kv.pool[2].data_ptr()  # the one scratch layer

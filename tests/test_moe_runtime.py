@@ -22,12 +22,6 @@ def test_runtime_moe_is_checked():
         RuntimeConfig(moe="dp")
 
 
-def test_full_graph_refuses_the_expert_parallel_exchange(hf_model_dir):
-    folder = hf_model_dir("qwen3_moe")
-    with pytest.raises(ConfigError, match=r"graph='full' .*moe='ep'.* use graph='breakable' or moe='tp'"):
-        PrefillEngine(folder, RuntimeConfig(graph="full", attention="triton", moe="ep", kv_tokens=256))
-
-
 def test_tp_in_cuda_graphs_needs_the_sync_free_grouped_kernel(hf_model_dir, monkeypatch):
     eng = PrefillEngine(hf_model_dir("qwen3_moe"), RuntimeConfig(moe="tp", kv_tokens=256))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

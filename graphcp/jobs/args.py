@@ -10,6 +10,8 @@ import sys
 
 from graphcp.attention.backends.triton import cpu_problem
 from graphcp.checks import check_layer_list
+from graphcp.combinations import check as check_combination
+from graphcp.combinations import runtime_settings
 from graphcp.config import RuntimeConfig
 from graphcp.jobs.spec import JobSpec
 from graphcp.model.config import ModelConfig
@@ -115,7 +117,9 @@ def graph_mode(args: argparse.Namespace) -> str:
 
 
 def job_spec(args: argparse.Namespace) -> JobSpec:
-    """The flags of :func:`add_runtime_args` as a JobSpec (RuntimeConfig checks them)."""
+    """The flags of :func:`add_runtime_args` as a JobSpec (RuntimeConfig checks them; the
+    pairs that do not combine are refused here first, in the flags' names)."""
+    check_combination(runtime_settings(argparse.Namespace(**{**vars(args), "graph": graph_mode(args)})), flags=True)
     rt = RuntimeConfig(
         dtype=args.dtype, device=args.device, page_size=args.page_size, kv_tokens=args.kv_tokens,
         attention=args.attention, graph=graph_mode(args), graph_backend=args.graph_backend, layout=args.layout,
@@ -130,19 +134,20 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
 
 def preflight(spec: JobSpec) -> ModelConfig:
     """What can be refused before ranks start, in this process: the parallel config, the
-    model's config.json against it (TP shards, pipeline stages, auxiliary layers; a DSA
-    model's cache, attention and graph modes, in the flags' names), and the bucket file
+    model's config.json against it (TP shards, pipeline stages, auxiliary layers, the
+    options this kind of model does not combine with, in the flags' names), and the bucket file
     and its fit to the run (each rank would fail the same way, only later and N times).
     The model's config."""
     config = resolve_model(spec.model) / "config.json"
     model = ModelConfig.from_file(config)
     model.check_parallel(spec.parallel, str(config), spec.runtime.moe)
+    model.check_combination(spec.runtime, spec.parallel, flags=True)
     check_layer_list(spec.runtime.aux_hidden_layers, f"--aux-hidden-layers ({config})", model.num_layers)
     if spec.runtime.draft is not None:  # an EAGLE-3 draft: its config against the target, before any rank starts
         check_draft_target(model, spec.pp_size)
         read_eagle3_config(spec.runtime.draft, model)
     if model.dsa is not None:
-        dsa_runtime.check_runtime(model, spec.runtime, spec.parallel.stage_layers(model.num_layers), flags=True)
+        dsa_runtime.check_stages(model, spec.parallel.stage_layers(model.num_layers), flags=True)
     buckets = spec.buckets()
     if buckets is not None:
         buckets.check_compatible(spec.cp_size, spec.runtime.layout)

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from graphcp.checks import MAX_TOKENS, check_bool, check_float, check_int, check_str
-from graphcp.config import MAX_LAYERS, ParallelConfig
+from graphcp.combinations import check as check_combination
+from graphcp.combinations import model_kind, runtime_settings
+from graphcp.config import MAX_LAYERS, ParallelConfig, RuntimeConfig
 from graphcp.errors import ConfigError
 from graphcp.model.dsa_config import DsaConfig, dsa_from_hf
 from graphcp.model.moe_config import MoeConfig, moe_from_hf
@@ -198,6 +200,23 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p}: not valid JSON ({e})") from None
         return cls.from_hf_dict(d, source=str(p))
+
+    @property
+    def kind(self) -> str:
+        """What graphcp/combinations.py calls this model: dense, moe or dsa."""
+        return model_kind(self.dsa is not None, self.moe is not None)
+
+    def check_combination(self, runtime: RuntimeConfig, parallel: ParallelConfig, attention: str | None = None,
+                          flags: bool = False) -> None:
+        """Refuse options that do not combine for this model (graphcp/combinations.py: a
+        DSA model with the sharded cache, a MoE model's ``ep`` layout in a full graph, ...);
+        ``attention``: the backend ``auto`` stands for on the device (None: as configured);
+        ``flags``: name the command-line flags."""
+        settings = {**runtime_settings(runtime), "model": self.kind, "moe": runtime.moe,
+                    "pp": "1" if parallel.pp_size == 1 else ">1"}
+        if attention is not None:
+            settings["attention"] = attention
+        check_combination(settings, flags, self.family)
 
     def check_parallel(self, parallel: ParallelConfig, source: str = "the model", moe: MoeLayout = "ep") -> None:
         """Refuse this model under ``parallel`` when its sharded sizes do not divide by the

@@ -221,11 +221,9 @@ class DecoderModel(nn.Module):
         return {STAT_LAYOUT: self.moe_layout, STAT_LAYERS: len(blocks), STAT_SENT: b, STAT_RECEIVED: b}
 
     def capture_problem(self, device: torch.device, full: bool) -> str | None:
-        """Why this model's body cannot be captured as asked, or None."""
-        if full and self.exchanges:
-            return ("RuntimeConfig.graph='full' captures attention too, but the expert-parallel MoE exchange "
-                    "(RuntimeConfig.moe='ep') sizes its all-to-all from each batch's routing on the host; use "
-                    "graph='breakable' or moe='tp'")
+        """Why this model's body cannot be captured as asked on ``device``, or None (what
+        no device runs, a full graph with ``moe='ep'``, is refused with the config:
+        graphcp/combinations.py)."""
         tp_moe = any(isinstance(layer.mlp, SparseMoeBlock) and not layer.exchanges for layer in self.layers)
         if tp_moe and not grouped_mm_sync_free(device, self.dtype):
             return (f"RuntimeConfig.moe='tp' keeps the experts inside the captured graphs, which needs "

@@ -28,6 +28,7 @@ import torch
 
 from graphcp.attention.base import AttentionSpec
 from graphcp.attention.registry import make_attention, preferred_kv_layout
+from graphcp.attention.registry import resolve as resolve_attention
 from graphcp.attention.ring.attention import RINGS, RingAttention
 from graphcp.attention.ring.hardware import HardwareSpec
 from graphcp.attention.ring.plan import RingPlanner
@@ -43,6 +44,7 @@ from graphcp.model.dsa import runtime as dsa_runtime
 from graphcp.model.eagle3.checkpoint import load_draft
 from graphcp.model.eagle3.config import check_draft_target
 from graphcp.model.forward_context import KV_RECEIVED, AuxCapture
+from graphcp.model.config import ModelConfig
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
 from graphcp.nvtx_ranges import nvtx_range
@@ -86,6 +88,11 @@ class PrefillEngine:
         self.device = torch.device(rt.device)
         self.dtype = rt.torch_dtype
         self.model_dir = resolve_model(model)
+        # options that do not combine are refused before any weight loads (graphcp/combinations.py);
+        # 'auto' as the device resolves it (a DSA model's: the torch sparse-MLA reference)
+        cfg = ModelConfig.from_file(self.model_dir / "config.json")
+        cfg.check_combination(rt, self.parallel, "torch" if cfg.dsa is not None and rt.attention == "auto" else
+                              resolve_attention(rt.attention, self.device))
         self.cfg, self.model = load_model(self.model_dir, self.dtype, self.device, rank=self.group.rank,
                                           parallel=self.parallel, moe=rt.moe,
                                           stage=self.pipeline.stage if self.pipeline is not None else 0)
@@ -198,11 +205,6 @@ class PrefillEngine:
     def _attention_limits(self, num_pages: int) -> dict:
         """Static sizes the kernel backends preallocate for (each takes what it needs)."""
         rt, C = self.runtime, self.parallel.cp_size
-        if rt.layout == "interleave" and rt.attention in _SIZED_BACKENDS:
-            raise ConfigError(
-                f"RuntimeConfig.attention={rt.attention!r} runs the zigzag layout; interleave's one-row segments "
-                "make its batch as large as the rank's rows (use attention='torch' or 'triton' with interleave)"
-            )
         # a rank's rows hold its share of the pool's tokens (all of them: a sharded pool is its own)
         pool_rows = num_pages * rt.page_size if rt.kv_cache == "sharded" else -(-num_pages * rt.page_size // C)
         max_rows = max(self.buckets.largest, pool_rows)

@@ -1,6 +1,6 @@
 """What a PrefillEngine runs a DSA model with: the latent + indexer-key cache (replicated,
-or split by layer over the CP ranks) and the sparse MLA attention, and the runtime
-options these models refuse."""
+or split by layer over the CP ranks) and the sparse MLA attention, and the pipeline
+stages these models refuse."""
 
 from __future__ import annotations
 
@@ -13,45 +13,20 @@ from graphcp.kv.mla import MlaKVCache
 from graphcp.kv.mla_layer_split import LayerSplitMlaKVCache, mla_pool_layers
 from graphcp.model.config import ModelConfig
 
-#: RuntimeConfig.attention values a DSA model takes. auto: the torch reference, on any
-#: device (the Triton kernel has not run on a GPU yet: it is chosen by name only)
-DSA_ATTENTION = ("torch", "triton", "auto")
 
-
-#: an option as the API names it (the value follows as ``=value``) and as the command line does
-_API_NAMES = {"kv_cache": "RuntimeConfig.kv_cache", "attention": "RuntimeConfig.attention", "graph": "RuntimeConfig.graph",
-              "pp_size": "ParallelConfig.pp_size"}
-_FLAGS = {"kv_cache": "--kv-cache", "attention": "--attention", "graph": "--graph", "pp_size": "--pp"}
-
-
-def check_runtime(cfg: ModelConfig, rt: RuntimeConfig, stages: list[range] | None = None,
-                  flags: bool = False) -> None:
-    """Refuse what DSA models do not run; ``stages``: the pipeline stages' layers (None:
-    one stage); ``flags``: name the command-line flags the user typed rather than the
-    RuntimeConfig fields."""
-    def say(key: str, value) -> str:
-        return f"{_FLAGS[key]} {value}" if flags else f"{_API_NAMES[key]}={value!r}"
-
-    if rt.kv_cache == "sharded":
-        raise ConfigError(f"{say('kv_cache', rt.kv_cache)}: {cfg.family} models (DSA) run "
-                          f"{say('kv_cache', 'replicated')} or layer-split (LayerSplit holds within 3 % of a "
-                          "token-sharded pool, with no ring; docs/dsa.md)")
-    for s, layers in enumerate(stages or []):
+def check_stages(cfg: ModelConfig, stages: list[range], flags: bool = False) -> None:
+    """Refuse pipeline stages of a DSA model that start at a GLM-5 'shared' indexer layer
+    (it reuses the top-k of the layer before it, on the stage before); ``flags``: name the
+    command-line flags. The options DSA models do not combine with are refused with the
+    config (graphcp/combinations.py)."""
+    for s, layers in enumerate(stages):
         if s > 0 and not cfg.dsa.indexer_layers[layers.start]:
             full = [i for i, f in enumerate(cfg.dsa.indexer_layers) if f]
-            split = "--pp-layers" if flags else "ParallelConfig.pp_layers"
+            pp, split = ("--pp", "--pp-layers") if flags else ("ParallelConfig.pp_size=", "ParallelConfig.pp_layers")
             raise ConfigError(
-                f"{say('pp_size', len(stages))}: stage {s} starts at layer {layers.start}, a 'shared' layer "
+                f"{pp}{' ' if flags else ''}{len(stages)}: stage {s} starts at layer {layers.start}, a 'shared' layer "
                 f"(indexer_types) that reuses the top-k of the last 'full' layer before it, on stage {s - 1}; "
                 f"start every stage at a 'full' layer (one of {full}) with {split}")
-    if rt.attention not in DSA_ATTENTION:
-        raise ConfigError(f"{say('attention', rt.attention)}: {cfg.family} models run MLA with the DSA indexer "
-                          "on the torch sparse-MLA reference or the Triton sparse-MLA kernel only; use "
-                          f"one of {', '.join(DSA_ATTENTION)}")
-    if rt.graph == "full":
-        raise ConfigError(f"{say('graph', 'full')}: {cfg.family} models run the indexer's top-k and sparse "
-                          "attention in the attention break (they read the live batch's segments on the host); use "
-                          f"{say('graph', 'breakable')}")
 
 
 def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, rank: int, cp_size: int,
@@ -73,7 +48,7 @@ def make_cache_and_attention(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int
                              stage: int = 0) -> tuple[MlaKVCache, SparseMlaBackend]:
     """The cache of pipeline stage ``stage``'s layers (of ``stages``; None: one stage) and
     the sparse MLA backend."""
-    check_runtime(cfg, rt, stages)
+    check_stages(cfg, stages or [])
     d = cfg.dsa
     layers = stages[stage] if stages else range(cfg.num_layers)
     args = (len(layers), num_pages, rt.page_size, d.kv_lora_rank, d.qk_rope_head_dim, d.index_head_dim,

@@ -90,16 +90,8 @@ class GraphRunner:
                  max_context: int) -> None:
         rt = runtime
         self.full = rt.graph == "full"
-        if self.full and rt.layout != "zigzag":
-            # breakable graphs read the live segments in the break, whatever their count
-            raise ConfigError(f"RuntimeConfig.graph='full' runs the zigzag layout only, got layout={rt.layout!r}: "
-                              "interleave gives every row its own segment, more than the captured metadata's "
-                              f"2 x max_requests = {2 * rt.max_requests} (use graph='breakable' with it)")
-        if self.full and not body.attention.supports_full_graph:
-            raise ConfigError(
-                f"RuntimeConfig.graph='full' needs an attention backend that reads only static device "
-                f"metadata; {body.attention.name!r} does not (use graph='breakable', or attention='triton')"
-            )
+        # the layouts, caches and backends a full graph refuses were refused with the engine's
+        # config (graphcp/combinations.py); what is left depends on the device
         problem = body.model.capture_problem(body.device, self.full)
         if problem is not None:
             raise ConfigError(problem)

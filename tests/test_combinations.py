@@ -1,0 +1,209 @@
+"""The combination matrix (graphcp/combinations.py), checked three ways:
+
+- every allowed pair of option values runs at least once at CP 2 (PP 2 x CP 2 where the
+  run has pipeline stages) on a tiny model of its kind, and its logits, auxiliary hidden
+  states and exported KV match the single-rank eager engine on the same batch (float32
+  1e-5, bfloat16 2e-2; the single-rank engine is checked against transformers by the
+  parity tests), the graph path taken where a graph mode is set;
+- every refused pair, in a configuration where it is the only refused pair, ends the
+  Python API and the command line with one line that names both options and the reason;
+- the README table and docs/combinations.md are what the declaration generates, and the
+  full-graph refusals agree with what each attention backend says of itself.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import combinations, product
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cp_utils import rel_err
+
+import graphcp.cli.main as cli_main
+from graphcp import ParallelConfig, PrefillEngine, RuntimeConfig
+from graphcp.cli.main import main
+from graphcp.combinations import (
+    AXES,
+    REFUSALS,
+    applicable,
+    classify_pairs,
+    combinations_doc,
+    covering_runs,
+    cpu_values,
+    readme_table,
+    refusal,
+)
+from graphcp.dist import launch
+from graphcp.errors import ConfigError
+from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.engine import prefill_after_prefixes
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+#: (cached prefix, new tokens): an extend of a prefix from an earlier forward, and a fresh
+#: request; past the DSA model's index_topk = 16, so its sparse attention selects
+BATCH = [(5, 19), (0, 7)]
+BUCKETS = BucketSet((16, 32, 64), padding_factor=64.0)
+AUX = (0, 1)
+#: a model of each kind: 2 layers (one a stage under PP 2); the MoE and DSA ones a MoE
+#: layer and a dense one
+MODELS = {
+    "dense": ("qwen3", {}),
+    "moe": ("qwen3_moe", {}),
+    "dsa": ("deepseek_v32", dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.5, n_group=2,
+                                 topk_group=1)),
+}
+#: bfloat16 runs each MoE model's all-experts twin (as tests/test_moe_parity.py does): with
+#: top-k < E a near-tie in the router flips an expert under bfloat16 rounding between two
+#: ways of summing the same rows, a real change of the function, not an error
+ALL_EXPERTS = {"moe": dict(num_experts_per_tok=8), "dsa": dict(num_experts_per_tok=8, topk_group=2)}
+CPU_RUNS = covering_runs(cpu_values())
+
+
+@pytest.fixture(scope="module")
+def folders(hf_model_dir):
+    """(model kind, dtype) -> checkpoint folder."""
+    return {(kind, dtype): hf_model_dir(family, False, "float32",
+                                        **{**kw, **(ALL_EXPERTS.get(kind, {}) if dtype == "bfloat16" else {})})
+            for kind, (family, kw) in MODELS.items() for dtype in AXES["dtype"].values}
+
+
+def _runtime(run: dict) -> RuntimeConfig:
+    return RuntimeConfig(dtype=run["dtype"], layout=run["layout"], graph=run["graph"], attention=run["attention"],
+                         kv_cache=run["kv_cache"], exchange=run["exchange"], moe=run.get("moe", "ep"),
+                         aux_hidden_layers=AUX if run["aux"] == "on" else (), kv_tokens=512)
+
+
+def _batch(vocab: int):
+    rng = np.random.default_rng(7)
+    return [(rng.integers(0, vocab, p) if p else None, rng.integers(0, vocab, n)) for p, n in BATCH]
+
+
+def _flat(export) -> list:
+    """An export's tensors in a fixed order (K/V per layer, or the DSA cache's per layer)."""
+    if hasattr(export, "k"):
+        return [*export.k, *export.v]
+    return [layer[name] for layer in export.layers for name in sorted(layer)]
+
+
+def _outputs(engine, export: bool) -> dict:
+    o = prefill_after_prefixes(engine, _batch(engine.cfg.vocab_size), all_logits=True)
+    return {"path": o.info.path, "last": o.last_logits, "logits": o.logits, "aux": o.aux_hidden,
+            "export": [_flat(e) for e in engine.export_kv_batch(o.handles)] if export else None}
+
+
+def _runs_job(group, runs: list[dict], folders: dict) -> list[dict]:
+    out = []
+    for run in runs:
+        parallel = ParallelConfig(cp_size=2, pp_size=2 if run["pp"] == ">1" else 1)
+        eng = PrefillEngine(folders[run["model"], run["dtype"]], _runtime(run), group, BUCKETS, parallel)
+        out.append(_outputs(eng, run["export"] == "on"))
+    return out
+
+
+def test_every_allowed_pair_runs_against_the_single_rank_engine(folders):
+    refs = {}
+    for kind, dtype in sorted({(r["model"], r["dtype"]) for r in CPU_RUNS}):
+        eng = PrefillEngine(folders[kind, dtype], RuntimeConfig(dtype=dtype, aux_hidden_layers=AUX, kv_tokens=512))
+        refs[kind, dtype] = _outputs(eng, True)
+    for pp, world in (("1", 2), (">1", 4)):
+        runs = [r for r in CPU_RUNS if r["pp"] == pp]
+        per_rank = launch(_runs_job, world, runs, folders)
+        for rank, results in enumerate(per_rank):
+            for run, got in zip(runs, results):
+                where = (rank, run)
+                ref, tol = refs[run["model"], run["dtype"]], TOL[run["dtype"]]
+                assert got["path"] == ("eager" if run["graph"] == "off" else "graph"), where
+                assert rel_err(got["last"], ref["last"]) <= tol, where
+                for a, b in zip(got["logits"], ref["logits"], strict=True):
+                    assert rel_err(a, b) <= tol, where
+                if run["aux"] == "on":
+                    for a, b in zip(got["aux"], ref["aux"], strict=True):
+                        assert rel_err(a, b) <= tol, where
+                else:
+                    assert got["aux"] is None, where
+                if run["export"] == "on":
+                    for x, y in zip(got["export"], ref["export"], strict=True):
+                        for a, b in zip(x, y, strict=True):
+                            assert a.shape == b.shape and rel_err(a, b) <= tol, where
+
+
+def test_the_runs_hold_every_allowed_pair_and_no_refused_one():
+    allowed, refused, implied = classify_pairs(cpu_values())
+    held = set()
+    for run in CPU_RUNS:
+        assert refusal(run) is None, run
+        held |= {tuple(sorted(p, key=lambda kv: list(AXES).index(kv[0]))) for p in combinations(run.items(), 2)}
+    assert set(allowed) <= held
+    assert not (held & {p for p, _ in refused}) and not (held & {p for p, _ in implied})
+    # the declaration names real options and values only
+    for r in REFUSALS:
+        for k, vals in (r.a, r.b):
+            assert set(vals) <= set(AXES[k].values), r
+        assert all(v in AXES[k].values for k, v in r.instead), r
+
+
+def _only_refusal(pair) -> dict[str, str]:
+    """A whole configuration whose one refused pair is ``pair`` (one stage, no export:
+    no refusal involves them, and a CP-1 engine is then built in-process)."""
+    (ka, va), (kb, vb) = pair
+    rest = [k for k in AXES if k not in (ka, kb)]
+    fixed = {"pp": ("1",), "export": ("off",)}
+    for combo in product(*(fixed.get(k, AXES[k].values) for k in rest)):
+        s = applicable({ka: va, kb: vb, **dict(zip(rest, combo))})
+        if [p for p in combinations(s.items(), 2) if refusal(dict(p))] in ([(pair[0], pair[1])], [(pair[1], pair[0])]):
+            return s
+    raise AssertionError(f"no configuration refuses only {pair}")
+
+
+REFUSED = [(p, r) for p, r in classify_pairs()[1]]
+
+
+@pytest.mark.parametrize("pair,rule", REFUSED, ids=[f"{a[1]}-{b[1]}" for (a, b), _ in REFUSED])
+def test_a_refused_pair_is_one_line_naming_both_options(pair, rule, folders, tmp_path, capsys, monkeypatch):
+    s = _only_refusal(pair)
+    family = MODELS[s["model"]][0]
+    names = [AXES[k].say(v, False, family) for k, v in pair]
+    # the Python API: refused before any weight loads
+    with pytest.raises(ConfigError) as e:
+        PrefillEngine(folders[s["model"], s["dtype"]], _runtime(s))
+    msg = str(e.value)
+    assert "\n" not in msg and all(n in msg for n in names) and rule.reason in msg, msg
+    assert msg == rule.message(s, False, family)
+    # the command line: in the flags typed, before any rank starts
+    monkeypatch.setattr(cli_main, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
+    req = tmp_path / "req.jsonl"
+    req.write_text(json.dumps({"tokens": [1, 2, 3]}) + "\n")
+    argv = ["prefill", "--model", folders[s["model"], s["dtype"]], "--input", req, "--output", tmp_path / "o.pt",
+            "--dtype", s["dtype"], "--layout", s["layout"], "--graph", s["graph"], "--attention", s["attention"],
+            "--kv-cache", s["kv_cache"], "--exchange", s["exchange"], "--moe", s.get("moe", "ep"),
+            *(["--aux-hidden-layers", "0,1"] if s["aux"] == "on" else [])]
+    capsys.readouterr()
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    flags = [AXES[k].say(v, True, family) for k, v in pair]
+    assert len(err.splitlines()) == 1 and all(f in err for f in flags) and rule.reason in err, err
+    assert err == f"graphcp prefill: error: {rule.message(s, True, family)}\n"
+
+
+def test_full_graph_refusals_agree_with_the_backends():
+    from graphcp.attention.backends.flashinfer import FlashInferAttention
+    from graphcp.attention.backends.torch_ref import TorchAttention
+    from graphcp.attention.backends.triton import TritonAttention
+    from graphcp.attention.backends.trtllm import TrtllmAttention
+
+    for name, cls in (("torch", TorchAttention), ("triton", TritonAttention), ("flashinfer", FlashInferAttention),
+                      ("trtllm", TrtllmAttention)):  # trtllm: True only with static max lengths, never passed yet
+        assert (refusal({"graph": "full", "attention": name}) is None) == cls.supports_full_graph, name
+
+
+def test_the_readme_table_and_the_doc_are_generated():
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- combinations: start -->\n", "\n<!-- combinations: end -->"
+    assert readme[readme.index(start) + len(start):readme.index(end)] == readme_table(), \
+        "README table out of date: python scripts/combinations_doc.py"
+    assert (ROOT / "docs" / "combinations.md").read_text() == combinations_doc(), \
+        "docs/combinations.md out of date: python scripts/combinations_doc.py"
