@@ -45,8 +45,10 @@ class Axis:
         """The option set to ``value`` as the API or (``flags``) the command line names it;
         ``family``: the model's (the model axis)."""
         if self.key == "pp":
+            if value == "1":
+                return f"{self.flag} 1" if flags else f"{self.api}=1"
             return f"{self.flag} >1" if flags else f"{self.api} > 1"
-        if self.key in ("aux", "export"):
+        if self.key in ("aux", "export", "draft"):
             return self.flag if flags else self.api
         if self.key == "model":
             kind = "DSA" if value == "dsa" else "MoE" if value == "moe" else "dense"
@@ -67,6 +69,7 @@ AXES: dict[str, Axis] = {a.key: a for a in (
     Axis("pp", ("1", ">1"), "ParallelConfig.pp_size", "--pp"),
     Axis("aux", ("off", "on"), "RuntimeConfig.aux_hidden_layers", "--aux-hidden-layers"),
     Axis("export", ("off", "on"), "PrefillEngine.export_kv", "--export-kv"),
+    Axis("draft", ("off", "on"), "RuntimeConfig.draft", "--draft"),  # an EAGLE-3 draft (docs/speculative.md)
 )}
 
 #: values that run only on a GPU (the matrix test runs the others on a CPU; the
@@ -111,6 +114,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("dsa",)), ("graph", ("full",)),
             "the indexer's top-k and sparse attention read the live batch's segments on the host, in the break",
             (("graph", "breakable"),), "top-k reads the live batch"),
+    Refusal(("model", ("dsa",)), ("draft", ("on",)),
+            "an EAGLE-3 draft's K/V are per head, one more layer of the target's cache, and MLA caches latents",
+            (("model", "dense"), ("model", "moe")), "MLA caches latents"),
     Refusal(("exchange", _RINGS), ("kv_cache", _ALL_GATHER_CACHES),
             "the rings run on the token-sharded cache; the replicated and layer-split caches all-gather K/V",
             (("kv_cache", "sharded"), ("exchange", "auto")), "rings need the sharded cache"),
@@ -138,6 +144,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("layout", ("interleave",)), ("attention", ("flashinfer", "trtllm")),
             "interleave's one-row segments make the kernel's batch as large as the rank's rows",
             (("attention", "torch"), ("attention", "triton"), ("layout", "zigzag")), "one segment a row"),
+    Refusal(("pp", (">1",)), ("draft", ("on",)),
+            "the draft runs after the target's whole body on one CP group's rows and reads layers of every stage",
+            (("pp", "1"),), "reads every stage"),
 )
 
 
@@ -174,7 +183,8 @@ def runtime_settings(rt) -> dict[str, str]:
     """The axes a RuntimeConfig fixes by itself: not the MoE layout (it means something
     only with a MoE model), nor ``attention='auto'`` (known only on a device)."""
     s = {"dtype": rt.dtype, "layout": rt.layout, "graph": rt.graph, "kv_cache": rt.kv_cache,
-         "exchange": rt.exchange, "aux": "on" if rt.aux_hidden_layers else "off"}
+         "exchange": rt.exchange, "aux": "on" if rt.aux_hidden_layers else "off",
+         "draft": "on" if getattr(rt, "draft", None) else "off"}  # (a command without --draft: off)
     if rt.attention != "auto":
         s["attention"] = rt.attention
     if s["dtype"] not in AXES["dtype"].values:  # float16: API-only, combines as bfloat16 does
@@ -328,16 +338,21 @@ def _alternatives(instead: tuple[tuple[str, str], ...]) -> str:
     by_flag: dict[str, list[str]] = {}
     for k, v in instead:
         by_flag.setdefault(AXES[k].flag, []).append(v)
-    return ", ".join(f"`{flag} {'/'.join(vals)}`" for flag, vals in by_flag.items())
+    return ", ".join(f"a {'/'.join(vals)} model" if flag == AXES["model"].flag else f"`{flag} {'/'.join(vals)}`"
+                     for flag, vals in by_flag.items())
 
 
 def readme_table() -> str:
     """The README's table: each refused pair, why in a few words, what to use."""
     rows = ["| refused | why | use |", "| --- | --- | --- |"]
+
+    def flag(k: str, vals: tuple[str, ...]) -> str:  # an on/off option: its flag alone
+        return AXES[k].flag if AXES[k].values == ("off", "on") else f"{AXES[k].flag} {'/'.join(vals)}"
+
     for r in REFUSALS:
         (ka, va), (kb, vb) = r.a, r.b
-        first = "DSA models" if ka == "model" else f"`{AXES[ka].flag} {'/'.join(va)}`"
-        rows.append(f"| {first} + `{AXES[kb].flag} {'/'.join(vb)}` | {r.short} | {_alternatives(r.instead)} |")
+        first = "DSA models" if ka == "model" else f"`{flag(ka, va)}`"
+        rows.append(f"| {first} + `{flag(kb, vb)}` | {r.short} | {_alternatives(r.instead)} |")
     return "\n".join(rows)
 
 
@@ -352,7 +367,7 @@ def combinations_doc() -> str:
            "`tests/test_combinations.py` runs each such pair at least once at CP 2 on a tiny model "
            "(PP 2 x CP 2 where `pp` is `>1`) against the single-rank eager engine, float32 and bfloat16 (a MoE "
            "model's bfloat16 runs take its all-experts twin, so that a router near-tie cannot flip an expert "
-           "between two summation orders).", "",
+           "between two summation orders; a DSA model's twin also indexes every token, for its top-k).", "",
            "## The options", "", "| option | values | API | flag |", "| --- | --- | --- | --- |"]
     for a in AXES.values():
         note = f" (only with {a.applies[0]} {'/'.join(a.applies[1])})" if a.applies else ""

@@ -64,7 +64,7 @@ def test_prefill_draft_writes_the_draft_logits_and_map(tmp_path):
     # refused before any rank starts: a draft that does not fit the target, pipeline stages
     misfit = write_draft(tmp_path / "misfit", config=draft_config(num_key_value_heads=4))
     for flags, message in ((["--draft", str(misfit)], "num_key_value_heads=4, the target model has 2"),
-                           (["--draft", str(draft), "--pp", "2"], "not built for pipeline stages (pp_size=2)")):
+                           (["--draft", str(draft), "--pp", "2"], "--pp >1 with --draft: the draft runs after")):
         res = _cli("prefill", "--input", str(tmp_path / "r.jsonl"), "--output", str(out), "--model", str(target),
                    "--kv-tokens", "1024", "--no-memory-check", *flags)
         assert res.returncode == 2 and message in res.stderr, res.stderr

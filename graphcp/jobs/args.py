@@ -16,7 +16,7 @@ from graphcp.config import RuntimeConfig
 from graphcp.jobs.spec import JobSpec
 from graphcp.model.config import ModelConfig
 from graphcp.model.dsa import runtime as dsa_runtime
-from graphcp.model.eagle3.config import check_draft_target, read_eagle3_config
+from graphcp.model.eagle3.config import read_eagle3_config
 from graphcp.model.presets import PRESETS, resolve_model
 from graphcp.options import (
     ATTENTION_BACKENDS,
@@ -144,7 +144,6 @@ def preflight(spec: JobSpec) -> ModelConfig:
     model.check_combination(spec.runtime, spec.parallel, flags=True)
     check_layer_list(spec.runtime.aux_hidden_layers, f"--aux-hidden-layers ({config})", model.num_layers)
     if spec.runtime.draft is not None:  # an EAGLE-3 draft: its config against the target, before any rank starts
-        check_draft_target(model, spec.pp_size)
         read_eagle3_config(spec.runtime.draft, model)
     if model.dsa is not None:
         dsa_runtime.check_stages(model, spec.parallel.stage_layers(model.num_layers), flags=True)

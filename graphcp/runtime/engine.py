@@ -42,7 +42,6 @@ from graphcp.kv.paged import KVHandle, PagedKVCache
 from graphcp.kv.sharded import make_kv_cache
 from graphcp.model.dsa import runtime as dsa_runtime
 from graphcp.model.eagle3.checkpoint import load_draft
-from graphcp.model.eagle3.config import check_draft_target
 from graphcp.model.forward_context import KV_RECEIVED, AuxCapture
 from graphcp.model.config import ModelConfig
 from graphcp.model.loader import load_model
@@ -81,18 +80,19 @@ class PrefillEngine:
         if self.parallel.pp_size == 1 and self.parallel.cp_size != group.size:
             raise ConfigError(f"ParallelConfig.cp_size={self.parallel.cp_size} but the process group has "
                               f"{group.size} ranks")
+        self.device = torch.device(rt.device)
+        self.dtype = rt.torch_dtype
+        self.model_dir = resolve_model(model)
+        # options that do not combine are refused before any weight loads or group forms
+        # (graphcp/combinations.py); 'auto' as the device resolves it (a DSA model's: the torch
+        # sparse-MLA reference)
+        cfg = ModelConfig.from_file(self.model_dir / "config.json")
+        cfg.check_combination(rt, self.parallel, "torch" if cfg.dsa is not None and rt.attention == "auto" else
+                              resolve_attention(rt.attention, self.device))
         #: the pipeline's groups and links (None without pipeline parallelism); ``group``
         #: is this rank's CP group either way (its stage's, under PP)
         self.pipeline = pipeline_groups(group, self.parallel) if self.parallel.pp_size > 1 else None
         self.group = self.pipeline.cp if self.pipeline is not None else group
-        self.device = torch.device(rt.device)
-        self.dtype = rt.torch_dtype
-        self.model_dir = resolve_model(model)
-        # options that do not combine are refused before any weight loads (graphcp/combinations.py);
-        # 'auto' as the device resolves it (a DSA model's: the torch sparse-MLA reference)
-        cfg = ModelConfig.from_file(self.model_dir / "config.json")
-        cfg.check_combination(rt, self.parallel, "torch" if cfg.dsa is not None and rt.attention == "auto" else
-                              resolve_attention(rt.attention, self.device))
         self.cfg, self.model = load_model(self.model_dir, self.dtype, self.device, rank=self.group.rank,
                                           parallel=self.parallel, moe=rt.moe,
                                           stage=self.pipeline.stage if self.pipeline is not None else 0)
@@ -158,11 +158,11 @@ class PrefillEngine:
             self.cfg.hidden_size, self.cfg.vocab_size, self.dtype, self.device)
 
     def _load_draft(self):
-        """The draft of RuntimeConfig.draft (None without one); ConfigError for what it is not built for."""
+        """The draft of RuntimeConfig.draft (None without one; what it does not combine with was
+        refused with the other options: pipeline stages, DSA targets, graphcp/combinations.py)."""
         rt = self.runtime
         if rt.draft is None:
             return None
-        check_draft_target(self.cfg, self.parallel.pp_size)
         return load_draft(rt.draft, self.cfg, self.model.embed_tokens, self.dtype, self.device, self.max_context)
 
     def _max_pages_per_seq(self, num_pages: int) -> int:

@@ -44,16 +44,6 @@ class Eagle3Config:
         return self.layer.hidden_size
 
 
-def check_draft_target(target: ModelConfig, pp_size: int) -> None:
-    """What a draft is not built for, refused (ConfigError) before anything loads."""
-    if pp_size > 1:
-        raise ConfigError(f"RuntimeConfig.draft is not built for pipeline stages (pp_size={pp_size}); "
-                          "expected pp_size=1")
-    if target.dsa is not None:
-        raise ConfigError(f"RuntimeConfig.draft is not built for DSA targets ({target.family}: MLA caches "
-                          "latents, the EAGLE-3 draft's K/V are per head); expected a Llama-family target")
-
-
 def read_eagle3_config(folder: str | Path, target: ModelConfig) -> Eagle3Config:
     """The draft's config, checked against ``target``; ConfigError naming the file, key
     and value otherwise."""
