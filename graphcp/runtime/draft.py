@@ -26,7 +26,9 @@ from graphcp.runtime.body import Body
 from graphcp.runtime.capture.draft_graphs import DraftGraphs
 
 #: ForwardInfo.stats keys of the draft phase (the stats file lists them per forward)
-STAT_INPUT_BYTES = "draft_hidden_bytes_received"  # target hidden states moved to feed the draft: 0
+#: target hidden states moved to feed the draft: none, by alignment (the draft reads its rank's
+#: own rows; tests/test_eagle3.py records the phase's collectives and finds none of hidden width)
+STAT_INPUT_BYTES = "draft_hidden_bytes_received"
 STAT_KV_RECEIVED = "draft_kv_bytes_received"  # the draft layer's K/V exchange (all-gather, ring, prefix fetch)
 STAT_KV_STORED = "draft_kv_bytes_stored"  # the draft layer's K/V this rank's cache stored for the batch
 
@@ -37,14 +39,13 @@ class DraftRunner:
     body: Body
     group: CPGroup
     device: torch.device
+    #: the draft's graphs (graph modes; None: it runs eagerly)
+    graphs: DraftGraphs | None = None
 
     @property
     def layer(self) -> int:
         """The draft layer's index in the cache (after the target's layers)."""
         return self.draft.layer_index
-
-    #: the draft's graphs (graph modes; None: it runs eagerly)
-    graphs: DraftGraphs | None = None
 
     def run(self, prep: PreparedBatch, flat: np.ndarray, hidden: torch.Tensor | None, next_tokens: np.ndarray,
             all_logits: bool, stats: dict, bucket: int | None = None) -> DraftOutput:
