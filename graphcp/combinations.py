@@ -53,7 +53,7 @@ class Axis:
             if value == ">1":
                 return f"{self.flag} >1" if flags else f"{self.api} > 1"
             return f"{self.flag} {value}" if flags else f"{self.api}={value}"
-        if self.key in ("aux", "export"):
+        if self.key in ("aux", "export", "draft"):
             return self.flag if flags else self.api
         if self.key == "model":
             kind = "DSA" if value == "dsa" else "MoE" if value == "moe" else "dense"
@@ -76,6 +76,7 @@ AXES: dict[str, Axis] = {a.key: a for a in (
     Axis("dp", ("1", ">1"), "ParallelConfig.dp_size", "--dp"),
     Axis("aux", ("off", "on"), "RuntimeConfig.aux_hidden_layers", "--aux-hidden-layers"),
     Axis("export", ("off", "on"), "PrefillEngine.export_kv", "--export-kv"),
+    Axis("draft", ("off", "on"), "RuntimeConfig.draft", "--draft"),  # an EAGLE-3 draft (docs/speculative.md)
 )}
 
 #: values that run only on a GPU (the matrix test runs the others on a CPU; the
@@ -122,7 +123,7 @@ REFUSALS: tuple[Refusal, ...] = (
             (("graph", "breakable"),), "top-k reads the live batch"),
     Refusal(("model", ("dsa",)), ("attn_tp", (">1",)),
             "a DSA (MLA) model runs attention TP 1 under CP, as SGLang does (its latent KV is one head)",
-            (("attn_tp", "1"),), "MLA keeps attention TP 1"),
+            (("attn_tp", "1"),), "MLA: one KV head"),
     Refusal(("model", ("dsa",)), ("dp", (">1",)),
             "attention DP is not built yet for DSA (MLA) models", (("dp", "1"),), "not built yet"),
     Refusal(("dp", (">1",)), ("pp", (">1",)),
@@ -130,6 +131,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "not built yet"),
     Refusal(("dp", (">1",)), ("export", ("on",)),
             "the KV export under attention DP is not built yet", (("dp", "1"),), "not built yet"),
+    Refusal(("model", ("dsa",)), ("draft", ("on",)),
+            "an EAGLE-3 draft's K/V are per head, one more layer of the target's cache, and MLA caches latents",
+            (("model", "dense"), ("model", "moe")), "MLA caches latents"),
     Refusal(("exchange", _RINGS), ("kv_cache", _ALL_GATHER_CACHES),
             "the rings run on the token-sharded cache; the replicated and layer-split caches all-gather K/V",
             (("kv_cache", "sharded"), ("exchange", "auto")), "rings need the sharded cache"),
@@ -157,6 +161,15 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("layout", ("interleave",)), ("attention", ("flashinfer", "trtllm")),
             "interleave's one-row segments make the kernel's batch as large as the rank's rows",
             (("attention", "torch"), ("attention", "triton"), ("layout", "zigzag")), "one segment a row"),
+    Refusal(("pp", (">1",)), ("draft", ("on",)),
+            "the draft runs after the target's whole body on one CP group's rows and reads layers of every stage",
+            (("pp", "1"),), "reads every stage"),
+    Refusal(("attn_tp", (">1",)), ("draft", ("on",)),
+            "the draft's layer under attention TP (its heads split like the target's) is not built yet",
+            (("attn_tp", "1"),), "not built yet"),
+    Refusal(("dp", (">1",)), ("draft", ("on",)),
+            "the draft under attention DP (each replica drafting its own requests) is not built yet",
+            (("dp", "1"),), "not built yet"),
 )
 
 
@@ -193,7 +206,8 @@ def runtime_settings(rt) -> dict[str, str]:
     """The axes a RuntimeConfig fixes by itself: not the MoE layout (it means something
     only with a MoE model), nor ``attention='auto'`` (known only on a device)."""
     s = {"dtype": rt.dtype, "layout": rt.layout, "graph": rt.graph, "kv_cache": rt.kv_cache,
-         "exchange": rt.exchange, "aux": "on" if rt.aux_hidden_layers else "off"}
+         "exchange": rt.exchange, "aux": "on" if rt.aux_hidden_layers else "off",
+         "draft": "on" if getattr(rt, "draft", None) else "off"}  # (a command without --draft: off)
     if rt.attention != "auto":
         s["attention"] = rt.attention
     if s["dtype"] not in AXES["dtype"].values:  # float16: API-only, combines as bfloat16 does
@@ -348,22 +362,33 @@ def cpu_values() -> dict[str, tuple[str, ...]]:
     return {k: tuple(v for v in a.values if v not in GPU_ONLY.get(k, ())) for k, a in AXES.items()}
 
 
+def _flag_text(key: str, values: tuple[str, ...]) -> str:
+    """An axis's values as the command line says them, in a table cell."""
+    a = AXES[key]
+    if key == "model":
+        return f"{'/'.join(v.upper() if v == 'dsa' else v for v in values)} models"
+    if key == "attn_tp":  # (--tp over --cp x --dp: docs/parallel.md)
+        return " or ".join(f"attention TP {'> 1' if v == '>1' else v}" for v in values)
+    if key in ("aux", "export", "draft", "pp", "dp"):
+        return " or ".join(f"`{a.say(v, True)}`" for v in values)
+    return f"`{a.flag} {'/'.join(values)}`"
+
+
 def _alternatives(instead: tuple[tuple[str, str], ...]) -> str:
     """``--graph breakable``, ``--kv-cache layer-split/replicated``: the alternatives,
-    values of one flag together."""
-    by_flag: dict[str, list[str]] = {}
+    values of one option together."""
+    by_key: dict[str, list[str]] = {}
     for k, v in instead:
-        by_flag.setdefault(AXES[k].flag, []).append(v)
-    return ", ".join(f"`{flag} {'/'.join(vals)}`" for flag, vals in by_flag.items())
+        by_key.setdefault(k, []).append(v)
+    return ", ".join(_flag_text(k, tuple(vals)) for k, vals in by_key.items())
 
 
 def readme_table() -> str:
-    """The README's table: each refused pair, why in a few words, what to use."""
-    rows = ["| refused | why | use |", "| --- | --- | --- |"]
+    """The README's table: each refused pair and why in a few words (what to use instead
+    is in its error and in docs/combinations.md)."""
+    rows = ["| refused | why |", "| --- | --- |"]
     for r in REFUSALS:
-        (ka, va), (kb, vb) = r.a, r.b
-        first = "DSA models" if ka == "model" else f"`{AXES[ka].flag} {'/'.join(va)}`"
-        rows.append(f"| {first} + `{AXES[kb].flag} {'/'.join(vb)}` | {r.short} | {_alternatives(r.instead)} |")
+        rows.append(f"| {_flag_text(*r.a)} + {_flag_text(*r.b)} | {r.short} |")
     return "\n".join(rows)
 
 
@@ -378,7 +403,7 @@ def combinations_doc() -> str:
            "`tests/test_combinations.py` runs each such pair at least once at CP 2 on a tiny model "
            "(PP 2 x CP 2 where `pp` is `>1`) against the single-rank eager engine, float32 and bfloat16 (a MoE "
            "model's bfloat16 runs take its all-experts twin, so that a router near-tie cannot flip an expert "
-           "between two summation orders).", "",
+           "between two summation orders; a DSA model's twin also indexes every token, for its top-k).", "",
            "## The options", "", "| option | values | API | flag |", "| --- | --- | --- | --- |"]
     for a in AXES.values():
         note = f" (only with {a.applies[0]} {'/'.join(a.applies[1])})" if a.applies else ""

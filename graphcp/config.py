@@ -212,6 +212,9 @@ class RuntimeConfig:
     aux_hidden_layers: tuple[int, ...] = ()
     #: micro-batches a prefill is pipelined as by default (pipeline parallelism)
     microbatches: int = 1
+    #: an EAGLE-3 draft checkpoint (a folder): every prefill then also runs the draft over
+    #: the same rows and caches its layer's K/V (docs/speculative.md); None: no draft
+    draft: str | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -241,6 +244,17 @@ class RuntimeConfig:
         check_int(self.microbatches, "microbatches", lo=1, hi=MAX_MICROBATCHES, where="RuntimeConfig")
         # the pairs of these fields that do not run together (graphcp/combinations.py)
         check_combination(runtime_settings(self))
+        self._check_draft()
+
+    def _check_draft(self) -> None:
+        """A draft runs after the target's whole body, over the same rows: not yet in
+        micro-batches."""
+        if self.draft is None:
+            return
+        check_str(self.draft, "draft", where="RuntimeConfig")
+        if self.microbatches != 1:
+            raise ConfigError(f"RuntimeConfig.draft runs one forward a batch, got microbatches={self.microbatches} "
+                              "(micro-batches and pipeline stages are not built for a draft; expected 1)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

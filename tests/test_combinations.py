@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cp_utils import rel_err
+from eagle3_ref import draft_config, draft_tensors, write_draft
 
 import graphcp.cli.main as cli_main
 from graphcp import ParallelConfig, PrefillEngine, RuntimeConfig
@@ -58,23 +59,31 @@ MODELS = {
 }
 #: bfloat16 runs each MoE model's all-experts twin (as tests/test_moe_parity.py does): with
 #: top-k < E a near-tie in the router flips an expert under bfloat16 rounding between two
-#: ways of summing the same rows, a real change of the function, not an error
-ALL_EXPERTS = {"moe": dict(num_experts_per_tok=8), "dsa": dict(num_experts_per_tok=8, topk_group=2)}
+#: ways of summing the same rows, a real change of the function, not an error; the DSA
+#: twin's indexer likewise selects every token (index_topk 32 >= the batch's 24): its
+#: top-k flips the same way (a DSA bfloat16 run with the triton kernel at CP 2 differed by
+#: 7e-2 from one rank); tests/test_dsa_bf16_sparse.py checks bfloat16 sparse selection
+ALL_EXPERTS = {"moe": dict(num_experts_per_tok=8), "dsa": dict(num_experts_per_tok=8, topk_group=2, index_topk=32)}
 CPU_RUNS = covering_runs(cpu_values())
 
 
 @pytest.fixture(scope="module")
-def folders(hf_model_dir):
-    """(model kind, dtype) -> checkpoint folder."""
-    return {(kind, dtype): hf_model_dir(family, False, "float32",
-                                        **{**kw, **(ALL_EXPERTS.get(kind, {}) if dtype == "bfloat16" else {})})
-            for kind, (family, kw) in MODELS.items() for dtype in AXES["dtype"].values}
+def folders(hf_model_dir, tmp_path_factory):
+    """(model kind, dtype) -> checkpoint folder; "draft" -> an EAGLE-3 draft that fits the
+    dense and the MoE model (their attention shapes), fed by their layers 1, 0, 1."""
+    out = {(kind, dtype): hf_model_dir(family, False, "float32",
+                                       **{**kw, **(ALL_EXPERTS.get(kind, {}) if dtype == "bfloat16" else {})})
+           for kind, (family, kw) in MODELS.items() for dtype in AXES["dtype"].values}
+    out["draft"] = write_draft(tmp_path_factory.mktemp("draft"), draft_tensors(head_dim=32),
+                               draft_config(head_dim=32, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 0, 1]}))
+    return out
 
 
-def _runtime(run: dict) -> RuntimeConfig:
+def _runtime(run: dict, folders: dict) -> RuntimeConfig:
     return RuntimeConfig(dtype=run["dtype"], layout=run["layout"], graph=run["graph"], attention=run["attention"],
                          kv_cache=run["kv_cache"], exchange=run["exchange"], moe=run.get("moe", "ep"),
-                         aux_hidden_layers=AUX if run["aux"] == "on" else (), kv_tokens=512)
+                         aux_hidden_layers=AUX if run["aux"] == "on" else (), kv_tokens=512,
+                         draft=str(folders["draft"]) if run.get("draft") == "on" else None)
 
 
 def _batch(vocab: int):
@@ -92,6 +101,7 @@ def _flat(export) -> list:
 def _outputs(engine, export: bool) -> dict:
     o = prefill_after_prefixes(engine, _batch(engine.cfg.vocab_size), all_logits=True)
     return {"path": o.info.path, "last": o.last_logits, "logits": o.logits, "aux": o.aux_hidden,
+            "draft": None if o.draft is None else o.draft.all_logits,
             "export": [_flat(e) for e in engine.export_kv_batch(o.handles)] if export else None}
 
 
@@ -104,23 +114,25 @@ def _parallel(run: dict) -> ParallelConfig:
 def _runs_job(group, runs: list[dict], folders: dict) -> list[dict]:
     out = []
     for run in runs:
-        eng = PrefillEngine(folders[run["model"], run["dtype"]], _runtime(run), group, BUCKETS, _parallel(run))
+        eng = PrefillEngine(folders[run["model"], run["dtype"]], _runtime(run, folders), group, BUCKETS,
+                            _parallel(run))
         out.append(_outputs(eng, run["export"] == "on"))
     return out
 
 
 def test_every_allowed_pair_runs_against_the_single_rank_engine(folders):
     refs = {}
-    for kind, dtype in sorted({(r["model"], r["dtype"]) for r in CPU_RUNS}):
-        eng = PrefillEngine(folders[kind, dtype], RuntimeConfig(dtype=dtype, aux_hidden_layers=AUX, kv_tokens=512))
-        refs[kind, dtype] = _outputs(eng, True)
+    for kind, dtype, draft in sorted({(r["model"], r["dtype"], r["draft"]) for r in CPU_RUNS}):
+        rt = RuntimeConfig(dtype=dtype, aux_hidden_layers=AUX, kv_tokens=512,
+                           draft=str(folders["draft"]) if draft == "on" else None)
+        refs[kind, dtype, draft] = _outputs(PrefillEngine(folders[kind, dtype], rt), True)
     for world in sorted({_parallel(r).world_size for r in CPU_RUNS}):
         runs = [r for r in CPU_RUNS if _parallel(r).world_size == world]
         per_rank = launch(_runs_job, world, runs, folders)
         for rank, results in enumerate(per_rank):
             for run, got in zip(runs, results):
                 where = (rank, run)
-                ref, tol = refs[run["model"], run["dtype"]], TOL[run["dtype"]]
+                ref, tol = refs[run["model"], run["dtype"], run["draft"]], TOL[run["dtype"]]
                 assert got["path"] == ("eager" if run["graph"] == "off" else "graph"), where
                 assert rel_err(got["last"], ref["last"]) <= tol, where
                 for a, b in zip(got["logits"], ref["logits"], strict=True):
@@ -130,6 +142,11 @@ def test_every_allowed_pair_runs_against_the_single_rank_engine(folders):
                         assert rel_err(a, b) <= tol, where
                 else:
                     assert got["aux"] is None, where
+                if run["draft"] == "on":  # the draft's logits at every new position
+                    for a, b in zip(got["draft"], ref["draft"], strict=True):
+                        assert rel_err(a, b) <= tol, where
+                else:
+                    assert got["draft"] is None, where
                 if run["export"] == "on":
                     for x, y in zip(got["export"], ref["export"], strict=True):
                         for a, b in zip(x, y, strict=True):
@@ -175,7 +192,7 @@ def test_a_refused_pair_is_one_line_naming_both_options(pair, rule, folders, tmp
     # refusal comes from export_kv on live ranks: tests/test_attn_dp.py)
     if "export" not in dict(pair):
         with pytest.raises(ConfigError) as e:
-            PrefillEngine(folders[s["model"], s["dtype"]], _runtime(s), parallel=_parallel(s))
+            PrefillEngine(folders[s["model"], s["dtype"]], _runtime(s, folders), parallel=_parallel(s))
         msg = str(e.value)
         assert "\n" not in msg and all(n in msg for n in names) and rule.reason in msg, msg
         assert msg == rule.message(s, False, family)
@@ -188,7 +205,8 @@ def test_a_refused_pair_is_one_line_naming_both_options(pair, rule, folders, tmp
             "--kv-cache", s["kv_cache"], "--exchange", s["exchange"], "--moe", s.get("moe", "ep"),
             *(["--aux-hidden-layers", "0,1"] if s["aux"] == "on" else []),
             "--cp", "2", "--pp", str(_parallel(s).pp_size), "--tp", str(_parallel(s).tp_size),
-            "--dp", str(_parallel(s).dp_size), *(["--export-kv", tmp_path / "kv"] if s["export"] == "on" else [])]
+            "--dp", str(_parallel(s).dp_size), *(["--export-kv", tmp_path / "kv"] if s["export"] == "on" else []),
+            *(["--draft", folders["draft"]] if s["draft"] == "on" else [])]
     capsys.readouterr()
     assert main([str(a) for a in argv]) == 2
     err = capsys.readouterr().err

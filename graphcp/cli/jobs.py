@@ -75,6 +75,9 @@ def prefill_job(group: CPGroup, spec: JobSpec, reqs: list[FileRequest], all_logi
     if out.aux_hidden is not None:
         result["aux_hidden"] = [x.contiguous() for x in out.aux_hidden]
         result["aux_hidden_layers"] = list(spec.runtime.aux_hidden_layers)
+    if out.draft is not None:  # an EAGLE-3 draft: its logits at each request's last position, its vocabulary map
+        result["draft_logits"] = out.draft.logits.float().contiguous()
+        result["draft_to_target"] = out.draft.draft_to_target.to(torch.int64).contiguous()
     result["info"] = {"path": out.info.path, "capacity": out.info.capacity, "fallback": out.info.fallback,
                       "cp_size": spec.cp_size, "pp_size": spec.pp_size, "layout": spec.runtime.layout,
                       "tp_size": spec.parallel.tp_size, "dp_size": spec.dp_size,

@@ -28,7 +28,7 @@ from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings
 from graphcp.errors import one_line, report
 from graphcp.gpucheck.cli import add_gpu_check_parser
-from graphcp.jobs.args import add_runtime_args, help_text, interpret_triton_on_cpu, job_spec, preflight
+from graphcp.jobs.args import add_draft_arg, add_runtime_args, help_text, interpret_triton_on_cpu, job_spec, preflight
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.profile.cli import add_profile_parser
@@ -86,6 +86,8 @@ def cmd_prefill(args) -> int:
             out["logits"] = res["logits"]
         if "aux_hidden" in res:
             out["aux_hidden"], out["aux_hidden_layers"] = res["aux_hidden"], res["aux_hidden_layers"]
+        if "draft_logits" in res:
+            out["draft_logits"], out["draft_to_target"] = res["draft_logits"], res["draft_to_target"]
         _save(out, args.output)
         if args.stats:
             write_stats(args.stats, res["stats"])
@@ -193,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", default=None, metavar="STATS.json",
                    help="also write what each rank did: KV pool and stored tokens, and per forward its path, "
                         "bucket, exchange, new and cached tokens and bytes received (docs/sharded_kv.md)")
+    add_draft_arg(p)
     add_runtime_args(p, None)
     p.set_defaults(func=cmd_prefill)
 

@@ -16,6 +16,7 @@ from graphcp.config import RuntimeConfig
 from graphcp.jobs.spec import JobSpec
 from graphcp.model.config import ModelConfig
 from graphcp.model.dsa import runtime as dsa_runtime
+from graphcp.model.eagle3.config import read_eagle3_config
 from graphcp.model.presets import PRESETS, resolve_model
 from graphcp.options import (
     ATTENTION_BACKENDS,
@@ -98,6 +99,13 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
                         "and combine), tp shards every expert like the dense MLP (default: ep)")
 
 
+def add_draft_arg(p: argparse.ArgumentParser) -> None:
+    """``--draft DIR`` (RuntimeConfig.draft): the commands whose outputs carry a draft's (prefill)."""
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="an EAGLE-3 draft checkpoint: also prefill the draft over the same rows (its K/V cached and "
+                        "exported with the target's) and save 'draft_logits' and 'draft_to_target' (docs/speculative.md)")
+
+
 def interpret_triton_on_cpu(args: argparse.Namespace, prog: str) -> None:
     """``--attention triton`` on a CPU runs Triton's interpreter: chosen here, in the
     launching process before any rank imports triton (ranks inherit the environment),
@@ -123,6 +131,7 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
         kv_cache=args.kv_cache, exchange=args.exchange, peak_tflops=args.peak_tflops,
         link_gb_per_s=args.link_gb_per_s,
         aux_hidden_layers=args.aux_hidden_layers, microbatches=args.pp_microbatches, moe=args.moe,
+        draft=getattr(args, "draft", None),  # prefill's --draft
     )
     return JobSpec(args.model, rt, args.buckets, args.cp, args.pp, args.pp_layers, args.tp, args.dp)
 
@@ -138,6 +147,8 @@ def preflight(spec: JobSpec) -> ModelConfig:
     model.check_combination(spec.runtime, spec.parallel, flags=True)
     model.check_parallel(spec.parallel, str(config), spec.runtime.moe)
     check_layer_list(spec.runtime.aux_hidden_layers, f"--aux-hidden-layers ({config})", model.num_layers)
+    if spec.runtime.draft is not None:  # an EAGLE-3 draft: its config against the target, before any rank starts
+        read_eagle3_config(spec.runtime.draft, model)
     if model.dsa is not None:
         dsa_runtime.check_stages(model, spec.parallel.stage_layers(model.num_layers), flags=True)
     buckets = spec.buckets()

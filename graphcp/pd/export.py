@@ -47,12 +47,19 @@ class KVMeta(TensorLayout):
     page_size: int  # the prefill engine's (informational: the layout has no pages)
     fingerprint: str  # the model's (graphcp.pd.fingerprint)
     format: str = FORMAT
+    #: the last ``draft_layers`` of the ``num_layers`` are a speculative draft's (an EAGLE-3
+    #: draft's one layer, docs/speculative.md); the target's are the first ones
+    draft_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_tokens", "num_layers", "num_kv_heads", "head_dim", "page_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise KVFormatError(f"KV metadata: {name} must be an integer >= 1, got {v!r}")
+        d = self.draft_layers
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < self.num_layers:
+            raise KVFormatError(f"KV metadata: draft_layers must be an integer in [0, num_layers={self.num_layers}), "
+                                f"got {d!r}")
         if self.dtype not in DTYPES:
             raise KVFormatError(f"KV metadata: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.format != FORMAT:
@@ -61,6 +68,11 @@ class KVMeta(TensorLayout):
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def target_layers(self) -> int:
+        """The target model's layers (the draft's follow them)."""
+        return self.num_layers - self.draft_layers
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -94,7 +106,8 @@ class KVMeta(TensorLayout):
 
     def to_dict(self) -> dict[str, str]:
         """String values (a safetensors header holds strings only)."""
-        return {k: str(v) for k, v in vars(self).items()}
+        # (draft_layers only when a draft's layers ride along: other exports keep their header)
+        return {k: str(v) for k, v in vars(self).items() if k != "draft_layers" or v}
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "KV metadata") -> "KVMeta":
@@ -105,7 +118,9 @@ class KVMeta(TensorLayout):
         if missing:
             raise KVFormatError(f"{source}: missing KV metadata {missing} (not a {FORMAT} export?)")
         ints = {}
-        for k in ("num_tokens", "num_layers", "num_kv_heads", "head_dim", "page_size"):
+        for k in ("num_tokens", "num_layers", "num_kv_heads", "head_dim", "page_size", "draft_layers"):
+            if k not in d:  # draft_layers: optional (0)
+                continue
             try:
                 ints[k] = int(d[k])
             except (TypeError, ValueError):

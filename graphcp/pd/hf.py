@@ -21,11 +21,11 @@ from graphcp.pd.mla_export import MlaExport, interleaved_to_half_split
 
 
 def to_dynamic_cache(export: KVExport, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-    """A ``transformers.DynamicCache`` holding ``export`` (batch of one)."""
+    """A ``transformers.DynamicCache`` holding ``export``'s target layers (batch of one)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    for i in range(export.meta.num_layers):
+    for i in range(export.meta.target_layers):  # a draft's layer is not the target's
         k, v = export.k[i], export.v[i]
         if device is not None or dtype is not None:
             k, v = k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)

@@ -55,6 +55,17 @@ class ForwardInfo:
 
 
 @dataclass
+class DraftOutput:
+    """What an EAGLE-3 draft (``RuntimeConfig.draft``) gives per request, identical on every rank."""
+
+    logits: torch.Tensor  # float32 [R, draft_vocab]: the draft's logits at each request's last position
+    draft_to_target: torch.Tensor  # int64 [draft_vocab]: the target id of each draft id (arange + d2t)
+    hidden: torch.Tensor  # float32 [R, hidden]: the draft's last row before its norm (a next draft step's input)
+    next_tokens: torch.Tensor  # int64 [R]: the token each request's last draft row took (sampled or given)
+    all_logits: list[torch.Tensor] | None = None  # float32 [new_tokens_i, draft_vocab] when all logits were asked
+
+
+@dataclass
 class PrefillOutput:
     last_logits: torch.Tensor  # float32 [R, vocab], identical on every rank
     handles: list[KVHandle]  # each request's KV (prefix + new tokens): pass as the next chunk's prefix
@@ -63,6 +74,8 @@ class PrefillOutput:
     #: float32 [new_tokens_i, len(layers) * hidden] per request when auxiliary layers
     #: were asked: the output of each asked decoder layer, in the order asked
     aux_hidden: list[torch.Tensor] | None = None
+    #: the draft's outputs (an engine with ``RuntimeConfig.draft``; None otherwise)
+    draft: DraftOutput | None = None
 
 
 @dataclass(slots=True)

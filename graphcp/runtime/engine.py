@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -42,6 +43,7 @@ from graphcp.kv.layer_split import LayerSplitKVCache
 from graphcp.kv.paged import KVHandle, PagedKVCache
 from graphcp.kv.sharded import make_kv_cache
 from graphcp.model.dsa import runtime as dsa_runtime
+from graphcp.model.eagle3.checkpoint import load_draft
 from graphcp.model.forward_context import KV_RECEIVED, AuxCapture
 from graphcp.mesh import build_mesh
 from graphcp.model.communicator import LayerCommunicator
@@ -56,8 +58,10 @@ from graphcp.pd.mla_export import MlaExport, MlaMeta, mla_meta
 from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBatch, Request
 from graphcp.runtime.body import Body
 from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.capture.draft_graphs import DraftGraphs
 from graphcp.runtime.capture.runner import Fallback, GraphRunner
 from graphcp.runtime.dp import DataParallelPrefill, ReplicaHandle, ReplicaOps
+from graphcp.runtime.draft import DraftRunner
 from graphcp.runtime.pool_size import pool_bytes, pool_pages
 from graphcp.runtime.pp.groups import pipeline_groups
 from graphcp.runtime.pp.prefill import MicrobatchedPrefill, StageOps, per_request
@@ -106,6 +110,9 @@ class PrefillEngine:
         self.stage = self.model.stage
         check_layer_list(rt.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", self.cfg.num_layers)
         self.max_context = self.cfg.max_position_embeddings
+        #: the EAGLE-3 draft (RuntimeConfig.draft), its K/V one more cache layer after the target's
+        self.draft = self._load_draft()
+        self._cache_layers = len(self.stage.layers) + (self.draft is not None)
         self.layout = make_layout(rt.layout, self.parallel.cp_size)
         kv_layout = preferred_kv_layout(rt.attention, self.device)
         num_pages = pool_pages(rt, self.cfg)
@@ -150,11 +157,28 @@ class PrefillEngine:
         )
         self._forwards: deque[dict] = deque(maxlen=HISTORY)
         self._forwards_seen = 0
+        # the graphs copy the draft's input layers out with the asked auxiliary ones
+        self._draft_aux = () if self.draft is None else tuple(
+            dict.fromkeys(i for i in self.draft.aux_layer_ids if i not in rt.aux_hidden_layers))
         self.runner = None if rt.graph == "off" else GraphRunner(
-            self.body, self.preparer, self.buckets, rt, self.max_context)
+            self.body, self.preparer, self.buckets,
+            replace(rt, aux_hidden_layers=rt.aux_hidden_layers + self._draft_aux), self.max_context)
+        self.drafter = None if self.draft is None else DraftRunner(
+            self.draft, self.body, self.group, self.device,
+            None if self.runner is None else DraftGraphs(self.draft, self.runner))
+        #: the token each live sequence's last draft row took (a chunk extending it must start with it)
+        self._draft_next: dict[int, int] = {}
         self.microbatched = MicrobatchedPrefill(
             self.preparer, self.kv, self.stage, self.pipeline, self.parallel.stage_layers(self.cfg.num_layers),
             self.cfg.hidden_size, self.cfg.vocab_size, self.dtype, self.device)
+
+    def _load_draft(self):
+        """The draft of RuntimeConfig.draft (None without one; what it does not combine with was
+        refused with the other options: pipeline stages, DSA targets, graphcp/combinations.py)."""
+        rt = self.runtime
+        if rt.draft is None:
+            return None
+        return load_draft(rt.draft, self.cfg, self.model.embed_tokens, self.dtype, self.device, self.max_context)
 
     def _max_pages_per_seq(self, num_pages: int) -> int:
         """A request's page-table width: no request outgrows the model's context
@@ -165,12 +189,12 @@ class PrefillEngine:
         rt, cfg = self.runtime, self.attn_cfg  # a rank's cache holds its own KV heads
         max_pages = self._max_pages_per_seq(num_pages)
         if rt.kv_cache == "layer-split":  # a stage splits its own layers over its CP ranks
-            return LayerSplitKVCache(len(self.stage.layers), num_pages, rt.page_size, cfg.num_kv_heads, cfg.head_dim,
+            return LayerSplitKVCache(self._cache_layers, num_pages, rt.page_size, cfg.num_kv_heads, cfg.head_dim,
                                      self.dtype, self.device, kv_layout, max_pages, rank=self.group.rank,
                                      cp_size=self.group.size, first_layer=self.stage.layers.start)
         # sharded: this rank's pool of the token-sharded cache (kv_tokens is one rank's); a
         # pipeline stage caches its own layers
-        return make_kv_cache(self.sharded, self.group.size, self.group.rank, len(self.stage.layers), num_pages,
+        return make_kv_cache(self.sharded, self.group.size, self.group.rank, self._cache_layers, num_pages,
                              rt.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device, kv_layout,
                              max_pages_per_seq=max_pages, first_layer=self.stage.layers.start)
 
@@ -178,7 +202,8 @@ class PrefillEngine:
         """Refuse a KV pool larger than the device's memory up front (a clear error,
         not an allocator failure or the OOM killer halfway through zeroing it)."""
         rt, cfg = self.runtime, self.attn_cfg
-        need = pool_bytes(cfg, rt, num_pages, self.stage.layers, self.group.rank, self.group.size)
+        layers = range(self.stage.layers.start, self.stage.layers.start + self._cache_layers)  # the draft's too
+        need = pool_bytes(cfg, rt, num_pages, layers, self.group.rank, self.group.size)
         if self.device.type == "cuda":
             have = torch.cuda.mem_get_info(self.device)[0]
         else:
@@ -232,7 +257,11 @@ class PrefillEngine:
         """Capture every bucket (graph mode); returns per-bucket capture stats."""
         if self.runner is None:
             raise ConfigError("RuntimeConfig.graph='off': there is nothing to capture")
-        return self.runner.capture_all(progress=progress)
+        out = self.runner.capture_all(progress=progress)
+        if self.drafter is not None:  # the draft's graph of every bucket, after the target's
+            for cap in sorted(self.runner.graphs, reverse=True):
+                self.drafter.graphs.capture(cap)
+        return out
 
     def release(self, handle: KVHandle | ReplicaHandle) -> None:
         """Free a handle's KV pages; KVHandleError (a BatchError) for a handle that is
@@ -243,6 +272,7 @@ class PrefillEngine:
                 self.kv.release(handle.local)
             return
         self.kv.release(handle)
+        self._draft_next.pop(handle.seq_id, None)
 
     def kv_meta(self, handle: KVHandle) -> KVMeta | MlaMeta:
         """The export metadata of one request's KV (graphcp.pd.export; a DSA model's:
@@ -252,8 +282,9 @@ class PrefillEngine:
         cfg = self.cfg
         if cfg.dsa is not None:
             return mla_meta(cfg, handle.num_tokens, self.runtime.dtype, self.runtime.page_size, self._fingerprint)
-        return KVMeta(handle.num_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.runtime.dtype,
-                      self.runtime.page_size, self._fingerprint)
+        drafts = int(self.draft is not None)  # the draft's layer follows the target's
+        return KVMeta(handle.num_tokens, cfg.num_layers + drafts, cfg.num_kv_heads, cfg.head_dim, self.runtime.dtype,
+                      self.runtime.page_size, self._fingerprint, draft_layers=drafts)
 
     @torch.inference_mode()
     def export_kv(self, handle: KVHandle, dst: int | None = None) -> KVExport | MlaExport | None:
@@ -300,23 +331,33 @@ class PrefillEngine:
     @torch.inference_mode()
     def prefill(self, batch: Sequence[Request], all_logits: bool = False, force_eager: bool = False,
                 microbatches: int | None = None,
-                aux_hidden_layers: Sequence[int] | None = None) -> PrefillOutput:
+                aux_hidden_layers: Sequence[int] | None = None,
+                draft_next: Sequence[int | None] | None = None) -> PrefillOutput:
         """Prefill one batch (the same on every rank); ``force_eager`` skips the graphs.
 
         ``microbatches``: pipeline the batch as this many micro-batches (default
         ``RuntimeConfig.microbatches``; see ``graphcp/runtime/pp/microbatch.py``).
         ``aux_hidden_layers``: the decoder layers whose output hidden states to return
         per request (``PrefillOutput.aux_hidden``; default
-        ``RuntimeConfig.aux_hidden_layers``; with graphs, a subset of those)."""
+        ``RuntimeConfig.aux_hidden_layers``; with graphs, a subset of those).
+        ``draft_next`` (an engine with ``RuntimeConfig.draft``): per request the token
+        after its new tokens, the last draft row's input: the next prompt token when
+        a prompt is prefilled in chunks, or the caller's sample; None (the default,
+        or an entry): the target's greedy token (docs/speculative.md)."""
         with nvtx_range("prefill", category="forward"):  # the top-level range profiles measure against
             t0 = time.perf_counter()
             m = self._microbatches(microbatches)
             aux = self._aux_layers(aux_hidden_layers)
             call = (int(bool(all_logits)), int(bool(force_eager)), m, len(aux), *aux)
+            nxt = self._draft_next_tokens(batch, draft_next, m)
+            if nxt is not None:
+                call += (len(nxt), *nxt.tolist())
             if self.dp is not None:
                 if m != 1:
                     raise BatchError(f"prefill: microbatches={m} under attention DP is not built yet (use 1)")
                 out = self.dp.run(batch, self._replica_ops(all_logits, force_eager, aux, call), all_logits)
+            elif self.drafter is not None:
+                out = self._prefill_once(batch, all_logits, force_eager, aux, call, nxt)
             elif self.pipeline is None and m == 1:
                 out = self._prefill_once(batch, all_logits, force_eager, aux, call)
             else:
@@ -325,6 +366,44 @@ class PrefillEngine:
                 out = self.microbatched.run(batch, ops, m, call, all_logits, aux)
             out.info.timings["total_s"] = time.perf_counter() - t0
             return out
+
+    def _draft_next_tokens(self, batch, given, m: int) -> np.ndarray | None:
+        """The checked ``draft_next`` (-1: the target's greedy token), or None without a
+        draft; BatchError (nothing changed) for a bad entry, micro-batches, or a request
+        extending a prefix whose last draft row took another token than its first."""
+        if self.drafter is None:
+            if given is not None:
+                raise BatchError("prefill: draft_next needs an engine with a draft (RuntimeConfig.draft)")
+            return None
+        if m != 1:
+            raise BatchError(f"prefill: microbatches={m} with a draft (RuntimeConfig.draft runs one forward a "
+                             "batch; expected 1)")
+        if isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence):
+            return np.zeros(0, dtype=np.int64)  # not a batch: prepare words it
+        n = len(batch)
+        if given is None:
+            given = [None] * n
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or len(given) != n:
+            raise BatchError(f"prefill: draft_next must list one token (or None) per request ({n}), got {given!r}"[:300])
+        out = np.full(n, -1, dtype=np.int64)
+        for j, t in enumerate(given):
+            if t is not None:
+                out[j] = check_int(t, f"draft_next[{j}] (a token id)", lo=0, hi=self.cfg.vocab_size - 1,
+                                   where="prefill", err=BatchError)
+        for j, r in enumerate(batch):
+            h = getattr(r, "prefix", None)
+            want = self._draft_next.get(h.seq_id) if isinstance(h, KVHandle) and h.cache_id == self.kv.cache_id \
+                else None
+            try:
+                first = None if want is None else int(np.asarray(r.tokens).reshape(-1)[0])
+            except (TypeError, ValueError, IndexError):  # not token ids: prepare words it
+                continue
+            if want is not None and first != want:
+                raise BatchError(
+                    f"request {j} extends a prefix whose last draft row took token {want}, but its first new token "
+                    f"is {first}: that row's draft K/V would be stale (prefill a prompt in chunks with draft_next=the "
+                    "next chunk's first token)")
+        return out
 
     def _microbatches(self, m: int | None) -> int:
         if m is None:
@@ -347,24 +426,44 @@ class PrefillEngine:
         return layers
 
     def _prefill_once(self, batch, all_logits: bool, force_eager: bool, aux: tuple[int, ...],
-                      call: tuple[int, ...]) -> PrefillOutput:
+                      call: tuple[int, ...], draft_next: np.ndarray | None = None) -> PrefillOutput:
         prep = self.preparer.prepare(batch, call_args=call)
+        draft = None
         try:
-            hidden, info, aux_rows = self._stage_rows(prep, None, force_eager, aux)
+            # the draft's input layers ride with the asked ones (graphs copy both)
+            extra = () if self.drafter is None else tuple(i for i in self.draft.aux_layer_ids if i not in aux)
+            hidden, info, aux_rows = self._stage_rows(prep, None, force_eager, aux + tuple(dict.fromkeys(extra)))
             info.timings["plan_s"] = prep.plan_s
             info.stats.update(self.body.attention.forward_stats(prep.plan.prefix_lens, prep.plan.extend_lens))
             with nvtx_range("lm_head", category="output"):
                 last_logits = self._last_logits(prep.plan, hidden)
                 logits = self._all_logits(prep.plan, hidden) if all_logits else None
-            aux_hidden = self._aux_gather(prep.plan, aux_rows) if aux else None
+            if self.drafter is not None:
+                draft = self._run_draft(prep, batch, aux + tuple(dict.fromkeys(extra)), aux_rows, last_logits,
+                                        draft_next, all_logits, info)
+            aux_hidden = self._aux_gather(prep.plan, aux_rows[:, :len(aux)]) if aux else None
         except BaseException:
             self.preparer.abort(prep)
             raise
         self._record(prep, info)
         ext = prep.plan.extend_lens.tolist()
+        if draft is not None:
+            self._draft_next.update(zip(prep.seq_ids, draft.next_tokens.tolist()))
         return PrefillOutput(last_logits, [self.kv.handle(s) for s in prep.seq_ids],
                              None if logits is None else list(torch.split(logits, ext)), info,
-                             None if aux_hidden is None else per_request(aux_hidden, ext))
+                             None if aux_hidden is None else per_request(aux_hidden, ext), draft)
+
+    def _run_draft(self, prep: PreparedBatch, batch, layers: tuple[int, ...], aux_rows: torch.Tensor,
+                   last_logits: torch.Tensor, draft_next: np.ndarray, all_logits: bool, info: ForwardInfo):
+        """The draft over this rank's rows (graphcp.runtime.draft): its inputs the target's
+        rows of its layers, in the checkpoint's order, and the batch's shifted ids."""
+        nxt = np.where(draft_next >= 0, draft_next, last_logits.argmax(dim=-1).numpy())  # greedy by default
+        flat = np.concatenate([np.asarray(r.tokens, dtype=np.int64).reshape(-1) for r in batch])
+        if info.path == "graph":  # the draft's graph reads the bucket's static rows
+            return self.drafter.run(prep, flat, None, nxt, all_logits, info.stats, info.capacity)
+        cols = torch.tensor([layers.index(i) for i in self.draft.aux_layer_ids], device=self.device)
+        hidden = aux_rows.index_select(1, cols).flatten(1)  # [rows, 3 * hidden]: fc's input, this rank's rows
+        return self.drafter.run(prep, flat, hidden, nxt, all_logits, info.stats)
 
     def _replica_ops(self, all_logits: bool, force_eager: bool, aux: tuple[int, ...],
                      call: tuple[int, ...]) -> ReplicaOps:
@@ -490,13 +589,18 @@ class PrefillEngine:
             return self._in_batch_order(plan, rows).float().cpu()
 
 
-def prefill_prefixes(engine: PrefillEngine, prefixes: Sequence[object | None]) -> list[KVHandle | None]:
+def prefill_prefixes(engine: PrefillEngine, prefixes: Sequence[object | None],
+                     next_tokens: Sequence[int] | None = None) -> list[KVHandle | None]:
     """Prefill the given prefixes (token ids; None for a request without one) in one
-    forward: the handles a batch of chunked requests then extends."""
+    forward: the handles a batch of chunked requests then extends. ``next_tokens``: the
+    token that follows each prefix (its draft's last row takes it: an engine with a draft)."""
     idx = [i for i, p in enumerate(prefixes) if p is not None]
     handles: list[KVHandle | None] = [None] * len(prefixes)
     if idx:
-        for i, h in zip(idx, engine.prefill([Request(prefixes[i]) for i in idx], aux_hidden_layers=()).handles):
+        kw = {} if engine.draft is None else {"draft_next": None if next_tokens is None else
+                                              [int(next_tokens[i]) for i in idx]}
+        for i, h in zip(idx, engine.prefill([Request(prefixes[i]) for i in idx], aux_hidden_layers=(),
+                                            **kw).handles):
             handles[i] = h
     return handles
 
@@ -507,7 +611,7 @@ def prefill_after_prefixes(engine: PrefillEngine, batch: Sequence[tuple[object |
     prefill sees them: every cached prefix first (one forward), then the new tokens
     extending them (one forward, with ``prefill_args``: micro-batches, auxiliary
     layers). On failure the prefixes are released."""
-    handles = prefill_prefixes(engine, [p for p, _ in batch])
+    handles = prefill_prefixes(engine, [p for p, _ in batch], [np.asarray(new).reshape(-1)[0] for _, new in batch])
     try:
         return engine.prefill([Request(new, h) for (_, new), h in zip(batch, handles)], all_logits=all_logits,
                               **prefill_args)

@@ -134,6 +134,11 @@ class GraphRunner:
             cached = self._static_metas[view.capacity] = self._build_static_meta(view)
         return cached
 
+    def static_meta(self, capacity: int) -> AttentionMetadata:
+        """The attention metadata bucket ``capacity`` is captured with (what a graph
+        captured after the body's, an EAGLE-3 draft's, is captured and replayed with)."""
+        return self._static_meta(self.buffers.view(capacity))
+
     def _build_static_meta(self, view: BucketView) -> AttentionMetadata:
         S, page_size, device = self.buffers.max_segments, self.body.kv.page_size, self.body.device
         if not self.full:

@@ -1,0 +1,113 @@
+"""The draft phase of a prefill with an EAGLE-3 draft (``RuntimeConfig.draft``,
+docs/speculative.md): after the target's body, over the same rows on the same ranks.
+
+The draft's inputs are aligned with the target's rows (graphcp.model.eagle3.shift): its
+ids are the batch's ids shifted per request before sharding, its hidden states the
+target's auxiliary rows this rank already holds, so nothing but the draft's own K/V
+moves (its attention exchanges K/V like any layer's). The outputs are combined across
+ranks like the target's: every rank returns the same ``DraftOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphcp.dist import CPGroup
+from graphcp.kv.layer_split import LayerSplitKVCache
+from graphcp.kv.sharded import ShardedKVCache
+from graphcp.model.eagle3.layer import Eagle3Draft
+from graphcp.model.eagle3.shift import draft_input_ids
+from graphcp.model.forward_context import KV_RECEIVED
+from graphcp.nvtx_ranges import nvtx_range
+from graphcp.runtime.batch import DraftOutput, PreparedBatch
+from graphcp.runtime.body import Body
+from graphcp.runtime.capture.draft_graphs import DraftGraphs
+
+#: ForwardInfo.stats keys of the draft phase (the stats file lists them per forward)
+#: target hidden states moved to feed the draft: none, by alignment (the draft reads its rank's
+#: own rows; tests/test_eagle3.py records the phase's collectives and finds none of hidden width)
+STAT_INPUT_BYTES = "draft_hidden_bytes_received"
+STAT_KV_RECEIVED = "draft_kv_bytes_received"  # the draft layer's K/V exchange (all-gather, ring, prefix fetch)
+STAT_KV_STORED = "draft_kv_bytes_stored"  # the draft layer's K/V this rank's cache stored for the batch
+
+
+@dataclass
+class DraftRunner:
+    draft: Eagle3Draft
+    body: Body
+    group: CPGroup
+    device: torch.device
+    #: the draft's graphs (graph modes; None: it runs eagerly)
+    graphs: DraftGraphs | None = None
+
+    @property
+    def layer(self) -> int:
+        """The draft layer's index in the cache (after the target's layers)."""
+        return self.draft.layer_index
+
+    def run(self, prep: PreparedBatch, flat: np.ndarray, hidden: torch.Tensor | None, next_tokens: np.ndarray,
+            all_logits: bool, stats: dict, bucket: int | None = None) -> DraftOutput:
+        """The draft over this rank's rows of ``prep`` (``flat``: the batch's ids in batch
+        order; ``hidden``: [>= rows, 3 * hidden] the target's states of this rank's rows;
+        ``next_tokens``: int64 [R], the token after each request's last new token).
+        ``bucket``: the target replayed this bucket's graph: the draft replays its own
+        (reading the target's static rows). Adds the phase's figures to ``stats``."""
+        plan = prep.plan
+        ids = draft_input_ids(flat, plan.extend_lens, next_tokens, plan.rank(self.group.rank).rows)
+        phase: dict = {}
+        if bucket is not None and self.graphs is not None:
+            normed, pre = self.graphs.replay(prep, bucket, ids, phase)
+        else:
+            normed, pre = self._eager(prep, ids, hidden, phase)
+        stats[STAT_INPUT_BYTES] = 0
+        stats[STAT_KV_RECEIVED] = phase.get(KV_RECEIVED, 0)
+        stats[STAT_KV_STORED] = self._stored(prep)
+        return self._outputs(prep, normed, pre, next_tokens, all_logits)
+
+    def _eager(self, prep: PreparedBatch, ids: np.ndarray, hidden: torch.Tensor,
+               phase: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft run eagerly on the largest rank's rows, padded as the body pads them."""
+        n, capacity, dev = prep.ids.shape[0], prep.plan.max_local_rows, self.device
+        rows = np.zeros(capacity, dtype=np.int64)
+        pos = np.zeros(capacity, dtype=np.int64)
+        slots = np.full(capacity, -1, dtype=np.int64)
+        rows[:n], pos[:n], slots[:n] = ids, prep.positions, prep.slots
+        x = torch.zeros(capacity, hidden.shape[1], dtype=hidden.dtype, device=dev)
+        x[:n].copy_(hidden[:n])  # this rank's own rows: no collective feeds the draft
+        with nvtx_range("draft", category="eager"):
+            ctx = self.body.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=phase,
+                                    prefix_pages=prep.prefix_pages)
+            return self.draft(torch.from_numpy(rows).to(dev), torch.from_numpy(pos).to(dev), x, ctx)
+
+    def _stored(self, prep: PreparedBatch) -> int:
+        """Bytes of the draft layer's K/V this rank's cache stored for the batch's new tokens."""
+        kv = self.body.kv
+        if isinstance(kv, LayerSplitKVCache):  # the layer's owner keeps it, the others write a scratch layer
+            tokens = prep.plan.num_tokens if self.layer in kv.owned else 0
+        elif isinstance(kv, ShardedKVCache):  # this rank's own rows
+            tokens = prep.ids.shape[0]
+        else:  # replicated: every rank all of them
+            tokens = prep.plan.num_tokens
+        return tokens * kv.token_values(self.layer) * kv.pool.element_size()
+
+    def _outputs(self, prep: PreparedBatch, normed: torch.Tensor, pre: torch.Tensor, next_tokens: np.ndarray,
+                 all_logits: bool) -> DraftOutput:
+        plan = prep.plan
+        mine = np.flatnonzero(plan.last_owner == self.group.rank)
+        h = normed.shape[1]
+        last = torch.zeros(plan.num_requests, 2 * h, dtype=normed.dtype, device=self.device)
+        if mine.size:
+            idx = torch.from_numpy(plan.last_local_index[mine]).to(self.device)
+            last[torch.from_numpy(mine).to(self.device)] = torch.cat([normed, pre], dim=1).index_select(0, idx)
+        self.group.all_reduce_(last)  # the owners' rows; zeros elsewhere
+        per_token = None
+        if all_logits:
+            everyone = self.group.all_gather_rows(normed.contiguous())
+            order = torch.from_numpy(plan.gather_index(normed.shape[0])).to(self.device)
+            per_token = list(torch.split(self.draft.logits(everyone.index_select(0, order)).cpu(),
+                                         plan.extend_lens.tolist()))
+        return DraftOutput(self.draft.logits(last[:, :h]).cpu(), self.draft.draft_to_target.cpu(),
+                           last[:, h:].float().cpu(), torch.from_numpy(np.asarray(next_tokens, dtype=np.int64)),
+                           per_token)
