@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from cp_utils import write_tiny_llama
 
 TARGET = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0)
@@ -22,19 +23,8 @@ LAYER_IDS = (2, 0, 1)
 
 
 def write_target(folder: Path, seed: int = 0) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = Path(folder)
-    if (folder / "config.json").exists():
-        return folder
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**TARGET, tie_word_embeddings=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    return folder
+    """The target: a tiny 4-layer Llama without RoPE scaling."""
+    return write_tiny_llama(folder, seed, **TARGET, rope_scaling=None)
 
 
 def draft_config(**overrides) -> dict:

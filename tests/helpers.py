@@ -20,6 +20,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / ref)
 
 
+def mesh_engine(group, folders: dict, buckets, parallel, family: str, dtype: str, layout: str, kv_cache: str,
+                graph: str, moe: str, aux: tuple[int, ...]):
+    """A PrefillEngine of a mesh test case (tests/test_attn_tp.py, test_attn_dp.py): a
+    bfloat16 MoE family runs its all-experts twin (``folders[family + "-all"]``: top-8 of
+    8, since a router near-tie flips an expert under bfloat16 rounding with top-k < E, as
+    tests/test_moe_parity.py says); a full graph captures the Triton kernel."""
+    from graphcp import PrefillEngine, RuntimeConfig
+
+    rt = RuntimeConfig(dtype=dtype, layout=layout, kv_cache=kv_cache, graph=graph, moe=moe, kv_tokens=1024,
+                       aux_hidden_layers=aux, attention="triton" if graph == "full" else "torch")
+    return PrefillEngine(folders[twin_of(family, dtype)], rt, group, buckets, parallel)
+
+
+def twin_of(family: str, dtype: str) -> str:
+    """The folder key a mesh test runs ``family`` from in ``dtype`` (:func:`mesh_engine`)."""
+    return family + "-all" if family == "qwen3_moe" and dtype == "bfloat16" else family
+
+
 def copy_model(src: Path, dst: Path) -> Path:
     """A private copy of a checkpoint folder (for tests that corrupt it)."""
     shutil.copytree(src, dst)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import rel_err
+from helpers import mesh_engine, rel_err, twin_of
 
 from graphcp import (
     BatchError,
@@ -43,11 +43,6 @@ CASES = [
 ]
 
 
-def _model(family: str, dtype: str) -> str:
-    """bfloat16 MoE runs the all-experts twin (tests/test_attn_tp.py says why)."""
-    return family + "-all" if family == "qwen3_moe" and dtype == "bfloat16" else family
-
-
 def _batch(vocab: int):
     rng = np.random.default_rng(9)
     return [(rng.integers(0, vocab, p) if p else None, rng.integers(0, vocab, n)) for n, p in zip(LENS, PREFIX)]
@@ -65,11 +60,8 @@ def _run(eng):
 
 def _job(group, folders, cases):
     res = []
-    for tp, cp, dp, family, dtype, layout, kv_cache, graph, moe in cases:
-        rt = RuntimeConfig(dtype=dtype, layout=layout, kv_cache=kv_cache, graph=graph, moe=moe, kv_tokens=1024,
-                           aux_hidden_layers=AUX, attention="triton" if graph == "full" else "torch")
-        eng = PrefillEngine(folders[_model(family, dtype)], rt, group, BUCKETS,
-                            ParallelConfig(tp_size=tp, cp_size=cp, dp_size=dp))
+    for tp, cp, dp, *case in cases:
+        eng = mesh_engine(group, folders, BUCKETS, ParallelConfig(tp_size=tp, cp_size=cp, dp_size=dp), *case, AUX)
         out, one = _run(eng)
         assert all(isinstance(h, ReplicaHandle) for h in out.handles)
         assert eng.kv.stored_tokens() == 0  # every handle released, the padding request's pages given back
@@ -94,7 +86,7 @@ def single(folders):
     out = {}
     for family in ("qwen3", "qwen3_moe"):
         for dtype in TOL:
-            o, one = _run(PrefillEngine(folders[_model(family, dtype)],
+            o, one = _run(PrefillEngine(folders[twin_of(family, dtype)],
                                         RuntimeConfig(dtype=dtype, kv_tokens=1024, aux_hidden_layers=AUX)))
             out[family, dtype] = (o.last_logits, o.logits, o.aux_hidden, one.last_logits, one.logits)
     return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import rel_err
+from helpers import mesh_engine, rel_err, twin_of
 
 from graphcp import (
     ConfigError,
@@ -80,19 +80,11 @@ def _run(eng):
     return out, export
 
 
-def _model(family: str, dtype: str) -> str:
-    """bfloat16 MoE runs the all-experts twin (top-8 of 8): a near-tie in the router flips
-    an expert under bfloat16 rounding with top-k < E (tests/test_moe_parity.py)."""
-    return family + "-all" if family == "qwen3_moe" and dtype == "bfloat16" else family
-
-
 def _job(group, folders, cases):
     res = []
-    for tp, cp, pp, family, dtype, layout, kv_cache, graph, moe in cases:
-        rt = RuntimeConfig(dtype=dtype, layout=layout, kv_cache=kv_cache, graph=graph, moe=moe, kv_tokens=1024,
-                           aux_hidden_layers=AUX, attention="triton" if graph == "full" else "torch")
-        eng = PrefillEngine(folders[_model(family, dtype)], rt, group, BUCKETS,
-                            ParallelConfig(tp_size=tp, cp_size=cp, pp_size=pp))
+    for tp, cp, pp, *case in cases:
+        family, dtype, layout, kv_cache, graph, moe = case
+        eng = mesh_engine(group, folders, BUCKETS, ParallelConfig(tp_size=tp, cp_size=cp, pp_size=pp), *case, AUX)
         out, export = _run(eng)
         st = eng.stats()
         last = st["forwards"][-1]
@@ -121,7 +113,7 @@ def single(folders):
     for family, dtypes in (("qwen3", TOL), ("qwen3_moe", TOL), ("llama", TOL), ("mixtral", ("float32",))):
         for dtype in dtypes:
             rt = RuntimeConfig(dtype=dtype, kv_tokens=1024, aux_hidden_layers=AUX)
-            o, export = _run(PrefillEngine(folders[_model(family, dtype)], rt))
+            o, export = _run(PrefillEngine(folders[twin_of(family, dtype)], rt))
             out[family, dtype] = (o.last_logits, o.logits, o.aux_hidden, export.k + export.v)
     return out
 
