@@ -22,6 +22,7 @@ Plain Python: no torch (the command line checks flags before anything loads).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import combinations
 from typing import Mapping
 
@@ -288,8 +289,14 @@ def classify_pairs(values: Mapping[str, tuple[str, ...]] | None = None
     """(allowed, refused, implied): every meaningful pair is allowed (some whole
     configuration holds it), refused by a declared Refusal, or refused by implication
     (every configuration holding it has a refused pair: the axis that forces it and the
-    refusals its values meet are given)."""
-    vals = dict(values or {k: a.values for k, a in AXES.items()})
+    refusals its values meet are given). Computed once per set of values."""
+    allowed, refused, implied = _classify_pairs(_key(values))
+    return list(allowed), list(refused), list(implied)
+
+
+@lru_cache(maxsize=4)
+def _classify_pairs(key: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[tuple, tuple, tuple]:
+    vals = dict(key)
     allowed, refused, implied = [], [], []
     for p in all_pairs(vals):
         if not _meaningful(p):
@@ -302,7 +309,7 @@ def classify_pairs(values: Mapping[str, tuple[str, ...]] | None = None
             allowed.append(p)
         else:
             implied.append((p, _why_implied(s, vals)))
-    return allowed, refused, implied
+    return tuple(allowed), tuple(refused), tuple(implied)
 
 
 def _held(run: Mapping[str, str]) -> set[Pair]:
@@ -343,18 +350,26 @@ def _grow(seed: Pair, vals: Mapping[str, tuple[str, ...]], todo: set[Pair]) -> d
 
 def covering_runs(values: Mapping[str, tuple[str, ...]] | None = None) -> list[dict[str, str]]:
     """Whole configurations (the axes that apply), none with a refused pair, that
-    together hold every allowed pair of ``values`` (greedy all-pairs: each run takes the uncovered pair first in
-    order, then each remaining axis the value covering most uncovered pairs).
-    Deterministic."""
-    vals = dict(values or {k: a.values for k, a in AXES.items()})
+    together hold every allowed pair of ``values`` (greedy all-pairs, weighed by
+    :func:`cpu_cost`; deterministic, computed once per set of values)."""
+    return [dict(run) for run in _covering_runs(_key(values))]
+
+
+def _key(values: Mapping[str, tuple[str, ...]] | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    return tuple((k, tuple(v)) for k, v in (values or {k: a.values for k, a in AXES.items()}).items())
+
+
+@lru_cache(maxsize=4)
+def _covering_runs(key: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[tuple[tuple[str, str], ...], ...]:
+    vals = dict(key)
     todo = set(classify_pairs(vals)[0])
-    runs: list[dict[str, str]] = []
+    runs = []
     while todo:  # of the runs grown from each uncovered pair, keep the one covering most per cost
         best = max((_grow(seed, vals, todo) for seed in sorted(todo)),
                    key=lambda run: len(_held(run) & todo) / cpu_cost(run))
         todo -= _held(best)
-        runs.append(best)
-    return runs
+        runs.append(tuple(best.items()))
+    return tuple(runs)
 
 
 def cpu_values() -> dict[str, tuple[str, ...]]:

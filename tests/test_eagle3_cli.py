@@ -69,3 +69,18 @@ def test_prefill_draft_writes_the_draft_logits_and_map(tmp_path):
                    "--kv-tokens", "1024", "--no-memory-check", *flags)
         assert res.returncode == 2 and message in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_the_memory_estimate_counts_the_draft(tmp_path):
+    """--memory-check with --draft: the draft's checkpoint among the weights, and its one
+    more cache layer in the pool (the target has 4 layers: the pool grows by a quarter)."""
+    from graphcp.jobs.memory import job_memory
+    from graphcp.jobs.spec import JobSpec
+
+    target, draft = write_target(tmp_path / "target"), write_draft(tmp_path / "draft")
+    rt = RuntimeConfig(kv_tokens=4096)
+    without, with_draft = (job_memory(JobSpec(str(target), r, cp_size=2), [512])
+                           for r in (rt, RuntimeConfig(kv_tokens=4096, draft=str(draft))))
+    files = sum(f.stat().st_size for f in Path(draft).glob("*.safetensors"))
+    assert files > 0 and with_draft.weights == without.weights + files
+    assert with_draft.kv_pool * 4 == without.kv_pool * 5

@@ -9,6 +9,7 @@ import os
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from graphcp.errors import ConfigError
 from graphcp.jobs.spec import JobSpec
@@ -79,6 +80,9 @@ def estimate_rank_memory(spec: JobSpec, rows: int, captured_rows: int, with_proc
         tensors = [*model.parameters(), *model.buffers()]  # the RoPE tables included
         weights = max(weights, sum(t.numel() * t.element_size() for t in tensors))
         stage_layers = max(stage_layers, model.stage.layers, key=len)
+    if rt.draft is not None:  # an EAGLE-3 draft: its checkpoint, and one more cache layer (one stage only)
+        weights += sum(f.stat().st_size for f in Path(rt.draft).glob("*.safetensors"))
+        stage_layers = range(stage_layers.start, stage_layers.stop + 1)
     layers = len(stage_layers)
     # a rank's pool holds its own KV heads (attention TP)
     pool = pool_bytes(local_config(cfg, head_shard(cfg, par.attn_tp_size)), rt, pool_pages(rt, cfg), stage_layers, 0,
