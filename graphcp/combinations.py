@@ -46,10 +46,9 @@ class Axis:
         """The option set to ``value`` as the API or (``flags``) the command line names it;
         ``family``: the model's (the model axis)."""
         if self.key == "attn_tp":  # tp_size / (cp_size x dp_size)
-            rel = ">" if value == ">1" else "="
-            return (f"attention TP {value.lstrip('>')}{' > 1' if value == '>1' else ''} "
-                    f"({'--tp' if flags else 'ParallelConfig.tp_size'} {rel} "
-                    f"{'--cp x --dp' if flags else 'cp_size x dp_size'})").replace("TP 1 > 1", "TP > 1")
+            what, rel = ("attention TP > 1", ">") if value == ">1" else ("attention TP 1", "=")
+            tp, split = ("--tp", "--cp x --dp") if flags else ("ParallelConfig.tp_size", "cp_size x dp_size")
+            return f"{what} ({tp} {rel} {split})"
         if self.key in ("pp", "dp"):
             if value == ">1":
                 return f"{self.flag} >1" if flags else f"{self.api} > 1"
@@ -245,12 +244,7 @@ def all_pairs(values: Mapping[str, tuple[str, ...]] | None = None) -> list[Pair]
 
 def _meaningful(pair: Pair) -> bool:
     """False for a pair one of whose axes does not apply given the other (moe x dense)."""
-    (ka, va), (kb, vb) = pair
-    for k, other in ((ka, (kb, vb)), (kb, (ka, va))):
-        cond = AXES[k].applies
-        if cond is not None and cond[0] == other[0] and other[1] not in cond[1]:
-            return False
-    return True
+    return len(applicable(dict(pair))) == 2
 
 
 def _complete(partial: dict[str, str], vals: Mapping[str, tuple[str, ...]]) -> dict[str, str] | None:
@@ -332,15 +326,14 @@ def _grow(seed: Pair, vals: Mapping[str, tuple[str, ...]], todo: set[Pair]) -> d
     that holds most pairs of ``todo`` with the values taken so far per :func:`cpu_cost`."""
     run = dict(seed)
     for k in vals:
-        cond = AXES[k].applies
-        if k in run or (cond is not None and cond[0] in run and run[cond[0]] not in cond[1]):
+        if k in run or k not in applicable({**run, k: vals[k][0]}):  # taken, or meaningless with the run
             continue
         best, best_gain = None, None
         for v in vals[k]:
-            # the seed must stay meaningful (its MoE layout needs a MoE model)
-            if not all(_meaningful(_pair(x, (k, v))) for x in seed) or _complete({**run, k: v}, vals) is None:
-                continue
             trial = {**run, k: v}
+            # the seed must stay meaningful (its MoE layout needs a MoE model)
+            if not all(_meaningful(_pair(x, (k, v))) for x in seed) or _complete(trial, vals) is None:
+                continue
             gain = len(_held(applicable(trial)) & todo) / cpu_cost(trial)
             if best is None or gain > best_gain:
                 best, best_gain = v, gain
@@ -416,7 +409,7 @@ def combinations_doc() -> str:
            "Generated from `graphcp/combinations.py` by `python scripts/combinations_doc.py` (a test checks it "
            "is current). Every pair of values below that is not refused combines, and "
            "`tests/test_combinations.py` runs each such pair at least once at CP 2 on a tiny model "
-           "(PP 2 x CP 2 where `pp` is `>1`) against the single-rank eager engine, float32 and bfloat16 (a MoE "
+           "(with 2 stages, 2 attention-TP ranks and 2 attention-DP replicas where the run has them) against the single-rank eager engine, float32 and bfloat16 (a MoE "
            "model's bfloat16 runs take its all-experts twin, so that a router near-tie cannot flip an expert "
            "between two summation orders; a DSA model's twin also indexes every token, for its top-k).", "",
            "## The options", "", "| option | values | API | flag |", "| --- | --- | --- | --- |"]
