@@ -56,13 +56,13 @@ class Axis:
         if self.key in ("aux", "export", "draft"):
             return self.flag if flags else self.api
         if self.key == "model":
-            kind = "DSA" if value == "dsa" else "MoE" if value == "moe" else "dense"
+            kind = {"dsa": "DSA", "moe": "MoE", "dsv4": "DeepSeek V4"}.get(value, "dense")
             return f"a {family} model ({kind})" if family else f"a {kind} model"
         return f"{self.flag} {value}" if flags else f"{self.api}={value!r}"
 
 
 AXES: dict[str, Axis] = {a.key: a for a in (
-    Axis("model", ("dense", "moe", "dsa"), "the model", "--model"),
+    Axis("model", ("dense", "moe", "dsa", "dsv4"), "the model", "--model"),
     Axis("dtype", ("float32", "bfloat16"), "RuntimeConfig.dtype", "--dtype"),
     Axis("layout", LAYOUTS, "RuntimeConfig.layout", "--layout"),
     Axis("graph", GRAPH_MODES, "RuntimeConfig.graph", "--graph"),
@@ -70,7 +70,7 @@ AXES: dict[str, Axis] = {a.key: a for a in (
          "--attention"),
     Axis("kv_cache", KV_CACHE_MODES, "RuntimeConfig.kv_cache", "--kv-cache"),
     Axis("exchange", EXCHANGES, "RuntimeConfig.exchange", "--exchange"),
-    Axis("moe", MOE_LAYOUTS, "RuntimeConfig.moe", "--moe", applies=("model", ("moe", "dsa"))),
+    Axis("moe", MOE_LAYOUTS, "RuntimeConfig.moe", "--moe", applies=("model", ("moe", "dsa", "dsv4"))),
     Axis("pp", ("1", ">1"), "ParallelConfig.pp_size", "--pp"),
     Axis("attn_tp", ("1", ">1"), "attention TP", "--tp"),
     Axis("dp", ("1", ">1"), "ParallelConfig.dp_size", "--dp"),
@@ -126,6 +126,30 @@ REFUSALS: tuple[Refusal, ...] = (
             (("attn_tp", "1"),), "MLA: one KV head"),
     Refusal(("model", ("dsa",)), ("dp", (">1",)),
             "attention DP is not built yet for DSA (MLA) models", (("dp", "1"),), "not built yet"),
+    Refusal(("model", ("dsv4",)), ("kv_cache", ("sharded", "layer-split")),
+            "a DeepSeek V4 model's window, source rows and compressed entries are replicated on every CP rank (its "
+            "compressors pool the whole sequence; the ring and the layer split are not built for these caches)",
+            (("kv_cache", "replicated"),), "not built for V4's caches"),
+    Refusal(("model", ("dsv4",)), ("attention", ("flashinfer", "trtllm", "triton")),
+            "V4 attention (a window plus compressed entries, a sink per head, head_dim 512) runs on the torch "
+            "reference in the attention break", (("attention", "torch"),), "torch reference only"),
+    Refusal(("model", ("dsv4",)), ("graph", ("full",)),
+            "the pooling of closed windows, the indexer's top-k and attention read the live batch on the host, "
+            "in the break", (("graph", "breakable"),), "pooling reads the live batch"),
+    Refusal(("model", ("dsv4",)), ("pp", (">1",)),
+            "pipeline stages handing on V4's hc_mult residual streams are not built yet", (("pp", "1"),),
+            "not built yet"),
+    Refusal(("model", ("dsv4",)), ("attn_tp", (">1",)),
+            "V4 attention is shared-KV MQA (one KV head): attention TP 1 under CP, as SGLang runs it",
+            (("attn_tp", "1"),), "one KV head"),
+    Refusal(("model", ("dsv4",)), ("dp", (">1",)),
+            "attention DP is not built yet for DeepSeek V4", (("dp", "1"),), "not built yet"),
+    Refusal(("model", ("dsv4",)), ("aux", ("on",)),
+            "a V4 layer's output is hc_mult residual streams, not one hidden row to copy out",
+            (("model", "dense"), ("model", "moe")), "residual is hc_mult streams"),
+    Refusal(("model", ("dsv4",)), ("draft", ("on",)),
+            "an EAGLE-3 draft reads one hidden row a layer and caches per-head K/V; V4 has hc_mult streams and "
+            "one shared KV head", (("model", "dense"), ("model", "moe")), "residual is hc_mult streams"),
     Refusal(("dp", (">1",)), ("pp", (">1",)),
             "attention data parallelism under pipeline stages is not built yet", (("dp", "1"), ("pp", "1")),
             "not built yet"),

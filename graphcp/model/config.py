@@ -15,6 +15,7 @@ from graphcp.combinations import model_kind, parallel_settings, runtime_settings
 from graphcp.config import MAX_LAYERS, ParallelConfig, RuntimeConfig
 from graphcp.errors import ConfigError
 from graphcp.model.dsa_config import DsaConfig, dsa_from_hf
+from graphcp.model.dsv4_config import DsV4Config, dsv4_from_hf
 from graphcp.model.moe_config import MoeConfig, moe_from_hf
 from graphcp.model.rope import RopeConfig, rope_from_hf
 from graphcp.options import MoeLayout
@@ -30,6 +31,8 @@ SUPPORTED_ARCHITECTURES = {
     # DeepSeek Sparse Attention models (graphcp/model/dsa_config.py, graphcp/model/dsa/)
     "DeepseekV32ForCausalLM": "deepseek_v32",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
+    # DeepSeek V4 (graphcp/model/dsv4_config.py, graphcp/model/dsv4/)
+    "DeepseekV4ForCausalLM": "deepseek_v4",
 }
 #: sane upper bounds on model sizes (far above any real checkpoint)
 MAX_VOCAB = 1 << 24
@@ -42,7 +45,7 @@ MAX_POSITIONS = 1 << 24  # the RoPE tables hold every position
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral | deepseek_v32 | glm_moe_dsa
+    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral | deepseek_v32 | glm_moe_dsa | deepseek_v4
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -64,6 +67,9 @@ class ModelConfig:
     #: MLA + the DSA indexer (+ DeepSeek MoE, in dsa.moe); None for other families. DSA
     #: models set num_kv_heads = num_heads and head_dim = qk_rope_head_dim (RoPE's width)
     dsa: DsaConfig | None = None
+    #: DeepSeek V4's layer kinds, compressors, indexer, mHC and MoE; None for other families.
+    #: V4 models set num_kv_heads = 1 and intermediate_size = moe_intermediate_size
+    dsv4: DsV4Config | None = None
 
     def __post_init__(self) -> None:
         w = "ModelConfig"
@@ -162,16 +168,18 @@ class ModelConfig:
             check_str(dtype, "torch_dtype", where=source)
         attention_bias = flag("attention_bias", False)
         num_layers = num("num_hidden_layers", MAX_LAYERS)
-        rope = rope_from_hf(d, source, max_pos)
+        dsv4 = dsv4_from_hf(d, family, num_layers, max_pos, source)
+        rope = rope_from_hf(d, source, max_pos) if dsv4 is None else dsv4.main_rope
         dsa = dsa_from_hf(d, family, num_layers, rope, source)
         return cls(
             family=family,
             vocab_size=num("vocab_size", MAX_VOCAB),
             hidden_size=hidden,
-            intermediate_size=num("intermediate_size", MAX_INTERMEDIATE),
+            intermediate_size=(num("intermediate_size", MAX_INTERMEDIATE) if dsv4 is None
+                               else dsv4.moe_intermediate_size),
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=num("num_key_value_heads", MAX_HEADS, heads),
+            num_kv_heads=num("num_key_value_heads", MAX_HEADS, heads) if dsv4 is None else 1,
             head_dim=head_dim if dsa is None else dsa.qk_rope_head_dim,
             rms_norm_eps=1e-6 if eps is None else check_float(eps, "rms_norm_eps", lo=0.0, hi=1.0, where=source),
             rope=rope,
@@ -184,6 +192,7 @@ class ModelConfig:
             torch_dtype=dtype,
             moe=moe_from_hf(d, family, num_layers, source),
             dsa=dsa,
+            dsv4=dsv4,
         )
 
     @classmethod
@@ -204,7 +213,7 @@ class ModelConfig:
     @property
     def kind(self) -> str:
         """What graphcp/combinations.py calls this model: dense, moe or dsa."""
-        return model_kind(self.dsa is not None, self.moe is not None)
+        return "dsv4" if self.dsv4 is not None else model_kind(self.dsa is not None, self.moe is not None)
 
     def check_combination(self, runtime: RuntimeConfig, parallel: ParallelConfig, attention: str | None = None,
                           flags: bool = False) -> None:

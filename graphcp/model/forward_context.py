@@ -82,6 +82,8 @@ class ForwardContext:
     aux: AuxCapture | None = None
     #: moves rows between the attention and FFN layouts (None: CP = TP over ``group``)
     comm: LayerCommunicator | None = None
+    #: this rank's rows' token ids (set by a body whose layers read them: V4's hash routing)
+    token_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.comm is None:

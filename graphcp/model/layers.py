@@ -10,10 +10,10 @@ sums go back to the rank's own rows.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from graphcp.model.communicator import LayerCommunicator
+from graphcp.model.moe.experts import swiglu
 from graphcp.model.rope import RopeConfig
 
 
@@ -59,9 +59,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class ParallelMLP(nn.Module):
     """SwiGLU MLP with gate/up fused and sharded over ``tp_size`` ranks."""
 
-    def __init__(self, hidden: int, intermediate: int, tp_size: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, intermediate: int, tp_size: int, bias: bool, dtype: torch.dtype,
+                 limit: float | None = None) -> None:
         super().__init__()
         self.shard = intermediate // tp_size
+        self.limit = limit  # DeepSeek V4's swiglu_limit (graphcp.model.moe.experts.swiglu)
         self.gate_up = nn.Linear(hidden, 2 * self.shard, bias=bias, dtype=dtype)
         self.down = nn.Linear(self.shard, hidden, bias=False, dtype=dtype)
         # row-parallel bias is added once, after the reduce-scatter
@@ -80,4 +82,4 @@ class ParallelMLP(nn.Module):
         """This rank's partial sum (no bias) of every row: all-gathered rows in, the
         reduce-scatter's input out (a caller may add other partials before it)."""
         gate, up = self.gate_up(rows).split(self.shard, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(gate, up, self.limit))

@@ -32,6 +32,8 @@ from graphcp.errors import InputError
 from graphcp.model.config import ModelConfig
 from graphcp.model.dsa.checkpoint import dsa_tensors, is_skipped
 from graphcp.model.dsa.model import DsaModel
+from graphcp.model.dsv4.checkpoint import dsv4_tensors
+from graphcp.model.dsv4.model import DsV4Model
 from graphcp.model.heads import HeadShard, head_shard
 from graphcp.model.llama import DecoderModel
 from graphcp.model.moe_config import MOE_NAMES
@@ -192,6 +194,9 @@ def model_on_meta(cfg: ModelConfig, dtype: torch.dtype, parallel: ParallelConfig
     rank); ``attn_rank``: the attention-TP rank (its heads)."""
     shard = head_shard(cfg, parallel.attn_tp_size, attn_rank)
     with torch.device("meta"):
+        if cfg.dsv4 is not None:
+            return DsV4Model(cfg, parallel.tp_size, dtype, max_positions, rank, moe,
+                             parallel.stage(stage, cfg.num_layers))
         if cfg.dsa is not None:
             return DsaModel(cfg, parallel.tp_size, dtype, max_positions, rank, moe,
                             parallel.stage(stage, cfg.num_layers))
@@ -222,7 +227,7 @@ def load_model(
     cfg.check_parallel(parallel, str(model_dir), moe)
     tp_size = parallel.tp_size
     declared = DTYPES.get(cfg.torch_dtype) if cfg.torch_dtype else None
-    dsa = cfg.dsa is not None
+    dsa = cfg.dsa is not None or cfg.dsv4 is not None  # a table of their own
     model = model_on_meta(cfg, dtype, parallel, rank, stage, moe, max_positions, attn_rank)
     # materialise on the target device; the rotary tables are computed, not loaded
     model = model.to_empty(device=device)
@@ -230,13 +235,15 @@ def load_model(
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
     if dsa:  # the DSA families' tensors (graphcp/model/dsa/checkpoint.py)
-        table = dsa_tensors(cfg, rank, tp_size, moe)
+        table = (dsa_tensors if cfg.dsv4 is None else dsv4_tensors)(cfg, rank, tp_size, moe)
         targets = {n: _Target(t.param, t.dim, t.start, t.shard, t.index) if t.read else None
                    for n, t in table.items()}
         expected = {n: t.shape for n, t in table.items()}
         float32 = {n for n, t in table.items() if t.float32}
+        integer = {n for n, t in table.items() if t.integer}
     else:
         targets, expected, float32 = _targets(cfg, rank, tp_size, moe, model.shard), None, set()
+        integer = set()
     files = checkpoint_files(model_dir)
     by_file: dict[Path, list[str]] = {}
     listed = set()
@@ -280,9 +287,13 @@ def load_model(
                         continue
                     with _reading(f, f" at tensor {name!r}"):
                         t = _read(sl, shape, tgt)
-                    if not t.is_floating_point():
+                    if name in integer:
+                        if t.is_floating_point() or t.is_complex():
+                            raise CheckpointError(f"{f.name}: tensor {name!r} has dtype {st_dtype}, expected an "
+                                                  "integer table")
+                    elif not t.is_floating_point():
                         raise CheckpointError(f"{f.name}: tensor {name!r} has dtype {st_dtype}, expected a float type")
-                    if declared is not None and t.dtype != declared and not (name in float32 and t.dtype == torch.float32):
+                    elif declared is not None and t.dtype != declared and not (name in float32 and t.dtype == torch.float32):
                         raise CheckpointError(
                             f"{f.name}: tensor {name!r} has dtype {t.dtype}, config.json declares {cfg.torch_dtype}"
                         )

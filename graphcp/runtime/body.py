@@ -15,6 +15,7 @@ import torch
 from graphcp.attention.base import AttentionBackend, AttentionMetadata
 from graphcp.attention.ring.attention import RingAttention
 from graphcp.attention.ring.plan import RingPlan
+from graphcp.attention.sparse.dsv4 import BatchRequests
 from graphcp.attention.sparse.mla import SparseMlaBackend
 from graphcp.dist import CPGroup
 from graphcp.kv.paged import PagedKVCache
@@ -53,7 +54,7 @@ class Body:
     def context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, static=None,
                 plan: AttentionMetadata | None = None, ring: RingPlan | None = None,
                 stats: dict | None = None, aux: AuxCapture | None = None,
-                prefix_pages: np.ndarray | None = None) -> ForwardContext:
+                prefix_pages: np.ndarray | None = None, batch: PreparedBatch | None = None) -> ForwardContext:
         """The context of one forward over ``meta``, after the attention backend's
         host-side planning for ``plan`` (default ``meta``: a full graph's context
         holds static metadata while the backend plans the live batch). ``static``: a
@@ -62,9 +63,14 @@ class Body:
         ``stats``: this forward's ForwardInfo.stats, given the figures the row count
         fixes here (breaks add the rest as they run). ``aux``: where the forward copies
         auxiliary hidden states; ``prefix_pages``: the batch's cached-prefix pages a
-        LayerSplit cache fetches."""
+        LayerSplit cache fetches; ``batch``: the prepared batch of ``plan``, for a backend
+        that reads every request of it (DeepSeek V4's pooling; None: an inert batch, as
+        capture runs)."""
         live = meta if plan is None else plan
-        self.attention.prepare(live)
+        if getattr(self.attention, "reads_batch", False):
+            self.attention.prepare(live, self.requests(batch) if batch is not None and batch.meta is live else None)
+        else:
+            self.attention.prepare(live)
         ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group, aux=aux, comm=self.comm)
         ctx.live_rows = live.num_q_rows
         if prefix_pages is not None:
@@ -81,6 +87,10 @@ class Body:
             stats.update(self.model.static_stats(kv_slots.shape[0]))
             ctx.stats = stats
         return ctx
+
+    def requests(self, batch: PreparedBatch) -> BatchRequests:
+        """Every request of a prepared batch: lengths and pages (the same on every rank)."""
+        return BatchRequests(batch.plan.prefix_lens, batch.plan.extend_lens, self.kv.page_table(batch.seq_ids))
 
     def run(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor,
             hidden_in: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,5 +116,5 @@ class Body:
             hidden_in = rows
         with nvtx_range("eager_body", category="eager"):
             ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=prep.stats, aux=aux,
-                               prefix_pages=prep.prefix_pages)
+                               prefix_pages=prep.prefix_pages, batch=prep)
             return self.run(ctx, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), hidden_in)

@@ -43,6 +43,7 @@ from graphcp.kv.layer_split import LayerSplitKVCache
 from graphcp.kv.paged import KVHandle, PagedKVCache
 from graphcp.kv.sharded import make_kv_cache
 from graphcp.model.dsa import runtime as dsa_runtime
+from graphcp.model.dsv4 import runtime as dsv4_runtime
 from graphcp.model.eagle3.checkpoint import load_draft
 from graphcp.model.forward_context import KV_RECEIVED, AuxCapture
 from graphcp.mesh import build_mesh
@@ -87,7 +88,8 @@ class PrefillEngine:
         # options that do not combine are refused before any group or weight (graphcp/combinations.py);
         # 'auto' as the device resolves it (a DSA model's: the torch sparse-MLA reference)
         cfg = ModelConfig.from_file(self.model_dir / "config.json")
-        cfg.check_combination(rt, self.parallel, "torch" if cfg.dsa is not None and rt.attention == "auto" else
+        cfg.check_combination(rt, self.parallel, "torch" if (cfg.dsa is not None or cfg.dsv4 is not None)
+                              and rt.attention == "auto" else
                               resolve_attention(rt.attention, rt.device))
         if self.parallel.pp_size == 1 and self.parallel.world_size != group.size:
             degree = (f"cp_size={self.parallel.cp_size}" if self.parallel.tp_size == self.parallel.cp_size
@@ -122,7 +124,10 @@ class PrefillEngine:
         self.buckets.check_compatible(self.parallel.cp_size, rt.layout)
         self.sharded = rt.kv_cache == "sharded"
         ring = None
-        if self.cfg.dsa is not None:  # MLA's latent + indexer-key cache and sparse attention
+        if self.cfg.dsv4 is not None:  # window, source and entry pools; pooling, indexer and attention
+            self.kv, attention = dsv4_runtime.make_cache_and_attention(
+                self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.model.rotary)
+        elif self.cfg.dsa is not None:  # MLA's latent + indexer-key cache and sparse attention
             self.kv, attention = dsa_runtime.make_cache_and_attention(
                 self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.group.rank,
                 self.group.size, self.parallel.stage_layers(self.cfg.num_layers), self.stage.index)

@@ -9,6 +9,7 @@ from graphcp.config import RuntimeConfig
 from graphcp.kv.layer_split import pool_layers
 from graphcp.model.config import ModelConfig
 from graphcp.model.dsa import runtime as dsa_runtime
+from graphcp.model.dsv4 import runtime as dsv4_runtime
 
 #: the default pool: 4 contexts of the model, at most 64K tokens
 DEFAULT_POOL_TOKENS = 1 << 16
@@ -26,6 +27,8 @@ def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, layers: rang
                cp_size: int) -> int:
     """Bytes of rank ``rank``'s pool of ``num_pages`` pages for ``layers`` (its pipeline
     stage's), or under ``layer-split`` its own of them and one scratch layer."""
+    if cfg.dsv4 is not None:  # replicated (the other cache modes are refused)
+        return dsv4_runtime.pool_bytes(cfg, rt, num_pages)
     if cfg.dsa is not None:
         return dsa_runtime.pool_bytes(cfg, rt, num_pages, rank, cp_size, layers)
     held = pool_layers(len(layers), rank, cp_size) if rt.kv_cache == "layer-split" else len(layers)

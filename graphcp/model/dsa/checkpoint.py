@@ -37,6 +37,7 @@ class TensorTarget:
     float32: bool = False  # stored in float32 whatever the checkpoint's dtype
     index: int | None = None  # lands in ``param[index]`` (a local expert), then as above
     read: bool = True  # False: another rank's expert (its shape is checked, it is not read)
+    integer: bool = False  # an integer table (DeepSeek V4's tid2eid), not a weight
 
 
 def is_skipped(name: str, num_layers: int) -> bool:
@@ -53,12 +54,7 @@ def dsa_tensors(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "tp") -> 
         t[name] = TensorTarget(param, 0, 0, None, shape, float32)
 
     def mlp(hf: str, me: str, size: int) -> None:
-        """A SwiGLU MLP of ``size`` sharded over tp ranks (ParallelMLP's fused gate_up, down)."""
-        s = size // tp
-        rows = (0, rank * s, s)
-        t[hf + "gate_proj.weight"] = TensorTarget(me + "gate_up.weight", 0, 0, rows, (size, h))
-        t[hf + "up_proj.weight"] = TensorTarget(me + "gate_up.weight", 0, s, rows, (size, h))
-        t[hf + "down_proj.weight"] = TensorTarget(me + "down.weight", 1, 0, (1, rank * s, s), (h, size))
+        t.update(sharded_mlp(hf, me, size, h, rank, tp))
 
     whole("model.embed_tokens.weight", "embed_tokens.weight", cfg.vocab_size, h)
     whole("model.norm.weight", "norm.weight", h)
@@ -102,27 +98,40 @@ def dsa_tensors(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "tp") -> 
 
 
 def _expert_targets(hf: str, me: str, num_experts: int, size: int, h: int, rank: int, tp: int,
-                    moe: MoeLayout) -> dict[str, TensorTarget]:
+                    moe: MoeLayout, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                    ) -> dict[str, TensorTarget]:
     """The routed experts' tensors into SparseMoeBlock's stacked ``gate_up [E_local, 2 I,
     h]`` / ``down [E_local, h, I]``: ``ep``: this rank's experts whole (the others'
     checked, not read); ``tp``: each expert's ``I / C`` slice."""
     t = {}
     gate_up, down = me + "gate_up", me + "down"
+    g, u, d = names
     if moe == "ep":
         local = num_experts // tp
         for e in range(num_experts):
             mine, i = e // local == rank, e % local
-            t[f"{hf}{e}.gate_proj.weight"] = TensorTarget(gate_up, 0, 0, None, (size, h), index=i, read=mine)
-            t[f"{hf}{e}.up_proj.weight"] = TensorTarget(gate_up, 0, size, None, (size, h), index=i, read=mine)
-            t[f"{hf}{e}.down_proj.weight"] = TensorTarget(down, 0, 0, None, (h, size), index=i, read=mine)
+            t[f"{hf}{e}.{g}.weight"] = TensorTarget(gate_up, 0, 0, None, (size, h), index=i, read=mine)
+            t[f"{hf}{e}.{u}.weight"] = TensorTarget(gate_up, 0, size, None, (size, h), index=i, read=mine)
+            t[f"{hf}{e}.{d}.weight"] = TensorTarget(down, 0, 0, None, (h, size), index=i, read=mine)
         return t
     s = size // tp
     rows = (0, rank * s, s)
     for e in range(num_experts):
-        t[f"{hf}{e}.gate_proj.weight"] = TensorTarget(gate_up, 0, 0, rows, (size, h), index=e)
-        t[f"{hf}{e}.up_proj.weight"] = TensorTarget(gate_up, 0, s, rows, (size, h), index=e)
-        t[f"{hf}{e}.down_proj.weight"] = TensorTarget(down, 1, 0, (1, rank * s, s), (h, size), index=e)
+        t[f"{hf}{e}.{g}.weight"] = TensorTarget(gate_up, 0, 0, rows, (size, h), index=e)
+        t[f"{hf}{e}.{u}.weight"] = TensorTarget(gate_up, 0, s, rows, (size, h), index=e)
+        t[f"{hf}{e}.{d}.weight"] = TensorTarget(down, 1, 0, (1, rank * s, s), (h, size), index=e)
     return t
+
+
+def sharded_mlp(hf: str, me: str, size: int, h: int, rank: int, tp: int,
+                names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, TensorTarget]:
+    """A SwiGLU MLP of ``size`` sharded over tp ranks (ParallelMLP's fused gate_up, down)."""
+    s = size // tp
+    rows = (0, rank * s, s)
+    g, u, d = names
+    return {hf + f"{g}.weight": TensorTarget(me + "gate_up.weight", 0, 0, rows, (size, h)),
+            hf + f"{u}.weight": TensorTarget(me + "gate_up.weight", 0, s, rows, (size, h)),
+            hf + f"{d}.weight": TensorTarget(me + "down.weight", 1, 0, (1, rank * s, s), (h, size))}
 
 
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:

@@ -47,9 +47,12 @@ class Experts(nn.Module):
     ``[E_local, hidden, I]``; ``I`` is a TP shard of the expert's intermediate size in
     the ``tp`` layout. ``first``: the global index of local expert 0."""
 
-    def __init__(self, num_local: int, hidden: int, intermediate: int, first: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_local: int, hidden: int, intermediate: int, first: int, dtype: torch.dtype,
+                 limit: float | None = None) -> None:
         super().__init__()
         self.num_local, self.intermediate, self.first = num_local, intermediate, first
+        #: DeepSeek V4's swiglu_limit: gate clamped above, up both ways, before the SwiGLU (None: no clamp)
+        self.limit = limit
         self.gate_up = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_local, hidden, intermediate, dtype=dtype), requires_grad=False)
 
@@ -57,8 +60,15 @@ class Experts(nn.Module):
         """``rows [M, hidden]`` sorted by local expert, ``ends`` int32 ``[E_local]`` the
         cumulative row counts (``ends[-1] == M``) -> each row through its expert."""
         h = torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends)
-        act = F.silu(h[:, : self.intermediate]) * h[:, self.intermediate:]
+        act = swiglu(h[:, : self.intermediate], h[:, self.intermediate:], self.limit)
         return torch._grouped_mm(act, self.down.transpose(1, 2), offs=ends)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """``silu(gate) * up``; with ``limit`` (DeepSeek V4) gate clamped to <= limit and up to [-limit, limit] first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -340,7 +340,7 @@ class GraphRunner:
             for key, value in captured.segment_stats.items():  # what the segments' collectives move
                 prep.stats[key] = prep.stats.get(key, 0) + value
             ctx = self.body.context(meta, view.kv_slots, view, plan=prep.meta, ring=prep.ring, stats=prep.stats,
-                                    prefix_pages=prep.prefix_pages)
+                                    prefix_pages=prep.prefix_pages, batch=prep)
             captured.graph.replay(ctx)
         if timings is not None:
             timings.update(fill_s=t1 - t0, replay_s=time.perf_counter() - t1)
@@ -353,7 +353,7 @@ class GraphRunner:
         replay must equal this bitwise (and so must the auxiliary rows it copies)."""
         view = self.fill(prep, capacity, hidden_in)
         ctx = self.body.context(prep.meta, view.kv_slots, view, ring=prep.ring, aux=self._aux(view),
-                                prefix_pages=prep.prefix_pages)
+                                prefix_pages=prep.prefix_pages, batch=prep)
         return view.hidden_out.copy_(self.body.run(ctx, view.input_ids, view.positions, view.hidden_in))
 
 

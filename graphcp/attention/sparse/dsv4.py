@@ -1,0 +1,292 @@
+"""DeepSeek V4 attention after the exchange: pooling, the lightning indexer and attention
+over the window and the compressed entries (docs/dsv4.md), as transformers computes them.
+
+Per layer, in the attention break (it reads the live batch on the host):
+
+1. **pool** (compressed layers, every rank, the whole batch: the entries are part of
+   the replicated cache): every entry whose window closes in this forward, from the
+   source rows the exchange wrote (the cached prefix's included): CSA entry ``e`` pools
+   the first series of tokens ``[(e-1) m, e m)`` with the second series of tokens
+   ``[e m, (e+1) m)`` (a softmax over the ``2 m`` gates plus ``position_bias``; entry 0's
+   first half has weight 0), HCA entry ``e`` the tokens ``[e m', (e+1) m')``; then the
+   norm and RoPE at position ``e m`` (the compress RoPE), written to the entry pools.
+   A CSA layer's indexer pools its own entries the same way;
+2. **select** (CSA, this rank's rows only): a row at position ``p`` sees the entries
+   ``e < (p + 1) // m``; past ``index_topk`` of them the indexer scores them
+   (``sum_h w_h relu(q_h . k_e) / sqrt(index_head_dim)``) and keeps the top ``index_topk``;
+3. **attend** (this rank's rows only): keys = values = the window rows of positions
+   ``(p - sliding_window, p]`` plus the row's entries (HCA: all it sees; CSA: the
+   selected), one learned sink per head in the softmax's denominator.
+
+The work of steps 2 and 3 is the rank's own rows: ``forward_stats`` counts the rows
+and (row, key) pairs each rank scored and attended, beside what one rank computes when
+nothing is partitioned (every row of the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.sparse.mla import RowGroup, row_groups
+from graphcp.kv.dsv4 import CSA, HCA, DsV4CacheSpec, DsV4KVCache
+
+#: ForwardInfo.stats keys (per forward, summed over the layers)
+STAT_INDEX_ROWS = "dsv4_indexer_rows"  # query rows this rank scored (CSA layers)
+STAT_INDEX_PAIRS = "dsv4_indexer_pairs"  # (row, entry) pairs it scored
+STAT_ATTN_ROWS = "dsv4_attention_rows"  # query rows it attended (every layer)
+STAT_ATTN_PAIRS = "dsv4_attention_pairs"  # (row, key) pairs it attended: window keys + entries
+REPLICATED = "_replicated"  # suffix: the same figure for one rank computing every row of the batch
+#: rows a block of the reference attends at once (bounds its float32 scores)
+BLOCK_ROWS = 256
+
+
+def rms_weighted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """V4's weighted RMSNorm (``DeepseekV4RMSNorm``): float32 weight times the float32
+    normalised rows, cast once to ``x``'s dtype."""
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` in interleaved pairs
+    (``cos``/``sin`` in ``x``'s dtype, broadcast to ``x``'s leading dims); the rotation in
+    float32, cast back (``apply_rotary_pos_emb`` of transformers' V4)."""
+    r = 2 * cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:]
+    c, s = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+    rot = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([nope, (rope.float() * c + rot.float() * s).to(x.dtype)], dim=-1)
+
+
+@dataclass(frozen=True)
+class DsV4AttentionSpec:
+    cache: DsV4CacheSpec
+    num_heads: int
+    sliding_window: int
+    index_n_heads: int
+    index_topk: int
+    norm_eps: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.cache.head_dim
+
+
+@dataclass(frozen=True)
+class PoolWeights:
+    """A compressed layer's pooling weights (float32): ``position_bias [m, width]`` and
+    the entries' norm weight, for its compressor and (CSA) its indexer."""
+
+    bias: torch.Tensor
+    norm: torch.Tensor
+    index_bias: torch.Tensor | None = None
+    index_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class BatchRequests:
+    """Every request of the batch (the same on every rank): cached and new tokens, pages."""
+
+    prefix_lens: np.ndarray  # int64 [R]
+    extend_lens: np.ndarray  # int64 [R]
+    pages: np.ndarray  # int [R, width]: each request's page ids
+
+    @classmethod
+    def none(cls) -> "BatchRequests":
+        z = np.zeros(0, dtype=np.int64)
+        return cls(z, z, np.zeros((0, 1), dtype=np.int64))
+
+
+def pool(src: torch.Tensor, bias: torch.Tensor, norm: torch.Tensor, eps: float, width: int, overlap: bool,
+         first: torch.Tensor | None) -> torch.Tensor:
+    """Entries from their source rows. ``src [E, S, 2 width (CSA) or width, ...]``: the
+    kv part then the gate part of each source token (CSA: ``S = 2 m``, the previous
+    window's tokens then the entry's own; HCA: ``S = m``). ``first [E]`` (CSA): entries
+    with no previous window (entry 0), whose first half gets weight 0. -> ``[E, width]``
+    before RoPE."""
+    if overlap:
+        m = src.shape[1] // 2
+        kv_parts, gate_parts = src[..., : 2 * width], src[..., 2 * width:]
+        kv = torch.cat([kv_parts[:, :m, :width], kv_parts[:, m:, width:]], dim=1)
+        gate = torch.cat([gate_parts[:, :m, :width] + bias[:, :width], gate_parts[:, m:, width:] + bias[:, width:]],
+                         dim=1)
+        if first is not None and bool(first.any()):
+            kv = kv.clone()
+            kv[first, :m] = 0
+            gate[first, :m] = float("-inf")
+    else:
+        kv, gate = src[..., :width], src[..., width:] + bias
+    weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+    return rms_weighted((kv * weights).sum(dim=1), norm, eps)
+
+
+class TorchDsV4Attention:
+    """The reference of the attention break (host loops over each request's rows, in
+    blocks; one matmul per block). Reads host metadata: breakable graphs only."""
+
+    name = "torch"
+    supports_full_graph = False
+    #: Body passes the batch's requests to :meth:`prepare` (the pooling covers all of them)
+    reads_batch = True
+
+    def __init__(self, spec: DsV4AttentionSpec, compress_cos: torch.Tensor, compress_sin: torch.Tensor) -> None:
+        self.spec = spec
+        self.cos, self.sin = compress_cos, compress_sin  # float32 [positions, rope_dim / 2]
+        self._groups: list[RowGroup] = []
+        self._batch = BatchRequests.none()
+        self._stats: dict[str, int] = {}
+
+    def prepare(self, meta: AttentionMetadata, batch: BatchRequests | None = None) -> None:
+        self._groups = row_groups(meta)
+        self._batch = batch if batch is not None else BatchRequests.none()
+        self._stats = {STAT_INDEX_ROWS: 0, STAT_INDEX_PAIRS: 0, STAT_ATTN_ROWS: 0, STAT_ATTN_PAIRS: 0}
+
+    # ---- 1. pooling ---------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos = self.cos.index_select(0, positions).to(x.dtype)
+        sin = self.sin.index_select(0, positions).to(x.dtype)
+        return rope_tail(x, cos, sin)
+
+    def pool_new_entries(self, layer: int, cache: DsV4KVCache, w: PoolWeights) -> None:
+        """Every entry whose window this forward closes, for every request of the batch."""
+        spec, b = self.spec.cache, self._batch
+        kind, m = spec.layer_kinds[layer], spec.compress_rate(layer)
+        lo, hi = b.prefix_lens // m, (b.prefix_lens + b.extend_lens) // m  # entries [lo, hi) close now
+        if not (hi > lo).any():
+            return
+        dev = cache.pool.device
+        req = np.repeat(np.arange(len(lo)), hi - lo)
+        e = np.concatenate([np.arange(a, z) for a, z in zip(lo.tolist(), hi.tolist())]).astype(np.int64)
+        overlap = kind == CSA
+        span = 2 * m if overlap else m
+        start = (e - 1) * m if overlap else e * m
+        pos = start[:, None] + np.arange(span)[None, :]  # [E, S] source positions (negative: none)
+        pages = b.pages[req][:, None, :]
+        page_of = np.take_along_axis(np.broadcast_to(pages, (len(e), span, pages.shape[-1])),
+                                     np.maximum(pos, 0)[..., None] // cache.page_size, axis=-1)[..., 0]
+        slots = torch.from_numpy(page_of.astype(np.int64) * cache.page_size + np.maximum(pos, 0) % cache.page_size)
+        src = cache.sources(layer).flatten(0, 1).index_select(0, slots.to(dev).view(-1)).view(len(e), span, -1)
+        first = torch.from_numpy(e == 0).to(dev) if overlap else None
+        hd, ihd = spec.head_dim, spec.index_head_dim
+        e_t = torch.from_numpy(e).to(dev)
+        positions = e_t * m
+        entry_page = np.take_along_axis(b.pages[req], (e * m // cache.page_size)[:, None], axis=1)[:, 0]
+        epp = cache.epp[kind]
+        dest = torch.from_numpy(entry_page.astype(np.int64) * epp + e % epp).to(dev)
+        width = 4 * hd if overlap else 2 * hd
+        entries = pool(src[..., :width], w.bias, w.norm, self.spec.norm_eps, hd, overlap, first)
+        cache.entries(layer).flatten(0, 1).index_copy_(0, dest, self._rope(entries, positions))
+        if overlap:
+            idx = pool(src[..., width:], w.index_bias, w.index_norm, self.spec.norm_eps, ihd, True, first)
+            cache.index_entries(layer).flatten(0, 1).index_copy_(0, dest, self._rope(idx, positions))
+
+    # ---- 2 and 3. this rank's rows ------------------------------------------------------------
+    def forward(self, layer: int, q: torch.Tensor, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
+                sinks: torch.Tensor, cache: DsV4KVCache, weights: PoolWeights | None, out: torch.Tensor) -> None:
+        """Pool the closing entries, then attend ``q [rows, H, head_dim]`` (rotated) of this
+        rank's rows; writes ``out [rows, H, head_dim]`` (padding rows: zeros)."""
+        sp, cs = self.spec, self.spec.cache
+        kind = cs.layer_kinds[layer]
+        if kind != "sliding":
+            self.pool_new_entries(layer, cache, weights)
+        out.zero_()
+        dev = q.device
+        window = cache.window(layer).flatten(0, 1)
+        m = cs.compress_rate(layer)
+        entries = cache.entries(layer).flatten(0, 1) if m else None
+        index_entries = cache.index_entries(layer).flatten(0, 1) if kind == CSA else None
+        for g in self._groups:
+            pages = torch.from_numpy(g.pages.astype(np.int64)).to(dev)
+            for r0, r1 in _blocks(g.positions, sp.sliding_window):
+                pos = g.positions[r0:r1]
+                rows = slice(g.q0 + r0, g.q0 + r1)
+                lo = max(0, int(pos[0]) - sp.sliding_window + 1)
+                hi = int(pos[-1]) + 1
+                key_pos = torch.arange(lo, hi, device=dev)
+                keys = window.index_select(0, cache.token_slots(pages, key_pos))
+                pos_t = torch.from_numpy(pos).to(dev)
+                visible = (key_pos[None, :] <= pos_t[:, None]) & (key_pos[None, :] > pos_t[:, None] - sp.sliding_window)
+                pairs = visible.sum()
+                if m:
+                    n_ent = (hi) // m
+                    seen = torch.div(pos_t + 1, m, rounding_mode="floor")  # entries each row sees
+                    ent = torch.arange(n_ent, device=dev)
+                    ent_mask = ent[None, :] < seen[:, None]
+                    if n_ent:
+                        slots = cache.entry_slots(layer, pages, ent)
+                        keys = torch.cat([keys, entries.index_select(0, slots)], dim=0)
+                        if kind == CSA:
+                            ent_mask = ent_mask & self._select(layer, pos, seen, index_q[rows], index_w[rows],
+                                                               index_entries.index_select(0, slots))
+                    visible = torch.cat([visible, ent_mask], dim=1)
+                    pairs = visible.sum()
+                self._stats[STAT_ATTN_ROWS] += len(pos)
+                self._stats[STAT_ATTN_PAIRS] += int(pairs)
+                out[rows] = _attend(q[rows], keys, visible, sinks, sp.head_dim ** -0.5).to(out.dtype)
+
+    def _select(self, layer: int, pos: np.ndarray, seen: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor,
+                ik: torch.Tensor) -> torch.Tensor:
+        """[rows, entries]: the entries the indexer keeps for each row (all it sees while
+        they are at most ``index_topk``)."""
+        topk, n = self.spec.index_topk, ik.shape[0]
+        keep = torch.arange(n, device=ik.device)[None, :] < seen[:, None]
+        scored = seen > topk
+        if n <= topk or not bool(scored.any()):
+            return keep
+        idx = scored.nonzero().view(-1)
+        scores = F.relu(torch.matmul(iq[idx].float(), ik.float().t())) * self.spec.cache.index_head_dim ** -0.5
+        scores = (scores * iw[idx].float().unsqueeze(-1)).sum(dim=1)  # [scored rows, entries]
+        scores = scores.masked_fill(~keep[idx], float("-inf"))
+        top = scores.topk(topk, dim=-1).indices
+        chosen = torch.zeros_like(keep[idx]).scatter_(1, top, True)
+        keep[idx] = chosen & keep[idx]
+        self._stats[STAT_INDEX_ROWS] += int(idx.numel())
+        self._stats[STAT_INDEX_PAIRS] += int(seen[idx].sum())
+        return keep
+
+    def forward_stats(self, prefix_lens: np.ndarray, extend_lens: np.ndarray) -> dict[str, int]:
+        """This forward's work on this rank and what one rank computes replicated."""
+        sp, cs = self.spec, self.spec.cache
+        rep = dict.fromkeys(self._stats, 0)
+        for pre, ext in zip(prefix_lens.tolist(), extend_lens.tolist()):
+            p = np.arange(pre, pre + ext, dtype=np.int64)
+            window = np.minimum(p + 1, sp.sliding_window)
+            for layer, kind in enumerate(cs.layer_kinds):
+                m = cs.compress_rate(layer)
+                seen = (p + 1) // m if m else 0
+                attended = seen if kind == HCA else np.minimum(seen, sp.index_topk) if kind == CSA else 0
+                rep[STAT_ATTN_ROWS] += p.size
+                rep[STAT_ATTN_PAIRS] += int((window + attended).sum())
+                if kind == CSA:
+                    rep[STAT_INDEX_ROWS] += int((seen > sp.index_topk).sum())
+                    rep[STAT_INDEX_PAIRS] += int(seen[seen > sp.index_topk].sum())
+        return {**self._stats, **{k + REPLICATED: v for k, v in rep.items()}}
+
+
+def _blocks(positions: np.ndarray, window: int) -> list[tuple[int, int]]:
+    """Row blocks of a group: split where positions jump by more than the window (a
+    zigzag rank's early and late chunks share no window key), at most BLOCK_ROWS rows."""
+    cuts = np.flatnonzero(np.diff(positions) > window) + 1
+    out = []
+    for a, z in zip(np.r_[0, cuts].tolist(), np.r_[cuts, positions.size].tolist()):
+        out += [(r, min(z, r + BLOCK_ROWS)) for r in range(a, z, BLOCK_ROWS)]
+    return out
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """``q [rows, H, D]`` over ``keys [K, D]`` (K = V) where ``visible [rows, K]``, one sink
+    logit per head in the denominator; as transformers' eager V4 attention: logits in the
+    activations' dtype, the softmax (max-shifted, the sink included) in float32."""
+    logits = torch.matmul(q.transpose(0, 1), keys.t()) * scale  # [H, rows, K]
+    logits = logits.float().masked_fill(~visible.unsqueeze(0), float("-inf"))
+    sink = sinks.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
+    return torch.matmul(probs, keys).transpose(0, 1)  # [rows, H, D]

@@ -1,0 +1,186 @@
+"""The paged cache of a DeepSeek V4 model (docs/dsv4.md): per layer kind,
+
+- **window rows** (every layer): each token's K = V (``head_dim`` values, after the
+  norm and RoPE), what the sliding window reads;
+- **source rows** (compressed layers): each token's compressor projections before
+  pooling (kv and gate: CSA two overlapping series of ``head_dim`` each, plus its
+  indexer's two of ``index_head_dim``; HCA one series). They are what a later forward
+  pools into the entries a window closes: the not-yet-compressed remainder and CSA's
+  overlap state of transformers' cache are the source rows of a request's last
+  ``2 m`` tokens;
+- **compressed entries** (compressed layers): one entry of ``head_dim`` per ``m``
+  tokens (and a CSA layer's indexer entry of ``index_head_dim``), written by the
+  forward that closes its window.
+
+All pools share :class:`PagedKVCache`'s allocator, page tables, slots and handles (page
+0 is scratch). Token pools hold ``page_size`` rows a page. An entry pool holds
+``epp = max(1, page_size / m)`` entries a page: entry ``e`` of a request lives in the
+page that holds its first token (token ``e * m``), at ``e % epp``, so a request's pages
+hold its entries too, and the entry pools are ``m`` times smaller than a token pool
+(``page_size`` times when ``m > page_size``). The page size must divide ``m`` or be a
+multiple of it.
+
+Every token's window and source rows are kept: only the last ``sliding_window - 1``
+window rows and the last ``2 m`` source rows are read again (docs/dsv4.md says what
+releasing the older pages would save).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphcp.errors import ConfigError
+from graphcp.kv.paged import KVHandle, PagedKVCache
+
+#: a V4 layer's kind: a window only, the window + compressed sparse entries, + heavily compressed entries
+SLIDING, CSA, HCA = "sliding", "csa", "hca"
+
+
+@dataclass(frozen=True)
+class DsV4CacheSpec:
+    """What the cache and the attention break size by (graphcp.model.dsv4_config reads it)."""
+
+    layer_kinds: tuple[str, ...]
+    head_dim: int
+    index_head_dim: int
+    compress_csa: int  # m: tokens per CSA entry (its windows overlap: 2 m source tokens)
+    compress_hca: int  # m': tokens per HCA entry
+
+    def compress_rate(self, layer: int) -> int:
+        """Tokens per compressed entry of a compressed layer (0 for a sliding layer)."""
+        kind = self.layer_kinds[layer]
+        return self.compress_csa if kind == CSA else self.compress_hca if kind == HCA else 0
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == kind)
+
+    def raw_width(self, layer: int) -> int:
+        """Source values a token holds for a compressed layer's pooling: the compressor's
+        kv and gate (CSA: two series each, 2 x head_dim) and a CSA indexer's (2 x
+        index_head_dim each)."""
+        kind = self.layer_kinds[layer]
+        if kind == CSA:
+            return 4 * self.head_dim + 4 * self.index_head_dim
+        return 2 * self.head_dim if kind == HCA else 0
+
+
+def entries_per_page(page_size: int, rate: int, where: str = "RuntimeConfig.page_size") -> int:
+    """Entries a page of an entry pool holds (ConfigError when neither size divides the other)."""
+    if rate <= page_size:
+        if page_size % rate:
+            raise ConfigError(f"{where}={page_size}: a DeepSeek V4 model's compress rate {rate} must divide the page "
+                              "size (or be a multiple of it): entries are paged with the tokens they pool")
+        return page_size // rate
+    if rate % page_size:
+        raise ConfigError(f"{where}={page_size}: must divide the compress rate {rate} of a DeepSeek V4 model "
+                          "(entries are paged with the tokens they pool)")
+    return 1
+
+
+class DsV4KVCache(PagedKVCache):
+    def __init__(self, cfg: DsV4CacheSpec, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", max_pages_per_seq: int | None = None) -> None:
+        self.cfg = cfg
+        L = len(cfg.layer_kinds)
+        self.epp = {CSA: entries_per_page(page_size, cfg.compress_csa), HCA: entries_per_page(page_size, cfg.compress_hca)}
+        #: global layer -> its index in its kind's pools
+        self.slot = {i: cfg.layers_of(k).index(i) for k in (CSA, HCA) for i in cfg.layers_of(k)}
+        super().__init__(L, num_pages, page_size, 1, cfg.head_dim, dtype, device, "NHD", max_pages_per_seq)
+
+    @staticmethod
+    def bytes_per_page(cfg: DsV4CacheSpec, page_size: int, itemsize: int, layers: int | None = None) -> int:
+        """Bytes one page takes in every pool (the engine checks the pools fit memory)."""
+        n_csa, n_hca = len(cfg.layers_of(CSA)), len(cfg.layers_of(HCA))
+        epp_csa = entries_per_page(page_size, cfg.compress_csa)
+        epp_hca = entries_per_page(page_size, cfg.compress_hca)
+        values = page_size * (len(cfg.layer_kinds) * cfg.head_dim
+                              + n_csa * (4 * cfg.head_dim + 4 * cfg.index_head_dim) + n_hca * 2 * cfg.head_dim)
+        values += epp_csa * n_csa * (cfg.head_dim + cfg.index_head_dim) + epp_hca * n_hca * cfg.head_dim
+        return values * itemsize
+
+    def _allocate_pool(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        c, P, ps = self.cfg, self.num_pages, self.page_size
+        n_csa, n_hca = len(c.layers_of(CSA)), len(c.layers_of(HCA))
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.source_pools = {CSA: zeros(n_csa, P, ps, 4 * c.head_dim + 4 * c.index_head_dim),
+                             HCA: zeros(n_hca, P, ps, 2 * c.head_dim)}
+        self.entry_pools = {CSA: zeros(n_csa, P, self.epp[CSA], c.head_dim),
+                            HCA: zeros(n_hca, P, self.epp[HCA], c.head_dim)}
+        self.index_pool = zeros(n_csa, P, self.epp[CSA], c.index_head_dim)
+        return zeros(len(c.layer_kinds), P, ps, c.head_dim)
+
+    def page_pools(self) -> dict[str, torch.Tensor]:
+        return {"window": self.pool, "source_csa": self.source_pools[CSA], "source_hca": self.source_pools[HCA],
+                "entries_csa": self.entry_pools[CSA], "entries_hca": self.entry_pools[HCA],
+                "index_entries": self.index_pool}
+
+    def kind(self, layer: int) -> str:
+        return self.cfg.layer_kinds[layer]
+
+    def token_values(self, layer: int) -> int:
+        """Values a token's exchange row holds in ``layer``: its window row and source rows."""
+        return self.cfg.head_dim + self.cfg.raw_width(layer)
+
+    def window(self, layer: int) -> torch.Tensor:
+        """``[num_pages, page_size, head_dim]``: layer ``layer``'s window rows."""
+        return self.pool[layer]
+
+    def layer(self, i: int) -> torch.Tensor:
+        return self.window(i)
+
+    def sources(self, layer: int) -> torch.Tensor:
+        """``[num_pages, page_size, width]``: a compressed layer's source rows."""
+        return self.source_pools[self.kind(layer)][self.slot[layer]]
+
+    def entries(self, layer: int) -> torch.Tensor:
+        """``[num_pages, epp, head_dim]``: a compressed layer's compressed entries."""
+        return self.entry_pools[self.kind(layer)][self.slot[layer]]
+
+    def index_entries(self, layer: int) -> torch.Tensor:
+        """``[num_pages, epp, index_head_dim]``: a CSA layer's indexer entries."""
+        return self.index_pool[self.slot[layer]]
+
+    def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Scatter exchange rows ``[n, head_dim + source width]`` to token ``slots [n]``;
+        slot -1 (padding) goes to the scratch page, so the write keeps a static shape."""
+        s = slots.clamp(min=0)
+        page, off = torch.div(s, self.page_size, rounding_mode="floor"), s % self.page_size
+        hd = self.cfg.head_dim
+        self.window(layer)[page, off] = rows[:, :hd]
+        if self.kind(layer) in (CSA, HCA):
+            self.sources(layer)[page, off] = rows[:, hd:]
+
+    # ---- slots of a request's rows (device tensors; ``pages``: its page ids, int64) ----------
+    def token_slots(self, pages: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ps = self.page_size
+        return pages.index_select(0, torch.div(positions, ps, rounding_mode="floor")) * ps + positions % ps
+
+    def entry_slots(self, layer: int, pages: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        m, epp = self.cfg.compress_rate(layer), self.epp[self.kind(layer)]
+        page_index = torch.div(entries * m, self.page_size, rounding_mode="floor")
+        return pages.index_select(0, page_index) * epp + entries % epp
+
+    def read_tokens(self, handle: KVHandle, layer: int) -> dict[str, torch.Tensor]:
+        """One request's cached state of one layer (new tensors): ``window [T, head_dim]``,
+        and in a compressed layer ``sources [T, width]``, ``entries [T // m, head_dim]``
+        and (CSA) ``index_entries [T // m, index_head_dim]`` (graphcp.pd's V4 export)."""
+        self.check_handle(handle)
+        dev = self.pool.device
+        pages = torch.tensor(handle.pages, dtype=torch.long, device=dev)
+        pos = torch.arange(handle.num_tokens, device=dev)
+        slots = self.token_slots(pages, pos)
+        out = {"window": self.window(layer).flatten(0, 1).index_select(0, slots)}
+        kind = self.kind(layer)
+        if kind in (CSA, HCA):
+            out["sources"] = self.sources(layer).flatten(0, 1).index_select(0, slots)
+            e = torch.arange(handle.num_tokens // self.cfg.compress_rate(layer), device=dev)
+            es = self.entry_slots(layer, pages, e)
+            out["entries"] = self.entries(layer).flatten(0, 1).index_select(0, es)
+            if kind == CSA:
+                out["index_entries"] = self.index_entries(layer).flatten(0, 1).index_select(0, es)
+        return out

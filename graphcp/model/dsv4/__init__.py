@@ -1,0 +1,1 @@
+"""DeepSeek V4 under prefill CP (docs/dsv4.md)."""

@@ -1,0 +1,27 @@
+"""What a PrefillEngine runs a DeepSeek V4 model with: its paged cache (window, source
+rows, compressed entries: graphcp/kv/dsv4.py, replicated on every CP rank) and the
+attention break's backend (the torch reference). The options V4 does not combine with
+are refused with the config (graphcp/combinations.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from graphcp.attention.sparse.dsv4 import DsV4AttentionSpec, TorchDsV4Attention
+from graphcp.config import RuntimeConfig
+from graphcp.kv.dsv4 import DsV4KVCache
+from graphcp.model.config import ModelConfig
+from graphcp.model.dsv4.rope import COMPRESS, V4Rotary
+
+
+def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int) -> int:
+    return num_pages * DsV4KVCache.bytes_per_page(cfg.dsv4.cache, rt.page_size, rt.torch_dtype.itemsize)
+
+
+def make_cache_and_attention(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, max_pages_per_seq: int,
+                             device: torch.device, rotary: V4Rotary) -> tuple[DsV4KVCache, TorchDsV4Attention]:
+    d = cfg.dsv4
+    kv = DsV4KVCache(d.cache, num_pages, rt.page_size, rt.torch_dtype, device, max_pages_per_seq)
+    spec = DsV4AttentionSpec(d.cache, cfg.num_heads, d.sliding_window, d.index_n_heads, d.index_topk,
+                             cfg.rms_norm_eps)
+    return kv, TorchDsV4Attention(spec, *rotary.table(COMPRESS))
