@@ -54,6 +54,20 @@ DSA_TINY = dict(
     first_k_dense_replace=2, rope_theta=10000.0,
 )
 DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+#: tiny DeepSeek V4: a sliding layer (hash MoE), a CSA layer (m = 4, routed MoE) and an HCA
+#: layer (m' = 8, hash MoE); a window of 8, 16 indexer heads (fewer make ReLU scores tie at
+#: exactly 0), index_topk 3 (rows past position 15 are scored), mHC of 2 streams, YaRN on
+#: the compressed branches, 8 experts top-2 (ep splits them over CP 1, 2 and 4)
+V4_TINY = dict(
+    vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+    head_dim=32, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8, max_position_embeddings=4096,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    mlp_layer_types=["hash_moe", "moe", "hash_moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    hc_mult=2, sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=3,
+    partial_rotary_factor=0.5, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -89,6 +103,9 @@ def hf_config(family: str, tied: bool, **overrides):
     elif family == "mixtral":
         kw.update(sliding_window=None, rope_theta=10000.0, num_local_experts=8, num_experts_per_tok=2)
         cls = transformers.MixtralConfig
+    elif family == "deepseek_v4":
+        kw = dict(V4_TINY, tie_word_embeddings=tied)
+        cls = transformers.DeepseekV4Config
     elif family in DSA_FAMILIES:
         kw = dict(DSA_TINY, tie_word_embeddings=tied)
         cls = transformers.DeepseekV32Config if family == "deepseek_v32" else transformers.GlmMoeDsaConfig
@@ -112,6 +129,12 @@ def randomise_(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1.0 + 0.2 * noise)
             else:  # biases
                 p.copy_(0.2 * noise)
+        for name, b in model.named_buffers():  # DeepSeek V4's routing tables
+            if name.endswith("tid2eid"):  # distinct experts for each token
+                experts = model.config.n_routed_experts
+                b.copy_(torch.stack([torch.randperm(experts, generator=g)[: b.shape[1]] for _ in range(b.shape[0])]))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=g))
 
 
 def build_hf_model(family: str, tied: bool, dtype: str = "float32", seed: int = 0, **overrides):

@@ -31,15 +31,17 @@ STATIC_MOE_IN, STATIC_MOE_OUT = "v4_moe_in", "v4_moe_out"
 
 
 @graph_break("moe")
-def run_moe(ctx: ForwardContext, layer: int, block: V4MoeBlock, x: torch.Tensor, out: torch.Tensor) -> None:
-    """The MoE of rows ``x`` into ``out``: ``ep``'s exchange over the live rows, or ``tp``
-    experts held out of CUDA graphs."""
+def run_moe(ctx: ForwardContext, layer: int, block: V4MoeBlock, x: torch.Tensor, token_ids: torch.Tensor,
+            out: torch.Tensor) -> None:
+    """The MoE of rows ``x`` (of tokens ``token_ids``: the body's input, a static buffer in
+    graph mode) into ``out``: ``ep``'s exchange over the live rows, or ``tp`` experts held
+    out of CUDA graphs."""
     with nvtx_range(f"moe[{layer}]", category="break"):
         if block.layout == "ep":
             live = x.shape[0] if ctx.live_rows is None else ctx.live_rows
-            out.copy_(block.forward_ep(x, live, ctx.comm, ctx.stats, ctx.token_ids))
+            out.copy_(block.forward_ep(x, live, ctx.comm, ctx.stats, token_ids))
         else:
-            out.copy_(block(x, ctx.comm, ctx.token_ids))
+            out.copy_(block(x, ctx.comm, token_ids))
 
 
 class DsV4Layer(nn.Module):
@@ -69,7 +71,7 @@ class DsV4Layer(nn.Module):
                 x, out = static[STATIC_MOE_IN].copy_(x), static[STATIC_MOE_OUT]
             else:
                 out = torch.empty_like(x)
-            run_moe(ctx, self.layer, self.mlp, x, out)
+            run_moe(ctx, self.layer, self.mlp, x, ctx.token_ids, out)
         else:
             out = self.mlp(x, ctx.comm, ctx.token_ids)
         return mix(h, out, post, comb)
