@@ -221,18 +221,18 @@ class TorchDsV4Attention:
                         slots = cache.entry_slots(layer, pages, ent)
                         keys = torch.cat([keys, entries.index_select(0, slots)], dim=0)
                         if kind == CSA:
-                            ent_mask = ent_mask & self._select(layer, pos, seen, index_q[rows], index_w[rows],
-                                                               index_entries.index_select(0, slots))
+                            ent_mask = ent_mask & self.select(layer, g, pos, seen, index_q[rows], index_w[rows],
+                                                              index_entries.index_select(0, slots))
                     visible = torch.cat([visible, ent_mask], dim=1)
                     pairs = visible.sum()
                 self._stats[STAT_ATTN_ROWS] += len(pos)
                 self._stats[STAT_ATTN_PAIRS] += int(pairs)
                 out[rows] = _attend(q[rows], keys, visible, sinks, sp.head_dim ** -0.5).to(out.dtype)
 
-    def _select(self, layer: int, pos: np.ndarray, seen: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor,
-                ik: torch.Tensor) -> torch.Tensor:
-        """[rows, entries]: the entries the indexer keeps for each row (all it sees while
-        they are at most ``index_topk``)."""
+    def select(self, layer: int, group: RowGroup, pos: np.ndarray, seen: torch.Tensor, iq: torch.Tensor,
+               iw: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
+        """[rows, entries]: the entries the indexer keeps for each row of ``group`` at
+        positions ``pos`` (all it sees while they are at most ``index_topk``)."""
         topk, n = self.spec.index_topk, ik.shape[0]
         keep = torch.arange(n, device=ik.device)[None, :] < seen[:, None]
         scored = seen > topk

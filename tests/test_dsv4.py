@@ -1,0 +1,206 @@
+"""DeepSeek V4 (``DeepseekV4ForCausalLM``) against transformers, under CP.
+
+A tiny random checkpoint (tests/conftest.py's V4_TINY): a sliding layer, a CSA layer
+(m = 4, index_topk 3, 16 indexer heads) and an HCA layer (m' = 8), a window of 8,
+mHC of 2 streams, hash-routed MoE (random ``tid2eid``) in layers 0 and 2 and
+score-routed MoE in layer 1. Requests of 1 to 93 tokens (up to 11 windows, 23 CSA and
+11 HCA blocks), odd lengths, and one extending a 21-token cached prefix (it splits a
+block of both compressors). float32 at relative 1e-4 on every token's logits at CP 1,
+2 and 4, zigzag and interleave, graphs off and breakable (each capture's self-check
+replays a synthetic batch bitwise against the same-bucket eager body), ``--moe ep``
+and ``tp``; the indexer's and attention's rows a rank computes at C = 4 within 1.25 / C
+of the replicated count. bfloat16: against transformers in bfloat16 given graphcp's
+top-k (a bfloat16 rounding flips near-tied selections, in transformers as in graphcp),
+on the all-experts twin (the router's choice flips the same way).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import save_cases
+from helpers import rel_err
+
+from graphcp import PrefillEngine, Request
+from graphcp.attention.sparse.dsv4 import (REPLICATED, STAT_ATTN_PAIRS, STAT_ATTN_ROWS, STAT_INDEX_PAIRS,
+                                           STAT_INDEX_ROWS)
+from graphcp.config import RuntimeConfig
+from graphcp.dist import CPGroup, launch
+from graphcp.runtime.capture.buckets import BucketSet
+
+TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+BUCKETS = BucketSet((64, 128, 256), padding_factor=64.0)
+LENS, PREFIX, EXT = [1, 7, 45, 93], 21, 30
+CASES = {"v4": ("deepseek_v4", {}),
+         # bfloat16: every token to every expert (hash layers too: 8 of 8)
+         "v4-all-experts": ("deepseek_v4", dict(num_experts_per_tok=8))}
+#: CP size -> (dtype, layout, graph, moe) runs
+RUNS = {
+    1: [("float32", "zigzag", "off", "tp"), ("float32", "zigzag", "breakable", "ep"),
+        ("bfloat16", "zigzag", "breakable", "tp")],
+    2: [("float32", "zigzag", "off", "ep"), ("float32", "interleave", "off", "tp"),
+        ("float32", "zigzag", "breakable", "tp"), ("float32", "interleave", "breakable", "ep"),
+        ("bfloat16", "interleave", "off", "ep")],
+    4: [("float32", "zigzag", "off", "tp"), ("float32", "interleave", "off", "ep"),
+        ("float32", "zigzag", "breakable", "ep"), ("bfloat16", "zigzag", "breakable", "tp")],
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return save_cases(tmp_path_factory, CASES, seed=3)
+
+
+def _tokens():
+    rng = np.random.default_rng(19)
+    return [rng.integers(0, 512, n) for n in LENS], rng.integers(0, 512, PREFIX), rng.integers(0, 512, EXT)
+
+
+def _record(eng: PrefillEngine) -> dict:
+    """Every selection the indexer makes: (layer, the request's first page, position) -> entries."""
+    att, records = eng.body.attention, {}
+    inner = att.select
+
+    def select(layer, group, pos, seen, iq, iw, ik):
+        keep = inner(layer, group, pos, seen, iq, iw, ik)
+        first = int(group.pages[0])
+        for p, row, n in zip(pos.tolist(), keep.cpu(), seen.tolist()):
+            if n > att.spec.index_topk:
+                records[layer, first, p] = row.nonzero().view(-1)
+        return keep
+
+    att.select = select
+    return records
+
+
+def _job(group, runs):
+    """Each run: the prefix, then the batch extending it; (logits on rank 0, stats, path,
+    selections, the requests' first pages, capture self-checks skipped)."""
+    out = []
+    for folder, dtype, layout, graph, moe in runs:
+        rt = RuntimeConfig(dtype=dtype, layout=layout, graph=graph, moe=moe, kv_tokens=2048, page_size=8)
+        eng = PrefillEngine(folder, rt, group, BUCKETS)
+        skipped = [s.verify_skipped for s in eng.capture()] if graph != "off" else []
+        records = _record(eng)
+        toks, prefix, ext = _tokens()
+        h = eng.prefill([Request(prefix)]).handles[0]
+        o = eng.prefill([Request(ext, h)] + [Request(t) for t in toks], all_logits=True)
+        out.append(([x.clone() for x in o.logits] if group.rank == 0 else None, dict(o.info.stats), o.info.path,
+                    records, [x.pages[0] for x in o.handles], skipped))
+    return out
+
+
+def _inject(model, records: dict, first_page: int, topk: int) -> None:
+    """transformers' indexers replaced by graphcp's selections for one request (rows
+    that see at most ``topk`` entries: all of them, as transformers' top-k gives)."""
+    for layer, block in enumerate(model.model.layers):
+        comp = block.self_attn.compressor
+        indexer = getattr(comp, "indexer", None)
+        if indexer is None:
+            continue
+
+        def forward(hidden_states, q_residual, position_ids, cache, layer_idx, layer=layer, m=indexer.compress_rate):
+            s = hidden_states.shape[1]
+            k = min(topk, s // m)
+            rows = []
+            for p in range(s):
+                seen = (p + 1) // m
+                sel = records[layer, first_page, p] if seen > topk else torch.arange(min(seen, k))
+                rows.append(torch.cat([sel, torch.full((k - sel.numel(),), -1, dtype=torch.long)]))
+            return torch.stack(rows).view(1, s, k)
+
+        indexer.forward = forward
+
+
+@torch.inference_mode()
+def _references(folder, dtype: str, records=None, firsts=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    toks, prefix, ext = _tokens()
+    seqs = [np.concatenate([prefix, ext])] + toks
+    refs = []
+    for j, seq in enumerate(seqs):
+        if records is not None:
+            _inject(model, records, firsts[j], model.config.index_topk)
+        refs.append(model(input_ids=torch.from_numpy(seq).view(1, -1)).logits[0].float())
+    refs[0] = refs[0][PREFIX:]
+    return refs
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_dsv4_matches_transformers(cp, folders):
+    runs = [(folders["v4" if dtype == "float32" else "v4-all-experts"], dtype, layout, graph, moe)
+            for dtype, layout, graph, moe in RUNS[cp]]
+    per_rank = [_job(CPGroup(), runs)] if cp == 1 else launch(_job, cp, runs)
+    f32 = None
+    for i, (folder, dtype, layout, graph, moe) in enumerate(runs):
+        where = f"{dtype} CP {cp} {layout} graph {graph} moe {moe}"
+        logits, _, path, _, firsts, skipped = per_rank[0][i]
+        assert path == ("eager" if graph == "off" else "graph"), where
+        assert all(s is None for s in skipped), (where, skipped)  # every bucket's replay was checked
+        if dtype == "float32":
+            f32 = f32 or _references(folder, dtype)
+            refs = f32
+        else:  # transformers given every rank's selections
+            records = {}
+            for r in per_rank:
+                records.update(r[i][3])
+            assert records, where  # rows past index_topk were scored
+            refs = _references(folder, dtype, records, firsts)
+        for j, (got, ref) in enumerate(zip(logits, refs)):
+            err = rel_err(got, ref)
+            assert err < TOL[dtype], f"{where}, request {j} ({ref.shape[0]} tokens): {err:.3g} vs transformers"
+        _assert_partitioned([r[i][1] for r in per_rank], where, bound=False)
+
+
+def _assert_partitioned(stats: list[dict], where: str, bound: bool = True) -> None:
+    """Each row scored and attended once over the ranks; ``bound``: at most 1.25 / C of the
+    replicated work on each rank."""
+    for key in (STAT_INDEX_ROWS, STAT_INDEX_PAIRS, STAT_ATTN_ROWS, STAT_ATTN_PAIRS):
+        replicated = stats[0][key + REPLICATED]
+        assert replicated > 0 and all(s[key + REPLICATED] == replicated for s in stats), (where, key)
+        assert sum(s[key] for s in stats) == replicated, (where, key, [s[key] for s in stats])
+        if bound:
+            assert all(s[key] <= 1.25 * replicated / len(stats) for s in stats), (where, key, [s[key] for s in stats])
+
+
+def _work_job(group, folder, layout):
+    eng = PrefillEngine(folder, RuntimeConfig(layout=layout, kv_tokens=4096, page_size=8), group)
+    rng = np.random.default_rng(1)
+    return dict(eng.prefill([Request(rng.integers(0, 512, n)) for n in (300, 517)]).info.stats)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "interleave"])
+def test_work_per_rank_at_cp4(folders, layout):
+    """The indexer's scored rows and pairs and attention's rows and pairs a rank computes
+    at C = 4 are within 1.25 / C of one rank computing every row (requests of 300 and
+    517 tokens; a batch of a few short requests can put most scored rows, those past
+    index_topk entries, on the ranks holding late zigzag blocks)."""
+    _assert_partitioned(launch(_work_job, 4, folders["v4"], layout), f"CP 4 {layout}")
+
+
+def test_routing_and_selection_matter(folders):
+    """A wrong hash table, or a wrong top-k, fails parity: both are exercised."""
+    folder = folders["v4"]
+    refs = _references(folder, "float32")
+    toks, prefix, ext = _tokens()
+    for wrong in ("tid2eid", "topk"):
+        eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=2048, page_size=8))
+        if wrong == "tid2eid":
+            table = eng.model.layers[0].mlp.router.tid2eid
+            table.copy_(table.roll(1, dims=0))
+        else:  # each row's first index_topk entries instead of the indexer's choice
+            att = eng.body.attention
+            inner = att.select
+
+            def first_k(layer, group, pos, seen, iq, iw, ik, inner=inner, topk=att.spec.index_topk):
+                keep = inner(layer, group, pos, seen, iq, iw, ik)
+                return keep & (torch.arange(keep.shape[1])[None, :] < topk)
+
+            att.select = first_k
+        h = eng.prefill([Request(prefix)]).handles[0]
+        o = eng.prefill([Request(ext, h)] + [Request(t) for t in toks], all_logits=True)
+        errs = [rel_err(g, r) for g, r in zip(o.logits, refs)]
+        assert errs[4] > 1e-2, (wrong, errs)  # the 93-token request
