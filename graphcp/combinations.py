@@ -133,9 +133,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("dsv4",)), ("attention", ("flashinfer", "trtllm", "triton")),
             "V4 attention (a window plus compressed entries, a sink per head, head_dim 512) runs on the torch "
             "reference in the attention break", (("attention", "torch"),), "torch reference only"),
-    Refusal(("model", ("dsv4",)), ("graph", ("full",)),
-            "the pooling of closed windows, the indexer's top-k and attention read the live batch on the host, "
-            "in the break", (("graph", "breakable"),), "pooling reads the live batch"),
     Refusal(("model", ("dsv4",)), ("pp", (">1",)),
             "pipeline stages handing on V4's hc_mult residual streams are not built yet", (("pp", "1"),),
             "not built yet"),
@@ -398,7 +395,7 @@ def _flag_text(key: str, values: tuple[str, ...]) -> str:
     """An axis's values as the command line says them, in a table cell."""
     a = AXES[key]
     if key == "model":
-        return f"{'/'.join(v.upper() if v == 'dsa' else v for v in values)} models"
+        return f"{'/'.join({'dsa': 'DSA', 'dsv4': 'DeepSeek V4'}.get(v, v) for v in values)} models"
     if key == "attn_tp":  # (--tp over --cp x --dp: docs/parallel.md)
         return " or ".join(f"attention TP {'> 1' if v == '>1' else v}" for v in values)
     if key in ("aux", "export", "draft", "pp", "dp"):
@@ -419,8 +416,20 @@ def readme_table() -> str:
     """The README's table: each refused pair and why in a few words (what to use instead
     is in its error and in docs/combinations.md)."""
     rows = ["| refused | why |", "| --- | --- |"]
+    by_model: dict[tuple, list[Refusal]] = {}  # a model kind's refusals share one row
     for r in REFUSALS:
-        rows.append(f"| {_flag_text(*r.a)} + {_flag_text(*r.b)} | {r.short} |")
+        if r.a[0] == "model":
+            by_model.setdefault(r.a, []).append(r)
+    done = set()
+    for r in REFUSALS:
+        group = by_model.get(r.a, [r])
+        if r.a in done:
+            continue
+        if r.a[0] == "model":
+            done.add(r.a)
+        others = ", ".join(_flag_text(*g.b) for g in group)
+        why = "; ".join(dict.fromkeys(g.short for g in group))
+        rows.append(f"| {_flag_text(*r.a)} + {others} | {why} |")
     return "\n".join(rows)
 
 

@@ -56,6 +56,7 @@ MODELS = {
     "dsa": ("deepseek_v32", dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
                                  moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.5, n_group=2,
                                  topk_group=1)),
+    "dsv4": ("deepseek_v4", {}),  # tests/conftest.py's V4_TINY: sliding, CSA and HCA layers, hash and routed MoE
 }
 #: bfloat16 runs each MoE model's all-experts twin (as tests/test_moe_parity.py does): with
 #: top-k < E a near-tie in the router flips an expert under bfloat16 rounding between two
@@ -63,7 +64,8 @@ MODELS = {
 #: twin's indexer likewise selects every token (index_topk 32 >= the batch's 24): its
 #: top-k flips the same way (a DSA bfloat16 run with the triton kernel at CP 2 differed by
 #: 7e-2 from one rank); tests/test_dsa_bf16_sparse.py checks bfloat16 sparse selection
-ALL_EXPERTS = {"moe": dict(num_experts_per_tok=8), "dsa": dict(num_experts_per_tok=8, topk_group=2, index_topk=32)}
+ALL_EXPERTS = {"moe": dict(num_experts_per_tok=8), "dsa": dict(num_experts_per_tok=8, topk_group=2, index_topk=32),
+               "dsv4": dict(num_experts_per_tok=8, index_topk=8)}
 CPU_RUNS = covering_runs(cpu_values())
 
 
@@ -123,7 +125,8 @@ def _runs_job(group, runs: list[dict], folders: dict) -> list[dict]:
 def test_every_allowed_pair_runs_against_the_single_rank_engine(folders):
     refs = {}
     for kind, dtype, draft in sorted({(r["model"], r["dtype"], r["draft"]) for r in CPU_RUNS}):
-        rt = RuntimeConfig(dtype=dtype, aux_hidden_layers=AUX, kv_tokens=512,
+        aux = AUX if refusal({"model": kind, "aux": "on"}) is None else ()  # (V4 refuses aux)
+        rt = RuntimeConfig(dtype=dtype, aux_hidden_layers=aux, kv_tokens=512,
                            draft=str(folders["draft"]) if draft == "on" else None)
         refs[kind, dtype, draft] = _outputs(PrefillEngine(folders[kind, dtype], rt), True)
     for world in sorted({_parallel(r).world_size for r in CPU_RUNS}):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from graphcp.attention.sparse.dsv4 import work_report
 from graphcp.attention.sparse.mla import indexer_report
 from graphcp.checks import check_output_dir, check_output_path
 from graphcp.cli.jobs import mixed_batch, prefill_job, run_job, twin_dtype
@@ -102,9 +103,9 @@ def cmd_prefill(args) -> int:
               + (f", exchange {info['exchange']}" if info["exchange"] is not None else "")  # a pipeline has none
               + f" -> {args.output}" + (f" (stats: {args.stats})" if args.stats else "")
               + (f"; KV -> {args.export_kv}/<i>.safetensors" if args.export_kv is not None else ""))
-        indexer = indexer_report(info["stats_per_rank"])
-        if indexer is not None:  # DSA models
-            print(indexer)
+        for line in (indexer_report(info["stats_per_rank"]), work_report(info["stats_per_rank"])):
+            if line is not None:  # DSA models: the indexer's work; V4: its indexer's and attention's
+                print(line)
     return 0
 
 
@@ -163,9 +164,9 @@ def cmd_run(args) -> int:
                          f"same bucket: {same}; unpadded: max |diff| {c['max_abs_diff']:.3g}, "
                          f"relative {c['rel_diff']:.3g} (bucket {c['bucket']})"))
     print_table(rows)
-    indexer = indexer_report(res["stats_per_rank"])
-    if indexer is not None:  # DSA models: the eager forward's indexer work per rank
-        print(indexer)
+    for line in (indexer_report(res["stats_per_rank"]), work_report(res["stats_per_rank"])):
+        if line is not None:  # DSA / V4 models: the eager forward's indexer (and attention) work per rank
+            print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
     for c in res.get("comparisons", []):

@@ -10,10 +10,10 @@ sums go back to the rank's own rows.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from graphcp.model.communicator import LayerCommunicator
-from graphcp.model.moe.experts import swiglu
 from graphcp.model.rope import RopeConfig
 
 
@@ -54,6 +54,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = xf.shape[-1] // 2
     rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rot * sin).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """``silu(gate) * up``; with ``limit`` (DeepSeek V4's swiglu_limit) gate clamped to
+    <= limit and up to [-limit, limit] first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
 
 
 class ParallelMLP(nn.Module):

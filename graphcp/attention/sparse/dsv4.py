@@ -268,6 +268,19 @@ class TorchDsV4Attention:
         return {**self._stats, **{k + REPLICATED: v for k, v in rep.items()}}
 
 
+def work_report(stats_per_rank: list[dict]) -> str | None:
+    """One line on V4's indexer and attention work per rank vs one rank computing every
+    row (None: not a V4 forward)."""
+    if not stats_per_rank or STAT_ATTN_ROWS not in stats_per_rank[0]:
+        return None
+    parts = []
+    for key, what in ((STAT_INDEX_PAIRS, "indexer pairs"), (STAT_ATTN_PAIRS, "attention pairs")):
+        rep = stats_per_rank[0][key + REPLICATED]
+        shares = ", ".join(f"{s[key] / rep:.3f}" if rep else "0" for s in stats_per_rank)
+        parts.append(f"{what} {shares} of {rep}")
+    return "DeepSeek V4 work a rank (share of one rank computing every row): " + "; ".join(parts)
+
+
 def _blocks(positions: np.ndarray, window: int) -> list[tuple[int, int]]:
     """Row blocks of a group: split where positions jump by more than the window (a
     zigzag rank's early and late chunks share no window key), at most BLOCK_ROWS rows."""

@@ -92,12 +92,12 @@ def dsa_tensors(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "tp") -> 
               float32=True)
         if m.shared_intermediate_size:
             mlp(hf + "mlp.shared_experts.", me + "mlp.shared.", m.shared_intermediate_size)
-        t.update(_expert_targets(f"{hf}mlp.experts.", me + "mlp.experts.", m.num_experts, m.intermediate_size, h,
+        t.update(expert_targets(f"{hf}mlp.experts.", me + "mlp.experts.", m.num_experts, m.intermediate_size, h,
                                  rank, tp, moe))
     return t
 
 
-def _expert_targets(hf: str, me: str, num_experts: int, size: int, h: int, rank: int, tp: int,
+def expert_targets(hf: str, me: str, num_experts: int, size: int, h: int, rank: int, tp: int,
                     moe: MoeLayout, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                     ) -> dict[str, TensorTarget]:
     """The routed experts' tensors into SparseMoeBlock's stacked ``gate_up [E_local, 2 I,

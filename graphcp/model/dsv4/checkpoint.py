@@ -5,7 +5,7 @@ lands in :class:`~graphcp.model.dsv4.model.DsV4Model` on one rank.
 Whole on every rank: embeddings, norms, the mHC weights, the LM head, every attention,
 compressor and indexer weight, the routers (and a hash layer's ``tid2eid``, int64).
 Tensor-parallel shards: the shared expert's w1/w3 rows and w2 columns. Routed experts
-as :func:`graphcp.model.dsa.checkpoint._expert_targets` places them (``--moe ep|tp``).
+as :func:`graphcp.model.dsa.checkpoint.expert_targets` places them (``--moe ep|tp``).
 Float32 in every checkpoint (transformers keeps them so): norms, mHC, sinks,
 ``position_bias`` (``ape``) and the router's correction bias.
 """
@@ -17,7 +17,7 @@ import torch
 from graphcp.config import DTYPES
 from graphcp.kv.dsv4 import CSA, HCA
 from graphcp.model.config import ModelConfig
-from graphcp.model.dsa.checkpoint import TensorTarget, _expert_targets, sharded_mlp
+from graphcp.model.dsa.checkpoint import TensorTarget, expert_targets, sharded_mlp
 from graphcp.options import MoeLayout
 
 EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
@@ -79,7 +79,7 @@ def dsv4_tensors(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "tp") ->
             whole(hf + "ffn.gate.bias", me + "mlp.router.e_score_correction_bias", d.num_experts, float32=True)
         t.update(sharded_mlp(hf + "ffn.shared_experts.", me + "mlp.shared.", d.moe_intermediate_size, h, rank, tp,
                              EXPERT_NAMES))
-        t.update(_expert_targets(hf + "ffn.experts.", me + "mlp.experts.", d.num_experts, d.moe_intermediate_size, h,
+        t.update(expert_targets(hf + "ffn.experts.", me + "mlp.experts.", d.num_experts, d.moe_intermediate_size, h,
                                  rank, tp, moe, EXPERT_NAMES))
     return t
 

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphcp.model.layers import swiglu
+
 #: CUDA major versions whose torch._grouped_mm kernel reads the group ends on the device
 #: (torch's ``_scaled_mm_allowed_device(sm90_only, sm100_only)``: major 9 or 10), bfloat16 only
 SYNC_FREE_MAJORS = (9, 10)
@@ -63,12 +65,6 @@ class Experts(nn.Module):
         act = swiglu(h[:, : self.intermediate], h[:, self.intermediate:], self.limit)
         return torch._grouped_mm(act, self.down.transpose(1, 2), offs=ends)
 
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """``silu(gate) * up``; with ``limit`` (DeepSeek V4) gate clamped to <= limit and up to [-limit, limit] first."""
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
