@@ -29,6 +29,8 @@ from graphcp.model.config import ModelConfig
 from graphcp.model.dsa.rope import DsaRotary, rope_half_split, rope_interleaved
 from graphcp.model.forward_context import ForwardContext
 from graphcp.model.graph_break import graph_break
+from graphcp.model.indexed_break import break_rows, exchange_and_write
+from graphcp.model.indexed_break import static_rows as indexed_rows
 from graphcp.model.layers import RMSNorm
 from graphcp.model.llama import ExpertParallelTail
 from graphcp.nvtx_ranges import nvtx_range
@@ -37,8 +39,6 @@ from graphcp.nvtx_ranges import nvtx_range
 LATENT_NORM_EPS = 1e-6
 #: the indexer's key LayerNorm eps (transformers: nn.LayerNorm(index_head_dim, eps=1e-6))
 INDEX_NORM_EPS = 1e-6
-#: graph-mode static rows of the attention break (graphcp.runtime.capture.static_buffers' extra rows)
-STATIC_Q, STATIC_OUT, STATIC_INDEX_Q, STATIC_INDEX_W = "mla_q", "mla_out", "index_q", "index_w"
 
 
 def attend_sparse(ctx: ForwardContext, layer: int, q: torch.Tensor, index_q: torch.Tensor | None,
@@ -63,12 +63,6 @@ def run_sparse_mla_moe(ctx: ForwardContext, layer: int, block: ExpertParallelTai
     (o_proj, residual, norm, the expert-parallel MoE): the layer's rows into ``out``."""
     attend_sparse(ctx, layer, q, index_q, index_w, kv_b_weight, attn_out)
     block.after_attention(ctx, attn_out, resid, out)
-
-
-def exchange_and_write(ctx: ForwardContext, layer: int, rows: torch.Tensor) -> None:
-    """All-gather every rank's cache rows (latent, rope key, indexer key) and write them."""
-    with nvtx_range(f"kv_exchange[{layer}]", category="comm"):
-        ctx.kv_cache.write(layer, ctx.group.all_gather_rows(rows), ctx.gathered_kv_slots)
 
 
 class Indexer(nn.Module):
@@ -135,23 +129,10 @@ class MlaAttention(nn.Module):
             index_q, index_k, index_w = self.indexer(x, q_resid, cos, sin)
             rows.append(index_k)
         exchange_and_write(ctx, self.layer, torch.cat(rows, dim=-1))
-        static = ctx.static_rows
-        if static is not None:  # graph mode: the break reads and writes static rows
-            q = static[STATIC_Q].copy_(q)
-            if index_q is not None:
-                index_q, index_w = static[STATIC_INDEX_Q].copy_(index_q), static[STATIC_INDEX_W].copy_(index_w)
-            out = static[STATIC_OUT]
-        else:
-            out = q.new_empty(n, self.heads, d.v_head_dim)
-        return q, index_q, index_w, out
+        return break_rows(ctx, q, index_q, index_w, (self.heads, d.v_head_dim))
 
 
 def static_rows(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The attention break's static rows (per row shape and dtype) for graph mode."""
     d = cfg.dsa
-    return {
-        STATIC_Q: ((cfg.num_heads, d.qk_head_dim), dtype),
-        STATIC_OUT: ((cfg.num_heads, d.v_head_dim), dtype),
-        STATIC_INDEX_Q: ((d.index_n_heads, d.index_head_dim), dtype),
-        STATIC_INDEX_W: ((d.index_n_heads,), torch.float32),
-    }
+    return indexed_rows(cfg.num_heads, d.qk_head_dim, d.v_head_dim, d.index_n_heads, d.index_head_dim, dtype)

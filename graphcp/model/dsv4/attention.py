@@ -22,10 +22,9 @@ from graphcp.model.dsv4.norms import V4RMSNorm, unweighted_rms
 from graphcp.model.dsv4.rope import V4Rotary
 from graphcp.model.forward_context import ForwardContext
 from graphcp.model.graph_break import graph_break
+from graphcp.model.indexed_break import break_rows, exchange_and_write
+from graphcp.model.indexed_break import static_rows as indexed_rows
 from graphcp.nvtx_ranges import nvtx_range
-
-#: graph-mode static rows of the attention break
-STATIC_Q, STATIC_OUT, STATIC_INDEX_Q, STATIC_INDEX_W = "v4_q", "v4_out", "v4_index_q", "v4_index_w"
 
 
 def attend_v4(ctx: ForwardContext, layer: int, q: torch.Tensor, index_q: torch.Tensor | None,
@@ -108,17 +107,8 @@ class V4Attention(nn.Module):
             index_q = rotary.rotate(self.index_q_proj(q_resid).view(n, d.index_n_heads, d.index_head_dim),
                                     positions, self.rope)
             index_w = self.index_weights_proj(x).float() * d.index_n_heads ** -0.5
-        with nvtx_range(f"kv_exchange[{self.layer}]", category="comm"):
-            ctx.kv_cache.write(self.layer, ctx.group.all_gather_rows(torch.cat(rows, dim=-1)), ctx.gathered_kv_slots)
-        static = ctx.static_rows
-        if static is not None:  # graph mode: the break reads and writes static rows
-            q = static[STATIC_Q].copy_(q)
-            if index_q is not None:
-                index_q, index_w = static[STATIC_INDEX_Q].copy_(index_q), static[STATIC_INDEX_W].copy_(index_w)
-            out = static[STATIC_OUT]
-        else:
-            out = torch.empty_like(q)
-        return q, index_q, index_w, out
+        exchange_and_write(ctx, self.layer, torch.cat(rows, dim=-1))
+        return break_rows(ctx, q, index_q, index_w, (self.heads, d.head_dim))
 
     def project(self, out: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
         """Undo RoPE on the output's rope slice (K = V carried it), then the grouped output projection."""
@@ -130,9 +120,7 @@ class V4Attention(nn.Module):
 
 
 def static_rows(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The attention break's static rows (per row shape and dtype) for graph mode."""
     d = cfg.dsv4
-    rows = {STATIC_Q: ((cfg.num_heads, d.head_dim), dtype), STATIC_OUT: ((cfg.num_heads, d.head_dim), dtype)}
-    if CSA in d.layer_kinds:
-        rows[STATIC_INDEX_Q] = ((d.index_n_heads, d.index_head_dim), dtype)
-        rows[STATIC_INDEX_W] = ((d.index_n_heads,), torch.float32)
-    return rows
+    index_heads = d.index_n_heads if CSA in d.layer_kinds else None
+    return indexed_rows(cfg.num_heads, d.head_dim, d.head_dim, index_heads, d.index_head_dim, dtype)
