@@ -204,3 +204,29 @@ def test_routing_and_selection_matter(folders):
         o = eng.prefill([Request(ext, h)] + [Request(t) for t in toks], all_logits=True)
         errs = [rel_err(g, r) for g, r in zip(o.logits, refs)]
         assert errs[4] > 1e-2, (wrong, errs)  # the 93-token request
+
+
+def _short_job(group, folder):
+    eng = PrefillEngine(folder, RuntimeConfig(dtype="bfloat16", graph="breakable", kv_tokens=2048, page_size=8),
+                        group, BUCKETS)
+    rng = np.random.default_rng(4)
+    prefix, toks = rng.integers(0, 512, 6), [rng.integers(0, 512, n) for n in (9, 1, 5, 13, 15)]
+    h = eng.prefill([Request(prefix)]).handles[0]
+    o = eng.prefill([Request(toks[0], h)] + [Request(t) for t in toks[1:]], all_logits=True)
+    assert o.info.stats[STAT_INDEX_ROWS + REPLICATED] == 0  # no row sees more than index_topk entries
+    return [np.concatenate([prefix, toks[0]])] + toks[1:], [x.clone() for x in o.logits], o.info.path
+
+
+@torch.inference_mode()
+def test_bf16_unscored_requests_match_transformers(folders):
+    """bfloat16 with the selection free, where no row is scored (at most index_topk
+    entries each): CP 2, breakable graphs, against transformers in bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    folder = folders["v4-all-experts"]
+    seqs, logits, path = launch(_short_job, 2, folder)[0]
+    assert path == "graph"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    for j, (seq, got) in enumerate(zip(seqs, logits)):
+        ref = model(input_ids=torch.from_numpy(seq).view(1, -1)).logits[0].float()[len(seq) - got.shape[0]:]
+        assert rel_err(got, ref) < TOL["bfloat16"], (j, rel_err(got, ref))
