@@ -516,6 +516,8 @@ class PrefillEngine:
             "exchange": "all-gather" if not self.sharded else self.runtime.exchange,
             "kv_pool_tokens": (kv.num_pages - 1) * kv.page_size,
             "kv_pool_bytes": kv.pool_bytes,  # every page pool (MLA: latent and indexer keys)
+            # each pool's bytes (V4: window, source rows and entries of each layer kind)
+            "kv_pools": {name: t.numel() * t.element_size() for name, t in kv.page_pools().items()},
             "kv_stored_tokens": kv.stored_tokens(),
             "kv_stored_pages": kv.stored_pages(),
             "forwards": list(self._forwards),

@@ -5,7 +5,7 @@ writes. Other tools read these names (keys may be added, never renamed)::
                 "mesh": {"stage": 0, "dp": 0, "cp": 0, "attn_tp": 0}, "tp_size": 4, "attn_tp_size": 1,
                 "dp_size": 1, "kv_heads": N,
                 "kv_cache": "sharded", "exchange": "auto",
-                "kv_pool_tokens": N, "kv_pool_bytes": N,
+                "kv_pool_tokens": N, "kv_pool_bytes": N, "kv_pools": {"kv_cache": N, ...},
                 "kv_stored_tokens": N, "kv_stored_pages": N,
                 "forwards": [{"path": "graph" | "eager", "bucket": N | null,
                               "exchange": "all-gather" | "pass-kv" | "pass-q",
@@ -17,6 +17,8 @@ writes. Other tools read these names (keys may be added, never renamed)::
 under pipeline stages), ``stage`` its pipeline stage and ``layers`` the ``[first, end)``
 decoder layers it runs; ``mesh`` its (dp, cp, attn_tp) coordinates (docs/parallel.md)
 and ``kv_heads`` the KV heads its cache stores (the model's, split over attention TP);
+``kv_pools`` each page pool's bytes (one for most models; MLA's latent and indexer
+keys; DeepSeek V4's window, source rows and entries per layer kind);
 under attention DP a forward's ``dp_assignment`` lists each request's replica.
 ``kv_pool_*`` describe one rank's pool; ``kv_stored_tokens`` counts the tokens whose
 KV the rank holds at the end (live handles). ``forwards`` lists every forward in
