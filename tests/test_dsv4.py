@@ -153,6 +153,8 @@ def test_dsv4_matches_transformers(cp, folders):
             err = rel_err(got, ref)
             assert err < TOL[dtype], f"{where}, request {j} ({ref.shape[0]} tokens): {err:.3g} vs transformers"
         _assert_partitioned([r[i][1] for r in per_rank], where, bound=False)
+        # the exchange's bytes: every other rank's window and source rows, each layer
+        assert all((r[i][1]["bytes_received"] > 0) == (cp > 1) for r in per_rank), where
 
 
 def _assert_partitioned(stats: list[dict], where: str, bound: bool = True) -> None:

@@ -16,9 +16,12 @@ STATIC_Q, STATIC_OUT, STATIC_INDEX_Q, STATIC_INDEX_W = "attn_q", "attn_out", "in
 
 
 def exchange_and_write(ctx: ForwardContext, layer: int, rows: torch.Tensor) -> None:
-    """All-gather every rank's cache rows of one layer and write them to the cache."""
+    """All-gather every rank's cache rows of one layer and write them to the cache
+    (the bytes received counted as the K/V exchange's: eagerly, or once at capture)."""
     with nvtx_range(f"kv_exchange[{layer}]", category="comm"):
-        ctx.kv_cache.write(layer, ctx.group.all_gather_rows(rows), ctx.gathered_kv_slots)
+        gathered = ctx.group.all_gather_rows(rows)
+        ctx.add_received(gathered.nbytes - rows.nbytes)
+        ctx.kv_cache.write(layer, gathered, ctx.gathered_kv_slots)
 
 
 def break_rows(ctx: ForwardContext, q: torch.Tensor, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
