@@ -232,3 +232,32 @@ def test_bf16_unscored_requests_match_transformers(folders):
     for j, (seq, got) in enumerate(zip(seqs, logits)):
         ref = model(input_ids=torch.from_numpy(seq).view(1, -1)).logits[0].float()[len(seq) - got.shape[0]:]
         assert rel_err(got, ref) < TOL["bfloat16"], (j, rel_err(got, ref))
+
+
+def test_bad_v4_settings_are_one_line_errors(folders, tmp_path):
+    """A page size that does not divide (or is not a multiple of) a compress rate, a
+    config without the two RoPEs, a float hash table: ConfigError / CheckpointError
+    naming the value."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from graphcp.errors import ConfigError
+    from graphcp.model.loader import CheckpointError
+
+    with pytest.raises(ConfigError, match=r"RuntimeConfig.page_size=6: .*compress rate 4"):
+        PrefillEngine(folders["v4"], RuntimeConfig(kv_tokens=512, page_size=6))
+    bad = tmp_path / "bad"
+    shutil.copytree(folders["v4"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "default"}}))
+    with pytest.raises(ConfigError, match="rope_parameters must hold 'main' and 'compress'"):
+        PrefillEngine(bad, RuntimeConfig(kv_tokens=512))
+    (bad / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(bad / "model.safetensors")
+    name = "model.layers.0.ffn.gate.tid2eid"
+    weights[name] = weights[name].float()
+    save_file(weights, bad / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{name}.*expected an integer table"):
+        PrefillEngine(bad, RuntimeConfig(kv_tokens=512))
