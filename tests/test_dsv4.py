@@ -234,7 +234,7 @@ def test_bf16_unscored_requests_match_transformers(folders):
         assert rel_err(got, ref) < TOL["bfloat16"], (j, rel_err(got, ref))
 
 
-def test_bad_v4_settings_are_one_line_errors(folders, tmp_path):
+def test_bad_v4_settings_are_one_line_errors(folders, tmp_path, capsys):
     """A page size that does not divide (or is not a multiple of) a compress rate, a
     config without the two RoPEs, a float hash table: ConfigError / CheckpointError
     naming the value."""
@@ -246,8 +246,17 @@ def test_bad_v4_settings_are_one_line_errors(folders, tmp_path):
     from graphcp.errors import ConfigError
     from graphcp.model.loader import CheckpointError
 
+    from graphcp.cli.main import main
+
     with pytest.raises(ConfigError, match=r"RuntimeConfig.page_size=6: .*compress rate 4"):
         PrefillEngine(folders["v4"], RuntimeConfig(kv_tokens=512, page_size=6))
+    req = tmp_path / "req.jsonl"
+    req.write_text('{"tokens": [1, 2, 3]}\n')
+    capsys.readouterr()
+    assert main(["prefill", "--model", str(folders["v4"]), "--page-size", "6", "--input", str(req),
+                 "--output", str(tmp_path / "o.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphcp prefill: error: --page-size=6: ") and len(err.splitlines()) == 1, err
     bad = tmp_path / "bad"
     shutil.copytree(folders["v4"], bad)
     cfg = json.loads((bad / "config.json").read_text())

@@ -9,9 +9,15 @@ import torch
 
 from graphcp.attention.sparse.dsv4 import DsV4AttentionSpec, TorchDsV4Attention
 from graphcp.config import RuntimeConfig
-from graphcp.kv.dsv4 import DsV4KVCache
+from graphcp.kv.dsv4 import DsV4KVCache, entries_per_page
 from graphcp.model.config import ModelConfig
 from graphcp.model.dsv4.rope import COMPRESS, V4Rotary
+
+
+def check_page_size(cfg: ModelConfig, page_size: int, where: str = "RuntimeConfig.page_size") -> None:
+    """ConfigError naming ``where`` when a compress rate and the page size do not divide."""
+    for rate in (cfg.dsv4.compress_csa, cfg.dsv4.compress_hca):
+        entries_per_page(page_size, rate, where)
 
 
 def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int) -> int:
