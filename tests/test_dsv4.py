@@ -183,6 +183,20 @@ def test_work_per_rank_at_cp4(folders, layout):
     _assert_partitioned(launch(_work_job, 4, folders["v4"], layout), f"CP 4 {layout}")
 
 
+def test_small_row_blocks_match_transformers(folders, monkeypatch):
+    """The reference's row blocks (bounded by BLOCK_ROWS / BLOCK_BYTES) at 5 rows: blocks
+    that split a request's rows, its window keys and its entries, as one block does."""
+    from graphcp.attention.sparse import dsv4
+
+    monkeypatch.setattr(dsv4, "BLOCK_ROWS", 5)
+    refs = _references(folders["v4"], "float32")
+    toks, prefix, ext = _tokens()
+    eng = PrefillEngine(folders["v4"], RuntimeConfig(kv_tokens=2048, page_size=8, layout="interleave"))
+    h = eng.prefill([Request(prefix)]).handles[0]
+    o = eng.prefill([Request(ext, h)] + [Request(t) for t in toks], all_logits=True)
+    assert max(rel_err(g, r) for g, r in zip(o.logits, refs)) < TOL["float32"]
+
+
 def test_routing_and_selection_matter(folders):
     """A wrong hash table, or a wrong top-k, fails parity: both are exercised."""
     folder = folders["v4"]

@@ -41,8 +41,10 @@ STAT_INDEX_PAIRS = "dsv4_indexer_pairs"  # (row, entry) pairs it scored
 STAT_ATTN_ROWS = "dsv4_attention_rows"  # query rows it attended (every layer)
 STAT_ATTN_PAIRS = "dsv4_attention_pairs"  # (row, key) pairs it attended: window keys + entries
 REPLICATED = "_replicated"  # suffix: the same figure for one rank computing every row of the batch
-#: rows a block of the reference attends at once (bounds its float32 scores)
+#: rows a block of the reference attends at once, at most, and the bound on a block's
+#: float32 scores (attention: heads x rows x keys; the indexer: its heads x rows x entries)
 BLOCK_ROWS = 256
+BLOCK_BYTES = 64 << 20
 
 
 def rms_weighted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -200,9 +202,12 @@ class TorchDsV4Attention:
         m = cs.compress_rate(layer)
         entries = cache.entries(layer).flatten(0, 1) if m else None
         index_entries = cache.index_entries(layer).flatten(0, 1) if kind == CSA else None
+        heads = max(sp.num_heads, sp.index_n_heads if kind == CSA else 0)
         for g in self._groups:
             pages = torch.from_numpy(g.pages.astype(np.int64)).to(dev)
-            for r0, r1 in _blocks(g.positions, sp.sliding_window):
+            keys = sp.sliding_window + BLOCK_ROWS + ((int(g.positions[-1]) + 1) // m if m else 0)  # at most, a block
+            step = max(1, min(BLOCK_ROWS, BLOCK_BYTES // (4 * heads * keys)))
+            for r0, r1 in _blocks(g.positions, sp.sliding_window, step):
                 pos = g.positions[r0:r1]
                 rows = slice(g.q0 + r0, g.q0 + r1)
                 lo = max(0, int(pos[0]) - sp.sliding_window + 1)
@@ -281,13 +286,13 @@ def work_report(stats_per_rank: list[dict]) -> str | None:
     return "DeepSeek V4 work a rank (share of one rank computing every row): " + "; ".join(parts)
 
 
-def _blocks(positions: np.ndarray, window: int) -> list[tuple[int, int]]:
+def _blocks(positions: np.ndarray, window: int, step: int) -> list[tuple[int, int]]:
     """Row blocks of a group: split where positions jump by more than the window (a
-    zigzag rank's early and late chunks share no window key), at most BLOCK_ROWS rows."""
+    zigzag rank's early and late chunks share no window key), at most ``step`` rows."""
     cuts = np.flatnonzero(np.diff(positions) > window) + 1
     out = []
     for a, z in zip(np.r_[0, cuts].tolist(), np.r_[cuts, positions.size].tolist()):
-        out += [(r, min(z, r + BLOCK_ROWS)) for r in range(a, z, BLOCK_ROWS)]
+        out += [(r, min(z, r + step)) for r in range(a, z, step)]
     return out
 
 
