@@ -178,7 +178,7 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
              device: torch.device) -> list[dict[str, torch.Tensor]] | None:
     """Put one request's KV together from the spans each rank holds, in ``meta``'s format
     (a :class:`KVMeta` or any :class:`TensorLayout` with ``make_export``: the DSA
-    models' graphcp-mla/1): its tensors, per layer by name, on the receiving ranks
+    models' graphcp-mla/1, DeepSeek V4's graphcp-dsv4/1, whose spans are whole layers): its tensors, per layer by name, on the receiving ranks
     (``meta.make_export`` makes the export of them), None on the others. Every rank
     calls it (the same spans everywhere). ``dst``: the rank that receives, or None for
     every rank. Every layer of ``meta`` is allocated and the spans' layers are filled
