@@ -165,18 +165,25 @@ class DsV4KVCache(PagedKVCache):
         page_index = torch.div(entries * m, self.page_size, rounding_mode="floor")
         return pages.index_select(0, page_index) * epp + entries % epp
 
-    def read_tokens(self, handle: KVHandle, layer: int) -> dict[str, torch.Tensor]:
-        """One request's cached state of one layer (new tensors): ``window [T, head_dim]``,
-        and in a compressed layer ``sources [T, width]``, ``entries [T // m, head_dim]``
-        and (CSA) ``index_entries [T // m, index_head_dim]`` (graphcp.pd's V4 export)."""
+    def read_tokens(self, handle: KVHandle, layer: int, window_from: int = 0,
+                    sources_from: int = 0) -> dict[str, torch.Tensor]:
+        """One request's cached state of one layer (new tensors): ``window [T - window_from,
+        head_dim]`` (the rows of positions ``[window_from, T)``), and in a compressed layer
+        ``sources [T - sources_from, width]``, ``entries [T // m, head_dim]`` and (CSA)
+        ``index_entries [T // m, index_head_dim]`` (graphcp.pd's V4 export reads the last
+        window and the last source rows only)."""
         self.check_handle(handle)
         dev = self.pool.device
+        T = handle.num_tokens
+        if not (0 <= window_from <= T and 0 <= sources_from <= T):
+            raise ValueError(f"read_tokens: window_from={window_from} and sources_from={sources_from} must be in "
+                             f"0..{T} (the request's tokens)")
         pages = torch.tensor(handle.pages, dtype=torch.long, device=dev)
-        pos = torch.arange(handle.num_tokens, device=dev)
-        slots = self.token_slots(pages, pos)
+        slots = self.token_slots(pages, torch.arange(window_from, T, device=dev))
         out = {"window": self.window(layer).flatten(0, 1).index_select(0, slots)}
         kind = self.kind(layer)
         if kind in (CSA, HCA):
+            slots = self.token_slots(pages, torch.arange(sources_from, T, device=dev))
             out["sources"] = self.sources(layer).flatten(0, 1).index_select(0, slots)
             e = torch.arange(handle.num_tokens // self.cfg.compress_rate(layer), device=dev)
             es = self.entry_slots(layer, pages, e)

@@ -165,9 +165,9 @@ def check_tensors(export, source: str):
     and ``token_ids`` (when present) one id a token; returns ``export``."""
     m = export.meta
     for i, n in m.tensors():
-        t, want = export.tensor(i, n), m.tensor_shape(i, n)
-        if tuple(t.shape) != want or t.dtype != m.torch_dtype:
-            raise KVFormatError(f"{source}: {n}.{i} is {tuple(t.shape)} {t.dtype}, expected {want} {m.torch_dtype}")
+        t, want, dtype = export.tensor(i, n), m.tensor_shape(i, n), m.tensor_dtype(i, n)
+        if tuple(t.shape) != want or t.dtype != dtype:
+            raise KVFormatError(f"{source}: {n}.{i} is {tuple(t.shape)} {t.dtype}, expected {want} {dtype}")
     ids = export.token_ids
     if ids is not None and tuple(ids.shape) != (m.num_tokens,):
         raise KVFormatError(f"{source}: token_ids has shape {tuple(ids.shape)}, expected ({m.num_tokens},)")
@@ -178,7 +178,7 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
              device: torch.device) -> list[dict[str, torch.Tensor]] | None:
     """Put one request's KV together from the spans each rank holds, in ``meta``'s format
     (a :class:`KVMeta` or any :class:`TensorLayout` with ``make_export``: the DSA
-    models' graphcp-mla/1): its tensors, per layer by name, on the receiving ranks
+    models' graphcp-mla/1, DeepSeek V4's graphcp-dsv4/1, whose spans are whole layers): its tensors, per layer by name, on the receiving ranks
     (``meta.make_export`` makes the export of them), None on the others. Every rank
     calls it (the same spans everywhere). ``dst``: the rank that receives, or None for
     every rank. Every layer of ``meta`` is allocated and the spans' layers are filled
@@ -192,14 +192,14 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
     receivers = range(group.size) if dst is None else (dst,)
     receive = me in receivers
     dev, dtype = device, meta.torch_dtype
-    out = [{n: torch.empty(meta.tensor_shape(i, n), dtype=dtype, device=dev) for n in meta.layer_tensors(i)}
-           for i in range(meta.num_layers)] if receive else None
+    out = [{n: torch.empty(meta.tensor_shape(i, n), dtype=meta.tensor_dtype(i, n), device=dev)
+            for n in meta.layer_tensors(i)} for i in range(meta.num_layers)] if receive else None
     remote: dict[int, list[KVSpan]] = {}
     for span in spans:
         if all(source.holds(span, r) for r in receivers):
             if receive:
                 _place(out, span, source.read_span(handle, span), meta)
-        else:
+        else:  # (packed in the format's one dtype: a format with another dtype in it is read locally)
             remote.setdefault(span.owner, []).append(span)
     for owner, theirs in sorted(remote.items()):
         if me == owner:
@@ -277,5 +277,7 @@ def _unpack(out: list[dict[str, torch.Tensor]], spans: list[KVSpan], buf: torch.
 
 
 def _place(out: list[dict[str, torch.Tensor]], span: KVSpan, parts, meta) -> None:
+    whole = (span.start, span.num_tokens) == (0, meta.num_tokens)  # (a V4 layer's rows are not one a token)
     for n, t in zip(meta.layer_tensors(span.layer), parts):
-        out[span.layer][n].narrow(meta.token_dim, span.start, span.num_tokens).copy_(t)
+        dst = out[span.layer][n]
+        (dst if whole else dst.narrow(meta.token_dim, span.start, span.num_tokens)).copy_(t)

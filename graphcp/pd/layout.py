@@ -2,10 +2,12 @@
 dimension, and their flat layout (the transports' byte offsets).
 
 A format's metadata (``graphcp-kv/1``'s :class:`graphcp.pd.export.KVMeta`, the DSA
-models' ``graphcp-mla/1`` :class:`graphcp.pd.mla_export.MlaMeta`) says, for each layer,
+models' ``graphcp-mla/1`` :class:`graphcp.pd.mla_export.MlaMeta`, DeepSeek V4's
+``graphcp-dsv4/1`` :class:`graphcp.pd.dsv4_export.DsV4Meta`) says, for each layer,
 which tensors it has (:meth:`TensorLayout.layer_tensors`, in order: what a cache's
-``read_span`` returns for that layer) and their shapes (:meth:`TensorLayout.tensor_shape`,
-the tokens along :attr:`TensorLayout.token_dim`). From that alone this mixin derives
+``read_span`` returns for that layer), their shapes (:meth:`TensorLayout.tensor_shape`,
+the tokens along :attr:`TensorLayout.token_dim`) and dtypes
+(:meth:`TensorLayout.tensor_dtype`: the model's but for V4's float32 overlap gates). From that alone this mixin derives
 what assembly (``graphcp.pd.export.assemble``), the files and the Mooncake transport
 need: each tensor's byte offset in the flat region (layer 0's tensors in order, then
 layer 1's, ...), the byte runs a span of positions occupies there, and the flat
@@ -34,12 +36,17 @@ class TensorLayout:
         """Tensor ``name`` of ``layer`` over ``num_tokens`` tokens (default: the request's)."""
         raise NotImplementedError
 
+    def tensor_dtype(self, layer: int, name: str) -> torch.dtype:
+        """Tensor ``name``'s dtype: the model's, unless a format keeps a tensor in another
+        (DeepSeek V4's float32 overlap gates: graphcp.pd.dsv4_export)."""
+        return self.torch_dtype
+
     def tensors(self) -> list[tuple[int, str]]:
         """Every ``(layer, name)`` in the flat layout's order."""
         return [(i, n) for i in range(self.num_layers) for n in self.layer_tensors(i)]
 
     def nbytes_of(self, layer: int, name: str, num_tokens: int | None = None) -> int:
-        return math.prod(self.tensor_shape(layer, name, num_tokens)) * self.torch_dtype.itemsize
+        return math.prod(self.tensor_shape(layer, name, num_tokens)) * self.tensor_dtype(layer, name).itemsize
 
     @property
     def nbytes(self) -> int:
@@ -62,18 +69,21 @@ class TensorLayout:
         slice before the token dimension (a head of K/V), one in all when there is none."""
         shape = self.tensor_shape(layer, name)
         outer, inner = math.prod(shape[:self.token_dim]), math.prod(shape[self.token_dim + 1:])
-        item, total = self.torch_dtype.itemsize, shape[self.token_dim]
+        item, total = self.tensor_dtype(layer, name).itemsize, shape[self.token_dim]
         base, run = self.tensor_offset(layer, name), num_tokens * inner * item
         return [(o * run, base + (o * total + start) * inner * item, run) for o in range(outer)]
 
     def unflatten(self, flat: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        """Per layer, views of each tensor in ``flat`` (the flat layout's bytes, uint8)."""
-        values = flat.view(self.torch_dtype)
+        """Per layer, views of each tensor in ``flat`` (the flat layout's bytes, uint8; a
+        tensor whose offset is not a multiple of its item size, after tensors of a smaller
+        dtype, is a copy)."""
         out: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_layers)]
         at = 0
         for i, n in self.tensors():
-            shape = self.tensor_shape(i, n)
-            size = math.prod(shape)
-            out[i][n] = values[at:at + size].view(shape)
-            at += size
+            dtype, nbytes = self.tensor_dtype(i, n), self.nbytes_of(i, n)
+            raw = flat[at:at + nbytes]
+            if (flat.storage_offset() + at) % dtype.itemsize:
+                raw = raw.clone()
+            out[i][n] = raw.view(dtype).view(self.tensor_shape(i, n))
+            at += nbytes
         return out

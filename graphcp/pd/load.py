@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from graphcp.pd.dsv4_export import DsV4Export
 from graphcp.pd.export import KVExport
 from graphcp.pd.files import read_kv
 from graphcp.pd.hf import to_transformers_cache
@@ -18,8 +19,11 @@ from graphcp.pd.mla_export import MlaExport
 
 @dataclass
 class LoadedKV:
-    export: KVExport | MlaExport  # the tensors and metadata (graphcp-kv/1, or graphcp-mla/1 for DSA models)
-    cache: Any  # a transformers.DynamicCache (DSA models: of DynamicIndexedLayers), or None without transformers
+    #: the tensors and metadata (graphcp-kv/1; graphcp-mla/1 for DSA models, graphcp-dsv4/1 for DeepSeek V4)
+    export: KVExport | MlaExport | DsV4Export
+    #: a transformers.DynamicCache (DSA models: of DynamicIndexedLayers; V4: its window / CSA / HCA layers),
+    #: or None without transformers
+    cache: Any
 
     @property
     def num_tokens(self) -> int:
@@ -28,7 +32,8 @@ class LoadedKV:
 
 def load_kv(path: str | os.PathLike, device: torch.device | str = "cpu") -> LoadedKV:
     """Read a file written by ``graphcp prefill --export-kv`` (graphcp.pd.files): a
-    DSA model's (graphcp-mla/1) with the cache transformers' DeepSeek V3.2 / GLM-5 keep."""
+    DSA model's (graphcp-mla/1) with the cache transformers' DeepSeek V3.2 / GLM-5 keep, a
+    DeepSeek V4 model's (graphcp-dsv4/1) with the cache transformers' V4 keeps."""
     export = read_kv(path, device)
     cache = None
     if importlib.util.find_spec("transformers") is not None:

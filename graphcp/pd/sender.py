@@ -98,18 +98,19 @@ class KVSender:
     def _send_one(self, engine, handle, rid: str) -> None:
         meta = engine.kv_meta(handle)  # either format: the runs come from its layout (graphcp.pd.layout)
         # the spans this rank owns in its CP group (under pipeline stages: of its stage's layers)
-        mine = [s for s in engine.kv.kv_spans(handle, engine.group.size) if s.owner == engine.rank]
+        source = engine.kv_source  # the cache, or what reads a V4 cache's state
+        mine = [s for s in source.kv_spans(handle, engine.group.size) if s.owner == engine.rank]
         self.channel.send(op="open", id=rid, rank=self.rank, senders=self.cp_size, meta=meta.to_dict())
         base = int(self._reply(rid, ("region", "refused", "failed"), "region")["addr"])
-        item = meta.torch_dtype.itemsize
         staging = self._stage(sum(meta.nbytes_of(s.layer, n, s.num_tokens) for s in mine
                                   for n in meta.layer_tensors(s.layer)))
         src, dst, lengths = [], [], []
         pos = 0
         for span in mine:
-            for name, t in zip(meta.layer_tensors(span.layer), engine.kv.read_span(handle, span)):
-                nb = t.numel() * item
-                staging[pos:pos + nb].view(meta.torch_dtype).copy_(t.reshape(-1))
+            for name, t in zip(meta.layer_tensors(span.layer), source.read_span(handle, span)):
+                dtype = meta.tensor_dtype(span.layer, name)  # bytes: a format may mix dtypes (V4's float32 gates)
+                nb = t.numel() * dtype.itemsize
+                staging[pos:pos + nb].copy_(t.to(dtype).contiguous().view(-1).view(torch.uint8))
                 for s_off, d_off, n in meta.span_runs(span.layer, name, span.start, span.num_tokens):
                     src.append(self._staging_addr + pos + s_off)
                     dst.append(base + d_off)

@@ -52,6 +52,8 @@ from graphcp.model.config import ModelConfig
 from graphcp.model.loader import load_model
 from graphcp.model.presets import resolve_model
 from graphcp.nvtx_ranges import nvtx_range
+from graphcp.pd.dsv4_export import DsV4Export, DsV4Meta, dsv4_meta
+from graphcp.pd.dsv4_source import export_source as dsv4_export_source
 from graphcp.pd.export import KVExport, KVMeta, assemble, gather_stages
 from graphcp.pd.fingerprint import model_fingerprint
 from graphcp.pd.heads import gather_heads, shard_meta
@@ -146,6 +148,10 @@ class PrefillEngine:
                                      tuple(RINGS) if rt.exchange == "auto" else (rt.exchange,)) if self.sharded else None
             except (ValueError, ImportError) as e:  # a backend refusing this model or device, or not installed
                 raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {e}") from e
+        #: what an export reads a request from (graphcp.kv.spans): the cache, or the reader of a V4
+        #: cache's state in transformers' terms (it adds the compressors' position biases)
+        self.kv_source = self.kv if self.cfg.dsv4 is None else dsv4_export_source(
+            self.kv, zip(self.model.stage.layers, self.model.layers), self.cfg.dsv4.sliding_window)
         self.body = Body(self.model, attention, self.kv, self.group, self.device, ring,
                          LayerCommunicator(self.group, self.mesh.attn_tp, self.mesh.ffn, self.mesh.dp))
         #: attention DP: the batch split over the replicas (None without DP)
@@ -279,12 +285,14 @@ class PrefillEngine:
         self.kv.release(handle)
         self._draft_next.pop(handle.seq_id, None)
 
-    def kv_meta(self, handle: KVHandle) -> KVMeta | MlaMeta:
+    def kv_meta(self, handle: KVHandle) -> KVMeta | MlaMeta | DsV4Meta:
         """The export metadata of one request's KV (graphcp.pd.export; a DSA model's:
-        graphcp.pd.mla_export)."""
+        graphcp.pd.mla_export; a DeepSeek V4 model's: graphcp.pd.dsv4_export)."""
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model_dir)
         cfg = self.cfg
+        if cfg.dsv4 is not None:
+            return dsv4_meta(cfg, handle.num_tokens, self.runtime.dtype, self.runtime.page_size, self._fingerprint)
         if cfg.dsa is not None:
             return mla_meta(cfg, handle.num_tokens, self.runtime.dtype, self.runtime.page_size, self._fingerprint)
         drafts = int(self.draft is not None)  # the draft's layer follows the target's
@@ -292,10 +300,12 @@ class PrefillEngine:
                       self.runtime.page_size, self._fingerprint, draft_layers=drafts)
 
     @torch.inference_mode()
-    def export_kv(self, handle: KVHandle, dst: int | None = None) -> KVExport | MlaExport | None:
+    def export_kv(self, handle: KVHandle, dst: int | None = None) -> KVExport | MlaExport | DsV4Export | None:
         """One request's KV in the transport-neutral layout of graphcp.pd.export: every
         layer's K and V, ``[num_kv_heads, num_tokens, head_dim]``, keys after RoPE (a DSA
-        model: latent, rope key and indexer key, graphcp.pd.mla_export). Every
+        model: latent, rope key and indexer key, graphcp.pd.mla_export; a DeepSeek V4
+        model: transformers' cache state, graphcp.pd.dsv4_export, read by every rank
+        that receives from its replicated cache). Every
         rank calls it (like prefill); ``dst`` is the rank that gets the export (the others
         get None), None: every rank. Each rank contributes the spans its cache mode holds;
         only this request's KV moves. Releases nothing (``release`` stays explicit);
@@ -311,7 +321,7 @@ class PrefillEngine:
         if dst is not None:
             check_int(dst, "export_kv: dst (the rank that receives the export)", lo=0, hi=world.size - 1,
                       err=InputError)
-        spans = self.kv.kv_spans(handle, self.group.size)
+        spans = self.kv_source.kv_spans(handle, self.group.size)
         meta = self.kv_meta(handle)
         C = self.group.size  # without stages dst % C is dst
         if self.mesh.attn_tp.size > 1:  # each shard over CP, every rank receiving; then the heads over attention TP
@@ -320,14 +330,15 @@ class PrefillEngine:
             gather_heads(out, self.mesh.attn_tp, meta.num_kv_heads)
             C = self.mesh.ffn.size  # every rank of a stage holds the export now
         else:
-            out = assemble(self.kv, handle, spans, self.group, meta, None if dst is None else dst % C, self.device)
+            out = assemble(self.kv_source, handle, spans, self.group, meta, None if dst is None else dst % C,
+                           self.device)
         if self.pipeline is not None:
             stage_layers = self.parallel.stage_layers(self.cfg.num_layers)
             gather_stages(out, meta, stage_layers, self.pipeline.stage, world, C, dst, self.device)
         return meta.make_export(out) if dst is None or world.rank == dst else None
 
     def export_kv_batch(self, handles: Sequence[KVHandle],
-                        dst: int | None = None) -> list[KVExport | MlaExport | None]:
+                        dst: int | None = None) -> list[KVExport | MlaExport | DsV4Export | None]:
         """:meth:`export_kv` for each handle, in order (all handles checked first)."""
         for h in handles:
             self.kv.check_handle(h)
