@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from vs_transformers import prefill_vs_transformers, tokens
 
 from graphcp import PrefillEngine, Request
 from graphcp.attention.sparse.dsv4 import REPLICATED, STAT_ATTN_PAIRS, STAT_INDEX_PAIRS
@@ -37,31 +37,13 @@ def model_dir():
 
 
 def _tokens(vocab: int) -> np.ndarray:
-    return np.random.default_rng(0).integers(0, vocab, TOKENS)
+    return tokens(vocab, TOKENS)
 
 
 @pytest.mark.benchmark(group="dsv4-prefill")
 @pytest.mark.parametrize("who", ["graphcp", "transformers"])
 def test_dsv4_prefill_vs_transformers(benchmark, model_dir, who):
-    if who == "graphcp":
-        eng = PrefillEngine(model_dir, RuntimeConfig(kv_tokens=KV_TOKENS, moe="tp"))
-        toks = _tokens(eng.cfg.vocab_size)
-
-        def run():
-            out = eng.prefill([Request(toks)])
-            eng.release(out.handles[0])
-    else:
-        transformers = pytest.importorskip("transformers")
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        ids = torch.from_numpy(_tokens(model.config.vocab_size)).view(1, -1)
-
-        def run():
-            with torch.inference_mode():
-                model(input_ids=ids, logits_to_keep=1)
-    benchmark.pedantic(run, rounds=3, warmup_rounds=1)
-    _medians[who] = benchmark.stats.stats.median
-    if who == "transformers" and "graphcp" in _medians:
-        benchmark.extra_info["graphcp_over_transformers_medians"] = _medians["graphcp"] / _medians["transformers"]
+    prefill_vs_transformers(benchmark, model_dir, who, TOKENS, KV_TOKENS, _medians)
 
 
 def _rank_job(group, model_dir):

@@ -58,3 +58,19 @@ def graph_then_eager(engine, toks, prefix, extends: int) -> dict:
         for x in out[path].handles:
             engine.release(x)
     return out
+
+
+def send_export(group, folder, address: str, runtime, prefix, new, name: str):
+    """One rank's part of a Mooncake send: prefill ``new`` after a cached ``prefix`` on
+    ``folder`` with ``runtime``, send the request's KV as ``name`` to the receiver at
+    ``address`` (graphcp.pd.sender), and return the export rank 0 gets (None elsewhere)."""
+    from graphcp import PrefillEngine
+    from graphcp.pd.sender import KVSender
+    from graphcp.runtime.engine import prefill_after_prefixes
+
+    eng = PrefillEngine(folder, runtime, group)
+    h = prefill_after_prefixes(eng, [(prefix, new)]).handles[0]
+    sender = KVSender(address, group.rank, group.size, timeout_s=60)
+    sender.send(eng, [h], [name])
+    sender.close()
+    return eng.export_kv(h, dst=0)

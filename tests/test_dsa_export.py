@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import save_cases
-from helpers import rel_err
+from helpers import rel_err, send_export
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -155,24 +155,14 @@ def test_transformers_continues_from_the_exported_cache(folders, case, tmp_path)
     assert loaded.cache.get_seq_length() == sum(LENS["float32"]) + MORE
 
 
-def _send(group, folder, address):
-    from graphcp.pd.sender import KVSender
-
-    pre, new, _ = _tokens()
-    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache="layer-split"), group)
-    h = prefill_after_prefixes(eng, [(pre, new)]).handles[0]
-    sender = KVSender(address, group.rank, group.size, timeout_s=60)
-    sender.send(eng, [h], ["dsa"])
-    sender.close()
-    return eng.export_kv(h, dst=0)
-
-
 @pytest.mark.skipif(mooncake_problem() is not None, reason=f"Mooncake transport unavailable: {mooncake_problem()}")
 def test_mooncake_carries_the_mla_format_from_a_layer_split_cache(folders, tmp_path):
     from test_pd_mooncake import Receiver
 
     rx = Receiver("good", tmp_path, ["dsa"], timeout_s=120)
-    sent = launch(_send, 2, folders["glm_moe_dsa-shared"], rx.address)[0]
+    pre, new, _ = _tokens()
+    rt = RuntimeConfig(kv_tokens=1024, kv_cache="layer-split")
+    sent = launch(send_export, 2, folders["glm_moe_dsa-shared"], rx.address, rt, pre, new, "dsa")[0]
     got = rx.results()
     assert got["dsa"] == ("ok", ""), got
     recv = read_kv(tmp_path / "dsa.safetensors")

@@ -21,7 +21,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, send_export
 from safetensors.torch import save_file
 
 from graphcp import CPGroup, PrefillEngine, RuntimeConfig
@@ -193,24 +193,14 @@ def test_bfloat16_export_keeps_float32_gates_through_files_and_the_flat_layout(f
         m.span_runs(1, "window", 0, 7)
 
 
-def _send(group, folder, address):
-    from graphcp.pd.sender import KVSender
-
-    pre, new, *_ = _tokens()
-    eng = PrefillEngine(folder, RuntimeConfig(dtype="bfloat16", kv_tokens=1024, graph="off"), group)
-    h = prefill_after_prefixes(eng, [(pre, new)]).handles[0]
-    sender = KVSender(address, group.rank, group.size, timeout_s=60)
-    sender.send(eng, [h], ["v4"])
-    sender.close()
-    return eng.export_kv(h, dst=0)
-
-
 @pytest.mark.skipif(mooncake_problem() is not None, reason=f"Mooncake transport unavailable: {mooncake_problem()}")
 def test_mooncake_carries_the_dsv4_format(folder, tmp_path):
     from test_pd_mooncake import Receiver
 
     rx = Receiver("good", tmp_path, ["v4"], timeout_s=120)
-    sent = launch(_send, 2, folder, rx.address)[0]
+    pre, new, *_ = _tokens()
+    rt = RuntimeConfig(dtype="bfloat16", kv_tokens=1024, graph="off")
+    sent = launch(send_export, 2, folder, rx.address, rt, pre, new, "v4")[0]
     got = rx.results()
     assert got["v4"] == ("ok", ""), got
     recv = read_kv(tmp_path / "v4.safetensors")
