@@ -138,28 +138,24 @@ def visible_keys_of(rank: int, start: np.ndarray, length: np.ndarray, held_befor
     k >= r; both see every cached position. A few numpy calls over [C, R] (the general
     count from positions is :func:`visible_keys`, which the tests hold this to); the
     history check still compares the sums with the blocks' positions."""
-    # [C, 1, 2]: the early block counts on ranks k <= r, the late on ranks k >= r; whole
-    # [C, R, 2] operations (strided [C, R] halves cost several times as much an element)
-    vis = length * _block_masks(start.shape[0], rank)
-    vis += held_before[..., None]
-    vis[..., 1] += length[..., 0]  # the late block sees every early block
-    live = length[rank] > 0  # [R, 2]
-    vis *= live  # an empty query block sees nothing
-    end = start[rank] + length[rank]
-    total = np.add.reduce(vis, axis=0)
+    # counted early / late outermost ([2, C, R], contiguous: every operation runs its
+    # inner loop over the requests; over [C, R, 2] or its strided [C, R] halves it runs C R
+    # loops of 2, or strides through memory, several times the cost an element)
+    early, late = np.ascontiguousarray(length.transpose(2, 0, 1))  # [C, R] each
+    seen = early + held_before  # every rank's early block and cached positions
+    vis = np.empty((2, *early.shape), dtype=np.int64)
+    vis[0, : rank + 1] = seen[: rank + 1]  # the early block sees the early blocks of ranks k <= r
+    vis[0, rank + 1 :] = held_before[rank + 1 :]
+    vis[1, :rank] = seen[:rank]  # the late block every early block, and the late blocks of ranks k >= r
+    np.add(seen[rank:], late[rank:], out=vis[1, rank:])
+    live = np.stack([early[rank], late[rank]]) > 0  # [2, R]
+    if not live.all():
+        vis *= live[:, None]  # an empty query block sees nothing
+    total = np.add.reduce(vis, axis=1)  # [2, R]
+    end = (start[rank] + length[rank]).T  # [2, R]
     if not np.array_equal(total, end * live):  # (every live block's whole history; the error worded as everywhere)
-        _check_history(total[None], end[None], live[None], np.array([rank]))
-    return vis
-
-
-@lru_cache(maxsize=1024)
-def _block_masks(cp_size: int, rank: int) -> np.ndarray:
-    """int64 [C, 1, 2]: per rank k, 1 where this rank's early block sees k's early block
-    (k <= rank) and where its late block sees k's late block (k >= rank)."""
-    below, above = _rank_masks(cp_size, rank)
-    out = np.stack([below, above], axis=-1)
-    out.setflags(write=False)
-    return out
+        _check_history(total.T[None], end.T[None], live.T[None], np.array([rank]))
+    return vis.transpose(1, 2, 0)  # [C, R, 2]
 
 
 @lru_cache(maxsize=1024)
