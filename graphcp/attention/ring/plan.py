@@ -141,14 +141,15 @@ def visible_keys_of(rank: int, start: np.ndarray, length: np.ndarray, held_befor
     # counted early / late outermost ([2, C, R], contiguous: every operation runs its
     # inner loop over the requests; over [C, R, 2] or its strided [C, R] halves it runs C R
     # loops of 2, or strides through memory, several times the cost an element)
-    early, late = np.ascontiguousarray(length.transpose(2, 0, 1))  # [C, R] each
+    by_block = np.ascontiguousarray(length.transpose(2, 0, 1))  # [2, C, R]
+    early, late = by_block[0], by_block[1]  # (unpacking iterates: slower)
     seen = early + held_before  # every rank's early block and cached positions
     vis = np.empty((2, *early.shape), dtype=np.int64)
     vis[0, : rank + 1] = seen[: rank + 1]  # the early block sees the early blocks of ranks k <= r
     vis[0, rank + 1 :] = held_before[rank + 1 :]
     vis[1, :rank] = seen[:rank]  # the late block every early block, and the late blocks of ranks k >= r
     np.add(seen[rank:], late[rank:], out=vis[1, rank:])
-    live = np.stack([early[rank], late[rank]]) > 0  # [2, R]
+    live = by_block[:, rank] > 0  # [2, R]
     if not live.all():
         vis *= live[:, None]  # an empty query block sees nothing
     total = np.add.reduce(vis, axis=1)  # [2, R]
@@ -239,8 +240,9 @@ def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: 
     max_q = np.maximum.reduce(q_lens, axis=1).tolist() * (n // q_lens.shape[0]) if S else [0] * n
     max_kv = np.maximum.reduce(kv_lens, axis=1).tolist() if S else [0] * n
     live = AttentionMetadata._live
-    return [live(b[: S + 1], b[S + 1 : 2 * S + 1], b[2 * S + 1 :].reshape(S, width), page_size, mq, mk, device, b, False)
-            for b, mq, mk in zip(buf, max_q, max_kv)]
+    # each step's views from whole-buffer views (a row of each: cheaper than slicing every step's row three times)
+    return [live(c, k, t, page_size, mq, mk, device, b, False)
+            for b, c, k, t, mq, mk in zip(buf, buf[:, : S + 1], buf[:, S + 1 : 2 * S + 1], step_tables, max_q, max_kv)]
 
 
 def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int, exchange: str,
