@@ -105,7 +105,7 @@ class AttentionMetadata:
     @classmethod
     def _live(cls, cu_seqlens_q_host: np.ndarray, kv_lens_host: np.ndarray, page_table_host: np.ndarray,
               page_size: int, max_q_len: int, max_kv_len: int, device: torch.device | str, _packed: np.ndarray,
-              causal: bool = True) -> "AttentionMetadata":
+              causal: bool = True) -> AttentionMetadata:
         """The constructor's result for live metadata (no device tensors handed in) of
         one packed buffer, ``causal`` a bool: the per-forward path (planners build one
         to eight a forward), through the slots' setters (half the constructor's cost)."""
