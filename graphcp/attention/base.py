@@ -32,6 +32,15 @@ from graphcp.kv.layout import KVLayout
 LSE_BASE = "e"
 
 
+def max_of(values: np.ndarray) -> int:
+    """The largest entry of a 1-D integer array as a Python int (0 when empty): through a
+    list for a few entries (Python's max of a short list beats a numpy reduction), a
+    numpy reduction for many (a list of hundreds costs several microseconds)."""
+    if values.shape[0] <= 64:
+        return max(values.tolist(), default=0)
+    return int(np.maximum.reduce(values))
+
+
 class AttentionMetadata:
     """Segments of one rank's query rows for one forward.
 
@@ -92,6 +101,27 @@ class AttentionMetadata:
         if not causal and device_tensors is not None:
             raise ValueError("non-causal metadata (ring steps) is live metadata, never static graph buffers")
         set_(self, "causal", bool(causal))
+
+    @classmethod
+    def _live(cls, cu_seqlens_q_host: np.ndarray, kv_lens_host: np.ndarray, page_table_host: np.ndarray,
+              page_size: int, max_q_len: int, max_kv_len: int, device: torch.device | str, _packed: np.ndarray,
+              causal: bool = True) -> AttentionMetadata:
+        """The constructor's result for live metadata (no device tensors handed in) of
+        one packed buffer, ``causal`` a bool: the per-forward path (planners build one
+        to eight a forward), through the slots' setters (half the constructor's cost)."""
+        self = _new_object(cls)
+        _SET_CU(self, cu_seqlens_q_host)
+        _SET_KV(self, kv_lens_host)
+        _SET_PT(self, page_table_host)
+        _SET_PS(self, page_size)
+        _SET_MQ(self, max_q_len)
+        _SET_MK(self, max_kv_len)
+        _SET_DEV(self, device)
+        _SET_PACKED(self, _packed)
+        _SET_TENSORS(self, None)
+        _SET_STATIC(self, False)
+        _SET_CAUSAL(self, causal)
+        return self
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"AttentionMetadata is read-only; cannot set {name!r}")
@@ -221,6 +251,13 @@ class AttentionMetadata:
             raise ValueError(
                 f"kv_len {int(kv.max())} exceeds the page table's {pt.shape[1]} pages of {page_size}"
             )
+
+
+_new_object = object.__new__
+(_SET_CU, _SET_KV, _SET_PT, _SET_PS, _SET_MQ, _SET_MK, _SET_DEV, _SET_PACKED, _SET_TENSORS, _SET_STATIC,
+ _SET_CAUSAL) = (AttentionMetadata.__dict__[name].__set__ for name in (
+    "cu_seqlens_q_host", "kv_lens_host", "page_table_host", "page_size", "max_q_len", "max_kv_len", "device",
+    "_packed", "_tensors", "static", "causal"))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.base import AttentionMetadata, max_of
 from graphcp.attention.ring.plan import RingPlan, RingPlanner
 from graphcp.cp import Layout, Plan
 from graphcp.dist import CPGroup
@@ -253,15 +253,14 @@ class BatchPreparer:
             # attention metadata written in place into one packed buffer; this rank's
             # segments read pages up to their kv lengths only
             kv_lens = rp.seg_kv_len
-            max_kv = max(kv_lens.tolist(), default=0)
+            max_kv = max_of(kv_lens)
             buf, cu, kvl, pt = AttentionMetadata.host_buffers(kv_lens.shape[0], max(1, kv.pages_for(max_kv)))
             cu[:] = rp.cu_seqlens_q
             kvl[:] = kv_lens
             seg_rows = seq_rows[rp.seg_request]
             kv.page_table_rows(seg_rows, pt.shape[1], out=pt)
             q_lens = rp.seg_q_len
-            meta = AttentionMetadata(cu, kvl, pt, kv.page_size, max(q_lens.tolist(), default=0), max_kv,
-                                     self.device, _packed=buf)
+            meta = AttentionMetadata._live(cu, kvl, pt, kv.page_size, max_of(q_lens), max_kv, self.device, buf)
             slots = kv.run_slots(seg_rows, rp.positions, q_lens)
             return PreparedBatch(plan, seq_ids, flat[rp.rows], rp.positions, slots, meta, pt)
 

@@ -32,7 +32,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.base import AttentionMetadata, max_of
 from graphcp.attention.ring.exchange_choice import ExchangeChoice, choose_exchange
 from graphcp.attention.ring.hardware import HardwareSpec
 from graphcp.cp.base import arange
@@ -138,21 +138,25 @@ def visible_keys_of(rank: int, start: np.ndarray, length: np.ndarray, held_befor
     k >= r; both see every cached position. A few numpy calls over [C, R] (the general
     count from positions is :func:`visible_keys`, which the tests hold this to); the
     history check still compares the sums with the blocks' positions."""
-    below, above = _rank_masks(start.shape[0], rank)
-    early, late = length[..., 0], length[..., 1]  # [C, R]
-    vis = np.empty(length.shape, dtype=np.int64)
-    np.multiply(early, below, out=vis[..., 0])
-    vis[..., 0] += held_before
-    np.multiply(late, above, out=vis[..., 1])
-    vis[..., 1] += early
-    vis[..., 1] += held_before
-    live = length[rank] > 0  # [R, 2]
-    vis *= live  # an empty query block sees nothing
-    end = start[rank] + length[rank]
-    total = np.add.reduce(vis, axis=0)
+    # counted early / late outermost ([2, C, R], contiguous: every operation runs its
+    # inner loop over the requests; over [C, R, 2] or its strided [C, R] halves it runs C R
+    # loops of 2, or strides through memory, several times the cost an element)
+    by_block = np.ascontiguousarray(length.transpose(2, 0, 1))  # [2, C, R]
+    early, late = by_block[0], by_block[1]  # (unpacking iterates: slower)
+    seen = early + held_before  # every rank's early block and cached positions
+    vis = np.empty((2, *early.shape), dtype=np.int64)
+    vis[0, : rank + 1] = seen[: rank + 1]  # the early block sees the early blocks of ranks k <= r
+    vis[0, rank + 1 :] = held_before[rank + 1 :]
+    vis[1, :rank] = seen[:rank]  # the late block every early block, and the late blocks of ranks k >= r
+    np.add(seen[rank:], late[rank:], out=vis[1, rank:])
+    live = by_block[:, rank] > 0  # [2, R]
+    if not live.all():
+        vis *= live[:, None]  # an empty query block sees nothing
+    total = np.add.reduce(vis, axis=1)  # [2, R]
+    end = (start[rank] + length[rank]).T  # [2, R]
     if not np.array_equal(total, end * live):  # (every live block's whole history; the error worded as everywhere)
-        _check_history(total[None], end[None], live[None], np.array([rank]))
-    return vis
+        _check_history(total.T[None], end.T[None], live.T[None], np.array([rank]))
+    return vis.transpose(1, 2, 0)  # [C, R, 2]
 
 
 @lru_cache(maxsize=1024)
@@ -184,7 +188,7 @@ def visible_keys_to(rank: int, start: np.ndarray, length: np.ndarray, held_befor
 
 def _cu(q_lens: np.ndarray) -> np.ndarray:
     cu = np.zeros(q_lens.size + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=cu[1:])
+    np.add.accumulate(q_lens, out=cu[1:])  # (np.cumsum: the same, through more Python)
     return cu
 
 
@@ -215,12 +219,12 @@ def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: 
         width = max(int(src_pages.max(initial=0)), 1)
         first = 1 + np.add.accumulate(src_pages, axis=1) - src_pages  # after the scratch page
         column = np.arange(width)
-        tables = np.where(column < src_pages[..., None], first[..., None] + column, 0)[:, seg_request]
+        tables = np.where(column < src_pages[..., None], first[..., None] + column, 0)  # [n, R, width]
         kv_lens = row[srcs].reshape(n, S)
         cus, q_lens = cu, length[rank].reshape(1, S)  # every step: this rank's rows
     else:
         width = seg_table.shape[1]
-        tables = seg_table  # every step: this rank's pages
+        tables = None  # every step: this rank's pages (seg_table)
         kv_lens = col[srcs].reshape(n, S)
         q_lens = length[srcs].reshape(n, S)
         cus = np.zeros((n, S + 1), dtype=np.int64)
@@ -228,12 +232,17 @@ def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: 
     buf = np.empty((n, 2 * S + 1 + S * width), dtype=np.int32)
     buf[:, : S + 1] = cus
     buf[:, S + 1 : 2 * S + 1] = kv_lens
-    buf[:, 2 * S + 1 :].reshape(n, S, width)[:] = tables
+    step_tables = buf[:, 2 * S + 1 :].reshape(n, S, width)
+    if tables is None:
+        step_tables[:] = seg_table
+    else:  # each segment's request's row, gathered straight into the buffer
+        np.take(tables, seg_request, axis=1, out=step_tables)
     max_q = np.maximum.reduce(q_lens, axis=1).tolist() * (n // q_lens.shape[0]) if S else [0] * n
     max_kv = np.maximum.reduce(kv_lens, axis=1).tolist() if S else [0] * n
-    return [AttentionMetadata(b[: S + 1], b[S + 1 : 2 * S + 1], b[2 * S + 1 :].reshape(S, width), page_size, mq, mk,
-                              device, _packed=b, causal=False)
-            for b, mq, mk in zip(buf, max_q, max_kv)]
+    live = AttentionMetadata._live
+    # each step's views from whole-buffer views (a row of each: cheaper than slicing every step's row three times)
+    return [live(c, k, t, page_size, mq, mk, device, b, False)
+            for b, c, k, t, mq, mk in zip(buf, buf[:, : S + 1], buf[:, S + 1 : 2 * S + 1], step_tables, max_q, max_kv)]
 
 
 def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int, exchange: str,
@@ -264,8 +273,7 @@ def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank:
     kv_own = row[rank].reshape(-1)
     kv0[:] = kv_own
     own_table.take(seg_request, axis=0, out=seg_table)
-    meta0 = AttentionMetadata(cu0, kv0, seg_table, ps, max(q_lens.tolist(), default=0),
-                              max(kv_own.tolist(), default=0), device, _packed=buf)
+    meta0 = AttentionMetadata._live(cu0, kv0, seg_table, ps, max_of(q_lens), max_of(kv_own), device, buf)
     # local index of each new row: after the request's cached pieces, early block first
     # (a request's two blocks are consecutive rows here: one run per request)
     req_rows = length[rank, :, 0] + length[rank, :, 1]
