@@ -12,11 +12,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from eagle3_ref import draft_config, draft_tensors, write_draft, write_target
 from helpers import rel_err
 
+import graphcp.cli.main as cli_main
 from graphcp import PrefillEngine, RuntimeConfig
+from graphcp.cli.main import main
 from graphcp.dist import launch
 from graphcp.runtime.engine import prefill_after_prefixes
 
@@ -34,7 +37,7 @@ def _api(group, target, draft, reqs):
     return prefill_after_prefixes(eng, [(np.array(t[:p]) if p else None, np.array(t[p:])) for t, p in reqs]).draft
 
 
-def test_prefill_draft_writes_the_draft_logits_and_map(tmp_path):
+def test_prefill_draft_writes_the_draft_logits_and_map(tmp_path, capsys, monkeypatch):
     target, draft = write_target(tmp_path / "target"), write_draft(tmp_path / "draft")
     rng = np.random.default_rng(2)
     reqs = [(rng.integers(0, 512, 30).tolist(), 12), (rng.integers(0, 512, 7).tolist(), 0)]
@@ -54,21 +57,27 @@ def test_prefill_draft_writes_the_draft_logits_and_map(tmp_path):
     assert [f["draft_hidden_bytes_received"] for f in last] == [0, 0]
     assert [f["draft_kv_bytes_stored"] for f in last] == [(18 + 7) * 2 * 2 * 16 * 4] * 2  # replicated
     assert all(f["draft_kv_bytes_received"] > 0 for f in last)
+    # the refusals through the command's own entry in this process (``python -m graphcp``
+    # is ``SystemExit(main())``, run as a process above): exit code 2, one stderr line
     t = draft_tensors()
     del t["norm.weight"]
     bad = write_draft(tmp_path / "bad", t)
-    res = _cli("prefill", "--input", str(tmp_path / "r.jsonl"), "--output", str(out), "--model", str(target),
-               "--kv-tokens", "1024", "--draft", str(bad), "--no-memory-check")
-    assert res.returncode == 2 and "missing tensor 'norm.weight'" in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    common = ["prefill", "--input", str(tmp_path / "r.jsonl"), "--output", str(out), "--model", str(target),
+              "--kv-tokens", "1024", "--no-memory-check"]
+    capsys.readouterr()
+    assert main([*common, "--draft", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "missing tensor 'norm.weight'" in err
+    assert len(err.strip().splitlines()) == 1, err
     # refused before any rank starts: a draft that does not fit the target, pipeline stages
+    monkeypatch.setattr(cli_main, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
     misfit = write_draft(tmp_path / "misfit", config=draft_config(num_key_value_heads=4))
     for flags, message in ((["--draft", str(misfit)], "num_key_value_heads=4, the target model has 2"),
                            (["--draft", str(draft), "--pp", "2"], "--pp >1 with --draft: the draft runs after")):
-        res = _cli("prefill", "--input", str(tmp_path / "r.jsonl"), "--output", str(out), "--model", str(target),
-                   "--kv-tokens", "1024", "--no-memory-check", *flags)
-        assert res.returncode == 2 and message in res.stderr, res.stderr
-        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert main([*common, *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err, err
+        assert len(err.strip().splitlines()) == 1, err
 
 
 def test_the_memory_estimate_counts_the_draft(tmp_path):
