@@ -91,6 +91,19 @@ class PoolWeights:
 
 
 @dataclass(frozen=True)
+class PoolPlan:
+    """This forward's closing entries of one layer kind: their source rows' token slots
+    (``[E * span]``, entry-major), whether each is entry 0 (CSA: no previous window),
+    their RoPE positions and their slots in the entry pools."""
+
+    sources: torch.Tensor
+    span: int
+    first: torch.Tensor | None
+    positions: torch.Tensor
+    dest: torch.Tensor
+
+
+@dataclass(frozen=True)
 class BatchRequests:
     """Every request of the batch (the same on every rank): cached and new tokens, pages."""
 
@@ -141,11 +154,13 @@ class TorchDsV4Attention:
         self.cos, self.sin = compress_cos, compress_sin  # float32 [positions, rope_dim / 2]
         self._groups: list[RowGroup] = []
         self._batch = BatchRequests.none()
+        self._plans: dict[str, PoolPlan | None] = {}
         self._stats: dict[str, int] = {}
 
     def prepare(self, meta: AttentionMetadata, batch: BatchRequests | None = None) -> None:
         self._groups = row_groups(meta)
         self._batch = batch if batch is not None else BatchRequests.none()
+        self._plans: dict[str, PoolPlan | None] = {}
         self._stats = {STAT_INDEX_ROWS: 0, STAT_INDEX_PAIRS: 0, STAT_ATTN_ROWS: 0, STAT_ATTN_PAIRS: 0}
 
     # ---- 1. pooling ---------------------------------------------------------------------------
@@ -154,38 +169,50 @@ class TorchDsV4Attention:
         sin = self.sin.index_select(0, positions).to(x.dtype)
         return rope_tail(x, cos, sin)
 
+    def _pool_plan(self, kind: str, cache: DsV4KVCache) -> PoolPlan | None:
+        """Where this forward's closing entries of a layer kind come from and go (the same
+        for every layer of the kind: made once a forward); None when none closes."""
+        if kind in self._plans:
+            return self._plans[kind]
+        spec, b, ps = self.spec.cache, self._batch, cache.page_size
+        m = spec.compress_csa if kind == CSA else spec.compress_hca
+        lo, hi = b.prefix_lens // m, (b.prefix_lens + b.extend_lens) // m  # entries [lo, hi) close now
+        plan = None
+        if (hi > lo).any():
+            dev = cache.pool.device
+            req = np.repeat(np.arange(len(lo)), hi - lo)
+            e = np.arange(int((hi - lo).sum()), dtype=np.int64) - np.repeat(np.cumsum(hi - lo) - (hi - lo) - lo,
+                                                                            hi - lo)
+            overlap = kind == CSA
+            span = 2 * m if overlap else m
+            start = (e - 1) * m if overlap else e * m
+            pos = np.maximum(start[:, None] + np.arange(span)[None, :], 0)  # [E, S] (entry 0's first half: masked)
+            pages = b.pages[req].astype(np.int64)
+            src = np.take_along_axis(pages, pos // ps, axis=1) * ps + pos % ps
+            entry_page = np.take_along_axis(pages, (e * m // ps)[:, None], axis=1)[:, 0]
+            epp = cache.epp[kind]
+            plan = PoolPlan(torch.from_numpy(src.reshape(-1)).to(dev), span,
+                            torch.from_numpy(e == 0).to(dev) if overlap else None,
+                            torch.from_numpy(e * m).to(dev), torch.from_numpy(entry_page * epp + e % epp).to(dev))
+        self._plans[kind] = plan
+        return plan
+
     def pool_new_entries(self, layer: int, cache: DsV4KVCache, w: PoolWeights) -> None:
         """Every entry whose window this forward closes, for every request of the batch."""
-        spec, b = self.spec.cache, self._batch
-        kind, m = spec.layer_kinds[layer], spec.compress_rate(layer)
-        lo, hi = b.prefix_lens // m, (b.prefix_lens + b.extend_lens) // m  # entries [lo, hi) close now
-        if not (hi > lo).any():
+        spec = self.spec.cache
+        kind = spec.layer_kinds[layer]
+        plan = self._pool_plan(kind, cache)
+        if plan is None:
             return
-        dev = cache.pool.device
-        req = np.repeat(np.arange(len(lo)), hi - lo)
-        e = np.concatenate([np.arange(a, z) for a, z in zip(lo.tolist(), hi.tolist())]).astype(np.int64)
-        overlap = kind == CSA
-        span = 2 * m if overlap else m
-        start = (e - 1) * m if overlap else e * m
-        pos = start[:, None] + np.arange(span)[None, :]  # [E, S] source positions (negative: none)
-        pages = b.pages[req][:, None, :]
-        page_of = np.take_along_axis(np.broadcast_to(pages, (len(e), span, pages.shape[-1])),
-                                     np.maximum(pos, 0)[..., None] // cache.page_size, axis=-1)[..., 0]
-        slots = torch.from_numpy(page_of.astype(np.int64) * cache.page_size + np.maximum(pos, 0) % cache.page_size)
-        src = cache.sources(layer).flatten(0, 1).index_select(0, slots.to(dev).view(-1)).view(len(e), span, -1)
-        first = torch.from_numpy(e == 0).to(dev) if overlap else None
-        hd, ihd = spec.head_dim, spec.index_head_dim
-        e_t = torch.from_numpy(e).to(dev)
-        positions = e_t * m
-        entry_page = np.take_along_axis(b.pages[req], (e * m // cache.page_size)[:, None], axis=1)[:, 0]
-        epp = cache.epp[kind]
-        dest = torch.from_numpy(entry_page.astype(np.int64) * epp + e % epp).to(dev)
+        overlap, hd = kind == CSA, spec.head_dim
+        src = cache.sources(layer).flatten(0, 1).index_select(0, plan.sources).view(-1, plan.span, spec.raw_width(layer))
         width = 4 * hd if overlap else 2 * hd
-        entries = pool(src[..., :width], w.bias, w.norm, self.spec.norm_eps, hd, overlap, first)
-        cache.entries(layer).flatten(0, 1).index_copy_(0, dest, self._rope(entries, positions))
+        entries = pool(src[..., :width], w.bias, w.norm, self.spec.norm_eps, hd, overlap, plan.first)
+        cache.entries(layer).flatten(0, 1).index_copy_(0, plan.dest, self._rope(entries, plan.positions))
         if overlap:
-            idx = pool(src[..., width:], w.index_bias, w.index_norm, self.spec.norm_eps, ihd, True, first)
-            cache.index_entries(layer).flatten(0, 1).index_copy_(0, dest, self._rope(idx, positions))
+            idx = pool(src[..., width:], w.index_bias, w.index_norm, self.spec.norm_eps, spec.index_head_dim, True,
+                       plan.first)
+            cache.index_entries(layer).flatten(0, 1).index_copy_(0, plan.dest, self._rope(idx, plan.positions))
 
     # ---- 2 and 3. this rank's rows ------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
@@ -255,21 +282,25 @@ class TorchDsV4Attention:
         return keep
 
     def forward_stats(self, prefix_lens: np.ndarray, extend_lens: np.ndarray) -> dict[str, int]:
-        """This forward's work on this rank and what one rank computes replicated."""
+        """This forward's work on this rank and what one rank computes replicated (every
+        row of the batch; the same for every layer of a kind, counted once a kind)."""
         sp, cs = self.spec, self.spec.cache
+        n = int(extend_lens.sum())
+        p = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(extend_lens) - extend_lens - prefix_lens, extend_lens)
+        window = int(np.minimum(p + 1, sp.sliding_window).sum())
         rep = dict.fromkeys(self._stats, 0)
-        for pre, ext in zip(prefix_lens.tolist(), extend_lens.tolist()):
-            p = np.arange(pre, pre + ext, dtype=np.int64)
-            window = np.minimum(p + 1, sp.sliding_window)
-            for layer, kind in enumerate(cs.layer_kinds):
-                m = cs.compress_rate(layer)
-                seen = (p + 1) // m if m else 0
-                attended = seen if kind == HCA else np.minimum(seen, sp.index_topk) if kind == CSA else 0
-                rep[STAT_ATTN_ROWS] += p.size
-                rep[STAT_ATTN_PAIRS] += int((window + attended).sum())
-                if kind == CSA:
-                    rep[STAT_INDEX_ROWS] += int((seen > sp.index_topk).sum())
-                    rep[STAT_INDEX_PAIRS] += int(seen[seen > sp.index_topk].sum())
+        for kind in set(cs.layer_kinds):
+            layers = cs.layer_kinds.count(kind)
+            attended = 0
+            if kind in (CSA, HCA):
+                seen = (p + 1) // (cs.compress_csa if kind == CSA else cs.compress_hca)
+                attended = int(np.minimum(seen, sp.index_topk).sum()) if kind == CSA else int(seen.sum())
+            if kind == CSA:
+                scored = seen[seen > sp.index_topk]
+                rep[STAT_INDEX_ROWS] += layers * scored.size
+                rep[STAT_INDEX_PAIRS] += layers * int(scored.sum())
+            rep[STAT_ATTN_ROWS] += layers * n
+            rep[STAT_ATTN_PAIRS] += layers * (window + attended)
         return {**self._stats, **{k + REPLICATED: v for k, v in rep.items()}}
 
 
