@@ -284,3 +284,29 @@ def test_bad_v4_settings_are_one_line_errors(folders, tmp_path, capsys):
     save_file(weights, bad / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"{name}.*expected an integer table"):
         PrefillEngine(bad, RuntimeConfig(kv_tokens=512))
+
+
+def _dp_job(group, folder, parallel, graph, moe):
+    from graphcp.runtime.engine import prefill_after_prefixes
+
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, page_size=8, graph=graph, moe=moe), group, BUCKETS,
+                        parallel)
+    rng = np.random.default_rng(9)
+    batch = [(rng.integers(0, 512, p) if p else None, rng.integers(0, 512, n))
+             for n, p in zip([37, 1, 6, 20, 11], [0, 0, 13, 4, 0])]
+    o = prefill_after_prefixes(eng, batch, all_logits=True)
+    one = eng.prefill([Request(np.arange(9))], all_logits=True)  # fewer requests than replicas
+    return [x.clone() for x in o.logits + one.logits]
+
+
+def test_attention_dp_equals_one_rank(folders):
+    """Attention DP 2 x CP 2 (each replica its own requests and cache, the MoE over the 4
+    ranks) returns every request as one rank does, float32."""
+    from graphcp.config import ParallelConfig
+
+    ref = _dp_job(CPGroup(), folders["v4"], ParallelConfig(), "off", "ep")
+    for graph, moe in (("off", "ep"), ("breakable", "tp")):
+        per_rank = launch(_dp_job, 4, folders["v4"], ParallelConfig(cp_size=2, dp_size=2, tp_size=4), graph, moe)
+        for rank, got in enumerate(per_rank):
+            errs = [rel_err(a, b) for a, b in zip(got, ref, strict=True)]
+            assert max(errs) < 1e-5, (graph, moe, rank, errs)
