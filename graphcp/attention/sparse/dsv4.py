@@ -121,16 +121,16 @@ def pool(src: torch.Tensor, bias: torch.Tensor, norm: torch.Tensor, eps: float, 
          first: torch.Tensor | None) -> torch.Tensor:
     """Entries from their source rows. ``src [E, S, 2 width (CSA) or width, ...]``: the
     kv part then the gate part of each source token (CSA: ``S = 2 m``, the previous
-    window's tokens then the entry's own; HCA: ``S = m``). ``first [E]`` (CSA): entries
-    with no previous window (entry 0), whose first half gets weight 0. -> ``[E, width]``
-    before RoPE."""
+    window's tokens then the entry's own; HCA: ``S = m``). ``first [E]`` (CSA; None when
+    no entry is entry 0): entries with no previous window, whose first half gets weight
+    0. -> ``[E, width]`` before RoPE."""
     if overlap:
         m = src.shape[1] // 2
         kv_parts, gate_parts = src[..., : 2 * width], src[..., 2 * width:]
         kv = torch.cat([kv_parts[:, :m, :width], kv_parts[:, m:, width:]], dim=1)
         gate = torch.cat([gate_parts[:, :m, :width] + bias[:, :width], gate_parts[:, m:, width:] + bias[:, width:]],
                          dim=1)
-        if first is not None and bool(first.any()):
+        if first is not None:
             kv = kv.clone()
             kv[first, :m] = 0
             gate[first, :m] = float("-inf")
@@ -192,7 +192,7 @@ class TorchDsV4Attention:
             entry_page = np.take_along_axis(pages, (e * m // ps)[:, None], axis=1)[:, 0]
             epp = cache.epp[kind]
             plan = PoolPlan(torch.from_numpy(src.reshape(-1)).to(dev), span,
-                            torch.from_numpy(e == 0).to(dev) if overlap else None,
+                            torch.from_numpy(e == 0).to(dev) if overlap and (e == 0).any() else None,
                             torch.from_numpy(e * m).to(dev), torch.from_numpy(entry_page * epp + e % epp).to(dev))
         self._plans[kind] = plan
         return plan
@@ -243,12 +243,15 @@ class TorchDsV4Attention:
                 keys = window.index_select(0, cache.token_slots(pages, key_pos))
                 pos_t = torch.from_numpy(pos).to(dev)
                 visible = (key_pos[None, :] <= pos_t[:, None]) & (key_pos[None, :] > pos_t[:, None] - sp.sliding_window)
-                pairs = visible.sum()
+                # the work, counted on the host (no device sync): window keys + the entries attended
+                pairs = int(np.minimum(pos + 1, sp.sliding_window).sum())
                 if m:
-                    n_ent = (hi) // m
-                    seen = torch.div(pos_t + 1, m, rounding_mode="floor")  # entries each row sees
+                    n_ent = hi // m
+                    seen_np = (pos + 1) // m  # entries each row sees
+                    seen = torch.from_numpy(seen_np).to(dev)
                     ent = torch.arange(n_ent, device=dev)
                     ent_mask = ent[None, :] < seen[:, None]
+                    pairs += int(np.minimum(seen_np, sp.index_topk).sum() if kind == CSA else seen_np.sum())
                     if n_ent:
                         slots = cache.entry_slots(layer, pages, ent)
                         keys = torch.cat([keys, entries.index_select(0, slots)], dim=0)
@@ -256,9 +259,8 @@ class TorchDsV4Attention:
                             ent_mask = ent_mask & self.select(layer, g, pos, seen, index_q[rows], index_w[rows],
                                                               index_entries.index_select(0, slots))
                     visible = torch.cat([visible, ent_mask], dim=1)
-                    pairs = visible.sum()
                 self._stats[STAT_ATTN_ROWS] += len(pos)
-                self._stats[STAT_ATTN_PAIRS] += int(pairs)
+                self._stats[STAT_ATTN_PAIRS] += pairs
                 out[rows] = _attend(q[rows], keys, visible, sinks, sp.head_dim ** -0.5).to(out.dtype)
 
     def select(self, layer: int, group: RowGroup, pos: np.ndarray, seen: torch.Tensor, iq: torch.Tensor,
@@ -267,18 +269,19 @@ class TorchDsV4Attention:
         positions ``pos`` (all it sees while they are at most ``index_topk``)."""
         topk, n = self.spec.index_topk, ik.shape[0]
         keep = torch.arange(n, device=ik.device)[None, :] < seen[:, None]
-        scored = seen > topk
-        if n <= topk or not bool(scored.any()):
+        seen_np = (pos + 1) // self.spec.cache.compress_csa
+        scored = np.flatnonzero(seen_np > topk)  # on the host: no device sync
+        if n <= topk or scored.size == 0:
             return keep
-        idx = scored.nonzero().view(-1)
+        idx = torch.from_numpy(scored).to(ik.device)
         scores = F.relu(torch.matmul(iq[idx].float(), ik.float().t())) * self.spec.cache.index_head_dim ** -0.5
         scores = (scores * iw[idx].float().unsqueeze(-1)).sum(dim=1)  # [scored rows, entries]
         scores = scores.masked_fill(~keep[idx], float("-inf"))
         top = scores.topk(topk, dim=-1).indices
         chosen = torch.zeros_like(keep[idx]).scatter_(1, top, True)
         keep[idx] = chosen & keep[idx]
-        self._stats[STAT_INDEX_ROWS] += int(idx.numel())
-        self._stats[STAT_INDEX_PAIRS] += int(seen[idx].sum())
+        self._stats[STAT_INDEX_ROWS] += int(scored.size)
+        self._stats[STAT_INDEX_PAIRS] += int(seen_np[scored].sum())
         return keep
 
     def forward_stats(self, prefix_lens: np.ndarray, extend_lens: np.ndarray) -> dict[str, int]:
