@@ -23,8 +23,13 @@ from conftest import save_cases
 from helpers import rel_err
 
 from graphcp import PrefillEngine, Request
-from graphcp.attention.sparse.dsv4 import (REPLICATED, STAT_ATTN_PAIRS, STAT_ATTN_ROWS, STAT_INDEX_PAIRS,
-                                           STAT_INDEX_ROWS)
+from graphcp.attention.sparse.dsv4 import (
+    REPLICATED,
+    STAT_ATTN_PAIRS,
+    STAT_ATTN_ROWS,
+    STAT_INDEX_PAIRS,
+    STAT_INDEX_ROWS,
+)
 from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup, launch
 from graphcp.runtime.capture.buckets import BucketSet
@@ -257,10 +262,9 @@ def test_bad_v4_settings_are_one_line_errors(folders, tmp_path, capsys):
 
     from safetensors.torch import load_file, save_file
 
+    from graphcp.cli.main import main
     from graphcp.errors import ConfigError
     from graphcp.model.loader import CheckpointError
-
-    from graphcp.cli.main import main
 
     with pytest.raises(ConfigError, match=r"RuntimeConfig.page_size=6: .*compress rate 4"):
         PrefillEngine(folders["v4"], RuntimeConfig(kv_tokens=512, page_size=6))

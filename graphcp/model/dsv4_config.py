@@ -31,6 +31,7 @@ from graphcp.errors import ConfigError
 from graphcp.kv.dsv4 import CSA, HCA, SLIDING, DsV4CacheSpec
 from graphcp.model.moe_config import MoeConfig
 from graphcp.model.rope import RopeConfig, rope_from_hf
+
 #: transformers' layer_types names -> ours
 LAYER_KINDS = {"sliding_attention": SLIDING, "compressed_sparse_attention": CSA,
                "heavily_compressed_attention": HCA}
