@@ -314,3 +314,42 @@ def test_attention_dp_equals_one_rank(folders):
         for rank, got in enumerate(per_rank):
             errs = [rel_err(a, b) for a, b in zip(got, ref, strict=True)]
             assert max(errs) < 1e-5, (graph, moe, rank, errs)
+
+
+def _pp_job(group, folder, parallel, dtype, graph, moe, m, dst):
+    from graphcp.runtime.engine import prefill_after_prefixes
+
+    eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=1024, page_size=8, graph=graph, moe=moe), group,
+                        BUCKETS, parallel)
+    rng = np.random.default_rng(2)
+    o = prefill_after_prefixes(eng, [(rng.integers(0, 512, 21), rng.integers(0, 512, 30)), (None, rng.integers(0, 512, 7)),
+                                     (None, rng.integers(0, 512, 40))], all_logits=True, microbatches=m)
+    exports = [eng.export_kv(h, dst) for h in o.handles]
+    return [x.clone() for x in o.logits], o.info.path, exports
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pipeline_stages_equal_one_rank(folders, dtype):
+    """PP 2 (the hc_mult streams handed between stages) x CP 1 (2 micro-batches) and
+    x CP 2 (breakable graphs): logits and the exported cache (every stage's layers
+    gathered, float32 overlap gates beside model-dtype rows) as one rank's."""
+    from graphcp.config import ParallelConfig
+
+    folder = folders["v4" if dtype == "float32" else "v4-all-experts"]
+    tol = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+    ref_logits, _, ref_exports = _pp_job(CPGroup(), folder, ParallelConfig(), dtype, "off", "ep", 1, None)
+    for cp, graph, moe, m, dst in ((1, "off", "ep", 2, None), (2, "breakable", "tp", 1, 1)):
+        per_rank = launch(_pp_job, 2 * cp, folder, ParallelConfig(cp_size=cp, pp_size=2), dtype, graph, moe, m, dst)
+        for rank, (logits, path, exports) in enumerate(per_rank):
+            where = (dtype, cp, graph, moe, rank)
+            assert path == ("eager" if graph == "off" else "graph"), where
+            assert max(rel_err(a, b) for a, b in zip(logits, ref_logits, strict=True)) < tol, where
+            if dst is not None and rank != dst:
+                assert all(e is None for e in exports), where
+                continue
+            for want, got in zip(ref_exports, exports, strict=True):
+                for i, (a, b) in enumerate(zip(want.layers, got.layers, strict=True)):
+                    assert sorted(a) == sorted(b), (where, i)
+                    for name in a:
+                        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, (where, i, name)
+                        assert rel_err(b[name].float(), a[name].float()) < tol, (where, i, name)

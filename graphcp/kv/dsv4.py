@@ -81,28 +81,35 @@ def entries_per_page(page_size: int, rate: int, where: str = "RuntimeConfig.page
 
 class DsV4KVCache(PagedKVCache):
     def __init__(self, cfg: DsV4CacheSpec, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", max_pages_per_seq: int | None = None) -> None:
+                 device: torch.device | str = "cpu", max_pages_per_seq: int | None = None,
+                 layers: range | None = None) -> None:
+        """``layers``: the global layers it holds (a pipeline stage's; None: the model's)."""
         self.cfg = cfg
-        L = len(cfg.layer_kinds)
+        self.layers = layers = layers if layers is not None else range(len(cfg.layer_kinds))
         self.epp = {CSA: entries_per_page(page_size, cfg.compress_csa), HCA: entries_per_page(page_size, cfg.compress_hca)}
-        #: global layer -> its index in its kind's pools
-        self.slot = {i: cfg.layers_of(k).index(i) for k in (CSA, HCA) for i in cfg.layers_of(k)}
-        super().__init__(L, num_pages, page_size, 1, cfg.head_dim, dtype, device, "NHD", max_pages_per_seq)
+        #: global layer -> its index in its kind's pools (this cache's layers of the kind)
+        self.slot = {i: j for k in (CSA, HCA) for j, i in enumerate(x for x in cfg.layers_of(k) if x in layers)}
+        super().__init__(len(layers), num_pages, page_size, 1, cfg.head_dim, dtype, device, "NHD", max_pages_per_seq,
+                         layers.start)
 
     @staticmethod
-    def bytes_per_page(cfg: DsV4CacheSpec, page_size: int, itemsize: int, layers: int | None = None) -> int:
-        """Bytes one page takes in every pool (the engine checks the pools fit memory)."""
-        n_csa, n_hca = len(cfg.layers_of(CSA)), len(cfg.layers_of(HCA))
+    def bytes_per_page(cfg: DsV4CacheSpec, page_size: int, itemsize: int, layers: range | None = None) -> int:
+        """Bytes one page takes in every pool of ``layers`` (None: the model's; the engine
+        checks the pools fit memory)."""
+        layers = layers if layers is not None else range(len(cfg.layer_kinds))
+        n_csa = sum(cfg.layer_kinds[i] == CSA for i in layers)
+        n_hca = sum(cfg.layer_kinds[i] == HCA for i in layers)
         epp_csa = entries_per_page(page_size, cfg.compress_csa)
         epp_hca = entries_per_page(page_size, cfg.compress_hca)
-        values = page_size * (len(cfg.layer_kinds) * cfg.head_dim
+        values = page_size * (len(layers) * cfg.head_dim
                               + n_csa * (4 * cfg.head_dim + 4 * cfg.index_head_dim) + n_hca * 2 * cfg.head_dim)
         values += epp_csa * n_csa * (cfg.head_dim + cfg.index_head_dim) + epp_hca * n_hca * cfg.head_dim
         return values * itemsize
 
     def _allocate_pool(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         c, P, ps = self.cfg, self.num_pages, self.page_size
-        n_csa, n_hca = len(c.layers_of(CSA)), len(c.layers_of(HCA))
+        n_csa = sum(1 for i in self.slot if c.layer_kinds[i] == CSA)
+        n_hca = sum(1 for i in self.slot if c.layer_kinds[i] == HCA)
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -112,7 +119,7 @@ class DsV4KVCache(PagedKVCache):
         self.entry_pools = {CSA: zeros(n_csa, P, self.epp[CSA], c.head_dim),
                             HCA: zeros(n_hca, P, self.epp[HCA], c.head_dim)}
         self.index_pool = zeros(n_csa, P, self.epp[CSA], c.index_head_dim)
-        return zeros(len(c.layer_kinds), P, ps, c.head_dim)
+        return zeros(len(self.layers), P, ps, c.head_dim)
 
     def page_pools(self) -> dict[str, torch.Tensor]:
         return {"window": self.pool, "source_csa": self.source_pools[CSA], "source_hca": self.source_pools[HCA],
@@ -128,7 +135,7 @@ class DsV4KVCache(PagedKVCache):
 
     def window(self, layer: int) -> torch.Tensor:
         """``[num_pages, page_size, head_dim]``: layer ``layer``'s window rows."""
-        return self.pool[layer]
+        return self.pool[self.local_layer(layer)]
 
     def layer(self, i: int) -> torch.Tensor:
         return self.window(i)

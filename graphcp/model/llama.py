@@ -228,6 +228,17 @@ class DecoderModel(nn.Module):
         return {}
 
     @property
+    def handoff_size(self) -> int:
+        """Values a row carries from one pipeline stage to the next (the residual)."""
+        return self.cfg.hidden_size
+
+    @property
+    def output_size(self) -> int:
+        """Values a row of :meth:`body`'s output holds: the final-normed hidden state on the
+        last stage, the residual handed on elsewhere."""
+        return self.cfg.hidden_size if self.stage.last else self.handoff_size
+
+    @property
     def exchanges(self) -> bool:
         """Whether some layer runs the expert-parallel exchange (a host-sized break)."""
         return any(layer.exchanges for layer in self.layers)

@@ -19,7 +19,6 @@ never a pool.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -191,7 +190,7 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
     me = group.rank
     receivers = range(group.size) if dst is None else (dst,)
     receive = me in receivers
-    dev, dtype = device, meta.torch_dtype
+    dev = device
     out = [{n: torch.empty(meta.tensor_shape(i, n), dtype=meta.tensor_dtype(i, n), device=dev)
             for n in meta.layer_tensors(i)} for i in range(meta.num_layers)] if receive else None
     remote: dict[int, list[KVSpan]] = {}
@@ -199,14 +198,14 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
         if all(source.holds(span, r) for r in receivers):
             if receive:
                 _place(out, span, source.read_span(handle, span), meta)
-        else:  # (packed in the format's one dtype: a format with another dtype in it is read locally)
+        else:
             remote.setdefault(span.owner, []).append(span)
     for owner, theirs in sorted(remote.items()):
         if me == owner:
-            buf = torch.cat([t.reshape(-1) for s in theirs for t in source.read_span(handle, s)])
+            buf = _as_bytes([t for s in theirs for t in source.read_span(handle, s)])
         elif dst is None or me == dst:
-            numel = sum(meta.nbytes_of(s.layer, n, s.num_tokens) for s in theirs for n in meta.layer_tensors(s.layer))
-            buf = torch.empty(numel // dtype.itemsize, dtype=dtype, device=dev)
+            nbytes = sum(meta.nbytes_of(s.layer, n, s.num_tokens) for s in theirs for n in meta.layer_tensors(s.layer))
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         else:
             continue  # neither the owner nor the receiver of this part
         if dst is None:
@@ -228,16 +227,14 @@ def gather_stages(out: list[dict[str, torch.Tensor]] | None, meta, stage_layers:
     (every rank of the pipeline, stage-major: global rank ``s * cp_size + r``). One
     message a stage: a broadcast from the stage's first rank when every rank receives,
     else a send from rank ``(s, dst % cp_size)`` to ``dst``. Every rank calls it."""
-    dtype = meta.torch_dtype
     for s, layers in enumerate(stage_layers):
-        numel = sum(meta.nbytes_of(i, n, meta.num_tokens) for i in layers for n in meta.layer_tensors(i))
-        numel //= dtype.itemsize
+        nbytes = sum(meta.nbytes_of(i, n, meta.num_tokens) for i in layers for n in meta.layer_tensors(i))
         if dst is None:
             root = s * cp_size
-            if stage == s:
-                buf = _pack(out, layers, meta) if world.rank == root else torch.empty(numel, dtype=dtype, device=device)
+            if stage == s and world.rank == root:
+                buf = _pack(out, layers, meta)
             else:
-                buf = torch.empty(numel, dtype=dtype, device=device)
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             world.broadcast_(buf, root)
             if stage != s:
                 _unpack_layers(out, layers, buf, meta)
@@ -249,14 +246,20 @@ def gather_stages(out: list[dict[str, torch.Tensor]] | None, meta, stage_layers:
         if world.rank == src:
             world.send(_pack(out, layers, meta), dst)
         elif world.rank == dst:
-            buf = torch.empty(numel, dtype=dtype, device=device)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             world.recv_(buf, src)
             _unpack_layers(out, layers, buf, meta)
 
 
+def _as_bytes(tensors) -> torch.Tensor:
+    """Tensors flattened into one byte message, in order (each keeps its own dtype's bytes:
+    a format may mix dtypes, V4's float32 overlap gates beside model-dtype rows)."""
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
 def _pack(out: list[dict[str, torch.Tensor]], layers: range, meta) -> torch.Tensor:
-    """Whole layers' tensors, in layer then tensor order, flattened into one message."""
-    return torch.cat([out[i][n].reshape(-1) for i in layers for n in meta.layer_tensors(i)])
+    """Whole layers' tensors, in layer then tensor order, as one byte message."""
+    return _as_bytes(out[i][n] for i in layers for n in meta.layer_tensors(i))
 
 
 def _unpack_layers(out: list[dict[str, torch.Tensor]], layers: range, buf: torch.Tensor, meta) -> None:
@@ -264,14 +267,15 @@ def _unpack_layers(out: list[dict[str, torch.Tensor]], layers: range, buf: torch
 
 
 def _unpack(out: list[dict[str, torch.Tensor]], spans: list[KVSpan], buf: torch.Tensor, meta) -> None:
-    """Place an owner's packed spans (each span's tensors in order, flattened) into the export."""
+    """Place an owner's packed spans (each span's tensors in order, as bytes) into the export."""
     at = 0
     for span in spans:
         parts = []
         for n in meta.layer_tensors(span.layer):
             shape = meta.tensor_shape(span.layer, n, span.num_tokens)
-            size = math.prod(shape)
-            parts.append(buf[at:at + size].view(shape))
+            size = meta.nbytes_of(span.layer, n, span.num_tokens)
+            # (a copy: a tensor's offset in a message of mixed dtypes need not be aligned to its dtype)
+            parts.append(buf[at:at + size].clone().view(meta.tensor_dtype(span.layer, n)).view(shape))
             at += size
         _place(out, span, parts, meta)
 

@@ -128,7 +128,8 @@ class PrefillEngine:
         ring = None
         if self.cfg.dsv4 is not None:  # window, source and entry pools; pooling, indexer and attention
             self.kv, attention = dsv4_runtime.make_cache_and_attention(
-                self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.model.rotary)
+                self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.model.rotary,
+                self.stage.layers)
         elif self.cfg.dsa is not None:  # MLA's latent + indexer-key cache and sparse attention
             self.kv, attention = dsa_runtime.make_cache_and_attention(
                 self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.group.rank,
@@ -181,7 +182,7 @@ class PrefillEngine:
         self._draft_next: dict[int, int] = {}
         self.microbatched = MicrobatchedPrefill(
             self.preparer, self.kv, self.stage, self.pipeline, self.parallel.stage_layers(self.cfg.num_layers),
-            self.cfg.hidden_size, self.cfg.vocab_size, self.dtype, self.device)
+            self.cfg.hidden_size, self.cfg.vocab_size, self.dtype, self.device, self.model.handoff_size)
 
     def _load_draft(self):
         """The draft of RuntimeConfig.draft (None without one; what it does not combine with was

@@ -149,8 +149,11 @@ class TorchDsV4Attention:
     #: Body passes the batch's requests to :meth:`prepare` (the pooling covers all of them)
     reads_batch = True
 
-    def __init__(self, spec: DsV4AttentionSpec, compress_cos: torch.Tensor, compress_sin: torch.Tensor) -> None:
+    def __init__(self, spec: DsV4AttentionSpec, compress_cos: torch.Tensor, compress_sin: torch.Tensor,
+                 layers: range | None = None) -> None:
+        """``layers``: the layers it attends (a pipeline stage's; None: the model's)."""
         self.spec = spec
+        self.layers = layers if layers is not None else range(len(spec.cache.layer_kinds))
         self.cos, self.sin = compress_cos, compress_sin  # float32 [positions, rope_dim / 2]
         self._groups: list[RowGroup] = []
         self._batch = BatchRequests.none()
@@ -292,8 +295,9 @@ class TorchDsV4Attention:
         p = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(extend_lens) - extend_lens - prefix_lens, extend_lens)
         window = int(np.minimum(p + 1, sp.sliding_window).sum())
         rep = dict.fromkeys(self._stats, 0)
-        for kind in set(cs.layer_kinds):
-            layers = cs.layer_kinds.count(kind)
+        kinds = [cs.layer_kinds[i] for i in self.layers]
+        for kind in set(kinds):
+            layers = kinds.count(kind)
             attended = 0
             if kind in (CSA, HCA):
                 seen = (p + 1) // (cs.compress_csa if kind == CSA else cs.compress_hca)

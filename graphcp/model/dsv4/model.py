@@ -84,8 +84,9 @@ class DsV4Model(DecoderModel):
                  rank: int = 0, moe: MoeLayout = "ep", stage=None, shard=None) -> None:
         super().__init__(cfg, tp_size, dtype, max_positions, rank, moe, stage, shard)
         d = cfg.dsv4
-        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hc_head = HyperHead(cfg.hidden_size, d.hc_mult, d.hc_eps, cfg.rms_norm_eps)
+        last = self.stage.last  # the final collapse and norm
+        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
+        self.hc_head = HyperHead(cfg.hidden_size, d.hc_mult, d.hc_eps, cfg.rms_norm_eps) if last else None
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -99,14 +100,25 @@ class DsV4Model(DecoderModel):
 
     def body(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
              hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """Local rows in (token ids; a later pipeline stage's also the streams handed on,
+        ``hidden_in [rows, hc_mult x hidden]``), out: the final-normed rows on the last
+        stage, the streams flattened on the others."""
         begin_forward(ctx)
-        ctx.token_ids = input_ids  # hash routing reads each row's token
-        x = self.embed_tokens(input_ids)
-        h = x.unsqueeze(1).expand(-1, self.cfg.dsv4.hc_mult, -1).contiguous()
+        ctx.token_ids = input_ids  # hash routing reads each row's token (on every stage)
+        hc = self.cfg.dsv4.hc_mult
+        if hidden_in is None:
+            h = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, hc, -1).contiguous()
+        else:
+            h = hidden_in.view(hidden_in.shape[0], hc, -1)
         for i, layer in zip(self.stage.layers, self.layers):
             with nvtx_range(f"layer[{i}]", category="eager"):
                 h = layer(h, positions, self.rotary, ctx)
-        return self.norm(self.hc_head(h))
+        return self.norm(self.hc_head(h)) if self.stage.last else h.flatten(1)
+
+    @property
+    def handoff_size(self) -> int:
+        """The hc_mult residual streams of a row travel between stages."""
+        return self.cfg.dsv4.hc_mult * self.cfg.hidden_size
 
     def static_rows(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         rows = attention_rows(self.cfg, self.dtype)

@@ -20,14 +20,17 @@ def check_page_size(cfg: ModelConfig, page_size: int, where: str = "RuntimeConfi
         entries_per_page(page_size, rate, where)
 
 
-def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int) -> int:
-    return num_pages * DsV4KVCache.bytes_per_page(cfg.dsv4.cache, rt.page_size, rt.torch_dtype.itemsize)
+def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, layers: range | None = None) -> int:
+    """Bytes of a rank's pools for ``layers`` (a pipeline stage's; None: the model's)."""
+    return num_pages * DsV4KVCache.bytes_per_page(cfg.dsv4.cache, rt.page_size, rt.torch_dtype.itemsize, layers)
 
 
 def make_cache_and_attention(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, max_pages_per_seq: int,
-                             device: torch.device, rotary: V4Rotary) -> tuple[DsV4KVCache, TorchDsV4Attention]:
+                             device: torch.device, rotary: V4Rotary,
+                             layers: range | None = None) -> tuple[DsV4KVCache, TorchDsV4Attention]:
+    """The cache of ``layers`` (a pipeline stage's; None: the model's) and the backend."""
     d = cfg.dsv4
-    kv = DsV4KVCache(d.cache, num_pages, rt.page_size, rt.torch_dtype, device, max_pages_per_seq)
+    kv = DsV4KVCache(d.cache, num_pages, rt.page_size, rt.torch_dtype, device, max_pages_per_seq, layers)
     spec = DsV4AttentionSpec(d.cache, cfg.num_heads, d.sliding_window, d.index_n_heads, d.index_topk,
                              cfg.rms_norm_eps)
-    return kv, TorchDsV4Attention(spec, *rotary.table(COMPRESS))
+    return kv, TorchDsV4Attention(spec, *rotary.table(COMPRESS), layers)

@@ -108,7 +108,8 @@ class GraphRunner:
             buckets.largest, body.group.size, body.model.attn_cfg.num_heads, cfg.head_dim, cfg.hidden_size,
             2 * rt.max_requests, self.max_pages, body.model.dtype, body.device, moe_rows=body.model.exchanges,
             hidden_in=body.takes_hidden, aux_layers=len(self.aux_layers),
-            extra_rows=body.model.static_rows(),
+            extra_rows=body.model.static_rows(), hidden_in_size=body.model.handoff_size,
+            hidden_out_size=body.model.output_size,
         )
         self.backend = make_graph_backend(rt.graph_backend, body.device)
         self.graphs: dict[int, _Captured] = {}
@@ -264,8 +265,8 @@ class GraphRunner:
         against its eager body without the earlier stages (None on the first)."""
         if not self.body.takes_hidden:
             return None
-        n, cfg = prep.ids.shape[0], self.model.cfg
-        rows = torch.from_numpy(rng.standard_normal((n, cfg.hidden_size), dtype=np.float32))
+        n = prep.ids.shape[0]
+        rows = torch.from_numpy(rng.standard_normal((n, self.model.handoff_size), dtype=np.float32))
         return rows.to(device=self.body.device, dtype=self.model.dtype)
 
     # ---- replay -----------------------------------------------------------------

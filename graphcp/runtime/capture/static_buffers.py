@@ -68,12 +68,16 @@ class StaticBuffers:
         aux_layers: int = 0,
         extra_rows: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
         staging: PinnedStaging | None = None,
+        hidden_in_size: int | None = None,
+        hidden_out_size: int | None = None,
     ) -> None:
         """``hidden_in``: the body takes input rows (a pipeline stage after the first);
         ``aux_layers``: how many layers' auxiliary hidden states it copies out;
         ``extra_rows``: name -> (row shape, dtype) of the rows a model's breaks read
         and write besides attn_q / attn_out (MLA's query and output, say);
-        ``staging``: how inputs reach the device (None: pinned staging on CUDA, the
+        ``hidden_in_size`` / ``hidden_out_size``: the widths of the input and output rows
+        (default ``hidden_size``; DeepSeek V4 hands its hc_mult residual streams between
+        stages); ``staging``: how inputs reach the device (None: pinned staging on CUDA, the
         static tensors themselves written in place on CPU; tests pass a fake copy engine)."""
         self.max_capacity, self.cp_size = max_capacity, cp_size
         self.max_segments, self.max_pages_per_seq = max_segments, max_pages_per_seq
@@ -84,7 +88,7 @@ class StaticBuffers:
         self.kv_slots = torch.full((max_capacity,), -1, dtype=torch.long, device=dev)
         self.attn_q = torch.zeros(max_capacity, num_q_heads, head_dim, dtype=dtype, device=dev)
         self.attn_out = torch.zeros(max_capacity, num_q_heads, head_dim, dtype=dtype, device=dev)
-        self.hidden_out = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev)
+        self.hidden_out = torch.zeros(max_capacity, hidden_out_size or hidden_size, dtype=dtype, device=dev)
         self.cu_seqlens_q = torch.zeros(max_segments + 1, dtype=torch.int32, device=dev)
         self.kv_lens = torch.zeros(max_segments, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_segments, max_pages_per_seq, dtype=torch.int32, device=dev)
@@ -93,7 +97,8 @@ class StaticBuffers:
         # only models with an expert-parallel MoE layer have a break that takes residual rows
         self.moe_resid = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if moe_rows else None
         self.moe_out = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if moe_rows else None
-        self.hidden_in = torch.zeros(max_capacity, hidden_size, dtype=dtype, device=dev) if hidden_in else None
+        self.hidden_in = (torch.zeros(max_capacity, hidden_in_size or hidden_size, dtype=dtype, device=dev)
+                          if hidden_in else None)
         self.aux_out = (torch.zeros(max_capacity, aux_layers, hidden_size, dtype=dtype, device=dev)
                         if aux_layers else None)
         # host staging: on CPU the static tensors themselves (numpy views share their

@@ -53,6 +53,8 @@ class MicrobatchedPrefill:
     vocab_size: int
     dtype: torch.dtype
     device: torch.device
+    #: values a row carries between stages (None: hidden_size; DeepSeek V4: its hc_mult streams)
+    handoff_size: int | None = None
 
     def run(self, batch: Sequence[Request], ops: StageOps, m: int, call_args: Sequence[int], all_logits: bool,
             aux: tuple[int, ...]) -> PrefillOutput:
@@ -116,7 +118,7 @@ class MicrobatchedPrefill:
 
         times = run_stage(
             [prep.ids.shape[0] for prep in preps], forward,
-            lambda n: torch.empty(n, self.hidden_size, dtype=self.dtype, device=self.device),
+            lambda n: torch.empty(n, self.handoff_size or self.hidden_size, dtype=self.dtype, device=self.device),
             pp.prev if pp else None, pp.next if pp else None,
         )
         tokens = int(extend.sum())
