@@ -126,10 +126,10 @@ REFUSALS: tuple[Refusal, ...] = (
             (("attn_tp", "1"),), "MLA: one KV head"),
     Refusal(("model", ("dsa",)), ("dp", (">1",)),
             "attention DP is not built yet for DSA (MLA) models", (("dp", "1"),), "not built yet"),
-    Refusal(("model", ("dsv4",)), ("kv_cache", ("sharded", "layer-split")),
-            "a DeepSeek V4 model's window, source rows and compressed entries are replicated on every CP rank (its "
-            "compressors pool the whole sequence; the ring and the layer split are not built for these caches)",
-            (("kv_cache", "replicated"),), "not built for V4's caches"),
+    Refusal(("model", ("dsv4",)), ("kv_cache", ("sharded",)),
+            "a DeepSeek V4 model's compressors pool the whole sequence on every rank; a token-sharded ring of its "
+            "window, source rows and entries is not built",
+            (("kv_cache", "layer-split"), ("kv_cache", "replicated")), "not built for V4's caches"),
     Refusal(("model", ("dsv4",)), ("attention", ("flashinfer", "trtllm", "triton")),
             "V4 attention (a window plus compressed entries, a sink per head, head_dim 512) runs on the torch "
             "reference in the attention break", (("attention", "torch"),), "torch reference only"),

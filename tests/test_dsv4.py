@@ -353,3 +353,40 @@ def test_pipeline_stages_equal_one_rank(folders, dtype):
                     for name in a:
                         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, (where, i, name)
                         assert rel_err(b[name].float(), a[name].float()) < tol, (where, i, name)
+
+
+def _split_job(group, folder, graph, layout, moe, kv_cache):
+    from graphcp.runtime.engine import prefill_after_prefixes
+
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, page_size=8, graph=graph, layout=layout, moe=moe,
+                                              kv_cache=kv_cache), group, BUCKETS)
+    rng = np.random.default_rng(5)
+    o = prefill_after_prefixes(eng, [(rng.integers(0, 512, 21), rng.integers(0, 512, 30)),
+                                     (rng.integers(0, 512, 9), rng.integers(0, 512, 40)),
+                                     (None, rng.integers(0, 512, 7))], all_logits=True)
+    from graphcp.runtime.pool_size import pool_bytes, pool_pages
+
+    estimate = pool_bytes(eng.cfg, eng.runtime, pool_pages(eng.runtime, eng.cfg), eng.stage.layers, group.rank,
+                          group.size)
+    assert eng.stats()["kv_pool_bytes"] == estimate, (kv_cache, group.rank)  # what the memory check counts
+    return ([x.clone() for x in o.logits], [eng.export_kv(h) for h in o.handles], eng.stats()["kv_pool_bytes"],
+            o.info.stats["bytes_received"], o.info.path)
+
+
+@pytest.mark.parametrize("cp,graph,layout,moe", [(2, "breakable", "zigzag", "tp"), (4, "off", "interleave", "ep")])
+def test_layer_split_equals_the_replicated_cache(folders, cp, graph, layout, moe):
+    """LayerSplit (each rank keeps its own layers' pools and a scratch layer; the cached
+    prefixes' pages fetched from each layer's owner in the break): the replicated
+    engine's logits bitwise and its export, each layer from its owner, in a smaller pool."""
+    folder = folders["v4"]
+    split = launch(_split_job, cp, folder, graph, layout, moe, "layer-split")
+    full = launch(_split_job, cp, folder, graph, layout, moe, "replicated")
+    for rank, (s, f) in enumerate(zip(split, full)):
+        where = (cp, graph, layout, moe, rank)
+        assert s[4] == f[4] == ("eager" if graph == "off" else "graph"), where
+        assert all(torch.equal(a, b) for a, b in zip(s[0], f[0], strict=True)), where
+        for x, y in zip(s[1], f[1], strict=True):
+            assert all(torch.equal(a[n], b[n]) for a, b in zip(x.layers, y.layers, strict=True) for n in a), where
+        # the pool: its own layers and a scratch layer where it serves others of a kind
+        assert s[2] < f[2] if cp == 4 else s[2] <= f[2], where
+        assert s[3] > f[3], where  # the prefix pages fetched from their owners

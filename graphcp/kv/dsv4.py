@@ -22,7 +22,9 @@ multiple of it.
 
 Every token's window and source rows are kept: only the last ``sliding_window - 1``
 window rows and the last ``2 m`` source rows are read again (docs/dsv4.md says what
-releasing the older pages would save).
+releasing the older pages would save). :class:`DsV4KVCache` holds every layer it serves
+(replicated over the CP ranks); :class:`LayerSplitDsV4KVCache` its own layers and a
+scratch layer a pool (``--kv-cache layer-split``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.errors import ConfigError
+from graphcp.kv.layer_split import LayerOwnership
 from graphcp.kv.paged import KVHandle, PagedKVCache
 
 #: a V4 layer's kind: a window only, the window + compressed sparse entries, + heavily compressed entries
@@ -80,25 +83,52 @@ def entries_per_page(page_size: int, rate: int, where: str = "RuntimeConfig.page
 
 
 class DsV4KVCache(PagedKVCache):
+    #: pools keep one scratch layer for the layers this rank does not hold (LayerSplit)
+    scratch = False
+
     def __init__(self, cfg: DsV4CacheSpec, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", max_pages_per_seq: int | None = None,
-                 layers: range | None = None) -> None:
-        """``layers``: the global layers it holds (a pipeline stage's; None: the model's)."""
+                 layers: range | None = None, held: range | None = None) -> None:
+        """``layers``: the global layers the cache serves (a pipeline stage's; None: the
+        model's); ``held``: those whose pools this rank keeps (None: all of them)."""
         self.cfg = cfg
         self.layers = layers = layers if layers is not None else range(len(cfg.layer_kinds))
         self.epp = {CSA: entries_per_page(page_size, cfg.compress_csa), HCA: entries_per_page(page_size, cfg.compress_hca)}
-        #: global layer -> its index in its kind's pools (this cache's layers of the kind)
-        self.slot = {i: j for k in (CSA, HCA) for j, i in enumerate(x for x in cfg.layers_of(k) if x in layers)}
+        held = layers if held is None else held
+        #: pool -> global layer -> its index in the pool (None: the window pool; CSA / HCA: that kind's)
+        self.index = {None: {i: j for j, i in enumerate(held)}}
+        for k in (CSA, HCA):
+            self.index[k] = {i: j for j, i in enumerate(x for x in held if cfg.layer_kinds[x] == k)}
         super().__init__(len(layers), num_pages, page_size, 1, cfg.head_dim, dtype, device, "NHD", max_pages_per_seq,
                          layers.start)
 
+    def _scratch(self, kind: str | None) -> int:
+        """Scratch layers a pool keeps: one when some layer it serves is not held here."""
+        of_kind = [i for i in self.layers if kind is None or self.cfg.layer_kinds[i] == kind]
+        return int(self.scratch and any(i not in self.index[kind] for i in of_kind))
+
+    def _at(self, layer: int, kind: str | None) -> int:
+        """``layer``'s index in a pool (the window's, or a kind's): its own, or the scratch."""
+        held = self.index[kind]
+        j = held.get(layer)
+        if j is not None:
+            return j
+        if self.scratch and layer in self.layers:
+            return len(held)
+        raise IndexError(f"layer {layer} is not cached here: this cache serves layers "
+                         f"{self.layers.start}..{self.layers.stop - 1}")
+
     @staticmethod
-    def bytes_per_page(cfg: DsV4CacheSpec, page_size: int, itemsize: int, layers: range | None = None) -> int:
-        """Bytes one page takes in every pool of ``layers`` (None: the model's; the engine
-        checks the pools fit memory)."""
-        layers = layers if layers is not None else range(len(cfg.layer_kinds))
-        n_csa = sum(cfg.layer_kinds[i] == CSA for i in layers)
-        n_hca = sum(cfg.layer_kinds[i] == HCA for i in layers)
+    def bytes_per_page(cfg: DsV4CacheSpec, page_size: int, itemsize: int, layers: range | None = None,
+                       served: range | None = None) -> int:
+        """Bytes one page takes in every pool holding ``layers`` (None: the model's); with
+        ``served`` (LayerSplit: the layers the split covers) one scratch layer in each pool
+        some served layer of whose kind is not held (the engine checks the pools fit memory)."""
+        layers = list(layers if layers is not None else range(len(cfg.layer_kinds)))
+        missing = [i for i in (served or ()) if i not in layers]
+        n_csa = sum(cfg.layer_kinds[i] == CSA for i in layers) + any(cfg.layer_kinds[i] == CSA for i in missing)
+        n_hca = sum(cfg.layer_kinds[i] == HCA for i in layers) + any(cfg.layer_kinds[i] == HCA for i in missing)
+        layers += [None] * bool(missing)
         epp_csa = entries_per_page(page_size, cfg.compress_csa)
         epp_hca = entries_per_page(page_size, cfg.compress_hca)
         values = page_size * (len(layers) * cfg.head_dim
@@ -108,8 +138,7 @@ class DsV4KVCache(PagedKVCache):
 
     def _allocate_pool(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         c, P, ps = self.cfg, self.num_pages, self.page_size
-        n_csa = sum(1 for i in self.slot if c.layer_kinds[i] == CSA)
-        n_hca = sum(1 for i in self.slot if c.layer_kinds[i] == HCA)
+        n_csa, n_hca = len(self.index[CSA]) + self._scratch(CSA), len(self.index[HCA]) + self._scratch(HCA)
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -119,7 +148,7 @@ class DsV4KVCache(PagedKVCache):
         self.entry_pools = {CSA: zeros(n_csa, P, self.epp[CSA], c.head_dim),
                             HCA: zeros(n_hca, P, self.epp[HCA], c.head_dim)}
         self.index_pool = zeros(n_csa, P, self.epp[CSA], c.index_head_dim)
-        return zeros(len(self.layers), P, ps, c.head_dim)
+        return zeros(len(self.index[None]) + self._scratch(None), P, ps, c.head_dim)
 
     def page_pools(self) -> dict[str, torch.Tensor]:
         return {"window": self.pool, "source_csa": self.source_pools[CSA], "source_hca": self.source_pools[HCA],
@@ -135,22 +164,24 @@ class DsV4KVCache(PagedKVCache):
 
     def window(self, layer: int) -> torch.Tensor:
         """``[num_pages, page_size, head_dim]``: layer ``layer``'s window rows."""
-        return self.pool[self.local_layer(layer)]
+        return self.pool[self._at(layer, None)]
 
     def layer(self, i: int) -> torch.Tensor:
         return self.window(i)
 
     def sources(self, layer: int) -> torch.Tensor:
         """``[num_pages, page_size, width]``: a compressed layer's source rows."""
-        return self.source_pools[self.kind(layer)][self.slot[layer]]
+        kind = self.kind(layer)
+        return self.source_pools[kind][self._at(layer, kind)]
 
     def entries(self, layer: int) -> torch.Tensor:
         """``[num_pages, epp, head_dim]``: a compressed layer's compressed entries."""
-        return self.entry_pools[self.kind(layer)][self.slot[layer]]
+        kind = self.kind(layer)
+        return self.entry_pools[kind][self._at(layer, kind)]
 
     def index_entries(self, layer: int) -> torch.Tensor:
         """``[num_pages, epp, index_head_dim]``: a CSA layer's indexer entries."""
-        return self.index_pool[self.slot[layer]]
+        return self.index_pool[self._at(layer, CSA)]
 
     def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Scatter exchange rows ``[n, head_dim + source width]`` to token ``slots [n]``;
@@ -198,3 +229,30 @@ class DsV4KVCache(PagedKVCache):
             if kind == CSA:
                 out["index_entries"] = self.index_entries(layer).flatten(0, 1).index_select(0, es)
         return out
+
+
+class LayerSplitDsV4KVCache(LayerOwnership, DsV4KVCache):
+    """LayerSplit of a V4 cache (graphcp.kv.layer_split): each CP rank keeps every pool of
+    its own layers (window rows, source rows, entries, a CSA layer's indexer entries) and
+    one scratch layer in each. The exchange writes a layer's rows where the accessors
+    point (its own slots on its owner, the scratch elsewhere); in the attention break the
+    owner broadcasts the batch's cached-prefix pages of every pool of that layer before
+    the pooling and attention read them: the same values as the replicated cache."""
+
+    scratch = True
+
+    def __init__(self, cfg: DsV4CacheSpec, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device | str, max_pages_per_seq: int | None, rank: int, cp_size: int,
+                 layers: range | None = None) -> None:
+        layers = layers if layers is not None else range(len(cfg.layer_kinds))
+        self._split(len(layers), rank, cp_size, layers.start)
+        super().__init__(cfg, num_pages, page_size, dtype, device, max_pages_per_seq, layers, self.owned)
+
+    def layer_pools(self, layer: int) -> list[torch.Tensor]:
+        kind = self.kind(layer)
+        pools = [self.window(layer)]
+        if kind in (CSA, HCA):
+            pools += [self.sources(layer), self.entries(layer)]
+        if kind == CSA:
+            pools.append(self.index_entries(layer))
+        return pools

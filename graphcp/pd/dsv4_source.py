@@ -8,8 +8,8 @@ reads the former into the latter (graphcp.pd.dsv4_export): the last ``sliding_wi
 never the whole request's rows. The overlap gates add the layer's ``position_bias``
 (model weights, not cache), so the source holds each compressed layer's biases.
 
-The cache is replicated: every rank holds every layer, each layer is one span of the
-whole request (exported by the owner of its layer range, as a replicated K/V cache).
+Each layer is one span of the whole request: read on any rank of a replicated cache,
+on the layer's owner under LayerSplit (and sent from there, as any other span).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class DsV4Source:
         return self.cache.kv_spans(handle, cp_size)
 
     def holds(self, span: KVSpan, rank: int) -> bool:
-        return True
+        return self.cache.holds(span, rank)  # every rank, or a LayerSplit layer's owner
 
     def check_handle(self, handle: KVHandle) -> None:
         self.cache.check_handle(handle)

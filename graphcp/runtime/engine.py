@@ -129,7 +129,7 @@ class PrefillEngine:
         if self.cfg.dsv4 is not None:  # window, source and entry pools; pooling, indexer and attention
             self.kv, attention = dsv4_runtime.make_cache_and_attention(
                 self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.model.rotary,
-                self.stage.layers)
+                self.stage.layers, self.group.rank, self.group.size)
         elif self.cfg.dsa is not None:  # MLA's latent + indexer-key cache and sparse attention
             self.kv, attention = dsa_runtime.make_cache_and_attention(
                 self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.group.rank,

@@ -27,8 +27,8 @@ def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, layers: rang
                cp_size: int) -> int:
     """Bytes of rank ``rank``'s pool of ``num_pages`` pages for ``layers`` (its pipeline
     stage's), or under ``layer-split`` its own of them and one scratch layer."""
-    if cfg.dsv4 is not None:  # replicated (the other cache modes are refused)
-        return dsv4_runtime.pool_bytes(cfg, rt, num_pages, layers)
+    if cfg.dsv4 is not None:  # replicated or layer-split (the sharded cache is refused)
+        return dsv4_runtime.pool_bytes(cfg, rt, num_pages, layers, rank, cp_size)
     if cfg.dsa is not None:
         return dsa_runtime.pool_bytes(cfg, rt, num_pages, rank, cp_size, layers)
     held = pool_layers(len(layers), rank, cp_size) if rt.kv_cache == "layer-split" else len(layers)

@@ -30,7 +30,11 @@ from graphcp.nvtx_ranges import nvtx_range
 def attend_v4(ctx: ForwardContext, layer: int, q: torch.Tensor, index_q: torch.Tensor | None,
               index_w: torch.Tensor | None, sinks: torch.Tensor, weights: PoolWeights | None,
               out: torch.Tensor) -> None:
+    """The attention break: a cache that keeps only some layers (LayerSplit) first fetches
+    the batch's cached-prefix pages of this layer's pools from their owner."""
     with nvtx_range(f"attention[{layer}]", category="break"):
+        if ctx.prefix_pages is not None:
+            ctx.add_received(ctx.kv_cache.fetch_prefix(layer, ctx.prefix_pages, ctx.group))
         ctx.attention.forward(layer, q, index_q, index_w, sinks, ctx.kv_cache, weights, out)
 
 
