@@ -133,9 +133,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("dsv4",)), ("attention", ("flashinfer", "trtllm", "triton")),
             "V4 attention (a window plus compressed entries, a sink per head, head_dim 512) runs on the torch "
             "reference in the attention break", (("attention", "torch"),), "torch reference only"),
-    Refusal(("model", ("dsv4",)), ("attn_tp", (">1",)),
-            "V4 attention is shared-KV MQA (one KV head): attention TP 1 under CP, as SGLang runs it",
-            (("attn_tp", "1"),), "one KV head"),
     Refusal(("model", ("dsv4",)), ("aux", ("on",)),
             "a V4 layer's output is hc_mult residual streams, not one hidden row to copy out",
             (("model", "dense"), ("model", "moe")), "residual is hc_mult streams"),

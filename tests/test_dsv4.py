@@ -39,7 +39,10 @@ BUCKETS = BucketSet((64, 128, 256), padding_factor=64.0)
 LENS, PREFIX, EXT = [1, 7, 45, 93], 21, 30
 CASES = {"v4": ("deepseek_v4", {}),
          # bfloat16: every token to every expert (hash layers too: 8 of 8)
-         "v4-all-experts": ("deepseek_v4", dict(num_experts_per_tok=8))}
+         "v4-all-experts": ("deepseek_v4", dict(num_experts_per_tok=8)),
+         # bfloat16 against another split of the same sums (attention TP): no row scored either
+         # (a near-tied top-k flips between two roundings of the indexer's inputs, as the router's)
+         "v4-unscored": ("deepseek_v4", dict(num_experts_per_tok=8, index_topk=64))}
 #: CP size -> (dtype, layout, graph, moe) runs
 RUNS = {
     1: [("float32", "zigzag", "off", "tp"), ("float32", "zigzag", "breakable", "ep"),
@@ -390,3 +393,36 @@ def test_layer_split_equals_the_replicated_cache(folders, cp, graph, layout, moe
         # the pool: its own layers and a scratch layer where it serves others of a kind
         assert s[2] < f[2] if cp == 4 else s[2] <= f[2], where
         assert s[3] > f[3], where  # the prefix pages fetched from their owners
+
+
+def _tp_job(group, folder, parallel, dtype, graph, moe):
+    from graphcp.runtime.engine import prefill_after_prefixes
+
+    eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=1024, page_size=8, graph=graph, moe=moe), group,
+                        BUCKETS, parallel)
+    rng = np.random.default_rng(2)
+    o = prefill_after_prefixes(eng, [(rng.integers(0, 512, 21), rng.integers(0, 512, 30)), (None, rng.integers(0, 512, 7)),
+                                     (None, rng.integers(0, 512, 40))], all_logits=True)
+    return [x.clone() for x in o.logits], o.info.path, [eng.export_kv(h) for h in o.handles], eng.stats()["mesh"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_tp_equals_one_rank(folders, dtype):
+    """Attention TP 2 (query heads, sinks and the output groups split, the one KV head,
+    compressors and indexer whole on each rank, o_b_proj's partial sums all-reduced) at
+    CP 1 and inside CP 2 (breakable graphs): logits and export as one rank's."""
+    from graphcp.config import ParallelConfig
+
+    folder = folders["v4" if dtype == "float32" else "v4-unscored"]
+    tol = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+    ref_logits, _, ref_exports, _ = _tp_job(CPGroup(), folder, ParallelConfig(), dtype, "off", "ep")
+    for cp, graph, moe in ((1, "off", "ep"), (2, "breakable", "tp")):
+        parallel = ParallelConfig(cp_size=cp, tp_size=2 * cp)
+        for rank, (logits, path, exports, mesh) in enumerate(launch(_tp_job, 2 * cp, folder, parallel, dtype, graph,
+                                                                   moe)):
+            where = (dtype, cp, graph, moe, rank, mesh)
+            assert path == ("eager" if graph == "off" else "graph"), where
+            assert max(rel_err(a, b) for a, b in zip(logits, ref_logits, strict=True)) < tol, where
+            for want, got in zip(ref_exports, exports, strict=True):
+                for a, b in zip(want.layers, got.layers, strict=True):
+                    assert all(rel_err(b[n].float(), a[n].float()) < tol for n in a), where

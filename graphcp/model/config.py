@@ -258,6 +258,9 @@ class ModelConfig:
         if self.num_heads % size:
             raise ConfigError(f"{source}: num_attention_heads={self.num_heads} does not divide by attention TP "
                               f"{size} (tp_size / (cp_size x dp_size)): change tp_size or cp_size")
+        if self.dsv4 is not None and self.dsv4.o_groups % size:  # a rank projects its heads' whole groups
+            raise ConfigError(f"{source}: o_groups={self.dsv4.o_groups} does not divide by attention TP {size} "
+                              "(tp_size / (cp_size x dp_size)): change tp_size or cp_size")
         kv = self.num_kv_heads
         if kv % size and size % kv:
             raise ConfigError(f"{source}: num_key_value_heads={kv} neither divides by attention TP {size} nor "

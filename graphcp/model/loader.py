@@ -196,7 +196,7 @@ def model_on_meta(cfg: ModelConfig, dtype: torch.dtype, parallel: ParallelConfig
     with torch.device("meta"):
         if cfg.dsv4 is not None:
             return DsV4Model(cfg, parallel.tp_size, dtype, max_positions, rank, moe,
-                             parallel.stage(stage, cfg.num_layers))
+                             parallel.stage(stage, cfg.num_layers), shard)
         if cfg.dsa is not None:
             return DsaModel(cfg, parallel.tp_size, dtype, max_positions, rank, moe,
                             parallel.stage(stage, cfg.num_layers))
@@ -235,7 +235,8 @@ def load_model(
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
     if dsa:  # the DSA families' tensors (graphcp/model/dsa/checkpoint.py)
-        table = (dsa_tensors if cfg.dsv4 is None else dsv4_tensors)(cfg, rank, tp_size, moe)
+        table = (dsa_tensors(cfg, rank, tp_size, moe) if cfg.dsv4 is None
+                 else dsv4_tensors(cfg, rank, tp_size, moe, model.shard))
         targets = {n: _Target(t.param, t.dim, t.start, t.shard, t.index) if t.read else None
                    for n, t in table.items()}
         expected = {n: t.shape for n, t in table.items()}

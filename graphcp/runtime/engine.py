@@ -128,7 +128,7 @@ class PrefillEngine:
         ring = None
         if self.cfg.dsv4 is not None:  # window, source and entry pools; pooling, indexer and attention
             self.kv, attention = dsv4_runtime.make_cache_and_attention(
-                self.cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.model.rotary,
+                self.attn_cfg, rt, num_pages, self._max_pages_per_seq(num_pages), self.device, self.model.rotary,
                 self.stage.layers, self.group.rank, self.group.size)
         elif self.cfg.dsa is not None:  # MLA's latent + indexer-key cache and sparse attention
             self.kv, attention = dsa_runtime.make_cache_and_attention(
@@ -325,7 +325,9 @@ class PrefillEngine:
         spans = self.kv_source.kv_spans(handle, self.group.size)
         meta = self.kv_meta(handle)
         C = self.group.size  # without stages dst % C is dst
-        if self.mesh.attn_tp.size > 1:  # each shard over CP, every rank receiving; then the heads over attention TP
+        if self.mesh.attn_tp.size > 1 and self.cfg.dsv4 is None:
+            # each shard over CP, every rank receiving; then the heads over attention TP (V4's one KV
+            # head is replicated over attention TP: every rank's cache holds it whole)
             out = assemble(self.kv, handle, spans, self.group, shard_meta(meta, self.attn_cfg.num_kv_heads), None,
                            self.device)
             gather_heads(out, self.mesh.attn_tp, meta.num_kv_heads)

@@ -22,6 +22,7 @@ from graphcp.model.dsv4.norms import V4RMSNorm, unweighted_rms
 from graphcp.model.dsv4.rope import V4Rotary
 from graphcp.model.forward_context import ForwardContext
 from graphcp.model.graph_break import graph_break
+from graphcp.model.heads import HeadShard, head_shard
 from graphcp.model.indexed_break import break_rows, exchange_and_write
 from graphcp.model.indexed_break import static_rows as indexed_rows
 from graphcp.nvtx_ranges import nvtx_range
@@ -56,23 +57,29 @@ class Compressor(nn.Module):
 
 
 class V4Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+    """One layer's attention over this rank's query heads (``shard``; all of them at
+    attention TP 1): the one KV head, the compressors and the indexer whole on every
+    rank; the output projection over its heads' groups, its partial sums all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, shard: HeadShard | None = None) -> None:
         super().__init__()
         d = self.v4 = cfg.dsv4
-        self.layer, self.heads, self.eps = layer, cfg.num_heads, cfg.rms_norm_eps
+        self.shard = shard = shard or head_shard(cfg)
+        self.layer, self.heads, self.eps = layer, shard.num_heads, cfg.rms_norm_eps
+        self.groups = d.o_groups * shard.num_heads // cfg.num_heads  # this rank's head groups
         self.kind = d.layer_kinds[layer]
         self.rope = V4Rotary.kind_of(self.kind)
         h, hd = cfg.hidden_size, d.head_dim
         self.q_a_proj = nn.Linear(h, d.q_lora_rank, bias=False, dtype=dtype)
         self.q_a_norm = V4RMSNorm(d.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = nn.Linear(d.q_lora_rank, cfg.num_heads * hd, bias=False, dtype=dtype)
+        self.q_b_proj = nn.Linear(d.q_lora_rank, self.heads * hd, bias=False, dtype=dtype)
         self.kv_proj = nn.Linear(h, hd, bias=False, dtype=dtype)
         self.kv_norm = V4RMSNorm(hd, cfg.rms_norm_eps)
         # grouped low-rank output: each of o_groups head groups to o_lora_rank, then mixed
-        self.o_a_proj = nn.Linear(cfg.num_heads * hd // d.o_groups, d.o_groups * d.o_lora_rank, bias=False,
+        self.o_a_proj = nn.Linear(cfg.num_heads * hd // d.o_groups, self.groups * d.o_lora_rank, bias=False,
                                   dtype=dtype)
-        self.o_b_proj = nn.Linear(d.o_groups * d.o_lora_rank, h, bias=False, dtype=dtype)
-        self.sinks = nn.Parameter(torch.empty(cfg.num_heads, dtype=torch.float32), requires_grad=False)
+        self.o_b_proj = nn.Linear(self.groups * d.o_lora_rank, h, bias=False, dtype=dtype)
+        self.sinks = nn.Parameter(torch.empty(self.heads, dtype=torch.float32), requires_grad=False)
         self.compressor = self.indexer = None
         if self.kind == CSA:
             self.compressor = Compressor(h, hd, d.compress_csa, 2, cfg.rms_norm_eps, dtype)
@@ -92,7 +99,7 @@ class V4Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary, ctx: ForwardContext):
         q, index_q, index_w, out = self.prepare(x, positions, rotary, ctx)
         run_v4_attention(ctx, self.layer, q, index_q, index_w, self.sinks, self.pool_weights(), out)
-        return self.project(out, positions, rotary)
+        return self.project(out, positions, rotary, ctx)
 
     def prepare(self, x: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary, ctx: ForwardContext):
         """Everything before the break: projections, RoPE, the exchange and cache write;
@@ -114,17 +121,21 @@ class V4Attention(nn.Module):
         exchange_and_write(ctx, self.layer, torch.cat(rows, dim=-1))
         return break_rows(ctx, q, index_q, index_w, (self.heads, d.head_dim))
 
-    def project(self, out: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
-        """Undo RoPE on the output's rope slice (K = V carried it), then the grouped output projection."""
+    def project(self, out: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary,
+                ctx: ForwardContext) -> torch.Tensor:
+        """Undo RoPE on the output's rope slice (K = V carried it), then the grouped output
+        projection of this rank's groups (row-parallel under attention TP: all-reduced)."""
         d, n = self.v4, out.shape[0]
-        o = rotary.rotate(out, positions, self.rope, inverse=True).reshape(n, d.o_groups, -1)
-        w = self.o_a_proj.weight.view(d.o_groups, d.o_lora_rank, -1).transpose(1, 2)  # [G, in, rank]
+        o = rotary.rotate(out, positions, self.rope, inverse=True).reshape(n, self.groups, -1)
+        w = self.o_a_proj.weight.view(self.groups, d.o_lora_rank, -1).transpose(1, 2)  # [G, in, rank]
         grouped = torch.bmm(o.transpose(0, 1), w).transpose(0, 1)  # [n, G, rank]
-        return self.o_b_proj(grouped.flatten(1))
+        y = self.o_b_proj(grouped.flatten(1))
+        return ctx.comm.reduce_attention(y) if self.shard.split else y
 
 
 def static_rows(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The attention break's static rows (per row shape and dtype) for graph mode."""
+    """The attention break's static rows (per row shape and dtype) for graph mode
+    (``cfg``: with this rank's head counts)."""
     d = cfg.dsv4
     index_heads = d.index_n_heads if CSA in d.layer_kinds else None
     return indexed_rows(cfg.num_heads, d.head_dim, d.head_dim, index_heads, d.index_head_dim, dtype)

@@ -18,15 +18,23 @@ from graphcp.config import DTYPES
 from graphcp.kv.dsv4 import CSA, HCA
 from graphcp.model.config import ModelConfig
 from graphcp.model.dsa.checkpoint import TensorTarget, expert_targets, sharded_mlp
+from graphcp.model.heads import HeadShard, head_shard
 from graphcp.options import MoeLayout
 
 EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
 
 
-def dsv4_tensors(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "tp") -> dict[str, TensorTarget]:
+def dsv4_tensors(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "tp",
+                 shard: HeadShard | None = None) -> dict[str, TensorTarget]:
+    """``shard``: this rank's query heads under attention TP (None: all): its rows of
+    ``wq_b``, its sinks, its head groups' rows of ``wo_a`` and columns of ``wo_b``."""
     d, h, H = cfg.dsv4, cfg.hidden_size, cfg.num_heads
     hd, n = d.head_dim, d.hc_mult
     t: dict[str, TensorTarget] = {}
+    shard = shard or head_shard(cfg)
+    hl, q0 = shard.num_heads, shard.q_start  # this rank's heads
+    g_len = d.o_groups * hl // H  # its head groups' o_lora rows (o_groups divides by attention TP)
+    lora_rows = (0, q0 * d.o_groups // H * d.o_lora_rank, g_len * d.o_lora_rank)
 
     def whole(name: str, param: str, *shape: int, float32: bool = False, integer: bool = False) -> None:
         t[name] = TensorTarget(param, 0, 0, None, shape, float32, integer=integer)
@@ -52,13 +60,16 @@ def dsv4_tensors(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "tp") ->
         for name, param, shape, f32 in (
                 ("wq_a.weight", "q_a_proj.weight", (d.q_lora_rank, h), False),
                 ("q_norm.weight", "q_a_norm.weight", (d.q_lora_rank,), True),
-                ("wq_b.weight", "q_b_proj.weight", (H * hd, d.q_lora_rank), False),
                 ("wkv.weight", "kv_proj.weight", (hd, h), False),
-                ("norm.weight", "kv_norm.weight", (hd,), True),
-                ("wo_a.weight", "o_a_proj.weight", (d.o_groups * d.o_lora_rank, H * hd // d.o_groups), False),
-                ("wo_b.weight", "o_b_proj.weight", (h, d.o_groups * d.o_lora_rank), False),
-                ("attn_sink", "sinks", (H,), True)):
+                ("norm.weight", "kv_norm.weight", (hd,), True)):
             whole(a + name, m + param, *shape, float32=f32)
+        # this rank's heads (all of them at attention TP 1)
+        t[a + "wq_b.weight"] = TensorTarget(m + "q_b_proj.weight", 0, 0, (0, q0 * hd, hl * hd), (H * hd, d.q_lora_rank))
+        t[a + "attn_sink"] = TensorTarget(m + "sinks", 0, 0, (0, q0, hl), (H,), True)
+        t[a + "wo_a.weight"] = TensorTarget(m + "o_a_proj.weight", 0, 0, lora_rows,
+                                            (d.o_groups * d.o_lora_rank, H * hd // d.o_groups))
+        t[a + "wo_b.weight"] = TensorTarget(m + "o_b_proj.weight", 1, 0, (1, *lora_rows[1:]),
+                                            (h, d.o_groups * d.o_lora_rank))
         kind = d.layer_kinds[i]
         series = [("compressor.", "compressor.", hd, 2 if kind == CSA else 1)] if kind in (CSA, HCA) else []
         if kind == CSA:

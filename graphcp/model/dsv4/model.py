@@ -23,6 +23,7 @@ from graphcp.model.dsv4.norms import V4RMSNorm
 from graphcp.model.dsv4.rope import V4Rotary
 from graphcp.model.forward_context import ForwardContext
 from graphcp.model.graph_break import graph_break
+from graphcp.model.heads import HeadShard
 from graphcp.model.llama import DecoderModel
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.options import MoeLayout
@@ -46,14 +47,14 @@ def run_moe(ctx: ForwardContext, layer: int, block: V4MoeBlock, x: torch.Tensor,
 
 class DsV4Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, dtype: torch.dtype, rank: int,
-                 moe: MoeLayout) -> None:
+                 moe: MoeLayout, shard: HeadShard | None = None) -> None:
         super().__init__()
         d, h, eps = cfg.dsv4, cfg.hidden_size, cfg.rms_norm_eps
         self.layer = layer
         self.attn_hc = HyperConnection(h, d.hc_mult, d.hc_sinkhorn_iters, d.hc_eps, eps)
         self.ffn_hc = HyperConnection(h, d.hc_mult, d.hc_sinkhorn_iters, d.hc_eps, eps)
         self.input_layernorm = V4RMSNorm(h, eps)
-        self.self_attn = V4Attention(cfg, layer, dtype)
+        self.self_attn = V4Attention(cfg, layer, dtype, shard)
         self.post_attention_layernorm = V4RMSNorm(h, eps)
         self.mlp = V4MoeBlock(d, h, cfg.vocab_size, d.hash_layers[layer], moe, rank, tp_size, dtype)
         #: the MoE runs in a graph break (the ep exchange; or tp experts held out of CUDA graphs)
@@ -92,7 +93,7 @@ class DsV4Model(DecoderModel):
 
     def make_layer(self, cfg: ModelConfig, layer: int, tp_size: int, dtype: torch.dtype, rank: int,
                    moe: MoeLayout) -> nn.Module:
-        return DsV4Layer(cfg, layer, tp_size, dtype, rank, moe)
+        return DsV4Layer(cfg, layer, tp_size, dtype, rank, moe, self.shard)
 
     @staticmethod
     def make_rotary(cfg: ModelConfig, max_positions: int | None = None) -> nn.Module:
@@ -121,7 +122,7 @@ class DsV4Model(DecoderModel):
         return self.cfg.dsv4.hc_mult * self.cfg.hidden_size
 
     def static_rows(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        rows = attention_rows(self.cfg, self.dtype)
+        rows = attention_rows(self.attn_cfg, self.dtype)  # this rank's heads
         if self.exchanges:
             h = self.cfg.hidden_size
             rows.update({STATIC_MOE_IN: ((h,), self.dtype), STATIC_MOE_OUT: ((h,), self.dtype)})
