@@ -193,8 +193,10 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
     }
     if "graph" in outs:
         graph = engine.runner.graphs[outs["graph"].info.capacity].graph if outs["graph"].info.path == "graph" else None
-        res["kv_bytes_per_layer"] = exchanged_row_bytes_per_layer(  # layer 0's cache rows
-            outs["graph"].info.capacity, spec.cp_size, engine.kv.token_values(0), engine.dtype.itemsize)
+        layers = engine.stage.layers  # a layer's rows on average (V4's differ by layer kind)
+        values = sum(engine.kv.token_values(i) for i in layers) // len(layers)
+        res["kv_bytes_per_layer"] = exchanged_row_bytes_per_layer(
+            outs["graph"].info.capacity, spec.cp_size, values, engine.dtype.itemsize)
         st = outs["graph"].info.stats
         res.update(exchange=st["exchange"], bytes_received_per_layer=st["bytes_received_per_layer"],
                    exchange_reason=st.get("exchange_choice", {}).get("reason"))
