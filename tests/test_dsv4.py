@@ -11,7 +11,9 @@ replays a synthetic batch bitwise against the same-bucket eager body), ``--moe e
 and ``tp``; the indexer's and attention's rows a rank computes at C = 4 within 1.25 / C
 of the replicated count. bfloat16: against transformers in bfloat16 given graphcp's
 top-k (a bfloat16 rounding flips near-tied selections, in transformers as in graphcp),
-on the all-experts twin (the router's choice flips the same way).
+on the all-experts twin (the router's choice flips the same way). The compositions
+(attention DP, pipeline stages, the layer-split cache, attention TP) against one rank
+in float32 and bfloat16 (on the twin that scores no row): one job, MESH_BATCH.
 """
 
 from __future__ import annotations
@@ -191,18 +193,21 @@ def test_work_per_rank_at_cp4(folders, layout):
     _assert_partitioned(launch(_work_job, 4, folders["v4"], layout), f"CP 4 {layout}")
 
 
-def test_small_row_blocks_match_transformers(folders, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_small_row_blocks_match_transformers(folders, monkeypatch, dtype):
     """The reference's row blocks (bounded by BLOCK_ROWS / BLOCK_BYTES) at 5 rows: blocks
-    that split a request's rows, its window keys and its entries, as one block does."""
+    that split a request's rows, its window keys and its entries, as one block does
+    (bfloat16: on the twin that scores no row, so no near-tied selection can flip)."""
     from graphcp.attention.sparse import dsv4
 
     monkeypatch.setattr(dsv4, "BLOCK_ROWS", 5)
-    refs = _references(folders["v4"], "float32")
+    folder = _mesh_folder(folders, dtype)
+    refs = _references(folder, dtype)
     toks, prefix, ext = _tokens()
-    eng = PrefillEngine(folders["v4"], RuntimeConfig(kv_tokens=2048, page_size=8, layout="interleave"))
+    eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=2048, page_size=8, layout="interleave"))
     h = eng.prefill([Request(prefix)]).handles[0]
     o = eng.prefill([Request(ext, h)] + [Request(t) for t in toks], all_logits=True)
-    assert max(rel_err(g, r) for g, r in zip(o.logits, refs)) < TOL["float32"]
+    assert max(rel_err(g, r) for g, r in zip(o.logits, refs)) < TOL[dtype]
 
 
 def test_routing_and_selection_matter(folders):
@@ -293,42 +298,72 @@ def test_bad_v4_settings_are_one_line_errors(folders, tmp_path, capsys):
         PrefillEngine(bad, RuntimeConfig(kv_tokens=512))
 
 
-def _dp_job(group, folder, parallel, graph, moe):
+#: the composition tests' batch: (cached prefix, new tokens) per request
+MESH_BATCH = [(21, 30), (0, 7), (0, 40), (13, 6)]
+
+
+def _mesh_job(group, folder, parallel, dtype: str, graph: str, moe: str, kv_cache: str = "replicated",
+              layout: str = "zigzag", microbatches: int = 1, dst: int | None = None) -> dict:
+    """MESH_BATCH (prefixes first), then a batch of one request (fewer than attention-DP
+    replicas), on one rank of ``parallel``: every logits row, the path, the batch's
+    exports (to ``dst``; none under attention DP) and the pool's and exchange's bytes; the pool is what the memory
+    check estimates."""
     from graphcp.runtime.engine import prefill_after_prefixes
+    from graphcp.runtime.pool_size import pool_bytes, pool_pages
 
-    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, page_size=8, graph=graph, moe=moe), group, BUCKETS,
-                        parallel)
-    rng = np.random.default_rng(9)
-    batch = [(rng.integers(0, 512, p) if p else None, rng.integers(0, 512, n))
-             for n, p in zip([37, 1, 6, 20, 11], [0, 0, 13, 4, 0])]
-    o = prefill_after_prefixes(eng, batch, all_logits=True)
-    one = eng.prefill([Request(np.arange(9))], all_logits=True)  # fewer requests than replicas
-    return [x.clone() for x in o.logits + one.logits]
+    rt = RuntimeConfig(dtype=dtype, kv_tokens=1024, page_size=8, graph=graph, moe=moe, kv_cache=kv_cache,
+                       layout=layout)
+    eng = PrefillEngine(folder, rt, group, BUCKETS, parallel)
+    rng = np.random.default_rng(2)
+    batch = [(rng.integers(0, 512, p) if p else None, rng.integers(0, 512, n)) for p, n in MESH_BATCH]
+    o = prefill_after_prefixes(eng, batch, all_logits=True, microbatches=microbatches)
+    one = eng.prefill([Request(np.arange(9))], all_logits=True)
+    pool = eng.stats()["kv_pool_bytes"]
+    assert pool == pool_bytes(eng.cfg, rt, pool_pages(rt, eng.cfg), eng.stage.layers, eng.group.rank,
+                              eng.group.size), (kv_cache, group.rank)
+    exports = [eng.export_kv(h, dst) for h in o.handles] if parallel.dp_size == 1 else None  # (refused under DP)
+    return {"logits": [x.clone() for x in o.logits + one.logits], "path": o.info.path, "exports": exports, "pool": pool,
+            "received": o.info.stats.get("bytes_received", 0)}  # (pipeline forwards count it per stage)
 
 
-def test_attention_dp_equals_one_rank(folders):
-    """Attention DP 2 x CP 2 (each replica its own requests and cache, the MoE over the 4
-    ranks) returns every request as one rank does, float32."""
+def _mesh_folder(folders, dtype: str) -> str:
+    """bfloat16 against another split of the same sums: the twin that scores no row and
+    routes to every expert (near-ties flip otherwise, a change of the function)."""
+    return folders["v4" if dtype == "float32" else "v4-unscored"]
+
+
+def _assert_as_one_rank(got: dict, want: dict, dtype: str, where) -> None:
+    """Logits and every exported tensor (dtype, shape, values) as the single rank's."""
+    tol = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+    assert max(rel_err(a, b) for a, b in zip(got["logits"], want["logits"], strict=True)) < tol, where
+    for w, g in zip(want["exports"], got["exports"], strict=True):
+        for i, (a, b) in enumerate(zip(w.layers, g.layers, strict=True)):
+            assert sorted(a) == sorted(b), (where, i)
+            for name in a:
+                assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, (where, i, name)
+                assert rel_err(b[name].float(), a[name].float()) < tol, (where, i, name)
+
+
+def _one_rank(folder, dtype: str) -> dict:
     from graphcp.config import ParallelConfig
 
-    ref = _dp_job(CPGroup(), folders["v4"], ParallelConfig(), "off", "ep")
+    return _mesh_job(CPGroup(), folder, ParallelConfig(), dtype, "off", "ep")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_dp_equals_one_rank(folders, dtype):
+    """Attention DP 2 x CP 2 (each replica its own requests and cache, the MoE over the 4
+    ranks) returns every request as one rank does, and a batch of one request runs."""
+    from graphcp.config import ParallelConfig
+
+    folder = _mesh_folder(folders, dtype)
+    want = _one_rank(folder, dtype)
     for graph, moe in (("off", "ep"), ("breakable", "tp")):
-        per_rank = launch(_dp_job, 4, folders["v4"], ParallelConfig(cp_size=2, dp_size=2, tp_size=4), graph, moe)
-        for rank, got in enumerate(per_rank):
-            errs = [rel_err(a, b) for a, b in zip(got, ref, strict=True)]
-            assert max(errs) < 1e-5, (graph, moe, rank, errs)
-
-
-def _pp_job(group, folder, parallel, dtype, graph, moe, m, dst):
-    from graphcp.runtime.engine import prefill_after_prefixes
-
-    eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=1024, page_size=8, graph=graph, moe=moe), group,
-                        BUCKETS, parallel)
-    rng = np.random.default_rng(2)
-    o = prefill_after_prefixes(eng, [(rng.integers(0, 512, 21), rng.integers(0, 512, 30)), (None, rng.integers(0, 512, 7)),
-                                     (None, rng.integers(0, 512, 40))], all_logits=True, microbatches=m)
-    exports = [eng.export_kv(h, dst) for h in o.handles]
-    return [x.clone() for x in o.logits], o.info.path, exports
+        parallel = ParallelConfig(cp_size=2, dp_size=2, tp_size=4)
+        for rank, got in enumerate(launch(_mesh_job, 4, folder, parallel, dtype, graph, moe)):
+            tol = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+            errs = [rel_err(a, b) for a, b in zip(got["logits"], want["logits"], strict=True)]
+            assert max(errs) < tol, (dtype, graph, moe, rank, errs)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -338,72 +373,40 @@ def test_pipeline_stages_equal_one_rank(folders, dtype):
     gathered, float32 overlap gates beside model-dtype rows) as one rank's."""
     from graphcp.config import ParallelConfig
 
-    folder = folders["v4" if dtype == "float32" else "v4-all-experts"]
-    tol = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
-    ref_logits, _, ref_exports = _pp_job(CPGroup(), folder, ParallelConfig(), dtype, "off", "ep", 1, None)
+    folder = _mesh_folder(folders, dtype)
+    want = _one_rank(folder, dtype)
     for cp, graph, moe, m, dst in ((1, "off", "ep", 2, None), (2, "breakable", "tp", 1, 1)):
-        per_rank = launch(_pp_job, 2 * cp, folder, ParallelConfig(cp_size=cp, pp_size=2), dtype, graph, moe, m, dst)
-        for rank, (logits, path, exports) in enumerate(per_rank):
+        per_rank = launch(_mesh_job, 2 * cp, folder, ParallelConfig(cp_size=cp, pp_size=2), dtype, graph, moe,
+                          "replicated", "zigzag", m, dst)
+        for rank, got in enumerate(per_rank):
             where = (dtype, cp, graph, moe, rank)
-            assert path == ("eager" if graph == "off" else "graph"), where
-            assert max(rel_err(a, b) for a, b in zip(logits, ref_logits, strict=True)) < tol, where
+            assert got["path"] == ("eager" if graph == "off" else "graph"), where
             if dst is not None and rank != dst:
-                assert all(e is None for e in exports), where
-                continue
-            for want, got in zip(ref_exports, exports, strict=True):
-                for i, (a, b) in enumerate(zip(want.layers, got.layers, strict=True)):
-                    assert sorted(a) == sorted(b), (where, i)
-                    for name in a:
-                        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, (where, i, name)
-                        assert rel_err(b[name].float(), a[name].float()) < tol, (where, i, name)
+                assert all(e is None for e in got["exports"]), where
+                got = {**got, "exports": want["exports"]}
+            _assert_as_one_rank(got, want, dtype, where)
 
 
-def _split_job(group, folder, graph, layout, moe, kv_cache):
-    from graphcp.runtime.engine import prefill_after_prefixes
-
-    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, page_size=8, graph=graph, layout=layout, moe=moe,
-                                              kv_cache=kv_cache), group, BUCKETS)
-    rng = np.random.default_rng(5)
-    o = prefill_after_prefixes(eng, [(rng.integers(0, 512, 21), rng.integers(0, 512, 30)),
-                                     (rng.integers(0, 512, 9), rng.integers(0, 512, 40)),
-                                     (None, rng.integers(0, 512, 7))], all_logits=True)
-    from graphcp.runtime.pool_size import pool_bytes, pool_pages
-
-    estimate = pool_bytes(eng.cfg, eng.runtime, pool_pages(eng.runtime, eng.cfg), eng.stage.layers, group.rank,
-                          group.size)
-    assert eng.stats()["kv_pool_bytes"] == estimate, (kv_cache, group.rank)  # what the memory check counts
-    return ([x.clone() for x in o.logits], [eng.export_kv(h) for h in o.handles], eng.stats()["kv_pool_bytes"],
-            o.info.stats["bytes_received"], o.info.path)
-
-
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("cp,graph,layout,moe", [(2, "breakable", "zigzag", "tp"), (4, "off", "interleave", "ep")])
-def test_layer_split_equals_the_replicated_cache(folders, cp, graph, layout, moe):
+def test_layer_split_equals_the_replicated_cache(folders, cp, graph, layout, moe, dtype):
     """LayerSplit (each rank keeps its own layers' pools and a scratch layer; the cached
     prefixes' pages fetched from each layer's owner in the break): the replicated
     engine's logits bitwise and its export, each layer from its owner, in a smaller pool."""
-    folder = folders["v4"]
-    split = launch(_split_job, cp, folder, graph, layout, moe, "layer-split")
-    full = launch(_split_job, cp, folder, graph, layout, moe, "replicated")
+    from graphcp.config import ParallelConfig
+
+    folder, parallel = _mesh_folder(folders, dtype), ParallelConfig(cp_size=cp)
+    split = launch(_mesh_job, cp, folder, parallel, dtype, graph, moe, "layer-split", layout)
+    full = launch(_mesh_job, cp, folder, parallel, dtype, graph, moe, "replicated", layout)
     for rank, (s, f) in enumerate(zip(split, full)):
-        where = (cp, graph, layout, moe, rank)
-        assert s[4] == f[4] == ("eager" if graph == "off" else "graph"), where
-        assert all(torch.equal(a, b) for a, b in zip(s[0], f[0], strict=True)), where
-        for x, y in zip(s[1], f[1], strict=True):
+        where = (dtype, cp, graph, layout, moe, rank)
+        assert s["path"] == f["path"] == ("eager" if graph == "off" else "graph"), where
+        assert all(torch.equal(a, b) for a, b in zip(s["logits"], f["logits"], strict=True)), where
+        for x, y in zip(s["exports"], f["exports"], strict=True):
             assert all(torch.equal(a[n], b[n]) for a, b in zip(x.layers, y.layers, strict=True) for n in a), where
         # the pool: its own layers and a scratch layer where it serves others of a kind
-        assert s[2] < f[2] if cp == 4 else s[2] <= f[2], where
-        assert s[3] > f[3], where  # the prefix pages fetched from their owners
-
-
-def _tp_job(group, folder, parallel, dtype, graph, moe):
-    from graphcp.runtime.engine import prefill_after_prefixes
-
-    eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=1024, page_size=8, graph=graph, moe=moe), group,
-                        BUCKETS, parallel)
-    rng = np.random.default_rng(2)
-    o = prefill_after_prefixes(eng, [(rng.integers(0, 512, 21), rng.integers(0, 512, 30)), (None, rng.integers(0, 512, 7)),
-                                     (None, rng.integers(0, 512, 40))], all_logits=True)
-    return [x.clone() for x in o.logits], o.info.path, [eng.export_kv(h) for h in o.handles], eng.stats()["mesh"]
+        assert s["pool"] < f["pool"] if cp == 4 else s["pool"] <= f["pool"], where
+        assert s["received"] > f["received"], where  # the prefix pages fetched from their owners
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -413,16 +416,11 @@ def test_attention_tp_equals_one_rank(folders, dtype):
     CP 1 and inside CP 2 (breakable graphs): logits and export as one rank's."""
     from graphcp.config import ParallelConfig
 
-    folder = folders["v4" if dtype == "float32" else "v4-unscored"]
-    tol = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
-    ref_logits, _, ref_exports, _ = _tp_job(CPGroup(), folder, ParallelConfig(), dtype, "off", "ep")
+    folder = _mesh_folder(folders, dtype)
+    want = _one_rank(folder, dtype)
     for cp, graph, moe in ((1, "off", "ep"), (2, "breakable", "tp")):
         parallel = ParallelConfig(cp_size=cp, tp_size=2 * cp)
-        for rank, (logits, path, exports, mesh) in enumerate(launch(_tp_job, 2 * cp, folder, parallel, dtype, graph,
-                                                                   moe)):
-            where = (dtype, cp, graph, moe, rank, mesh)
-            assert path == ("eager" if graph == "off" else "graph"), where
-            assert max(rel_err(a, b) for a, b in zip(logits, ref_logits, strict=True)) < tol, where
-            for want, got in zip(ref_exports, exports, strict=True):
-                for a, b in zip(want.layers, got.layers, strict=True):
-                    assert all(rel_err(b[n].float(), a[n].float()) < tol for n in a), where
+        for rank, got in enumerate(launch(_mesh_job, 2 * cp, folder, parallel, dtype, graph, moe)):
+            where = (dtype, cp, graph, moe, rank)
+            assert got["path"] == ("eager" if graph == "off" else "graph"), where
+            _assert_as_one_rank(got, want, dtype, where)
