@@ -235,10 +235,12 @@ class ModelConfig:
         (meshes graphcp has not built, e.g. attention DP with stages, are refused as
         combinations: :meth:`check_combination`)."""
         m, T = self, parallel.tp_size
-        for experts in (m.moe, m.dsa.moe if m.dsa is not None else None):  # DeepSeek MoE lives in m.dsa
+        # DeepSeek's MoE lives in m.dsa, V4's in m.dsv4 (every V4 layer is a MoE layer)
+        for experts in (m.moe, m.dsa.moe if m.dsa is not None else None, m.dsv4.moe if m.dsv4 is not None else None):
             if experts is not None:
                 experts.check_parallel(T, moe, source, m.hidden_size, "cp_size" if T == parallel.cp_size else "tp_size")
-        dense = m.has_dense_mlp if m.dsa is None else m.dsa.has_dense_layers(m.num_layers)
+        dense = (m.dsa.has_dense_layers(m.num_layers) if m.dsa is not None else False if m.dsv4 is not None
+                 else m.has_dense_mlp)
         if dense and m.intermediate_size % T:
             degree = f"tp_size=cp_size={T}" if T == parallel.cp_size else f"tp_size={T}"
             raise ConfigError(
