@@ -429,3 +429,19 @@ def test_attention_tp_equals_one_rank(folders, dtype):
             where = (dtype, cp, graph, moe, rank)
             assert got["path"] == ("eager" if graph == "off" else "graph"), where
             _assert_as_one_rank(got, want, dtype, where)
+
+
+def test_multi_token_prediction_tensors_are_skipped(folders, tmp_path):
+    """DeepSeek V4 checkpoints ship ``mtp.*`` tensors (not run in prefill): they load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "mtp"
+    shutil.copytree(folders["v4"], folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["mtp.0.attn.wq_a.weight"] = torch.zeros(32, 64)
+    save_file(weights, folder / "model.safetensors")
+    logits = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, page_size=8)).prefill([Request([1, 2, 3])]).last_logits
+    ref = PrefillEngine(folders["v4"], RuntimeConfig(kv_tokens=512, page_size=8)).prefill([Request([1, 2, 3])])
+    assert torch.equal(logits, ref.last_logits)

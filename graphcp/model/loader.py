@@ -227,14 +227,14 @@ def load_model(
     cfg.check_parallel(parallel, str(model_dir), moe)
     tp_size = parallel.tp_size
     declared = DTYPES.get(cfg.torch_dtype) if cfg.torch_dtype else None
-    dsa = cfg.dsa is not None or cfg.dsv4 is not None  # a table of their own
+    tabled = cfg.dsa is not None or cfg.dsv4 is not None  # DSA and V4: a table of their own
     model = model_on_meta(cfg, dtype, parallel, rank, stage, moe, max_positions, attn_rank)
     # materialise on the target device; the rotary tables are computed, not loaded
     model = model.to_empty(device=device)
     model.rotary = model.make_rotary(cfg, max_positions).to(device)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
-    if dsa:  # the DSA families' tensors (graphcp/model/dsa/checkpoint.py)
+    if tabled:  # graphcp/model/dsa/checkpoint.py, graphcp/model/dsv4/checkpoint.py
         table = (dsa_tensors(cfg, rank, tp_size, moe) if cfg.dsv4 is None
                  else dsv4_tensors(cfg, rank, tp_size, moe, model.shard))
         targets = {n: _Target(t.param, t.dim, t.start, t.shard, t.index) if t.read else None
@@ -249,7 +249,7 @@ def load_model(
     by_file: dict[Path, list[str]] = {}
     listed = set()
     for name, f in files.items():
-        if IGNORED.match(name) or (dsa and is_skipped(name, cfg.num_layers)):
+        if IGNORED.match(name) or (tabled and is_skipped(name, cfg.num_layers)):
             continue
         if name not in targets:
             raise CheckpointError(f"{f.name}: unexpected tensor {name!r} for a {cfg.family} model of this config"

@@ -25,6 +25,8 @@ from graphcp.options import MoeLayout
 
 #: a decoder layer's tensor, for telling the MTP layers (index >= num_hidden_layers) apart
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
+#: DeepSeek V4's multi-token-prediction tensors (transformers skips them too)
+MTP = "mtp."
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,10 @@ class TensorTarget:
 
 
 def is_skipped(name: str, num_layers: int) -> bool:
-    """A tensor of a layer graphcp does not run (multi-token prediction)."""
+    """A tensor of a layer graphcp does not run: multi-token prediction, as DeepSeek V3.2
+    and GLM-5 ship it (layers past ``num_hidden_layers``) and DeepSeek V4 (``mtp.*``)."""
     hit = LAYER.match(name)
-    return hit is not None and int(hit.group(1)) >= num_layers
+    return (hit is not None and int(hit.group(1)) >= num_layers) or name.startswith(MTP)
 
 
 def dsa_tensors(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "tp") -> dict[str, TensorTarget]:
