@@ -93,7 +93,8 @@ class DsV4KVCache(PagedKVCache):
         model's); ``held``: those whose pools this rank keeps (None: all of them)."""
         self.cfg = cfg
         self.layers = layers = layers if layers is not None else range(len(cfg.layer_kinds))
-        self.epp = {CSA: entries_per_page(page_size, cfg.compress_csa), HCA: entries_per_page(page_size, cfg.compress_hca)}
+        self.epp = {kind: entries_per_page(page_size, rate) for kind, rate in ((CSA, cfg.compress_csa),
+                                                                             (HCA, cfg.compress_hca))}
         held = layers if held is None else held
         #: pool -> global layer -> its index in the pool (None: the window pool; CSA / HCA: that kind's)
         self.index = {None: {i: j for j, i in enumerate(held)}}

@@ -177,8 +177,9 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
              device: torch.device) -> list[dict[str, torch.Tensor]] | None:
     """Put one request's KV together from the spans each rank holds, in ``meta``'s format
     (a :class:`KVMeta` or any :class:`TensorLayout` with ``make_export``: the DSA
-    models' graphcp-mla/1, DeepSeek V4's graphcp-dsv4/1, whose spans are whole layers): its tensors, per layer by name, on the receiving ranks
-    (``meta.make_export`` makes the export of them), None on the others. Every rank
+    models' graphcp-mla/1, DeepSeek V4's graphcp-dsv4/1, whose spans are whole layers):
+    its tensors, per layer by name, on the receiving ranks (``meta.make_export`` makes
+    the export of them), None on the others. Every rank
     calls it (the same spans everywhere). ``dst``: the rank that receives, or None for
     every rank. Every layer of ``meta`` is allocated and the spans' layers are filled
     (under pipeline stages, the stage's own layers: :func:`gather_stages` fills the rest).
@@ -190,8 +191,7 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
     me = group.rank
     receivers = range(group.size) if dst is None else (dst,)
     receive = me in receivers
-    dev = device
-    out = [{n: torch.empty(meta.tensor_shape(i, n), dtype=meta.tensor_dtype(i, n), device=dev)
+    out = [{n: torch.empty(meta.tensor_shape(i, n), dtype=meta.tensor_dtype(i, n), device=device)
             for n in meta.layer_tensors(i)} for i in range(meta.num_layers)] if receive else None
     remote: dict[int, list[KVSpan]] = {}
     for span in spans:
@@ -205,7 +205,7 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
             buf = _as_bytes([t for s in theirs for t in source.read_span(handle, s)])
         elif dst is None or me == dst:
             nbytes = sum(meta.nbytes_of(s.layer, n, s.num_tokens) for s in theirs for n in meta.layer_tensors(s.layer))
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         else:
             continue  # neither the owner nor the receiver of this part
         if dst is None:

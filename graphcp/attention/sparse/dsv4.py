@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.sparse.mla import RowGroup, row_groups
-from graphcp.kv.dsv4 import CSA, HCA, DsV4CacheSpec, DsV4KVCache
+from graphcp.kv.dsv4 import CSA, HCA, SLIDING, DsV4CacheSpec, DsV4KVCache
 
 #: ForwardInfo.stats keys (per forward, summed over the layers)
 STAT_INDEX_ROWS = "dsv4_indexer_rows"  # query rows this rank scored (CSA layers)
@@ -117,6 +117,12 @@ class BatchRequests:
         return cls(z, z, np.zeros((0, 1), dtype=np.int64))
 
 
+def ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``[lo[i], hi[i])`` for every i, concatenated (int64; whole-array, no loop)."""
+    n = hi - lo
+    return np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n - lo, n)
+
+
 def pool(src: torch.Tensor, bias: torch.Tensor, norm: torch.Tensor, eps: float, width: int, overlap: bool,
          first: torch.Tensor | None) -> torch.Tensor:
     """Entries from their source rows. ``src [E, S, 2 width (CSA) or width, ...]``: the
@@ -184,8 +190,7 @@ class TorchDsV4Attention:
         if (hi > lo).any():
             dev = cache.pool.device
             req = np.repeat(np.arange(len(lo)), hi - lo)
-            e = np.arange(int((hi - lo).sum()), dtype=np.int64) - np.repeat(np.cumsum(hi - lo) - (hi - lo) - lo,
-                                                                            hi - lo)
+            e = ranges(lo, hi)
             overlap = kind == CSA
             span = 2 * m if overlap else m
             start = (e - 1) * m if overlap else e * m
@@ -208,7 +213,8 @@ class TorchDsV4Attention:
         if plan is None:
             return
         overlap, hd = kind == CSA, spec.head_dim
-        src = cache.sources(layer).flatten(0, 1).index_select(0, plan.sources).view(-1, plan.span, spec.raw_width(layer))
+        src = cache.sources(layer).flatten(0, 1).index_select(0, plan.sources)
+        src = src.view(-1, plan.span, spec.raw_width(layer))
         width = 4 * hd if overlap else 2 * hd
         entries = pool(src[..., :width], w.bias, w.norm, self.spec.norm_eps, hd, overlap, plan.first)
         cache.entries(layer).flatten(0, 1).index_copy_(0, plan.dest, self._rope(entries, plan.positions))
@@ -224,7 +230,7 @@ class TorchDsV4Attention:
         rank's rows; writes ``out [rows, H, head_dim]`` (padding rows: zeros)."""
         sp, cs = self.spec, self.spec.cache
         kind = cs.layer_kinds[layer]
-        if kind != "sliding":
+        if kind != SLIDING:
             self.pool_new_entries(layer, cache, weights)
         out.zero_()
         dev = q.device
@@ -235,8 +241,9 @@ class TorchDsV4Attention:
         heads = max(sp.num_heads, sp.index_n_heads if kind == CSA else 0)
         for g in self._groups:
             pages = torch.from_numpy(g.pages.astype(np.int64)).to(dev)
-            keys = sp.sliding_window + BLOCK_ROWS + ((int(g.positions[-1]) + 1) // m if m else 0)  # at most, a block
-            step = max(1, min(BLOCK_ROWS, BLOCK_BYTES // (4 * heads * keys)))
+            # a block's keys, at most: its window span and the request's entries
+            n_keys = sp.sliding_window + BLOCK_ROWS + ((int(g.positions[-1]) + 1) // m if m else 0)
+            step = max(1, min(BLOCK_ROWS, BLOCK_BYTES // (4 * heads * n_keys)))
             for r0, r1 in _blocks(g.positions, sp.sliding_window, step):
                 pos = g.positions[r0:r1]
                 rows = slice(g.q0 + r0, g.q0 + r1)
@@ -291,8 +298,8 @@ class TorchDsV4Attention:
         """This forward's work on this rank and what one rank computes replicated (every
         row of the batch; the same for every layer of a kind, counted once a kind)."""
         sp, cs = self.spec, self.spec.cache
-        n = int(extend_lens.sum())
-        p = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(extend_lens) - extend_lens - prefix_lens, extend_lens)
+        p = ranges(prefix_lens, prefix_lens + extend_lens)  # every new row's position
+        n = p.size
         window = int(np.minimum(p + 1, sp.sliding_window).sum())
         rep = dict.fromkeys(self._stats, 0)
         kinds = [cs.layer_kinds[i] for i in self.layers]
