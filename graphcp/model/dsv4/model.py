@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphcp.config import PipelineStage
 from graphcp.model.config import ModelConfig
 from graphcp.model.cp_attention import begin_forward
 from graphcp.model.dsv4.attention import V4Attention
@@ -82,7 +83,8 @@ class DsV4Model(DecoderModel):
     """DecoderModel's embedding and LM head with V4 layers, the mHC streams and head."""
 
     def __init__(self, cfg: ModelConfig, tp_size: int, dtype: torch.dtype, max_positions: int | None = None,
-                 rank: int = 0, moe: MoeLayout = "ep", stage=None, shard=None) -> None:
+                 rank: int = 0, moe: MoeLayout = "ep", stage: PipelineStage | None = None,
+                 shard: HeadShard | None = None) -> None:
         super().__init__(cfg, tp_size, dtype, max_positions, rank, moe, stage, shard)
         d = cfg.dsv4
         last = self.stage.last  # the final collapse and norm
