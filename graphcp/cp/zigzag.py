@@ -20,9 +20,8 @@ Example: C = 4, extend lengths [1534, 161, 353], no prefix -> local rows
 [513, 511, 512, 512].
 
 Block k of a request of length L has ``(L + 2C-1-k) // 2C`` rows (the same rule,
-without a branch). The plan is computed at block granularity (``R * 2C`` blocks,
-a few dozen numpy calls whatever the token count); per-token arrays are one
-``np.repeat`` of a per-block value plus ``arange`` each.
+without a branch). The plan is computed at block granularity (``R * 2C`` blocks)
+by one compiled kernel (:mod:`graphcp.jit`); a rank's per-token arrays by another.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from graphcp.cp.base import Layout, Plan, RankPlan, freeze, arange
+from graphcp.jit import host_kernel
 
 __all__ = ["ZigzagLayout", "ZigzagPlan", "rank_token_counts"]
 
@@ -75,10 +75,7 @@ class _BatchTables:
     """
 
     __slots__ = (
-        "request_rm",
-        "size_offset",
         "rm_of_global",
-        "global_of_rm",
         "owner_global",
         "seg_request",
         "last_owner",
@@ -93,16 +90,11 @@ class _BatchTables:
         j = np.arange(num, dtype=np.int64)[None, :, None]
         e = np.arange(2, dtype=np.int64)[None, None, :]
         k_rm = np.where(e == 0, r, c2 - 1 - r)  # [C, 1, 2]: block k of each (r, e)
-        #: request of each rank-major block
-        self.request_rm = np.broadcast_to(j, (c, num, 2)).ravel()
         self.zeros = np.zeros(num, dtype=np.int64)
-        #: 2C-1-k per block k, global block order: block k of a request of length L has
-        #: (L + 2C-1-k) // 2C rows (base + 1 for the first L % 2C blocks, else base)
-        self.size_offset = np.tile(np.arange(c2 - 1, -1, -1, dtype=np.int64), num)
-        #: global block index of each rank-major block, and the inverse
-        self.global_of_rm = (j * c2 + k_rm).ravel()
-        self.rm_of_global = np.empty_like(self.global_of_rm)
-        self.rm_of_global[self.global_of_rm] = np.arange(c * num * 2, dtype=np.int64)
+        #: rank-major index of each global block (the inverse of global_of_rm)
+        global_of_rm = (j * c2 + k_rm).ravel()
+        self.rm_of_global = np.empty_like(global_of_rm)
+        self.rm_of_global[global_of_rm] = np.arange(c * num * 2, dtype=np.int64)
         k = np.arange(c2, dtype=np.int64)
         owner = np.where(k < c, k, c2 - 1 - k)
         #: owner rank of each block, global order
@@ -118,7 +110,7 @@ class _BatchTables:
         #: rank-major index of its block for request 0 (add 2j for request j)
         self.last_rm = np.where(k_last < c, k_last * 2 * num, (c2 - 1 - k_last) * 2 * num + 1)
         self.request_x2 = 2 * np.arange(num, dtype=np.int64)
-        freeze(self.request_rm, self.size_offset, self.global_of_rm, self.rm_of_global)
+        freeze(self.rm_of_global)
         freeze(self.owner_global, self.seg_request, self.last_owner, self.last_rm)
         freeze(self.request_x2, self.zeros)
 
@@ -144,14 +136,65 @@ class _ZigzagTables:
         return tab
 
 
+@host_kernel
+def _zigzag_blocks(extend_lens, prefix_lens, cp_size, per_block, local_rows):
+    """The plan at block granularity (see :class:`ZigzagPlan`), written into
+    ``per_block`` [6, R * 2C]: the block sizes in global block order (row 0), then
+    rank-major the sizes (row 1: the segments' q_lens), local ends (2), global row -
+    local index (3), position - local index (4) and the keys each block's last row
+    sees (5); each rank's local rows into ``local_rows`` [C]. Returns the batch's tokens."""
+    c2 = 2 * cp_size
+    num = extend_lens.shape[0]
+    nseg = 2 * num
+    end = 0  # global rows so far
+    for j in range(num):
+        length = extend_lens[j]
+        base, extra = length // c2, length % c2
+        delta = prefix_lens[j] - end  # position - global row, for every row of request j
+        for k in range(c2):
+            n = base + 1 if k < extra else base
+            per_block[0, j * c2 + k] = n
+            end += n
+            f = k * nseg + 2 * j if k < cp_size else (c2 - 1 - k) * nseg + 2 * j + 1  # rank-major
+            per_block[1, f] = n
+            per_block[3, f] = end  # the block's global end, until its local end is known
+            per_block[5, f] = end + delta
+    for r in range(cp_size):
+        local = 0
+        for f in range(r * nseg, (r + 1) * nseg):
+            local += per_block[1, f]
+            per_block[2, f] = local
+            per_block[3, f] -= local
+            per_block[4, f] = per_block[5, f] - local
+        local_rows[r] = local
+    return end
+
+
+@host_kernel
+def _zigzag_rank_rows(q, shift, local_end, lo, hi, per_row, cu):
+    """Rank-major blocks ``lo .. hi`` (one rank's segments) per row: global row and
+    position into ``per_row`` [2, n]; the segments' offsets into ``cu`` [hi - lo + 1]."""
+    i = 0
+    cu[0] = 0
+    for f in range(lo, hi):
+        row, position = shift[0, f] + i, shift[1, f] + i
+        for t in range(q[f]):
+            per_row[0, i + t] = row + t
+            per_row[1, i + t] = position + t
+        i += q[f]
+        cu[f - lo + 1] = local_end[f]
+    return i
+
+
 class ZigzagPlan(Plan):
     """Plan of the zigzag layout (see the module docstring).
 
     Computed at block granularity on flat rank-major arrays (see
-    :class:`_BatchTables`): ``_q`` block sizes = segment q_lens, ``_local_end``
-    each block's end in its owner's local order, and ``_shift`` [2, blocks]: per
-    block, global row - local index and position - local index. A rank's rows and
-    positions are one 2-D ``repeat`` of its slice plus ``arange``.
+    :class:`_BatchTables`) by one compiled kernel (:func:`_zigzag_blocks`): ``_q``
+    block sizes = segment q_lens, ``_local_end`` each block's end in its owner's
+    local order, and ``_shift`` [2, blocks]: per block, global row - local index and
+    position - local index. A rank's rows and positions are one kernel call over its
+    slice (:func:`_zigzag_rank_rows`).
     """
 
     layout_name = "zigzag"
@@ -164,43 +207,26 @@ class ZigzagPlan(Plan):
         tables: _ZigzagTables | None = None,
         min_extend: int | None = None,
     ) -> None:
-        c2 = 2 * cp_size
         num = extend_lens.shape[0]
         nseg = 2 * num
         tab = (tables if tables is not None else _ZigzagTables(cp_size)).batch(num)
-        # block k of a request of length L has (L + 2C-1-k) // 2C rows
-        # (a repeat and a flat add: a broadcast [R, 1] + [2C] loops over R short rows)
-        sizes = extend_lens.repeat(c2)  # global block order
-        sizes += tab.size_offset
-        _floor_div(sizes, c2)
-        q = sizes[tab.global_of_rm]  # rank-major
-        # each block's end in its owner's local order
-        local_end = np.add.accumulate(q.reshape(cp_size, nseg), axis=1).reshape(-1)
-        gend = np.add.accumulate(sizes)
-        super().__init__(cp_size, extend_lens, prefix_lens, int(gend[-1]))
-        # position - global row, per request: prefix - first global row
-        delta = prefix_lens + extend_lens
-        delta -= gend[c2 - 1 :: c2]
-        gend = gend[tab.global_of_rm]  # rank-major
-        # per block: global row - local index, position - local index (one array, so
-        # a rank's per-row values are a single 2-D repeat)
-        shift = np.empty((2, sizes.shape[0]), dtype=np.int64)
-        np.subtract(gend, local_end, out=shift[0])
-        delta = delta[tab.request_rm]
-        np.add(shift[0], delta, out=shift[1])
-        kv = gend
-        kv += delta
-        q.setflags(write=False)  # exposed through RankPlan views
-        kv.setflags(write=False)
-        local_rows = local_end[nseg - 1 :: nseg].tolist()
+        blocks = nseg * cp_size
+        # one buffer: per block (rows 0-5 below), then each rank's local rows
+        buf = np.empty(6 * blocks + cp_size, dtype=np.int64)
+        num_tokens = _zigzag_blocks(extend_lens, prefix_lens, cp_size, buf[: 6 * blocks].reshape(6, blocks),
+                                    buf[6 * blocks :])
+        buf.setflags(write=False)  # (before the views: they are exposed through RankPlans)
+        per_block = buf[: 6 * blocks].reshape(6, blocks)
+        local_rows = buf[6 * blocks :].tolist()
+        super().__init__(cp_size, extend_lens, prefix_lens, num_tokens)
         d = self.__dict__
         d["_tab"] = tab
         d["_min_extend"] = min(extend_lens.tolist()) if min_extend is None else min_extend
-        d["_q"] = q
-        d["_local_end"] = local_end
-        d["_sizes"] = sizes
-        d["_shift"] = shift
-        d["_kv"] = kv
+        d["_sizes"] = per_block[0]  # global block order
+        d["_q"] = per_block[1]  # rank-major from here
+        d["_local_end"] = per_block[2]
+        d["_shift"] = per_block[3:5]
+        d["_kv"] = per_block[5]
         d["local_rows"] = local_rows
         d["max_local_rows"] = max(local_rows)
 
@@ -219,15 +245,13 @@ class ZigzagPlan(Plan):
         nseg = 2 * self.num_requests
         lo = r * nseg
         hi = lo + nseg
-        q = self._q[lo:hi]
-        per_row = self._shift[:, lo:hi].repeat(q, axis=1)  # [2, n]: row, position
-        per_row += arange(self.local_rows[r])
+        per_row = np.empty((2, self.local_rows[r]), dtype=np.int64)  # [2, n]: row, position
+        cu = np.empty(nseg + 1, dtype=np.int32)
+        _zigzag_rank_rows(self._q, self._shift, self._local_end, lo, hi, per_row, cu)
         per_row.setflags(write=False)
-        rows, positions = per_row[0], per_row[1]  # (unpacking iterates: slower)
-        cu = np.zeros(nseg + 1, dtype=np.int32)
-        cu[1:] = self._local_end[lo:hi]
         cu.setflags(write=False)
-        return RankPlan(r, rows, positions, None, self._tab.seg_request, q, self._kv[lo:hi], cu)
+        rows, positions = per_row[0], per_row[1]  # (unpacking iterates: slower)
+        return RankPlan(r, rows, positions, None, self._tab.seg_request, self._q[lo:hi], self._kv[lo:hi], cu)
 
     # ----------------------------------------------------------------- global maps
 

@@ -55,6 +55,7 @@ import torch
 from graphcp.cp.base import arange
 from graphcp.cp.zigzag import ZigzagLayout
 from graphcp.errors import BatchError
+from graphcp.jit import host_kernel
 from graphcp.kv.layout import KVLayout, kv_cache_views
 from graphcp.kv.spans import KVSpan, whole_layer_spans
 
@@ -127,10 +128,9 @@ class _Reservation:
     ids: list[int]  # the sequence ids it returned (a copy)
     new: np.ndarray  # the new tokens it reserved (read-only: the caller's when it was, else a copy)
     rows: np.ndarray  # the requests' table rows
-    cells: np.ndarray | None  # flat table cells it wrote its pages to (None: no page)
     need: int  # pages it took off the free stack
-    tokens_before: np.ndarray | int  # each row's tokens and pages before (0: all were new)
-    pages_before: np.ndarray | int
+    tokens_before: np.ndarray  # each row's tokens and pages before (0 for a new sequence)
+    pages_before: np.ndarray
     created: list[bool] | None  # which requests it made a new sequence for (None: all)
 
     def undoes(self, seq_ids) -> bool:
@@ -427,28 +427,18 @@ class PagedKVCache:
     def _reserve(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray) -> tuple[list[int], np.ndarray]:
         """Reserve ``new[i]`` more tokens in row ``rows[i]`` (``prefixes[i]``'s; -1, or
         ``rows`` None: a new sequence), all or nothing; KVCacheFull naming the request
-        that does not fit. Returns the sequence ids and their rows. The batch's new pages
-        come off the free stack in one slice (request 0's first, each request's in pop
-        order) and go into the table in one scattered write: a few numpy calls whatever
-        the batch."""
+        that does not fit. Returns the sequence ids and their rows. Two compiled passes
+        over the batch (:func:`_count_pages`, then :func:`_take_pages` once it fits): the
+        batch's new pages come off the free stack request 0's first, each request's in
+        pop order."""
         num = new.shape[0]
         width = self._table.shape[1]
-        if rows is None:  # every request a new sequence: nothing held yet
-            have = have_pages = 0
-            total = new
-            total_pages = grow = self._pages(new)
-        else:
-            held = rows >= 0
-            have = np.where(held, self._row_tokens[rows], 0)
-            have_pages = np.where(held, self._row_pages[rows], 0)
-            total = have + new
-            total_pages = self._pages(total)
-            grow = total_pages - have_pages
-        ends = np.add.accumulate(grow)
-        need = ends.item(-1) if num else 0
-        # (when every request is new, one wider than the table makes the sum wider too)
-        if (rows is not None or need > width) and num and int(np.maximum.reduce(total_pages)) > width:
-            self._refuse_width(prefixes, rows, new, total_pages)
+        all_new = rows is None
+        counts = np.empty((4, num), dtype=np.int64)  # tokens and pages before, and after
+        need, wide = _count_pages(_NO_ROWS if all_new else rows, all_new, new, self._row_tokens, self._row_pages,
+                                  self.page_size, width, counts)
+        if wide >= 0:
+            self._refuse_width(prefixes, rows, new, counts[3])
         if need > self._num_free:
             raise KVCacheFull(
                 f"KV cache full: the batch needs {need} more pages of {self.page_size} tokens, "
@@ -457,7 +447,7 @@ class PagedKVCache:
         # nothing can fail past this point
         first = self._next_id
         live = self._live_rows()  # (the previous reservation's deferred entries, written now)
-        if rows is None:
+        if all_new:
             created = None
             fresh = self._take_rows(num)
             ids = list(range(first, first + num))
@@ -472,22 +462,11 @@ class PagedKVCache:
             ids = [next(fresh_ids) if h is None else h.seq_id for h in prefixes]
             live.update(zip(range(first, first + len(fresh)), fresh))
         self._next_id = first + len(fresh)
-        cells = None
-        if need:
-            top = self._num_free
-            self._num_free = top - need
-            # request i's pages go to cells [rows[i], have_pages[i] : total_pages[i])
-            cells = rows * width
-            cells += total_pages
-            cells -= ends
-            cells = cells.repeat(grow)
-            cells += arange(need)
-            self._table.reshape(-1)[cells] = self._free[top - need : top][::-1]
-        self._row_pages[rows] = total_pages
-        self._row_tokens[rows] = total
+        self._num_free = _take_pages(self._table, self._row_tokens, self._row_pages, self._free, self._num_free,
+                                     rows, counts)
         rows.setflags(write=False)  # the caller's copy and the undo's: read-only
-        self._last = _Reservation(ids[:], new if not new.flags.writeable else _frozen_copy(new), rows, cells, need,
-                                  have, have_pages, created)
+        self._last = _Reservation(ids[:], new if not new.flags.writeable else _frozen_copy(new), rows, need,
+                                  counts[0], counts[1], created)
         if created is None:  # every request new: their id -> row entries wait for the first read
             self._pending = (self._last.ids, fresh)
         return ids, rows
@@ -522,41 +501,21 @@ class PagedKVCache:
 
     def _undo_last(self) -> None:
         """Undo the last :meth:`extend` when nothing changed since (what a failed forward
-        undoes): its pages still lie above the free stack's top, in order, and the cells
-        they went to are known, so the undo writes back what it wrote."""
+        undoes): its pages still lie above the free stack's top, in order, so the undo
+        clears what it wrote and puts back each row's counts."""
         last, self._last = self._last, None
-        if last.need:
-            self._table.reshape(-1)[last.cells] = SCRATCH_PAGE
-            self._num_free += last.need
         rows = last.rows
-        self._row_pages[rows] = last.pages_before
-        self._row_tokens[rows] = last.tokens_before
+        _clear_pages(self._table, self._row_tokens, self._row_pages, rows, last.tokens_before, last.pages_before)
+        self._num_free += last.need
         self._drop(last.ids, rows, last.created)
 
     def _undo(self, seq_ids, rows: np.ndarray, tokens: np.ndarray, drop: np.ndarray) -> None:
         """Shrink row ``rows[i]`` to ``tokens[i]`` tokens (its pages past them back on the
-        free stack, last first, in one gather) and drop the sequences marked in ``drop``
+        free stack, the batch's last page first) and drop the sequences marked in ``drop``
         (created by the undone extend)."""
         self._last = None
-        keep = self._pages(tokens)
-        count = self._row_pages[rows]
-        count -= keep
-        ends = np.add.accumulate(count)
-        total = ends.item(-1) if ends.shape[0] else 0
-        if total:
-            cells = rows * self._table.shape[1]
-            cells += keep
-            cells += count
-            cells -= ends
-            cells = cells.repeat(count)
-            cells += arange(total)
-            flat = self._table.reshape(-1)
-            top = self._num_free
-            self._free[top : top + total] = flat[cells][::-1]
-            self._num_free = top + total
-            flat[cells] = SCRATCH_PAGE
-        self._row_pages[rows] = keep
-        self._row_tokens[rows] = tokens
+        self._num_free = _shrink_rows(self._table, self._row_tokens, self._row_pages, self._free, self._num_free,
+                                      rows, tokens, self.page_size)
         self._drop(seq_ids, rows, drop.tolist())
 
     def _drop(self, seq_ids, rows: np.ndarray, drop: list[bool] | None) -> None:
@@ -673,3 +632,75 @@ class PagedKVCache:
             vpos %= ps
             out += vpos
         return out
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)  # the rows argument of an all-new batch (not read)
+
+
+@host_kernel
+def _count_pages(rows, all_new, new, row_tokens, row_pages, page_size, width, counts):
+    """Each request's tokens and pages before (``counts[0]``, ``counts[1]``: its row's,
+    0 for a new sequence: ``all_new`` or ``rows[i] < 0``) and after ``new[i]`` more
+    tokens (``counts[2]``, ``counts[3]``); returns the pages the batch takes and the
+    first request needing more than ``width`` pages (-1: none). Changes nothing else."""
+    need = 0
+    wide = -1
+    for i in range(new.shape[0]):
+        tokens = pages = 0
+        if not all_new and rows[i] >= 0:
+            tokens, pages = row_tokens[rows[i]], row_pages[rows[i]]
+        total = tokens + new[i]
+        total_pages = (total + page_size - 1) // page_size
+        counts[0, i], counts[1, i], counts[2, i], counts[3, i] = tokens, pages, total, total_pages
+        need += total_pages - pages
+        if wide < 0 and total_pages > width:
+            wide = i
+    return need, wide
+
+
+@host_kernel
+def _take_pages(table, row_tokens, row_pages, free, num_free, rows, counts):
+    """Commit a counted reservation (:func:`_count_pages`): request ``i``'s new pages,
+    popped off the free stack (``free[:num_free]``, top last), go to table row
+    ``rows[i]`` after its pages; each row's counts become the after counts. Returns
+    the stack's new height."""
+    top = num_free
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        for p in range(counts[1, i], counts[3, i]):
+            top -= 1
+            table[row, p] = free[top]
+        row_tokens[row] = counts[2, i]
+        row_pages[row] = counts[3, i]
+    return top
+
+
+@host_kernel
+def _clear_pages(table, row_tokens, row_pages, rows, tokens_before, pages_before):
+    """Undo :func:`_take_pages` (nothing changed since): each row's pages past its
+    count before become scratch again and its counts what they were; the pages are
+    still above the free stack's top, in order (the caller raises its height)."""
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        for p in range(pages_before[i], row_pages[row]):
+            table[row, p] = SCRATCH_PAGE
+        row_tokens[row] = tokens_before[i]
+        row_pages[row] = pages_before[i]
+
+
+@host_kernel
+def _shrink_rows(table, row_tokens, row_pages, free, num_free, rows, tokens, page_size):
+    """Shrink row ``rows[i]`` to ``tokens[i]`` tokens: its pages past them go back on
+    the free stack (``free[:num_free]``) in reverse pop order (the batch's last
+    request's last page first), their cells become scratch. Returns the new height."""
+    top = num_free
+    for i in range(rows.shape[0] - 1, -1, -1):
+        row = rows[i]
+        keep = (tokens[i] + page_size - 1) // page_size
+        for p in range(row_pages[row] - 1, keep - 1, -1):
+            free[top] = table[row, p]
+            top += 1
+            table[row, p] = SCRATCH_PAGE
+        row_tokens[row] = tokens[i]
+        row_pages[row] = keep
+    return top

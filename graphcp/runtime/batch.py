@@ -21,12 +21,13 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionMetadata, max_of
+from graphcp.attention.base import AttentionMetadata, seg_maxima
 from graphcp.attention.ring.plan import RingPlan, RingPlanner
 from graphcp.cp import Layout, Plan
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, GraphcpError
-from graphcp.kv.paged import KVHandle, KVHandleError, PagedKVCache
+from graphcp.jit import host_kernel
+from graphcp.kv.paged import SCRATCH_PAGE, KVHandle, KVHandleError, PagedKVCache
 from graphcp.nvtx_ranges import nvtx_range
 
 
@@ -252,17 +253,54 @@ class BatchPreparer:
                 seq_rows = kv.table_rows(seq_ids)
             # attention metadata written in place into one packed buffer; this rank's
             # segments read pages up to their kv lengths only
-            kv_lens = rp.seg_kv_len
-            max_kv = max_of(kv_lens)
+            q_lens, kv_lens = rp.seg_q_len, rp.seg_kv_len
+            max_q, max_kv = seg_maxima(q_lens, kv_lens)
             buf, cu, kvl, pt = AttentionMetadata.host_buffers(kv_lens.shape[0], max(1, kv.pages_for(max_kv)))
-            cu[:] = rp.cu_seqlens_q
-            kvl[:] = kv_lens
-            seg_rows = seq_rows[rp.seg_request]
-            kv.page_table_rows(seg_rows, pt.shape[1], out=pt)
-            q_lens = rp.seg_q_len
-            meta = AttentionMetadata._live(cu, kvl, pt, kv.page_size, max_of(q_lens), max_kv, self.device, buf)
-            slots = kv.run_slots(seg_rows, rp.positions, q_lens)
-            return PreparedBatch(plan, seq_ids, flat[rp.rows], rp.positions, slots, meta, pt)
+            per_row = np.empty((2, rp.positions.shape[0]), dtype=np.int64)  # token ids, cache slots
+            _rank_inputs(kv.table, kv.page_size, seq_rows, rp.seg_request, q_lens, kv_lens, rp.rows, rp.positions,
+                         flat, per_row, cu, kvl, pt)
+            meta = AttentionMetadata._live(cu, kvl, pt, kv.page_size, max_q, max_kv, self.device, buf)
+            return PreparedBatch(plan, seq_ids, per_row[0], rp.positions, per_row[1], meta, pt)
+
+
+@host_kernel
+def _rank_inputs(table, page_size, seq_rows, seg_request, seg_q_len, seg_kv_len, rows, positions, flat, per_row,
+                 cu, kv_lens, page_table):
+    """One rank's host inputs in one compiled pass over its segments (segment ``s``:
+    ``seg_q_len[s]`` rows of request ``seg_request[s]``, whose row of the cache's dense
+    ``table`` is ``seq_rows[...]``, its last row seeing ``seg_kv_len[s]`` keys; ``rows``
+    and ``positions`` per local row): each row's token id (``flat[rows[i]]``) and cache
+    slot into ``per_row`` [2, n]; the attention metadata's ``cu`` [S + 1], ``kv_lens``
+    [S] and ``page_table`` [S, width] (int32; columns past the table's are scratch).
+    The pages must be reserved. A power-of-two page: a shift and a mask a row."""
+    width = page_table.shape[1]
+    copied = min(width, table.shape[1])
+    shift = -1
+    if page_size & (page_size - 1) == 0:
+        shift = 0
+        while (1 << shift) < page_size:
+            shift += 1
+    mask = page_size - 1
+    i = 0
+    cu[0] = 0
+    for s in range(seg_q_len.shape[0]):
+        row = seq_rows[seg_request[s]]
+        kv_lens[s] = seg_kv_len[s]
+        for p in range(copied):
+            page_table[s, p] = table[row, p]
+        for p in range(copied, width):
+            page_table[s, p] = SCRATCH_PAGE
+        for _ in range(seg_q_len[s]):
+            position = positions[i]
+            if shift >= 0:
+                page, offset = position >> shift, position & mask
+            else:
+                page = position // page_size
+                offset = position - page * page_size
+            per_row[0, i] = flat[rows[i]]
+            per_row[1, i] = table[row, page] * page_size + offset
+            i += 1
+        cu[s + 1] = i
 
 
 _INT64_MAX = np.iinfo(np.int64).max
