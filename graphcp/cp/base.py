@@ -32,6 +32,8 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from graphcp.jit import host_kernel
+
 __all__ = ["Layout", "Plan", "RankPlan", "causal_work_per_rank", "IntArrayLike"]
 
 IntArrayLike = Union[Sequence[int], np.ndarray]
@@ -55,6 +57,18 @@ def arange(n: int) -> np.ndarray:
         buf.flags.writeable = False
         _ARANGE = buf
     return _ARANGE[:n]
+
+
+@host_kernel
+def expand_runs(seg_shift, cu, per_row):
+    """Every row of a rank's segments from their runs: ``per_row[k, i] = seg_shift[k, s]
+    + i`` for local rows ``i`` of segment ``s`` (``cu[s] .. cu[s + 1]``); ``per_row``
+    [2, n] (k: global row, position)."""
+    for s in range(cu.shape[0] - 1):
+        row, position = seg_shift[0, s], seg_shift[1, s]
+        for i in range(cu[s], cu[s + 1]):
+            per_row[0, i] = row + i
+            per_row[1, i] = position + i
 
 
 def freeze(*arrays: np.ndarray) -> None:
@@ -162,12 +176,16 @@ class RankPlan:
     """What one rank needs for one batch: its rows in local order and its segments.
 
     ``rows``, ``positions`` and ``row_request`` have one entry per local row
-    (unpadded); a layout may pass ``row_request=None`` to derive it on first use. Segments are contiguous runs of local rows: segment ``s`` covers
+    (unpadded). Segments are contiguous runs of local rows: segment ``s`` covers
     local rows ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1]``, attends request
     ``seg_request[s]`` and sees ``seg_kv_len[s]`` keys at its last row (bottom-right
-    causal alignment, prefix included). Segments may be empty (``q_len == 0``):
-    zigzag keeps their number static at ``2 * num_requests``; kernels skip them.
-    Attributes are read-only and so are the arrays (non-writeable flags).
+    causal alignment, prefix included). A segment's rows are consecutive rows of
+    its request, so ``seg_shift`` [2, S] (global row - local index, position -
+    local index, per segment) describes every row: a layout gives it, and the
+    per-row arrays when it has them (else they are expanded on first use, as
+    ``row_request`` is derived). Segments may be empty (``q_len == 0``): zigzag keeps
+    their number static at ``2 * num_requests``; kernels skip them. Attributes are
+    read-only and so are the arrays (non-writeable flags).
     """
 
     __slots__ = (
@@ -179,16 +197,11 @@ class RankPlan:
         "_seg_q_len",
         "_seg_kv_len",
         "_cu_seqlens_q",
+        "_seg_shift",
     )
 
     # read-only views of the slots (no setters)
     rank: int = _ro("rank", "this rank's index in the CP group")  # type: ignore[assignment]
-    rows: np.ndarray = _ro(  # type: ignore[assignment]
-        "rows", "int64 [n]: global row of each local row"
-    )
-    positions: np.ndarray = _ro(  # type: ignore[assignment]
-        "positions", "int64 [n]: absolute position of each local row (prefix + offset)"
-    )
     seg_request: np.ndarray = _ro(  # type: ignore[assignment]
         "seg_request", "int64 [S]: request of each segment"
     )
@@ -205,22 +218,51 @@ class RankPlan:
     def __init__(
         self,
         rank: int,
-        rows: np.ndarray,
-        positions: np.ndarray,
-        row_request: np.ndarray | None,
         seg_request: np.ndarray,
         seg_q_len: np.ndarray,
         seg_kv_len: np.ndarray,
         cu_seqlens_q: np.ndarray,
+        seg_shift: np.ndarray,
+        rows: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
+        row_request: np.ndarray | None = None,
     ) -> None:
         self._rank = rank
-        self._rows = rows
-        self._positions = positions
-        self._row_request = row_request
         self._seg_request = seg_request
         self._seg_q_len = seg_q_len
         self._seg_kv_len = seg_kv_len
         self._cu_seqlens_q = cu_seqlens_q
+        self._seg_shift = seg_shift
+        self._rows = rows
+        self._positions = positions
+        self._row_request = row_request
+
+    @property
+    def rows(self) -> np.ndarray:
+        """int64 [n]: global row of each local row."""
+        if self._rows is None:
+            self._expand()
+        return self._rows
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int64 [n]: absolute position of each local row (prefix + offset)."""
+        if self._positions is None:
+            self._expand()
+        return self._positions
+
+    def _expand(self) -> None:
+        per_row = np.empty((2, int(self._cu_seqlens_q[-1])), dtype=np.int64)
+        expand_runs(self._seg_shift, self._cu_seqlens_q, per_row)
+        per_row.setflags(write=False)
+        self._rows, self._positions = per_row[0], per_row[1]
+
+    @property
+    def seg_shift(self) -> np.ndarray:
+        """int64 [2, S]: per segment, global row - local index and position - local
+        index (the same for every row of the segment: its rows are consecutive rows of
+        its request; any value for an empty segment)."""
+        return self._seg_shift
 
     @property
     def row_request(self) -> np.ndarray:

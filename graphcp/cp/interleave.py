@@ -41,8 +41,10 @@ class InterleavePlan(Plan):
         q = np.ones(n, dtype=np.int64)
         kv = positions + 1
         cu = np.arange(n + 1, dtype=np.int32)
-        freeze(rows, row_request, positions, q, kv, cu)
-        return RankPlan(r, rows, positions, row_request, row_request, q, kv, cu)
+        local = arange(n)
+        shift = np.stack([rows - local, positions - local])  # every segment one row
+        freeze(rows, row_request, positions, q, kv, cu, shift)
+        return RankPlan(r, row_request, q, kv, cu, shift, rows, positions, row_request)
 
     # Global row g = i * C + r lives on rank r at local index i: viewed as an
     # [ceil(T / C), C] grid, every global map is a broadcast, trimmed to T.

@@ -21,7 +21,7 @@ Example: C = 4, extend lengths [1534, 161, 353], no prefix -> local rows
 
 Block k of a request of length L has ``(L + 2C-1-k) // 2C`` rows (the same rule,
 without a branch). The plan is computed at block granularity (``R * 2C`` blocks)
-by one compiled kernel (:mod:`graphcp.jit`); a rank's per-token arrays by another.
+by one compiled kernel (:mod:`graphcp.jit`); a rank's plan is views of its result.
 """
 
 from __future__ import annotations
@@ -137,12 +137,13 @@ class _ZigzagTables:
 
 
 @host_kernel
-def _zigzag_blocks(extend_lens, prefix_lens, cp_size, per_block, local_rows):
+def _zigzag_blocks(extend_lens, prefix_lens, cp_size, per_block, local_rows, cu):
     """The plan at block granularity (see :class:`ZigzagPlan`), written into
     ``per_block`` [6, R * 2C]: the block sizes in global block order (row 0), then
     rank-major the sizes (row 1: the segments' q_lens), local ends (2), global row -
     local index (3), position - local index (4) and the keys each block's last row
-    sees (5); each rank's local rows into ``local_rows`` [C]. Returns the batch's tokens."""
+    sees (5); each rank's local rows into ``local_rows`` [C] and its segments' offsets
+    into ``cu`` [C, 2R + 1] (int32). Returns the batch's tokens."""
     c2 = 2 * cp_size
     num = extend_lens.shape[0]
     nseg = 2 * num
@@ -161,29 +162,15 @@ def _zigzag_blocks(extend_lens, prefix_lens, cp_size, per_block, local_rows):
             per_block[5, f] = end + delta
     for r in range(cp_size):
         local = 0
+        cu[r, 0] = 0
         for f in range(r * nseg, (r + 1) * nseg):
             local += per_block[1, f]
+            cu[r, f - r * nseg + 1] = local
             per_block[2, f] = local
             per_block[3, f] -= local
             per_block[4, f] = per_block[5, f] - local
         local_rows[r] = local
     return end
-
-
-@host_kernel
-def _zigzag_rank_rows(q, shift, local_end, lo, hi, per_row, cu):
-    """Rank-major blocks ``lo .. hi`` (one rank's segments) per row: global row and
-    position into ``per_row`` [2, n]; the segments' offsets into ``cu`` [hi - lo + 1]."""
-    i = 0
-    cu[0] = 0
-    for f in range(lo, hi):
-        row, position = shift[0, f] + i, shift[1, f] + i
-        for t in range(q[f]):
-            per_row[0, i + t] = row + t
-            per_row[1, i + t] = position + t
-        i += q[f]
-        cu[f - lo + 1] = local_end[f]
-    return i
 
 
 class ZigzagPlan(Plan):
@@ -193,8 +180,8 @@ class ZigzagPlan(Plan):
     :class:`_BatchTables`) by one compiled kernel (:func:`_zigzag_blocks`): ``_q``
     block sizes = segment q_lens, ``_local_end`` each block's end in its owner's
     local order, and ``_shift`` [2, blocks]: per block, global row - local index and
-    position - local index. A rank's rows and positions are one kernel call over its
-    slice (:func:`_zigzag_rank_rows`).
+    position - local index. A rank's plan is views of them: its segments are its
+    blocks, and ``_shift`` their runs (:attr:`RankPlan.seg_shift`).
     """
 
     layout_name = "zigzag"
@@ -213,9 +200,11 @@ class ZigzagPlan(Plan):
         blocks = nseg * cp_size
         # one buffer: per block (rows 0-5 below), then each rank's local rows
         buf = np.empty(6 * blocks + cp_size, dtype=np.int64)
+        cu = np.empty((cp_size, nseg + 1), dtype=np.int32)  # each rank's segment offsets
         num_tokens = _zigzag_blocks(extend_lens, prefix_lens, cp_size, buf[: 6 * blocks].reshape(6, blocks),
-                                    buf[6 * blocks :])
+                                    buf[6 * blocks :], cu)
         buf.setflags(write=False)  # (before the views: they are exposed through RankPlans)
+        cu.setflags(write=False)
         per_block = buf[: 6 * blocks].reshape(6, blocks)
         local_rows = buf[6 * blocks :].tolist()
         super().__init__(cp_size, extend_lens, prefix_lens, num_tokens)
@@ -227,6 +216,7 @@ class ZigzagPlan(Plan):
         d["_local_end"] = per_block[2]
         d["_shift"] = per_block[3:5]
         d["_kv"] = per_block[5]
+        d["_cu"] = cu
         d["local_rows"] = local_rows
         d["max_local_rows"] = max(local_rows)
 
@@ -242,16 +232,12 @@ class ZigzagPlan(Plan):
     # ----------------------------------------------------------------- per rank
 
     def _build_rank(self, r: int) -> RankPlan:
+        """Views of the plan's block arrays (each block one segment; its rows expand on
+        first use)."""
         nseg = 2 * self.num_requests
         lo = r * nseg
         hi = lo + nseg
-        per_row = np.empty((2, self.local_rows[r]), dtype=np.int64)  # [2, n]: row, position
-        cu = np.empty(nseg + 1, dtype=np.int32)
-        _zigzag_rank_rows(self._q, self._shift, self._local_end, lo, hi, per_row, cu)
-        per_row.setflags(write=False)
-        cu.setflags(write=False)
-        rows, positions = per_row[0], per_row[1]  # (unpacking iterates: slower)
-        return RankPlan(r, rows, positions, None, self._tab.seg_request, self._q[lo:hi], self._kv[lo:hi], cu)
+        return RankPlan(r, self._tab.seg_request, self._q[lo:hi], self._kv[lo:hi], self._cu[r], self._shift[:, lo:hi])
 
     # ----------------------------------------------------------------- global maps
 

@@ -190,7 +190,7 @@ class PagedKVCache:
         self._free = np.arange(num_pages - 1, SCRATCH_PAGE, -1, dtype=np.int32)
         self._num_free = num_pages - 1
         self._rows: dict[int, int] = {}  # live sequence id -> its row of the dense table (read: _live_rows)
-        self._pending: tuple[list[int], list[int]] | None = None  # (ids, rows) not yet in _rows
+        self._pending: tuple[list[int], np.ndarray] | None = None  # (ids, rows) not yet in _rows
         self._next_id = 0
         self.cache_id = uuid.uuid4().hex  # stamped on every handle this cache issues
         # the dense page table, and per row its sequence's page and token counts (0 when free)
@@ -198,7 +198,9 @@ class PagedKVCache:
         self._row_pages = np.zeros(_INITIAL_ROWS, dtype=np.int64)
         self._row_tokens = np.zeros(_INITIAL_ROWS, dtype=np.int64)
         self._last: _Reservation | None = None  # the last extend, while nothing else changed
-        self._free_rows: list[int] = list(range(_INITIAL_ROWS - 1, -1, -1))  # LIFO, low rows first
+        # the free table rows, a LIFO stack like the pages': _free_rows[:_num_free_rows], low rows first
+        self._free_rows = np.arange(_INITIAL_ROWS - 1, -1, -1, dtype=np.int64)
+        self._num_free_rows = _INITIAL_ROWS
 
     def _allocate_pool(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """The pool (a cache that stores something else per token, MLA's latent, overrides it)."""
@@ -304,18 +306,6 @@ class PagedKVCache:
         view.flags.writeable = False
         return view
 
-    def _take_rows(self, k: int) -> list[int]:
-        """``k`` free table rows, in the order ``k`` pops of the row stack give them."""
-        free = self._free_rows
-        while len(free) < k:  # double the rows; the new ones are handed out low first, after the old
-            n = self._table.shape[0]
-            self._grow_rows(2 * n)
-            free[:0] = range(2 * n - 1, n - 1, -1)
-        rows = free[len(free) - k:]
-        del free[len(free) - k:]
-        rows.reverse()
-        return rows
-
     def _grow_rows(self, rows: int) -> None:
         """Make the table (and every per-row array) ``rows`` rows long; new rows free."""
         n, w = self._table.shape
@@ -324,6 +314,11 @@ class PagedKVCache:
         self._table = table
         self._row_pages = np.concatenate([self._row_pages, np.zeros(rows - n, dtype=np.int64)])
         self._row_tokens = np.concatenate([self._row_tokens, np.zeros(rows - n, dtype=np.int64)])
+        # the new rows go under the free ones, handed out low first after them
+        free, height = np.empty(rows, dtype=np.int64), self._num_free_rows
+        free[: rows - n] = np.arange(rows - 1, n - 1, -1)
+        free[rows - n : rows - n + height] = self._free_rows[:height]
+        self._free_rows, self._num_free_rows = free, rows - n + height
 
     def _live_rows(self) -> dict[int, int]:
         """Live sequence id -> table row. An all-new reservation's entries are written on
@@ -333,7 +328,7 @@ class PagedKVCache:
         pending = self._pending
         if pending is not None:
             self._pending = None
-            self._rows.update(zip(*pending))
+            self._rows.update(zip(pending[0], pending[1].tolist()))
         return self._rows
 
     def _row_of(self, seq_id: int) -> int:
@@ -427,49 +422,47 @@ class PagedKVCache:
     def _reserve(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray) -> tuple[list[int], np.ndarray]:
         """Reserve ``new[i]`` more tokens in row ``rows[i]`` (``prefixes[i]``'s; -1, or
         ``rows`` None: a new sequence), all or nothing; KVCacheFull naming the request
-        that does not fit. Returns the sequence ids and their rows. Two compiled passes
-        over the batch (:func:`_count_pages`, then :func:`_take_pages` once it fits): the
-        batch's new pages come off the free stack request 0's first, each request's in
-        pop order."""
+        that does not fit. Returns the sequence ids and their rows. One compiled call
+        (:func:`_reserve_pages`) counts and, when the batch fits, takes the rows and
+        pages: the batch's new pages come off the free stack request 0's first, each
+        request's in pop order."""
         num = new.shape[0]
-        width = self._table.shape[1]
         all_new = rows is None
-        counts = np.empty((4, num), dtype=np.int64)  # tokens and pages before, and after
-        need, wide = _count_pages(_NO_ROWS if all_new else rows, all_new, new, self._row_tokens, self._row_pages,
-                                  self.page_size, width, counts)
+        before = np.empty((2, num), dtype=np.int64)  # each request's tokens and pages before
+        taken = np.empty(num, dtype=np.int64)  # each request's row, once taken
+        while True:
+            need, wide, fresh, done = _reserve_pages(
+                _NO_ROWS if all_new else rows, all_new, new, self.page_size, self._row_tokens, self._row_pages,
+                self._table, self._free, self._num_free, self._free_rows, self._num_free_rows, taken, before)
+            if done or wide >= 0 or need > self._num_free:
+                break
+            self._grow_rows(2 * self._table.shape[0])  # too few free rows: double them, count again
         if wide >= 0:
-            self._refuse_width(prefixes, rows, new, counts[3])
-        if need > self._num_free:
+            self._refuse_width(prefixes, rows, new, self._pages(before[0] + new))
+        if not done:
             raise KVCacheFull(
                 f"KV cache full: the batch needs {need} more pages of {self.page_size} tokens, "
                 f"{self._num_free} are free (pool of {self.num_pages - 1} usable pages)"
             )
-        # nothing can fail past this point
         first = self._next_id
+        self._next_id = first + fresh
+        self._num_free -= need
+        self._num_free_rows -= fresh
         live = self._live_rows()  # (the previous reservation's deferred entries, written now)
+        taken.setflags(write=False)  # the caller's copy and the undo's: read-only
         if all_new:
             created = None
-            fresh = self._take_rows(num)
             ids = list(range(first, first + num))
-            rows = np.array(fresh, dtype=np.int64)
         else:
-            new_seq = rows < 0
-            created = new_seq.tolist()
-            fresh = self._take_rows(sum(created))
-            rows = rows.copy()
-            rows[new_seq] = fresh
-            fresh_ids = iter(range(first, first + len(fresh)))
+            created = (rows < 0).tolist()
+            fresh_ids = iter(range(first, first + fresh))
             ids = [next(fresh_ids) if h is None else h.seq_id for h in prefixes]
-            live.update(zip(range(first, first + len(fresh)), fresh))
-        self._next_id = first + len(fresh)
-        self._num_free = _take_pages(self._table, self._row_tokens, self._row_pages, self._free, self._num_free,
-                                     rows, counts)
-        rows.setflags(write=False)  # the caller's copy and the undo's: read-only
-        self._last = _Reservation(ids[:], new if not new.flags.writeable else _frozen_copy(new), rows, need,
-                                  counts[0], counts[1], created)
+            live.update(zip(range(first, first + fresh), compress(taken.tolist(), created)))
+        self._last = _Reservation(ids[:], new if not new.flags.writeable else _frozen_copy(new), taken, need,
+                                  before[0], before[1], created)
         if created is None:  # every request new: their id -> row entries wait for the first read
-            self._pending = (self._last.ids, fresh)
-        return ids, rows
+            self._pending = (self._last.ids, taken)
+        return ids, taken
 
     def _refuse_width(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray,
                       total_pages: np.ndarray) -> None:
@@ -522,9 +515,9 @@ class PagedKVCache:
         """Forget the sequences marked in ``drop`` (None: all) and push their rows, last
         first (the row stack as it was before the extend that took them)."""
         if drop is None or all(drop):
-            gone, gone_rows = seq_ids, rows.tolist()
+            gone, gone_rows = seq_ids, rows[::-1]
         elif any(drop):
-            gone, gone_rows = list(compress(seq_ids, drop)), list(compress(rows.tolist(), drop))
+            gone, gone_rows = list(compress(seq_ids, drop)), list(compress(rows.tolist(), drop))[::-1]
         else:
             return
         pending = self._pending
@@ -532,8 +525,9 @@ class PagedKVCache:
             self._pending = None
         else:
             deque(map(self._live_rows().__delitem__, gone), maxlen=0)  # (a C-level loop)
-        gone_rows.reverse()
-        self._free_rows.extend(gone_rows)
+        height = self._num_free_rows
+        self._num_free_rows = height + len(gone_rows)
+        self._free_rows[height : self._num_free_rows] = gone_rows
 
     def handle(self, seq_id: int) -> KVHandle:
         row = self._live_rows()[seq_id]
@@ -551,7 +545,8 @@ class PagedKVCache:
         self._num_free = top + n
         self._table[row, :n] = SCRATCH_PAGE
         self._row_pages[row] = self._row_tokens[row] = 0
-        self._free_rows.append(row)
+        self._free_rows[self._num_free_rows] = row
+        self._num_free_rows += 1
 
     def stored_tokens(self) -> int:
         """Tokens whose KV this pool holds for live sequences."""
@@ -638,46 +633,55 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)  # the rows argument of an all-new batch 
 
 
 @host_kernel
-def _count_pages(rows, all_new, new, row_tokens, row_pages, page_size, width, counts):
-    """Each request's tokens and pages before (``counts[0]``, ``counts[1]``: its row's,
-    0 for a new sequence: ``all_new`` or ``rows[i] < 0``) and after ``new[i]`` more
-    tokens (``counts[2]``, ``counts[3]``); returns the pages the batch takes and the
-    first request needing more than ``width`` pages (-1: none). Changes nothing else."""
-    need = 0
+def _reserve_pages(prefix_rows, all_new, new, page_size, row_tokens, row_pages, table, free, num_free, free_rows,
+                   num_free_rows, taken, before):
+    """:meth:`PagedKVCache._reserve`'s work: request ``i`` extends table row
+    ``prefix_rows[i]`` by ``new[i]`` tokens, or is a new sequence (``all_new``, or the
+    row < 0). Counts first: each request's tokens and pages before into ``before``
+    [2, R]; returns ``(pages needed, first request wider than a table row or -1, new
+    sequences, done)``. Only when every request fits a row and the free stacks
+    (``free[:num_free]`` pages, ``free_rows[:num_free_rows]`` rows, tops last) hold
+    enough, it takes them (``done``): each new sequence pops a row, each request pops
+    its new pages into its row after the ones it has, each row's counts become the
+    after counts, ``taken[i]`` request ``i``'s row; the caller lowers the stacks'
+    heights by what was returned."""
+    width = table.shape[1]
+    need = fresh = 0
     wide = -1
     for i in range(new.shape[0]):
         tokens = pages = 0
-        if not all_new and rows[i] >= 0:
-            tokens, pages = row_tokens[rows[i]], row_pages[rows[i]]
-        total = tokens + new[i]
-        total_pages = (total + page_size - 1) // page_size
-        counts[0, i], counts[1, i], counts[2, i], counts[3, i] = tokens, pages, total, total_pages
-        need += total_pages - pages
-        if wide < 0 and total_pages > width:
+        if all_new or prefix_rows[i] < 0:
+            fresh += 1
+        else:
+            tokens, pages = row_tokens[prefix_rows[i]], row_pages[prefix_rows[i]]
+        before[0, i], before[1, i] = tokens, pages
+        after = (tokens + new[i] + page_size - 1) // page_size
+        need += after - pages
+        if wide < 0 and after > width:
             wide = i
-    return need, wide
-
-
-@host_kernel
-def _take_pages(table, row_tokens, row_pages, free, num_free, rows, counts):
-    """Commit a counted reservation (:func:`_count_pages`): request ``i``'s new pages,
-    popped off the free stack (``free[:num_free]``, top last), go to table row
-    ``rows[i]`` after its pages; each row's counts become the after counts. Returns
-    the stack's new height."""
-    top = num_free
-    for i in range(rows.shape[0]):
-        row = rows[i]
-        for p in range(counts[1, i], counts[3, i]):
+    if wide >= 0 or need > num_free or fresh > num_free_rows:
+        return need, wide, fresh, False
+    top, height = num_free, num_free_rows
+    for i in range(new.shape[0]):
+        if all_new or prefix_rows[i] < 0:
+            height -= 1
+            row = free_rows[height]
+        else:
+            row = prefix_rows[i]
+        taken[i] = row
+        tokens = before[0, i] + new[i]
+        after = (tokens + page_size - 1) // page_size
+        for p in range(before[1, i], after):
             top -= 1
             table[row, p] = free[top]
-        row_tokens[row] = counts[2, i]
-        row_pages[row] = counts[3, i]
-    return top
+        row_tokens[row] = tokens
+        row_pages[row] = after
+    return need, wide, fresh, True
 
 
 @host_kernel
 def _clear_pages(table, row_tokens, row_pages, rows, tokens_before, pages_before):
-    """Undo :func:`_take_pages` (nothing changed since): each row's pages past its
+    """Undo :func:`_reserve_pages` (nothing changed since): each row's pages past its
     count before become scratch again and its counts what they were; the pages are
     still above the free stack's top, in order (the caller raises its height)."""
     for i in range(rows.shape[0]):

@@ -256,51 +256,53 @@ class BatchPreparer:
             q_lens, kv_lens = rp.seg_q_len, rp.seg_kv_len
             max_q, max_kv = seg_maxima(q_lens, kv_lens)
             buf, cu, kvl, pt = AttentionMetadata.host_buffers(kv_lens.shape[0], max(1, kv.pages_for(max_kv)))
-            per_row = np.empty((2, rp.positions.shape[0]), dtype=np.int64)  # token ids, cache slots
-            _rank_inputs(kv.table, kv.page_size, seq_rows, rp.seg_request, q_lens, kv_lens, rp.rows, rp.positions,
+            per_row = np.empty((3, rp.num_rows), dtype=np.int64)  # token ids, positions, cache slots
+            _rank_inputs(kv.table, kv.page_size, seq_rows, rp.seg_request, kv_lens, rp.seg_shift, rp.cu_seqlens_q,
                          flat, per_row, cu, kvl, pt)
             meta = AttentionMetadata._live(cu, kvl, pt, kv.page_size, max_q, max_kv, self.device, buf)
-            return PreparedBatch(plan, seq_ids, per_row[0], rp.positions, per_row[1], meta, pt)
+            return PreparedBatch(plan, seq_ids, per_row[0], per_row[1], per_row[2], meta, pt)
 
 
 @host_kernel
-def _rank_inputs(table, page_size, seq_rows, seg_request, seg_q_len, seg_kv_len, rows, positions, flat, per_row,
-                 cu, kv_lens, page_table):
+def _rank_inputs(table, page_size, seq_rows, seg_request, seg_kv_len, seg_shift, seg_cu, flat, per_row, cu, kv_lens,
+                 page_table):
     """One rank's host inputs in one compiled pass over its segments (segment ``s``:
-    ``seg_q_len[s]`` rows of request ``seg_request[s]``, whose row of the cache's dense
-    ``table`` is ``seq_rows[...]``, its last row seeing ``seg_kv_len[s]`` keys; ``rows``
-    and ``positions`` per local row): each row's token id (``flat[rows[i]]``) and cache
-    slot into ``per_row`` [2, n]; the attention metadata's ``cu`` [S + 1], ``kv_lens``
-    [S] and ``page_table`` [S, width] (int32; columns past the table's are scratch).
-    The pages must be reserved. A power-of-two page: a shift and a mask a row."""
+    local rows ``seg_cu[s] .. seg_cu[s + 1]``, consecutive rows of request
+    ``seg_request[s]`` whose row of the cache's dense ``table`` is ``seq_rows[...]``;
+    ``seg_shift`` [2, S] their global row and position less the local index; the
+    last row sees ``seg_kv_len[s]`` keys): each row's token id (``flat[global
+    row]``), position and cache slot into ``per_row`` [3, n]; the attention
+    metadata's ``cu`` [S + 1], ``kv_lens`` [S] and ``page_table`` [S, width] (int32;
+    columns past the table's are scratch). The pages must be reserved."""
     width = page_table.shape[1]
     copied = min(width, table.shape[1])
-    shift = -1
-    if page_size & (page_size - 1) == 0:
-        shift = 0
-        while (1 << shift) < page_size:
-            shift += 1
-    mask = page_size - 1
-    i = 0
-    cu[0] = 0
-    for s in range(seg_q_len.shape[0]):
+    ids, positions, slots = per_row[0], per_row[1], per_row[2]
+    for s in range(seg_kv_len.shape[0]):
         row = seq_rows[seg_request[s]]
+        cu[s] = seg_cu[s]
         kv_lens[s] = seg_kv_len[s]
         for p in range(copied):
             page_table[s, p] = table[row, p]
         for p in range(copied, width):
             page_table[s, p] = SCRATCH_PAGE
-        for _ in range(seg_q_len[s]):
-            position = positions[i]
-            if shift >= 0:
-                page, offset = position >> shift, position & mask
-            else:
-                page = position // page_size
-                offset = position - page * page_size
-            per_row[0, i] = flat[rows[i]]
-            per_row[1, i] = table[row, page] * page_size + offset
-            i += 1
-        cu[s + 1] = i
+        first, last = seg_cu[s], seg_cu[s + 1]
+        if first == last:
+            continue
+        shift, position = seg_shift[0, s], seg_shift[1, s] + first
+        page, offset = position // page_size, position % page_size  # then walked: no division a row
+        base = table[row, page] * page_size
+        for i in range(first, last):
+            ids[i] = flat[shift + i]
+            positions[i] = position
+            slots[i] = base + offset
+            position += 1
+            offset += 1
+            if offset == page_size:
+                offset = 0
+                page += 1
+                if i + 1 < last:
+                    base = table[row, page] * page_size
+    cu[seg_kv_len.shape[0]] = seg_cu[seg_kv_len.shape[0]]
 
 
 _INT64_MAX = np.iinfo(np.int64).max

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from graphcp.attention.staging import PinnedStaging
+from graphcp.jit import host_kernel
 
 
 @dataclass
@@ -210,16 +211,9 @@ class StaticBuffers:
         if self._staged:
             self._staging.wait()  # the previous fill's uploads read these buffers when they run
         ids, pos, slots = self._host_arrays()
-        ids[:n] = input_ids
-        pos[:n] = positions
-        slots[:n] = kv_slots
         # re-pad only the rows an earlier fill may have left live: the rest is inert
         dirty = self._dirty
-        end = min(capacity, dirty)
-        if end > n:
-            ids[n:end] = 0
-            pos[n:end] = 0
-            slots[n:end] = -1
+        _fill_rows(ids, pos, slots, input_ids, positions, kv_slots, min(capacity, dirty))
         # rows past this bucket keep what they held; within it only the first n are live
         self._dirty = dirty if dirty > capacity else n
         if self._staged:
@@ -254,3 +248,20 @@ class StaticBuffers:
         # and every other entry belongs to an empty segment or lies past its kv length
         w = page_table.shape[1]
         self.page_table[:s, :w].copy_(torch.from_numpy(np.ascontiguousarray(page_table, dtype=np.int32)))
+
+
+@host_kernel
+def _fill_rows(ids, pos, slots, input_ids, positions, kv_slots, end):
+    """The live rows into the host views (``input_ids`` etc., n of each), then rows n
+    up to ``end`` padded inertly: token 0, position 0, slot -1 (one call)."""
+    n = input_ids.shape[0]
+    for i in range(n):  # (a loop an array: each a vectorised copy)
+        ids[i] = input_ids[i]
+    for i in range(n):
+        pos[i] = positions[i]
+    for i in range(n):
+        slots[i] = kv_slots[i]
+    for i in range(n, end):
+        ids[i] = 0
+        pos[i] = 0
+        slots[i] = -1
