@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphcp.jit import host_kernel
 from graphcp.kv.layout import KVLayout
 
 LSE_BASE = "e"
@@ -40,17 +39,6 @@ def max_of(values: np.ndarray) -> int:
     if values.shape[0] <= 64:
         return max(values.tolist(), default=0)
     return int(np.maximum.reduce(values))
-
-
-@host_kernel
-def seg_maxima(q_lens: np.ndarray, kv_lens: np.ndarray) -> tuple[int, int]:
-    """The largest q_len and kv_len of a rank's segments (0, 0 when there are none):
-    the metadata's ``max_q_len`` and ``max_kv_len``, in one compiled call."""
-    most_q = most_kv = 0
-    for s in range(q_lens.shape[0]):
-        most_q = max(most_q, q_lens[s])
-        most_kv = max(most_kv, kv_lens[s])
-    return most_q, most_kv
 
 
 class AttentionMetadata:

@@ -198,6 +198,7 @@ class RankPlan:
         "_seg_kv_len",
         "_cu_seqlens_q",
         "_seg_shift",
+        "_most",
     )
 
     # read-only views of the slots (no setters)
@@ -226,7 +227,10 @@ class RankPlan:
         rows: np.ndarray | None = None,
         positions: np.ndarray | None = None,
         row_request: np.ndarray | None = None,
+        most: Sequence[int] | None = None,
     ) -> None:
+        """``most``: the largest q_len and kv_len of the segments, when the layout knows
+        them (else found on first use)."""
         self._rank = rank
         self._seg_request = seg_request
         self._seg_q_len = seg_q_len
@@ -236,6 +240,16 @@ class RankPlan:
         self._rows = rows
         self._positions = positions
         self._row_request = row_request
+        self._most = most
+
+    @property
+    def max_lens(self) -> Sequence[int]:
+        """``(max q_len, max kv_len)`` of the segments (0, 0 when there are none)."""
+        most = self._most
+        if most is None:
+            q, kv = self._seg_q_len, self._seg_kv_len
+            most = self._most = (int(q.max(initial=0)), int(kv.max(initial=0)))
+        return most
 
     @property
     def rows(self) -> np.ndarray:

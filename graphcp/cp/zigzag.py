@@ -137,16 +137,19 @@ class _ZigzagTables:
 
 
 @host_kernel
-def _zigzag_blocks(extend_lens, prefix_lens, cp_size, per_block, local_rows, cu):
-    """The plan at block granularity (see :class:`ZigzagPlan`), written into
-    ``per_block`` [6, R * 2C]: the block sizes in global block order (row 0), then
-    rank-major the sizes (row 1: the segments' q_lens), local ends (2), global row -
-    local index (3), position - local index (4) and the keys each block's last row
-    sees (5); each rank's local rows into ``local_rows`` [C] and its segments' offsets
-    into ``cu`` [C, 2R + 1] (int32). Returns the batch's tokens."""
+def _zigzag_blocks(extend_lens, prefix_lens, cp_size, buf, cu):
+    """The plan at block granularity (see :class:`ZigzagPlan`), written into ``buf``:
+    first ``per_block`` [6, R * 2C], the block sizes in global block order (row 0),
+    then rank-major the sizes (row 1: the segments' q_lens), local ends (2), global
+    row - local index (3), position - local index (4) and the keys each block's last
+    row sees (5); then each rank's local rows [C] and the largest q_len and kv_len of
+    its segments [C, 2]; each rank's segment offsets into ``cu`` [C, 2R + 1] (int32).
+    Returns the batch's tokens."""
     c2 = 2 * cp_size
     num = extend_lens.shape[0]
     nseg = 2 * num
+    blocks = nseg * cp_size
+    per_block = buf[: 6 * blocks].reshape(6, blocks)
     end = 0  # global rows so far
     for j in range(num):
         length = extend_lens[j]
@@ -161,7 +164,7 @@ def _zigzag_blocks(extend_lens, prefix_lens, cp_size, per_block, local_rows, cu)
             per_block[3, f] = end  # the block's global end, until its local end is known
             per_block[5, f] = end + delta
     for r in range(cp_size):
-        local = 0
+        local = most_q = most_kv = 0
         cu[r, 0] = 0
         for f in range(r * nseg, (r + 1) * nseg):
             local += per_block[1, f]
@@ -169,7 +172,11 @@ def _zigzag_blocks(extend_lens, prefix_lens, cp_size, per_block, local_rows, cu)
             per_block[2, f] = local
             per_block[3, f] -= local
             per_block[4, f] = per_block[5, f] - local
-        local_rows[r] = local
+            most_q = max(most_q, per_block[1, f])
+            most_kv = max(most_kv, per_block[5, f])
+        buf[6 * blocks + r] = local
+        buf[6 * blocks + cp_size + 2 * r] = most_q
+        buf[6 * blocks + cp_size + 2 * r + 1] = most_kv
     return end
 
 
@@ -198,15 +205,15 @@ class ZigzagPlan(Plan):
         nseg = 2 * num
         tab = (tables if tables is not None else _ZigzagTables(cp_size)).batch(num)
         blocks = nseg * cp_size
-        # one buffer: per block (rows 0-5 below), then each rank's local rows
-        buf = np.empty(6 * blocks + cp_size, dtype=np.int64)
+        # one buffer: per block (rows 0-5, see the kernel), then per rank its local rows
+        # and its segments' largest q_len and kv_len
+        buf = np.empty(6 * blocks + 3 * cp_size, dtype=np.int64)
         cu = np.empty((cp_size, nseg + 1), dtype=np.int32)  # each rank's segment offsets
-        num_tokens = _zigzag_blocks(extend_lens, prefix_lens, cp_size, buf[: 6 * blocks].reshape(6, blocks),
-                                    buf[6 * blocks :], cu)
+        num_tokens = _zigzag_blocks(extend_lens, prefix_lens, cp_size, buf, cu)
         buf.setflags(write=False)  # (before the views: they are exposed through RankPlans)
         cu.setflags(write=False)
         per_block = buf[: 6 * blocks].reshape(6, blocks)
-        local_rows = buf[6 * blocks :].tolist()
+        local_rows = buf[6 * blocks : 6 * blocks + cp_size].tolist()
         super().__init__(cp_size, extend_lens, prefix_lens, num_tokens)
         d = self.__dict__
         d["_tab"] = tab
@@ -217,6 +224,7 @@ class ZigzagPlan(Plan):
         d["_shift"] = per_block[3:5]
         d["_kv"] = per_block[5]
         d["_cu"] = cu
+        d["_most"] = buf[6 * blocks + cp_size :].reshape(cp_size, 2).tolist()
         d["local_rows"] = local_rows
         d["max_local_rows"] = max(local_rows)
 
@@ -237,7 +245,8 @@ class ZigzagPlan(Plan):
         nseg = 2 * self.num_requests
         lo = r * nseg
         hi = lo + nseg
-        return RankPlan(r, self._tab.seg_request, self._q[lo:hi], self._kv[lo:hi], self._cu[r], self._shift[:, lo:hi])
+        return RankPlan(r, self._tab.seg_request, self._q[lo:hi], self._kv[lo:hi], self._cu[r], self._shift[:, lo:hi],
+                        most=self._most[r])
 
     # ----------------------------------------------------------------- global maps
 

@@ -195,6 +195,7 @@ class PagedKVCache:
         self.cache_id = uuid.uuid4().hex  # stamped on every handle this cache issues
         # the dense page table, and per row its sequence's page and token counts (0 when free)
         self._table = np.full((_INITIAL_ROWS, max_pages_per_seq), SCRATCH_PAGE, dtype=np.int32)
+        self._table_view = np.zeros(0, dtype=np.int32)  # the read-only view :attr:`table` hands out (on first use)
         self._row_pages = np.zeros(_INITIAL_ROWS, dtype=np.int64)
         self._row_tokens = np.zeros(_INITIAL_ROWS, dtype=np.int64)
         self._last: _Reservation | None = None  # the last extend, while nothing else changed
@@ -302,8 +303,10 @@ class PagedKVCache:
         """The dense ``[rows, table_width]`` int32 page table, as a read-only view. Row
         ``r`` is valid only while its sequence is live; the table is reallocated when it
         grows, so do not hold the view across :meth:`extend`."""
-        view = self._table.view()
-        view.flags.writeable = False
+        view = self._table_view
+        if view.base is not self._table:  # the table grew: a new view of it
+            view = self._table_view = self._table.view()
+            view.flags.writeable = False
         return view
 
     def _grow_rows(self, rows: int) -> None:

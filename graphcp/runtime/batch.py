@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionMetadata, seg_maxima
+from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.ring.plan import RingPlan, RingPlanner
 from graphcp.cp import Layout, Plan
 from graphcp.dist import CPGroup
@@ -253,8 +253,8 @@ class BatchPreparer:
                 seq_rows = kv.table_rows(seq_ids)
             # attention metadata written in place into one packed buffer; this rank's
             # segments read pages up to their kv lengths only
-            q_lens, kv_lens = rp.seg_q_len, rp.seg_kv_len
-            max_q, max_kv = seg_maxima(q_lens, kv_lens)
+            kv_lens = rp.seg_kv_len
+            max_q, max_kv = rp.max_lens
             buf, cu, kvl, pt = AttentionMetadata.host_buffers(kv_lens.shape[0], max(1, kv.pages_for(max_kv)))
             per_row = np.empty((3, rp.num_rows), dtype=np.int64)  # token ids, positions, cache slots
             _rank_inputs(kv.table, kv.page_size, seq_rows, rp.seg_request, kv_lens, rp.seg_shift, rp.cu_seqlens_q,
@@ -330,62 +330,81 @@ class CheckedBatch:
 
 
 def _check_batch(batch: Sequence, kv: PagedKVCache, vocab: int, max_tokens: int) -> CheckedBatch | None:
-    """The batch checked with array operations over all of it (a few numpy calls, and
-    C-level maps over the requests: no Python per request or token); None when any
-    check fails or an input is unusual (then :meth:`BatchPreparer._validate_each`
-    finds and names the culprit). Accepts exactly what that accepts, with the same
-    result: 1-D integer token ids (arrays, CPU tensors, lists), non-empty, every id
-    in ``[0, vocab)``, live distinct prefix handles, ``max_tokens`` per request."""
+    """The batch checked with array operations over all of it (C-level maps over the
+    requests, one concatenation and one compiled pass over the ids and lengths: no
+    Python per request or token); None when any check fails or an input is unusual
+    (then :meth:`BatchPreparer._validate_each` finds and names the culprit). Accepts
+    exactly what that accepts, with the same result: 1-D integer token ids (arrays,
+    CPU tensors, lists), non-empty, every id in ``[0, vocab)``, live distinct prefix
+    handles, ``max_tokens`` per request."""
     if set(map(type, batch)) != _REQUEST:
         return None
     prefixes = [r.prefix for r in batch]
+    num = len(prefixes)
     try:  # CPU tensors convert without a copy; what cannot convert is worded by the per-request path
         arrays = list(map(np.asarray, [r.tokens for r in batch]))
-        lengths, least, most = _lengths(arrays)  # (a 0-d array has no len)
+        extend = np.fromiter(map(len, arrays), np.int64, num)  # (a 0-d array has no len)
     except Exception:  # noqa: BLE001 - any failure: the per-request path says what and where
         return None
     dtypes = {a.dtype for a in arrays}  # (comprehensions: Python 3.11's attribute loads beat attrgetter)
-    if not dtypes <= _INTEGER_DTYPES or least < 1:
+    if not dtypes <= _INTEGER_DTYPES:
         return None
-    num = len(arrays)
-    extend, prefix = lengths[:num], lengths[num:]
     try:
         rows = kv.prefix_rows(prefixes)
     except KVHandleError:
         return None
     if rows is None:
-        if most > max_tokens:
-            return None
+        prefix = _no_prefix(num)
     else:
         given = rows >= 0
+        prefix = np.zeros(num, dtype=np.int64)
         prefix[given] = np.fromiter(map(_num_tokens_of, compress(prefixes, given)), np.int64, int(given.sum()))
-        if int(np.maximum.reduce(prefix + extend)) > max_tokens:
-            return None
+        prefix.setflags(write=False)
     try:  # arrays of other ranks do not concatenate, or do but not to 1-D: the per-request path words it
         # uint64 ids past int64 wrap negative here; a negative id, seen unsigned, is >= vocab
         flat = np.concatenate(arrays) if dtypes == _INT64 else np.concatenate(arrays, dtype=np.int64, casting="unsafe")
     except ValueError:
         return None
-    if flat.ndim != 1 or int(np.maximum.reduce(flat.view(np.uint64))) >= vocab:
+    if flat.ndim != 1:
         return None
-    lengths.setflags(write=False)  # (before the views the plan keeps: a view made earlier stays writeable)
-    return CheckedBatch(flat, lengths[:num], lengths[num:], prefixes, rows, least)
+    least = _checked_least(flat, vocab, extend, prefix, max_tokens)
+    if least < 1:
+        return None
+    extend.setflags(write=False)
+    return CheckedBatch(flat, extend, prefix, prefixes, rows, least)
 
 
-def _lengths(arrays: list[np.ndarray]) -> tuple[np.ndarray, int, int]:
-    """An int64 [2R] zero buffer holding each array's length in its first half (the
-    extend lengths; the prefix lengths go in the second), and the least and most of
-    them. (Through a list and Python's min and max for a few requests, numpy's for
-    many: each is the faster there.)"""
-    num = len(arrays)
-    lengths = np.zeros(2 * num, dtype=np.int64)
-    if num <= 64:
-        lens = list(map(len, arrays))
-        lengths[:num] = lens
-        return lengths, min(lens), max(lens)
-    extend = lengths[:num]
-    extend[:] = np.fromiter(map(len, arrays), np.int64, num)
-    return lengths, int(np.minimum.reduce(extend)), int(np.maximum.reduce(extend))
+@host_kernel
+def _checked_least(flat, vocab, extend, prefix, max_tokens):
+    """The fewest new tokens of a request when every id of ``flat`` is in ``[0, vocab)``
+    (seen unsigned: a negative id is past it) and every request's ``prefix + extend``
+    at most ``max_tokens``; 0 otherwise (a request with no new token gives 0 too)."""
+    worst = np.uint64(0)
+    for i in range(flat.shape[0]):
+        worst = max(worst, np.uint64(flat[i]))
+    if flat.shape[0] and worst >= vocab:
+        return 0
+    least = max_tokens + 1
+    for j in range(extend.shape[0]):
+        least = min(least, extend[j])
+        if prefix[j] + extend[j] > max_tokens:
+            return 0
+    return least
+
+
+_NO_PREFIX: dict[int, np.ndarray] = {}
+
+
+def _no_prefix(num: int) -> np.ndarray:
+    """int64 [num] zeros, read-only and shared: the prefix lengths of a batch without
+    prefixes (plans keep them; no one writes them)."""
+    out = _NO_PREFIX.get(num)
+    if out is None:
+        if len(_NO_PREFIX) > 1024:
+            _NO_PREFIX.clear()
+        out = _NO_PREFIX[num] = np.zeros(num, dtype=np.int64)
+        out.setflags(write=False)
+    return out
 
 
 def _prefix_pages(batch: Sequence[Request]) -> np.ndarray | None:
