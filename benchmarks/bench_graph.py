@@ -67,6 +67,8 @@ def test_plan_and_fill_16_requests_cp8(benchmark, host_engine, kind):
         eng.runner.fill(prep, eng.runner.select(plan.max_local_rows).capacity)
 
     benchmark.group = "host preparation"
+    for _ in batches:  # the compiled kernels load (or compile) on first use: not what is timed
+        plan_and_fill()
     benchmark(plan_and_fill)
     for extend, prefix, seq_ids, _ in reversed(batches):
         eng.kv.rollback(seq_ids, (prefix + extend).tolist())
@@ -88,6 +90,7 @@ def test_whole_host_preparation_16_requests_cp8(benchmark, host_engine, kind):
         eng.preparer.abort(prep)
 
     benchmark.group = "host preparation"
+    prepare_and_fill()  # the compiled kernels load (or compile) on first use: not what is timed
     benchmark(prepare_and_fill)
     benchmark.extra_info.update(tokens=int(sum(lens)), target_us=50)
 

@@ -213,7 +213,8 @@ class ZigzagPlan(Plan):
         buf.setflags(write=False)  # (before the views: they are exposed through RankPlans)
         cu.setflags(write=False)
         per_block = buf[: 6 * blocks].reshape(6, blocks)
-        local_rows = buf[6 * blocks : 6 * blocks + cp_size].tolist()
+        per_rank = buf[6 * blocks :].tolist()  # local rows [C], then (max q_len, max kv_len) [C, 2]
+        local_rows = per_rank[:cp_size]
         super().__init__(cp_size, extend_lens, prefix_lens, num_tokens)
         d = self.__dict__
         d["_tab"] = tab
@@ -224,7 +225,7 @@ class ZigzagPlan(Plan):
         d["_shift"] = per_block[3:5]
         d["_kv"] = per_block[5]
         d["_cu"] = cu
-        d["_most"] = buf[6 * blocks + cp_size :].reshape(cp_size, 2).tolist()
+        d["_per_rank"] = per_rank
         d["local_rows"] = local_rows
         d["max_local_rows"] = max(local_rows)
 
@@ -246,7 +247,7 @@ class ZigzagPlan(Plan):
         lo = r * nseg
         hi = lo + nseg
         return RankPlan(r, self._tab.seg_request, self._q[lo:hi], self._kv[lo:hi], self._cu[r], self._shift[:, lo:hi],
-                        most=self._most[r])
+                        most=self._per_rank[self.cp_size + 2 * r : self.cp_size + 2 * r + 2])
 
     # ----------------------------------------------------------------- global maps
 
