@@ -25,9 +25,9 @@ PACKAGE = ROOT / "graphcp"
 #: API); a unit may import only units before it. The library ends at ``graphcp``; the
 #: applications after it are imported by nothing in the library.
 LAYERS = [
-    # small shared helpers: errors, checks, option names, which options combine, the JSONL
-    # reader, NVTX markers, the parallel and runtime configs
-    "errors", "options", "combinations", "checks", "jsonl", "nvtx_ranges", "config",
+    # small shared helpers: the compiled host kernels' decorator, errors, checks, option
+    # names, which options combine, the JSONL reader, NVTX markers, the parallel and runtime configs
+    "jit", "errors", "options", "combinations", "checks", "jsonl", "nvtx_ranges", "config",
     "dist",        # process groups and collectives
     "mesh",        # the stage's mesh: (dp, cp, attn_tp) coordinates and the named groups
     "cp",          # layouts: which rank owns which tokens (numpy)
