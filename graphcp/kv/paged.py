@@ -52,7 +52,6 @@ from operator import attrgetter, is_not
 import numpy as np
 import torch
 
-from graphcp.cp.base import arange
 from graphcp.cp.zigzag import ZigzagLayout
 from graphcp.errors import BatchError
 from graphcp.jit import host_kernel
