@@ -289,7 +289,7 @@ class RankPlan:
 
     @property
     def num_rows(self) -> int:
-        return int(self.rows.shape[0])
+        return int(self._cu_seqlens_q[-1])  # (not the rows': they may not be expanded)
 
     @property
     def num_segments(self) -> int:
