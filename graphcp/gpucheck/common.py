@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
+from graphcp import jit
 from graphcp import nvtx_ranges as ranges
 
 FLASHINFER_ABSENT = ("flashinfer is not installed here: its wheel (~100 MB) is larger than what travels to the "
@@ -96,5 +97,5 @@ def env_info() -> dict:
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": _version("triton"),
             "flashinfer": _version("flashinfer-python") or _version("flashinfer"),
             "flashinfer_importable": importlib.util.find_spec("flashinfer") is not None,
-            "nvtx": ranges.NVTX_AVAILABLE, "python": platform.python_version(),
+            "nvtx": ranges.NVTX_AVAILABLE, "host_kernels_compiled": jit.COMPILED, "python": platform.python_version(),
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}

@@ -33,6 +33,9 @@ def run_check(st: Settings, out_dir: Path, budget_s: float, skip: set[str], opti
     if not env["nvtx"]:
         notes.append("the nvtx package is missing: graphcp's ranges reach torch.profiler (the traces here) but "
                      "not NVTX/nsys")
+    if not env["host_kernels_compiled"]:
+        notes.append("numba is missing: graphcp's host kernels ran as Python (the same results; host times here "
+                     "are not the compiled path's)")
     res: dict[str, Any] = {
         "schema": SCHEMA_VERSION, "dry_run": st.dry_run,
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
