@@ -128,8 +128,7 @@ class _Reservation:
     new: np.ndarray  # the new tokens it reserved (read-only: the caller's when it was, else a copy)
     rows: np.ndarray  # the requests' table rows
     need: int  # pages it took off the free stack
-    tokens_before: np.ndarray  # each row's tokens and pages before (0 for a new sequence)
-    pages_before: np.ndarray
+    before: np.ndarray  # [2, R]: each row's tokens and pages before (0 for a new sequence)
     created: list[bool] | None  # which requests it made a new sequence for (None: all)
 
     def undoes(self, seq_ids) -> bool:
@@ -461,7 +460,7 @@ class PagedKVCache:
             ids = [next(fresh_ids) if h is None else h.seq_id for h in prefixes]
             live.update(zip(range(first, first + fresh), compress(taken.tolist(), created)))
         self._last = _Reservation(ids[:], new if not new.flags.writeable else _frozen_copy(new), taken, need,
-                                  before[0], before[1], created)
+                                  before, created)
         if created is None:  # every request new: their id -> row entries wait for the first read
             self._pending = (self._last.ids, taken)
         return ids, taken
@@ -500,7 +499,7 @@ class PagedKVCache:
         clears what it wrote and puts back each row's counts."""
         last, self._last = self._last, None
         rows = last.rows
-        _clear_pages(self._table, self._row_tokens, self._row_pages, rows, last.tokens_before, last.pages_before)
+        _clear_pages(self._table, self._row_tokens, self._row_pages, rows, last.before)
         self._num_free += last.need
         self._drop(last.ids, rows, last.created)
 
@@ -682,16 +681,17 @@ def _reserve_pages(prefix_rows, all_new, new, page_size, row_tokens, row_pages, 
 
 
 @host_kernel
-def _clear_pages(table, row_tokens, row_pages, rows, tokens_before, pages_before):
+def _clear_pages(table, row_tokens, row_pages, rows, before):
     """Undo :func:`_reserve_pages` (nothing changed since): each row's pages past its
-    count before become scratch again and its counts what they were; the pages are
-    still above the free stack's top, in order (the caller raises its height)."""
+    count before (``before`` [2, R]: tokens, pages) become scratch again and its counts
+    what they were; the pages are still above the free stack's top, in order (the
+    caller raises its height)."""
     for i in range(rows.shape[0]):
         row = rows[i]
-        for p in range(pages_before[i], row_pages[row]):
+        for p in range(before[1, i], row_pages[row]):
             table[row, p] = SCRATCH_PAGE
-        row_tokens[row] = tokens_before[i]
-        row_pages[row] = pages_before[i]
+        row_tokens[row] = before[0, i]
+        row_pages[row] = before[1, i]
 
 
 @host_kernel
