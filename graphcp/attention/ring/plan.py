@@ -32,12 +32,12 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionMetadata, max_of
+from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.ring.exchange_choice import ExchangeChoice, choose_exchange
 from graphcp.attention.ring.hardware import HardwareSpec
-from graphcp.cp.base import arange
 from graphcp.cp.zigzag import ZigzagPlan
-from graphcp.kv.sharded import ShardedKVCache
+from graphcp.jit import host_kernel
+from graphcp.kv.sharded import ShardedKVCache, page_count
 
 
 class RingPlanError(RuntimeError):
@@ -186,110 +186,195 @@ def visible_keys_to(rank: int, start: np.ndarray, length: np.ndarray, held_befor
     return col
 
 
-def _cu(q_lens: np.ndarray) -> np.ndarray:
-    cu = np.zeros(q_lens.size + 1, dtype=np.int64)
-    np.add.accumulate(q_lens, out=cu[1:])  # (np.cumsum: the same, through more Python)
-    return cu
-
-
-@lru_cache(maxsize=1024)
-def _sources(cp_size: int, rank: int) -> np.ndarray:
-    """int64 [C - 1]: the rank whose keys (pass-KV) or rows (pass-Q) step i >= 1 reads, (r - i) mod C."""
-    out = (rank - np.arange(1, cp_size)) % cp_size
-    out.setflags(write=False)
-    return out
-
-
-def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: np.ndarray | None,
-                length: np.ndarray, pages: np.ndarray, seg_request: np.ndarray, seg_table: np.ndarray, page_size: int,
-                device) -> list[AttentionMetadata]:
-    """Steps 1 .. C-1's metadata, built for all steps at once into one packed int32
-    buffer (a row a step: cu_seqlens_q, kv_lens, page table, as ``from_host`` packs
-    one); the per-step Python is the metadata object alone. Pass-KV: this rank's rows
-    over rank (r - i)'s staged pages (a table as wide as the widest message's
-    request, scratch past each); pass-Q: rank (r - i)'s rows over this rank's pages."""
-    C = row.shape[0]
-    if C == 1:
-        return []
-    srcs = _sources(C, rank)
-    n = C - 1
-    S = seg_request.shape[0]
-    if exchange == "pass-kv":
-        src_pages = pages[srcs]  # [n, R]
-        width = max(int(src_pages.max(initial=0)), 1)
-        first = 1 + np.add.accumulate(src_pages, axis=1) - src_pages  # after the scratch page
-        column = np.arange(width)
-        tables = np.where(column < src_pages[..., None], first[..., None] + column, 0)  # [n, R, width]
-        kv_lens = row[srcs].reshape(n, S)
-        cus, q_lens = cu, length[rank].reshape(1, S)  # every step: this rank's rows
-    else:
-        width = seg_table.shape[1]
-        tables = None  # every step: this rank's pages (seg_table)
-        kv_lens = col[srcs].reshape(n, S)
-        q_lens = length[srcs].reshape(n, S)
-        cus = np.zeros((n, S + 1), dtype=np.int64)
-        np.add.accumulate(q_lens, axis=1, out=cus[:, 1:])
-    buf = np.empty((n, 2 * S + 1 + S * width), dtype=np.int32)
-    buf[:, : S + 1] = cus
-    buf[:, S + 1 : 2 * S + 1] = kv_lens
-    step_tables = buf[:, 2 * S + 1 :].reshape(n, S, width)
-    if tables is None:
-        step_tables[:] = seg_table
-    else:  # each segment's request's row, gathered straight into the buffer
-        np.take(tables, seg_request, axis=1, out=step_tables)
-    max_q = np.maximum.reduce(q_lens, axis=1).tolist() * (n // q_lens.shape[0]) if S else [0] * n
-    max_kv = np.maximum.reduce(kv_lens, axis=1).tolist() if S else [0] * n
-    live = AttentionMetadata._live
-    # each step's views from whole-buffer views (a row of each: cheaper than slicing every step's row three times)
-    return [live(c, k, t, page_size, mq, mk, device, b, False)
-            for b, c, k, t, mq, mk in zip(buf, buf[:, : S + 1], buf[:, S + 1 : 2 * S + 1], step_tables, max_q, max_kv)]
-
-
 def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int, exchange: str,
                  device: torch.device, choice: ExchangeChoice | None = None,
                  seq_rows: np.ndarray | None = None) -> ShardedInputs:
     """Rank ``rank``'s inputs for one batch over a sharded cache whose pages the batch
     has reserved (``kv.extend`` ran: the ledger counts this forward's blocks;
-    ``seq_rows``: the sequences' table rows, when the caller has them)."""
+    ``seq_rows``: the sequences' table rows, when the caller has them). Two compiled
+    passes (:func:`_ring_extent` sizes the buffers, :func:`_ring_plan` checks every
+    row's history and writes them); the per-step Python is the metadata objects alone."""
     C, R, ps = plan.cp_size, plan.num_requests, kv.page_size
     start, length = plan.blocks()
     if seq_rows is None:
         seq_rows = kv.table_rows(seq_ids)
-    held_after = kv.rank_tokens(seq_ids, seq_rows)  # [C, R]
+    ledger = kv.ledger
+    pass_q = exchange == "pass-q"
+    msg = np.empty(C, dtype=np.int64)
+    shift = kv.page_shift
+    own_width, widest = _ring_extent(ledger, seq_rows, rank, ps, shift, msg)
+    S = 2 * R
+    # pass-KV: a table as wide as the widest message's request (scratch past each); pass-Q: this rank's
+    width = own_width if pass_q else widest
+    buf0, cu0, kv0, seg_table = AttentionMetadata.host_buffers(S, own_width)
+    packed = np.empty((C - 1, 2 * S + 1 + S * width), dtype=np.int32)  # steps 1 .. C-1, a row each
+    slots = np.empty(plan.local_rows[rank], dtype=np.int64)
+    send = np.empty(0 if pass_q else int(msg[rank]), dtype=np.int64)
+    most = np.empty((C, 2), dtype=np.int64)
+    bad = _ring_plan(start, length, ledger, seq_rows, kv.table, rank, ps, shift, pass_q, cu0, kv0, seg_table, packed,
+                     width, slots, send, most)
+    if bad >= 0:
+        _refuse(rank, start, length, ledger[seq_rows].T)
+    most = most.tolist()
+    meta0 = AttentionMetadata._live(cu0, kv0, seg_table, ps, most[0][0], most[0][1], device, buf0)
+    steps = [meta0, *_step_metadata(packed, S, width, most[1:], ps, device)]
+    ring = RingPlan(exchange, C, rank, steps, list(plan.local_rows), [0] * C if pass_q else msg.tolist(), send, choice)
+    return ShardedInputs(slots, meta0, seg_table, ring)
+
+
+def _step_metadata(packed: np.ndarray, S: int, width: int, most: list[list[int]], page_size: int,
+                   device) -> list[AttentionMetadata]:
+    """Steps 1 .. C-1's (non-causal) metadata over their rows of ``packed`` (cu_seqlens_q,
+    kv_lens, page table, as ``from_host`` packs one; ``most``: each step's largest q_len
+    and kv_len)."""
+    live = AttentionMetadata._live
+    tables = packed[:, 2 * S + 1 :].reshape(-1, S, width)
+    # each step's views from whole-buffer views (a row of each: cheaper than slicing every step's row three times)
+    return [live(c, k, t, page_size, mq, mk, device, b, False)
+            for b, c, k, t, (mq, mk) in zip(packed, packed[:, : S + 1], packed[:, S + 1 : 2 * S + 1], tables, most)]
+
+
+def _refuse(rank: int, start: np.ndarray, length: np.ndarray, held_after: np.ndarray) -> None:
+    """RingPlanError for a batch :func:`_ring_plan` refused, worded by the reference
+    check (:func:`visible_keys_of`) from the ledger's counts (``held_after`` [C, R])."""
     held_before = held_after - length[..., 0]
     held_before -= length[..., 1]
-    row = visible_keys_of(rank, start, length, held_before)
-    col = visible_keys_to(rank, start, length, held_before) if exchange == "pass-q" else None
-    pages = -(-held_after // ps)  # [C, R]: each rank's pages of each request
-    seg_request = plan.rank(rank).seg_request  # (the rank's plan is built and cached by now)
-    q_lens = length[rank].reshape(-1)
-    cu = _cu(q_lens)
-    # this rank's own keys of the batch's requests, all of them (pass-Q and step 0 read them)
-    width = max(int(pages[rank].max(initial=0)), 1)
-    own_table = kv.page_table_rows(seq_rows, width)
-    # step 0's metadata written in place into its packed buffer (as from_host packs it)
-    buf, cu0, kv0, seg_table = AttentionMetadata.host_buffers(2 * R, width)
-    cu0[:] = cu
-    kv_own = row[rank].reshape(-1)
-    kv0[:] = kv_own
-    own_table.take(seg_request, axis=0, out=seg_table)
-    meta0 = AttentionMetadata._live(cu0, kv0, seg_table, ps, max_of(q_lens), max_of(kv_own), device, buf)
-    # local index of each new row: after the request's cached pieces, early block first
-    # (a request's two blocks are consecutive rows here: one run per request)
-    req_rows = length[rank, :, 0] + length[rank, :, 1]
-    local = np.repeat(held_before[rank] - cu[:-1:2], req_rows)
-    local += arange(local.shape[0])
-    slots = kv.run_slots(seq_rows, local, req_rows)
-    steps = [meta0, *_ring_steps(exchange, rank, cu, row, col, length, pages, seg_request, seg_table, ps, device)]
-    msg_pages = [0] * C
-    send_pages = np.zeros(0, dtype=np.int64)
-    if exchange == "pass-kv":
-        msg_pages = pages.sum(axis=1).tolist()
-        mask = np.arange(width) < pages[rank][:, None]
-        send_pages = own_table[mask].astype(np.int64)
-    ring = RingPlan(exchange, C, rank, steps, np.add.reduce(length.reshape(C, -1), axis=1).tolist(), msg_pages,
-                    send_pages, choice)
-    return ShardedInputs(slots, meta0, seg_table, ring)
+    visible_keys_of(rank, start, length, held_before)  # raises
+    raise RingPlanError(f"ring plan: rank {rank}'s compiled history check refused a batch visible_keys_of "
+                        "admits (a bug)")
+
+
+@host_kernel
+def _ring_extent(ledger, seq_rows, rank, page_size, page_shift, msg_pages):
+    """Pages each rank holds of the batch's requests (request ``j``: ledger row
+    ``seq_rows[j]``; :func:`page_count`), summed per rank into ``msg_pages`` [C] (pass-KV's messages).
+    Returns the most pages one request has on rank ``rank`` and on any other rank (each
+    at least 1: the page tables' widths)."""
+    C = msg_pages.shape[0]
+    own = other = 1
+    for k in range(C):
+        msg_pages[k] = 0
+    for j in range(seq_rows.shape[0]):
+        row = seq_rows[j]
+        for k in range(C):
+            pages = page_count(ledger[row, k], page_size, page_shift)
+            msg_pages[k] += pages
+            if k == rank:
+                own = max(own, pages)
+            else:
+                other = max(other, pages)
+    return own, other
+
+
+@host_kernel
+def _block_sees(length, before, q, k, j, e):
+    """Keys of rank ``k``'s of request ``j`` (``before`` of them cached before this
+    forward) that rank ``q``'s block ``e`` (0 early, 1 late) sees, from block indices
+    (:func:`visible_keys_of`'s rule): 0 for an empty block; the early block sees the
+    early blocks of ranks k <= q, the late block every early block and the late blocks
+    of ranks k >= q; both every cached position."""
+    if length[q, j, e] == 0:
+        return 0
+    if e == 0:
+        return before + (length[k, j, 0] if k <= q else 0)
+    return before + length[k, j, 0] + (length[k, j, 1] if k >= q else 0)
+
+
+@host_kernel
+def _ring_plan(start, length, ledger, seq_rows, table, rank, page_size, page_shift, pass_q, cu0, kv0, seg_table, packed,
+               width, slots, send, most):
+    """One rank's ring over a sharded cache in one pass (``start``/``length`` [C, R, 2]:
+    the zigzag plan's blocks; request ``j``'s ledger row and this rank's table row are
+    ``seq_rows[j]``; its segments ``2j`` early and ``2j + 1`` late). First the history
+    check: every live block of this rank sees its whole causal history over all ranks;
+    when one does not, returns ``2j + e`` of the first (and what was written is not to be
+    used). Else writes step 0's metadata (``cu0`` [S + 1], ``kv0`` [S], ``seg_table``
+    [S, w]: this rank's pages, scratch past the table); each step i >= 1's row of
+    ``packed`` [C - 1, 2S + 1 + S * width] (cu_seqlens_q, kv_lens, page table), source
+    ``(rank - i) mod C``: pass-KV (``pass_q`` False) this rank's rows over the source's
+    staged pages (its message's request j from page 1 + the pages of requests before),
+    pass-Q the source's rows over this rank's pages; each step's largest q_len and kv_len
+    into ``most`` [C, 2]; the new rows' slots (local indices after each request's cached
+    pieces, early block first) into ``slots``; pass-KV: this rank's pages of the
+    requests, batch order, into ``send``. Returns -1."""
+    C, R = length.shape[0], length.shape[1]
+    S = 2 * R
+    for j in range(R):  # the history check, in the reference's order
+        for e in range(2):
+            if length[rank, j, e] == 0:
+                continue
+            total = 0
+            for k in range(C):
+                before = ledger[seq_rows[j], k] - length[k, j, 0] - length[k, j, 1]
+                total += _block_sees(length, before, rank, k, j, e)
+            if total != start[rank, j, e] + length[rank, j, e]:
+                return 2 * j + e
+    # step 0: this rank's rows over its own keys (causal)
+    cols = min(seg_table.shape[1], table.shape[1])
+    most_q = most_kv = 0
+    cu0[0] = 0
+    for j in range(R):
+        row = seq_rows[j]
+        before = ledger[row, rank] - length[rank, j, 0] - length[rank, j, 1]
+        for e in range(2):
+            s = 2 * j + e
+            cu0[s + 1] = cu0[s] + length[rank, j, e]
+            seen = _block_sees(length, before, rank, rank, j, e)
+            kv0[s] = seen
+            most_q = max(most_q, length[rank, j, e])
+            most_kv = max(most_kv, seen)
+            for c in range(cols):
+                seg_table[s, c] = table[row, c]
+            for c in range(cols, seg_table.shape[1]):
+                seg_table[s, c] = 0
+    most[0, 0], most[0, 1] = most_q, most_kv
+    for i in range(1, C):
+        src = rank - i if i <= rank else rank - i + C  # (rank - i) mod C
+        q, k = (src, rank) if pass_q else (rank, src)  # the query rows' rank, the keys'
+        out = packed[i - 1]
+        most_q = most_kv = 0
+        out[0] = 0
+        first = 1  # pass-KV: the source's pages of request j in its message, after the scratch page
+        for j in range(R):
+            before = ledger[seq_rows[j], k] - length[k, j, 0] - length[k, j, 1]
+            pages = page_count(ledger[seq_rows[j], src], page_size, page_shift)
+            for e in range(2):
+                s = 2 * j + e
+                out[s + 1] = out[s] + length[q, j, e]
+                seen = _block_sees(length, before, q, k, j, e)
+                out[S + 1 + s] = seen
+                most_q = max(most_q, length[q, j, e])
+                most_kv = max(most_kv, seen)
+                at = 2 * S + 1 + s * width
+                for c in range(width):
+                    if pass_q:
+                        out[at + c] = seg_table[s, c]
+                    else:
+                        out[at + c] = first + c if c < pages else 0
+            first += pages
+        most[i, 0], most[i, 1] = most_q, most_kv
+    # the new rows' slots: local index l of request j in page table[row, l // page_size]
+    n = 0
+    for j in range(R):
+        row = seq_rows[j]
+        lo = ledger[row, rank] - length[rank, j, 0] - length[rank, j, 1]
+        hi = ledger[row, rank]
+        while lo < hi:
+            p = lo >> page_shift if page_shift >= 0 else lo // page_size
+            stop = min((p + 1) * page_size, hi)
+            shift = table[row, p] * page_size - p * page_size  # slot - local index within page p
+            for local in range(lo, stop):
+                slots[n] = shift + local
+                n += 1
+            lo = stop
+    if not pass_q:  # pass-KV's message: this rank's pages of the requests, batch order
+        n = 0
+        for j in range(R):
+            row = seq_rows[j]
+            for p in range(page_count(ledger[row, rank], page_size, page_shift)):
+                send[n] = table[row, p]
+                n += 1
+    return -1
 
 
 @dataclass(frozen=True)
