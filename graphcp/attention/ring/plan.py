@@ -283,82 +283,53 @@ def _block_sees(length, before, q, k, j, e):
 @host_kernel
 def _ring_plan(start, length, ledger, seq_rows, table, rank, page_size, page_shift, pass_q, cu0, kv0, seg_table, packed,
                width, slots, send, most):
-    """One rank's ring over a sharded cache in one pass (``start``/``length`` [C, R, 2]:
-    the zigzag plan's blocks; request ``j``'s ledger row and this rank's table row are
-    ``seq_rows[j]``; its segments ``2j`` early and ``2j + 1`` late). First the history
-    check: every live block of this rank sees its whole causal history over all ranks;
-    when one does not, returns ``2j + e`` of the first (and what was written is not to be
-    used). Else writes step 0's metadata (``cu0`` [S + 1], ``kv0`` [S], ``seg_table``
-    [S, w]: this rank's pages, scratch past the table); each step i >= 1's row of
-    ``packed`` [C - 1, 2S + 1 + S * width] (cu_seqlens_q, kv_lens, page table), source
-    ``(rank - i) mod C``: pass-KV (``pass_q`` False) this rank's rows over the source's
-    staged pages (its message's request j from page 1 + the pages of requests before),
-    pass-Q the source's rows over this rank's pages; each step's largest q_len and kv_len
-    into ``most`` [C, 2]; the new rows' slots (local indices after each request's cached
-    pieces, early block first) into ``slots``; pass-KV: this rank's pages of the
-    requests, batch order, into ``send``. Returns -1."""
+    """One rank's ring over a sharded cache (``start``/``length`` [C, R, 2]: the zigzag
+    plan's blocks; request ``j``'s ledger row and this rank's table row are
+    ``seq_rows[j]``; its segments ``2j`` early and ``2j + 1`` late). Request by request,
+    the history check first: every live block of this rank sees its whole causal history
+    over all ranks; at the first that does not, returns ``2j + e`` (what was written is
+    then not to be used). Writes step 0's metadata (``cu0`` [S + 1], ``kv0`` [S],
+    ``seg_table`` [S, w]: this rank's pages, scratch past the table), the new rows' slots
+    (local indices after each request's cached pieces, early block first) into
+    ``slots``, pass-KV (``pass_q`` False): this rank's pages of the requests, batch
+    order, into ``send``; then :func:`_ring_steps` writes steps 1 .. C-1 into
+    ``packed``; each step's largest q_len and kv_len into ``most`` [C, 2]. Returns -1."""
     C, R = length.shape[0], length.shape[1]
-    S = 2 * R
-    for j in range(R):  # the history check, in the reference's order
-        for e in range(2):
-            if length[rank, j, e] == 0:
-                continue
-            total = 0
-            for k in range(C):
-                before = ledger[seq_rows[j], k] - length[k, j, 0] - length[k, j, 1]
-                total += _block_sees(length, before, rank, k, j, e)
-            if total != start[rank, j, e] + length[rank, j, e]:
-                return 2 * j + e
-    # step 0: this rank's rows over its own keys (causal)
     cols = min(seg_table.shape[1], table.shape[1])
-    most_q = most_kv = 0
+    most_q = most_kv = n = sent = 0
     cu0[0] = 0
     for j in range(R):
         row = seq_rows[j]
-        before = ledger[row, rank] - length[rank, j, 0] - length[rank, j, 1]
-        for e in range(2):
-            s = 2 * j + e
-            cu0[s + 1] = cu0[s] + length[rank, j, e]
-            seen = _block_sees(length, before, rank, rank, j, e)
-            kv0[s] = seen
-            most_q = max(most_q, length[rank, j, e])
-            most_kv = max(most_kv, seen)
-            for c in range(cols):
-                seg_table[s, c] = table[row, c]
-            for c in range(cols, seg_table.shape[1]):
-                seg_table[s, c] = 0
-    most[0, 0], most[0, 1] = most_q, most_kv
-    for i in range(1, C):
-        src = rank - i if i <= rank else rank - i + C  # (rank - i) mod C
-        q, k = (src, rank) if pass_q else (rank, src)  # the query rows' rank, the keys'
-        out = packed[i - 1]
-        most_q = most_kv = 0
-        out[0] = 0
-        first = 1  # pass-KV: the source's pages of request j in its message, after the scratch page
-        for j in range(R):
-            before = ledger[seq_rows[j], k] - length[k, j, 0] - length[k, j, 1]
-            pages = page_count(ledger[seq_rows[j], src], page_size, page_shift)
-            for e in range(2):
-                s = 2 * j + e
-                out[s + 1] = out[s] + length[q, j, e]
-                seen = _block_sees(length, before, q, k, j, e)
-                out[S + 1 + s] = seen
-                most_q = max(most_q, length[q, j, e])
-                most_kv = max(most_kv, seen)
-                at = 2 * S + 1 + s * width
-                for c in range(width):
-                    if pass_q:
-                        out[at + c] = seg_table[s, c]
-                    else:
-                        out[at + c] = first + c if c < pages else 0
-            first += pages
-        most[i, 0], most[i, 1] = most_q, most_kv
-    # the new rows' slots: local index l of request j in page table[row, l // page_size]
-    n = 0
-    for j in range(R):
-        row = seq_rows[j]
-        lo = ledger[row, rank] - length[rank, j, 0] - length[rank, j, 1]
+        # this rank's blocks see, summed over the key ranks: every cached position, the
+        # early blocks of ranks k <= rank (early) or all (late), the late of ranks k >= rank (late)
+        cached = early_below = early_all = late_above = 0
+        for k in range(C):
+            early, late = length[k, j, 0], length[k, j, 1]
+            cached += ledger[row, k] - early - late
+            early_all += early
+            if k <= rank:
+                early_below += early
+            if k >= rank:
+                late_above += late
+        early, late = length[rank, j, 0], length[rank, j, 1]
+        if early and cached + early_below != start[rank, j, 0] + early:
+            return 2 * j
+        if late and cached + early_all + late_above != start[rank, j, 1] + late:
+            return 2 * j + 1
+        # step 0: its rows over its own keys (causal)
         hi = ledger[row, rank]
+        lo = hi - early - late  # this rank's cached pieces of the request
+        cu0[2 * j + 1] = cu0[2 * j] + early
+        cu0[2 * j + 2] = cu0[2 * j + 1] + late
+        kv0[2 * j] = lo + early if early else 0
+        kv0[2 * j + 1] = hi if late else 0
+        most_q = max(most_q, early, late)
+        most_kv = max(most_kv, kv0[2 * j], kv0[2 * j + 1])
+        for c in range(cols):
+            seg_table[2 * j, c] = seg_table[2 * j + 1, c] = table[row, c]
+        for c in range(cols, seg_table.shape[1]):
+            seg_table[2 * j, c] = seg_table[2 * j + 1, c] = 0
+        # the new rows' slots: local index l in page table[row, l // page_size]
         while lo < hi:
             p = lo >> page_shift if page_shift >= 0 else lo // page_size
             stop = min((p + 1) * page_size, hi)
@@ -367,14 +338,52 @@ def _ring_plan(start, length, ledger, seq_rows, table, rank, page_size, page_shi
                 slots[n] = shift + local
                 n += 1
             lo = stop
-    if not pass_q:  # pass-KV's message: this rank's pages of the requests, batch order
-        n = 0
+        if not pass_q:  # pass-KV's message: this rank's pages of the requests, batch order
+            for p in range(page_count(hi, page_size, page_shift)):
+                send[sent] = table[row, p]
+                sent += 1
+    most[0, 0], most[0, 1] = most_q, most_kv
+    _ring_steps(length, ledger, seq_rows, rank, page_size, page_shift, pass_q, seg_table, packed, width, most)
+    return -1
+
+
+@host_kernel
+def _ring_steps(length, ledger, seq_rows, rank, page_size, page_shift, pass_q, seg_table, packed, width, most):
+    """Steps 1 .. C-1 of :func:`_ring_plan`: step i's row of ``packed`` [C - 1, 2S + 1 +
+    S * width] (cu_seqlens_q, kv_lens, page table, as ``from_host`` packs one), source
+    ``(rank - i) mod C``: pass-KV (``pass_q`` False) this rank's rows over the source's
+    staged pages (its message's request j from page 1 + the pages of requests before,
+    scratch past them), pass-Q the source's rows over this rank's pages (``seg_table``);
+    its largest q_len and kv_len into ``most[i]``."""
+    C, R = length.shape[0], length.shape[1]
+    S = 2 * R
+    for i in range(1, C):
+        src = rank - i if i <= rank else rank - i + C  # (rank - i) mod C
+        q, k = (src, rank) if pass_q else (rank, src)  # the query rows' rank, the keys'
+        out = packed[i - 1]
+        most_q = most_kv = 0
+        out[0] = 0
+        first = 1  # pass-KV: the source's pages of request j in its message, after the scratch page
         for j in range(R):
             row = seq_rows[j]
-            for p in range(page_count(ledger[row, rank], page_size, page_shift)):
-                send[n] = table[row, p]
-                n += 1
-    return -1
+            before = ledger[row, k] - length[k, j, 0] - length[k, j, 1]
+            for e in range(2):
+                s = 2 * j + e
+                out[s + 1] = out[s] + length[q, j, e]
+                seen = _block_sees(length, before, q, k, j, e)
+                out[S + 1 + s] = seen
+                most_q = max(most_q, length[q, j, e])
+                most_kv = max(most_kv, seen)
+            at = 2 * S + 1 + 2 * j * width
+            if pass_q:
+                for c in range(width):
+                    out[at + c] = out[at + width + c] = seg_table[2 * j, c]
+            else:
+                pages = page_count(ledger[row, src], page_size, page_shift)
+                for c in range(width):
+                    out[at + c] = out[at + width + c] = first + c if c < pages else 0
+                first += pages
+        most[i, 0], most[i, 1] = most_q, most_kv
 
 
 @dataclass(frozen=True)
@@ -391,7 +400,7 @@ class RingPlanner:
     hardware: HardwareSpec
 
     def choose(self, plan: ZigzagPlan) -> ExchangeChoice:
-        return choose_exchange(self.exchange, plan.num_tokens, int(plan.prefix_lens.sum()), self.num_heads,
+        return choose_exchange(self.exchange, plan.num_tokens, int(np.add.reduce(plan.prefix_lens)), self.num_heads,
                                self.num_kv_heads, self.head_dim, plan.cp_size, self.elem_bytes, self.hardware)
 
     def inputs(self, plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int,
