@@ -203,6 +203,9 @@ def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank:
     msg = np.empty(C, dtype=np.int64)
     shift = kv.page_shift
     own_width, widest = _ring_extent(ledger, seq_rows, rank, ps, shift, msg)
+    if own_width > kv.table_width:  # (the kernel reads this rank's pages of every request from its table rows)
+        raise RingPlanError(f"ring plan: the ledger gives rank {rank} {own_width} pages of one request, its page "
+                            f"table holds {kv.table_width}; the cache's ledger and its pages disagree")
     S = 2 * R
     # pass-KV: a table as wide as the widest message's request (scratch past each); pass-Q: this rank's
     width = own_width if pass_q else widest
@@ -287,8 +290,8 @@ def _ring_plan(start, length, ledger, seq_rows, table, rank, page_size, page_shi
     plan's blocks; request ``j``'s ledger row and this rank's table row are
     ``seq_rows[j]``; its segments ``2j`` early and ``2j + 1`` late). Request by request,
     the history check first: every live block of this rank sees its whole causal history
-    over all ranks; at the first that does not, returns ``2j + e`` (what was written is
-    then not to be used). Writes step 0's metadata (``cu0`` [S + 1], ``kv0`` [S],
+    over all ranks (and the ledger holds this forward's blocks here); at the first that
+    does not, returns ``2j + e`` (what was written is then not to be used). Writes step 0's metadata (``cu0`` [S + 1], ``kv0`` [S],
     ``seg_table`` [S, w]: this rank's pages, scratch past the table), the new rows' slots
     (local indices after each request's cached pieces, early block first) into
     ``slots``, pass-KV (``pass_q`` False): this rank's pages of the requests, batch
@@ -312,13 +315,13 @@ def _ring_plan(start, length, ledger, seq_rows, table, rank, page_size, page_shi
             if k >= rank:
                 late_above += late
         early, late = length[rank, j, 0], length[rank, j, 1]
-        if early and cached + early_below != start[rank, j, 0] + early:
+        hi = ledger[row, rank]
+        lo = hi - early - late  # this rank's cached pieces of the request
+        if (early and cached + early_below != start[rank, j, 0] + early) or lo < 0:
             return 2 * j
         if late and cached + early_all + late_above != start[rank, j, 1] + late:
             return 2 * j + 1
         # step 0: its rows over its own keys (causal)
-        hi = ledger[row, rank]
-        lo = hi - early - late  # this rank's cached pieces of the request
         cu0[2 * j + 1] = cu0[2 * j] + early
         cu0[2 * j + 2] = cu0[2 * j + 1] + late
         kv0[2 * j] = lo + early if early else 0
