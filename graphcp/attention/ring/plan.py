@@ -214,8 +214,9 @@ def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank:
     slots = np.empty(plan.local_rows[rank], dtype=np.int64)
     send = np.empty(0 if pass_q else int(msg[rank]), dtype=np.int64)
     most = np.empty((C, 2), dtype=np.int64)
-    bad = _ring_plan(start, length, ledger, seq_rows, kv.table, rank, ps, shift, pass_q, cu0, kv0, seg_table, packed,
-                     width, slots, send, most)
+    seen = np.empty((2, R), dtype=np.int64)  # the history check's sums
+    bad = _ring_plan(start, length, ledger, seq_rows, kv.table, rank, ps, shift, pass_q, seen, cu0, kv0, seg_table,
+                     packed, width, slots, send, most)
     if bad >= 0:
         _refuse(rank, start, length, ledger[seq_rows].T)
     most = most.tolist()
@@ -270,57 +271,55 @@ def _ring_extent(ledger, seq_rows, rank, page_size, page_shift, msg_pages):
 
 
 @host_kernel
-def _block_sees(length, before, q, k, j, e):
-    """Keys of rank ``k``'s of request ``j`` (``before`` of them cached before this
-    forward) that rank ``q``'s block ``e`` (0 early, 1 late) sees, from block indices
-    (:func:`visible_keys_of`'s rule): 0 for an empty block; the early block sees the
-    early blocks of ranks k <= q, the late block every early block and the late blocks
-    of ranks k >= q; both every cached position."""
-    if length[q, j, e] == 0:
-        return 0
-    if e == 0:
-        return before + (length[k, j, 0] if k <= q else 0)
-    return before + length[k, j, 0] + (length[k, j, 1] if k >= q else 0)
+def _history(length, ledger, seq_rows, rank, seen):
+    """Keys this rank's blocks see over all steps, per request ``j`` (``length`` [C, R,
+    2]; its ledger row ``seq_rows[j]``): every cached position of every rank, and the
+    early blocks of ranks k <= rank (its early block, into ``seen[0, j]``), or every
+    early block and the late blocks of ranks k >= rank (its late block, ``seen[1, j]``).
+    Rank by rank (each rank's blocks a contiguous run: request by request, the ranks'
+    runs, a few KiB apart, would evict each other from the L1 cache)."""
+    C, R = length.shape[0], length.shape[1]
+    for j in range(R):
+        seen[0, j] = seen[1, j] = 0
+    for k in range(C):
+        for j in range(R):
+            early, late = length[k, j, 0], length[k, j, 1]
+            cached = ledger[seq_rows[j], k] - early - late
+            seen[0, j] += cached + early if k <= rank else cached
+            seen[1, j] += cached + early + late if k >= rank else cached + early
 
 
 @host_kernel
-def _ring_plan(start, length, ledger, seq_rows, table, rank, page_size, page_shift, pass_q, cu0, kv0, seg_table, packed,
-               width, slots, send, most):
+def _ring_plan(start, length, ledger, seq_rows, table, rank, page_size, page_shift, pass_q, seen, cu0, kv0, seg_table,
+               packed, width, slots, send, most):
     """One rank's ring over a sharded cache (``start``/``length`` [C, R, 2]: the zigzag
     plan's blocks; request ``j``'s ledger row and this rank's table row are
-    ``seq_rows[j]``; its segments ``2j`` early and ``2j + 1`` late). Request by request,
-    the history check first: every live block of this rank sees its whole causal history
-    over all ranks (and the ledger holds this forward's blocks here); at the first that
-    does not, returns ``2j + e`` (what was written is then not to be used). Writes step 0's metadata (``cu0`` [S + 1], ``kv0`` [S],
-    ``seg_table`` [S, w]: this rank's pages, scratch past the table), the new rows' slots
-    (local indices after each request's cached pieces, early block first) into
+    ``seq_rows[j]``; its segments ``2j`` early and ``2j + 1`` late). The history check
+    first (:func:`_history`, into ``seen`` [2, R]): every live block of this rank sees
+    its whole causal history over all steps (and the ledger holds this forward's blocks
+    here); at the first that does not, returns ``2j + e`` (what was written is then not
+    to be used). Request by request, writes step 0's metadata (``cu0`` [S + 1], ``kv0``
+    [S], ``seg_table`` [S, w]: this rank's pages, scratch past the table), the new rows'
+    slots (local indices after each request's cached pieces, early block first) into
     ``slots``, pass-KV (``pass_q`` False): this rank's pages of the requests, batch
     order, into ``send``; then :func:`_ring_steps` writes steps 1 .. C-1 into
     ``packed``; each step's largest q_len and kv_len into ``most`` [C, 2]. Returns -1."""
-    C, R = length.shape[0], length.shape[1]
+    R = length.shape[1]
+    _history(length, ledger, seq_rows, rank, seen)
+    for j in range(R):
+        early, late = length[rank, j, 0], length[rank, j, 1]
+        if (early and seen[0, j] != start[rank, j, 0] + early) or ledger[seq_rows[j], rank] < early + late:
+            return 2 * j
+        if late and seen[1, j] != start[rank, j, 1] + late:
+            return 2 * j + 1
     cols = min(seg_table.shape[1], table.shape[1])
     most_q = most_kv = n = sent = 0
     cu0[0] = 0
     for j in range(R):
         row = seq_rows[j]
-        # this rank's blocks see, summed over the key ranks: every cached position, the
-        # early blocks of ranks k <= rank (early) or all (late), the late of ranks k >= rank (late)
-        cached = early_below = early_all = late_above = 0
-        for k in range(C):
-            early, late = length[k, j, 0], length[k, j, 1]
-            cached += ledger[row, k] - early - late
-            early_all += early
-            if k <= rank:
-                early_below += early
-            if k >= rank:
-                late_above += late
         early, late = length[rank, j, 0], length[rank, j, 1]
         hi = ledger[row, rank]
         lo = hi - early - late  # this rank's cached pieces of the request
-        if (early and cached + early_below != start[rank, j, 0] + early) or lo < 0:
-            return 2 * j
-        if late and cached + early_all + late_above != start[rank, j, 1] + late:
-            return 2 * j + 1
         # step 0: its rows over its own keys (causal)
         cu0[2 * j + 1] = cu0[2 * j] + early
         cu0[2 * j + 2] = cu0[2 * j + 1] + late
@@ -357,27 +356,36 @@ def _ring_steps(length, ledger, seq_rows, rank, page_size, page_shift, pass_q, s
     ``(rank - i) mod C``: pass-KV (``pass_q`` False) this rank's rows over the source's
     staged pages (its message's request j from page 1 + the pages of requests before,
     scratch past them), pass-Q the source's rows over this rank's pages (``seg_table``);
-    its largest q_len and kv_len into ``most[i]``."""
+    its largest q_len and kv_len into ``most[i]``. A block of rank q sees, of rank k's
+    keys of its request, every cached one, and (:func:`visible_keys_of`'s rule) the early
+    block of k when k <= q (q's early block) or always (its late block), the late block
+    of k when k >= q (its late block only); an empty block sees nothing."""
     C, R = length.shape[0], length.shape[1]
     S = 2 * R
     for i in range(1, C):
         src = rank - i if i <= rank else rank - i + C  # (rank - i) mod C
         q, k = (src, rank) if pass_q else (rank, src)  # the query rows' rank, the keys'
+        below, above = k <= q, k >= q
         out = packed[i - 1]
-        most_q = most_kv = 0
-        out[0] = 0
+        most_q = most_kv = cu = 0
         first = 1  # pass-KV: the source's pages of request j in its message, after the scratch page
+        out[0] = 0
         for j in range(R):
             row = seq_rows[j]
-            before = ledger[row, k] - length[k, j, 0] - length[k, j, 1]
-            for e in range(2):
-                s = 2 * j + e
-                out[s + 1] = out[s] + length[q, j, e]
-                seen = _block_sees(length, before, q, k, j, e)
-                out[S + 1 + s] = seen
-                most_q = max(most_q, length[q, j, e])
-                most_kv = max(most_kv, seen)
-            at = 2 * S + 1 + 2 * j * width
+            early, late = length[q, j, 0], length[q, j, 1]
+            key_early, key_late = length[k, j, 0], length[k, j, 1]
+            cached = ledger[row, k] - key_early - key_late
+            seen_early = (cached + key_early if below else cached) if early else 0
+            seen_late = (cached + key_early + key_late if above else cached + key_early) if late else 0
+            cu += early
+            out[2 * j + 1] = cu
+            cu += late
+            out[2 * j + 2] = cu
+            out[S + 1 + 2 * j] = seen_early
+            out[S + 2 + 2 * j] = seen_late
+            most_q = max(most_q, max(early, late))
+            most_kv = max(most_kv, max(seen_early, seen_late))
+            at = 2 * S + 1 + 2 * j * width  # the request's two segments' rows of the page table
             if pass_q:
                 for c in range(width):
                     out[at + c] = out[at + width + c] = seg_table[2 * j, c]
