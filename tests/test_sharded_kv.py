@@ -347,7 +347,8 @@ def test_without_numba_the_sharded_path_gives_the_same_results():
             "warnings.simplefilter('ignore', RuntimeWarning)\n"
             "import graphcp.jit\nassert not graphcp.jit.COMPILED\n"
             "from test_sharded_kv import _sharded_digest\nprint(json.dumps(_sharded_digest()))")
-    run = subprocess.run([sys.executable, "-c", code, str(here)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", code, str(here)], capture_output=True, text=True, timeout=300,
+                         check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     assert graphcp.jit.COMPILED
     assert json.loads(run.stdout) == json.loads(json.dumps(_sharded_digest()))

@@ -22,6 +22,13 @@ Pass-KV: at step ``i`` rank ``r`` attends its own rows to the KV of rank
 ``(r - i) mod C``, which arrives as that rank's pages of the batch's requests, in
 batch order, in a staging buffer (page 0 is scratch). Pass-Q: at step ``i`` rank
 ``r`` attends the rows of rank ``(r - i) mod C`` to its own pages.
+
+A forward's plan (:func:`plan_sharded`) is compiled host kernels (:mod:`graphcp.jit`):
+one pass sizes the buffers, one checks the history and writes every step's metadata,
+the slots and the pass-KV message, O(C R) at block granularity plus the rank's rows.
+The numpy counts (:func:`visible_keys`, from positions, and :func:`visible_keys_of` /
+:func:`visible_keys_to`, from block indices) are the references the tests hold the
+kernels to, and what words a refusal.
 """
 
 from __future__ import annotations
@@ -137,7 +144,8 @@ def visible_keys_of(rank: int, start: np.ndarray, length: np.ndarray, held_befor
     ranks k <= r; its late block (2C-1-r) every early block and the late blocks of ranks
     k >= r; both see every cached position. A few numpy calls over [C, R] (the general
     count from positions is :func:`visible_keys`, which the tests hold this to); the
-    history check still compares the sums with the blocks' positions."""
+    history check still compares the sums with the blocks' positions. The forward's
+    path counts the same in :func:`_ring_plan`; this words its refusals."""
     # counted early / late outermost ([2, C, R], contiguous: every operation runs its
     # inner loop over the requests; over [C, R, 2] or its strided [C, R] halves it runs C R
     # loops of 2, or strides through memory, several times the cost an element)
