@@ -330,6 +330,7 @@ def _set_rows(ledger, rows, values):
         for k in range(ledger.shape[1]):
             ledger[rows[i], k] = values[i, k] if values.shape[0] else 0
 
+
 def make_kv_cache(sharded: bool, cp_size: int, rank: int, *args, **kw) -> PagedKVCache:
     """The rank's cache: a replicated pool, or this rank's pool of a sharded one."""
     if sharded:

@@ -259,9 +259,9 @@ def _refuse(rank: int, start: np.ndarray, length: np.ndarray, held_after: np.nda
 @host_kernel
 def _ring_extent(ledger, seq_rows, rank, page_size, page_shift, msg_pages):
     """Pages each rank holds of the batch's requests (request ``j``: ledger row
-    ``seq_rows[j]``; :func:`page_count`), summed per rank into ``msg_pages`` [C] (pass-KV's messages).
-    Returns the most pages one request has on rank ``rank`` and on any other rank (each
-    at least 1: the page tables' widths)."""
+    ``seq_rows[j]``; :func:`page_count`), summed per rank into ``msg_pages`` [C]
+    (pass-KV's messages). Returns the most pages one request has on rank ``rank`` and
+    on any other rank (each at least 1: the page tables' widths)."""
     C = msg_pages.shape[0]
     own = other = 1
     for k in range(C):
@@ -284,8 +284,7 @@ def _history(length, ledger, seq_rows, rank, seen):
     2]; its ledger row ``seq_rows[j]``): every cached position of every rank, and the
     early blocks of ranks k <= rank (its early block, into ``seen[0, j]``), or every
     early block and the late blocks of ranks k >= rank (its late block, ``seen[1, j]``).
-    Rank by rank (each rank's blocks a contiguous run: request by request, the ranks'
-    runs, a few KiB apart, would evict each other from the L1 cache)."""
+    Rank by rank: each rank's blocks are a contiguous run of ``length``."""
     C, R = length.shape[0], length.shape[1]
     for j in range(R):
         seen[0, j] = seen[1, j] = 0
@@ -343,7 +342,7 @@ def _ring_plan(start, length, ledger, seq_rows, table, rank, page_size, page_shi
         while lo < hi:
             p = lo >> page_shift if page_shift >= 0 else lo // page_size
             stop = min((p + 1) * page_size, hi)
-            shift = table[row, p] * page_size - p * page_size  # slot - local index within page p
+            shift = (int(table[row, p]) - p) * page_size  # slot - local index within page p (int64)
             for local in range(lo, stop):
                 slots[n] = shift + local
                 n += 1
