@@ -302,17 +302,16 @@ def _ledger_room(ledger, prefix_rows, all_new, new, page_size, page_shift, width
         base = new[i] // c2  # (one division a request: per block it would cost ~10x the rest)
         extra = new[i] - base * c2
         total = 0
-        for k in range(C):
+        for k in range(C):  # (no branch but the ledger's: the loop compiles to vector code)
             have = 0 if row < 0 else ledger[row, k]
             total += have
-            got = 2 * base + (1 if k < extra else 0) + (1 if c2 - 1 - k < extra else 0)
+            got = 2 * base + (k < extra) + (c2 - 1 - k < extra)
             held[i, k] = have
             after[i, k] = have + got
-            if k == rank:
-                mine[i] = got
             pages = page_count(have + got, page_size, page_shift)
-            wide = wide or pages > width
+            wide |= pages > width
             need[k] += pages - page_count(have, page_size, page_shift)
+        mine[i] = after[i, rank] - held[i, rank]
         cached[i] = total
     if wide:
         return 1
