@@ -251,9 +251,11 @@ def _refuse(rank: int, start: np.ndarray, length: np.ndarray, held_after: np.nda
     check (:func:`visible_keys_of`) from the ledger's counts (``held_after`` [C, R])."""
     held_before = held_after - length[..., 0]
     held_before -= length[..., 1]
-    visible_keys_of(rank, start, length, held_before)  # raises
-    raise RingPlanError(f"ring plan: rank {rank}'s compiled history check refused a batch visible_keys_of "
-                        "admits (a bug)")
+    visible_keys_of(rank, start, length, held_before)  # raises when a block misses some of its history
+    j = int(np.argmax(held_before[rank] < 0))  # else the ledger holds fewer positions than the blocks here
+    raise RingPlanError(f"ring plan: the ledger gives rank {rank} {int(held_after[rank, j])} positions of request "
+                        f"{j}, fewer than its blocks of this forward ({int(length[rank, j].sum())}); the cache's "
+                        "ledger and the batch plan disagree")
 
 
 @host_kernel
