@@ -140,6 +140,14 @@ def test_sharded_matches_the_per_request_ledger(cp, rank):
         assert h.chunks == tuple(chunks) and h.rank_tokens == tuple(tokens.tolist()) and r >= 0
 
 
+@pytest.mark.parametrize("cp,rank", [(3, 2), (8, 5)])
+def test_sharded_matches_the_per_request_ledger_with_pages_of_3(cp, rank):
+    """The sharded reservation's compiled counts divide where a page is not a power of two."""
+    rng = random.Random(7 * cp + rank)
+    kv, ref = _pair(True, num_pages=120, page_size=3, width=30, cp=cp, rank=rank)
+    assert _run(kv, ref, rng, 800, sharded=True) > 10
+
+
 def test_undoing_the_last_extend_equals_undoing_it_the_long_way():
     """The shortcut for the last extend (nothing changed since) and the general undo
     leave the same state, bit for bit (the table included)."""

@@ -185,3 +185,170 @@ def test_one_ranks_visible_keys_are_its_row_of_every_ranks(cp):
         for rank in range(cp):
             np.testing.assert_array_equal(visible_keys_of(rank, start, length, held), every[rank])
             np.testing.assert_array_equal(visible_keys_to(rank, start, length, held), every[:, rank])
+
+
+def _random_chunks(cp: int, page: int, seed: int, rounds: int = 4):
+    """C simulated ranks through a few random batches (new requests and chunks of earlier
+    ones); yields after each batch's reservation: the caches, each rank's ids, the plan."""
+    rng = np.random.default_rng(seed)
+    caches = [ShardedKVCache(1, 600, page, 1, 2, torch.float32, cp_size=cp, rank=r) for r in range(cp)]
+    handles: list[list] = []  # per live request: its handle on every rank
+    for _ in range(rounds):
+        num = int(rng.integers(1, 7))
+        lens = rng.integers(1, 6 * cp + 4, num).tolist()
+        free = list(rng.permutation(len(handles)))
+        prior = [int(free.pop()) if free and rng.random() < 0.5 else None for _ in range(num)]
+        ids = [c.extend([None if p is None else handles[p][r] for p in prior], lens) for r, c in enumerate(caches)]
+        plan = ZigzagLayout(cp).plan(lens, [0 if p is None else handles[p][0].num_tokens for p in prior])
+        yield caches, ids, plan
+        used = {p for p in prior if p is not None}
+        handles = [h for i, h in enumerate(handles) if i not in used]
+        handles += [[c.handle(ids[r][j]) for r, c in enumerate(caches)] for j in range(num)]
+
+
+def _message_table(pages: np.ndarray, width: int) -> np.ndarray:
+    """[R, width]: request j's pages in a message of one rank's ``pages`` [R] of every
+    request in batch order, after the scratch page 0; scratch past them."""
+    first = 1 + np.cumsum(pages) - pages
+    col = np.arange(width)
+    return np.where(col < pages[:, None], first[:, None] + col, 0)
+
+
+@pytest.mark.parametrize("cp,page", [(1, 4), (2, 1), (3, 3), (4, 16), (8, 4), (8, 3)])
+def test_the_compiled_ring_plan_is_the_reference_counts(cp, page):
+    """plan_sharded (compiled) against visible_keys (every rank's counts from positions)
+    and the handles (each rank's pages): every step's cu_seqlens_q, kv_lens, page table
+    and maxima, the slots, the pass-KV message, on random chunked batches."""
+    for caches, ids, plan in _random_chunks(cp, page, seed=cp * 10 + page):
+        start, length = plan.blocks()
+        after = caches[0].rank_tokens(ids[0])  # [C, R] (every rank's ledger the same)
+        every = visible_keys(start, length, after - length.sum(axis=2))
+        pages = -(-after // page)
+        for r, c in enumerate(caches):
+            own = [c.handle(s).pages for s in ids[r]]
+            for exchange in ("pass-kv", "pass-q"):
+                sh = plan_sharded(plan, c, ids[r], r, exchange, torch.device("cpu"))
+                steps = sh.ring.steps
+                assert len(steps) == cp and steps[0] is sh.meta and sh.meta.causal
+                width = max(1, max(map(len, own)))
+                table = np.array([list(p) + [0] * (width - len(p)) for p in own for _ in (0, 1)], dtype=np.int32)
+                np.testing.assert_array_equal(sh.seg_page_table, table)
+                for i, step in enumerate(steps):
+                    src = (r - i) % cp
+                    q, k = (src, r) if exchange == "pass-q" else (r, src)
+                    q_lens, kv_lens = length[q].reshape(-1), every[q, k].reshape(-1)
+                    assert step.causal == (i == 0) and step.page_size == page
+                    np.testing.assert_array_equal(step.cu_seqlens_q_host, np.concatenate([[0], np.cumsum(q_lens)]))
+                    np.testing.assert_array_equal(step.kv_lens_host, kv_lens)
+                    assert (step.max_q_len, step.max_kv_len) == (int(q_lens.max()), int(kv_lens.max()))
+                    if i and exchange == "pass-kv":
+                        want = _message_table(pages[src], max(1, int(np.delete(pages, r, axis=0).max(initial=0))))
+                        np.testing.assert_array_equal(step.page_table_host, want.repeat(2, axis=0))
+                    else:
+                        np.testing.assert_array_equal(step.page_table_host, table)
+                    packed = np.concatenate([step.cu_seqlens_q_host, step.kv_lens_host,
+                                             step.page_table_host.reshape(-1)])
+                    np.testing.assert_array_equal(step._packed, packed)  # what the device upload reads
+                assert sh.ring.rows == plan.local_rows
+                if exchange == "pass-kv":
+                    assert sh.ring.send_pages.tolist() == [p for ps in own for p in ps]
+                    assert sh.ring.msg_pages == pages.sum(axis=1).tolist()
+                else:
+                    assert sh.ring.send_pages.size == 0 and sh.ring.msg_pages == [0] * cp
+            # the new rows' slots: local indices after each request's cached pieces, early block first
+            local = np.concatenate([np.arange(a - n, a) for a, n in zip(after[r], length[r].sum(axis=1))])
+            req = np.repeat(np.arange(len(own)), length[r].sum(axis=1))
+            want = [own[j][x // page] * page + x % page for j, x in zip(req.tolist(), local.tolist())]
+            assert sh.slots.tolist() == want
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_ledger_that_disagrees_is_refused_as_the_reference_words_it(cp):
+    """The compiled history check refuses what visible_keys_of refuses, with its message;
+    a ledger that gives a rank fewer positions than this forward's blocks is refused too."""
+    for caches, ids, plan in _random_chunks(cp, 4, seed=cp, rounds=3):
+        start, length = plan.blocks()
+        for r, c in enumerate(caches):
+            rows = c.table_rows(ids[r])
+            saved = c._held.copy()
+            try:
+                for k in range(cp):  # one position of request 0 moved from rank k to the next rank
+                    c._held[:] = saved
+                    if c._held[rows[0], k] == 0:
+                        continue
+                    c._held[rows[0], k] -= 1
+                    c._held[rows[0], (k + 1) % cp] += 1
+                    before = c.rank_tokens(ids[r], rows) - length.sum(axis=2)
+                    try:
+                        visible_keys_of(r, start, length, before)
+                    except RingPlanError as e:
+                        with pytest.raises(RingPlanError) as got:
+                            plan_sharded(plan, c, ids[r], r, "pass-kv", torch.device("cpu"))
+                        assert str(got.value) == str(e)
+                        continue
+                    if before[r].min() >= 0:  # the reference admits it: so does the plan
+                        plan_sharded(plan, c, ids[r], r, "pass-q", torch.device("cpu"))
+                    else:
+                        with pytest.raises(RingPlanError, match="ring plan"):
+                            plan_sharded(plan, c, ids[r], r, "pass-kv", torch.device("cpu"))
+            finally:
+                c._held[:] = saved
+
+
+def _sharded_digest() -> dict:
+    """A scripted run of the sharded host path (reservation, the ring plan of both
+    exchanges, pages of 4 and of 3, a refusal, the undo of the last and of an older
+    reservation), as JSON-able lists: what the compiled and the interpreted kernels must
+    agree on."""
+    from graphcp.attention.ring.hardware import HardwareSpec
+    from graphcp.attention.ring.plan import RingPlanner
+    from graphcp.dist import CPGroup
+    from graphcp.runtime.batch import BatchPreparer, Request
+
+    out: dict = {}
+    rng = np.random.default_rng(5)
+    for page, exchange in ((4, "pass-kv"), (3, "pass-q")):
+        kv = ShardedKVCache(1, 36, page, 1, 2, torch.float32, cp_size=4, rank=1)  # 35 pages a rank
+        prep_of = BatchPreparer(ZigzagLayout(4), kv, CPGroup(rank=1, size=4), 1000, max_context=512,
+                                device=torch.device("cpu"), check_consistency=False,
+                                ring=RingPlanner(exchange, 1, 1, 1, 4, HardwareSpec()))
+        first = prep_of.prepare([Request(rng.integers(0, 1000, n)) for n in (5, 17, 40)])
+        handles = [kv.handle(s) for s in first.seq_ids]
+        second = prep_of.prepare([Request(rng.integers(0, 1000, 9), handles[1]), Request(rng.integers(0, 1000, 2))])
+        third = prep_of.prepare([Request(rng.integers(0, 1000, 30), handles[2])])
+        for name, prep in (("first", first), ("second", second), ("third", third)):
+            ring = prep.ring
+            out[f"{page} {name}"] = [prep.slots.tolist(), ring.send_pages.tolist(), ring.msg_pages, ring.rows] + [
+                [s.cu_seqlens_q_host.tolist(), s.kv_lens_host.tolist(), s.page_table_host.tolist(), s.max_q_len,
+                 s.max_kv_len] for s in ring.steps]
+        before = kv.snapshot()
+        with pytest.raises(KVCacheFull) as e:  # 115 or 100 tokens a rank: more pages than are free
+            prep_of.prepare([Request(rng.integers(0, 1000, 460 if page == 4 else 400))])
+        assert kv.snapshot() == before
+        out[f"{page} refused"] = str(e.value)
+        prep_of.abort(third)  # the last reservation
+        kv.rollback(second.seq_ids)  # an older one: the ledger's chunks
+        out[f"{page} after"] = repr(kv.snapshot())
+    return out
+
+
+def test_without_numba_the_sharded_path_gives_the_same_results():
+    """The sharded host path's kernels run as Python without numba (graphcp.jit), with
+    the compiled path's results, bit for bit."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import graphcp.jit
+
+    here = Path(__file__).resolve().parent
+    code = ("import sys, json, warnings; sys.modules['numba'] = None; sys.path.insert(0, sys.argv[1]);"
+            "warnings.simplefilter('ignore', RuntimeWarning)\n"
+            "import graphcp.jit\nassert not graphcp.jit.COMPILED\n"
+            "from test_sharded_kv import _sharded_digest\nprint(json.dumps(_sharded_digest()))")
+    run = subprocess.run([sys.executable, "-c", code, str(here)], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert graphcp.jit.COMPILED
+    assert json.loads(run.stdout) == json.loads(json.dumps(_sharded_digest()))

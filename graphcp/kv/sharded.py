@@ -25,6 +25,7 @@ from operator import add, itemgetter, not_
 import numpy as np
 
 from graphcp.cp.zigzag import rank_token_counts
+from graphcp.jit import host_kernel
 from graphcp.kv.paged import KVCacheFull, KVHandle, PagedKVCache
 from graphcp.kv.spans import KVSpan, position_spans
 
@@ -43,6 +44,7 @@ class ShardedKVCache(PagedKVCache):
         # the ledger: per table row, the positions each rank holds of its request, and per
         # live request the (cached, new) tokens of every forward that wrote it, in order
         self._held = np.zeros((self._table.shape[0], cp_size), dtype=np.int64)
+        self._held_view = np.zeros((0, cp_size), dtype=np.int64)  # the read-only view :attr:`ledger` hands out
         self._chunks: dict[int, tuple[tuple[int, int], ...]] = {}
         #: pages each rank's pool has handed out (scratch excluded), from the ledger
         self._used = np.zeros(cp_size, dtype=np.int64)
@@ -94,25 +96,29 @@ class ShardedKVCache(PagedKVCache):
                 new: np.ndarray) -> tuple[list[int], np.ndarray]:
         """Reserve, on every rank, each request's share of ``new[i]`` more tokens after
         ``prefixes[i]``; all or nothing, and the same outcome on every rank (``extend``
-        through here; the arguments as :meth:`PagedKVCache.reserve` takes them)."""
-        counts = rank_token_counts(self.cp_size, new).T  # [R, C] (a view), as the ledger's rows hold them
-        if rows is None:  # every request new: nothing held, no chunk before
-            held = None
-            after = counts
-        else:
-            held = np.where((rows >= 0)[:, None], self._held[rows], 0)
-            after = held + counts
-        need = self._check_room(held, after)
-        ids, rows = self._reserve(prefixes, rows, counts[:, self.rank])
-        self._held[rows] = after
+        through here; the arguments as :meth:`PagedKVCache.reserve` takes them). The
+        counts and the room check are one compiled pass (:func:`_ledger_room`)."""
+        num, C = new.shape[0], self.cp_size
+        held = np.empty((num, C), dtype=np.int64)  # each request's tokens on each rank before (0: new)
+        after = np.empty((num, C), dtype=np.int64)  # and after, as the ledger's rows hold them
+        mine = np.empty(num, dtype=np.int64)  # this rank's new tokens of each request
+        cached = np.empty(num, dtype=np.int64)  # each request's tokens before, all ranks
+        need = np.empty(C, dtype=np.int64)  # the pages the batch takes on every rank
+        all_new = rows is None  # every request new: nothing held, no chunk before
+        if _ledger_room(self._held, _NO_ROWS if all_new else rows, all_new, new, self.page_size, self.page_shift,
+                        self.table_width, self._used, self.num_pages - 1, self.rank, held, after, mine, cached, need):
+            self._check_room(None if all_new else held, after)  # raises, worded as the room check words it
+            raise RuntimeError("the compiled room check refused a batch the reference admits (a bug)")
+        ids, rows = self._reserve(prefixes, rows, mine)
+        _set_rows(self._held, rows, after)
         # each request's chunks gain (cached, new): zip(zip(a, b)) yields ((a_i, b_i),)
         chunks = self._ledger_chunks()  # (the previous reservation's deferred chunks, written now)
-        if held is None:  # every request new: its one chunk (0, new) waits for the first read
-            before = None
+        if all_new:  # every request new: its one chunk (0, new) waits for the first read
+            held = before = None
             self._pending_chunks = (self._last.ids, new.copy() if new.flags.writeable else new)
         else:
             before = list(map(chunks.get, ids, repeat(())))
-            chunks.update(zip(ids, map(add, before, zip(zip(held.sum(axis=1).tolist(), new.tolist())))))
+            chunks.update(zip(ids, map(add, before, zip(zip(cached.tolist(), new.tolist())))))
         self._used += need
         # what the undo of this reservation writes back (valid while it is the last one)
         self._ledger_undo = (self._last, held, need, before)
@@ -121,7 +127,8 @@ class ShardedKVCache(PagedKVCache):
     def _check_room(self, held: np.ndarray | None, after: np.ndarray) -> np.ndarray:
         """int64 [C]: the pages the batch takes on every rank (``held``: each request's
         tokens on each rank before, [R, C], None: none; ``after``: after); KVCacheFull
-        (on every rank alike) unless every rank's pool takes its share."""
+        (on every rank alike) unless every rank's pool takes its share. The reference of
+        :func:`_ledger_room`, and what words its refusals."""
         after = self._pages(after)  # [R, C]
         width = self.table_width
         if after.size and int(np.maximum.reduce(after, axis=None)) > width:
@@ -176,7 +183,7 @@ class ShardedKVCache(PagedKVCache):
         then this rank's pages and rows (:meth:`PagedKVCache._undo_last`)."""
         _, held, need, before = undo
         self._ledger_undo = None
-        self._held[last.rows] = 0 if held is None else held
+        _set_rows(self._held, last.rows, _NO_COUNTS if held is None else held)
         self._used -= need
         if before is None:  # every request was new: its ledger entry goes (or was never written)
             pending = self._pending_chunks
@@ -214,6 +221,23 @@ class ShardedKVCache(PagedKVCache):
         (``rows``: their :meth:`table_rows`, when the caller has them)."""
         return np.ascontiguousarray(self._held[self.table_rows(seq_ids) if rows is None else rows].T)
 
+    @property
+    def page_shift(self) -> int:
+        """log2 of the page size when it is a power of two, else -1 (:func:`page_count`)."""
+        return -1 if self._page_shift is None else self._page_shift
+
+    @property
+    def ledger(self) -> np.ndarray:
+        """The ledger's counts as a read-only int64 [rows, C] view: row ``seq_rows[j]``
+        (:meth:`table_rows`) holds the positions each rank holds of request ``j`` (what
+        the ring's plan reads; reallocated when the table grows, so do not hold it
+        across :meth:`extend`)."""
+        view = self._held_view
+        if view.base is not self._held:  # first use, or the ledger grew: a new view of it
+            view = self._held_view = self._held.view()
+            view.flags.writeable = False
+        return view
+
     def rank_used_pages(self) -> np.ndarray:
         """int64 [C]: pages every rank's pool has handed out (the ledger's count)."""
         return self._used.copy()
@@ -238,6 +262,72 @@ class ShardedKVCache(PagedKVCache):
             raise ValueError(f"rank {self.rank} does not hold position {position} of sequence {handle.seq_id} "
                              "(the token-sharded cache keeps each position on one rank)")
         return i
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)  # the rows argument of an all-new batch (not read)
+_NO_COUNTS = np.zeros((0, 0), dtype=np.int64)  # the values argument of _set_rows that clears the rows
+
+
+@host_kernel
+def page_count(tokens, page_size, page_shift):
+    """Pages ``tokens`` (>= 0) positions fill: a shift when the page is a power of two
+    (``page_shift`` its log2; -1 otherwise). Integer division costs ~10x a shift, and the
+    kernels below count pages per request and rank."""
+    if page_shift >= 0:
+        return (tokens + page_size - 1) >> page_shift
+    return (tokens + page_size - 1) // page_size
+
+
+@host_kernel
+def _ledger_room(ledger, prefix_rows, all_new, new, page_size, page_shift, width, used, usable, rank, held, after,
+                 mine, cached, need):
+    """:meth:`ShardedKVCache.reserve`'s counts and room check in one pass. Request ``i``
+    extends ledger row ``prefix_rows[i]`` (``ledger`` [rows, C]: positions each rank
+    holds) by ``new[i]`` tokens, or is a new sequence (``all_new``, or the row < 0).
+    Writes its tokens on every rank before (0 when new) into ``held`` [R, C] and after
+    its zigzag blocks (of L tokens, ``L // 2C`` each and one more for the first
+    ``L % 2C``; rank r's are r and 2C-1-r) into ``after`` [R, C], this rank's new tokens
+    into ``mine`` [R], its tokens before over all ranks into ``cached`` [R], and the
+    pages each rank's pool takes into ``need`` [C] (:func:`page_count`). Returns 0
+    when every request's share fits a table row of ``width`` pages on every rank and
+    every rank's free pages (``usable`` less ``used[k]``) hold its need; 1 (too wide)
+    or 2 (a rank short) otherwise."""
+    C = need.shape[0]
+    c2 = 2 * C
+    for k in range(C):
+        need[k] = 0
+    wide = False
+    for i in range(new.shape[0]):
+        row = -1 if all_new else prefix_rows[i]
+        base = new[i] // c2  # (one division a request: per block it would cost ~10x the rest)
+        extra = new[i] - base * c2
+        total = 0
+        for k in range(C):  # (no branch but the ledger's: the loop compiles to vector code)
+            have = 0 if row < 0 else ledger[row, k]
+            total += have
+            got = 2 * base + (k < extra) + (c2 - 1 - k < extra)
+            held[i, k] = have
+            after[i, k] = have + got
+            pages = page_count(have + got, page_size, page_shift)
+            wide |= pages > width
+            need[k] += pages - page_count(have, page_size, page_shift)
+        mine[i] = after[i, rank] - held[i, rank]
+        cached[i] = total
+    if wide:
+        return 1
+    for k in range(C):
+        if need[k] > usable - used[k]:
+            return 2
+    return 0
+
+
+@host_kernel
+def _set_rows(ledger, rows, values):
+    """``ledger[rows[i]] = values[i]`` for every i, or 0 when ``values`` has no rows (a
+    numpy scatter of a batch's rows costs several microseconds)."""
+    for i in range(rows.shape[0]):
+        for k in range(ledger.shape[1]):
+            ledger[rows[i], k] = values[i, k] if values.shape[0] else 0
 
 
 def make_kv_cache(sharded: bool, cp_size: int, rank: int, *args, **kw) -> PagedKVCache:

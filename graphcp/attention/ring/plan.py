@@ -22,6 +22,13 @@ Pass-KV: at step ``i`` rank ``r`` attends its own rows to the KV of rank
 ``(r - i) mod C``, which arrives as that rank's pages of the batch's requests, in
 batch order, in a staging buffer (page 0 is scratch). Pass-Q: at step ``i`` rank
 ``r`` attends the rows of rank ``(r - i) mod C`` to its own pages.
+
+A forward's plan (:func:`plan_sharded`) is compiled host kernels (:mod:`graphcp.jit`):
+one pass sizes the buffers, one checks the history and writes every step's metadata,
+the slots and the pass-KV message, O(C R) at block granularity plus the rank's rows.
+The numpy counts (:func:`visible_keys`, from positions, and :func:`visible_keys_of` /
+:func:`visible_keys_to`, from block indices) are the references the tests hold the
+kernels to, and what words a refusal.
 """
 
 from __future__ import annotations
@@ -32,12 +39,12 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionMetadata, max_of
+from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.ring.exchange_choice import ExchangeChoice, choose_exchange
 from graphcp.attention.ring.hardware import HardwareSpec
-from graphcp.cp.base import arange
 from graphcp.cp.zigzag import ZigzagPlan
-from graphcp.kv.sharded import ShardedKVCache
+from graphcp.jit import host_kernel
+from graphcp.kv.sharded import ShardedKVCache, page_count
 
 
 class RingPlanError(RuntimeError):
@@ -137,7 +144,8 @@ def visible_keys_of(rank: int, start: np.ndarray, length: np.ndarray, held_befor
     ranks k <= r; its late block (2C-1-r) every early block and the late blocks of ranks
     k >= r; both see every cached position. A few numpy calls over [C, R] (the general
     count from positions is :func:`visible_keys`, which the tests hold this to); the
-    history check still compares the sums with the blocks' positions."""
+    history check still compares the sums with the blocks' positions. The forward's
+    path counts the same in :func:`_ring_plan`; this words its refusals."""
     # counted early / late outermost ([2, C, R], contiguous: every operation runs its
     # inner loop over the requests; over [C, R, 2] or its strided [C, R] halves it runs C R
     # loops of 2, or strides through memory, several times the cost an element)
@@ -186,110 +194,216 @@ def visible_keys_to(rank: int, start: np.ndarray, length: np.ndarray, held_befor
     return col
 
 
-def _cu(q_lens: np.ndarray) -> np.ndarray:
-    cu = np.zeros(q_lens.size + 1, dtype=np.int64)
-    np.add.accumulate(q_lens, out=cu[1:])  # (np.cumsum: the same, through more Python)
-    return cu
-
-
-@lru_cache(maxsize=1024)
-def _sources(cp_size: int, rank: int) -> np.ndarray:
-    """int64 [C - 1]: the rank whose keys (pass-KV) or rows (pass-Q) step i >= 1 reads, (r - i) mod C."""
-    out = (rank - np.arange(1, cp_size)) % cp_size
-    out.setflags(write=False)
-    return out
-
-
-def _ring_steps(exchange: str, rank: int, cu: np.ndarray, row: np.ndarray, col: np.ndarray | None,
-                length: np.ndarray, pages: np.ndarray, seg_request: np.ndarray, seg_table: np.ndarray, page_size: int,
-                device) -> list[AttentionMetadata]:
-    """Steps 1 .. C-1's metadata, built for all steps at once into one packed int32
-    buffer (a row a step: cu_seqlens_q, kv_lens, page table, as ``from_host`` packs
-    one); the per-step Python is the metadata object alone. Pass-KV: this rank's rows
-    over rank (r - i)'s staged pages (a table as wide as the widest message's
-    request, scratch past each); pass-Q: rank (r - i)'s rows over this rank's pages."""
-    C = row.shape[0]
-    if C == 1:
-        return []
-    srcs = _sources(C, rank)
-    n = C - 1
-    S = seg_request.shape[0]
-    if exchange == "pass-kv":
-        src_pages = pages[srcs]  # [n, R]
-        width = max(int(src_pages.max(initial=0)), 1)
-        first = 1 + np.add.accumulate(src_pages, axis=1) - src_pages  # after the scratch page
-        column = np.arange(width)
-        tables = np.where(column < src_pages[..., None], first[..., None] + column, 0)  # [n, R, width]
-        kv_lens = row[srcs].reshape(n, S)
-        cus, q_lens = cu, length[rank].reshape(1, S)  # every step: this rank's rows
-    else:
-        width = seg_table.shape[1]
-        tables = None  # every step: this rank's pages (seg_table)
-        kv_lens = col[srcs].reshape(n, S)
-        q_lens = length[srcs].reshape(n, S)
-        cus = np.zeros((n, S + 1), dtype=np.int64)
-        np.add.accumulate(q_lens, axis=1, out=cus[:, 1:])
-    buf = np.empty((n, 2 * S + 1 + S * width), dtype=np.int32)
-    buf[:, : S + 1] = cus
-    buf[:, S + 1 : 2 * S + 1] = kv_lens
-    step_tables = buf[:, 2 * S + 1 :].reshape(n, S, width)
-    if tables is None:
-        step_tables[:] = seg_table
-    else:  # each segment's request's row, gathered straight into the buffer
-        np.take(tables, seg_request, axis=1, out=step_tables)
-    max_q = np.maximum.reduce(q_lens, axis=1).tolist() * (n // q_lens.shape[0]) if S else [0] * n
-    max_kv = np.maximum.reduce(kv_lens, axis=1).tolist() if S else [0] * n
-    live = AttentionMetadata._live
-    # each step's views from whole-buffer views (a row of each: cheaper than slicing every step's row three times)
-    return [live(c, k, t, page_size, mq, mk, device, b, False)
-            for b, c, k, t, mq, mk in zip(buf, buf[:, : S + 1], buf[:, S + 1 : 2 * S + 1], step_tables, max_q, max_kv)]
-
-
 def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int, exchange: str,
                  device: torch.device, choice: ExchangeChoice | None = None,
                  seq_rows: np.ndarray | None = None) -> ShardedInputs:
     """Rank ``rank``'s inputs for one batch over a sharded cache whose pages the batch
     has reserved (``kv.extend`` ran: the ledger counts this forward's blocks;
-    ``seq_rows``: the sequences' table rows, when the caller has them)."""
+    ``seq_rows``: the sequences' table rows, when the caller has them). Two compiled
+    passes (:func:`_ring_extent` sizes the buffers, :func:`_ring_plan` checks every
+    row's history and writes them); the per-step Python is the metadata objects alone."""
     C, R, ps = plan.cp_size, plan.num_requests, kv.page_size
     start, length = plan.blocks()
     if seq_rows is None:
         seq_rows = kv.table_rows(seq_ids)
-    held_after = kv.rank_tokens(seq_ids, seq_rows)  # [C, R]
+    ledger = kv.ledger
+    pass_q = exchange == "pass-q"
+    msg = np.empty(C, dtype=np.int64)
+    shift = kv.page_shift
+    own_width, widest = _ring_extent(ledger, seq_rows, rank, ps, shift, msg)
+    if own_width > kv.table_width:  # (the kernel reads this rank's pages of every request from its table rows)
+        raise RingPlanError(f"ring plan: the ledger gives rank {rank} {own_width} pages of one request, its page "
+                            f"table holds {kv.table_width}; the cache's ledger and its pages disagree")
+    S = 2 * R
+    # pass-KV: a table as wide as the widest message's request (scratch past each); pass-Q: this rank's
+    width = own_width if pass_q else widest
+    buf0, cu0, kv0, seg_table = AttentionMetadata.host_buffers(S, own_width)
+    packed = np.empty((C - 1, 2 * S + 1 + S * width), dtype=np.int32)  # steps 1 .. C-1, a row each
+    slots = np.empty(plan.local_rows[rank], dtype=np.int64)
+    send = np.empty(0 if pass_q else int(msg[rank]), dtype=np.int64)
+    most = np.empty((C, 2), dtype=np.int64)
+    seen = np.empty((2, R), dtype=np.int64)  # the history check's sums
+    bad = _ring_plan(start, length, ledger, seq_rows, kv.table, rank, ps, shift, pass_q, seen, cu0, kv0, seg_table,
+                     packed, width, slots, send, most)
+    if bad >= 0:
+        _refuse(rank, start, length, ledger[seq_rows].T)
+    most = most.tolist()
+    meta0 = AttentionMetadata._live(cu0, kv0, seg_table, ps, most[0][0], most[0][1], device, buf0)
+    steps = [meta0, *_step_metadata(packed, S, width, most[1:], ps, device)]
+    ring = RingPlan(exchange, C, rank, steps, list(plan.local_rows), [0] * C if pass_q else msg.tolist(), send, choice)
+    return ShardedInputs(slots, meta0, seg_table, ring)
+
+
+def _step_metadata(packed: np.ndarray, S: int, width: int, most: list[list[int]], page_size: int,
+                   device) -> list[AttentionMetadata]:
+    """Steps 1 .. C-1's (non-causal) metadata over their rows of ``packed`` (cu_seqlens_q,
+    kv_lens, page table, as ``from_host`` packs one; ``most``: each step's largest q_len
+    and kv_len)."""
+    live = AttentionMetadata._live
+    tables = packed[:, 2 * S + 1 :].reshape(-1, S, width)
+    # each step's views from whole-buffer views (a row of each: cheaper than slicing every step's row three times)
+    return [live(c, k, t, page_size, mq, mk, device, b, False)
+            for b, c, k, t, (mq, mk) in zip(packed, packed[:, : S + 1], packed[:, S + 1 : 2 * S + 1], tables, most)]
+
+
+def _refuse(rank: int, start: np.ndarray, length: np.ndarray, held_after: np.ndarray) -> None:
+    """RingPlanError for a batch :func:`_ring_plan` refused, worded by the reference
+    check (:func:`visible_keys_of`) from the ledger's counts (``held_after`` [C, R])."""
     held_before = held_after - length[..., 0]
     held_before -= length[..., 1]
-    row = visible_keys_of(rank, start, length, held_before)
-    col = visible_keys_to(rank, start, length, held_before) if exchange == "pass-q" else None
-    pages = -(-held_after // ps)  # [C, R]: each rank's pages of each request
-    seg_request = plan.rank(rank).seg_request  # (the rank's plan is built and cached by now)
-    q_lens = length[rank].reshape(-1)
-    cu = _cu(q_lens)
-    # this rank's own keys of the batch's requests, all of them (pass-Q and step 0 read them)
-    width = max(int(pages[rank].max(initial=0)), 1)
-    own_table = kv.page_table_rows(seq_rows, width)
-    # step 0's metadata written in place into its packed buffer (as from_host packs it)
-    buf, cu0, kv0, seg_table = AttentionMetadata.host_buffers(2 * R, width)
-    cu0[:] = cu
-    kv_own = row[rank].reshape(-1)
-    kv0[:] = kv_own
-    own_table.take(seg_request, axis=0, out=seg_table)
-    meta0 = AttentionMetadata._live(cu0, kv0, seg_table, ps, max_of(q_lens), max_of(kv_own), device, buf)
-    # local index of each new row: after the request's cached pieces, early block first
-    # (a request's two blocks are consecutive rows here: one run per request)
-    req_rows = length[rank, :, 0] + length[rank, :, 1]
-    local = np.repeat(held_before[rank] - cu[:-1:2], req_rows)
-    local += arange(local.shape[0])
-    slots = kv.run_slots(seq_rows, local, req_rows)
-    steps = [meta0, *_ring_steps(exchange, rank, cu, row, col, length, pages, seg_request, seg_table, ps, device)]
-    msg_pages = [0] * C
-    send_pages = np.zeros(0, dtype=np.int64)
-    if exchange == "pass-kv":
-        msg_pages = pages.sum(axis=1).tolist()
-        mask = np.arange(width) < pages[rank][:, None]
-        send_pages = own_table[mask].astype(np.int64)
-    ring = RingPlan(exchange, C, rank, steps, np.add.reduce(length.reshape(C, -1), axis=1).tolist(), msg_pages,
-                    send_pages, choice)
-    return ShardedInputs(slots, meta0, seg_table, ring)
+    visible_keys_of(rank, start, length, held_before)  # raises when a block misses some of its history
+    j = int(np.argmax(held_before[rank] < 0))  # else the ledger holds fewer positions than the blocks here
+    raise RingPlanError(f"ring plan: the ledger gives rank {rank} {int(held_after[rank, j])} positions of request "
+                        f"{j}, fewer than its blocks of this forward ({int(length[rank, j].sum())}); the cache's "
+                        "ledger and the batch plan disagree")
+
+
+@host_kernel
+def _ring_extent(ledger, seq_rows, rank, page_size, page_shift, msg_pages):
+    """Pages each rank holds of the batch's requests (request ``j``: ledger row
+    ``seq_rows[j]``; :func:`page_count`), summed per rank into ``msg_pages`` [C]
+    (pass-KV's messages). Returns the most pages one request has on rank ``rank`` and
+    on any other rank (each at least 1: the page tables' widths)."""
+    C = msg_pages.shape[0]
+    own = other = 1
+    for k in range(C):
+        msg_pages[k] = 0
+    for j in range(seq_rows.shape[0]):
+        row = seq_rows[j]
+        for k in range(C):
+            pages = page_count(ledger[row, k], page_size, page_shift)
+            msg_pages[k] += pages
+            if k == rank:
+                own = max(own, pages)
+            else:
+                other = max(other, pages)
+    return own, other
+
+
+@host_kernel
+def _history(length, ledger, seq_rows, rank, seen):
+    """Keys this rank's blocks see over all steps, per request ``j`` (``length`` [C, R,
+    2]; its ledger row ``seq_rows[j]``): every cached position of every rank, and the
+    early blocks of ranks k <= rank (its early block, into ``seen[0, j]``), or every
+    early block and the late blocks of ranks k >= rank (its late block, ``seen[1, j]``).
+    Rank by rank: each rank's blocks are a contiguous run of ``length``."""
+    C, R = length.shape[0], length.shape[1]
+    for j in range(R):
+        seen[0, j] = seen[1, j] = 0
+    for k in range(C):
+        for j in range(R):
+            early, late = length[k, j, 0], length[k, j, 1]
+            cached = ledger[seq_rows[j], k] - early - late
+            seen[0, j] += cached + early if k <= rank else cached
+            seen[1, j] += cached + early + late if k >= rank else cached + early
+
+
+@host_kernel
+def _ring_plan(start, length, ledger, seq_rows, table, rank, page_size, page_shift, pass_q, seen, cu0, kv0, seg_table,
+               packed, width, slots, send, most):
+    """One rank's ring over a sharded cache (``start``/``length`` [C, R, 2]: the zigzag
+    plan's blocks; request ``j``'s ledger row and this rank's table row are
+    ``seq_rows[j]``; its segments ``2j`` early and ``2j + 1`` late). The history check
+    first (:func:`_history`, into ``seen`` [2, R]): every live block of this rank sees
+    its whole causal history over all steps (and the ledger holds this forward's blocks
+    here); at the first that does not, returns ``2j + e`` (what was written is then not
+    to be used). Request by request, writes step 0's metadata (``cu0`` [S + 1], ``kv0``
+    [S], ``seg_table`` [S, w]: this rank's pages, scratch past the table), the new rows'
+    slots (local indices after each request's cached pieces, early block first) into
+    ``slots``, pass-KV (``pass_q`` False): this rank's pages of the requests, batch
+    order, into ``send``; then :func:`_ring_steps` writes steps 1 .. C-1 into
+    ``packed``; each step's largest q_len and kv_len into ``most`` [C, 2]. Returns -1."""
+    R = length.shape[1]
+    _history(length, ledger, seq_rows, rank, seen)
+    for j in range(R):
+        early, late = length[rank, j, 0], length[rank, j, 1]
+        if (early and seen[0, j] != start[rank, j, 0] + early) or ledger[seq_rows[j], rank] < early + late:
+            return 2 * j
+        if late and seen[1, j] != start[rank, j, 1] + late:
+            return 2 * j + 1
+    cols = min(seg_table.shape[1], table.shape[1])
+    most_q = most_kv = n = sent = 0
+    cu0[0] = 0
+    for j in range(R):
+        row = seq_rows[j]
+        early, late = length[rank, j, 0], length[rank, j, 1]
+        hi = ledger[row, rank]
+        lo = hi - early - late  # this rank's cached pieces of the request
+        # step 0: its rows over its own keys (causal)
+        cu0[2 * j + 1] = cu0[2 * j] + early
+        cu0[2 * j + 2] = cu0[2 * j + 1] + late
+        kv0[2 * j] = lo + early if early else 0
+        kv0[2 * j + 1] = hi if late else 0
+        most_q = max(most_q, early, late)
+        most_kv = max(most_kv, kv0[2 * j], kv0[2 * j + 1])
+        for c in range(cols):
+            seg_table[2 * j, c] = seg_table[2 * j + 1, c] = table[row, c]
+        for c in range(cols, seg_table.shape[1]):
+            seg_table[2 * j, c] = seg_table[2 * j + 1, c] = 0
+        # the new rows' slots: local index l in page table[row, l // page_size]
+        while lo < hi:
+            p = lo >> page_shift if page_shift >= 0 else lo // page_size
+            stop = min((p + 1) * page_size, hi)
+            shift = (int(table[row, p]) - p) * page_size  # slot - local index within page p (int64)
+            for local in range(lo, stop):
+                slots[n] = shift + local
+                n += 1
+            lo = stop
+        if not pass_q:  # pass-KV's message: this rank's pages of the requests, batch order
+            for p in range(page_count(hi, page_size, page_shift)):
+                send[sent] = table[row, p]
+                sent += 1
+    most[0, 0], most[0, 1] = most_q, most_kv
+    _ring_steps(length, ledger, seq_rows, rank, page_size, page_shift, pass_q, seg_table, packed, width, most)
+    return -1
+
+
+@host_kernel
+def _ring_steps(length, ledger, seq_rows, rank, page_size, page_shift, pass_q, seg_table, packed, width, most):
+    """Steps 1 .. C-1 of :func:`_ring_plan`: step i's row of ``packed`` [C - 1, 2S + 1 +
+    S * width] (cu_seqlens_q, kv_lens, page table, as ``from_host`` packs one), source
+    ``(rank - i) mod C``: pass-KV (``pass_q`` False) this rank's rows over the source's
+    staged pages (its message's request j from page 1 + the pages of requests before,
+    scratch past them), pass-Q the source's rows over this rank's pages (``seg_table``);
+    its largest q_len and kv_len into ``most[i]``. A block of rank q sees, of rank k's
+    keys of its request, every cached one, and (:func:`visible_keys_of`'s rule) the early
+    block of k when k <= q (q's early block) or always (its late block), the late block
+    of k when k >= q (its late block only); an empty block sees nothing."""
+    C, R = length.shape[0], length.shape[1]
+    S = 2 * R
+    for i in range(1, C):
+        src = rank - i if i <= rank else rank - i + C  # (rank - i) mod C
+        q, k = (src, rank) if pass_q else (rank, src)  # the query rows' rank, the keys'
+        below, above = k <= q, k >= q
+        out = packed[i - 1]
+        most_q = most_kv = cu = 0
+        first = 1  # pass-KV: the source's pages of request j in its message, after the scratch page
+        out[0] = 0
+        for j in range(R):
+            row = seq_rows[j]
+            early, late = length[q, j, 0], length[q, j, 1]
+            key_early, key_late = length[k, j, 0], length[k, j, 1]
+            cached = ledger[row, k] - key_early - key_late
+            seen_early = (cached + key_early if below else cached) if early else 0
+            seen_late = (cached + key_early + key_late if above else cached + key_early) if late else 0
+            cu += early
+            out[2 * j + 1] = cu
+            cu += late
+            out[2 * j + 2] = cu
+            out[S + 1 + 2 * j] = seen_early
+            out[S + 2 + 2 * j] = seen_late
+            most_q = max(most_q, max(early, late))
+            most_kv = max(most_kv, max(seen_early, seen_late))
+            at = 2 * S + 1 + 2 * j * width  # the request's two segments' rows of the page table
+            if pass_q:
+                for c in range(width):
+                    out[at + c] = out[at + width + c] = seg_table[2 * j, c]
+            else:
+                pages = page_count(ledger[row, src], page_size, page_shift)
+                for c in range(width):
+                    out[at + c] = out[at + width + c] = first + c if c < pages else 0
+                first += pages
+        most[i, 0], most[i, 1] = most_q, most_kv
 
 
 @dataclass(frozen=True)
@@ -306,7 +420,7 @@ class RingPlanner:
     hardware: HardwareSpec
 
     def choose(self, plan: ZigzagPlan) -> ExchangeChoice:
-        return choose_exchange(self.exchange, plan.num_tokens, int(plan.prefix_lens.sum()), self.num_heads,
+        return choose_exchange(self.exchange, plan.num_tokens, int(np.add.reduce(plan.prefix_lens)), self.num_heads,
                                self.num_kv_heads, self.head_dim, plan.cp_size, self.elem_bytes, self.hardware)
 
     def inputs(self, plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int,
