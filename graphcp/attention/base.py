@@ -32,15 +32,6 @@ from graphcp.kv.layout import KVLayout
 LSE_BASE = "e"
 
 
-def max_of(values: np.ndarray) -> int:
-    """The largest entry of a 1-D integer array as a Python int (0 when empty): through a
-    list for a few entries (Python's max of a short list beats a numpy reduction), a
-    numpy reduction for many (a list of hundreds costs several microseconds)."""
-    if values.shape[0] <= 64:
-        return max(values.tolist(), default=0)
-    return int(np.maximum.reduce(values))
-
-
 class AttentionMetadata:
     """Segments of one rank's query rows for one forward.
 
