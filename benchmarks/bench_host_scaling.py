@@ -48,7 +48,7 @@ def test_whole_preparation_scaling(benchmark, requests, cp, tokens, mode):
     stack = host_stack(cp, mode == "sharded", requests, tokens)
     batch = batch_of(requests, tokens)
     benchmark.group = f"host scaling {mode}"
-    benchmark.pedantic(stack.prepare_fill_abort, (batch,), rounds=_rounds(requests * tokens), warmup_rounds=2)
+    benchmark.pedantic(stack.prepare_fill_abort, (batch,), rounds=_rounds(requests * tokens), warmup_rounds=5)
     st = benchmark.stats.stats
     row = {"mode": mode, "requests": requests, "cp": cp, "tokens": tokens,
            "min_us": st.min * 1e6, "median_us": st.median * 1e6}
@@ -58,7 +58,7 @@ def test_whole_preparation_scaling(benchmark, requests, cp, tokens, mode):
 
 def _rounds(total_tokens: int) -> int:
     """Enough rounds for a stable median, few for the big batches (the machine is shared)."""
-    return 200 if total_tokens <= 1 << 14 else 40 if total_tokens <= 1 << 18 else 10
+    return 1000 if total_tokens <= 1 << 14 else 100 if total_tokens <= 1 << 18 else 10
 
 
 @pytest.fixture(scope="module", autouse=True)
