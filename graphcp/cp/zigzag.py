@@ -150,30 +150,38 @@ def _zigzag_blocks(extend_lens, prefix_lens, cp_size, buf, cu):
     nseg = 2 * num
     blocks = nseg * cp_size
     per_block = buf[: 6 * blocks].reshape(6, blocks)
-    end = 0  # global rows so far
+    # per request: its first global row and its blocks' base size and remainder (block k
+    # has base + 1 rows for k < remainder), so every block's size and global end is O(1)
+    start = np.empty(num, dtype=np.int64)
+    base = np.empty(num, dtype=np.int64)
+    extra = np.empty(num, dtype=np.int64)
+    end = 0
     for j in range(num):
-        length = extend_lens[j]
-        base, extra = length // c2, length % c2
-        delta = prefix_lens[j] - end  # position - global row, for every row of request j
-        for k in range(c2):
-            n = base + 1 if k < extra else base
-            per_block[0, j * c2 + k] = n
-            end += n
-            f = k * nseg + 2 * j if k < cp_size else (c2 - 1 - k) * nseg + 2 * j + 1  # rank-major
-            per_block[1, f] = n
-            per_block[3, f] = end  # the block's global end, until its local end is known
-            per_block[5, f] = end + delta
+        start[j] = end
+        base[j], extra[j] = extend_lens[j] // c2, extend_lens[j] % c2
+        end += extend_lens[j]
+        for k in range(c2):  # global block order
+            per_block[0, j * c2 + k] = base[j] + 1 if k < extra[j] else base[j]
+    # rank-major, written in order (rank r's early block r and late block 2C-1-r of each request)
     for r in range(cp_size):
         local = most_q = most_kv = 0
         cu[r, 0] = 0
-        for f in range(r * nseg, (r + 1) * nseg):
-            local += per_block[1, f]
-            cu[r, f - r * nseg + 1] = local
-            per_block[2, f] = local
-            per_block[3, f] -= local
-            per_block[4, f] = per_block[5, f] - local
-            most_q = max(most_q, per_block[1, f])
-            most_kv = max(most_kv, per_block[5, f])
+        for j in range(num):
+            for e in range(2):
+                k = r if e == 0 else c2 - 1 - r
+                n = base[j] + 1 if k < extra[j] else base[j]
+                global_end = start[j] + (k + 1) * base[j] + min(k + 1, extra[j])
+                kv = global_end + prefix_lens[j] - start[j]  # keys its last row sees
+                local += n
+                f = r * nseg + 2 * j + e
+                per_block[1, f] = n
+                per_block[2, f] = local
+                per_block[3, f] = global_end - local  # global row - local index
+                per_block[4, f] = kv - local  # position - local index
+                per_block[5, f] = kv
+                cu[r, 2 * j + e + 1] = local
+                most_q = max(most_q, n)
+                most_kv = max(most_kv, kv)
         buf[6 * blocks + r] = local
         buf[6 * blocks + cp_size + 2 * r] = most_q
         buf[6 * blocks + cp_size + 2 * r + 1] = most_kv
