@@ -266,7 +266,7 @@ class RankPlan:
         return self._positions
 
     def _expand(self) -> None:
-        per_row = np.empty((2, int(self._cu_seqlens_q[-1])), dtype=np.int64)
+        per_row = np.empty((2, self.num_rows), dtype=np.int64)
         expand_runs(self._seg_shift, self._cu_seqlens_q, per_row)
         per_row.setflags(write=False)
         self._rows, self._positions = per_row[0], per_row[1]

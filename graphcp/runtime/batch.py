@@ -247,9 +247,7 @@ class BatchPreparer:
             rp = plan.rank(self.group.rank)
             if self.ring is not None:
                 sh = self.ring.inputs(plan, kv, seq_ids, self.group.rank, self.device, seq_rows)
-                per_row = np.empty((2, rp.num_rows), dtype=np.int64)  # token ids, positions
-                _rank_rows(rp.seg_shift, rp.cu_seqlens_q, flat, per_row)
-                return PreparedBatch(plan, seq_ids, per_row[0], per_row[1], sh.slots, sh.meta,
+                return PreparedBatch(plan, seq_ids, flat[rp.rows], rp.positions, sh.slots, sh.meta,
                                      sh.seg_page_table, ring=sh.ring)
             if seq_rows is None:
                 seq_rows = kv.table_rows(seq_ids)
@@ -263,18 +261,6 @@ class BatchPreparer:
                          flat, per_row, cu, kvl, pt)
             meta = AttentionMetadata._live(cu, kvl, pt, kv.page_size, max_q, max_kv, self.device, buf)
             return PreparedBatch(plan, seq_ids, per_row[0], per_row[1], per_row[2], meta, pt)
-
-
-@host_kernel
-def _rank_rows(seg_shift, seg_cu, flat, per_row):
-    """Each local row's token id (``flat[global row]``) and position into ``per_row``
-    [2, n], from the rank's segment runs (as :func:`_rank_inputs` writes them; the
-    sharded cache's ring plans the slots and metadata)."""
-    for s in range(seg_cu.shape[0] - 1):
-        shift, position = seg_shift[0, s], seg_shift[1, s]
-        for i in range(seg_cu[s], seg_cu[s + 1]):
-            per_row[0, i] = flat[shift + i]
-            per_row[1, i] = position + i
 
 
 @host_kernel
