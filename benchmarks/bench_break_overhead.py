@@ -31,6 +31,7 @@ import torch
 from host_stack import PAGE_SIZE, batch_of, host_stack
 
 from graphcp.attention.base import AttentionBackend, AttentionSpec
+from graphcp.attention.kv_exchange import AllGather, KVForward
 from graphcp.attention.registry import available_backends, make_attention
 from graphcp.attention.ring.attention import RingAttention
 from graphcp.attention.ring.plan import plan_sharded
@@ -78,7 +79,9 @@ def test_attention_break_host_time(benchmark, live_batch, name):
     stack, prep, q = live_batch
     backend = _backend(name)
     backend.prepare(prep.meta)
-    ctx = ForwardContext(prep.meta, backend, stack.preparer.kv, torch.from_numpy(prep.slots), stack.preparer.group)
+    kv = stack.preparer.kv
+    ctx = ForwardContext(KVForward(kv, AllGather(), stack.preparer.group, backend, prep.meta,
+                                   torch.from_numpy(prep.slots)))
     out = torch.empty_like(q)
     layers = iter(range(1 << 62))
 

@@ -8,7 +8,7 @@ Each case launches C local ranks (gloo) that hold one layer of a Llama-3-70B-lik
 shape (64 query heads, 8 KV heads, head_dim 128, bfloat16: 4 KiB of KV per token),
 reserve a batch of T new tokens after P cached ones (the cached part prefilled as
 an earlier chunk, so it is sharded too), and run the real exchange code once: the
-all-gather of ``attention/exchange.py`` and the rings of ``attention/ring_pass_kv.py``
+all-gather of ``attention/kv_exchange.py`` and the rings of ``attention/ring/pass_kv.py``
 and ``ring_pass_q.py`` (attention itself replaced by a kernel that writes zeros, so
 only the communication runs). A counting :class:`CPGroup` records the bytes each
 collective delivers to the rank; the table shows the largest rank's.
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from graphcp.attention.base import AttentionBackend
-from graphcp.attention.exchange import exchange_and_write_kv
+from graphcp.attention.kv_exchange import AllGather, KVForward
 from graphcp.attention.ring.buffers import RingBuffers
 from graphcp.attention.ring.exchange_choice import choose_exchange
 from graphcp.attention.ring.hardware import HardwareSpec
@@ -40,7 +40,6 @@ from graphcp.cp import ZigzagLayout
 from graphcp.dist import CPGroup, launch
 from graphcp.kv.paged import PagedKVCache
 from graphcp.kv.sharded import ShardedKVCache
-from graphcp.model.forward_context import ForwardContext
 
 HQ, HKV, D, PAGE, DTYPE = 64, 8, 128, 16, torch.bfloat16
 E = 2  # bytes per element
@@ -99,10 +98,10 @@ def _measure(group: CPGroup, new: int, cached: int) -> dict:
     # the replicated cache's all-gather of the largest rank's rows (the eager capacity)
     cap = plan.max_local_rows
     rep = PagedKVCache(1, 2, PAGE, HKV, D, DTYPE)
-    ctx = ForwardContext(None, None, rep, torch.full((cap,), -1), g)
-    ctx.gathered_kv_slots = torch.full((C * cap,), -1)
+    fwd = KVForward(rep, AllGather(), g, None, None, torch.full((cap,), -1))
+    fwd.gathered_slots = torch.full((C * cap,), -1)
     g.received = 0
-    exchange_and_write_kv(ctx, 0, torch.zeros(cap, HKV, D, dtype=DTYPE), torch.zeros(cap, HKV, D, dtype=DTYPE))
+    fwd.store(0, torch.zeros(cap, HKV, D, dtype=DTYPE), torch.zeros(cap, HKV, D, dtype=DTYPE))
     out["all-gather"] = g.received
     out["cap"] = cap
     return out

@@ -40,7 +40,8 @@ def _time_chunks(group, mode):
     kv = eng.kv
     page_bytes = kv.pool[0, 0].numel() * kv.pool.element_size()
     fetch = []
-    if kv.needs_prefix_fetch:  # the attention break's broadcast of one layer's prefix pages, alone
+    fetches = kv.prefix_pages([prefix]) is not None  # a cache that keeps only some layers
+    if fetches:  # the attention break's broadcast of one layer's prefix pages, alone
         pages = torch.tensor(prefix.pages, dtype=torch.long)
         for _ in range(REPEATS):
             t0 = time.perf_counter()
@@ -48,7 +49,7 @@ def _time_chunks(group, mode):
             fetch.append(time.perf_counter() - t0)
     return {"median_s": float(np.median(times)), "pool_bytes": kv.pool_bytes,
             "fetch_s_per_layer": float(np.median(fetch)) if fetch else 0.0,
-            "fetch_bytes_per_layer": len(prefix.pages) * page_bytes if kv.needs_prefix_fetch else 0,
+            "fetch_bytes_per_layer": len(prefix.pages) * page_bytes if fetches else 0,
             "static_bytes_per_layer": kv.num_pages * page_bytes}
 
 

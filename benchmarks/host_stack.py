@@ -15,7 +15,8 @@ from graphcp.attention.ring.hardware import HardwareSpec
 from graphcp.attention.ring.plan import RingPlanner
 from graphcp.cp import ZigzagLayout
 from graphcp.dist import CPGroup
-from graphcp.kv.sharded import make_kv_cache
+from graphcp.kv.factory import make_cache
+from graphcp.kv.spec import KVHeads, PoolSpec
 from graphcp.runtime.batch import BatchPreparer, Request
 from graphcp.runtime.capture.static_buffers import StaticBuffers
 
@@ -46,10 +47,11 @@ def host_stack(cp_size: int, sharded: bool, num_requests: int, tokens: int, rank
     tokens each (no collective is issued: consistency checks are off)."""
     per_seq = -(-tokens // PAGE_SIZE) + 1
     pages = num_requests * per_seq + 1  # room for the whole batch on any rank
-    kv = make_kv_cache(sharded, cp_size, rank, 1, pages, PAGE_SIZE, 1, 1, torch.float32, "cpu", "NHD", per_seq)
-    ring = RingPlanner("auto", 1, 1, 1, 4, HardwareSpec()) if sharded else None
+    pool = PoolSpec(range(1), pages, PAGE_SIZE, torch.float32, "cpu", per_seq, rank, cp_size)
+    kv = make_cache("sharded" if sharded else "replicated", KVHeads(1, 1), pool)
+    planner = RingPlanner("auto", 1, 1, 1, 4, HardwareSpec()) if sharded else None
     prep = BatchPreparer(ZigzagLayout(cp_size), kv, CPGroup(rank=rank, size=cp_size), VOCAB, max_context=tokens,
-                         device=torch.device("cpu"), check_consistency=False, ring=ring)
+                         device=torch.device("cpu"), check_consistency=False, planner=planner)
     rows = -(-num_requests * tokens // cp_size) + 2 * num_requests  # a rank's rows, with the blocks' rounding
     buffers = StaticBuffers(_bucket(rows), cp_size, 1, 1, 1, 2 * num_requests, per_seq, torch.float32, "cpu")
     return HostStack(prep, buffers)

@@ -234,10 +234,6 @@ def parallel_settings(parallel) -> dict[str, str]:
             "dp": "1" if parallel.dp_size == 1 else ">1"}
 
 
-def model_kind(is_dsa: bool, is_moe: bool) -> str:
-    return "dsa" if is_dsa else "moe" if is_moe else "dense"
-
-
 # ---- what follows is derived: pairs, the covering runs, the tables ----------------------
 
 Pair = tuple[tuple[str, str], tuple[str, str]]

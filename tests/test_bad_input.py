@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import rel_err
 
+from graphcp.runtime.outputs import OutputHead
 from graphcp import BatchError, PrefillEngine, Request
 from graphcp.cli.main import main
 from graphcp.cli.requests import RequestFileError, parse_requests
@@ -197,7 +198,7 @@ def test_failure_inside_the_forward_rolls_back(clean, monkeypatch):
     def boom(*args, **kw):
         raise RuntimeError("injected failure after the body")
 
-    monkeypatch.setattr(clean, "_all_logits", boom)
+    monkeypatch.setattr(OutputHead, "all_logits", boom)
     with pytest.raises(RuntimeError, match="injected"):
         clean.prefill([Request(toks(40)), Request(full[30:], prefix=a)], all_logits=True)
     monkeypatch.undo()

@@ -311,13 +311,13 @@ def _sharded_digest() -> dict:
         kv = ShardedKVCache(1, 36, page, 1, 2, torch.float32, cp_size=4, rank=1)  # 35 pages a rank
         prep_of = BatchPreparer(ZigzagLayout(4), kv, CPGroup(rank=1, size=4), 1000, max_context=512,
                                 device=torch.device("cpu"), check_consistency=False,
-                                ring=RingPlanner(exchange, 1, 1, 1, 4, HardwareSpec()))
+                                planner=RingPlanner(exchange, 1, 1, 1, 4, HardwareSpec()))
         first = prep_of.prepare([Request(rng.integers(0, 1000, n)) for n in (5, 17, 40)])
         handles = [kv.handle(s) for s in first.seq_ids]
         second = prep_of.prepare([Request(rng.integers(0, 1000, 9), handles[1]), Request(rng.integers(0, 1000, 2))])
         third = prep_of.prepare([Request(rng.integers(0, 1000, 30), handles[2])])
         for name, prep in (("first", first), ("second", second), ("third", third)):
-            ring = prep.ring
+            ring = prep.kv_plan
             out[f"{page} {name}"] = [prep.slots.tolist(), ring.send_pages.tolist(), ring.msg_pages, ring.rows] + [
                 [s.cu_seqlens_q_host.tolist(), s.kv_lens_host.tolist(), s.page_table_host.tolist(), s.max_q_len,
                  s.max_kv_len] for s in ring.steps]

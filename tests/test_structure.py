@@ -33,8 +33,8 @@ LAYERS = [
     "cp",          # layouts: which rank owns which tokens (numpy)
     "kv",          # the paged caches, one module a cache mode
     "attention",   # contract, registry, backends, kernels, ring, sparse
-    "model",       # model configs, decoder layers, the forward context, loader
-    "pd",          # KV export formats and transports
+    "pd",          # KV export formats and transports (a family picks its format: below the model)
+    "model",       # model configs, the family seam and families, decoder layers, the forward context, loader
     "runtime",     # batch, body, capture, pipeline stages, engine, stats
     "graphcp",     # the public API (graphcp/__init__.py)
     # applications

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -302,3 +303,15 @@ class AttentionBackend(ABC):
         """Attend ``q`` [rows, Hq, D] over ``kv_cache`` (one layer, see
         :mod:`graphcp.kv.paged`); write ``out`` [rows, Hq, D] and, when given,
         ``lse`` [rows, Hq] float32 (base e) for the rows of every segment."""
+
+
+@dataclass(slots=True)
+class RankInputs:
+    """This rank's host inputs for one planned batch (what a planner writes)."""
+
+    ids: np.ndarray  # [n] token ids of this rank's rows
+    positions: np.ndarray  # [n] absolute positions
+    slots: np.ndarray  # [n] cache slots
+    meta: AttentionMetadata  # its segments (a ring: step 0's)
+    seg_page_table: np.ndarray  # [S, width] the segments' page table
+    plan: Any = None  # the exchange's own per-forward plan (a ring's RingPlan; None: none)

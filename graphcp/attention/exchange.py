@@ -1,42 +1,9 @@
-"""KV exchange v1: all-gather the K/V of every rank's padded local rows, then
-write them into this rank's paged cache through the gathered slot mapping.
-
-The gathered buffer has a fixed size (C x capacity rows, rank-major), so the
-exchange is capturable; padding rows carry slot -1 and land in the scratch page.
-After it every rank holds the batch's full KV (replicated across CP).
-
-The slot mapping is CP-local on the host: each rank computes the slots of its own
-rows only, and the body all-gathers them once per forward (:func:`gather_kv_slots`,
-its first step), so host work per forward scales with T / C rather than T.
-"""
+"""What the all-gather exchange (graphcp.attention.kv_exchange.AllGather) moves: every
+rank's padded local K/V rows gathered to every rank, a fixed ``C x capacity`` rows a
+layer (so the exchange is capturable; padding rows carry slot -1 and land in the scratch
+page). The formulas the performance ledger and the tests hold the measured bytes to."""
 
 from __future__ import annotations
-
-import torch
-
-from graphcp.kv.layout import write_kv
-from graphcp.nvtx_ranges import nvtx_range
-
-
-def gather_kv_slots(ctx) -> None:
-    """Every rank's local slot mapping, rank-major, into ``ctx.gathered_kv_slots``:
-    one small all-gather per forward (``C * capacity`` int64), shared by all layers."""
-    with nvtx_range("kv_slots_gather", category="comm"):
-        ctx.gathered_kv_slots = ctx.group.all_gather_rows(ctx.kv_slots)
-
-
-def exchange_and_write_kv(ctx, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    slots = ctx.gathered_kv_slots
-    if slots is None:
-        raise RuntimeError("the KV exchange needs the gathered slot mapping: call gather_kv_slots(ctx) first")
-    with nvtx_range(f"kv_exchange[{layer}]", category="comm"):
-        kv = torch.cat([k, v], dim=1)  # [n, 2H, D]: one collective for both
-        gathered = ctx.group.all_gather_rows(kv)
-        # counted when this runs: eagerly, or once at capture (the runner adds a captured
-        # segment's count to each replay)
-        ctx.add_received(gathered.nbytes - kv.nbytes)
-        kh = k.shape[1]
-        write_kv(ctx.kv_cache.layer(layer), gathered[:, :kh], gathered[:, kh:], slots, ctx.kv_cache.layout)
 
 
 def exchanged_bytes_per_layer(capacity: int, cp_size: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:

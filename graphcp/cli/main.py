@@ -142,7 +142,7 @@ def cmd_run(args) -> int:
                               f"{res['ops_graph']} host ops (breaks, fill, LM head)"),
             ("KV received per layer", f"{res['kv_bytes_per_layer'] / 2**20:.2f} MiB a rank (all-gather of the bucket)"),
         ]
-        if res["kv_cache"] == "sharded":
+        if res.get("exchange_reason") is not None:  # a ring chose its exchange for the batch
             rows += [
                 ("KV stored per rank", f"{res['kv_stored_per_rank']} tokens (sharded; replicated: {res['tokens']} on "
                                        "every rank)"),

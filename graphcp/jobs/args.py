@@ -15,8 +15,7 @@ from graphcp.combinations import runtime_settings
 from graphcp.config import RuntimeConfig
 from graphcp.jobs.spec import JobSpec
 from graphcp.model.config import ModelConfig
-from graphcp.model.dsa import runtime as dsa_runtime
-from graphcp.model.dsv4 import runtime as dsv4_runtime
+from graphcp.model.family import family_of
 from graphcp.model.eagle3.config import read_eagle3_config
 from graphcp.model.presets import PRESETS, resolve_model
 from graphcp.options import (
@@ -150,10 +149,7 @@ def preflight(spec: JobSpec) -> ModelConfig:
     check_layer_list(spec.runtime.aux_hidden_layers, f"--aux-hidden-layers ({config})", model.num_layers)
     if spec.runtime.draft is not None:  # an EAGLE-3 draft: its config against the target, before any rank starts
         read_eagle3_config(spec.runtime.draft, model)
-    if model.dsa is not None:
-        dsa_runtime.check_stages(model, spec.parallel.stage_layers(model.num_layers), flags=True)
-    if model.dsv4 is not None:  # its entries are paged with the tokens they pool
-        dsv4_runtime.check_page_size(model, spec.runtime.page_size, "--page-size")
+    family_of(model).check_run(model, spec.runtime, spec.parallel, flags=True)
     buckets = spec.buckets()
     if buckets is not None:
         buckets.check_compatible(spec.cp_size, spec.runtime.layout)

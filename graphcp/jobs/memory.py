@@ -18,7 +18,7 @@ from graphcp.model.heads import head_shard, local_config
 from graphcp.model.loader import model_on_meta
 from graphcp.model.presets import resolve_model
 from graphcp.runtime.capture.buckets import BucketSet
-from graphcp.runtime.pool_size import pool_bytes, pool_pages
+from graphcp.runtime.pool_size import capture_bytes, pool_bytes, pool_pages
 
 #: a rank's own process besides its tensors: the framework's heap and its collectives'
 #: buffers on CPU (a forked CPU rank measured 300-400 MiB), the CUDA context on a GPU
@@ -85,13 +85,14 @@ def estimate_rank_memory(spec: JobSpec, rows: int, captured_rows: int, with_proc
         stage_layers = range(stage_layers.start, stage_layers.stop + 1)
     layers = len(stage_layers)
     # a rank's pool holds its own KV heads (attention TP)
-    pool = pool_bytes(local_config(cfg, head_shard(cfg, par.attn_tp_size)), rt, pool_pages(rt, cfg), stage_layers, 0,
+    local = local_config(cfg, head_shard(cfg, par.attn_tp_size))
+    pool = pool_bytes(local, rt, pool_pages(rt, cfg), stage_layers, 0,
                       par.cp_size)
     per_row = row_bytes(cfg, par.tp_size, rt.torch_dtype.itemsize)
     trace = rt.graph_backend == "trace" or (rt.graph_backend == "auto" and rt.device != "cuda")
     graphs = 0 if rt.graph == "off" else captured_rows * per_row * (layers if trace else 1)
-    if rt.graph != "off" and rt.kv_cache == "sharded" and rt.exchange != "pass-q":
-        graphs += 2 * pool // max(layers, 1)  # pass-KV's staging, reserved at capture: two layers of the pool
+    if rt.graph != "off":  # what the cache mode reserves at capture (pass-KV's staging: two layers of the pool)
+        graphs += capture_bytes(local, rt, pool, layers)
     process = PROCESS_BYTES.get(rt.device, PROCESS_BYTES["cpu"]) if with_process else 0
     return RankMemory(weights, pool, graphs, rows * per_row, process)
 

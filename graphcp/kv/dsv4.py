@@ -36,6 +36,8 @@ import torch
 from graphcp.errors import ConfigError
 from graphcp.kv.layer_split import LayerOwnership
 from graphcp.kv.paged import KVHandle, PagedKVCache
+from graphcp.kv.spans import owned_layers
+from graphcp.kv.spec import PoolSpec
 
 #: a V4 layer's kind: a window only, the window + compressed sparse entries, + heavily compressed entries
 SLIDING, CSA, HCA = "sliding", "csa", "hca"
@@ -43,7 +45,7 @@ SLIDING, CSA, HCA = "sliding", "csa", "hca"
 
 @dataclass(frozen=True)
 class DsV4CacheSpec:
-    """What the cache and the attention break size by (graphcp.model.dsv4_config reads it)."""
+    """What the cache and the attention break size by (graphcp.model.dsv4.config reads it)."""
 
     layer_kinds: tuple[str, ...]
     head_dim: int
@@ -85,6 +87,22 @@ def entries_per_page(page_size: int, rate: int, where: str = "RuntimeConfig.page
 class DsV4KVCache(PagedKVCache):
     #: pools keep one scratch layer for the layers this rank does not hold (LayerSplit)
     scratch = False
+
+    @classmethod
+    def create(cls, geometry: DsV4CacheSpec, pool: PoolSpec) -> "DsV4KVCache":
+        return cls(geometry, pool.num_pages, pool.page_size, pool.dtype, pool.device, pool.max_pages_per_seq,
+                   pool.layers)
+
+    @classmethod
+    def held_of(cls, pool: PoolSpec) -> tuple[range, range | None]:
+        """(the layers a rank's pools hold, the layers a split serves or None)."""
+        return pool.layers, None
+
+    @classmethod
+    def pool_bytes_for(cls, geometry: DsV4CacheSpec, pool: PoolSpec) -> int:
+        held, served = cls.held_of(pool)
+        itemsize = torch.empty(0, dtype=pool.dtype).element_size()
+        return pool.num_pages * cls.bytes_per_page(geometry, pool.page_size, itemsize, held, served)
 
     def __init__(self, cfg: DsV4CacheSpec, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", max_pages_per_seq: int | None = None,
@@ -241,6 +259,16 @@ class LayerSplitDsV4KVCache(LayerOwnership, DsV4KVCache):
     the pooling and attention read them: the same values as the replicated cache."""
 
     scratch = True
+
+    @classmethod
+    def create(cls, geometry: DsV4CacheSpec, pool: PoolSpec) -> "LayerSplitDsV4KVCache":
+        return cls(geometry, pool.num_pages, pool.page_size, pool.dtype, pool.device, pool.max_pages_per_seq,
+                   pool.rank, pool.cp_size, pool.layers)
+
+    @classmethod
+    def held_of(cls, pool: PoolSpec) -> tuple[range, range | None]:
+        own = owned_layers(pool.rank, len(pool.layers), pool.cp_size)
+        return range(pool.layers.start + own.start, pool.layers.start + own.stop), pool.layers
 
     def __init__(self, cfg: DsV4CacheSpec, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | str, max_pages_per_seq: int | None, rank: int, cp_size: int,

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from graphcp.dist import CPGroup
 from graphcp.kv.layout import KVLayout
 from graphcp.kv.paged import KVHandle, PagedKVCache
 from graphcp.kv.spans import KVSpan, layer_owner, owned_layers
+from graphcp.kv.spec import KVHeads, PoolSpec
 
 
 def pool_layers(num_layers: int, rank: int, cp_size: int) -> int:
@@ -46,7 +48,22 @@ class LayerOwnership:
     the prefix fetch before a layer's attention. A cache mixes it in ahead of its
     :class:`PagedKVCache` and calls :meth:`_split` before the pool is allocated."""
 
-    needs_prefix_fetch = True
+    mode = "layer-split"
+
+    @classmethod
+    def held_layers(cls, pool: PoolSpec) -> int:
+        """A rank's own layers and the scratch layer."""
+        return pool_layers(len(pool.layers), pool.rank, pool.cp_size)
+
+    def prefix_pages(self, prefixes: "list[KVHandle | None]") -> np.ndarray | None:
+        """Every page of the batch's cached prefixes (what attention reads of them); None
+        when no request extends a prefix."""
+        pages = [p for h in prefixes if h is not None for p in h.pages]
+        return np.asarray(pages, dtype=np.int64) if pages else None
+
+    def stored_tokens_of(self, layer: int, batch_tokens: int, local_rows: int) -> int:
+        """The layer's owner keeps it, the others write a scratch layer."""
+        return batch_tokens if layer in self.owned else 0
 
     def _split(self, num_layers: int, rank: int, cp_size: int, first_layer: int = 0) -> None:
         """Split the global layers ``first_layer .. first_layer + num_layers - 1`` (the
@@ -80,12 +97,14 @@ class LayerOwnership:
         """``layer``'s per-page tensors (pages along dim 0) a prefix fetch fills."""
         raise NotImplementedError
 
-    def fetch_prefix(self, layer: int, pages: torch.Tensor, group: CPGroup) -> int:
+    def fetch_prefix(self, layer: int, pages: torch.Tensor | None, group: CPGroup) -> int:
         """Before ``layer``'s attention: its owner broadcasts the cached-prefix ``pages``
-        (int64, on the pool's device) of every tensor of that layer (packed: one message),
+        (int64, on the pool's device; None: no prefix to fetch) of every tensor of that layer (packed: one message),
         the other ranks copy them into their scratch layer(s). Every rank calls it (a
         collective). Returns the bytes this rank received (0 on the owner), for the
         forward's stats."""
+        if pages is None:  # no request extends a cached prefix
+            return 0
         src, n = self.owner(layer), pages.shape[0]
         caches = self.layer_pools(layer)
         if group.rank == src:
@@ -101,6 +120,12 @@ class LayerOwnership:
 
 
 class LayerSplitKVCache(LayerOwnership, PagedKVCache):
+    @classmethod
+    def create(cls, geometry: KVHeads, pool: PoolSpec) -> "LayerSplitKVCache":
+        return cls(len(pool.layers), pool.num_pages, pool.page_size, geometry.num_kv_heads, geometry.head_dim,
+                   pool.dtype, pool.device, geometry.layout, pool.max_pages_per_seq, rank=pool.rank,
+                   cp_size=pool.cp_size, first_layer=pool.layers.start)
+
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, layout: KVLayout, max_pages_per_seq: int | None,
                  rank: int, cp_size: int, first_layer: int = 0) -> None:

@@ -27,13 +27,53 @@ reads :meth:`read_span` (graphcp.pd.mla_export).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from graphcp.kv.paged import KVHandle, PagedKVCache
 from graphcp.kv.spans import KVSpan
+from graphcp.kv.spec import PoolSpec
+
+
+@dataclass(frozen=True)
+class MlaGeometry:
+    """A DSA model's token: its latent and rope key (``kv_lora_rank + rope_dim``) in every
+    layer, and its indexer key (``index_dim``) in the layers that run the indexer
+    (``indexer_layers``: the model's, one entry a layer)."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    index_dim: int
+    indexer_layers: tuple[bool, ...]
+
+    def indexer_of(self, layers: range) -> tuple[bool, ...]:
+        return self.indexer_layers[layers.start:layers.stop]
 
 
 class MlaKVCache(PagedKVCache):
+    @classmethod
+    def create(cls, geometry: MlaGeometry, pool: PoolSpec) -> "MlaKVCache":
+        return cls(*cls._args(geometry, pool), first_layer=pool.layers.start)
+
+    @staticmethod
+    def _args(g: MlaGeometry, pool: PoolSpec) -> tuple:
+        return (len(pool.layers), pool.num_pages, pool.page_size, g.kv_lora_rank, g.rope_dim, g.index_dim,
+                g.indexer_of(pool.layers), pool.dtype, pool.device, pool.max_pages_per_seq)
+
+    @classmethod
+    def held_layers_of(cls, geometry: MlaGeometry, pool: PoolSpec) -> tuple[int, int]:
+        """(latent layers, indexer-key layers) a rank's pools hold."""
+        indexer = geometry.indexer_of(pool.layers)
+        return len(indexer), sum(indexer)
+
+    @classmethod
+    def pool_bytes_for(cls, geometry: MlaGeometry, pool: PoolSpec) -> int:
+        held, index_held = cls.held_layers_of(geometry, pool)
+        itemsize = torch.empty(0, dtype=pool.dtype).element_size()
+        return pool.num_pages * cls.bytes_per_page(held, pool.page_size, geometry.kv_lora_rank + geometry.rope_dim,
+                                                   geometry.index_dim, index_held, itemsize)
+
     def __init__(
         self,
         num_layers: int,

@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 
 from graphcp.kv.layer_split import LayerOwnership, pool_layers
-from graphcp.kv.mla import MlaKVCache
+from graphcp.kv.mla import MlaGeometry, MlaKVCache
 from graphcp.kv.spans import owned_layers
+from graphcp.kv.spec import PoolSpec
 
 
 def mla_pool_layers(indexer_layers: tuple[bool, ...], rank: int, cp_size: int) -> tuple[int, int]:
@@ -34,6 +35,14 @@ def mla_pool_layers(indexer_layers: tuple[bool, ...], rank: int, cp_size: int) -
 
 
 class LayerSplitMlaKVCache(LayerOwnership, MlaKVCache):
+    @classmethod
+    def create(cls, geometry: MlaGeometry, pool: PoolSpec) -> "LayerSplitMlaKVCache":
+        return cls(*cls._args(geometry, pool), rank=pool.rank, cp_size=pool.cp_size, first_layer=pool.layers.start)
+
+    @classmethod
+    def held_layers_of(cls, geometry: MlaGeometry, pool: PoolSpec) -> tuple[int, int]:
+        return mla_pool_layers(geometry.indexer_of(pool.layers), pool.rank, pool.cp_size)
+
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int, rope_dim: int,
                  index_dim: int, indexer_layers: tuple[bool, ...], dtype: torch.dtype, device: torch.device | str,
                  max_pages_per_seq: int | None, rank: int, cp_size: int, first_layer: int = 0) -> None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from typing import ClassVar
 from itertools import compress, repeat
 from operator import attrgetter, is_not
 
@@ -56,6 +57,7 @@ from graphcp.cp.zigzag import ZigzagLayout
 from graphcp.errors import BatchError
 from graphcp.jit import host_kernel
 from graphcp.kv.layout import KVLayout, kv_cache_views
+from graphcp.kv.spec import KVHeads, PoolSpec
 from graphcp.kv.spans import KVSpan, whole_layer_spans
 
 SCRATCH_PAGE = 0
@@ -148,9 +150,19 @@ _num_tokens_of = attrgetter("num_tokens")
 
 
 class PagedKVCache:
-    #: the forward must fetch a cached prefix's pages of each layer before attention
-    #: (a cache that does not keep every layer: graphcp.kv.layer_split)
-    needs_prefix_fetch = False
+    """The replicated cache mode (every rank holds every request's KV), and the base of
+    every cache mode: a cache class is its mode's object (graphcp.kv.factory builds it).
+    What a mode owns: the reservation and rollback (:meth:`reserve`, :meth:`rollback`,
+    :meth:`release`), what a rank holds and exports (:meth:`kv_spans`, :meth:`local_index`),
+    the prefix fetch before a layer's attention (:meth:`fetch_prefix`), and the
+    exchange its layers store and attend through (:attr:`exchange`, the name of an
+    exchange in ``graphcp.attention.kv_exchange``: ``all-gather`` writes every rank's rows
+    here, ``ring`` keeps a rank's own)."""
+
+    #: the cache mode (RuntimeConfig.kv_cache) this class is
+    mode: ClassVar[str] = "replicated"
+    #: how a forward's layers store their K/V and attend (graphcp.attention.kv_exchange)
+    exchange: ClassVar[str] = "all-gather"
 
     def __init__(
         self,
@@ -200,6 +212,49 @@ class PagedKVCache:
         # the free table rows, a LIFO stack like the pages': _free_rows[:_num_free_rows], low rows first
         self._free_rows = np.arange(_INITIAL_ROWS - 1, -1, -1, dtype=np.int64)
         self._num_free_rows = _INITIAL_ROWS
+
+    # ---- the mode: built and sized by graphcp.kv.factory --------------------------
+    @classmethod
+    def create(cls, geometry: KVHeads, pool: PoolSpec) -> "PagedKVCache":
+        """This mode's cache of ``geometry``'s tokens in ``pool`` (the factory's call)."""
+        return cls(len(pool.layers), pool.num_pages, pool.page_size, geometry.num_kv_heads, geometry.head_dim,
+                   pool.dtype, pool.device, geometry.layout, pool.max_pages_per_seq, pool.layers.start)
+
+    @classmethod
+    def held_layers(cls, pool: PoolSpec) -> int:
+        """Layers a rank's pool of this mode holds (here every layer it serves)."""
+        return len(pool.layers)
+
+    @classmethod
+    def pool_bytes_for(cls, geometry: KVHeads, pool: PoolSpec) -> int:
+        """Bytes of rank ``pool.rank``'s pool (what :meth:`create` allocates)."""
+        itemsize = torch.empty(0, dtype=pool.dtype).element_size()
+        return (cls.held_layers(pool) * pool.num_pages * 2 * pool.page_size * geometry.num_kv_heads
+                * geometry.head_dim * itemsize)
+
+    @classmethod
+    def capture_bytes_for(cls, pool_bytes: int, num_layers: int, exchange: str) -> int:
+        """What capturing the buckets reserves for this mode besides the pool: nothing."""
+        return 0
+
+    def rows_bound(self, cp_size: int) -> int:
+        """The most rows one forward can give a rank: its share of a pool's worth of tokens."""
+        return -(-self.num_pages * self.page_size // cp_size)
+
+    def prefix_pages(self, prefixes: "list[KVHandle | None]") -> np.ndarray | None:
+        """The cached-prefix pages a forward must fetch before each layer's attention
+        (:meth:`fetch_prefix`); None: this cache keeps every layer, nothing to fetch."""
+        return None
+
+    def fetch_prefix(self, layer: int, pages, group) -> int:
+        """Before ``layer``'s attention, fetch the batch's cached-prefix ``pages`` of it
+        from where they are kept; the bytes this rank received. Every layer is here: none."""
+        return 0
+
+    def stored_tokens_of(self, layer: int, batch_tokens: int, local_rows: int) -> int:
+        """Tokens of a forward's batch (``batch_tokens`` in all, ``local_rows`` of them this
+        rank's rows) whose K/V of ``layer`` this rank's cache keeps: every one here."""
+        return batch_tokens
 
     def _allocate_pool(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """The pool (a cache that stores something else per token, MLA's latent, overrides it)."""

@@ -28,6 +28,7 @@ from graphcp.cp.zigzag import rank_token_counts
 from graphcp.jit import host_kernel
 from graphcp.kv.paged import KVCacheFull, KVHandle, PagedKVCache
 from graphcp.kv.spans import KVSpan, position_spans
+from graphcp.kv.spec import KVHeads, PoolSpec
 
 
 class ShardedKVCache(PagedKVCache):
@@ -35,6 +36,28 @@ class ShardedKVCache(PagedKVCache):
     module doc). The allocator of :class:`PagedKVCache` manages this rank's pages
     (its sequences count the positions stored here); ``extend``, ``rollback``,
     ``release`` and the handles speak in whole requests, as for a replicated cache."""
+
+    mode = "sharded"
+    exchange = "ring"
+
+    @classmethod
+    def create(cls, geometry: KVHeads, pool: PoolSpec) -> "ShardedKVCache":
+        return cls(len(pool.layers), pool.num_pages, pool.page_size, geometry.num_kv_heads, geometry.head_dim,
+                   pool.dtype, pool.device, geometry.layout, max_pages_per_seq=pool.max_pages_per_seq,
+                   first_layer=pool.layers.start, cp_size=pool.cp_size, rank=pool.rank)
+
+    @classmethod
+    def capture_bytes_for(cls, pool_bytes: int, num_layers: int, exchange: str) -> int:
+        """pass-KV's two staging buffers, reserved at capture: two layers of the pool."""
+        return 0 if exchange == "pass-q" else 2 * pool_bytes // max(num_layers, 1)
+
+    def rows_bound(self, cp_size: int) -> int:
+        """A rank's pool holds only its own tokens: a forward can give it a pool's worth."""
+        return self.num_pages * self.page_size
+
+    def stored_tokens_of(self, layer: int, batch_tokens: int, local_rows: int) -> int:
+        """A rank keeps its own rows' K/V."""
+        return local_rows
 
     def __init__(self, *args, cp_size: int, rank: int, **kw) -> None:
         super().__init__(*args, **kw)
@@ -328,11 +351,3 @@ def _set_rows(ledger, rows, values):
     for i in range(rows.shape[0]):
         for k in range(ledger.shape[1]):
             ledger[rows[i], k] = values[i, k] if values.shape[0] else 0
-
-
-def make_kv_cache(sharded: bool, cp_size: int, rank: int, *args, **kw) -> PagedKVCache:
-    """The rank's cache: a replicated pool, or this rank's pool of a sharded one."""
-    if sharded:
-        return ShardedKVCache(*args, cp_size=cp_size, rank=rank, **kw)
-    return PagedKVCache(*args, **kw)
-

@@ -1,34 +1,24 @@
 """What the attention layers of the indexed families (DSA, DeepSeek V4) share around
-their attention break: the exchange that all-gathers every rank's cache rows and
-writes them (one collective a layer, inside the captured segment), and the break's
-static rows in graph mode (the query, the indexer's query and head weights, and the
-output the break writes), so captured graphs pin no intermediate memory for them."""
+their attention break: its static rows in graph mode (the query, the indexer's query and
+head weights, and the output the break writes), so captured graphs pin no intermediate
+memory for them. (Their cache rows are stored through the forward's KV exchange:
+graphcp.model.cp_attention.store_rows.)"""
 
 from __future__ import annotations
 
 import torch
 
 from graphcp.model.forward_context import ForwardContext
-from graphcp.nvtx_ranges import nvtx_range
 
 #: graph-mode static rows of the attention break (StaticBuffers' extra rows)
 STATIC_Q, STATIC_OUT, STATIC_INDEX_Q, STATIC_INDEX_W = "attn_q", "attn_out", "index_q", "index_w"
-
-
-def exchange_and_write(ctx: ForwardContext, layer: int, rows: torch.Tensor) -> None:
-    """All-gather every rank's cache rows of one layer and write them to the cache
-    (the bytes received counted as the K/V exchange's: eagerly, or once at capture)."""
-    with nvtx_range(f"kv_exchange[{layer}]", category="comm"):
-        gathered = ctx.group.all_gather_rows(rows)
-        ctx.add_received(gathered.nbytes - rows.nbytes)
-        ctx.kv_cache.write(layer, gathered, ctx.gathered_kv_slots)
 
 
 def break_rows(ctx: ForwardContext, q: torch.Tensor, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
                out_row: tuple[int, ...]):
     """The tensors the break reads and writes: the static rows in graph mode, else ``q``,
     the indexer's and a new ``[rows, *out_row]`` output."""
-    static = ctx.static_rows
+    static = ctx.inputs.extra
     if static is None:
         return q, index_q, index_w, q.new_empty(q.shape[0], *out_row)
     q = static[STATIC_Q].copy_(q)

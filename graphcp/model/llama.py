@@ -45,13 +45,10 @@ def _attention_range(layer: int) -> str:
 
 
 def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
-    """Attend this rank's query rows over the cache (a sharded cache: the ring);
-    writes ``out`` in place. A cache that keeps only some layers (LayerSplit) first
-    fetches the batch's cached-prefix pages of this layer from their owner (the live
-    batch's pages: in the break)."""
+    """Attend this rank's query rows over the cache as its mode does (the backend over
+    the local cache, after fetching a cached prefix a layer-split cache lacks; a sharded
+    cache's ring); writes ``out`` in place."""
     with nvtx_range(_ATTENTION_RANGES.get(layer) or _attention_range(layer), category="break"):
-        if ctx.prefix_pages is not None:
-            ctx.add_received(ctx.kv_cache.fetch_prefix(layer, ctx.prefix_pages, ctx.group))
         cp_attend(ctx, layer, q, out)
 
 
@@ -104,9 +101,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, positions)
         store_kv(ctx, self.layer, k, v)
-        if ctx.attn_q is not None:
-            q = ctx.attn_q.copy_(q)
-            out = ctx.attn_out
+        static = ctx.inputs
+        if static.attn_q is not None:
+            q = static.attn_q.copy_(q)
+            out = static.attn_out
         else:  # zeros: attention writes the segments' rows only, and a padding row's
             out = torch.zeros_like(q)  # output feeds its K/V (scratch page) in the next layer
         return q, out
@@ -122,8 +120,9 @@ class ExpertParallelTail(nn.Module):
     def break_rows(self, h: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual rows the break reads and the rows it writes the layer's output
         to (graph mode: static rows)."""
-        if ctx.moe_resid is not None:
-            return ctx.moe_resid.copy_(h), ctx.moe_out
+        static = ctx.inputs
+        if static.moe_resid is not None:
+            return static.moe_resid.copy_(h), static.moe_out
         return h, torch.empty_like(h)
 
     def after_attention(self, ctx: ForwardContext, attn_out: torch.Tensor, resid: torch.Tensor,
@@ -134,7 +133,7 @@ class ExpertParallelTail(nn.Module):
         :meth:`DecoderModel.hold_experts_out_of_graphs`); the layer's rows into ``out``."""
         n = resid.shape[0]
         h = resid + self.self_attn.project(attn_out.view(n, -1), ctx)
-        live = n if ctx.live_rows is None else ctx.live_rows
+        live = n if ctx.inputs.live_rows is None else ctx.inputs.live_rows
         with nvtx_range(f"moe[{self.layer}]", category="break"):
             x = self.post_attention_layernorm(h)
             if self.mlp.layout == "ep":

@@ -13,7 +13,7 @@ Two families, read as transformers reads them:
 
 Both route with a softmax over all experts (float32), then top-k. The router's kind
 (``scoring``) picks the router class in ``graphcp/model/moe/router.py``: ``"sigmoid"``
-is DeepSeek's (the DSA families, read in ``graphcp/model/dsa_config.py``): sigmoid scores,
+is DeepSeek's (the DSA families, read in ``graphcp/model/dsa/config.py``): sigmoid scores,
 ``e_score_correction_bias`` for the choice only, the top-k within the ``topk_group``
 best of ``n_group`` expert groups, weights scaled by ``routed_scaling_factor``.
 ``shared_intermediate_size`` sizes an optional dense shared expert added to the

@@ -5,7 +5,7 @@ Layout (format ``graphcp-kv/1``): for every layer ``i`` of the model, ``k[i]`` a
 contiguous, over all the request's tokens (cached prefix + new), keys **after RoPE**
 (what transformers' cache holds: a decode engine appends to it as it is). Metadata
 (:class:`KVMeta`): token count, layer count, heads, head_dim, dtype, the prefill
-engine's page size and the model fingerprint (graphcp.pd.fingerprint).
+engine's page size and the model fingerprint (graphcp.model.fingerprint).
 
 Flattened for a transport (the Mooncake receiver's buffer, see graphcp.pd.mooncake)
 the request is one region: layer 0's K, layer 0's V, layer 1's K, ..., so tensor
@@ -44,7 +44,7 @@ class KVMeta(TensorLayout):
     head_dim: int
     dtype: str  # float32 | bfloat16 | float16
     page_size: int  # the prefill engine's (informational: the layout has no pages)
-    fingerprint: str  # the model's (graphcp.pd.fingerprint)
+    fingerprint: str  # the model's (graphcp.model.fingerprint)
     format: str = FORMAT
     #: the last ``draft_layers`` of the ``num_layers`` are a speculative draft's (an EAGLE-3
     #: draft's one layer, docs/speculative.md); the target's are the first ones

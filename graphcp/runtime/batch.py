@@ -22,12 +22,12 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionMetadata
-from graphcp.attention.ring.plan import RingPlan, RingPlanner
+from graphcp.attention.kv_exchange import AllGatherPlanner
 from graphcp.cp import Layout, Plan
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, GraphcpError
 from graphcp.jit import host_kernel
-from graphcp.kv.paged import SCRATCH_PAGE, KVHandle, KVHandleError, PagedKVCache
+from graphcp.kv.paged import KVHandle, KVHandleError, PagedKVCache
 from graphcp.nvtx_ranges import nvtx_range
 
 
@@ -93,8 +93,8 @@ class PreparedBatch:
     plan_s: float = 0.0  # host time of prepare()
     #: the cached prefixes' pages, for a cache that fetches them per layer (LayerSplit)
     prefix_pages: np.ndarray | None = None
-    #: the sharded cache's ring for this forward (None: the replicated cache's all-gather)
-    ring: RingPlan | None = None
+    #: the KV exchange's own plan of this forward (a sharded cache's ring; None: none)
+    kv_plan: Any = None
     #: this forward's figures as the body runs it (ForwardInfo.stats): the engine copies them
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -113,11 +113,16 @@ class BatchPreparer:
     #: the most requests a batch may hold (kernel backends sized for
     #: ``RuntimeConfig.max_requests``); None: any number
     max_requests: int | None = None
-    #: a sharded cache's ring planner (slots in local indices, per-step metadata, the
-    #: per-batch exchange choice); None: the replicated cache
-    ring: RingPlanner | None = None
+    #: the KV exchange's host side: this rank's inputs of a planned batch
+    #: (graphcp.attention.kv_exchange; a sharded cache's ring planner writes local slots,
+    #: per-step metadata and the per-batch exchange choice). None: the all-gather's
+    planner: Any = None
     #: the ranks that must be given the same batch (every stage of a pipeline); None: ``group``
     consistency_group: CPGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.planner is None:
+            self.planner = AllGatherPlanner()
 
     def prepare(self, batch: Sequence[Request], verified: bool = False,
                 call_args: Sequence[int] = ()) -> PreparedBatch:
@@ -137,8 +142,7 @@ class BatchPreparer:
         except BaseException:
             self.kv.rollback(seq_ids, checked.extend)
             raise
-        if self.kv.needs_prefix_fetch:
-            prep.prefix_pages = _prefix_pages(batch)
+        prep.prefix_pages = self.kv.prefix_pages(checked.prefixes)
         prep.plan_s = time.perf_counter() - t0
         return prep
 
@@ -243,66 +247,9 @@ class BatchPreparer:
         ids in batch order, as :meth:`_validate` returns them; ``seq_rows``: the
         sequences' page-table rows when the caller has them, as ``kv.reserve`` returns)."""
         with nvtx_range("prepare", category="host"):
-            kv = self.kv
-            rp = plan.rank(self.group.rank)
-            if self.ring is not None:
-                sh = self.ring.inputs(plan, kv, seq_ids, self.group.rank, self.device, seq_rows)
-                return PreparedBatch(plan, seq_ids, flat[rp.rows], rp.positions, sh.slots, sh.meta,
-                                     sh.seg_page_table, ring=sh.ring)
-            if seq_rows is None:
-                seq_rows = kv.table_rows(seq_ids)
-            # attention metadata written in place into one packed buffer; this rank's
-            # segments read pages up to their kv lengths only
-            kv_lens = rp.seg_kv_len
-            max_q, max_kv = rp.max_lens
-            buf, cu, kvl, pt = AttentionMetadata.host_buffers(kv_lens.shape[0], max(1, kv.pages_for(max_kv)))
-            per_row = np.empty((3, rp.num_rows), dtype=np.int64)  # token ids, positions, cache slots
-            _rank_inputs(kv.table, kv.page_size, seq_rows, rp.seg_request, kv_lens, rp.seg_shift, rp.cu_seqlens_q,
-                         flat, per_row, cu, kvl, pt)
-            meta = AttentionMetadata._live(cu, kvl, pt, kv.page_size, max_q, max_kv, self.device, buf)
-            return PreparedBatch(plan, seq_ids, per_row[0], per_row[1], per_row[2], meta, pt)
-
-
-@host_kernel
-def _rank_inputs(table, page_size, seq_rows, seg_request, seg_kv_len, seg_shift, seg_cu, flat, per_row, cu, kv_lens,
-                 page_table):
-    """One rank's host inputs in one compiled pass over its segments (segment ``s``:
-    local rows ``seg_cu[s] .. seg_cu[s + 1]``, consecutive rows of request
-    ``seg_request[s]`` whose row of the cache's dense ``table`` is ``seq_rows[...]``;
-    ``seg_shift`` [2, S] their global row and position less the local index; the
-    last row sees ``seg_kv_len[s]`` keys): each row's token id (``flat[global
-    row]``), position and cache slot into ``per_row`` [3, n]; the attention
-    metadata's ``cu`` [S + 1], ``kv_lens`` [S] and ``page_table`` [S, width] (int32;
-    columns past the table's are scratch). The pages must be reserved."""
-    width = page_table.shape[1]
-    copied = min(width, table.shape[1])
-    ids, positions, slots = per_row[0], per_row[1], per_row[2]
-    for s in range(seg_kv_len.shape[0]):
-        row = seq_rows[seg_request[s]]
-        cu[s] = seg_cu[s]
-        kv_lens[s] = seg_kv_len[s]
-        for p in range(copied):
-            page_table[s, p] = table[row, p]
-        for p in range(copied, width):
-            page_table[s, p] = SCRATCH_PAGE
-        first, last = seg_cu[s], seg_cu[s + 1]
-        if first == last:
-            continue
-        shift, position = seg_shift[0, s], seg_shift[1, s] + first
-        page, offset = position // page_size, position % page_size  # then walked: no division a row
-        base = table[row, page] * page_size
-        for i in range(first, last):
-            ids[i] = flat[shift + i]
-            positions[i] = position
-            slots[i] = base + offset
-            position += 1
-            offset += 1
-            if offset == page_size:
-                offset = 0
-                page += 1
-                if i + 1 < last:
-                    base = table[row, page] * page_size
-    cu[seg_kv_len.shape[0]] = seg_cu[seg_kv_len.shape[0]]
+            ins = self.planner.rank_inputs(plan, self.kv, seq_ids, self.group.rank, flat, self.device, seq_rows)
+            return PreparedBatch(plan, seq_ids, ins.ids, ins.positions, ins.slots, ins.meta, ins.seg_page_table,
+                                 kv_plan=ins.plan)
 
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -405,13 +352,6 @@ def _no_prefix(num: int) -> np.ndarray:
         out = _NO_PREFIX[num] = np.zeros(num, dtype=np.int64)
         out.setflags(write=False)
     return out
-
-
-def _prefix_pages(batch: Sequence[Request]) -> np.ndarray | None:
-    """Every page of the batch's cached prefixes (what attention reads of them); None
-    when no request extends a prefix."""
-    pages = [p for r in batch if r.prefix is not None for p in r.prefix.pages]
-    return np.asarray(pages, dtype=np.int64) if pages else None
 
 
 def check_vocabulary(tokens: Sequence[np.ndarray], vocab: int, where: Callable[[int], str] = "request {}".format

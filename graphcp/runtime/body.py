@@ -1,8 +1,9 @@
 """The transformer body and what it runs against: the one way to run it.
 
 Eager forwards, graph capture, graph replay and the same-bucket eager check all
-go through :class:`Body`: ``context`` builds the per-forward context (and runs
-the attention backend's host-side planning), ``run`` runs the body on it.
+go through :class:`Body`: ``context`` builds the per-forward context from the prepared
+batch (and runs the attention backend's and the KV exchange's host-side planning),
+``run`` runs the body on it.
 """
 
 from __future__ import annotations
@@ -12,15 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionBackend, AttentionMetadata
-from graphcp.attention.ring.attention import RingAttention
-from graphcp.attention.ring.plan import RingPlan
+from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.kv_exchange import KVExchange, KVForward
 from graphcp.attention.sparse.dsv4 import BatchRequests
-from graphcp.attention.sparse.mla import SparseMlaBackend
 from graphcp.dist import CPGroup
 from graphcp.kv.paged import PagedKVCache
 from graphcp.model.communicator import LayerCommunicator
-from graphcp.model.forward_context import AuxCapture, ForwardContext
+from graphcp.model.forward_context import AuxCapture, ForwardContext, StaticInputs
 from graphcp.model.llama import DecoderModel
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.batch import PreparedBatch
@@ -28,65 +27,65 @@ from graphcp.runtime.batch import PreparedBatch
 
 @dataclass
 class Body:
-    model: DecoderModel  # or a DsaModel (a DecoderModel with DSA layers)
-    attention: AttentionBackend | SparseMlaBackend
+    model: DecoderModel  # or a family's subclass of it
+    attention: object  # the attention backend (a sparse family's takes the cache)
     kv: PagedKVCache
     group: CPGroup
     device: torch.device
-    #: the sharded cache's ring (None: the replicated cache)
-    ring: RingAttention | None = None
+    #: how the cache mode stores and attends (graphcp.attention.kv_exchange)
+    exchange: KVExchange
     #: moves rows between the attention and FFN layouts (None: CP = TP over ``group``)
     comm: LayerCommunicator | None = None
 
-    def reserve_ring(self, capacity: int) -> None:
-        """Before a bucket's capture: the ring's buffers for ``capacity`` local rows, so its
-        replays allocate none (a sharded cache; nothing otherwise)."""
-        if self.ring is not None:
-            cfg = self.model.attn_cfg  # this rank's heads
-            layer = self.kv.layer(self.model.stage.layers.start)
-            self.ring.reserve(capacity, layer, cfg.num_heads, cfg.head_dim, self.model.dtype)
+    def reserve(self, capacity: int) -> None:
+        """Before a bucket's capture: what a replay of ``capacity`` local rows must not
+        allocate (a ring's buffers; nothing for the all-gather)."""
+        cfg = self.model.attn_cfg  # this rank's heads
+        self.exchange.reserve(capacity, self.kv, self.model.stage.layers.start, cfg.num_heads, cfg.head_dim,
+                              self.model.dtype)
 
     @property
     def takes_hidden(self) -> bool:
         """A pipeline stage after the first: its input is the previous stage's hidden rows."""
         return not self.model.stage.first
 
-    def context(self, meta: AttentionMetadata, kv_slots: torch.Tensor, static=None,
-                plan: AttentionMetadata | None = None, ring: RingPlan | None = None,
-                stats: dict | None = None, aux: AuxCapture | None = None,
-                prefix_pages: np.ndarray | None = None, batch: PreparedBatch | None = None) -> ForwardContext:
-        """The context of one forward over ``meta``, after the attention backend's
-        host-side planning for ``plan`` (default ``meta``: a full graph's context
-        holds static metadata while the backend plans the live batch). ``static``: a
-        bucket's static views, whose attention rows the breaks then read and write.
-        ``ring``: the forward's ring plan (a sharded cache; None plans an inert one);
-        ``stats``: this forward's ForwardInfo.stats, given the figures the row count
-        fixes here (breaks add the rest as they run). ``aux``: where the forward copies
-        auxiliary hidden states; ``prefix_pages``: the batch's cached-prefix pages a
-        LayerSplit cache fetches; ``batch``: the prepared batch of ``plan``, for a backend
-        that reads every request of it (DeepSeek V4's pooling; None: an inert batch, as
-        capture runs)."""
-        live = meta if plan is None else plan
+    def context(self, prep: PreparedBatch | None, slots: torch.Tensor, static=None, *,
+                meta: AttentionMetadata | None = None, stats: dict | None = None,
+                aux: AuxCapture | None = None) -> ForwardContext:
+        """The context of one forward of ``prep`` (None: an inert batch, as a capture
+        runs) on this rank's ``slots``, after the attention backend's host-side planning
+        of the batch and the exchange's. ``static``: a bucket's static views, whose rows
+        the breaks then read and write; ``meta``: the metadata the body runs with when it
+        is not the batch's (a full graph's static metadata, or a capture's); ``stats``:
+        this forward's ForwardInfo.stats, given the figures the row count fixes here
+        (breaks add the rest as they run); ``aux``: where the forward copies auxiliary
+        hidden states."""
+        live = prep.meta if prep is not None else meta
+        self._plan_attention(live, prep)
+        fwd = KVForward(self.kv, self.exchange, self.group, self.attention, live if meta is None else meta, slots,
+                        prep.kv_plan if prep is not None else self.exchange.inert_plan(self.group),
+                        self._prefix_pages(prep))
+        self.exchange.prepare(fwd)
+        inputs = StaticInputs(live_rows=live.num_q_rows)
+        if static is not None:
+            inputs.attn_q, inputs.attn_out = static.attn_q, static.attn_out
+            inputs.extra = static.extra or None
+            inputs.moe_resid, inputs.moe_out = static.moe_resid, static.moe_out
+        if stats is not None:
+            stats.update(self.model.static_stats(slots.shape[0]))
+        return ForwardContext(fwd, inputs, stats, aux, self.comm)
+
+    def _plan_attention(self, live: AttentionMetadata, prep: PreparedBatch | None) -> None:
+        """The backend's host-side planning of the live batch (a backend that reads every
+        request of it, DeepSeek V4's pooling, is given them; an inert batch none)."""
         if getattr(self.attention, "reads_batch", False):
-            self.attention.prepare(live, self.requests(batch) if batch is not None and batch.meta is live else None)
+            self.attention.prepare(live, None if prep is None else self.requests(prep))
         else:
             self.attention.prepare(live)
-        ctx = ForwardContext(meta, self.attention, self.kv, kv_slots, self.group, aux=aux, comm=self.comm)
-        ctx.live_rows = live.num_q_rows
-        if prefix_pages is not None:
-            ctx.prefix_pages = torch.from_numpy(prefix_pages).to(self.device)
-        if self.ring is not None:
-            ctx.ring_attention = self.ring
-            ctx.ring = ring if ring is not None else RingPlan.inert(self.group.size, self.group.rank)
-            self.ring.prepare(ctx.ring)
-        if static is not None:
-            ctx.attn_q, ctx.attn_out = static.attn_q, static.attn_out
-            ctx.static_rows = static.extra or None
-            ctx.moe_resid, ctx.moe_out = static.moe_resid, static.moe_out
-        if stats is not None:
-            stats.update(self.model.static_stats(kv_slots.shape[0]))
-            ctx.stats = stats
-        return ctx
+
+    def _prefix_pages(self, prep: PreparedBatch | None) -> torch.Tensor | None:
+        pages = None if prep is None else prep.prefix_pages
+        return None if pages is None else torch.from_numpy(pages).to(self.device)
 
     def requests(self, batch: PreparedBatch) -> BatchRequests:
         """Every request of a prepared batch: lengths and pages (the same on every rank)."""
@@ -115,6 +114,5 @@ class Body:
             rows[:n].copy_(hidden_in[:n])
             hidden_in = rows
         with nvtx_range("eager_body", category="eager"):
-            ctx = self.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=prep.stats, aux=aux,
-                               prefix_pages=prep.prefix_pages, batch=prep)
+            ctx = self.context(prep, torch.from_numpy(slots).to(dev), stats=prep.stats, aux=aux)
             return self.run(ctx, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), hidden_in)

@@ -20,7 +20,7 @@ so every replica runs every forward, with the same row capacity (the largest rep
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +29,9 @@ import torch
 from graphcp.dist import CPGroup, gather_object
 from graphcp.errors import BatchError
 from graphcp.kv.paged import KVHandle, KVHandleError
-from graphcp.runtime.batch import ForwardInfo, PrefillOutput, PreparedBatch, Request
+from graphcp.runtime.batch import PrefillOutput, PreparedBatch, Request
+from graphcp.runtime.forward import ForwardParts, PrefillCall
+from graphcp.runtime.outputs import assemble
 
 
 @dataclass(frozen=True)
@@ -65,58 +67,62 @@ def assign_replicas(new: Sequence[int], cached: Sequence[int], fixed: Sequence[i
 
 
 @dataclass
-class ReplicaOps:
-    """How the engine prepares, runs and reads out one replica's sub-batch."""
-
-    prepare: Callable[[list[Request]], PreparedBatch]
-    abort: Callable[[PreparedBatch], None]
-    #: (prep, rows every replica runs) -> (body rows, info, aux rows or None)
-    forward: Callable[[PreparedBatch, int], tuple[torch.Tensor, ForwardInfo, torch.Tensor | None]]
-    #: (prep, body rows, info, aux rows, all_logits) -> (last logits, logits, aux) of the sub-batch
-    outputs: Callable[..., tuple]
-    handle: Callable[[int], KVHandle]
-    record: Callable[[PreparedBatch, ForwardInfo], None]
-
-
-@dataclass
 class DataParallelPrefill:
+    """The attention-DP driver (graphcp.runtime.forward.ForwardDriver): this rank's
+    replica's share of every batch, over the forward's parts."""
+
     replica: int  # this rank's replica (its dp coordinate)
     replicas: int
     dp: CPGroup  # the replicas' ranks at this rank's (cp, attn_tp)
     stage: CPGroup  # every rank of the stage (agreements)
     device: torch.device
+    parts: ForwardParts
 
-    def run(self, batch: Sequence[Request], ops: ReplicaOps, all_logits: bool) -> PrefillOutput:
+    def run(self, batch: Sequence[Request], call: PrefillCall) -> PrefillOutput:
+        if call.microbatches != 1:
+            raise BatchError(f"prefill: microbatches={call.microbatches} under attention DP is not built yet (use 1)")
         reqs = list(batch)
         new, cached, fixed = self._lengths(reqs)
         where = assign_replicas(new, cached, fixed, self.replicas)
         mine = [i for i, d in enumerate(where) if d == self.replica]
         padding = not mine
         sub = [Request([0])] if padding else [Request(reqs[i].tokens, self._local(reqs[i].prefix)) for i in mine]
-        prep, error = None, None
+        prep = self._prepare(sub, call)
+        p = self.parts
         try:
-            prep = ops.prepare(sub)
-        except BatchError as e:
-            error = e
-        self._agree(error is None, prep, ops)
-        if error is not None:
-            raise error
-        try:
-            rows = self._max(prep.plan.max_local_rows)
-            hidden, info, aux_rows = ops.forward(prep, rows)
-            last, logits, aux = ops.outputs(prep, hidden, info, aux_rows, all_logits)
+            res = p.stage.run(prep, None, call.force_eager, call.aux, self._max(prep.plan.max_local_rows))
+            out = p.head.outputs(prep.plan, res.hidden, res.aux_rows, call.all_logits)
         except BaseException:
-            ops.abort(prep)
+            p.preparer.abort(prep)
             raise
         if padding:
-            ops.abort(prep)
-            part = None
+            p.preparer.abort(prep)
+            part, local = None, []
         else:
-            ops.record(prep, info)
-            part = (mine, last, logits, aux, [ops.handle(s).num_tokens for s in prep.seq_ids])
-            handles = {i: ops.handle(s) for i, s in zip(mine, prep.seq_ids)}
-        parts = [p for p in gather_object(self.dp, part) if p is not None]
-        return self._assemble(reqs, where, parts, handles if not padding else {}, info, all_logits)
+            p.recorder.record(prep, res.info)
+            local = [p.kv.handle(s) for s in prep.seq_ids]
+            part = (mine, out, [h.num_tokens for h in local])
+        parts = [x for x in gather_object(self.dp, part) if x is not None]
+        handles: list = [None] * len(reqs)
+        mine_handles = dict(zip(mine, local))
+        for idx, _, tokens in parts:
+            for k, i in enumerate(idx):
+                handles[i] = ReplicaHandle(where[i], tokens[k], mine_handles.get(i))
+        res.info.stats["dp_assignment"] = where
+        return assemble(len(reqs), [(idx, o) for idx, o, _ in parts], handles, res.info)
+
+    def _prepare(self, sub: list[Request], call: PrefillCall) -> PreparedBatch:
+        """This replica's sub-batch prepared, once every replica has prepared its own (a
+        refusal on one is raised on every rank, nothing changed)."""
+        prep, error = None, None
+        try:
+            prep = self.parts.preparer.prepare(sub, call_args=call.fingerprint)
+        except BatchError as e:
+            error = e
+        self._agree(error is None, prep)
+        if error is not None:
+            raise error
+        return prep
 
     def _lengths(self, reqs: list[Request]) -> tuple[list[int], list[int], list[int | None]]:
         new, cached, fixed = [], [], []
@@ -145,33 +151,15 @@ class DataParallelPrefill:
                                 "pass each rank the handles its own engine returned")
         return h.local
 
-    def _agree(self, ok: bool, prep: PreparedBatch | None, ops: ReplicaOps) -> None:
+    def _agree(self, ok: bool, prep: PreparedBatch | None) -> None:
         """Every rank of the stage learns whether every replica prepared its sub-batch."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
         self.stage.all_reduce_(flag, op="min")
         if int(flag.item()) == 0 and ok:
-            ops.abort(prep)
+            self.parts.preparer.abort(prep)
             raise BatchError("another attention-DP replica refused its share of the batch (its ranks name the "
                              "request); nothing was changed")
 
     def _max(self, rows: int) -> int:
         t = torch.tensor([rows], dtype=torch.int64, device=self.device)
         return int(self.stage.all_reduce_(t, op="max").item())
-
-    def _assemble(self, reqs, where, parts, handles, info: ForwardInfo, all_logits: bool) -> PrefillOutput:
-        R = len(reqs)
-        last = [None] * R
-        logits = [None] * R if all_logits else None
-        aux = None
-        out_handles: list = [None] * R
-        for mine, plast, plogits, paux, tokens in parts:
-            for k, i in enumerate(mine):
-                last[i] = plast[k]
-                if all_logits:
-                    logits[i] = plogits[k]
-                if paux is not None:
-                    aux = aux or [None] * R
-                    aux[i] = paux[k]
-                out_handles[i] = ReplicaHandle(where[i], tokens[k], handles.get(i))
-        info.stats["dp_assignment"] = where
-        return PrefillOutput(torch.stack(last), out_handles, logits, info, aux)

@@ -9,14 +9,16 @@ ranks like the target's: every rank returns the same ``DraftOutput``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from graphcp.checks import check_int
 from graphcp.dist import CPGroup
-from graphcp.kv.layer_split import LayerSplitKVCache
-from graphcp.kv.sharded import ShardedKVCache
+from graphcp.errors import BatchError
+from graphcp.kv.paged import KVHandle
 from graphcp.model.eagle3.layer import Eagle3Draft
 from graphcp.model.eagle3.shift import draft_input_ids
 from graphcp.model.forward_context import KV_RECEIVED
@@ -41,6 +43,36 @@ class DraftRunner:
     device: torch.device
     #: the draft's graphs (graph modes; None: it runs eagerly)
     graphs: DraftGraphs | None = None
+
+    def __post_init__(self) -> None:
+        #: the token each live sequence's last draft row took (a chunk extending it must start with it)
+        self.next_token: dict[int, int] = {}
+
+    def with_input_layers(self, aux: tuple[int, ...]) -> tuple[int, ...]:
+        """The asked auxiliary layers, then the draft's input layers not among them."""
+        return aux + tuple(dict.fromkeys(i for i in self.draft.aux_layer_ids if i not in aux))
+
+    def after_target(self, prep: PreparedBatch, batch, layers: tuple[int, ...], target, last_logits: torch.Tensor,
+                     draft_next: np.ndarray, all_logits: bool) -> DraftOutput:
+        """The draft over this rank's rows after the target's forward ``target`` (its
+        StageResult, whose auxiliary rows hold ``layers``): its inputs the target's rows
+        of its layers, in the checkpoint's order, and the batch's shifted ids; a request's
+        next token ``draft_next``, or the target's greedy one (-1)."""
+        nxt = np.where(draft_next >= 0, draft_next, last_logits.argmax(dim=-1).numpy())
+        flat = np.concatenate([np.asarray(r.tokens, dtype=np.int64).reshape(-1) for r in batch])
+        info = target.info
+        if info.path == "graph":  # the draft's graph reads the bucket's static rows
+            return self.run(prep, flat, None, nxt, all_logits, info.stats, info.capacity)
+        cols = torch.tensor([layers.index(i) for i in self.draft.aux_layer_ids], device=self.device)
+        hidden = target.aux_rows.index_select(1, cols).flatten(1)  # [rows, 3 * hidden]: fc's input, this rank's rows
+        return self.run(prep, flat, hidden, nxt, all_logits, info.stats)
+
+    def remember(self, seq_ids: list[int], out: DraftOutput) -> None:
+        """The token each sequence's last draft row took (what extending it must start with)."""
+        self.next_token.update(zip(seq_ids, out.next_tokens.tolist()))
+
+    def forget(self, seq_id: int) -> None:
+        self.next_token.pop(seq_id, None)
 
     @property
     def layer(self) -> int:
@@ -77,19 +109,14 @@ class DraftRunner:
         x = torch.zeros(capacity, hidden.shape[1], dtype=hidden.dtype, device=dev)
         x[:n].copy_(hidden[:n])  # this rank's own rows: no collective feeds the draft
         with nvtx_range("draft", category="eager"):
-            ctx = self.body.context(prep.meta, torch.from_numpy(slots).to(dev), ring=prep.ring, stats=phase,
-                                    prefix_pages=prep.prefix_pages)
+            ctx = self.body.context(prep, torch.from_numpy(slots).to(dev), stats=phase)
             return self.draft(torch.from_numpy(rows).to(dev), torch.from_numpy(pos).to(dev), x, ctx)
 
     def _stored(self, prep: PreparedBatch) -> int:
-        """Bytes of the draft layer's K/V this rank's cache stored for the batch's new tokens."""
+        """Bytes of the draft layer's K/V this rank's cache stored for the batch's new tokens
+        (as many of them as its cache mode keeps here)."""
         kv = self.body.kv
-        if isinstance(kv, LayerSplitKVCache):  # the layer's owner keeps it, the others write a scratch layer
-            tokens = prep.plan.num_tokens if self.layer in kv.owned else 0
-        elif isinstance(kv, ShardedKVCache):  # this rank's own rows
-            tokens = prep.ids.shape[0]
-        else:  # replicated: every rank all of them
-            tokens = prep.plan.num_tokens
+        tokens = kv.stored_tokens_of(self.layer, prep.plan.num_tokens, prep.ids.shape[0])
         return tokens * kv.token_values(self.layer) * kv.pool.element_size()
 
     def _outputs(self, prep: PreparedBatch, normed: torch.Tensor, pre: torch.Tensor, next_tokens: np.ndarray,
@@ -111,3 +138,42 @@ class DraftRunner:
         return DraftOutput(self.draft.logits(last[:, :h]).cpu(), self.draft.draft_to_target.cpu(),
                            last[:, h:].float().cpu(), torch.from_numpy(np.asarray(next_tokens, dtype=np.int64)),
                            per_token)
+
+
+def draft_next_tokens(drafter: DraftRunner | None, batch, given, m: int, vocab: int, cache_id: str) -> np.ndarray | None:
+    """The checked ``draft_next`` of a prefill call (-1: the target's greedy token), or None
+    without a draft; BatchError (nothing changed) for a bad entry, micro-batches, or a
+    request extending a prefix whose last draft row took another token than its first
+    (``cache_id``: the engine's cache, whose handles the draft's tokens are of)."""
+    if drafter is None:
+        if given is not None:
+            raise BatchError("prefill: draft_next needs an engine with a draft (RuntimeConfig.draft)")
+        return None
+    if m != 1:
+        raise BatchError(f"prefill: microbatches={m} with a draft (RuntimeConfig.draft runs one forward a "
+                         "batch; expected 1)")
+    if isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence):
+        return np.zeros(0, dtype=np.int64)  # not a batch: prepare words it
+    n = len(batch)
+    if given is None:
+        given = [None] * n
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or len(given) != n:
+        raise BatchError(f"prefill: draft_next must list one token (or None) per request ({n}), got {given!r}"[:300])
+    out = np.full(n, -1, dtype=np.int64)
+    for j, t in enumerate(given):
+        if t is not None:
+            out[j] = check_int(t, f"draft_next[{j}] (a token id)", lo=0, hi=vocab - 1, where="prefill",
+                               err=BatchError)
+    for j, r in enumerate(batch):
+        h = getattr(r, "prefix", None)
+        want = drafter.next_token.get(h.seq_id) if isinstance(h, KVHandle) and h.cache_id == cache_id else None
+        try:
+            first = None if want is None else int(np.asarray(r.tokens).reshape(-1)[0])
+        except (TypeError, ValueError, IndexError):  # not token ids: prepare words it
+            continue
+        if want is not None and first != want:
+            raise BatchError(
+                f"request {j} extends a prefix whose last draft row took token {want}, but its first new token "
+                f"is {first}: that row's draft K/V would be stale (prefill a prompt in chunks with draft_next=the "
+                "next chunk's first token)")
+    return out

@@ -6,10 +6,10 @@ before launching ranks (graphcp.jobs.memory)."""
 from __future__ import annotations
 
 from graphcp.config import RuntimeConfig
-from graphcp.kv.layer_split import pool_layers
+from graphcp.kv import factory
+from graphcp.kv.spec import PoolSpec
 from graphcp.model.config import ModelConfig
-from graphcp.model.dsa import runtime as dsa_runtime
-from graphcp.model.dsv4 import runtime as dsv4_runtime
+from graphcp.model.family import family_of
 
 #: the default pool: 4 contexts of the model, at most 64K tokens
 DEFAULT_POOL_TOKENS = 1 << 16
@@ -23,13 +23,23 @@ def pool_pages(rt: RuntimeConfig, cfg: ModelConfig) -> int:
     return -(-kv_tokens // rt.page_size) + 1
 
 
+def pool_spec(rt: RuntimeConfig, num_pages: int, layers: range, rank: int, cp_size: int,
+              max_pages_per_seq: int | None = None, device="cpu") -> PoolSpec:
+    return PoolSpec(layers, num_pages, rt.page_size, rt.torch_dtype, device, max_pages_per_seq, rank, cp_size)
+
+
 def pool_bytes(cfg: ModelConfig, rt: RuntimeConfig, num_pages: int, layers: range, rank: int,
                cp_size: int) -> int:
     """Bytes of rank ``rank``'s pool of ``num_pages`` pages for ``layers`` (its pipeline
-    stage's), or under ``layer-split`` its own of them and one scratch layer."""
-    if cfg.dsv4 is not None:  # replicated or layer-split (the sharded cache is refused)
-        return dsv4_runtime.pool_bytes(cfg, rt, num_pages, layers, rank, cp_size)
-    if cfg.dsa is not None:
-        return dsa_runtime.pool_bytes(cfg, rt, num_pages, rank, cp_size, layers)
-    held = pool_layers(len(layers), rank, cp_size) if rt.kv_cache == "layer-split" else len(layers)
-    return held * num_pages * 2 * rt.page_size * cfg.num_kv_heads * cfg.head_dim * rt.torch_dtype.itemsize
+    stage's) in the cache mode ``rt.kv_cache`` (layer-split: its own of them and one
+    scratch layer); ``cfg``: the config with this rank's heads."""
+    geometry = family_of(cfg).cache_geometry(cfg, rt)
+    return factory.pool_bytes(rt.kv_cache, geometry, pool_spec(rt, num_pages, layers, rank, cp_size))
+
+
+def capture_bytes(cfg: ModelConfig, rt: RuntimeConfig, pool_bytes: int, num_layers: int) -> int:
+    """What capturing the buckets reserves besides a pool of ``pool_bytes`` for
+    ``num_layers`` layers in the cache mode ``rt.kv_cache`` (the ring's staging buffers of
+    a sharded cache); ``cfg``: the config with this rank's heads."""
+    geometry = family_of(cfg).cache_geometry(cfg, rt)
+    return factory.capture_bytes(rt.kv_cache, geometry, pool_bytes, num_layers, rt.exchange)

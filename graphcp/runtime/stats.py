@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from pathlib import Path
 from typing import Any
 
-from graphcp.runtime.batch import ForwardInfo
+from graphcp.model.forward_context import KV_RECEIVED
+from graphcp.runtime.batch import ForwardInfo, PreparedBatch
 
 HISTORY = 100_000
 
@@ -45,6 +47,39 @@ def forward_entry(info: ForwardInfo) -> dict[str, Any]:
     """One forward as the stats list it: path, bucket (graph path only), then every key
     of its ``stats``."""
     return {"path": info.path, "bucket": info.capacity if info.path == "graph" else None, **info.stats}
+
+
+class Recorder:
+    """A rank's forwards as the stats list them (the last :data:`HISTORY`): each forward's
+    figures completed with what its batch and exchange say."""
+
+    def __init__(self, exchange, num_layers: int) -> None:
+        """``exchange``: the KV exchange (it says what a forward's plan ran);
+        ``num_layers``: the stage's layers (the per-layer bytes' divisor)."""
+        self.exchange, self.num_layers = exchange, num_layers
+        self.forwards: deque[dict] = deque(maxlen=HISTORY)
+        self.seen = 0
+
+    def record(self, prep: PreparedBatch, info: ForwardInfo) -> None:
+        """The forward's figures into its ForwardInfo.stats, and the entry into the history."""
+        st = info.stats
+        choice = self.exchange.describe(prep.kv_plan)
+        st["exchange"] = choice.pop("exchange")
+        st["new_tokens"] = prep.plan.num_tokens
+        st["cached_tokens"] = int(prep.plan.prefix_lens.sum())
+        st[KV_RECEIVED] = st.get(KV_RECEIVED, 0)
+        st["bytes_received_per_layer"] = st[KV_RECEIVED] // self.num_layers
+        st.update(choice)  # the ring's per-batch choice
+        self.forwards.append(forward_entry(info))
+        self.seen += 1
+
+    @property
+    def dropped(self) -> int:
+        return self.seen - len(self.forwards)
+
+    def reset(self) -> None:
+        self.forwards.clear()
+        self.seen = 0
 
 
 def write_stats(path: str | os.PathLike, ranks: list[dict[str, Any]]) -> None:

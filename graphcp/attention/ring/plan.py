@@ -39,7 +39,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.base import AttentionMetadata, RankInputs
 from graphcp.attention.ring.exchange_choice import ExchangeChoice, choose_exchange
 from graphcp.attention.ring.hardware import HardwareSpec
 from graphcp.cp.zigzag import ZigzagPlan
@@ -427,3 +427,11 @@ class RingPlanner:
                device: torch.device, seq_rows: np.ndarray | None = None) -> ShardedInputs:
         choice = self.choose(plan)
         return plan_sharded(plan, kv, seq_ids, rank, choice.exchange, device, choice, seq_rows)
+
+    def rank_inputs(self, plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int, flat: np.ndarray,
+                    device: torch.device, seq_rows: np.ndarray | None = None) -> RankInputs:
+        """This rank's host inputs of a planned batch (the batch preparer's call): its own
+        rows' ids, positions and local slots, step 0's metadata and the ring plan."""
+        sh = self.inputs(plan, kv, seq_ids, rank, device, seq_rows)
+        rp = plan.rank(rank)
+        return RankInputs(flat[rp.rows], rp.positions, sh.slots, sh.meta, sh.seg_page_table, sh.ring)

@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 from graphcp.model.config import ModelConfig
+from graphcp.model.cp_attention import fetch_prefix, store_rows
 from graphcp.model.dsa.rope import DsaRotary, rope_half_split, rope_interleaved
 from graphcp.model.forward_context import ForwardContext
 from graphcp.model.graph_break import graph_break
-from graphcp.model.indexed_break import break_rows, exchange_and_write
+from graphcp.model.indexed_break import break_rows
 from graphcp.model.indexed_break import static_rows as indexed_rows
 from graphcp.model.layers import RMSNorm
 from graphcp.model.llama import ExpertParallelTail
@@ -47,9 +48,8 @@ def attend_sparse(ctx: ForwardContext, layer: int, q: torch.Tensor, index_q: tor
     A cache that keeps only some layers (LayerSplit) first fetches the batch's
     cached-prefix pages of this layer (latent and indexer keys) from their owner."""
     with nvtx_range(f"attention[{layer}]", category="break"):
-        if ctx.prefix_pages is not None:
-            ctx.add_received(ctx.kv_cache.fetch_prefix(layer, ctx.prefix_pages, ctx.group))
-        ctx.attention.forward(layer, q, index_q, index_w, kv_b_weight, ctx.kv_cache, out)
+        fetch_prefix(ctx, layer)
+        ctx.kv.backend.forward(layer, q, index_q, index_w, kv_b_weight, ctx.kv.cache, out)
 
 
 run_sparse_mla = graph_break("attention")(attend_sparse)
@@ -128,7 +128,7 @@ class MlaAttention(nn.Module):
         if self.indexer is not None:
             index_q, index_k, index_w = self.indexer(x, q_resid, cos, sin)
             rows.append(index_k)
-        exchange_and_write(ctx, self.layer, torch.cat(rows, dim=-1))
+        store_rows(ctx, self.layer, torch.cat(rows, dim=-1))
         return break_rows(ctx, q, index_q, index_w, (self.heads, d.v_head_dim))
 
 

@@ -18,12 +18,13 @@ from torch import nn
 from graphcp.attention.sparse.dsv4 import PoolWeights
 from graphcp.kv.dsv4 import CSA, HCA
 from graphcp.model.config import ModelConfig
+from graphcp.model.cp_attention import fetch_prefix, store_rows
 from graphcp.model.dsv4.norms import V4RMSNorm, unweighted_rms
 from graphcp.model.dsv4.rope import V4Rotary
 from graphcp.model.forward_context import ForwardContext
 from graphcp.model.graph_break import graph_break
 from graphcp.model.heads import HeadShard, head_shard
-from graphcp.model.indexed_break import break_rows, exchange_and_write
+from graphcp.model.indexed_break import break_rows
 from graphcp.model.indexed_break import static_rows as indexed_rows
 from graphcp.nvtx_ranges import nvtx_range
 
@@ -34,9 +35,8 @@ def attend_v4(ctx: ForwardContext, layer: int, q: torch.Tensor, index_q: torch.T
     """The attention break: a cache that keeps only some layers (LayerSplit) first fetches
     the batch's cached-prefix pages of this layer's pools from their owner."""
     with nvtx_range(f"attention[{layer}]", category="break"):
-        if ctx.prefix_pages is not None:
-            ctx.add_received(ctx.kv_cache.fetch_prefix(layer, ctx.prefix_pages, ctx.group))
-        ctx.attention.forward(layer, q, index_q, index_w, sinks, ctx.kv_cache, weights, out)
+        fetch_prefix(ctx, layer)
+        ctx.kv.backend.forward(layer, q, index_q, index_w, sinks, ctx.kv.cache, weights, out)
 
 
 run_v4_attention = graph_break("attention")(attend_v4)
@@ -118,7 +118,7 @@ class V4Attention(nn.Module):
             index_q = rotary.rotate(self.index_q_proj(q_resid).view(n, d.index_n_heads, d.index_head_dim),
                                     positions, self.rope)
             index_w = self.index_weights_proj(x).float() * d.index_n_heads ** -0.5
-        exchange_and_write(ctx, self.layer, torch.cat(rows, dim=-1))
+        store_rows(ctx, self.layer, torch.cat(rows, dim=-1))
         return break_rows(ctx, q, index_q, index_w, (self.heads, d.head_dim))
 
     def project(self, out: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary,

@@ -40,7 +40,7 @@ def run_moe(ctx: ForwardContext, layer: int, block: V4MoeBlock, x: torch.Tensor,
     out of CUDA graphs."""
     with nvtx_range(f"moe[{layer}]", category="break"):
         if block.layout == "ep":
-            live = x.shape[0] if ctx.live_rows is None else ctx.live_rows
+            live = x.shape[0] if ctx.inputs.live_rows is None else ctx.inputs.live_rows
             out.copy_(block.forward_ep(x, live, ctx.comm, ctx.stats, token_ids))
         else:
             out.copy_(block(x, ctx.comm, token_ids))
@@ -68,14 +68,14 @@ class DsV4Layer(nn.Module):
         post, comb, x = self.ffn_hc(h)
         x = self.post_attention_layernorm(x)
         if self.exchanges:
-            static = ctx.static_rows
+            static = ctx.inputs.extra
             if static is not None:
                 x, out = static[STATIC_MOE_IN].copy_(x), static[STATIC_MOE_OUT]
             else:
                 out = torch.empty_like(x)
-            run_moe(ctx, self.layer, self.mlp, x, ctx.token_ids, out)
+            run_moe(ctx, self.layer, self.mlp, x, ctx.inputs.token_ids, out)
         else:
-            out = self.mlp(x, ctx.comm, ctx.token_ids)
+            out = self.mlp(x, ctx.comm, ctx.inputs.token_ids)
         return mix(h, out, post, comb)
 
 
@@ -107,7 +107,7 @@ class DsV4Model(DecoderModel):
         ``hidden_in [rows, hc_mult x hidden]``), out: the final-normed rows on the last
         stage, the streams flattened on the others."""
         begin_forward(ctx)
-        ctx.token_ids = input_ids  # hash routing reads each row's token (on every stage)
+        ctx.inputs.token_ids = input_ids  # hash routing reads each row's token (on every stage)
         hc = self.cfg.dsv4.hc_mult
         if hidden_in is None:
             h = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, hc, -1).contiguous()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphcp.model.communicator import LayerCommunicator
-from graphcp.model.dsv4_config import DsV4Config
+from graphcp.model.dsv4.config import DsV4Config
 from graphcp.model.layers import ParallelMLP
 from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.moe.ep import ep_forward

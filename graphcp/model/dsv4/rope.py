@@ -13,7 +13,7 @@ from torch import nn
 
 from graphcp.attention.sparse.dsv4 import rope_tail
 from graphcp.kv.dsv4 import SLIDING
-from graphcp.model.dsv4_config import DsV4Config
+from graphcp.model.dsv4.config import DsV4Config
 from graphcp.model.rope import RopeConfig
 
 MAIN, COMPRESS = "main", "compress"

@@ -53,7 +53,7 @@ class DraftGraphs:
             view.positions.zero_()
             view.kv_slots.fill_(-1)
             with runner.backend.capture_stream():
-                ctx = body.context(runner.static_meta(capacity), view.kv_slots, view, stats={})
+                ctx = body.context(None, view.kv_slots, view, meta=runner.static_meta(capacity), stats={})
                 self._run(ctx, capacity)  # warm-up
                 runner.backend.synchronize()
                 ctx.stats.clear()
@@ -82,9 +82,8 @@ class DraftGraphs:
         view = self.runner.buffers.view(capacity)
         stats[KV_RECEIVED] = stats.get(KV_RECEIVED, 0) + segment_bytes
         with nvtx_range(f"replay_draft[{capacity}]", category="graph"):
-            meta = self.runner.static_meta(capacity) if self.runner.full else prep.meta
-            ctx = self.runner.body.context(meta, view.kv_slots, view, plan=prep.meta, ring=prep.ring, stats=stats,
-                                           prefix_pages=prep.prefix_pages)
+            meta = self.runner.static_meta(capacity) if self.runner.full else None
+            ctx = self.runner.body.context(prep, view.kv_slots, view, meta=meta, stats=stats)
             graph.replay(ctx)
         return self.normed[:capacity], self.pre[:capacity]
 
@@ -94,7 +93,6 @@ class DraftGraphs:
         must equal this bitwise."""
         self._fill(capacity, ids)
         view = self.runner.buffers.view(capacity)
-        ctx = self.runner.body.context(prep.meta, view.kv_slots, view, ring=prep.ring,
-                                       prefix_pages=prep.prefix_pages)
+        ctx = self.runner.body.context(prep, view.kv_slots, view)
         self._run(ctx, capacity)
         return self.normed[:capacity], self.pre[:capacity]

@@ -168,11 +168,12 @@ class GraphRunner:
         body = self.body
         with nvtx_range(f"capture[{capacity}]", category="capture"), torch.inference_mode():
             t0 = time.perf_counter()
-            body.reserve_ring(capacity)  # a replay's ring breaks then allocate nothing
+            body.reserve(capacity)  # a replay's ring breaks then allocate nothing
             view = self._fill_inert(capacity)
             pool0 = self.backend.pool_bytes()
             with self.backend.capture_stream():
-                ctx = body.context(self._static_meta(view), view.kv_slots, view, stats={}, aux=self._aux(view))
+                ctx = body.context(None, view.kv_slots, view, meta=self._static_meta(view), stats={},
+                                   aux=self._aux(view))
 
                 def run() -> None:
                     view.hidden_out.copy_(body.run(ctx, view.input_ids, view.positions, view.hidden_in))
@@ -336,12 +337,11 @@ class GraphRunner:
             self._check(capacity, view)
         t1 = time.perf_counter()
         with nvtx_range(f"replay[{capacity}]", category="graph"):
-            meta = self._static_meta(view) if self.full else prep.meta
+            meta = self._static_meta(view) if self.full else None
             captured = self.graphs[capacity]
             for key, value in captured.segment_stats.items():  # what the segments' collectives move
                 prep.stats[key] = prep.stats.get(key, 0) + value
-            ctx = self.body.context(meta, view.kv_slots, view, plan=prep.meta, ring=prep.ring, stats=prep.stats,
-                                    prefix_pages=prep.prefix_pages, batch=prep)
+            ctx = self.body.context(prep, view.kv_slots, view, meta=meta, stats=prep.stats)
             captured.graph.replay(ctx)
         if timings is not None:
             timings.update(fill_s=t1 - t0, replay_s=time.perf_counter() - t1)
@@ -353,8 +353,7 @@ class GraphRunner:
         """The same body on the same static buffers, run eagerly (no capture): a
         replay must equal this bitwise (and so must the auxiliary rows it copies)."""
         view = self.fill(prep, capacity, hidden_in)
-        ctx = self.body.context(prep.meta, view.kv_slots, view, ring=prep.ring, aux=self._aux(view),
-                                prefix_pages=prep.prefix_pages, batch=prep)
+        ctx = self.body.context(prep, view.kv_slots, view, aux=self._aux(view))
         return view.hidden_out.copy_(self.body.run(ctx, view.input_ids, view.positions, view.hidden_in))
 
 

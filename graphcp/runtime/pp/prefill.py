@@ -1,9 +1,10 @@
-"""A prefill run as micro-batches through this rank's pipeline stage.
+"""A prefill run as micro-batches through this rank's pipeline stage: the driver
+(graphcp.runtime.forward.ForwardDriver) of a call with micro-batches, or of any call
+under pipeline stages.
 
-The engine hands over its parts (the batch preparer, the KV cache, the stage and
-the pipeline's groups) and, as :class:`StageOps`, how it runs one prepared
-micro-batch through the stage's body and how it turns body rows into outputs.
-This module validates the batch once for every rank of the pipeline, splits it
+It runs on the forward's parts (the batch preparer, the KV cache, the stage's forward,
+the output head, the recorder) and the pipeline's groups. It validates the batch once
+for every rank of the pipeline, splits it
 (``microbatch.py``), prepares every micro-batch up front (all or nothing), runs
 them through the stage (``schedule.py``) and assembles the outputs in batch order;
 under PP they are broadcast from the stages that hold them, so every rank returns
@@ -14,16 +15,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from graphcp.config import PipelineStage
-from graphcp.cp import Plan
-from graphcp.kv.paged import PagedKVCache
 from graphcp.nvtx_ranges import nvtx_range
-from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBatch, Request
+from graphcp.runtime.batch import ForwardInfo, PrefillOutput, PreparedBatch, Request
+from graphcp.runtime.forward import ForwardParts, PrefillCall
+from graphcp.runtime.outputs import RequestOutputs, assemble, per_request
 from graphcp.runtime.pp.groups import PipelineGroups
 from graphcp.runtime.pp.microbatch import Piece, last_pieces, split_microbatches
 from graphcp.runtime.pp.schedule import StageTimes, run_stage
@@ -32,20 +33,8 @@ Rows = torch.Tensor
 
 
 @dataclass
-class StageOps:
-    """How the engine runs one prepared micro-batch, and makes outputs of its rows."""
-
-    #: (prep, input rows or None) -> (body rows, info, auxiliary rows [rows, n, hidden] or None)
-    forward: Callable[[PreparedBatch, Rows | None], tuple[Rows, ForwardInfo, Rows | None]]
-    last_logits: Callable[[Plan, Rows], Rows]  # float32 [requests, vocab] (the last stage)
-    all_logits: Callable[[Plan, Rows], Rows]  # float32 [tokens, vocab] in batch order (the last stage)
-    aux_gather: Callable[[Plan, Rows], Rows]  # float32 [tokens, n, hidden] in batch order
-
-
-@dataclass
 class MicrobatchedPrefill:
-    preparer: BatchPreparer
-    kv: PagedKVCache
+    parts: ForwardParts
     stage: PipelineStage
     pipeline: PipelineGroups | None  # None: one stage (micro-batches run one after the other)
     stage_layers: list[range]  # every stage's layers
@@ -56,15 +45,14 @@ class MicrobatchedPrefill:
     #: values a row carries between stages (None: hidden_size; DeepSeek V4: its hc_mult streams)
     handoff_size: int | None = None
 
-    def run(self, batch: Sequence[Request], ops: StageOps, m: int, call_args: Sequence[int], all_logits: bool,
-            aux: tuple[int, ...]) -> PrefillOutput:
+    def run(self, batch: Sequence[Request], call: PrefillCall) -> PrefillOutput:
         t0 = time.perf_counter()
-        flat, extend = self.preparer.validate(batch, call_args)  # once for the batch, every stage
-        mbs = split_microbatches(extend.tolist(), m)
+        flat, extend = self.parts.preparer.validate(batch, call.fingerprint)  # once for the batch, every stage
+        mbs = split_microbatches(extend.tolist(), call.microbatches)
         preps = self._prepare(batch, flat, extend, mbs)
         plan_s = time.perf_counter() - t0
         try:
-            out = self._run(preps, mbs, len(batch), extend, ops, all_logits, aux)
+            out = self._run(preps, mbs, len(batch), extend, call)
         except BaseException:
             self._abort(preps)
             raise
@@ -73,7 +61,7 @@ class MicrobatchedPrefill:
 
     def _abort(self, preps: list[PreparedBatch]) -> None:
         for prep in reversed(preps):  # last first: the allocator ends exactly as it was
-            self.preparer.abort(prep)
+            self.parts.preparer.abort(prep)
 
     def _prepare(self, batch: Sequence[Request], flat: np.ndarray, extend: np.ndarray,
                  mbs: list[list[Piece]]) -> list[PreparedBatch]:
@@ -85,9 +73,9 @@ class MicrobatchedPrefill:
         try:
             for pieces in mbs:
                 reqs = [Request(flat[cu[p.request] + p.start: cu[p.request] + p.stop],
-                                batch[p.request].prefix if p.start == 0 else self.kv.handle(seq_of[p.request]))
+                                batch[p.request].prefix if p.start == 0 else self.parts.kv.handle(seq_of[p.request]))
                         for p in pieces]
-                prep = self.preparer.prepare(reqs, verified=True)
+                prep = self.parts.preparer.prepare(reqs, verified=True)
                 preps.append(prep)
                 seq_of.update((p.request, s) for p, s in zip(pieces, prep.seq_ids))
         except BaseException:
@@ -96,8 +84,8 @@ class MicrobatchedPrefill:
         return preps
 
     def _run(self, preps: list[PreparedBatch], mbs: list[list[Piece]], num_requests: int, extend: np.ndarray,
-             ops: StageOps, all_logits: bool, aux: tuple[int, ...]) -> PrefillOutput:
-        stage, pp = self.stage, self.pipeline
+             call: PrefillCall) -> PrefillOutput:
+        stage, pp, head, all_logits = self.stage, self.pipeline, self.parts.head, call.all_logits
         infos: list[ForwardInfo] = []
         last: list[Rows] = []
         logits: list[Rows] = []
@@ -105,16 +93,17 @@ class MicrobatchedPrefill:
 
         def forward(k: int, hidden_in: Rows | None) -> Rows:
             prep = preps[k]
-            hidden, info, rows = ops.forward(prep, hidden_in)
-            infos.append(info)
+            res = self.parts.stage.run(prep, hidden_in, call.force_eager, call.aux)
+            self.parts.recorder.record(prep, res.info)  # each micro-batch a forward of its own
+            infos.append(res.info)
             if stage.last:  # outputs now: the next micro-batch's replay overwrites the rows
                 with nvtx_range("lm_head", category="output"):
-                    last.append(ops.last_logits(prep.plan, hidden))
+                    last.append(head.last_logits(prep.plan, res.hidden))
                     if all_logits:
-                        logits.append(ops.all_logits(prep.plan, hidden))
-            if rows is not None:
-                aux_rows.append(ops.aux_gather(prep.plan, rows))
-            return hidden
+                        logits.append(head.all_logits(prep.plan, res.hidden))
+            if res.aux_rows is not None:
+                aux_rows.append(head.aux_gather(prep.plan, res.aux_rows))
+            return res.hidden
 
         times = run_stage(
             [prep.ids.shape[0] for prep in preps], forward,
@@ -132,13 +121,12 @@ class MicrobatchedPrefill:
                 if all_logits:
                     flat_logits = self._broadcast(
                         flat_logits if flat_logits is not None else torch.empty(tokens, self.vocab_size), root)
-            aux_hidden = self._aux(aux, aux_rows, tokens) if aux else None
+            aux_hidden = self._aux(call.aux, aux_rows, tokens) if call.aux else None
         ext = extend.tolist()
-        return PrefillOutput(
-            last_logits, [self.kv.handle(s) for s in _final_seq_ids(preps, mbs, num_requests)],
-            None if flat_logits is None else list(torch.split(flat_logits, ext)), _info(infos, mbs, times, pp),
-            None if aux_hidden is None else per_request(aux_hidden, ext),
-        )
+        out = RequestOutputs(last_logits, None if flat_logits is None else list(torch.split(flat_logits, ext)),
+                             None if aux_hidden is None else per_request(aux_hidden, ext))
+        handles = [self.parts.kv.handle(s) for s in _final_seq_ids(preps, mbs, num_requests)]
+        return assemble(num_requests, [(range(num_requests), out)], handles, _info(infos, mbs, times, pp))
 
     def _aux(self, aux: tuple[int, ...], mine: list[Rows], tokens: int) -> Rows:
         """[T, len(aux), hidden] float32 in batch order: this stage's columns from its
@@ -159,11 +147,6 @@ class MicrobatchedPrefill:
         """A host tensor from global rank ``root`` to every rank of the pipeline (through
         the device: NCCL moves device memory only)."""
         return self.pipeline.world.broadcast_(x.to(self.device), root).cpu()
-
-
-def per_request(rows: Rows, extend: list[int]) -> list[Rows]:
-    """[T, n, hidden] in batch order -> per request [new_tokens_i, n * hidden]."""
-    return [x.reshape(x.shape[0], -1) for x in torch.split(rows, extend)]
 
 
 def _final_seq_ids(preps: list[PreparedBatch], mbs: list[list[Piece]], num_requests: int) -> list[int]:

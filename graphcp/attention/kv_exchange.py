@@ -1,0 +1,292 @@
+"""How a forward's layers store their K/V and attend: one exchange per way a cache mode
+moves K/V, named by the cache class's ``exchange`` (graphcp.kv.paged.PagedKVCache).
+
+- ``all-gather`` (the replicated and layer-split caches, and the DSA and DeepSeek V4
+  caches): the body's first step all-gathers the slot mapping once per forward; each
+  layer all-gathers every rank's K/V rows (one collective, inside the captured segment)
+  and writes them to this rank's cache; attention (in the break) fetches the cached
+  prefix a layer-split cache does not hold, then runs the backend over the local cache.
+- ``ring`` (the token-sharded cache): a rank writes its own rows to its own pool (no
+  collective) and attends by the forward's pass-KV or pass-Q ring, merged by LSE.
+
+An exchange has a host side too, its :attr:`~KVExchange.planner`: the batch preparer
+asks it for this rank's inputs (token ids, positions, cache slots, the attention
+metadata and the exchange's own per-forward plan). A forward's state is one
+:class:`KVForward`: the cache, the exchange, the backend and its metadata, this rank's
+slots and the plan; the layers call its methods and never ask which mode runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+import torch
+
+from graphcp.attention.base import AttentionBackend, AttentionMetadata, RankInputs
+from graphcp.attention.ring.attention import RINGS, RingAttention
+from graphcp.attention.ring.plan import RingPlan, RingPlanner
+from graphcp.cp import Plan
+from graphcp.jit import host_kernel
+from graphcp.kv.layout import write_kv
+from graphcp.kv.paged import SCRATCH_PAGE, PagedKVCache
+from graphcp.nvtx_ranges import nvtx_range
+
+
+@dataclass
+class KVForward:
+    """One forward's KV state: what a layer stores and attends through (the forward
+    context's exchange group). ``plan``: the exchange's per-forward plan; ``prefix_pages``:
+    the batch's cached-prefix pages a cache that does not keep every layer fetches."""
+
+    cache: PagedKVCache
+    exchange: "KVExchange"
+    group: Any  # the CP group (graphcp.dist.CPGroup)
+    backend: Any  # the attention backend (a sparse family's takes the cache itself)
+    meta: AttentionMetadata
+    slots: torch.Tensor  # [capacity] int64: this rank's rows' cache slots (-1: padding)
+    plan: Any = None
+    prefix_pages: torch.Tensor | None = None
+    #: every rank's slots, rank-major (the all-gather's first step; None before it)
+    gathered_slots: torch.Tensor | None = None
+
+    def begin(self) -> None:
+        """The body's first step (inside the captured segment)."""
+        self.exchange.begin(self)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Store one layer's K/V rows ``[rows, heads, dim]``; the bytes this rank received."""
+        return self.exchange.store(self, layer, k, v)
+
+    def store_rows(self, layer: int, rows: torch.Tensor) -> int:
+        """Store one layer's cache rows ``[rows, values]`` (a family whose cache writes rows
+        of its own: MLA's latent, V4's window); the bytes this rank received."""
+        return self.exchange.store_rows(self, layer, rows)
+
+    def fetch_prefix(self, layer: int) -> int:
+        """Before a layer's attention: the cached prefix its cache does not keep (the bytes
+        received; 0 for a cache that keeps every layer)."""
+        return self.cache.fetch_prefix(layer, self.prefix_pages, self.group)
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
+        """Attend this rank's query rows of one layer into ``out``; the bytes received."""
+        return self.exchange.attend(self, layer, q, out)
+
+
+class KVExchange:
+    """How one kind of cache moves K/V (see the module doc)."""
+
+    #: the cache classes' ``exchange`` this implements
+    name: ClassVar[str] = ""
+    #: the host side: this rank's inputs of a planned batch
+    planner: Any
+
+    @classmethod
+    def build(cls, make_backend: Callable[[], AttentionBackend], group, device: torch.device,
+              planner: Callable[[], RingPlanner]) -> "KVExchange":
+        """The engine's exchange (:func:`make_exchange`'s arguments)."""
+        return cls()
+
+    def begin(self, fwd: KVForward) -> None:
+        """The body's first step."""
+
+    def prepare(self, fwd: KVForward) -> None:
+        """Host-side planning of one forward, before the body runs."""
+
+    def inert_plan(self, group) -> Any:
+        """The plan of a batch without rows (what a graph is captured with)."""
+        return None
+
+    def reserve(self, capacity: int, cache: PagedKVCache, layer: int, heads: int, dim: int,
+                dtype: torch.dtype) -> None:
+        """Before a bucket's capture: what a replay of ``capacity`` rows must not allocate."""
+
+    def store(self, fwd: KVForward, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        raise NotImplementedError
+
+    def store_rows(self, fwd: KVForward, layer: int, rows: torch.Tensor) -> int:
+        raise NotImplementedError(f"the {self.name} exchange stores K/V heads, not cache rows")
+
+    def attend(self, fwd: KVForward, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
+        raise NotImplementedError
+
+    def describe(self, plan: Any) -> dict[str, Any]:
+        """A forward's figures (ForwardInfo.stats): the exchange it ran."""
+        return {"exchange": self.name}
+
+    def setting(self) -> str:
+        """The exchange as configured (engine.stats()'s ``exchange``)."""
+        return self.name
+
+
+# ---- all-gather ---------------------------------------------------------------------
+class AllGatherPlanner:
+    """This rank's inputs of a batch over a cache every rank writes whole: one compiled
+    pass over its segments (:func:`_rank_inputs`)."""
+
+    def rank_inputs(self, plan: Plan, kv: PagedKVCache, seq_ids: list[int], rank: int, flat: np.ndarray,
+                    device: torch.device, seq_rows: np.ndarray | None = None) -> RankInputs:
+        if seq_rows is None:
+            seq_rows = kv.table_rows(seq_ids)
+        rp = plan.rank(rank)
+        # attention metadata written in place into one packed buffer; this rank's
+        # segments read pages up to their kv lengths only
+        kv_lens = rp.seg_kv_len
+        max_q, max_kv = rp.max_lens
+        buf, cu, kvl, pt = AttentionMetadata.host_buffers(kv_lens.shape[0], max(1, kv.pages_for(max_kv)))
+        per_row = np.empty((3, rp.num_rows), dtype=np.int64)  # token ids, positions, cache slots
+        _rank_inputs(kv.table, kv.page_size, seq_rows, rp.seg_request, kv_lens, rp.seg_shift, rp.cu_seqlens_q,
+                     flat, per_row, cu, kvl, pt)
+        meta = AttentionMetadata._live(cu, kvl, pt, kv.page_size, max_q, max_kv, device, buf)
+        return RankInputs(per_row[0], per_row[1], per_row[2], meta, pt)
+
+
+class AllGather(KVExchange):
+    name = "all-gather"
+
+    def __init__(self) -> None:
+        self.planner = AllGatherPlanner()
+
+    def begin(self, fwd: KVForward) -> None:
+        """Every rank's local slot mapping, rank-major: one small all-gather per forward
+        (``C * capacity`` int64), shared by all layers."""
+        with nvtx_range("kv_slots_gather", category="comm"):
+            fwd.gathered_slots = fwd.group.all_gather_rows(fwd.slots)
+
+    @staticmethod
+    def _slots(fwd: KVForward) -> torch.Tensor:
+        if fwd.gathered_slots is None:
+            raise RuntimeError("the KV exchange needs the gathered slot mapping: run KVForward.begin() first")
+        return fwd.gathered_slots
+
+    def store(self, fwd: KVForward, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """All-gather every rank's K/V rows of one layer (one collective for both) and
+        write them to this rank's cache through the gathered slot mapping. The bytes are
+        counted when this runs: eagerly, or once at capture (the runner adds a captured
+        segment's count to each replay)."""
+        slots = self._slots(fwd)
+        with nvtx_range(f"kv_exchange[{layer}]", category="comm"):
+            kv = torch.cat([k, v], dim=1)  # [n, 2H, D]
+            gathered = fwd.group.all_gather_rows(kv)
+            kh = k.shape[1]
+            write_kv(fwd.cache.layer(layer), gathered[:, :kh], gathered[:, kh:], slots, fwd.cache.layout)
+        return gathered.nbytes - kv.nbytes
+
+    def store_rows(self, fwd: KVForward, layer: int, rows: torch.Tensor) -> int:
+        """All-gather every rank's cache rows of one layer and write them (the cache's ``write``)."""
+        slots = self._slots(fwd)
+        with nvtx_range(f"kv_exchange[{layer}]", category="comm"):
+            gathered = fwd.group.all_gather_rows(rows)
+            fwd.cache.write(layer, gathered, slots)
+        return gathered.nbytes - rows.nbytes
+
+    def attend(self, fwd: KVForward, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
+        got = fwd.fetch_prefix(layer)
+        fwd.backend.forward(q, fwd.cache.layer(layer), fwd.meta, out)
+        return got
+
+
+@host_kernel
+def _rank_inputs(table, page_size, seq_rows, seg_request, seg_kv_len, seg_shift, seg_cu, flat, per_row, cu, kv_lens,
+                 page_table):
+    """One rank's host inputs in one compiled pass over its segments (segment ``s``:
+    local rows ``seg_cu[s] .. seg_cu[s + 1]``, consecutive rows of request
+    ``seg_request[s]`` whose row of the cache's dense ``table`` is ``seq_rows[...]``;
+    ``seg_shift`` [2, S] their global row and position less the local index; the
+    last row sees ``seg_kv_len[s]`` keys): each row's token id (``flat[global
+    row]``), position and cache slot into ``per_row`` [3, n]; the attention
+    metadata's ``cu`` [S + 1], ``kv_lens`` [S] and ``page_table`` [S, width] (int32;
+    columns past the table's are scratch). The pages must be reserved."""
+    width = page_table.shape[1]
+    copied = min(width, table.shape[1])
+    ids, positions, slots = per_row[0], per_row[1], per_row[2]
+    for s in range(seg_kv_len.shape[0]):
+        row = seq_rows[seg_request[s]]
+        cu[s] = seg_cu[s]
+        kv_lens[s] = seg_kv_len[s]
+        for p in range(copied):
+            page_table[s, p] = table[row, p]
+        for p in range(copied, width):
+            page_table[s, p] = SCRATCH_PAGE
+        first, last = seg_cu[s], seg_cu[s + 1]
+        if first == last:
+            continue
+        shift, position = seg_shift[0, s], seg_shift[1, s] + first
+        page, offset = position // page_size, position % page_size  # then walked: no division a row
+        base = table[row, page] * page_size
+        for i in range(first, last):
+            ids[i] = flat[shift + i]
+            positions[i] = position
+            slots[i] = base + offset
+            position += 1
+            offset += 1
+            if offset == page_size:
+                offset = 0
+                page += 1
+                if i + 1 < last:
+                    base = table[row, page] * page_size
+    cu[seg_kv_len.shape[0]] = seg_cu[seg_kv_len.shape[0]]
+
+
+# ---- ring ---------------------------------------------------------------------------
+class Ring(KVExchange):
+    """A token-sharded cache's exchange: each rank stores its own rows, attention runs the
+    forward's ring (pass-KV or pass-Q, chosen per batch by the planner)."""
+
+    name = "ring"
+
+    def __init__(self, make_backend: Callable[[], AttentionBackend], group, device: torch.device,
+                 planner: RingPlanner) -> None:
+        self.planner = planner
+        rings = tuple(RINGS) if planner.exchange == "auto" else (planner.exchange,)
+        self.ring = RingAttention(make_backend, group, device, rings)
+
+    @classmethod
+    def build(cls, make_backend: Callable[[], AttentionBackend], group, device: torch.device,
+              planner: Callable[[], RingPlanner]) -> "Ring":
+        return cls(make_backend, group, device, planner())
+
+    def inert_plan(self, group) -> RingPlan:
+        return RingPlan.inert(group.size, group.rank)
+
+    def prepare(self, fwd: KVForward) -> None:
+        self.ring.prepare(fwd.plan)
+
+    def reserve(self, capacity: int, cache: PagedKVCache, layer: int, heads: int, dim: int,
+                dtype: torch.dtype) -> None:
+        self.ring.reserve(capacity, cache.layer(layer), heads, dim, dtype)
+
+    def store(self, fwd: KVForward, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """This rank's own rows into its own pool: no collective."""
+        write_kv(fwd.cache.layer(layer), k, v, fwd.slots, fwd.cache.layout)
+        return 0
+
+    def attend(self, fwd: KVForward, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
+        return self.ring.attend(fwd.plan, fwd.backend, fwd.cache.layer(layer), q, out)
+
+    def setting(self) -> str:
+        return self.planner.exchange  # auto | pass-kv | pass-q
+
+    def describe(self, plan: RingPlan) -> dict[str, Any]:
+        out: dict[str, Any] = {"exchange": plan.exchange}
+        if plan.choice is not None:
+            out["exchange_choice"] = plan.choice.as_dict()
+        return out
+
+
+EXCHANGES: dict[str, type[KVExchange]] = {AllGather.name: AllGather, Ring.name: Ring}
+
+
+def register_exchange(cls: type[KVExchange]) -> type[KVExchange]:
+    """Make ``cls`` the exchange of the caches whose ``exchange`` is ``cls.name`` (a new cache mode's)."""
+    EXCHANGES[cls.name] = cls
+    return cls
+
+
+def make_exchange(cache: PagedKVCache, group, device: torch.device, make_backend: Callable[[], AttentionBackend],
+                  planner: Callable[[], RingPlanner]) -> KVExchange:
+    """The exchange ``cache``'s mode stores and attends through. ``make_backend()``: one
+    more backend like the forward's (a ring step plans its own metadata); ``planner()``:
+    the ring's per-batch planner (an exchange that plans asks)."""
+    return EXCHANGES[cache.exchange].build(make_backend, group, device, planner)

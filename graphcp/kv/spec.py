@@ -1,0 +1,38 @@
+"""What sizes a cache: the pool (:class:`PoolSpec`: its pages, the layers it serves and
+this rank's place among the CP ranks) and what a token holds in it (a family's
+*geometry*: :class:`KVHeads` for K and V of the KV heads; MLA's and DeepSeek V4's are in
+their modules). :func:`graphcp.kv.factory.make_cache` builds a cache mode from the two."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphcp.kv.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One rank's pool: ``layers`` are the global layers the cache serves (a pipeline
+    stage's, and an EAGLE-3 draft's after them); ``max_pages_per_seq``: a request's
+    page-table width; ``rank`` / ``cp_size``: this rank in its CP group."""
+
+    layers: range
+    num_pages: int
+    page_size: int
+    dtype: torch.dtype
+    device: torch.device | str = "cpu"
+    max_pages_per_seq: int | None = None
+    rank: int = 0
+    cp_size: int = 1
+
+
+@dataclass(frozen=True)
+class KVHeads:
+    """A dense model's token: K and V of ``num_kv_heads`` heads of ``head_dim`` (this
+    rank's heads under attention TP), pages laid out as the attention backend reads them."""
+
+    num_kv_heads: int
+    head_dim: int
+    layout: KVLayout = "NHD"

@@ -1,0 +1,58 @@
+"""One request's KV leaving the engine (graphcp.pd): its metadata in its family's export
+format, and its assembly from the spans each rank holds in its cache mode, to one rank
+of the run or to every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphcp.checks import check_int
+from graphcp.combinations import check as check_combination
+from graphcp.combinations import parallel_settings
+from graphcp.errors import InputError
+from graphcp.kv.paged import KVHandle
+from graphcp.model.fingerprint import model_fingerprint
+from graphcp.pd.export import assemble, gather_stages
+from graphcp.pd.heads import gather_heads, shard_meta
+from graphcp.runtime.build import EngineParts
+
+
+@dataclass
+class Exporter:
+    parts: EngineParts
+    #: the model's fingerprint, computed on the first export
+    _fingerprint: str | None = None
+
+    def meta(self, handle: KVHandle):
+        """The export metadata of one request's KV (its family's format: graphcp.pd.export's
+        graphcp-kv/1, graphcp.pd.mla_export, graphcp.pd.dsv4_export). An EAGLE-3 draft's
+        layer follows the target's."""
+        p = self.parts
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(p.model_dir)
+        drafts = int(p.drafter is not None)
+        return p.family.export_meta(p.cfg, handle.num_tokens, p.runtime, self._fingerprint, drafts)
+
+    def export(self, handle: KVHandle, dst: int | None):
+        """See :meth:`graphcp.runtime.engine.PrefillEngine.export_kv`."""
+        p = self.parts
+        check_combination({**parallel_settings(p.parallel), "export": "on"})
+        p.kv.check_handle(handle)
+        world = p.world
+        if dst is not None:
+            check_int(dst, "export_kv: dst (the rank that receives the export)", lo=0, hi=world.size - 1,
+                      err=InputError)
+        spans = p.kv_source.kv_spans(handle, p.group.size)
+        meta = self.meta(handle)
+        C = p.group.size  # without stages dst % C is dst
+        if p.mesh.attn_tp.size > 1 and p.family.export_splits_heads:
+            # each shard over CP, every rank receiving; then the heads over attention TP
+            out = assemble(p.kv, handle, spans, p.group, shard_meta(meta, p.attn_cfg.num_kv_heads), None, p.device)
+            gather_heads(out, p.mesh.attn_tp, meta.num_kv_heads)
+            C = p.mesh.ffn.size  # every rank of a stage holds the export now
+        else:
+            out = assemble(p.kv_source, handle, spans, p.group, meta, None if dst is None else dst % C, p.device)
+        if p.pipeline is not None:
+            stage_layers = p.parallel.stage_layers(p.cfg.num_layers)
+            gather_stages(out, meta, stage_layers, p.pipeline.stage, world, C, dst, p.device)
+        return meta.make_export(out) if dst is None or world.rank == dst else None
