@@ -315,3 +315,19 @@ class RankInputs:
     meta: AttentionMetadata  # its segments (a ring: step 0's)
     seg_page_table: np.ndarray  # [S, width] the segments' page table
     plan: Any = None  # the exchange's own per-forward plan (a ring's RingPlan; None: none)
+
+
+@dataclass(frozen=True)
+class BatchRequests:
+    """Every request of the batch (the same on every rank): cached and new tokens, pages.
+    What a backend that reads the whole batch in its planning is given (``reads_batch``:
+    DeepSeek V4's pooling)."""
+
+    prefix_lens: np.ndarray  # int64 [R]
+    extend_lens: np.ndarray  # int64 [R]
+    pages: np.ndarray  # int [R, width]: each request's page ids
+
+    @classmethod
+    def none(cls) -> "BatchRequests":
+        z = np.zeros(0, dtype=np.int64)
+        return cls(z, z, np.zeros((0, 1), dtype=np.int64))

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.base import AttentionMetadata, BatchRequests
 from graphcp.attention.kv_exchange import KVExchange, KVForward
-from graphcp.attention.sparse.dsv4 import BatchRequests
 from graphcp.dist import CPGroup
 from graphcp.kv.paged import PagedKVCache
 from graphcp.model.communicator import LayerCommunicator
@@ -66,11 +65,7 @@ class Body:
                         prep.kv_plan if prep is not None else self.exchange.inert_plan(self.group),
                         self._prefix_pages(prep))
         self.exchange.prepare(fwd)
-        inputs = StaticInputs(live_rows=live.num_q_rows)
-        if static is not None:
-            inputs.attn_q, inputs.attn_out = static.attn_q, static.attn_out
-            inputs.extra = static.extra or None
-            inputs.moe_resid, inputs.moe_out = static.moe_resid, static.moe_out
+        inputs = StaticInputs(live_rows=live.num_q_rows) if static is None else static.inputs(live.num_q_rows)
         if stats is not None:
             stats.update(self.model.static_stats(slots.shape[0]))
         return ForwardContext(fwd, inputs, stats, aux, self.comm)

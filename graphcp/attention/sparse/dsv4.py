@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.base import AttentionMetadata, BatchRequests
 from graphcp.attention.sparse.mla import RowGroup, row_groups
 from graphcp.kv.dsv4 import CSA, HCA, SLIDING, DsV4CacheSpec, DsV4KVCache
 
@@ -101,20 +101,6 @@ class PoolPlan:
     first: torch.Tensor | None
     positions: torch.Tensor
     dest: torch.Tensor
-
-
-@dataclass(frozen=True)
-class BatchRequests:
-    """Every request of the batch (the same on every rank): cached and new tokens, pages."""
-
-    prefix_lens: np.ndarray  # int64 [R]
-    extend_lens: np.ndarray  # int64 [R]
-    pages: np.ndarray  # int [R, width]: each request's page ids
-
-    @classmethod
-    def none(cls) -> "BatchRequests":
-        z = np.zeros(0, dtype=np.int64)
-        return cls(z, z, np.zeros((0, 1), dtype=np.int64))
 
 
 def ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:

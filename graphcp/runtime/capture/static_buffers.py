@@ -19,6 +19,7 @@ import torch
 
 from graphcp.attention.staging import PinnedStaging
 from graphcp.jit import host_kernel
+from graphcp.model.forward_context import StaticInputs
 
 
 @dataclass
@@ -45,6 +46,11 @@ class BucketView:
     hidden_in: torch.Tensor | None = None  # [cap, hidden]
     #: auxiliary hidden states the captured segments copy out
     aux_out: torch.Tensor | None = None  # [cap, n_aux, hidden]
+
+    def inputs(self, live_rows: int) -> StaticInputs:
+        """The forward context's static inputs of a forward on this bucket (its breaks
+        read and write these rows)."""
+        return StaticInputs(self.attn_q, self.attn_out, self.extra or None, self.moe_resid, self.moe_out, live_rows)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
