@@ -18,8 +18,6 @@ from pathlib import Path
 
 import torch
 
-from graphcp.attention.sparse.dsv4 import work_report
-from graphcp.attention.sparse.mla import indexer_report
 from graphcp.checks import check_output_dir, check_output_path
 from graphcp.cli.jobs import mixed_batch, prefill_job, run_job, twin_dtype
 from graphcp.cli.pd_demo import add_pd_demo_parser
@@ -32,6 +30,7 @@ from graphcp.gpucheck.cli import add_gpu_check_parser
 from graphcp.jobs.args import add_draft_arg, add_runtime_args, help_text, interpret_triton_on_cpu, job_spec, preflight
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.spec import run_job_on_ranks
+from graphcp.model.family import family_of
 from graphcp.profile.cli import add_profile_parser
 from graphcp.runtime.stats import write_stats
 from graphcp.tune.cli import add_tune_parser
@@ -76,7 +75,8 @@ def cmd_prefill(args) -> int:
     if args.export_kv is not None:
         check_combination({**parallel_settings(spec.parallel), "export": "on"}, flags=True)
     reqs = parse_requests(args.input)
-    check_request_vocabulary(reqs, preflight(spec).vocab_size)
+    model = preflight(spec)
+    check_request_vocabulary(reqs, model.vocab_size)
     if args.memory_check:  # the prefixes' forward, then the new tokens'
         forwards = [sum(r.prefix for r in reqs), sum(len(r.new_tokens) for r in reqs)]
         check_local_ranks_fit(spec, job_memory(spec, forwards))
@@ -103,9 +103,8 @@ def cmd_prefill(args) -> int:
               + (f", exchange {info['exchange']}" if info["exchange"] is not None else "")  # a pipeline has none
               + f" -> {args.output}" + (f" (stats: {args.stats})" if args.stats else "")
               + (f"; KV -> {args.export_kv}/<i>.safetensors" if args.export_kv is not None else ""))
-        for line in (indexer_report(info["stats_per_rank"]), work_report(info["stats_per_rank"])):
-            if line is not None:  # DSA models: the indexer's work; V4: its indexer's and attention's
-                print(line)
+        for line in family_of(model).work_report(info["stats_per_rank"]):  # DSA, V4: the indexer's work
+            print(line)
     return 0
 
 
@@ -119,7 +118,7 @@ def cmd_run(args) -> int:
     if args.json:
         check_output_path(args.json, "--json")
     spec = job_spec(args)
-    preflight(spec)
+    model = preflight(spec)
     if args.memory_check:  # every bucket, and a second engine in the other float dtype
         forwards = [sum(len(t) for t in mixed_batch(1))]
         check_local_ranks_fit(spec, job_memory(spec, forwards, capture_all=spec.runtime.graph != "off",
@@ -164,9 +163,8 @@ def cmd_run(args) -> int:
                          f"same bucket: {same}; unpadded: max |diff| {c['max_abs_diff']:.3g}, "
                          f"relative {c['rel_diff']:.3g} (bucket {c['bucket']})"))
     print_table(rows)
-    for line in (indexer_report(res["stats_per_rank"]), work_report(res["stats_per_rank"])):
-        if line is not None:  # DSA / V4 models: the eager forward's indexer (and attention) work per rank
-            print(line)
+    for line in family_of(model).work_report(res["stats_per_rank"]):  # DSA / V4: the eager forward's indexer work
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
     for c in res.get("comparisons", []):

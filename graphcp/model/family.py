@@ -172,6 +172,11 @@ class ModelFamily:
         more for each step of a ring, which may share the first's ``workspace``)."""
         raise NotImplementedError
 
+    def work_report(self, stats_per_rank: list[dict]) -> list[str]:
+        """Lines on the family's own work per rank in a forward's stats (its indexer's, say),
+        for the command line's summary."""
+        return []
+
     # ---- the export -------------------------------------------------------------
     #: whether a rank's cache holds only its attention-TP share of the KV heads (an
     #: export then gathers the heads over attention TP)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphcp.attention.sparse.mla import indexer_report
 from graphcp.kv.mla import MlaGeometry
 from graphcp.model.config import ConfigReader, ModelConfig, decoder_config, read_head
 from graphcp.model.dsa import checkpoint
@@ -63,6 +64,10 @@ class DsaFamily(ModelFamily):
 
     def make_attention(self, parts: AttentionParts, workspace: Any = None):
         return make_attention(parts.cfg, parts.runtime, parts.device)
+
+    def work_report(self, stats_per_rank: list[dict]) -> list[str]:
+        line = indexer_report(stats_per_rank)
+        return [] if line is None else [line]
 
     def export_meta(self, cfg, num_tokens: int, runtime, fingerprint: str, draft_layers: int) -> MlaMeta:
         return mla_meta(cfg, num_tokens, runtime.dtype, runtime.page_size, fingerprint)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphcp.attention.sparse.dsv4 import work_report
 from graphcp.errors import ConfigError
 from graphcp.kv.dsv4 import DsV4CacheSpec
 from graphcp.model.config import ConfigReader, ModelConfig, decoder_config, read_head
@@ -73,6 +74,10 @@ class DsV4Family(ModelFamily):
 
     def make_attention(self, parts: AttentionParts, workspace: Any = None):
         return make_attention(parts.attn_cfg, parts.model.rotary, parts.model.stage.layers)
+
+    def work_report(self, stats_per_rank: list[dict]) -> list[str]:
+        line = work_report(stats_per_rank)
+        return [] if line is None else [line]
 
     def export_meta(self, cfg, num_tokens: int, runtime, fingerprint: str, draft_layers: int) -> DsV4Meta:
         return dsv4_meta(cfg, num_tokens, runtime.dtype, runtime.page_size, fingerprint)
