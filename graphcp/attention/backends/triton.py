@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from graphcp.attention.catalog import register_backend
 from graphcp.attention.kernels.paged_prefill_configs import TileConfig, tile_config
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -66,8 +67,8 @@ def triton_paged_attention(
     )
 
 
+@register_backend("triton", kv_layout="NHD", per_request=False, device_problem=cpu_problem)
 class TritonAttention(AttentionBackend):
-    name = "triton"
     supports_full_graph = True
 
     def __init__(
