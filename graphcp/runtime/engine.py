@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionSpec
-from graphcp.attention.registry import make_attention, preferred_kv_layout
+from graphcp.attention.registry import AttentionLimits, make_attention, preallocates_per_request, preferred_kv_layout
 from graphcp.attention.registry import resolve as resolve_attention
 from graphcp.attention.ring.attention import RINGS, RingAttention
 from graphcp.attention.ring.hardware import HardwareSpec
@@ -69,9 +69,6 @@ from graphcp.runtime.pool_size import pool_bytes, pool_pages
 from graphcp.runtime.pp.groups import pipeline_groups
 from graphcp.runtime.pp.prefill import MicrobatchedPrefill, StageOps, per_request
 from graphcp.runtime.stats import HISTORY, forward_entry
-
-#: kernel backends that preallocate per request: a batch may hold at most max_requests
-_SIZED_BACKENDS = ("flashinfer", "trtllm")
 
 
 class PrefillEngine:
@@ -141,9 +138,9 @@ class PrefillEngine:
                                  acfg.head_dim ** -0.5, kv_layout)
             limits = self._attention_limits(num_pages)
             try:
-                attention = make_attention(rt.attention, spec, self.device, **limits)
+                attention = make_attention(rt.attention, spec, self.device, limits)
                 # the ring's steps 1 .. C-1 plan their own metadata (FlashInfer: one float workspace for all)
-                ring = RingAttention(lambda: make_attention(rt.attention, spec, self.device, **limits,
+                ring = RingAttention(lambda: make_attention(rt.attention, spec, self.device, limits,
                                                             workspace=getattr(attention, "workspace", None)),
                                      self.group, self.device,
                                      tuple(RINGS) if rt.exchange == "auto" else (rt.exchange,)) if self.sharded else None
@@ -160,7 +157,7 @@ class PrefillEngine:
                                       self.device) if self.parallel.dp_size > 1 else None
         self.preparer = BatchPreparer(
             self.layout, self.kv, self.group, self.cfg.vocab_size, self.max_context, self.device,
-            rt.check_consistency, rt.max_requests if attention.name in _SIZED_BACKENDS else None,
+            rt.check_consistency, rt.max_requests if preallocates_per_request(attention.name) else None,
             RingPlanner(rt.exchange, self.attn_cfg.num_heads, self.attn_cfg.num_kv_heads, self.cfg.head_dim,
                         self.dtype.itemsize, HardwareSpec(rt.peak_tflops, rt.link_gb_per_s)) if self.sharded else None,
             # every stage of a pipeline (every rank of the mesh) must be given the same batch
@@ -229,7 +226,7 @@ class PrefillEngine:
                 f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB {self.device.type} memory (lower RuntimeConfig.kv_tokens)"
             )
 
-    def _attention_limits(self, num_pages: int) -> dict:
+    def _attention_limits(self, num_pages: int) -> AttentionLimits:
         """Static sizes the kernel backends preallocate for (each takes what it needs)."""
         rt, C = self.runtime, self.parallel.cp_size
         # a rank's rows hold its share of the pool's tokens (all of them: a sharded pool is its own)
@@ -237,14 +234,14 @@ class PrefillEngine:
         max_rows = max(self.buckets.largest, pool_rows)
         max_segments = 2 * rt.max_requests if rt.layout == "zigzag" else max_rows
         pages_per_seq = -(-self.max_context // rt.page_size)
-        return {
-            "max_segments": max_segments,
+        return AttentionLimits(
+            max_segments=max_segments,
             # early and late zigzag segments both list their request's pages, empty segments one
-            "max_pages": 2 * num_pages + max_segments,
-            "max_pages_per_segment": pages_per_seq,
-            "max_q_rows": max_rows,
-            "dtype": self.dtype,
-        }
+            max_pages=2 * num_pages + max_segments,
+            max_pages_per_segment=pages_per_seq,
+            max_q_rows=max_rows,
+            dtype=self.dtype,
+        )
 
     # ---- public API -------------------------------------------------------------
     @property
