@@ -70,6 +70,12 @@ def test_a_registered_backend_is_built_by_name_with_its_declared_facts(toy):
     assert registry.resolve("toy", "cpu") == "toy"
 
 
+def test_a_backend_refusing_the_device_refuses_before_construction(toy, monkeypatch):
+    monkeypatch.setattr(ToyAttention, "device_problem", classmethod(lambda cls, device: f"no toy on {device}"))
+    with pytest.raises(ValueError, match="^no toy on cpu$"):
+        registry.make_attention("toy", spec_for(16, "HND"), "cpu", AttentionLimits(max_segments=3))
+
+
 def test_the_toy_leaves_no_trace(toy):
     unregister_backend("toy")
     with pytest.raises(ValueError, match="unknown attention backend 'toy'; expected one of torch, triton, "

@@ -32,9 +32,6 @@ from graphcp.kv.layout import KVLayout
 if TYPE_CHECKING:
     from graphcp.attention.base import AttentionBackend
 
-#: a backend's answer to "can you run on this device in this process": why not, or None
-DeviceProblem = Callable[[torch.device | str], str | None]
-
 #: constructor parameters make_attention fills besides the limits
 _SPEC, _DEVICE, _WORKSPACE = "spec", "device", "workspace"
 
@@ -104,19 +101,16 @@ class BackendInfo:
     #: its constructor takes the device / a float workspace to share (ring steps run one after another)
     takes_device: bool
     shares_workspace: bool
-    #: why it cannot run on a device in this process (checked before construction), or None
-    device_problem: DeviceProblem | None = None
 
 
 _TABLE: dict[str, BackendInfo] = {}
 
 
-def register_backend(name: str, *, kv_layout: KVLayout = "NHD", per_request: bool = False,
-                     device_problem: DeviceProblem | None = None) -> Callable[[type], type]:
+def register_backend(name: str, *, kv_layout: KVLayout = "NHD", per_request: bool = False) -> Callable[[type], type]:
     """Class decorator: record the backend class under ``name`` (and set its ``name``)."""
 
     def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        info = _info(name, cls, kv_layout, per_request, device_problem)
+        info = _info(name, cls, kv_layout, per_request)
         if name in _TABLE:
             raise ValueError(f"attention backend {name!r} is already registered ({_TABLE[name].cls.__qualname__})")
         cls.name = name
@@ -139,8 +133,7 @@ def registered_backends() -> dict[str, BackendInfo]:
     return dict(_TABLE)
 
 
-def _info(name: str, cls: type, kv_layout: KVLayout, per_request: bool,
-          device_problem: DeviceProblem | None) -> BackendInfo:
+def _info(name: str, cls: type, kv_layout: KVLayout, per_request: bool) -> BackendInfo:
     if name == "auto":
         raise ValueError("'auto' names the registry's choice, not a backend")
     if kv_layout not in ("NHD", "HND"):
@@ -158,4 +151,4 @@ def _info(name: str, cls: type, kv_layout: KVLayout, per_request: bool,
     limits = tuple(n for n in AttentionLimits.names() if n in params)
     required = tuple(n for n in limits if params[n].default is params[n].empty)
     return BackendInfo(name, cls, kv_layout, bool(per_request), limits, required, _DEVICE in params,
-                       _WORKSPACE in params, device_problem)
+                       _WORKSPACE in params)

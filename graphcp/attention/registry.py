@@ -146,7 +146,7 @@ def make_attention(
     steps run one after another); the others allocate their own."""
     info = backend_info(resolve(name, device, spec.kv_layout))
     limits = AttentionLimits.of(limits, **given)
-    if info.device_problem is not None and (problem := info.device_problem(device)) is not None:
+    if (problem := info.cls.device_problem(device)) is not None:
         raise ValueError(problem)  # e.g. Triton on a CPU without its interpreter, in one line
     return info.cls(spec, **_constructor_args(info, limits, device, workspace))
 

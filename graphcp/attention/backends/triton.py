@@ -67,9 +67,13 @@ def triton_paged_attention(
     )
 
 
-@register_backend("triton", kv_layout="NHD", per_request=False, device_problem=cpu_problem)
+@register_backend("triton", kv_layout="NHD", per_request=False)
 class TritonAttention(AttentionBackend):
     supports_full_graph = True
+
+    @classmethod
+    def device_problem(cls, device: torch.device | str) -> str | None:
+        return cpu_problem(device)  # the module's, looked up per call
 
     def __init__(
         self,
