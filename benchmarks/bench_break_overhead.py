@@ -32,7 +32,7 @@ from host_stack import PAGE_SIZE, batch_of, host_stack
 
 from graphcp.attention.base import AttentionBackend, AttentionSpec
 from graphcp.attention.kv_exchange import AllGather, KVForward
-from graphcp.attention.registry import available_backends, make_attention
+from graphcp.attention.registry import AttentionLimits, available_backends, make_attention
 from graphcp.attention.ring.attention import RingAttention
 from graphcp.attention.ring.plan import plan_sharded
 from graphcp.dist import CPGroup, barrier, launch
@@ -71,7 +71,8 @@ def _backend(name: str):
         return _NoKernel(spec)
     if name not in available_backends("cpu"):
         pytest.skip(f"the {name} backend does not run here")
-    return make_attention(name, spec, "cpu", max_segments=64, max_pages_per_seq=64, max_rows=4096)
+    return make_attention(name, spec, "cpu",
+                          AttentionLimits(max_segments=64, max_pages_per_segment=64, max_q_rows=4096))
 
 
 @pytest.mark.parametrize("name", ["graphcp", "torch", "triton"])

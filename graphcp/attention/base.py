@@ -284,6 +284,12 @@ class AttentionBackend(ABC):
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
 
+    @classmethod
+    def device_problem(cls, device: torch.device | str) -> str | None:
+        """Why this backend cannot run on ``device`` in this process, or None: checked
+        before construction, so a refusal is one line, not a kernel library's traceback."""
+        return None
+
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional phase
         """Host-side planning for this forward's metadata (no-op by default)."""
 

@@ -32,7 +32,7 @@ from graphcp.attention.reference_cases import (
     run_on_case,
     sentinel_outputs,
 )
-from graphcp.attention.registry import make_attention, preferred_kv_layout
+from graphcp.attention.registry import AttentionLimits, make_attention, preferred_kv_layout
 from graphcp.gpucheck.budget import Budget
 from graphcp.gpucheck.common import err, fail, free_device_memory, log, skip, sync
 from graphcp.gpucheck.settings import Settings
@@ -112,7 +112,7 @@ def _record(name: str, dtype_name: str, heads: tuple[int, int, int]) -> dict:
 
 
 def _check_backend(name: str, cases: list, spec: AttentionSpec, device: torch.device, dtype: torch.dtype,
-                   limits: dict, rec: dict) -> None:
+                   limits: AttentionLimits, rec: dict) -> None:
     """Backend ``name`` on every case, with and without LSE: max errors, padding, pass/fail into ``rec``."""
     t0 = time.perf_counter()
     errs = {"out": 0.0, "out_nolse": 0.0, "lse": 0.0}
@@ -121,8 +121,8 @@ def _check_backend(name: str, cases: list, spec: AttentionSpec, device: torch.de
     batch = cases[0][0]
     try:
         for batch, case in cases:
-            backend = make_attention(name, dataclasses.replace(spec, kv_layout=layout), device, dtype=dtype,
-                                     **limits)
+            backend = make_attention(name, dataclasses.replace(spec, kv_layout=layout), device,
+                                     dataclasses.replace(limits, dtype=dtype))
             with_lse, without = run_on_case(backend, case, True), run_on_case(backend, case, False)
             errs = {"out": max(errs["out"], with_lse.out), "out_nolse": max(errs["out_nolse"], without.out),
                     "lse": max(errs["lse"], with_lse.lse)}
@@ -165,7 +165,7 @@ def check_backends(st: Settings, budget: Budget, names: list[str]) -> list[dict]
                     records[(name, dtype_name, heads)].update(status="error", error=f"reference: {err(e)}")
                 log(f"reference failed ({dtype_name}, heads {heads}): {err(e)}")
                 continue
-            limits = dict(
+            limits = AttentionLimits(
                 max_segments=SEGMENT_SLOTS,
                 max_pages=max(2 * c.num_pages + SEGMENT_SLOTS for _, c in cases),
                 max_pages_per_segment=max(c.meta.page_table_host.shape[1] for _, c in cases),

@@ -52,7 +52,7 @@ class AttentionParts:
     device: Any
     model: Any
     kv: Any
-    limits: Mapping[str, Any]
+    limits: Any  # graphcp.attention.registry.AttentionLimits
 
 
 class ModelFamily:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from graphcp.attention.kv_exchange import KVExchange, make_exchange
+from graphcp.attention.registry import AttentionLimits, preallocates_per_request
 from graphcp.attention.ring.hardware import HardwareSpec
 from graphcp.attention.ring.plan import RingPlanner
 from graphcp.checks import check_layer_list
@@ -39,10 +40,6 @@ from graphcp.runtime.capture.runner import GraphRunner
 from graphcp.runtime.draft import DraftRunner
 from graphcp.runtime.pool_size import pool_pages, pool_spec
 from graphcp.runtime.pp.groups import PipelineGroups, pipeline_groups
-
-
-#: kernel backends that preallocate per request: a batch may hold at most max_requests
-_SIZED_BACKENDS = ("flashinfer", "trtllm")
 
 
 @dataclass
@@ -178,19 +175,19 @@ def _make_attention(family: ModelFamily, cfg: ModelConfig, model: DecoderModel, 
 
 
 def _attention_limits(rt: RuntimeConfig, kv: PagedKVCache, group: CPGroup, buckets: BucketSet,
-                      cfg: ModelConfig) -> dict:
+                      cfg: ModelConfig) -> AttentionLimits:
     """Static sizes the kernel backends preallocate for (each takes what it needs)."""
     # a rank's rows hold its share of the pool's tokens (its mode says how many)
     max_rows = max(buckets.largest, kv.rows_bound(group.size))
     max_segments = 2 * rt.max_requests if rt.layout == "zigzag" else max_rows
-    return {
-        "max_segments": max_segments,
+    return AttentionLimits(
+        max_segments=max_segments,
         # early and late zigzag segments both list their request's pages, empty segments one
-        "max_pages": 2 * kv.num_pages + max_segments,
-        "max_pages_per_segment": -(-cfg.max_position_embeddings // rt.page_size),
-        "max_q_rows": max_rows,
-        "dtype": rt.torch_dtype,
-    }
+        max_pages=2 * kv.num_pages + max_segments,
+        max_pages_per_segment=-(-cfg.max_position_embeddings // rt.page_size),
+        max_q_rows=max_rows,
+        dtype=rt.torch_dtype,
+    )
 
 
 def _make_preparer(layout: Layout, kv: PagedKVCache, mesh: MeshGroups, pipeline: PipelineGroups | None,
@@ -199,7 +196,7 @@ def _make_preparer(layout: Layout, kv: PagedKVCache, mesh: MeshGroups, pipeline:
     # every stage of a pipeline (every rank of the mesh) must be given the same batch
     consistency = pipeline.world if pipeline is not None else (
         mesh.ffn if mesh.ffn.size != mesh.cp.size and parallel.dp_size == 1 else None)
-    sized = attention.name in _SIZED_BACKENDS  # a batch may hold at most max_requests
+    sized = preallocates_per_request(attention.name)  # a batch may hold at most max_requests
     return BatchPreparer(layout, kv, mesh.cp, cfg.vocab_size, cfg.max_position_embeddings, device,
                          rt.check_consistency, rt.max_requests if sized else None, exchange.planner,
                          consistency_group=consistency)

@@ -1,4 +1,11 @@
-"""Attention backends, one module each (imported only when chosen, by
-:mod:`graphcp.attention.registry`): the torch reference (``torch_ref``), our Triton
+"""Attention backends, one module each: the torch reference (``torch_ref``), our Triton
 kernel (``triton``), FlashInfer's FA2 prefill (``flashinfer``) and trtllm-gen's context
-FMHA (``trtllm``). Only a backend's own module imports its kernel library."""
+FMHA (``trtllm``). Importing this package registers each (``@register_backend``, see
+:mod:`graphcp.attention.catalog`); :mod:`graphcp.attention.registry` builds them by name.
+Only a backend's own module names its kernel library, and imports it only when the
+backend is constructed or its kernels run, never at registration."""
+
+# imported for their registration, in the order the registry lists them
+from graphcp.attention.backends import torch_ref, triton, flashinfer, trtllm  # noqa: F401,I001
+
+__all__ = ["torch_ref", "triton", "flashinfer", "trtllm"]

@@ -89,6 +89,7 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from graphcp.attention.catalog import register_backend
 from graphcp.attention.staging import PinnedStaging
 from graphcp.errors import ConfigError
 from graphcp.kv.paged import SCRATCH_PAGE
@@ -204,8 +205,9 @@ class PagedPlanArgs:
         return cls(i32(qo), i32(kv_indptr), i32(flat), i32(last))
 
 
+# its plan buffers are sized by max_segments (two a request under zigzag)
+@register_backend("flashinfer", kv_layout="NHD", per_request=True)
 class FlashInferAttention(AttentionBackend):
-    name = "flashinfer"
     supports_full_graph = True  # only with prepare() (plan) before every replay
 
     def __init__(

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata
+from graphcp.attention.catalog import register_backend
 from graphcp.kv.layout import kv_cache_views
 
 
@@ -65,8 +66,8 @@ def coalesced_segments(meta: AttentionMetadata) -> list[tuple[int, int, int, np.
     return [tuple(r) for r in runs]
 
 
+@register_backend("torch", kv_layout="NHD", per_request=False)
 class TorchAttention(AttentionBackend):
-    name = "torch"
     supports_full_graph = False
 
     #: query rows per score block when LSE is asked (bounds the float32 score memory)

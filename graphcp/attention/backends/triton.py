@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from graphcp.attention.catalog import register_backend
 from graphcp.attention.kernels.paged_prefill_configs import TileConfig, tile_config
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -66,9 +67,13 @@ def triton_paged_attention(
     )
 
 
+@register_backend("triton", kv_layout="NHD", per_request=False)
 class TritonAttention(AttentionBackend):
-    name = "triton"
     supports_full_graph = True
+
+    @classmethod
+    def device_problem(cls, device: torch.device | str) -> str | None:
+        return cpu_problem(device)  # the module's, looked up per call
 
     def __init__(
         self,

@@ -75,6 +75,7 @@ from graphcp.attention.backends.flashinfer import (
     write_no_key_rows,
 )
 from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from graphcp.attention.catalog import register_backend
 from graphcp.errors import ConfigError
 from graphcp.kv.paged import SCRATCH_PAGE
 
@@ -108,8 +109,9 @@ def check_capability(capability: tuple[int, int], where: str = "this GPU") -> No
         )
 
 
+# trtllm-gen reads only an HND cache; its block tables and counters are sized by max_segments
+@register_backend("trtllm", kv_layout="HND", per_request=True)
 class TrtllmAttention(AttentionBackend):
-    name = "trtllm"
     supports_full_graph = False  # per instance: True with static max lengths
 
     def __init__(

@@ -71,9 +71,8 @@ class DenseFamily(ModelFamily):
         rt, acfg = parts.runtime, parts.attn_cfg
         spec = AttentionSpec(acfg.num_heads, acfg.num_kv_heads, acfg.head_dim, rt.page_size, acfg.head_dim ** -0.5,
                              parts.kv.layout)
-        extra = {} if workspace is None else {"workspace": workspace}
         try:
-            return make_attention(rt.attention, spec, parts.device, **parts.limits, **extra)
+            return make_attention(rt.attention, spec, parts.device, parts.limits, workspace=workspace)
         except (ValueError, ImportError) as e:  # a backend refusing this model or device, or not installed
             raise ConfigError(f"RuntimeConfig.attention={rt.attention!r}: {e}") from e
 
