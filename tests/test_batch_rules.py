@@ -2,7 +2,8 @@
 item 5): the per-request path applies it rule by rule and names the culprit; the fast
 path covers the same table and may only say "all pass" (the same result) or fall
 through. A property test holds the two to that on random batches, good and bad in every
-way the table names; then each rule's own refusal, and the order the rules run in."""
+way the table names; then each rule's own refusal, the order the rules run in, and
+the call's ``draft_next`` rules."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from graphcp.cp import ZigzagLayout
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError
-from graphcp.kv.paged import PagedKVCache
+from graphcp.kv.paged import KVHandle, PagedKVCache
 from graphcp.runtime.batch import (
     BATCH_RULES,
     BatchLimits,
@@ -27,6 +28,7 @@ from graphcp.runtime.batch import (
     CheckedBatch,
     Request,
     _check_batch,
+    check_draft_next,
     check_each,
 )
 
@@ -318,4 +320,43 @@ def test_a_request_is_checked_whole_before_the_next():
                            ([Request([VOCAB]), Request(np.ones(201, dtype=np.int64))], r"^request 1: 0 cached")):
         with pytest.raises(BatchError, match=message):
             check_each(batch, limits)
+
+
+# ---- draft_next ------------------------------------------------------------------------------
+def _draft(batch: Any, given: Any = None, microbatches: int = 1, drafting: bool = True,
+           draft_tokens: dict[int, int] | None = None) -> np.ndarray | None:
+    return check_draft_next(batch, given, microbatches, drafting=drafting, vocab_size=VOCAB,
+                            draft_tokens=draft_tokens or {}, cache_id="here")
+
+
+def test_draft_next_is_checked_against_the_call():
+    assert _draft([Request([1])], drafting=False) is None
+    with pytest.raises(BatchError, match=r"^prefill: draft_next needs an engine with a draft"):
+        _draft([Request([1])], [3], drafting=False)
+    with pytest.raises(BatchError, match=r"^prefill: microbatches=2 with a draft"):
+        _draft([Request([1])], microbatches=2)
+    for bad in ([1, 2], "ab", np.array([1]), 5):
+        with pytest.raises(BatchError, match=r"^prefill: draft_next must list one token \(or None\) per request \(1\)"):
+            _draft([Request([1])], bad)
+    for bad in (VOCAB, -1, True, 1.0):
+        with pytest.raises(BatchError, match=r"^prefill: draft_next\[1\] \(a token id\) must be"):
+            _draft([Request([1]), Request([2])], [None, bad])
+    assert _draft([Request([1]), Request([2])], [None, np.int64(7)]).tolist() == [-1, 7]
+    assert _draft([Request([1]), Request([2])]).tolist() == [-1, -1]
+    assert _draft((r for r in [Request([1])])).shape == (0,)  # not a batch: the container rule words it
+
+
+def test_a_prefix_continues_from_its_last_draft_token():
+    h = KVHandle(5, 3, (1,), cache_id="here")
+    took = {5: 7}
+    assert _draft([Request([7, 1], h)], draft_tokens=took).tolist() == [-1]
+    for tokens in ([8, 7], np.array([8]), torch.tensor([8, 1], dtype=torch.int32)):
+        with pytest.raises(BatchError, match=r"^request 1 extends a prefix whose last draft row took token 7, but its "
+                                             r"first new token is 8"):
+            _draft([Request([1]), Request(tokens, h)], draft_tokens=took)
+    # another cache's handle, no draft token kept, or what the batch's rules refuse: left to the preparer
+    other = dataclasses.replace(h, cache_id="there")
+    for batch in ([Request([8], other)], [Request([8], KVHandle(6, 3, (1,), cache_id="here"))],
+                  [Request("ab", h)], [Request([], h)], [Request([[8, 1]], h)], [[8]]):
+        assert _draft(batch, draft_tokens=took).tolist() == [-1] * len(batch)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from itertools import compress
@@ -23,6 +24,7 @@ import torch
 
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.ring.plan import RingPlan, RingPlanner
+from graphcp.checks import check_int
 from graphcp.cp import Layout, Plan
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, GraphcpError
@@ -593,3 +595,62 @@ def check_vocabulary(tokens: Sequence[np.ndarray], vocab: int, where: Callable[[
                 raise BatchError(f"{where(j)}, position {p}: token id {int(t[p])} is outside the vocabulary [0, {vocab})")
     return flat
 
+
+# ---- the call's draft_next, checked against the batch before anything changes
+
+
+def check_draft_next(batch: Any, given: Any, microbatches: int, *, drafting: bool, vocab_size: int,
+                     draft_tokens: Mapping[int, int], cache_id: str) -> np.ndarray | None:
+    """A prefill call's ``draft_next`` checked: int64 [R], -1 where the target's greedy
+    token goes; None without a draft (``drafting`` False). BatchError (nothing changed)
+    for draft_next without a draft, micro-batches with one, a list that is not one token
+    (or None) per request, an entry that is not a token id, or a request extending a
+    prefix whose last draft row took another token than the request's first
+    (``draft_tokens``: seq_id -> that token, for the sequences of the cache ``cache_id``).
+    A batch :data:`BATCH_RULES` refuses is left to the preparer, which words it."""
+    if not drafting:
+        if given is not None:
+            raise BatchError("prefill: draft_next needs an engine with a draft (RuntimeConfig.draft)")
+        return None
+    if microbatches != 1:
+        raise BatchError(f"prefill: microbatches={microbatches} with a draft (RuntimeConfig.draft runs one forward a "
+                         "batch; expected 1)")
+    if isinstance(batch, (str, bytes)) or not isinstance(batch, SequenceABC):
+        return np.zeros(0, dtype=np.int64)  # not a batch: the container rule words it
+    out = _draft_next_entries(given, len(batch), vocab_size)
+    _check_draft_rows(batch, draft_tokens, cache_id)
+    return out
+
+
+def _draft_next_entries(given: Any, n: int, vocab_size: int) -> np.ndarray:
+    """int64 [n]: each entry of ``given`` checked as a token id, -1 for None (or no list)."""
+    out = np.full(n, -1, dtype=np.int64)
+    if given is None:
+        return out
+    if isinstance(given, (str, bytes)) or not isinstance(given, SequenceABC) or len(given) != n:
+        raise BatchError(f"prefill: draft_next must list one token (or None) per request ({n}), got {given!r}"[:300])
+    for j, t in enumerate(given):
+        if t is not None:
+            out[j] = check_int(t, f"draft_next[{j}] (a token id)", lo=0, hi=vocab_size - 1, where="prefill",
+                               err=BatchError)
+    return out
+
+
+def _check_draft_rows(batch: Sequence, draft_tokens: Mapping[int, int], cache_id: str) -> None:
+    """A request extending a prefix continues from the token that prefix's last draft row
+    took, or that row's draft K/V would be stale. Requests the batch's rules refuse are
+    skipped (the preparer words them)."""
+    for j, r in enumerate(batch):
+        h = r.prefix if isinstance(r, Request) else None
+        want = draft_tokens.get(h.seq_id) if isinstance(h, KVHandle) and h.cache_id == cache_id else None
+        if want is None:
+            continue
+        try:
+            first = int(request_tokens(r.tokens, j)[0])
+        except (BatchError, IndexError):  # not token ids, or none: the preparer words it
+            continue
+        if first != want:
+            raise BatchError(
+                f"request {j} extends a prefix whose last draft row took token {want}, but its first new token "
+                f"is {first}: that row's draft K/V would be stale (prefill a prompt in chunks with draft_next=the "
+                "next chunk's first token)")

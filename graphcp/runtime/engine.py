@@ -58,7 +58,7 @@ from graphcp.pd.export import KVExport, KVMeta, assemble, gather_stages
 from graphcp.pd.fingerprint import model_fingerprint
 from graphcp.pd.heads import gather_heads, shard_meta
 from graphcp.pd.mla_export import MlaExport, MlaMeta, mla_meta
-from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBatch, Request
+from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBatch, Request, check_draft_next
 from graphcp.runtime.body import Body
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.capture.draft_graphs import DraftGraphs
@@ -388,41 +388,9 @@ class PrefillEngine:
 
     def _draft_next_tokens(self, batch, given, m: int) -> np.ndarray | None:
         """The checked ``draft_next`` (-1: the target's greedy token), or None without a
-        draft; BatchError (nothing changed) for a bad entry, micro-batches, or a request
-        extending a prefix whose last draft row took another token than its first."""
-        if self.drafter is None:
-            if given is not None:
-                raise BatchError("prefill: draft_next needs an engine with a draft (RuntimeConfig.draft)")
-            return None
-        if m != 1:
-            raise BatchError(f"prefill: microbatches={m} with a draft (RuntimeConfig.draft runs one forward a "
-                             "batch; expected 1)")
-        if isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence):
-            return np.zeros(0, dtype=np.int64)  # not a batch: prepare words it
-        n = len(batch)
-        if given is None:
-            given = [None] * n
-        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or len(given) != n:
-            raise BatchError(f"prefill: draft_next must list one token (or None) per request ({n}), got {given!r}"[:300])
-        out = np.full(n, -1, dtype=np.int64)
-        for j, t in enumerate(given):
-            if t is not None:
-                out[j] = check_int(t, f"draft_next[{j}] (a token id)", lo=0, hi=self.cfg.vocab_size - 1,
-                                   where="prefill", err=BatchError)
-        for j, r in enumerate(batch):
-            h = getattr(r, "prefix", None)
-            want = self._draft_next.get(h.seq_id) if isinstance(h, KVHandle) and h.cache_id == self.kv.cache_id \
-                else None
-            try:
-                first = None if want is None else int(np.asarray(r.tokens).reshape(-1)[0])
-            except (TypeError, ValueError, IndexError):  # not token ids: prepare words it
-                continue
-            if want is not None and first != want:
-                raise BatchError(
-                    f"request {j} extends a prefix whose last draft row took token {want}, but its first new token "
-                    f"is {first}: that row's draft K/V would be stale (prefill a prompt in chunks with draft_next=the "
-                    "next chunk's first token)")
-        return out
+        draft (graphcp/runtime/batch.py: :func:`check_draft_next`)."""
+        return check_draft_next(batch, given, m, drafting=self.drafter is not None, vocab_size=self.cfg.vocab_size,
+                                draft_tokens=self._draft_next, cache_id=self.kv.cache_id)
 
     def _microbatches(self, m: int | None) -> int:
         if m is None:
