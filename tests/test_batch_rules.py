@@ -2,8 +2,8 @@
 item 5): the per-request path applies it rule by rule and names the culprit; the fast
 path covers the same table and may only say "all pass" (the same result) or fall
 through. A property test holds the two to that on random batches, good and bad in every
-way the table names; then each rule's own refusal, the order the rules run in, and
-the call's ``draft_next`` rules."""
+way the table names; then each rule's own refusal, the order the rules run in, the
+call's ``draft_next`` rules and attention DP's use of the table's rules."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from graphcp.runtime.batch import (
     check_draft_next,
     check_each,
 )
+from graphcp.runtime.dp import DataParallelPrefill, ReplicaHandle
 
 VOCAB = 1000
 CONTEXT = 200  # below the pool (256 tokens): the context rule bites first, unless a case raises it
@@ -359,4 +360,26 @@ def test_a_prefix_continues_from_its_last_draft_token():
     for batch in ([Request([8], other)], [Request([8], KVHandle(6, 3, (1,), cache_id="here"))],
                   [Request("ab", h)], [Request([], h)], [Request([[8, 1]], h)], [[8]]):
         assert _draft(batch, draft_tokens=took).tolist() == [-1] * len(batch)
+
+
+# ---- attention DP reads the batch by the same rules -------------------------------------------
+def _dp() -> DataParallelPrefill:
+    return DataParallelPrefill(replica=0, replicas=2, dp=None, stage=None, device=torch.device("cpu"))
+
+
+def test_dp_reads_the_batch_by_the_table_rules():
+    dp = _dp()
+    tokens, cached, fixed = dp._lengths([Request([1, 2]), Request(torch.tensor([3])),
+                                         Request(np.arange(4, dtype=np.int32), ReplicaHandle(1, 9))])
+    assert [t.tolist() for t in tokens] == [[1, 2], [3], [0, 1, 2, 3]]
+    assert cached == [0, 0, 9] and fixed == [None, None, 1]
+    for batch, message in (([Request([1]), [1, 2]], r"^batch item 1: expected a graphcp.Request, got list \(wrap"),
+                           ([Request([[1, 2], [3]])], r"^request 0: tokens must be a 1-D sequence of integer ids"),
+                           ([Request(np.ones((2, 2), dtype=np.int64))], r"^request 0: tokens must be a 1-D"),
+                           ([Request([1], KVHandle(1, 1, (1,)))], r"^request 0: under attention DP a prefix is")):
+        with pytest.raises(BatchError, match=message):
+            dp._lengths(batch)
+    for batch in ([], "ab", Request([1]), (r for r in [Request([1])])):  # before any replica is asked
+        with pytest.raises(BatchError, match=r"^(empty batch|a batch must be a list of graphcp.Request, got)"):
+            dp.run(batch, None, False)
 
