@@ -355,8 +355,8 @@ def check_item_type(item: Any, j: int) -> None:
 
 
 def request_tokens(tokens: Any, j: int) -> np.ndarray:
-    """The token-array rule: request ``j``'s token ids as a 1-D integer ndarray (a tensor
-    on any device is copied to the host); BatchError naming the request for anything
+    """The token-array rule: request ``j``'s token ids as a 1-D integer ndarray (a CPU
+    tensor's memory, an accelerator's tensor copied); BatchError naming the request for anything
     else (ragged or nested lists, floats, strings, bools, objects, uint64 ids past int64)."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
