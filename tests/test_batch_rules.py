@@ -381,5 +381,5 @@ def test_dp_reads_the_batch_by_the_table_rules():
             dp._lengths(batch)
     for batch in ([], "ab", Request([1]), (r for r in [Request([1])])):  # before any replica is asked
         with pytest.raises(BatchError, match=r"^(empty batch|a batch must be a list of graphcp.Request, got)"):
-            dp.run(batch, None, False)
+            dp._requests(batch)
 

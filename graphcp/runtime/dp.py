@@ -95,8 +95,7 @@ class DataParallelPrefill:
     device: torch.device
 
     def run(self, batch: Sequence[Request], ops: ReplicaOps, all_logits: bool) -> PrefillOutput:
-        check_container(batch)  # before list(): a string or a generator is no batch
-        reqs = list(batch)
+        reqs = self._requests(batch)
         tokens, cached, fixed = self._lengths(reqs)
         where = assign_replicas([t.size for t in tokens], cached, fixed, self.replicas)
         mine = [i for i, d in enumerate(where) if d == self.replica]
@@ -127,6 +126,13 @@ class DataParallelPrefill:
             handles = {i: ops.handle(s) for i, s in zip(mine, prep.seq_ids)}
         parts = [p for p in gather_object(self.dp, part) if p is not None]
         return self._assemble(reqs, where, parts, handles if not padding else {}, info, all_logits)
+
+    @staticmethod
+    def _requests(batch: Sequence[Request]) -> list[Request]:
+        """The batch as a list, once the container rule passed (before list(): a string or
+        a generator is no batch)."""
+        check_container(batch)
+        return list(batch)
 
     def _lengths(self, reqs: Sequence[Request]) -> tuple[list[np.ndarray], list[int], list[int | None]]:
         """Each request's token ids, cached tokens and the replica it must go to (its
