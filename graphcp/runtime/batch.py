@@ -1,17 +1,18 @@
 """The batch types, and the per-rank preparation of a batch.
 
 ``BatchPreparer.prepare`` turns a list of :class:`Request` into this rank's
-:class:`PreparedBatch`: it validates the batch (every refusal is a ``BatchError``
-and changes nothing), checks that every rank was given the same batch, plans it
-with the CP layout, reserves its KV pages and builds this rank's host inputs
-(token ids, positions, cache slots, attention metadata). ``abort`` gives the
-pages back. All of it is host code: nothing here runs the model.
+:class:`PreparedBatch`: it validates the batch by the rules of :data:`BATCH_RULES`
+(every refusal is a ``BatchError`` and changes nothing), checks that every rank was
+given the same batch, plans it with the CP layout, reserves its KV pages and builds
+this rank's host inputs (token ids, positions, cache slots, attention metadata).
+``abort`` gives the pages back. All of it is host code: nothing here runs the model.
 """
 
 from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from itertools import compress
@@ -23,6 +24,7 @@ import torch
 
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.kv_exchange import AllGatherPlanner
+from graphcp.checks import check_int
 from graphcp.cp import Layout, Plan
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, GraphcpError
@@ -167,59 +169,16 @@ class BatchPreparer:
     def _validate(self, batch: Sequence[Request]) -> CheckedBatch:
         """The checked batch; BatchError naming the request (and position) when something
         is wrong (types included: every refused batch is a BatchError, and changes
-        nothing). Array checks over the whole batch (:func:`_check_batch`); a batch they
-        do not pass goes through :meth:`_validate_each`, which words the error."""
-        self._check_batch_container(batch)
-        checked = _check_batch(batch, self.kv, self.vocab_size, min(self.max_context, self.kv.capacity_tokens))
+        nothing). The rules are :data:`BATCH_RULES`; the fast path (:func:`_check_batch`)
+        says "all pass" or falls through to :meth:`_validate_each`, which words the error."""
+        checked = _check_batch(batch, self.kv, self.vocab_size, min(self.max_context, self.kv.capacity_tokens),
+                               self.max_requests)
         return checked if checked is not None else self._validate_each(batch)
 
-    def _check_batch_container(self, batch: Sequence[Request]) -> None:
-        if isinstance(batch, (str, bytes)) or not isinstance(batch, SequenceABC):
-            raise BatchError(f"a batch must be a list of graphcp.Request, got {type(batch).__name__}")
-        if len(batch) == 0:
-            raise BatchError("empty batch: prefill needs at least one request")
-        if self.max_requests is not None and len(batch) > self.max_requests:
-            raise BatchError(f"batch has {len(batch)} requests; the attention backend was sized for "
-                             f"RuntimeConfig.max_requests={self.max_requests}")
-
     def _validate_each(self, batch: Sequence[Request]) -> CheckedBatch:
-        """:meth:`_validate` request by request: the reference the array checks must
-        agree with, and the path that names the first bad request and position."""
-        vocab = self.vocab_size
-        out = []
-        extended: dict[int, int] = {}  # seq_id -> the request extending it
-        for j, r in enumerate(batch):
-            if not isinstance(r, Request):
-                raise BatchError(f"batch item {j}: expected a graphcp.Request, got {type(r).__name__} "
-                                 "(wrap token ids as Request(tokens))")
-            t = _token_array(r.tokens, j)
-            if t.size == 0:
-                raise BatchError(f"request {j} is empty: every request needs at least one new token")
-            have = 0
-            if r.prefix is not None:
-                try:
-                    self.kv.check_handle(r.prefix)
-                except KVHandleError as e:
-                    raise KVHandleError(f"request {j}: {e}") from None
-                first = extended.setdefault(r.prefix.seq_id, j)
-                if first != j:
-                    raise KVHandleError(f"requests {first} and {j} both extend KV handle seq_id={r.prefix.seq_id}; "
-                                        "a sequence can be extended once per batch")
-                have = r.prefix.num_tokens
-            if have + t.size > self.max_context:
-                raise BatchError(f"request {j}: {have} cached + {t.size} new tokens exceed the model's context of "
-                                 f"{self.max_context}")
-            if have + t.size > self.kv.capacity_tokens:
-                raise BatchError(f"request {j}: {have + t.size} tokens exceed the KV pool of {self.kv.capacity_tokens}")
-            out.append(t.astype(np.int64, copy=False))
-        flat = check_vocabulary(out, vocab)
-        prefixes = [r.prefix for r in batch]
-        num = len(out)
-        lengths = np.array([t.shape[0] for t in out] + [0 if h is None else h.num_tokens for h in prefixes],
-                           dtype=np.int64)
-        lengths.setflags(write=False)
-        return CheckedBatch(flat, lengths[:num], lengths[num:], prefixes, self.kv.prefix_rows(prefixes),
-                            min(t.shape[0] for t in out))
+        """:data:`BATCH_RULES` request by request (:func:`check_each`): the reference the
+        fast path agrees with, and the path that names the first bad request and position."""
+        return check_each(batch, BatchLimits(self.kv, self.vocab_size, self.max_context, self.max_requests))
 
     def _check_consistency(self, group: CPGroup, flat: np.ndarray, extend: np.ndarray, prefix: np.ndarray, batch,
                            call_args: Sequence[int] = ()) -> None:
@@ -256,8 +215,8 @@ _INT64_MAX = np.iinfo(np.int64).max
 _num_tokens_of = attrgetter("num_tokens")
 _INT64 = {np.dtype(np.int64)}
 _REQUEST = {Request}
-#: the token dtypes the array checks take (native integers; others go request by
-#: request, which takes or words them)
+#: the token dtypes the fast path takes (native integers; others fall through to the
+#: per-request path, which takes or words them)
 _INTEGER_DTYPES = {np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
                                           np.uint8, np.uint16, np.uint32, np.uint64)}
 
@@ -276,14 +235,222 @@ class CheckedBatch:
     min_extend: int = 0  # the fewest new tokens of a request
 
 
-def _check_batch(batch: Sequence, kv: PagedKVCache, vocab: int, max_tokens: int) -> CheckedBatch | None:
-    """The batch checked with array operations over all of it (C-level maps over the
-    requests, one concatenation and one compiled pass over the ids and lengths: no
-    Python per request or token); None when any check fails or an input is unusual
-    (then :meth:`BatchPreparer._validate_each` finds and names the culprit). Accepts
-    exactly what that accepts, with the same result: 1-D integer token ids (arrays,
-    CPU tensors, lists), non-empty, every id in ``[0, vocab)``, live distinct prefix
-    handles, ``max_tokens`` per request."""
+# ---- the batch's rules: one table (BATCH_RULES), applied request by request by check_each;
+# ---- the fast path (_check_batch) covers the same table and may only say "all pass"
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """What a batch is checked against: the preparer's cache and limits."""
+
+    kv: PagedKVCache  # the cache a prefix must be live in, and whose pool a request must fit
+    vocab_size: int
+    max_context: int  # the model's context: cached + new tokens of one request
+    max_requests: int | None = None  # the most requests a batch may hold (sized backends); None: any number
+
+
+@dataclass(slots=True)
+class _Walk:
+    """The per-request path's state over one batch: the request the request rules are
+    on, what the rules before found of it, and what the later rules need of the
+    requests that passed."""
+
+    batch: Any
+    limits: BatchLimits
+    j: int = -1  # the request's index in the batch
+    request: Any = None
+    tokens: np.ndarray | None = None  # its token ids, as the token-array rule read them
+    cached: int = 0  # its prefix's tokens (0 without one)
+    extended: dict[int, int] = field(default_factory=dict)  # seq_id -> the request extending it
+    ids: list[np.ndarray] = field(default_factory=list)  # int64: each passed request's token ids
+    flat: np.ndarray | None = None  # the batch's ids, concatenated (the vocabulary rule)
+
+    def at(self, j: int, request: Any) -> None:
+        """Move to request ``j`` (nothing of the one before carries over)."""
+        self.j, self.request, self.tokens, self.cached = j, request, None, 0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule every batch must pass. ``check`` is how the per-request path applies it
+    (a BatchError naming the request, and position, that breaks it); ``fast`` is how
+    the fast path (:func:`_check_batch`) covers it. The two must pass exactly the same
+    batches (tests/test_batch_rules.py holds them to it)."""
+
+    name: str
+    #: "batch": once, before any request; "request": each request, in batch order (all of
+    #: a request's rules before the next request's); "ids": once every request passed the rest
+    scope: Literal["batch", "request", "ids"]
+    check: Callable[[_Walk], None]
+    fast: str
+
+
+def check_container(batch: Any) -> None:
+    """The container rule: a batch is a non-empty sequence (not a string; not a generator,
+    which the preparer could read only once)."""
+    if isinstance(batch, (str, bytes)) or not isinstance(batch, SequenceABC):
+        raise BatchError(f"a batch must be a list of graphcp.Request, got {type(batch).__name__}")
+    if len(batch) == 0:
+        raise BatchError("empty batch: prefill needs at least one request")
+
+
+def check_item_type(item: Any, j: int) -> None:
+    """The item-type rule: batch item ``j`` is a :class:`Request` (a subclass too)."""
+    if not isinstance(item, Request):
+        raise BatchError(f"batch item {j}: expected a graphcp.Request, got {type(item).__name__} "
+                         "(wrap token ids as Request(tokens))")
+
+
+def request_tokens(tokens: Any, j: int) -> np.ndarray:
+    """The token-array rule: request ``j``'s token ids as a 1-D integer ndarray (a CPU
+    tensor's memory, an accelerator's tensor copied); BatchError naming the request for anything
+    else (ragged or nested lists, floats, strings, bools, objects, uint64 ids past int64)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise BatchError(f"request {j}: tokens must be a 1-D sequence of integer ids, got a {tokens.dtype} tensor")
+        t = tokens.detach().cpu().numpy()
+    else:
+        try:
+            t = np.asarray(tokens)
+        except (ValueError, TypeError, OverflowError) as e:  # ragged lists, unconvertible items
+            raise BatchError(f"request {j}: tokens must be a 1-D sequence of integer ids ({e})") from None
+    if t.ndim != 1 or (t.size and t.dtype.kind not in "iu"):
+        raise BatchError(f"request {j}: tokens must be a 1-D sequence of integer ids, got {t.dtype} {t.shape}")
+    if t.dtype.kind == "u" and t.size and int(t.max()) > _INT64_MAX:  # would wrap to negative ids
+        p = int(np.argmax(t > _INT64_MAX))
+        raise BatchError(f"request {j}, position {p}: token id {int(t[p])} is outside the vocabulary")
+    return t
+
+
+def _container(w: _Walk) -> None:
+    check_container(w.batch)
+
+
+def _max_requests(w: _Walk) -> None:
+    most = w.limits.max_requests
+    if most is not None and len(w.batch) > most:
+        raise BatchError(f"batch has {len(w.batch)} requests; the attention backend was sized for "
+                         f"RuntimeConfig.max_requests={most}")
+
+
+def _item_type(w: _Walk) -> None:
+    check_item_type(w.request, w.j)
+
+
+def _token_array(w: _Walk) -> None:
+    w.tokens = request_tokens(w.request.tokens, w.j)
+
+
+def _request_not_empty(w: _Walk) -> None:
+    if w.tokens.size == 0:
+        raise BatchError(f"request {w.j} is empty: every request needs at least one new token")
+
+
+def _prefix_live(w: _Walk) -> None:
+    """A prefix is a live, current handle of this cache (KVHandleError, a BatchError)."""
+    handle = w.request.prefix
+    if handle is not None:
+        try:
+            w.limits.kv.check_handle(handle)
+        except KVHandleError as e:
+            raise KVHandleError(f"request {w.j}: {e}") from None
+        w.cached = handle.num_tokens
+
+
+def _prefix_once(w: _Walk) -> None:
+    """Two requests extending one sequence would both write its next positions."""
+    handle = w.request.prefix
+    if handle is not None:
+        first = w.extended.setdefault(handle.seq_id, w.j)
+        if first != w.j:
+            raise KVHandleError(f"requests {first} and {w.j} both extend KV handle seq_id={handle.seq_id}; "
+                                "a sequence can be extended once per batch")
+
+
+def _context(w: _Walk) -> None:
+    if w.cached + w.tokens.size > w.limits.max_context:
+        raise BatchError(f"request {w.j}: {w.cached} cached + {w.tokens.size} new tokens exceed the model's "
+                         f"context of {w.limits.max_context}")
+
+
+def _pool(w: _Walk) -> None:
+    pool = w.limits.kv.capacity_tokens
+    if w.cached + w.tokens.size > pool:
+        raise BatchError(f"request {w.j}: {w.cached + w.tokens.size} tokens exceed the KV pool of {pool}")
+
+
+def _vocabulary(w: _Walk) -> None:
+    # after every request passed the rest (as before the table): one pass over the batch's
+    # ids, request by request only to name the culprit
+    w.flat = check_vocabulary(w.ids, w.limits.vocab_size)
+
+
+_LEAST = "_checked_least's one compiled pass over the ids and lengths"
+
+#: The batch's rules, in the order the per-request path (:func:`check_each`) applies them
+#: (``scope``: :class:`Rule`); each ``fast`` says how the fast path (:func:`_check_batch`) covers it.
+BATCH_RULES: tuple[Rule, ...] = (
+    Rule("container", "batch", _container,
+         "the same tests of the container; an empty batch holds no Request type and falls through"),
+    Rule("max_requests", "batch", _max_requests, "the same test of len(batch)"),
+    Rule("item type", "request", _item_type, "every item's type is exactly Request (a subclass falls through)"),
+    Rule("token array", "request", _token_array,
+         "np.asarray of each request's tokens (a CPU tensor without a copy; what raises falls through), "
+         "len() (a 0-d array has none), native integer dtypes only (others fall through), their concatenation 1-D"),
+    Rule("non-empty request", "request", _request_not_empty, f"{_LEAST}: the fewest new tokens >= 1"),
+    Rule("prefix handle", "request", _prefix_live,
+         "kv.prefix_rows (array checks over the handles) raises, and the batch falls through"),
+    Rule("prefix once", "request", _prefix_once, "kv.prefix_rows refuses a handle given twice (falls through)"),
+    Rule("context", "request", _context, f"{_LEAST}: cached + new <= min(context, pool)"),
+    Rule("pool", "request", _pool, f"{_LEAST}: cached + new <= min(context, pool)"),
+    Rule("vocabulary", "ids", _vocabulary,
+         f"{_LEAST}: every id, seen unsigned, < vocab (a negative id, or a uint64 one past int64, is past it)"),
+)
+_SCOPES = ("batch", "request", "ids")
+_BY_SCOPE = {scope: tuple(r for r in BATCH_RULES if r.scope == scope) for scope in _SCOPES}
+
+
+def check_each(batch: Any, limits: BatchLimits) -> CheckedBatch:
+    """The batch checked by :data:`BATCH_RULES`, rule by rule and request by request: the
+    reference the fast path agrees with, and the path that names the first bad request
+    and position (a BatchError). It only reads the cache: a refused batch changed nothing."""
+    w = _Walk(batch, limits)
+    for rule in _BY_SCOPE["batch"]:
+        rule.check(w)
+    for j, request in enumerate(batch):
+        w.at(j, request)
+        for rule in _BY_SCOPE["request"]:
+            rule.check(w)
+        w.ids.append(w.tokens.astype(np.int64, copy=False))
+    for rule in _BY_SCOPE["ids"]:
+        rule.check(w)
+    return _checked(w)
+
+
+def _checked(w: _Walk) -> CheckedBatch:
+    """:func:`check_each`'s result once every rule passed (the fast path's, field by field)."""
+    prefixes = [r.prefix for r in w.batch]
+    num = len(w.ids)
+    lengths = np.array([t.shape[0] for t in w.ids] + [0 if h is None else h.num_tokens for h in prefixes],
+                       dtype=np.int64)
+    lengths.setflags(write=False)
+    return CheckedBatch(w.flat, lengths[:num], lengths[num:], prefixes, w.limits.kv.prefix_rows(prefixes),
+                        min(t.shape[0] for t in w.ids))
+
+
+def _check_batch(batch: Any, kv: PagedKVCache, vocab: int, max_tokens: int,
+                 max_requests: int | None = None) -> CheckedBatch | None:
+    """The fast path of :data:`BATCH_RULES`: the checked batch, as :func:`check_each`
+    gives it, when every rule passes; None otherwise, or when an input is unusual (then
+    :func:`check_each` finds and names the culprit). It never refuses a batch itself.
+    Array operations over the whole batch (C-level maps over the requests, one
+    concatenation and one compiled pass over the ids and lengths: no Python per request
+    or token); how it covers each rule is that rule's ``fast``. ``max_tokens``: a
+    request's most cached + new tokens, min(context, pool)."""
+    if isinstance(batch, (str, bytes)) or not isinstance(batch, SequenceABC):
+        return None
+    if max_requests is not None and len(batch) > max_requests:
+        return None
     if set(map(type, batch)) != _REQUEST:
         return None
     prefixes = [r.prefix for r in batch]
@@ -369,21 +536,61 @@ def check_vocabulary(tokens: Sequence[np.ndarray], vocab: int, where: Callable[[
     return flat
 
 
-def _token_array(tokens, j: int) -> np.ndarray:
-    """A request's token ids as a 1-D integer ndarray; BatchError naming the request for
-    anything else (ragged or nested lists, floats, strings, bools, objects)."""
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise BatchError(f"request {j}: tokens must be a 1-D sequence of integer ids, got a {tokens.dtype} tensor")
-        t = tokens.detach().cpu().numpy()
-    else:
+# ---- the call's draft_next, checked against the batch before anything changes
+
+
+def check_draft_next(batch: Any, given: Any, microbatches: int, *, drafting: bool, vocab_size: int,
+                     draft_tokens: Mapping[int, int], cache_id: str) -> np.ndarray | None:
+    """A prefill call's ``draft_next`` checked: int64 [R], -1 where the target's greedy
+    token goes; None without a draft (``drafting`` False). BatchError (nothing changed)
+    for draft_next without a draft, micro-batches with one, a list that is not one token
+    (or None) per request, an entry that is not a token id, or a request extending a
+    prefix whose last draft row took another token than the request's first
+    (``draft_tokens``: seq_id -> that token, for the sequences of the cache ``cache_id``).
+    A batch :data:`BATCH_RULES` refuses is left to the preparer, which words it."""
+    if not drafting:
+        if given is not None:
+            raise BatchError("prefill: draft_next needs an engine with a draft (RuntimeConfig.draft)")
+        return None
+    if microbatches != 1:
+        raise BatchError(f"prefill: microbatches={microbatches} with a draft (RuntimeConfig.draft runs one forward a "
+                         "batch; expected 1)")
+    if isinstance(batch, (str, bytes)) or not isinstance(batch, SequenceABC):
+        return np.zeros(0, dtype=np.int64)  # not a batch: the container rule words it
+    out = _draft_next_entries(given, len(batch), vocab_size)
+    _check_draft_rows(batch, draft_tokens, cache_id)
+    return out
+
+
+def _draft_next_entries(given: Any, n: int, vocab_size: int) -> np.ndarray:
+    """int64 [n]: each entry of ``given`` checked as a token id, -1 for None (or no list)."""
+    out = np.full(n, -1, dtype=np.int64)
+    if given is None:
+        return out
+    if isinstance(given, (str, bytes)) or not isinstance(given, SequenceABC) or len(given) != n:
+        raise BatchError(f"prefill: draft_next must list one token (or None) per request ({n}), got {given!r}"[:300])
+    for j, t in enumerate(given):
+        if t is not None:
+            out[j] = check_int(t, f"draft_next[{j}] (a token id)", lo=0, hi=vocab_size - 1, where="prefill",
+                               err=BatchError)
+    return out
+
+
+def _check_draft_rows(batch: Sequence, draft_tokens: Mapping[int, int], cache_id: str) -> None:
+    """A request extending a prefix continues from the token that prefix's last draft row
+    took, or that row's draft K/V would be stale. Requests the batch's rules refuse are
+    skipped (the preparer words them)."""
+    for j, r in enumerate(batch):
+        h = r.prefix if isinstance(r, Request) else None
+        want = draft_tokens.get(h.seq_id) if isinstance(h, KVHandle) and h.cache_id == cache_id else None
+        if want is None:
+            continue
         try:
-            t = np.asarray(tokens)
-        except (ValueError, TypeError, OverflowError) as e:  # ragged lists, unconvertible items
-            raise BatchError(f"request {j}: tokens must be a 1-D sequence of integer ids ({e})") from None
-    if t.ndim != 1 or (t.size and t.dtype.kind not in "iu"):
-        raise BatchError(f"request {j}: tokens must be a 1-D sequence of integer ids, got {t.dtype} {t.shape}")
-    if t.dtype.kind == "u" and t.size and int(t.max()) > _INT64_MAX:  # would wrap to negative ids
-        p = int(np.argmax(t > _INT64_MAX))
-        raise BatchError(f"request {j}, position {p}: token id {int(t[p])} is outside the vocabulary")
-    return t
+            first = int(request_tokens(r.tokens, j)[0])
+        except (BatchError, IndexError):  # not token ids, or none: the preparer words it
+            continue
+        if first != want:
+            raise BatchError(
+                f"request {j} extends a prefix whose last draft row took token {want}, but its first new token "
+                f"is {first}: that row's draft K/V would be stale (prefill a prompt in chunks with draft_next=the "
+                "next chunk's first token)")

@@ -29,7 +29,7 @@ import torch
 from graphcp.dist import CPGroup, gather_object
 from graphcp.errors import BatchError
 from graphcp.kv.paged import KVHandle, KVHandleError
-from graphcp.runtime.batch import PrefillOutput, PreparedBatch, Request
+from graphcp.runtime.batch import PrefillOutput, PreparedBatch, Request, check_container, check_item_type, request_tokens
 from graphcp.runtime.forward import ForwardParts, PrefillCall
 from graphcp.runtime.outputs import assemble
 
@@ -81,12 +81,13 @@ class DataParallelPrefill:
     def run(self, batch: Sequence[Request], call: PrefillCall) -> PrefillOutput:
         if call.microbatches != 1:
             raise BatchError(f"prefill: microbatches={call.microbatches} under attention DP is not built yet (use 1)")
-        reqs = list(batch)
-        new, cached, fixed = self._lengths(reqs)
-        where = assign_replicas(new, cached, fixed, self.replicas)
+        reqs = self._requests(batch)
+        tokens, cached, fixed = self._lengths(reqs)
+        where = assign_replicas([t.size for t in tokens], cached, fixed, self.replicas)
         mine = [i for i, d in enumerate(where) if d == self.replica]
         padding = not mine
-        sub = [Request([0])] if padding else [Request(reqs[i].tokens, self._local(reqs[i].prefix)) for i in mine]
+        # the token ids as the batch's rules read them (a tensor is copied to the host once)
+        sub = [Request([0])] if padding else [Request(tokens[i], self._local(reqs[i].prefix)) for i in mine]
         prep = self._prepare(sub, call)
         p = self.parts
         try:
@@ -105,9 +106,9 @@ class DataParallelPrefill:
         parts = [x for x in gather_object(self.dp, part) if x is not None]
         handles: list = [None] * len(reqs)
         mine_handles = dict(zip(mine, local))
-        for idx, _, tokens in parts:
+        for idx, _, counts in parts:
             for k, i in enumerate(idx):
-                handles[i] = ReplicaHandle(where[i], tokens[k], mine_handles.get(i))
+                handles[i] = ReplicaHandle(where[i], counts[k], mine_handles.get(i))
         res.info.stats["dp_assignment"] = where
         return assemble(len(reqs), [(idx, o) for idx, o, _ in parts], handles, res.info)
 
@@ -124,11 +125,21 @@ class DataParallelPrefill:
             raise error
         return prep
 
-    def _lengths(self, reqs: list[Request]) -> tuple[list[int], list[int], list[int | None]]:
-        new, cached, fixed = [], [], []
+    @staticmethod
+    def _requests(batch: Sequence[Request]) -> list[Request]:
+        """The batch as a list, once the container rule passed (before list(): a string or
+        a generator is no batch)."""
+        check_container(batch)
+        return list(batch)
+
+    def _lengths(self, reqs: Sequence[Request]) -> tuple[list[np.ndarray], list[int], list[int | None]]:
+        """Each request's token ids, cached tokens and the replica it must go to (its
+        prefix's, else None). Checked by the batch's rules that hold before it is split
+        (each item a Request, its tokens a 1-D integer array: :data:`BATCH_RULES`) and the
+        DP prefix's own; each replica's preparer then checks its share by the whole table."""
+        tokens, cached, fixed = [], [], []
         for j, r in enumerate(reqs):
-            if not isinstance(r, Request):
-                raise BatchError(f"batch item {j}: expected a graphcp.Request, got {type(r).__name__}")
+            check_item_type(r, j)
             h = r.prefix
             if h is not None and not isinstance(h, ReplicaHandle):
                 raise KVHandleError(f"request {j}: under attention DP a prefix is the ReplicaHandle this engine "
@@ -136,12 +147,10 @@ class DataParallelPrefill:
             if h is not None and not 0 <= h.replica < self.replicas:
                 raise KVHandleError(f"request {j}: its handle names replica {h.replica}, this engine has "
                                     f"{self.replicas}")
-            new.append(int(np.asarray(r.tokens).size))
+            tokens.append(request_tokens(r.tokens, j))
             cached.append(0 if h is None else h.num_tokens)
             fixed.append(None if h is None else h.replica)
-        if not reqs:
-            raise BatchError("empty batch: prefill needs at least one request")
-        return new, cached, fixed
+        return tokens, cached, fixed
 
     def _local(self, h: ReplicaHandle | None) -> KVHandle | None:
         if h is None:

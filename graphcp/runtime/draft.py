@@ -9,21 +9,17 @@ ranks like the target's: every rank returns the same ``DraftOutput``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from graphcp.checks import check_int
 from graphcp.dist import CPGroup
-from graphcp.errors import BatchError
-from graphcp.kv.paged import KVHandle
 from graphcp.model.eagle3.layer import Eagle3Draft
 from graphcp.model.eagle3.shift import draft_input_ids
 from graphcp.model.forward_context import KV_RECEIVED
 from graphcp.nvtx_ranges import nvtx_range
-from graphcp.runtime.batch import DraftOutput, PreparedBatch
+from graphcp.runtime.batch import DraftOutput, PreparedBatch, check_draft_next
 from graphcp.runtime.body import Body
 from graphcp.runtime.capture.draft_graphs import DraftGraphs
 
@@ -142,38 +138,7 @@ class DraftRunner:
 
 def draft_next_tokens(drafter: DraftRunner | None, batch, given, m: int, vocab: int, cache_id: str) -> np.ndarray | None:
     """The checked ``draft_next`` of a prefill call (-1: the target's greedy token), or None
-    without a draft; BatchError (nothing changed) for a bad entry, micro-batches, or a
-    request extending a prefix whose last draft row took another token than its first
-    (``cache_id``: the engine's cache, whose handles the draft's tokens are of)."""
-    if drafter is None:
-        if given is not None:
-            raise BatchError("prefill: draft_next needs an engine with a draft (RuntimeConfig.draft)")
-        return None
-    if m != 1:
-        raise BatchError(f"prefill: microbatches={m} with a draft (RuntimeConfig.draft runs one forward a "
-                         "batch; expected 1)")
-    if isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence):
-        return np.zeros(0, dtype=np.int64)  # not a batch: prepare words it
-    n = len(batch)
-    if given is None:
-        given = [None] * n
-    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or len(given) != n:
-        raise BatchError(f"prefill: draft_next must list one token (or None) per request ({n}), got {given!r}"[:300])
-    out = np.full(n, -1, dtype=np.int64)
-    for j, t in enumerate(given):
-        if t is not None:
-            out[j] = check_int(t, f"draft_next[{j}] (a token id)", lo=0, hi=vocab - 1, where="prefill",
-                               err=BatchError)
-    for j, r in enumerate(batch):
-        h = getattr(r, "prefix", None)
-        want = drafter.next_token.get(h.seq_id) if isinstance(h, KVHandle) and h.cache_id == cache_id else None
-        try:
-            first = None if want is None else int(np.asarray(r.tokens).reshape(-1)[0])
-        except (TypeError, ValueError, IndexError):  # not token ids: prepare words it
-            continue
-        if want is not None and first != want:
-            raise BatchError(
-                f"request {j} extends a prefix whose last draft row took token {want}, but its first new token "
-                f"is {first}: that row's draft K/V would be stale (prefill a prompt in chunks with draft_next=the "
-                "next chunk's first token)")
-    return out
+    without a draft (graphcp.runtime.batch.check_draft_next, beside the batch's rules);
+    ``cache_id``: the engine's cache, whose handles the draft's tokens are of."""
+    return check_draft_next(batch, given, m, drafting=drafter is not None, vocab_size=vocab,
+                            draft_tokens={} if drafter is None else drafter.next_token, cache_id=cache_id)

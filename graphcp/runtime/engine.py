@@ -34,7 +34,7 @@ from graphcp.errors import BatchError, ConfigError, InputError
 from graphcp.kv.paged import KVHandle
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.batch import PrefillOutput, Request
-from graphcp.runtime.build import EngineParts, build_parts
+from graphcp.runtime.build import build_parts
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.dp import DataParallelPrefill, ReplicaHandle
 from graphcp.runtime.draft import draft_next_tokens
