@@ -53,6 +53,7 @@ def _rank_job(group, model_dir):
 def test_indexer_share_at_cp4(benchmark, model_dir):
     stats = benchmark.pedantic(launch, args=(_rank_job, 4, model_dir), rounds=1, warmup_rounds=0)
     shares = [s[STAT_PAIRS] / s[STAT_REPLICATED] for s in stats]
-    benchmark.extra_info.update(replicated_pairs=stats[0][STAT_REPLICATED], pairs_per_rank=[s[STAT_PAIRS] for s in stats],
+    benchmark.extra_info.update(replicated_pairs=stats[0][STAT_REPLICATED],
+                                pairs_per_rank=[s[STAT_PAIRS] for s in stats],
                                 share_per_rank=shares)
     assert sum(s[STAT_PAIRS] for s in stats) == stats[0][STAT_REPLICATED]

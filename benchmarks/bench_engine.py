@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from graphcp.config import RuntimeConfig
 from graphcp import PrefillEngine, Request
+from graphcp.config import RuntimeConfig
 from graphcp.model.presets import ensure_preset
 
 SIZES = (256, 1024, 4096)

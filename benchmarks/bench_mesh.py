@@ -104,6 +104,7 @@ def test_communicator_bytes_per_layer(benchmark, cp, attn_tp, dp):
     row = {f"{k}_MiB": want[k] / 2**20 for k in want}
     row["ep_mean_MiB"] = float(np.mean([r["ep"][0] for r in ranks])) / 2**20
     benchmark.extra_info.update(row)
-    print(f"\nC={cp} A={attn_tp} D={dp} (T={cp * attn_tp * dp}): MLP enter+leave {row['ffn_MiB']:.2f} MiB, o_proj all-reduce "
+    print(f"\nC={cp} A={attn_tp} D={dp} (T={cp * attn_tp * dp}): MLP enter+leave {row['ffn_MiB']:.2f} MiB, "
+          "o_proj all-reduce "
           f"{row['attn_MiB']:.2f} MiB each way a rank a layer (= formula); MoE ep (16 experts, top-4) "
           f"{row['ep_mean_MiB']:.2f} MiB (= its stats)")

@@ -430,7 +430,8 @@ def combinations_doc() -> str:
            "Generated from `graphcp/combinations.py` by `python scripts/combinations_doc.py` (a test checks it "
            "is current). Every pair of values below that is not refused combines, and "
            "`tests/test_combinations.py` runs each such pair at least once at CP 2 on a tiny model "
-           "(with 2 stages, 2 attention-TP ranks and 2 attention-DP replicas where the run has them) against the single-rank eager engine, float32 and bfloat16 (a MoE "
+           "(with 2 stages, 2 attention-TP ranks and 2 attention-DP replicas where the run has them) against the "
+           "single-rank eager engine, float32 and bfloat16 (a MoE "
            "model's bfloat16 runs take its all-experts twin, so that a router near-tie cannot flip an expert "
            "between two summation orders; a DSA model's twin also indexes every token, for its top-k).", "",
            "## The options", "", "| option | values | API | flag |", "| --- | --- | --- | --- |"]

@@ -143,7 +143,8 @@ def _new_range(name: str, category: str | None) -> _Range:
     if category is None:
         category = kind.category if kind is not None else "host"
     elif kind is not None and kind.category != category:
-        raise ValueError(f"range {name!r} is category {kind.category!r} in graphcp.nvtx_ranges.RANGES, not {category!r}")
+        raise ValueError(
+            f"range {name!r} is category {kind.category!r} in graphcp.nvtx_ranges.RANGES, not {category!r}")
     r = _ranges[name] = _Range(name, category)
     return r
 

@@ -10,7 +10,6 @@ from helpers import rel_err  # noqa: F401 - re-exported for the CP tests
 
 from graphcp.runtime.engine import prefill_after_prefixes
 
-
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 from helpers import rel_err
 
-from graphcp.runtime.outputs import OutputHead
 from graphcp import BatchError, PrefillEngine, Request
 from graphcp.cli.main import main
 from graphcp.cli.requests import RequestFileError, parse_requests
 from graphcp.config import RuntimeConfig
 from graphcp.kv.layout import write_kv
 from graphcp.kv.paged import SCRATCH_PAGE, KVCacheFull, KVHandle, KVHandleError, PagedKVCache
+from graphcp.runtime.outputs import OutputHead
 
 VOCAB = 512
 PAGE = 16

@@ -13,7 +13,6 @@ from cp_utils import rel_err
 from graphcp.cli.main import main
 from graphcp.runtime.capture.buckets import BucketSet
 
-
 #: the tiny checkpoint's vocabulary and hidden size (tests/conftest.py TINY)
 VOCAB, HIDDEN = 512, 64
 

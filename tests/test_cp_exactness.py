@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from cp_utils import batch, rel_err, run_batch, write_tiny_llama
+
+from graphcp import PrefillEngine
 from graphcp.config import RuntimeConfig
 from graphcp.dist import launch
-from graphcp import PrefillEngine
 
 LENS = [300, 1, 5, 64, 2, 129]
 PREFIX = [0, 0, 40, 0, 3, 77]

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
+from graphcp import ConsistencyError, PrefillEngine, Request
 from graphcp.config import ParallelConfig, RuntimeConfig
 from graphcp.dist import RankFailure, barrier, launch
-from graphcp import ConsistencyError, PrefillEngine, Request
 
 TIMEOUT_S = 20.0
 

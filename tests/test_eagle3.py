@@ -89,8 +89,8 @@ def _replay_bitwise(eng) -> bool:
 @pytest.fixture(scope="module")
 def reference(models):
     """Per dtype, transformers' target (fc's input, logits) over each whole request."""
-    from transformers import AutoModelForCausalLM
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     target, draft = models
     refs = {}

@@ -22,10 +22,10 @@ from graphcp.attention.base import AttentionSpec
 from graphcp.attention.registry import make_attention
 from graphcp.cli.main import main
 from graphcp.config import RuntimeConfig
+from graphcp.dist import CPGroup
 from graphcp.errors import ConfigError
 from graphcp.jobs.memory import check_local_ranks_fit, estimate_rank_memory
 from graphcp.jobs.spec import JobSpec, make_engine
-from graphcp.dist import CPGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512  # the tiny checkpoints of conftest.py

@@ -331,7 +331,7 @@ def test_generated_bucket_files(capsys, tmp_path, model_dir):
         if blob is not None:
             b.write_bytes(blob)
         cases.append(Case(name, ["prefill", "--model", model_dir, "--input", req, "--output", tmp_path / "o.pt",
-                                 "--buckets", b], rf"bucket file", out=tmp_path / "o.pt"))
+                                 "--buckets", b], r"bucket file", out=tmp_path / "o.pt"))
     _check_all(cases, capsys, minimum=16)
 
 

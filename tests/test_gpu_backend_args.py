@@ -15,21 +15,27 @@ from __future__ import annotations
 import sys
 import types
 
+import fake_flashinfer as fake_fi
 import numpy as np
 import pytest
 import torch
 from backend_cases import EXAMPLE, check_against_reference, num_pages_for, spec_for, static_meta, zigzag_meta
-import fake_flashinfer as fake_fi
 from fake_flashinfer import (
-    HOPPER_SM_COUNT, SM_COUNT, STALE_LSE, Recorder, counter_bytes, fa2_plan_workspace, fake_flashinfer,
+    HOPPER_SM_COUNT,
+    SM_COUNT,
+    STALE_LSE,
+    Recorder,
+    counter_bytes,
+    fa2_plan_workspace,
+    fake_flashinfer,
 )
 
 from graphcp.attention import registry
 from graphcp.attention.backends.flashinfer import DEFAULT_WORKSPACE_BYTES, FlashInferAttention
-from graphcp.attention.base import AttentionSpec
-from graphcp.errors import ConfigError
 from graphcp.attention.backends.trtllm import TrtllmAttention, lse_stats_bytes
+from graphcp.attention.base import AttentionSpec
 from graphcp.attention.reference_cases import SENTINEL, tensors
+from graphcp.errors import ConfigError
 
 BLACKWELL = lambda: (10, 0)  # noqa: E731
 DTYPES = [torch.float32, torch.bfloat16]

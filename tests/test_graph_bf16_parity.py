@@ -63,7 +63,7 @@ def test_bf16_graph_path_matches_transformers_and_eager(cp, hf_model_dir, hf_mod
                 refs.append(logits[PREFIX:] if j == 2 else logits)
         where = f"{family} stored in {stored}, CP {cp}"
         for res in per_rank:  # every rank returns the same logits
-            (gpath, glast, glogits), (epath, elast, elogits) = res["graph"], res["eager"]
+            (gpath, glast, glogits), (epath, _, elogits) = res["graph"], res["eager"]
             assert gpath == "graph" and epath == "eager", where
             for j, (g, e, ref) in enumerate(zip(glogits, elogits, refs)):
                 assert rel_err(g, ref) < TOL_HF, f"{where}, request {j}: graph vs transformers {rel_err(g, ref):.3g}"

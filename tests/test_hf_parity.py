@@ -11,12 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import FAMILIES
 from helpers import rel_err
 
-from graphcp.config import RuntimeConfig
 from graphcp import PrefillEngine, Request
+from graphcp.config import RuntimeConfig
 
 #: relative error (Frobenius) of graphcp's logits against transformers'
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}

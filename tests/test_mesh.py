@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from graphcp import ConfigError, ParallelConfig
-from graphcp.dist import launch
 from graphcp.combinations import parallel_settings, refusal
+from graphcp.dist import launch
 from graphcp.mesh import GROUP_NAMES, build_mesh, coords, rank_groups
 
 #: (T, C, D) = (4, 2, 1): attention TP 2 inside each of the 2 CP partitions

@@ -20,7 +20,12 @@ from graphcp.model.layers import ParallelMLP
 from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.moe.ep import ExchangePlan
 from graphcp.model.moe.experts import (
-    GROUPED_MM_GRAPHS_VALIDATED, Experts, grouped_mm_capturable, grouped_mm_sync_free, reference_moe, routed_experts,
+    GROUPED_MM_GRAPHS_VALIDATED,
+    Experts,
+    grouped_mm_capturable,
+    grouped_mm_sync_free,
+    reference_moe,
+    routed_experts,
 )
 from graphcp.model.moe_config import MoeConfig
 

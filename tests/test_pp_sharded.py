@@ -9,11 +9,9 @@ export equals the replicated one."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
-import torch
 from cp_utils import rel_err
 
-from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
+from graphcp import ParallelConfig, PrefillEngine, RuntimeConfig
 from graphcp.dist import launch
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.engine import prefill_after_prefixes

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import rel_err
 
 from graphcp import PrefillEngine, Request, RuntimeConfig

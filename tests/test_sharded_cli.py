@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from helpers import rel_err
 
 from graphcp.cli.main import main

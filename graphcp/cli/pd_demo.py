@@ -44,7 +44,8 @@ REQUEST_ID = "demo-0"
 
 
 def add_pd_demo_parser(sub) -> None:
-    p = sub.add_parser("pd-demo", help="prefill at CP N, hand the KV to a decode process, continue it with transformers")
+    p = sub.add_parser("pd-demo",
+                       help="prefill at CP N, hand the KV to a decode process, continue it with transformers")
     add_runtime_args(p, "breakable")
     p.set_defaults(cp=2, func=cmd_pd_demo)
     p.add_argument("--transport", default=None, choices=("mooncake", "file"),

@@ -16,7 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
-from graphcp.cp.base import Layout, Plan, RankPlan, freeze, arange
+from graphcp.cp.base import Layout, Plan, RankPlan, arange, freeze
 
 __all__ = ["InterleaveLayout", "InterleavePlan"]
 

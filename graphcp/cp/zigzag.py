@@ -30,7 +30,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from graphcp.cp.base import Layout, Plan, RankPlan, freeze, arange
+from graphcp.cp.base import Layout, Plan, RankPlan, arange, freeze
 from graphcp.jit import host_kernel
 
 __all__ = ["ZigzagLayout", "ZigzagPlan", "rank_token_counts"]

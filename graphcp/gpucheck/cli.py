@@ -36,9 +36,9 @@ import torch
 from graphcp.attention.registry import BACKENDS
 from graphcp.errors import InputError
 from graphcp.gpucheck.common import log
-from graphcp.jobs.args import help_text
 from graphcp.gpucheck.run import run_check
 from graphcp.gpucheck.settings import BUDGET_S, LARGE_MODEL, PARTS, settings_from_args
+from graphcp.jobs.args import help_text
 from graphcp.model.presets import PRESETS
 
 

@@ -123,7 +123,7 @@ def count_paths(model_label: str, model_dir: Path, backend: str, st: Settings, b
                 continue
             prefill = one_prefill(engine, tokens, p)
 
-            def forward(r=r, prefill=prefill) -> None:
+            def forward(r=r, prefill=prefill, engine=engine) -> None:
                 out = prefill()
                 r["ran"] = out.info.path
                 r.update(graph_units(engine, out))

@@ -150,7 +150,8 @@ def render_markdown(res: dict) -> str:
         out += _table(["dtype", "rows", "heads", "latent", "topk", "past int32", "rows checked", "last row",
                        "rel err", "tol", "kernel ms", "status"],
                       [[r["dtype"], _fmt(r.get("rows")), _fmt(r.get("heads")),
-                        f"{r.get('kv_lora_rank')}+{r.get('rope_dim')}", _fmt(r.get("topk")), _fmt(r.get("past_int32")), _fmt(r.get("checked_rows")),
+                        f"{r.get('kv_lora_rank')}+{r.get('rope_dim')}", _fmt(r.get("topk")), _fmt(r.get("past_int32")),
+                        _fmt(r.get("checked_rows")),
                         _fmt(r.get("last_row_checked")), _fmt(r.get("max_rel_err"), ".2e"), _fmt(r.get("tol"), ".0e"),
                         _fmt(r.get("kernel_ms"), ".1f"), _status(r, ("pass",))] for r in res["sparse_mla"]])
         out.append("")
@@ -161,7 +162,8 @@ def render_markdown(res: dict) -> str:
                 ""]
         out += _table(["dtype", "backend", "rows", "experts", "top-k", "replays", "routing changed", "bitwise",
                        "max abs diff", "rel err", "tol", "status"],
-                      [[r["dtype"], r["graph_backend"], _fmt(r.get("rows")), _fmt(r.get("experts")), _fmt(r.get("top_k")),
+                      [[r["dtype"], r["graph_backend"], _fmt(r.get("rows")), _fmt(r.get("experts")),
+                        _fmt(r.get("top_k")),
                         _fmt(r.get("replays")), _fmt(r.get("routing_changed")), _fmt(r.get("bitwise_equal")),
                         _fmt(r.get("max_abs_diff_vs_eager"), ".1e"), _fmt(r.get("max_rel_err_vs_loop"), ".2e"),
                         _fmt(r.get("tol"), ".0e"), _status(r, ("pass",))] for r in res["moe_graph"]])

@@ -15,8 +15,8 @@ from graphcp.combinations import runtime_settings
 from graphcp.config import RuntimeConfig
 from graphcp.jobs.spec import JobSpec
 from graphcp.model.config import ModelConfig
-from graphcp.model.family import family_of
 from graphcp.model.eagle3.config import read_eagle3_config
+from graphcp.model.family import family_of
 from graphcp.model.presets import PRESETS, resolve_model
 from graphcp.options import (
     ATTENTION_BACKENDS,
@@ -27,8 +27,8 @@ from graphcp.options import (
     GRAPH_MODES,
     KV_CACHE_MODES,
     LAYOUTS,
+    MOE_LAYOUTS,
 )
-from graphcp.options import MOE_LAYOUTS
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -103,7 +103,8 @@ def add_draft_arg(p: argparse.ArgumentParser) -> None:
     """``--draft DIR`` (RuntimeConfig.draft): the commands whose outputs carry a draft's (prefill)."""
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="an EAGLE-3 draft checkpoint: also prefill the draft over the same rows (its K/V cached and "
-                        "exported with the target's) and save 'draft_logits' and 'draft_to_target' (docs/speculative.md)")
+                        "exported with the target's) and save 'draft_logits' and 'draft_to_target' "
+                        "(docs/speculative.md)")
 
 
 def interpret_triton_on_cpu(args: argparse.Namespace, prog: str) -> None:

@@ -167,7 +167,8 @@ def check_local_ranks_fit(spec: JobSpec, need: RankMemory, available: tuple[int,
     if ranks * need.total <= have:
         return
     degrees = f"--cp {spec.cp_size}" + (f" --pp {spec.pp_size}" if spec.pp_size > 1 else "")
-    share = (f"{ranks} ranks" if ranks > 1 else "1 rank") + (f" on a GPU ({world} on {devices})" if devices > 1 else "") \
+    share = (f"{ranks} ranks" if ranks > 1 else "1 rank") \
+        + (f" on a GPU ({world} on {devices})" if devices > 1 else "") \
         + (" need" if ranks > 1 else " needs")
     raise ConfigError(f"{degrees}: {share} about {gib(ranks * need.total)} (a rank, estimated, "
                       f"{need.describe()}), more than the {gib(have)} of {what}; lower --cp or --kv-tokens, "

@@ -46,9 +46,9 @@ from __future__ import annotations
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import ClassVar
 from itertools import compress, repeat
 from operator import attrgetter, is_not
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -57,8 +57,8 @@ from graphcp.cp.zigzag import ZigzagLayout
 from graphcp.errors import BatchError
 from graphcp.jit import host_kernel
 from graphcp.kv.layout import KVLayout, kv_cache_views
-from graphcp.kv.spec import KVHeads, PoolSpec
 from graphcp.kv.spans import KVSpan, whole_layer_spans
+from graphcp.kv.spec import KVHeads, PoolSpec
 
 SCRATCH_PAGE = 0
 

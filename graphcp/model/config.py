@@ -63,7 +63,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         w = "ModelConfig"
-        for name, hi in (("vocab_size", MAX_VOCAB), ("hidden_size", MAX_HIDDEN), ("intermediate_size", MAX_INTERMEDIATE),
+        for name, hi in (("vocab_size", MAX_VOCAB), ("hidden_size", MAX_HIDDEN),
+                         ("intermediate_size", MAX_INTERMEDIATE),
                          ("num_layers", MAX_LAYERS), ("num_heads", MAX_HEADS), ("num_kv_heads", MAX_HEADS),
                          ("head_dim", MAX_HEAD_DIM), ("max_position_embeddings", MAX_POSITIONS)):
             check_int(getattr(self, name), name, lo=1, hi=hi, where=w)

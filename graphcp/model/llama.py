@@ -36,7 +36,6 @@ from graphcp.model.moe.experts import grouped_mm_capturable, grouped_mm_sync_fre
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.options import MoeLayout
 
-
 _ATTENTION_RANGES: dict[int, str] = {}  # the breaks' range names, formatted once a layer
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from graphcp.options import MoeLayout
 
-
 #: a decoder layer's tensor, for telling the MTP layers (index >= num_hidden_layers) apart
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
 #: DeepSeek V4's multi-token-prediction tensors (transformers skips them too)

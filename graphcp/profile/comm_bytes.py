@@ -19,7 +19,6 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _NAMESPACES = ("c10d", "_c10d_functional")

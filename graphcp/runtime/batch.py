@@ -532,7 +532,8 @@ def check_vocabulary(tokens: Sequence[np.ndarray], vocab: int, where: Callable[[
             bad = np.flatnonzero((t < 0) | (t >= vocab))
             if bad.size:
                 p = int(bad[0])
-                raise BatchError(f"{where(j)}, position {p}: token id {int(t[p])} is outside the vocabulary [0, {vocab})")
+                raise BatchError(
+                    f"{where(j)}, position {p}: token id {int(t[p])} is outside the vocabulary [0, {vocab})")
     return flat
 
 

@@ -154,7 +154,8 @@ def _check_pool_fits(need: int, num_pages: int, rt: RuntimeConfig, device: torch
     if need > have:
         raise ConfigError(
             f"kv_tokens={rt.kv_tokens}: a KV pool of {(num_pages - 1) * rt.page_size} tokens needs "
-            f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB {device.type} memory (lower RuntimeConfig.kv_tokens)"
+            f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB {device.type} memory "
+            "(lower RuntimeConfig.kv_tokens)"
         )
 
 

@@ -29,7 +29,14 @@ import torch
 from graphcp.dist import CPGroup, gather_object
 from graphcp.errors import BatchError
 from graphcp.kv.paged import KVHandle, KVHandleError
-from graphcp.runtime.batch import PrefillOutput, PreparedBatch, Request, check_container, check_item_type, request_tokens
+from graphcp.runtime.batch import (
+    PrefillOutput,
+    PreparedBatch,
+    Request,
+    check_container,
+    check_item_type,
+    request_tokens,
+)
 from graphcp.runtime.forward import ForwardParts, PrefillCall
 from graphcp.runtime.outputs import assemble
 

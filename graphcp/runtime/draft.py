@@ -136,7 +136,8 @@ class DraftRunner:
                            per_token)
 
 
-def draft_next_tokens(drafter: DraftRunner | None, batch, given, m: int, vocab: int, cache_id: str) -> np.ndarray | None:
+def draft_next_tokens(drafter: DraftRunner | None, batch, given, m: int, vocab: int,
+                      cache_id: str) -> np.ndarray | None:
     """The checked ``draft_next`` of a prefill call (-1: the target's greedy token), or None
     without a draft (graphcp.runtime.batch.check_draft_next, beside the batch's rules);
     ``cache_id``: the engine's cache, whose handles the draft's tokens are of."""

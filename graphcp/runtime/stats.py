@@ -23,9 +23,9 @@ under attention DP a forward's ``dp_assignment`` lists each request's replica.
 ``kv_pool_*`` describe one rank's pool; ``kv_stored_tokens`` counts the tokens whose
 KV the rank holds at the end (live handles). ``forwards`` lists every forward in
 order (the command line prefills prefixes first, so a request with a prefix
-contributes two; under pipeline stages each micro-batch is a forward), each with every key of its ``ForwardInfo.stats``: besides those
-above, ``exchange_choice`` (the per-batch rule's inputs and thresholds, sharded
-cache) and whatever other parts record there. An engine keeps the last
+contributes two; under pipeline stages each micro-batch is a forward), each with every
+key of its ``ForwardInfo.stats``: besides those above, ``exchange_choice`` (the
+per-batch rule's inputs and thresholds, sharded cache) and whatever other parts record there. An engine keeps the last
 :data:`HISTORY` forwards (``forwards_dropped`` counts older ones).
 """
 

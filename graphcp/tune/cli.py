@@ -169,7 +169,8 @@ def _run(args: argparse.Namespace) -> int:
         max_buckets=args.max_buckets,
     )
     tuned_set = BucketSet(capacities, args.align, args.padding_factor, args.cp, args.layout)
-    measured = _measure(tuned_set, args.cp, getattr(args, "model", "default"), getattr(args, "device", "cpu")) if args.measure else None
+    measured = (_measure(tuned_set, args.cp, getattr(args, "model", "default"), getattr(args, "device", "cpu"))
+                if args.measure else None)
     baselines = {n: BASELINES[n].bucket_set(args.cp, args.align, args.padding_factor) for n in names}
     report = build_report(required, tuned, tuned_set, baselines, settings, workload.summary(), measured)
 

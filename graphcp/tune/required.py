@@ -21,7 +21,6 @@ from graphcp.options import LAYOUTS
 from graphcp.tune.workload import Workload
 
 
-
 def zigzag_rank_rows(extend: np.ndarray, offsets: np.ndarray, cp_size: int) -> np.ndarray:
     """(n_batches, C) local rows of every rank for every batch under zigzag.
 

@@ -167,6 +167,7 @@ class TritonAttention(AttentionBackend):
             )
         if meta.page_size != spec.page_size:
             raise ValueError(f"metadata page_size {meta.page_size} != spec page_size {spec.page_size}")
-        for label, t in (("cu_seqlens_q", meta.cu_seqlens_q), ("kv_lens", meta.kv_lens), ("page_table", meta.page_table)):
+        for label, t in (("cu_seqlens_q", meta.cu_seqlens_q), ("kv_lens", meta.kv_lens),
+                         ("page_table", meta.page_table)):
             if t.device != q.device:
                 raise ValueError(f"metadata {label} is on {t.device}, q is on {q.device}")

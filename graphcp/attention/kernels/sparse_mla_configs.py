@@ -19,11 +19,11 @@ fp32       32:8 (tests)  16 / 32 / 4 / 1       55 regs, 0 B      56 regs, 0 B
 
 ("0 B": no spill stores or loads; every row and head offset an int64 product.) Triton
 3.6 (the GPU image's) is tighter at 512:64 and still spills nothing: bf16 253 / 254
-registers (sm_90a / sm_100a), fp32 254 / 225; 32:8: 64 / 64 and 40 / 40. At 512:64 a bfloat16 program of 64 heads (FlashMLA's
-tile) spills 1.1-1.4 KB a thread at 8 warps, and 32 heads with 64-token tiles 0.4 KB,
-so 32 heads x 32 tokens it is: each gathered tile is read by 32 heads, DeepSeek V3.2's
-128 heads read it four times (from L2 after the first). A spill-free choice is the
-precondition for speed, not proof of it.
+registers (sm_90a / sm_100a), fp32 254 / 225; 32:8: 64 / 64 and 40 / 40. At 512:64 a
+bfloat16 program of 64 heads (FlashMLA's tile) spills 1.1-1.4 KB a thread at 8 warps,
+and 32 heads with 64-token tiles 0.4 KB, so 32 heads x 32 tokens it is: each gathered
+tile is read by 32 heads, DeepSeek V3.2's 128 heads read it four times (from L2 after
+the first). A spill-free choice is the precondition for speed, not proof of it.
 """
 
 from __future__ import annotations

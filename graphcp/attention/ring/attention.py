@@ -1,7 +1,8 @@
 """The ring attention of a token-sharded cache: one object per engine, holding the
 backends of the ring's steps 1 .. C-1 (step 0 is the engine's own backend) and the
-ring's buffers (reserved per bucket at capture, grow-only on the eager path). Each forward's :class:`RingPlan` is live metadata: the
-ring runs in the attention break (eagerly, also when the body replays a graph)."""
+ring's buffers (reserved per bucket at capture, grow-only on the eager path). Each
+forward's :class:`RingPlan` is live metadata: the ring runs in the attention break
+(eagerly, also when the body replays a graph)."""
 
 from __future__ import annotations
 

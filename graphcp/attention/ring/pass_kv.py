@@ -35,7 +35,8 @@ def buffers(rows: int, max_pages: int, heads: int, dim: int, q_dtype: torch.dtyp
     output and LSE, the merge's float32 accumulators. The run and the per-bucket
     reservation (:meth:`RingAttention.reserve`) both size them here."""
     f32 = torch.float32
-    return {"kv_stage0": ((1 + max_pages, *page_shape), kv_dtype), "kv_stage1": ((1 + max_pages, *page_shape), kv_dtype),
+    return {"kv_stage0": ((1 + max_pages, *page_shape), kv_dtype),
+            "kv_stage1": ((1 + max_pages, *page_shape), kv_dtype),
             "part_out": ((rows, heads, dim), q_dtype), "part_lse": ((rows, heads), f32),
             "acc_out": ((rows, heads, dim), f32), "acc_lse": ((rows, heads), f32)}
 

@@ -43,7 +43,8 @@ def _targets(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout, shard: HeadSh
     def at(param: str, dim: int, start: int, rows=None, index=None) -> dict:
         return dict(param=param, dim=dim, start=start, shard=rows, index=index)
 
-    t: dict = {"model.embed_tokens.weight": at("embed_tokens.weight", 0, 0), "model.norm.weight": at("norm.weight", 0, 0)}
+    t: dict = {"model.embed_tokens.weight": at("embed_tokens.weight", 0, 0),
+               "model.norm.weight": at("norm.weight", 0, 0)}
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = at("lm_head.weight", 0, 0)
     size = cfg.intermediate_size // tp

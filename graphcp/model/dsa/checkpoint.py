@@ -21,6 +21,7 @@ from graphcp.model.config import ModelConfig
 from graphcp.model.tensor_table import TensorTarget, expert_targets, sharded_mlp
 from graphcp.options import MoeLayout
 
+
 def dsa_tensors(cfg: ModelConfig, rank: int, tp: int, moe: MoeLayout = "tp") -> dict[str, TensorTarget]:
     d, h = cfg.dsa, cfg.hidden_size
     t: dict[str, TensorTarget] = {}

@@ -17,8 +17,8 @@ import torch
 from graphcp.config import DTYPES
 from graphcp.kv.dsv4 import CSA, HCA
 from graphcp.model.config import ModelConfig
-from graphcp.model.tensor_table import TensorTarget, expert_targets, sharded_mlp
 from graphcp.model.heads import HeadShard, head_shard
+from graphcp.model.tensor_table import TensorTarget, expert_targets, sharded_mlp
 from graphcp.options import MoeLayout
 
 EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down

@@ -6,8 +6,6 @@ are refused with the config (graphcp/combinations.py)."""
 
 from __future__ import annotations
 
-import torch
-
 from graphcp.attention.sparse.dsv4 import DsV4AttentionSpec, TorchDsV4Attention
 from graphcp.kv.dsv4 import entries_per_page
 from graphcp.model.config import ModelConfig

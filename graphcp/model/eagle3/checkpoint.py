@@ -100,7 +100,8 @@ def load_draft(folder: str | Path, target: ModelConfig, embed: nn.Embedding, dty
                 kinds = {"d2t": "an integer", "t2d": "a bool"}
                 ok = (t.dtype == torch.bool) if name == "t2d" else not (t.is_floating_point() or t.dtype == torch.bool)
                 if not ok:
-                    raise CheckpointError(f"{f.name}: tensor {stored!r} has dtype {t.dtype}, expected {kinds[name]} tensor")
+                    raise CheckpointError(
+                        f"{f.name}: tensor {stored!r} has dtype {t.dtype}, expected {kinds[name]} tensor")
             elif not t.is_floating_point():
                 raise CheckpointError(f"{f.name}: tensor {stored!r} has dtype {t.dtype}, expected a float type")
             if name == "t2d":
