@@ -61,14 +61,15 @@ class StageForward:
     runner: GraphRunner | None
 
     def run(self, prep: PreparedBatch, hidden_in: torch.Tensor | None, force_eager: bool, aux: tuple[int, ...],
-            rows: int | None = None) -> StageResult:
+            rows: int | None = None, agreed_fallback: str | None = None) -> StageResult:
         """``rows``: the rows the forward must hold (attention DP: the largest replica's;
-        default this batch's)."""
+        default this batch's); ``agreed_fallback``: why every rank runs eagerly, agreed
+        between them (attention DP), or None."""
         model = self.body.model
         mine = tuple(i for i in aux if i in model.stage.layers)
         fallback = None
         if self.runner is not None and not force_eager:
-            outcome = self.runner.try_replay(prep, hidden_in, rows)
+            outcome = self.runner.try_replay(prep, hidden_in, rows, agreed_fallback)
             if not isinstance(outcome, Fallback):
                 hidden, info = outcome
                 info.stats.update(prep.stats)
