@@ -90,13 +90,14 @@ class GraphRunner:
                  max_context: int) -> None:
         rt = runtime
         self.full = rt.graph == "full"
+        if not self.full:  # tp experts into the breaks where a captured grouped matmul is not trusted yet
+            body.model.hold_experts_out_of_graphs(body.device)
         # the layouts, caches and backends a full graph refuses were refused with the engine's
-        # config (graphcp/combinations.py); what is left depends on the device
+        # config (graphcp/combinations.py); what is left depends on the device, and is checked
+        # after the experts moved: those in the eager break need no sync-free kernel
         problem = body.model.capture_problem(body.device, self.full)
         if problem is not None:
             raise ConfigError(problem)
-        if not self.full:  # tp experts into the breaks where a captured grouped matmul is not trusted yet
-            body.model.hold_experts_out_of_graphs(body.device)
         self.body, self.preparer, self.buckets = body, preparer, buckets
         self.max_context, self.max_requests = max_context, rt.max_requests
         cfg, kv = body.model.cfg, body.kv
