@@ -256,7 +256,15 @@ class StaticBuffers:
         self.page_table[:s, :w].copy_(torch.from_numpy(np.ascontiguousarray(page_table, dtype=np.int32)))
 
 
-@host_kernel
+def _fill_rows_np(ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, input_ids: np.ndarray,
+                  positions: np.ndarray, kv_slots: np.ndarray, end: int) -> None:
+    """:func:`_fill_rows` as slice assignments (the form that runs without numba)."""
+    n = input_ids.shape[0]
+    ids[:n], pos[:n], slots[:n] = input_ids, positions, kv_slots
+    ids[n:end], pos[n:end], slots[n:end] = 0, 0, -1
+
+
+@host_kernel(fallback=_fill_rows_np)
 def _fill_rows(ids, pos, slots, input_ids, positions, kv_slots, end):
     """The live rows into the host views (``input_ids`` etc., n of each), then rows n
     up to ``end`` padded inertly: token 0, position 0, slot -1 (one call)."""
