@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphcp.attention.staging import to_device
 from graphcp.dist import CPGroup, gather_object
 from graphcp.errors import BatchError
 from graphcp.kv.paged import KVHandle, KVHandleError
@@ -181,7 +182,7 @@ class DataParallelPrefill:
         else:
             eager = runner is not None and runner.own_fallback(prep) is not None
             mine = [0, prep.plan.max_local_rows, int(eager)]
-        t = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        t = to_device(np.array(mine, dtype=np.int64), self.device)
         refused, rows, eager = self.stage.all_reduce_(t, op="max").tolist()
         if refused and prep is not None:
             self.parts.preparer.abort(prep)

@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from graphcp.attention.staging import to_device
 from graphcp.kv.paged import PagedKVCache
 from graphcp.model.forward_context import AuxCapture
 from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBatch, Request
@@ -88,7 +89,7 @@ class StageForward:
     def _replayed_aux(self, mine: tuple[int, ...], capacity: int) -> torch.Tensor | None:
         if not mine:
             return None
-        cols = torch.tensor([self.runner.aux_layers.index(i) for i in mine], device=self.body.device)
+        cols = to_device(np.array([self.runner.aux_layers.index(i) for i in mine], dtype=np.int64), self.body.device)
         # a copy: the static rows are overwritten by the next replay
         return self.runner.aux_rows(capacity).index_select(1, cols)
 
