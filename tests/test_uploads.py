@@ -105,3 +105,30 @@ def test_dsv4_reference_uploads_per_forward_not_per_block():
         assert sites["ep_forward"] == 2 * layers and sites["eager"] == sites["last_logits"] == 1, sites
     assert {k: v for k, v in small.items() if k != "_pool_plan"} == {k: v for k, v in large.items()
                                                                      if k != "_pool_plan"}
+
+
+def test_pinned_uploads_queue_a_copy_from_pinned_memory(monkeypatch):
+    """On CUDA an upload is a pinned block of torch's caching host allocator holding a copy
+    of the array, queued with non_blocking=True (the allocator keeps the block until the copy
+    ran, so the array may be rewritten at once); on a CPU the array itself. CUDA's calls are
+    recorded here, where this torch has none."""
+    calls = []
+    real_empty = torch.empty
+
+    def empty(*shape, dtype=None, pin_memory=False):
+        calls.append(("empty", pin_memory))
+        return real_empty(*shape, dtype=dtype)
+
+    def to(self, device, non_blocking=False):
+        calls.append(("to", str(device), non_blocking))
+        return self.clone()
+
+    host = np.arange(6, dtype=np.int32).reshape(2, 3)
+    on_cpu = staging.PinnedUploads().to_device(host, torch.device("cpu"))
+    assert on_cpu.data_ptr() == host.ctypes.data  # no copy on a CPU
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    got = staging.PinnedUploads().to_device(host, torch.device("cuda"))
+    host[:] = -1  # rewritten at once: the upload holds its own copy
+    assert calls == [("empty", True), ("to", "cuda", True)]
+    assert got.tolist() == [[0, 1, 2], [3, 4, 5]]
