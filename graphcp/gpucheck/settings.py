@@ -13,8 +13,8 @@ LARGE_MODEL = "qwen3-1b-like"
 #: the default run, which fits a lent machine's lease with room for a rerun; time a part
 #: leaves unused passes to the next. moe_graph is last: an illegal memory access at replay
 #: (what it looks for) ends the CUDA context
-PHASES = {"warmup": 20.0, "kernels": 15.0, "sparse_mla": 12.0, "graphs": 25.0, "engines": 30.0, "host": 5.0,
-          "timing": 30.0, "launches": 10.0, "moe_graph": 8.0}
+PHASES = {"warmup": 25.0, "kernels": 15.0, "sparse_mla": 10.0, "graphs": 25.0, "engines": 30.0, "host": 5.0,
+          "timing": 25.0, "launches": 12.0, "moe_graph": 8.0}
 #: ``--full``: the larger model, 32K tokens, more kernel plans
 FULL_PHASES = {"warmup": 45.0, "kernels": 45.0, "sparse_mla": 30.0, "graphs": 60.0, "engines": 45.0, "host": 5.0,
                "timing": 160.0, "launches": 40.0, "moe_graph": 30.0}
