@@ -191,10 +191,15 @@ def _full_graph_fallback(group, folder):
         rt = RuntimeConfig(dtype=dtype, graph="full", attention="triton", kv_tokens=512, max_requests=2)
         eng = PrefillEngine(folder, rt, group, BucketSet((16, 32), padding_factor=64.0),
                             ParallelConfig(tp_size=2, cp_size=1, dp_size=2))
+        eng.capture()
+        stage, agreements = eng.dp.stage, []
+        reduce = stage.all_reduce_
+        stage.all_reduce_ = lambda x, op="sum": (agreements.append(op), reduce(x, op))[1]  # the stage's agreements
         got = []
         for lens in (FALLBACK_LENS, [20, 1]):
+            agreements.clear()
             res = eng.prefill([Request(np.arange(n) * 7 % eng.cfg.vocab_size + 3) for n in lens], all_logits=True)
-            got.append((res.info.path, res.info.fallback, res.logits))
+            got.append((res.info.path, res.info.fallback, res.logits, list(agreements)))
             for h in res.handles:
                 eng.release(h)
         out[dtype] = got
@@ -203,8 +208,9 @@ def _full_graph_fallback(group, folder):
 
 def test_full_graph_fallback_is_agreed_by_every_replica(hf_model_dir):
     """Attention DP with graph='full': the eager fallback is decided with the rows, on
-    every rank (one all-reduce), so both replicas take the same path; the logits equal
-    one rank's in float32 and bfloat16."""
+    every rank, so both replicas take the same path; the logits equal one rank's in
+    float32 and bfloat16. The refusal, the rows and the fallback are one all-reduce a
+    forward (one host sync; there were two)."""
     from graphcp.runtime.capture.buckets import FALLBACK_REQUESTS
 
     folder = hf_model_dir("qwen3")
@@ -216,7 +222,8 @@ def test_full_graph_fallback_is_agreed_by_every_replica(hf_model_dir):
             for h in want.handles:
                 ref.release(h)
             for rank, per_dtype in enumerate(results):
-                path, fallback, logits = per_dtype[dtype][k]
+                path, fallback, logits, agreements = per_dtype[dtype][k]
                 assert (path, fallback) == (("eager", FALLBACK_REQUESTS) if k == 0 else ("graph", None)), (rank, k)
+                assert agreements == ["max"], agreements
                 for a, b in zip(logits, want.logits):
                     assert rel_err(a, b) <= TOL[dtype], (dtype, rank, k, rel_err(a, b))
