@@ -298,16 +298,48 @@ def default_backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
+def local_ranks(world_size: int) -> int:
+    """The ranks of a ``world_size`` run on this machine: under torchrun its node's
+    (``LOCAL_WORLD_SIZE``), else all of them (graphcp's own launcher is one machine)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    return world_size
+
+
+def check_devices(device: str, ranks: int, asked: str | None = None, cpu: str = "device 'cpu'") -> None:
+    """Refuse, before any rank starts, a CUDA run this machine cannot hold: a torch built
+    without CUDA, no visible GPU, or more ranks on this machine than GPUs (one GPU a rank:
+    NCCL refuses two ranks on one device, "Duplicate GPU detected", so every rank would load
+    the model and die at its first collective). ``ranks``: the ranks this machine runs;
+    ``asked``, ``cpu``: how the caller asked for them and how it says "the CPU" (the
+    command line's flags), for the message."""
+    if not device.startswith("cuda"):
+        return
+    what = asked or f"device {device!r}"
+    if torch.version.cuda is None and torch.version.hip is None:
+        raise ConfigError(f"{what}: this torch ({torch.__version__}) is built without CUDA; run on the CPU "
+                          f"({cpu}) or install a CUDA build of torch")
+    seen = torch.cuda.device_count()
+    if seen == 0:
+        raise ConfigError(f"{what}: no CUDA device is visible (torch.cuda.device_count() is 0; check "
+                          "CUDA_VISIBLE_DEVICES and the driver)")
+    if ranks > seen:
+        raise ConfigError(f"{what}: {ranks} ranks on this machine but {seen} GPU(s) visible; the mesh needs one GPU "
+                          f"a rank (NCCL refuses two ranks on one GPU): ask for at most {seen} ranks, or run on a "
+                          "machine with more GPUs")
+
+
 def init_from_env(device: str = "cpu", timeout_s: float = 300.0) -> CPGroup:
     """Join the group described by torchrun's environment (or a size-1 group)."""
     if dist.is_initialized():
         return CPGroup(dist.get_rank(), dist.get_world_size(), None, timeout_s)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_devices(device, local_ranks(world))
     if world == 1:
         return CPGroup(0, 1, None, timeout_s)
     rank = int(os.environ["RANK"])
     if device.startswith("cuda"):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group(default_backend(device), rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     return CPGroup(rank, world, None, timeout_s)
 
@@ -323,8 +355,8 @@ def _rank_main(rank, size, port, backend, timeout_s, fn, args, results, threads)
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     try:
-        if backend == "nccl":  # one GPU a rank; "cuda" then means this rank's device
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        if backend == "nccl":  # one GPU a rank (launch checked there are enough); "cuda": this rank's
+            torch.cuda.set_device(rank)
         dist.init_process_group(
             backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s),
             init_method=f"tcp://127.0.0.1:{port}",
@@ -372,6 +404,7 @@ def launch(
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    check_devices(device, nprocs)
     if start_method is None:
         cuda_live = torch.cuda.is_available() and torch.cuda.is_initialized()
         start_method = "fork" if device == "cpu" and not cuda_live else "spawn"
@@ -458,6 +491,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device: str =
                               f"{group.size}")
         return fn(group, *args)
     if world_size == 1:
+        check_devices(device, 1)
         return fn(CPGroup(), *args)
     return launch(fn, world_size, *args, device=device, timeout_s=timeout_s)[0]
 

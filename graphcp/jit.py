@@ -14,8 +14,10 @@ write what they say, and use only what numba compiles (loops, scalar arithmetic,
 array indexing).
 
 numba is a dependency (pyproject). Where it is missing (a GPU image that lacks it)
-the kernels run as the plain Python they are written in: the same results, at
-Python's speed (about a microsecond a token); :data:`COMPILED` says which.
+a kernel that walks every token has a vectorised numpy twin (``fallback``: the same
+results, a few numpy calls whatever the token count), and the others run as the plain
+Python they are written in (their loops are per request, block or page); the same
+results either way, and :data:`COMPILED` says which.
 """
 
 from __future__ import annotations
@@ -38,8 +40,14 @@ if not COMPILED:
                   "pip install numba", RuntimeWarning, stacklevel=2)
 
 
-def host_kernel(fn: F) -> F:
-    """Compile ``fn`` for the host path (see the module doc); ``fn`` itself without numba."""
-    if njit is None:
-        return fn
-    return njit(cache=True, nogil=True, boundscheck=False)(fn)
+def host_kernel(fn: F | None = None, *, fallback: Callable | None = None):
+    """Compile ``fn`` for the host path (see the module doc). Without numba: ``fallback``
+    where given (a vectorised numpy form taking the same arguments and writing the same
+    results; the tests hold them equal), else ``fn`` itself as Python. Use as
+    ``@host_kernel`` or ``@host_kernel(fallback=...)``."""
+    def wrap(f: F) -> F:
+        if njit is None:
+            return fallback if fallback is not None else f
+        return njit(cache=True, nogil=True, boundscheck=False)(f)
+
+    return wrap if fn is None else wrap(fn)

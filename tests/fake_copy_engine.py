@@ -11,8 +11,10 @@ new values.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 
@@ -49,3 +51,28 @@ class FakeCopyEngine:
         while self.ran < upto:
             self.queue[self.ran]()
             self.ran += 1
+
+
+class UploadRecorder:
+    """A stand-in for :class:`graphcp.attention.staging.PinnedUploads` (install it with
+    ``staging.uploads_through``): records every upload of a host array a forward makes
+    through ``staging.to_device`` (its shape, dtype and the graphcp function that asked)
+    and hands back a copy, as the device holds a snapshot of the array."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, str, str]] = []
+
+    def to_device(self, array: np.ndarray, device) -> torch.Tensor:
+        assert isinstance(array, np.ndarray), type(array)
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename.endswith("staging.py"):
+            frame = frame.f_back
+        self.calls.append((array.shape, str(array.dtype), frame.f_code.co_name))
+        return torch.from_numpy(np.array(array, copy=True))
+
+    def sites(self) -> dict[str, int]:
+        """Uploads per asking function."""
+        out: dict[str, int] = {}
+        for _, _, where in self.calls:
+            out[where] = out.get(where, 0) + 1
+        return out

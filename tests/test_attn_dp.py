@@ -175,3 +175,55 @@ def test_dp_refuses_what_is_not_built_and_agrees_on_a_refused_batch(hf_model_dir
     # request 0 and the last batch's 2 (the lower index wins a tie), replica 1 request 1's 2
     assert [stored for _, stored, _ in results] == [5, 2]
     assert torch.equal(results[0][2], results[1][2])
+
+
+#: replica 0 gets the 20-token request, replica 1 the five 1-token ones: more segments than a
+#: full graph's static metadata holds at max_requests=2, so replica 1 alone cannot replay
+FALLBACK_LENS = [20, 1, 1, 1, 1, 1]
+
+
+def _full_graph_fallback(group, folder):
+    """Per dtype: the batch one replica cannot replay (every replica must then run eagerly
+    at the same rows, or the FFN's collectives differ in size: gloo aborted, NCCL would
+    hang), and a batch both replicas replay."""
+    out = {}
+    for dtype in TOL:
+        rt = RuntimeConfig(dtype=dtype, graph="full", attention="triton", kv_tokens=512, max_requests=2)
+        eng = PrefillEngine(folder, rt, group, BucketSet((16, 32), padding_factor=64.0),
+                            ParallelConfig(tp_size=2, cp_size=1, dp_size=2))
+        eng.capture()
+        stage, agreements = eng.dp.stage, []
+        reduce = stage.all_reduce_
+        stage.all_reduce_ = lambda x, op="sum": (agreements.append(op), reduce(x, op))[1]  # the stage's agreements
+        got = []
+        for lens in (FALLBACK_LENS, [20, 1]):
+            agreements.clear()
+            res = eng.prefill([Request(np.arange(n) * 7 % eng.cfg.vocab_size + 3) for n in lens], all_logits=True)
+            got.append((res.info.path, res.info.fallback, res.logits, list(agreements)))
+            for h in res.handles:
+                eng.release(h)
+        out[dtype] = got
+    return out
+
+
+def test_full_graph_fallback_is_agreed_by_every_replica(hf_model_dir):
+    """Attention DP with graph='full': the eager fallback is decided with the rows, on
+    every rank, so both replicas take the same path; the logits equal one rank's in
+    float32 and bfloat16. The refusal, the rows and the fallback are one all-reduce a
+    forward (one host sync; there were two)."""
+    from graphcp.runtime.capture.buckets import FALLBACK_REQUESTS
+
+    folder = hf_model_dir("qwen3")
+    results = launch(_full_graph_fallback, 2, folder, timeout_s=300)
+    for dtype in TOL:
+        ref = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=512))
+        for k, lens in enumerate((FALLBACK_LENS, [20, 1])):
+            want = ref.prefill([Request(np.arange(n) * 7 % ref.cfg.vocab_size + 3) for n in lens], all_logits=True)
+            for h in want.handles:
+                ref.release(h)
+            for rank, per_dtype in enumerate(results):
+                path, fallback, logits, agreements = per_dtype[dtype][k]
+                assert (path, fallback) == (("eager", FALLBACK_REQUESTS) if k == 0 else ("graph", None)), (rank, k)
+                assert agreements == ["max"], agreements
+                for a, b in zip(logits, want.logits):
+                    assert rel_err(a, b) <= TOL[dtype], (dtype, rank, k, rel_err(a, b))

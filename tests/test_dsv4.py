@@ -72,8 +72,8 @@ def _record(eng: PrefillEngine) -> dict:
     att, records = eng.body.attention, {}
     inner = att.select
 
-    def select(layer, group, pos, seen, iq, iw, ik):
-        keep = inner(layer, group, pos, seen, iq, iw, ik)
+    def select(layer, group, on_device, block, pos, seen, iq, iw, ik):
+        keep = inner(layer, group, on_device, block, pos, seen, iq, iw, ik)
         first = int(group.pages[0])
         for p, row, n in zip(pos.tolist(), keep.cpu(), seen.tolist()):
             if n > att.spec.index_topk:
@@ -224,8 +224,8 @@ def test_routing_and_selection_matter(folders):
             att = eng.body.attention
             inner = att.select
 
-            def first_k(layer, group, pos, seen, iq, iw, ik, inner=inner, topk=att.spec.index_topk):
-                keep = inner(layer, group, pos, seen, iq, iw, ik)
+            def first_k(*args, inner=inner, topk=att.spec.index_topk):
+                keep = inner(*args)
                 return keep & (torch.arange(keep.shape[1])[None, :] < topk)
 
             att.select = first_k

@@ -150,3 +150,116 @@ def test_the_scratch_page_pads_page_tables():
     pages = [len(prep_of.kv.handle(s).pages) for s in prep.seq_ids]
     for s, j in enumerate(prep.plan.rank(0).seg_request.tolist()):
         assert (pt[s, pages[j]:] == SCRATCH_PAGE).all()
+
+
+# ---- the vectorised fallbacks of the per-token kernels (what runs without numba) -------------
+#: (module, kernel): each has a numpy twin ``<kernel>_np`` that graphcp.jit picks without numba
+PER_TOKEN_KERNELS = (("graphcp.runtime.batch", "_checked_least"), ("graphcp.attention.kv_exchange", "_rank_inputs"),
+                     ("graphcp.runtime.capture.static_buffers", "_fill_rows"))
+
+
+def _twins(monkeypatch) -> list:
+    """Wrap each per-token kernel so that every call also runs its numpy twin on copies of
+    the arguments and records whether both returned and wrote the same; the list fills as
+    the host path runs."""
+    import importlib
+
+    seen: list = []
+    for mod_name, name in PER_TOKEN_KERNELS:
+        mod = importlib.import_module(mod_name)
+        compiled, twin = getattr(mod, name), getattr(mod, name + "_np")
+
+        def both(*args, _c=compiled, _t=twin, _n=name):
+            mine = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+            want = _c(*args)
+            got = _t(*mine)
+            same = (want is None and got is None) or int(want) == int(got)
+            same &= all(np.array_equal(a, b) for a, b in zip(args, mine) if isinstance(a, np.ndarray))
+            seen.append((_n, same))
+            return want
+
+        monkeypatch.setattr(mod, name, both)
+    return seen
+
+
+def test_numpy_twins_equal_the_compiled_kernels_on_the_host_path(monkeypatch):
+    """Every call of the three per-token kernels over scripted batches (prefixes, chunks,
+    page sizes that are and are not powers of two, cp 1 and 4, both layouts) returns and
+    writes the same with the numpy twin as compiled."""
+    import graphcp.jit
+
+    if not graphcp.jit.COMPILED:
+        pytest.skip("numba is not installed: the twins are what runs, compared by the digest test")
+    seen = _twins(monkeypatch)
+    for layout, page_size, cp, rank in ((ZigzagLayout, 3, 4, 1), (InterleaveLayout, 16, 1, 0), (ZigzagLayout, 1, 2, 1)):
+        test_rank_inputs_match_the_per_row_reference(layout, page_size, cp, rank)
+    _host_path_digest()
+    assert {n for n, _ in seen} == {n for _, n in PER_TOKEN_KERNELS}
+    assert all(same for _, same in seen), [n for n, same in seen if not same]
+
+
+def test_checked_least_twin_on_edge_values():
+    """Out-of-vocabulary ids (negative ones and uint64 ones past int64, seen unsigned), an
+    empty id array, a request past max_tokens, a request with no new token."""
+    import graphcp.jit
+    import graphcp.runtime.batch as batch
+
+    if not graphcp.jit.COMPILED:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(3)
+    cases = [(np.array([], np.int64), np.array([], np.int64), np.array([], np.int64)),
+             (np.array([5, -1, 3]), np.array([3]), np.array([0])),
+             (np.array([2**63 - 1, 4]), np.array([2]), np.array([0])),
+             (np.array([1, 2, 3]), np.array([2, 1]), np.array([9, 0])),
+             (np.array([1, 2]), np.array([2, 0]), np.array([0, 0]))]
+    for _ in range(200):
+        r = int(rng.integers(1, 6))
+        extend = rng.integers(0, 12, r)
+        cases.append((rng.integers(-2, 110, int(extend.sum())), extend, rng.integers(0, 8, r)))
+    for flat, extend, prefix in cases:
+        args = (flat.astype(np.int64), 100, extend.astype(np.int64), prefix.astype(np.int64), 16)
+        assert batch._checked_least(*args) == batch._checked_least_np(*args), args
+
+
+def _kernel_lines(tokens: int, names: list[str]) -> dict[str, int]:
+    """Python lines executed in the functions ``names`` by one rank's preparation, fill
+    and undo of one request of ``tokens`` tokens."""
+    kv = PagedKVCache(1, 1100, 16, 1, 2, torch.float32, max_pages_per_seq=1024)
+    prep_of = BatchPreparer(ZigzagLayout(1), kv, CPGroup(), VOCAB, max_context=16384, device=torch.device("cpu"),
+                            check_consistency=False)
+    buffers = StaticBuffers(16384, 1, 1, 1, 1, 4, 1024, torch.float32, "cpu")
+    counts: dict[str, int] = {}
+
+    def local(frame, event, arg):
+        if event == "line":
+            counts[frame.f_code.co_name] = counts.get(frame.f_code.co_name, 0) + 1
+        return local
+
+    wanted = set(names)
+    sys.settrace(lambda frame, event, arg: local if frame.f_code.co_name in wanted else None)
+    try:
+        prep = prep_of.prepare([Request(np.arange(tokens) % VOCAB)])
+        buffers.fill(tokens, prep.ids, prep.positions, prep.slots)
+        prep_of.abort(prep)
+    finally:
+        sys.settrace(None)
+    return counts
+
+
+def test_without_numba_the_per_token_kernels_run_no_python_per_token():
+    """Without numba the three per-token kernels are their numpy twins: the Python lines
+    they execute for one request of 8192 tokens are those for 512 (one rank's whole
+    preparation, fill and undo; the per-token Python loops took 29 ms at 8K tokens)."""
+    here = Path(__file__).resolve().parent
+    names = sorted({n for _, n in PER_TOKEN_KERNELS} | {n + "_np" for _, n in PER_TOKEN_KERNELS})
+    code = (
+        "import sys, json, warnings; sys.modules['numba'] = None; sys.path.insert(0, sys.argv[1]);"
+        "warnings.simplefilter('ignore', RuntimeWarning)\n"
+        "from test_host_kernels import _kernel_lines\n"
+        f"print(json.dumps([_kernel_lines(n, {names!r}) for n in (512, 8192)]))"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(here)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    small, large = json.loads(run.stdout)
+    assert set(small) == {n + "_np" for _, n in PER_TOKEN_KERNELS}, small  # the twins ran, not the loops
+    assert small == large, (small, large)

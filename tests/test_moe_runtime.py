@@ -63,6 +63,33 @@ def test_tp_experts_held_out_of_graphs_run_in_the_attention_break(hf_model_dir, 
         assert rel_err(g, e) <= tol
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tp_experts_without_the_sync_free_kernel_still_take_breakable_graphs(hf_model_dir, monkeypatch, dtype):
+    """Where torch._grouped_mm is not sync-free (float32 on CUDA, bfloat16 before sm90) the
+    experts held out of the graphs run in the eager break, where a host sync is harmless:
+    breakable graphs are built (they were refused, the check ran before the experts moved)
+    and equal eager; a full graph, which would capture them, is still refused."""
+    from graphcp.model import llama
+    from graphcp.runtime.capture.buckets import BucketSet
+
+    monkeypatch.setattr(llama, "grouped_mm_capturable", lambda device, dt, *a, **k: False)
+    monkeypatch.setattr(llama, "grouped_mm_sync_free", lambda device, dt, *a, **k: False)
+    folder = hf_model_dir("qwen3_moe")
+    with pytest.raises(ConfigError, match=r"needs torch._grouped_mm's sync-free kernel"):
+        PrefillEngine(folder, RuntimeConfig(graph="full", attention="triton", moe="tp", kv_tokens=256, dtype=dtype))
+    eng = PrefillEngine(folder, RuntimeConfig(graph="breakable", moe="tp", kv_tokens=512, dtype=dtype), None,
+                        BucketSet((32,), padding_factor=64.0))
+    toks = [np.random.default_rng(5).integers(0, 512, n) for n in (11, 6)]
+    out = {}
+    for path in ("graph", "eager"):
+        o = eng.prefill([Request(t) for t in toks], all_logits=True, force_eager=path == "eager")
+        assert o.info.path == path
+        out[path] = o.logits
+    assert len(eng.runner.graphs[32].graph.breaks) == eng.cfg.num_layers
+    for g, e in zip(out["graph"], out["eager"]):
+        assert rel_err(g, e) <= (1e-5 if dtype == "float32" else 2e-2)
+
+
 def test_default_moe_preset_matches_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 

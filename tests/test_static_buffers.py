@@ -99,3 +99,29 @@ def test_fill_waits_for_the_previous_uploads_before_rewriting_the_staging_buffer
         assert got_ids.tolist() == ids.tolist() + [0] * pad
         assert got_pos.tolist() == (ids + 100).tolist() + [0] * pad
         assert got_slots.tolist() == (ids + 200).tolist() + [-1] * pad
+
+
+def test_full_graph_segment_metadata_is_staged_with_the_rows():
+    """A full graph's segment metadata (cu_seqlens_q, kv_lens, the live page-table block)
+    goes through the pinned staging too, fenced with the rows: it was copied from pageable
+    memory, which on CUDA blocks the host until the stream drains, once per array and
+    replay. With the fake copy engine (uploads deferred) each replay reads its own batch's
+    segments, and a fill queues six uploads."""
+    from fake_copy_engine import FakeCopyEngine
+
+    eng = FakeCopyEngine()
+    b = StaticBuffers(64, 1, num_q_heads=2, head_dim=4, hidden_size=8, max_segments=3, max_pages_per_seq=4,
+                      dtype=torch.float32, device="cpu", staging=eng)
+    batches = [(np.array([0, 3, 5], np.int32), np.array([3, 2], np.int32), np.array([[7, 8], [9, 0]], np.int32)),
+               (np.array([0, 4], np.int32), np.array([4], np.int32), np.array([[5, 6, 2]], np.int32))]
+    seen, queued = [], []
+    for cu, kv, pt in batches:
+        ids = np.arange(int(cu[-1]))
+        before = len(eng.queue)
+        v = b.fill(8, ids, ids, ids, cu, kv, pt)
+        queued.append(len(eng.queue) - before)
+        eng.launch(lambda v=v: seen.append((v.cu_seqlens_q.tolist(), v.kv_lens.tolist(), v.page_table.clone())))
+    eng.sync()
+    assert queued == [6, 6] and eng.waits == 1
+    assert seen[0][:2] == ([0, 3, 5, 5], [3, 2, 0]) and seen[1][:2] == ([0, 4, 4, 4], [4, 0, 0])
+    assert seen[0][2][:2, :2].tolist() == [[7, 8], [9, 0]] and seen[1][2][0, :3].tolist() == [5, 6, 2]

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from graphcp.attention.staging import to_device
 from graphcp.kv.layout import KVLayout
 
 LSE_BASE = "e"
@@ -125,10 +126,7 @@ class AttentionMetadata:
             packed = self._packed
             if packed is None:
                 packed = np.concatenate([self.cu_seqlens_q_host, self.kv_lens_host, self.page_table_host.reshape(-1)])
-            buf = torch.from_numpy(packed)
-            dev = self.device
-            if not (dev == "cpu" or getattr(dev, "type", None) == "cpu"):
-                buf = buf.to(dev)
+            buf = to_device(packed, self.device)  # one upload a metadata, not blocking the host
             t = (buf[: s + 1], buf[s + 1 : 2 * s + 1], buf[2 * s + 1 :].view(s, width))
             object.__setattr__(self, "_tensors", t)
         return t

@@ -187,7 +187,27 @@ class AllGather(KVExchange):
         return got
 
 
-@host_kernel
+def _rank_inputs_np(table: np.ndarray, page_size: int, seq_rows: np.ndarray, seg_request: np.ndarray,
+                    seg_kv_len: np.ndarray, seg_shift: np.ndarray, seg_cu: np.ndarray, flat: np.ndarray,
+                    per_row: np.ndarray, cu: np.ndarray, kv_lens: np.ndarray, page_table: np.ndarray) -> None:
+    """:func:`_rank_inputs` as whole-array numpy (the form that runs without numba)."""
+    s = seg_kv_len.shape[0]
+    copied = min(page_table.shape[1], table.shape[1])
+    rows = seq_rows[seg_request]
+    cu[: s + 1] = seg_cu[: s + 1]
+    kv_lens[:s] = seg_kv_len
+    page_table[:, :copied] = table[rows, :copied]
+    page_table[:, copied:] = SCRATCH_PAGE
+    lens = seg_cu[1 : s + 1] - seg_cu[:s]
+    seg = np.repeat(np.arange(s), lens)  # each live row's segment
+    i = np.arange(int(seg_cu[0]), int(seg_cu[s]), dtype=np.int64)  # the segments' rows are consecutive
+    position = seg_shift[1, seg] + i
+    per_row[0, i] = flat[seg_shift[0, seg] + i]
+    per_row[1, i] = position
+    per_row[2, i] = table[rows[seg], position // page_size].astype(np.int64) * page_size + position % page_size
+
+
+@host_kernel(fallback=_rank_inputs_np)
 def _rank_inputs(table, page_size, seq_rows, seg_request, seg_kv_len, seg_shift, seg_cu, flat, per_row, cu, kv_lens,
                  page_table):
     """One rank's host inputs in one compiled pass over its segments (segment ``s``:

@@ -30,6 +30,7 @@ from graphcp.gpucheck.cli import add_gpu_check_parser
 from graphcp.jobs.args import add_draft_arg, add_runtime_args, help_text, interpret_triton_on_cpu, job_spec, preflight
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.spec import run_job_on_ranks
+from graphcp.jobs.tolerance import RUN_TOLERANCE
 from graphcp.model.family import family_of
 from graphcp.profile.cli import add_profile_parser
 from graphcp.runtime.stats import write_stats
@@ -106,10 +107,6 @@ def cmd_prefill(args) -> int:
         for line in family_of(model).work_report(info["stats_per_rank"]):  # DSA, V4: the indexer's work
             print(line)
     return 0
-
-
-#: graph vs the unpadded eager forward: rounding of matmuls over padded rows only
-RUN_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def cmd_run(args) -> int:

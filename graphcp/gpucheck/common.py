@@ -17,10 +17,10 @@ import torch
 
 from graphcp import jit
 from graphcp import nvtx_ranges as ranges
+from graphcp.gpucheck.report import TIME_BUDGET  # noqa: F401 - the parts' skip reason, re-exported for them
 
-FLASHINFER_ABSENT = ("flashinfer is not installed here: its wheel (~100 MB) is larger than what travels to the "
-                     "device machine (64 MiB with the working tree), so the flashinfer and trtllm backends are "
-                     "not checked on it")
+FLASHINFER_ABSENT = ("flashinfer is not installed: the flashinfer and trtllm attention backends were not checked "
+                     "(they need a GPU and pip install -e \".[flashinfer]\")")
 
 
 def log(msg: str) -> None:
@@ -57,7 +57,7 @@ def dtype_rows(out: list[dict], dtypes: tuple[str, ...], base: dict, budget) -> 
         rec = {**base, "dtype": name, "status": "pending", "error": None}
         out.append(rec)
         if not budget.allows(1.0):
-            skip(rec, "time budget")
+            skip(rec, TIME_BUDGET)
             continue
         yield i, name, rec
 

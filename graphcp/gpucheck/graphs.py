@@ -19,7 +19,7 @@ import torch
 
 from graphcp.config import RuntimeConfig
 from graphcp.gpucheck.budget import Budget
-from graphcp.gpucheck.common import fail, free_device_memory, log
+from graphcp.gpucheck.common import TIME_BUDGET, fail, free_device_memory, log
 from graphcp.gpucheck.settings import Settings
 from graphcp.runtime.batch import Request
 from graphcp.runtime.capture.buckets import BucketSet
@@ -37,8 +37,9 @@ def _engine(st: Settings, dtype: str, graph: str, attention: str) -> PrefillEngi
     return PrefillEngine("default", rt, None, BucketSet(st.graph_buckets, padding_factor=64.0))
 
 
-def _compare(engine: PrefillEngine, batch: list[Request], label: str) -> dict:
-    """Replay ``batch`` and run the same bucket's body eagerly: bitwise equal?"""
+def compare_replay(engine: PrefillEngine, batch: list[Request], label: str) -> dict:
+    """Replay ``batch`` and run the same bucket's body eagerly: bitwise equal? (A batch the
+    graphs did not take is a ``fallback``: the run fails, a graph was asked.)"""
     prep = engine.preparer.prepare(batch)
     try:
         got = engine.runner.try_replay(prep)
@@ -70,22 +71,33 @@ def _check_engine(engine: PrefillEngine, st: Settings, budget: Budget, row: dict
     vocab = engine.cfg.vocab_size
     for lens in st.graph_batches:
         if not budget.allows(3.0):
-            row["batches"].append({"batch": str(list(lens)), "status": "skipped", "error": "time budget"})
+            row["batches"].append({"batch": str(list(lens)), "status": "skipped", "error": TIME_BUDGET})
             continue
         batch = [Request(rng.integers(0, vocab, n)) for n in lens]
-        row["batches"].append(_compare(engine, batch, str(list(lens))))
+        row["batches"].append(compare_replay(engine, batch, str(list(lens))))
     # a cached prefix: prefill one request, then extend it on the graph path
     first = engine.prefill([Request(rng.integers(0, vocab, st.graph_batches[0][0] // 2))])
     h = first.handles[0]
     ext = [Request(rng.integers(0, vocab, st.graph_batches[0][0] // 3), h), Request(rng.integers(0, vocab, 5))]
-    row["batches"].append(_compare(engine, ext, f"[{h.num_tokens}+{len(ext[0].tokens)}, 5]"))
+    row["batches"].append(compare_replay(engine, ext, f"[{h.num_tokens}+{len(ext[0].tokens)}, 5]"))
     engine.release(h)
+    judge_batches(row)
+
+
+def judge_batches(row: dict) -> None:
+    """A row's status from its batches': pass when every batch passed; fail when one
+    differs or ran eagerly (a graph was asked); error when one raised; skipped (for time)
+    when the rest passed but not every batch ran."""
     statuses = {b["status"] for b in row["batches"]}
-    row["status"] = "pass" if statuses <= {"pass", "skipped"} and "pass" in statuses else (
-        "fail" if "fail" in statuses else "error")
-    if row["status"] == "error":
-        row["error"] = "; ".join(f"{b['batch']}: {b.get('error')}" for b in row["batches"]
-                                 if b["status"] not in ("pass", "skipped"))
+    if statuses == {"pass"}:
+        row["status"] = "pass"
+        return
+    bad = [b for b in row["batches"] if b["status"] != "pass"]
+    if statuses <= {"pass", "skipped"}:
+        row.update(status="skipped", error=TIME_BUDGET)
+        return
+    row["status"] = "fail" if statuses & {"fail", "fallback"} else "error"
+    row["error"] = "; ".join(f"{b['batch']}: {b['status']} {b.get('error') or ''}".strip() for b in bad)
 
 
 def check_graphs(st: Settings, budget: Budget) -> list[dict]:
@@ -98,7 +110,7 @@ def check_graphs(st: Settings, budget: Budget) -> list[dict]:
                    "buckets": list(st.graph_buckets), "self_check": None, "batches": [], "status": "pending"}
             rows.append(row)
             if not budget.allows(10.0):
-                row.update(status="skipped", error="time budget")
+                row.update(status="skipped", error=TIME_BUDGET)
                 continue
             engine = None
             try:

@@ -34,7 +34,7 @@ from graphcp.attention.reference_cases import (
 )
 from graphcp.attention.registry import AttentionLimits, make_attention, preferred_kv_layout
 from graphcp.gpucheck.budget import Budget
-from graphcp.gpucheck.common import err, fail, free_device_memory, log, skip, sync
+from graphcp.gpucheck.common import TIME_BUDGET, err, fail, free_device_memory, log, skip, sync
 from graphcp.gpucheck.settings import Settings
 
 #: dtypes each backend's kernels take (others are recorded as skipped, not as errors)
@@ -80,7 +80,7 @@ def warm_triton(st: Settings, budget: Budget, timed_heads: list[tuple[int, int, 
     gen = torch.Generator().manual_seed(st.seed)
     for dtype_name, (hq, hkv, d), lse in sorted(variants):
         if not budget.allows(5.0):
-            res["status"] = "skipped: time budget"
+            res["status"] = f"skipped: {TIME_BUDGET}"
             break
         spec = AttentionSpec(hq, hkv, d, st.page_size, d ** -0.5, "NHD")
         meta, num_pages = paged_metadata(WARMUP_PLAN, st.page_size, device, slots=SEGMENT_SLOTS)
@@ -152,7 +152,7 @@ def check_backends(st: Settings, budget: Budget, names: list[str]) -> list[dict]
                 records[(name, dtype_name, heads)] = _record(name, dtype_name, heads)
             if not budget.allows(5.0):
                 for name in names:
-                    skip(records[(name, dtype_name, heads)], "time budget")
+                    skip(records[(name, dtype_name, heads)], TIME_BUDGET)
                 continue
             hq, hkv, d = heads
             spec = AttentionSpec(hq, hkv, d, st.page_size, d ** -0.5, "NHD")
@@ -176,7 +176,7 @@ def check_backends(st: Settings, budget: Budget, names: list[str]) -> list[dict]
                 if dtype_name not in BACKEND_DTYPES.get(name, ("float32", "bfloat16")):
                     skip(rec, f"{name} does not take {dtype_name}")
                 elif not budget.allows(3.0):
-                    skip(rec, "time budget")
+                    skip(rec, TIME_BUDGET)
                 else:
                     _check_backend(name, cases, spec, device, dtype, limits, rec)
             del cases

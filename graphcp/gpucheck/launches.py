@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from graphcp.gpucheck.budget import Budget
-from graphcp.gpucheck.common import fail, free_device_memory, log, skip, sync
+from graphcp.gpucheck.common import TIME_BUDGET, fail, free_device_memory, log, skip, sync
 from graphcp.gpucheck.settings import Settings
 from graphcp.gpucheck.timing import ENGINE_PATHS, graph_units, one_prefill, open_engine, row, tokens_for
 from graphcp.jobs.op_counter import OpCounter
@@ -111,7 +111,7 @@ def count_paths(model_label: str, model_dir: Path, backend: str, st: Settings, b
         rows_all.extend(rows.values())
         if not budget.allows(10.0):
             for r in rows.values():
-                skip(r, "time budget")
+                skip(r, TIME_BUDGET)
             continue
         engine = open_engine(model_label, model_dir, backend, graph, st, caps, list(rows.values()), None)
         if engine is None:
@@ -119,7 +119,7 @@ def count_paths(model_label: str, model_dir: Path, backend: str, st: Settings, b
         tokens = tokens_for(st, n, engine.cfg.vocab_size)
         for p, r in rows.items():
             if not budget.allows(5.0):
-                skip(r, "time budget")
+                skip(r, TIME_BUDGET)
                 continue
             prefill = one_prefill(engine, tokens, p)
 
@@ -133,6 +133,8 @@ def count_paths(model_label: str, model_dir: Path, backend: str, st: Settings, b
                 trace = None if trace_dir is None else trace_dir / f"trace_{model_label}_{backend}_{p}.json.gz"
                 r.update(count_launches(forward, device, st.profile, trace))
                 r["status"] = "ok"
+                if p != "eager" and r["ran"] != "graph":  # a graph was asked: its launches were not counted
+                    r.update(status="fallback", error=f"ran {r['ran']}, not the {p} graph")
                 log(f"{model_label}/{backend}/{p}: {r.get('kernels', '-')} kernels, {r['host_ops']} host ops")
             except Exception as e:  # noqa: BLE001 - recorded, the next path runs
                 fail(r, f"{model_label}/{backend}/{p} launch count", e)

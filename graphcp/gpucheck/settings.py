@@ -9,16 +9,36 @@ from dataclasses import dataclass, field
 from graphcp.model.presets import PRESETS
 
 LARGE_MODEL = "qwen3-1b-like"
-#: the parts of a run, in order, with the seconds each may take on one H200 (docs/gpu_check.md);
-#: time a part leaves unused passes to the next
-#: moe_graph is last: an illegal memory access at replay (what it looks for) ends the CUDA context
-PHASES = {"warmup": 45.0, "kernels": 45.0, "sparse_mla": 30.0, "graphs": 60.0, "timing": 160.0, "launches": 40.0,
-          "moe_graph": 30.0}
-DRY_PHASES = {"warmup": 20.0, "kernels": 40.0, "sparse_mla": 20.0, "graphs": 60.0, "timing": 60.0, "launches": 20.0,
-              "moe_graph": 20.0}
+#: the parts of a run, in order, with the seconds each may take on one H200 (docs/gpu_check.md):
+#: the default run, which fits a lent machine's lease with room for a rerun; time a part
+#: leaves unused passes to the next. moe_graph is last: an illegal memory access at replay
+#: (what it looks for) ends the CUDA context
+PHASES = {"warmup": 25.0, "kernels": 15.0, "sparse_mla": 10.0, "graphs": 25.0, "engines": 30.0, "host": 5.0,
+          "timing": 25.0, "launches": 12.0, "moe_graph": 8.0}
+#: ``--full``: the larger model, 32K tokens, more kernel plans
+FULL_PHASES = {"warmup": 45.0, "kernels": 45.0, "sparse_mla": 30.0, "graphs": 60.0, "engines": 45.0, "host": 5.0,
+               "timing": 160.0, "launches": 40.0, "moe_graph": 30.0}
+#: a dry run's shares are generous: it proves the flow on a shared CPU, where a share that
+#: runs out would fail the run (a skipped part fails it) for the machine's load alone
+DRY_PHASES = {"warmup": 120.0, "kernels": 120.0, "sparse_mla": 60.0, "graphs": 180.0, "engines": 240.0,
+              "host": 30.0, "timing": 120.0, "launches": 60.0, "moe_graph": 60.0}
 PARTS = tuple(PHASES)
-#: the whole run's budget: the parts' shares, start-up and the report fit it (a 540 s device limit)
-BUDGET_S = 420.0
+#: seconds kept for the report after the parts; Python, torch and the CUDA context before
+#: the budget starts (outside it, inside the command's limit)
+RESERVE_S, DRY_RESERVE_S = 10.0, 2.0
+STARTUP_S = 20.0
+#: the whole run's budget: the parts' shares and the report's reserve (start-up comes on top)
+BUDGET_S = sum(PHASES.values()) + RESERVE_S
+FULL_BUDGET_S = sum(FULL_PHASES.values()) + RESERVE_S
+DRY_BUDGET_S = sum(DRY_PHASES.values()) + DRY_RESERVE_S
+#: what the default run may take on the lent machine, start-up included (its lease keeps room
+#: for a rerun): the command's limit in docs/gpu_check.md is this plus the item in flight
+PLANNED_LIMIT_S = 200.0
+
+
+def planned_s(budget_s: float) -> float:
+    """Seconds a run of budget ``budget_s`` plans for on the device: start-up and the budget."""
+    return STARTUP_S + budget_s
 
 
 @dataclass
@@ -50,6 +70,13 @@ class Settings:
     moe_dtypes: tuple[str, ...]
     moe_shape: tuple[int, int, int, int, int]  # (rows, hidden, experts, top_k, expert intermediate)
     moe_replays: int
+    # engines at CP 1 beyond the dense model (DeepSeek V4, MoE tp held out and ep, an EAGLE-3 draft's graphs)
+    engine_bucket: int
+    engine_batch: tuple[int, int, int]  # (cached prefix, its extension, another request)
+    # host preparation: one rank of a CP group, requests a batch, timed repeats
+    host_cp: int
+    host_requests: int
+    host_repeats: int
     # timing
     timing_dtype: str
     models: tuple[str, ...]
@@ -61,13 +88,14 @@ class Settings:
     item_cap_s: float
     profile: bool
     seed: int
+    full: bool = False
     phases: dict[str, float] = field(default_factory=dict)
 
 
 def settings_from_args(a: argparse.Namespace) -> Settings:
     """The flags of ``graphcp gpu-check`` (:mod:`graphcp.gpucheck.cli`) with the GPU or dry-run defaults."""
-    dry = a.dry_run
-    models = a.models or (("default",) if dry else ("default", LARGE_MODEL))
+    dry, full = a.dry_run, a.full and not a.dry_run
+    models = a.models or (("default", LARGE_MODEL) if full else ("default",))
     if a.skip_large:
         models = tuple(m for m in models if m != LARGE_MODEL)
     return Settings(
@@ -76,7 +104,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         graph_backend="trace" if dry else "cuda",
         check_dtypes=("float32", "bfloat16"),
         check_heads=((2, 1, 64), (2, 1, 128)) if dry else ((8, 2, 64), (16, 4, 128)),
-        check_random_plans=1 if dry else 4,
+        check_random_plans=1 if dry else 4 if full else 2,
         check_max_extend=24 if dry else 3000,
         check_max_prefix=20 if dry else 2000,
         page_size=16,
@@ -96,18 +124,29 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         moe_dtypes=("float32",) if dry else ("bfloat16",),
         moe_shape=(24, 64, 8, 2, 32) if dry else (2048, 2048, 64, 8, 768),
         moe_replays=3 if dry else 5,
+        engine_bucket=32 if dry else 64,
+        engine_batch=(21, 9, 5),
+        host_cp=8,
+        host_requests=16,
+        host_repeats=20 if dry else 200,
         timing_dtype="float32" if dry else "bfloat16",
         models=models,
         large_layers=a.large_layers or None,
-        sizes=a.sizes or ((32, 96) if dry else (1024, 8192, 32768)),
+        sizes=a.sizes or ((32, 96) if dry else (1024, 8192, 32768) if full else (1024, 8192)),
         timing_backends=a.backends or (("torch",) if dry else ("triton",)),
         repeats=a.repeats or (2 if dry else 5),
         warmup=a.warmup or (1 if dry else 2),
-        item_cap_s=a.item_cap_s or (2.0 if dry else 8.0),
+        item_cap_s=a.item_cap_s or (2.0 if dry else 8.0 if full else 4.0),
         profile=not a.no_profile,
         seed=a.seed,
-        phases=dict(DRY_PHASES if dry else PHASES),
+        full=full,
+        phases=dict(DRY_PHASES if dry else FULL_PHASES if full else PHASES),
     )
+
+
+def default_budget_s(st: Settings) -> float:
+    """The run's budget when ``--budget-s`` is not given."""
+    return DRY_BUDGET_S if st.dry_run else FULL_BUDGET_S if st.full else BUDGET_S
 
 
 def model_heads(models: tuple[str, ...]) -> list[tuple[int, int, int]]:

@@ -20,8 +20,9 @@ import torch
 from graphcp.config import RuntimeConfig
 from graphcp.errors import ConfigError
 from graphcp.gpucheck.budget import Budget
-from graphcp.gpucheck.common import err, fail, free_device_memory, log, log_error, skip, sync
+from graphcp.gpucheck.common import TIME_BUDGET, err, fail, free_device_memory, log, log_error, skip, sync
 from graphcp.gpucheck.settings import LARGE_MODEL, Settings
+from graphcp.jobs.tolerance import RUN_TOLERANCE
 from graphcp.model.presets import PRESETS, ensure_preset, ensure_random_model
 from graphcp.runtime.batch import PrefillOutput, Request
 from graphcp.runtime.capture.buckets import BucketSet, align_up
@@ -111,6 +112,16 @@ def _measure(engine: PrefillEngine, tokens: np.ndarray, path: str, st: Settings,
     return out
 
 
+def judge_logits(r: dict, got: torch.Tensor, eager: torch.Tensor, dtype: str) -> None:
+    """A graph path's last logits against the eager path's, within the bound graphcp run
+    and the CPU tests use (graphcp.jobs.tolerance): otherwise the row fails."""
+    diff = float((got - eager).norm() / max(float(eager.norm()), 1e-30))
+    tol = RUN_TOLERANCE[dtype]
+    r.update(logits_rel_diff_vs_eager=diff, tol=tol)
+    if r["status"] == "ok" and not diff <= tol:
+        r.update(status="fail", error=f"logits differ from the eager path's: relative {diff:.3g} > {tol:g}")
+
+
 def open_engine(model_label: str, model_dir: Path, backend: str, graph: str, st: Settings, caps: tuple[int, ...],
                 rows: list[dict], captures: list[dict] | None) -> PrefillEngine | None:
     """Build and capture an engine; on failure mark ``rows`` (skipped when the
@@ -161,7 +172,7 @@ def time_paths(model_label: str, model_dir: Path, backend: str, st: Settings, bu
         out["timing"].extend(rows.values())
         if not budget.allows(10.0):
             for r in rows.values():
-                skip(r, "time budget")
+                skip(r, TIME_BUDGET)
             continue
         engine = open_engine(model_label, model_dir, backend, graph, st, caps, list(rows.values()), out["captures"])
         if engine is None:
@@ -171,7 +182,7 @@ def time_paths(model_label: str, model_dir: Path, backend: str, st: Settings, bu
             for p in paths:
                 r = rows[(p, n)]
                 if not budget.allows(2.0):
-                    skip(r, "time budget")
+                    skip(r, TIME_BUDGET)
                     continue
                 try:
                     res = _measure(engine, tokens, p, st, budget, r)
@@ -179,8 +190,7 @@ def time_paths(model_label: str, model_dir: Path, backend: str, st: Settings, bu
                     if p == "eager":
                         eager_logits[n] = last
                     elif n in eager_logits:
-                        ref = eager_logits[n]
-                        r["logits_rel_diff_vs_eager"] = float((last - ref).norm() / max(float(ref.norm()), 1e-30))
+                        judge_logits(r, last, eager_logits[n], st.timing_dtype)
                     log(f"{model_label}/{backend}/{p} {n} tokens: {r['median_ms']:.2f} ms (n={r['repeats']}, "
                         f"ran {r['ran']})")
                 except Exception as e:  # noqa: BLE001 - recorded, the next row runs
@@ -198,13 +208,14 @@ def time_models(st: Settings, budget: Budget, backends: list[str], res: dict, sa
     for model in st.models:
         try:
             if not budget.allows(20.0):
-                raise TimeoutError("time budget")
+                raise TimeoutError(TIME_BUDGET)
             folder, label = prepare_model(model, st.large_layers if model == LARGE_MODEL else None)
             res["models"][label] = {"preset": model, "dir": str(folder),
                                     "config": json.loads((folder / "config.json").read_text())}
         except Exception as e:  # noqa: BLE001
             status = "skipped" if isinstance(e, TimeoutError) else "error"
-            res["timing"] += [{**row(model, b, p, n), "status": status, "error": err(e)}
+            res["timing"] += [{**row(model, b, p, n), "status": status,
+                               "error": TIME_BUDGET if status == "skipped" else err(e)}
                               for b in backends for p in PATHS for n in st.sizes]
             if status == "error":
                 res["errors"].append(f"model {model}: {err(e)}")

@@ -13,6 +13,7 @@ from graphcp.checks import check_layer_list
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import runtime_settings
 from graphcp.config import RuntimeConfig
+from graphcp.dist import check_devices, local_ranks
 from graphcp.jobs.spec import JobSpec
 from graphcp.model.config import ModelConfig
 from graphcp.model.eagle3.config import read_eagle3_config
@@ -143,6 +144,7 @@ def preflight(spec: JobSpec) -> ModelConfig:
     options this kind of model does not combine with, in the flags' names), and the bucket file
     and its fit to the run (each rank would fail the same way, only later and N times).
     The model's config."""
+    check_ranks_fit_devices(spec)
     config = resolve_model(spec.model) / "config.json"
     model = ModelConfig.from_file(config)
     model.check_combination(spec.runtime, spec.parallel, flags=True)
@@ -155,3 +157,15 @@ def preflight(spec: JobSpec) -> ModelConfig:
     if buckets is not None:
         buckets.check_compatible(spec.cp_size, spec.runtime.layout)
     return model
+
+
+def check_ranks_fit_devices(spec: JobSpec) -> None:
+    """``--device cuda`` on a torch without CUDA, on a machine with no visible GPU, or with
+    more ranks than GPUs (the mesh needs one GPU a rank): refused here, in the flags' names,
+    before the model is read or any rank starts."""
+    p = spec.parallel
+    ranks = local_ranks(p.world_size)
+    asked = (f"--device {spec.runtime.device} with {p.world_size} rank(s) (--pp {p.pp_size} x --tp {p.tp_size}; "
+             f"--cp {p.cp_size}, --dp {p.dp_size})")
+    check_devices(spec.runtime.device, ranks, asked, "--device cpu")
+

@@ -488,7 +488,16 @@ def _check_batch(batch: Any, kv: PagedKVCache, vocab: int, max_tokens: int,
     return CheckedBatch(flat, extend, prefix, prefixes, rows, least)
 
 
-@host_kernel
+def _checked_least_np(flat: np.ndarray, vocab: int, extend: np.ndarray, prefix: np.ndarray, max_tokens: int) -> int:
+    """:func:`_checked_least` as whole-array numpy (the form that runs without numba)."""
+    if flat.shape[0] and flat.astype(np.uint64, copy=False).max() >= vocab:  # negative ids wrap past it
+        return 0
+    if extend.shape[0] and (prefix + extend > max_tokens).any():
+        return 0
+    return int(extend.min()) if extend.shape[0] else max_tokens + 1
+
+
+@host_kernel(fallback=_checked_least_np)
 def _checked_least(flat, vocab, extend, prefix, max_tokens):
     """The fewest new tokens of a request when every id of ``flat`` is in ``[0, vocab)``
     (seen unsigned: a negative id is past it) and every request's ``prefix + extend``

@@ -15,6 +15,7 @@ import torch
 
 from graphcp.attention.base import AttentionMetadata, BatchRequests
 from graphcp.attention.kv_exchange import KVExchange, KVForward
+from graphcp.attention.staging import to_device
 from graphcp.dist import CPGroup
 from graphcp.kv.paged import PagedKVCache
 from graphcp.model.communicator import LayerCommunicator
@@ -80,7 +81,7 @@ class Body:
 
     def _prefix_pages(self, prep: PreparedBatch | None) -> torch.Tensor | None:
         pages = None if prep is None else prep.prefix_pages
-        return None if pages is None else torch.from_numpy(pages).to(self.device)
+        return None if pages is None else to_device(pages, self.device)
 
     def requests(self, batch: PreparedBatch) -> BatchRequests:
         """Every request of a prepared batch: lengths and pages (the same on every rank)."""
@@ -99,15 +100,15 @@ class Body:
         rows), padded as a bucket is: token 0, position 0, slot -1 (and zero input
         rows on a later pipeline stage, whose live rows are ``hidden_in``)."""
         n = prep.ids.shape[0]
-        ids = np.zeros(capacity, dtype=np.int64)
-        pos = np.zeros(capacity, dtype=np.int64)
-        slots = np.full(capacity, -1, dtype=np.int64)
-        ids[:n], pos[:n], slots[:n] = prep.ids, prep.positions, prep.slots
+        rows = np.zeros((3, capacity), dtype=np.int64)  # ids, positions, slots: one upload
+        rows[2, n:] = -1
+        rows[0, :n], rows[1, :n], rows[2, :n] = prep.ids, prep.positions, prep.slots
         dev = self.device
         if hidden_in is not None and hidden_in.shape[0] != capacity:
-            rows = torch.zeros(capacity, hidden_in.shape[1], dtype=hidden_in.dtype, device=dev)
-            rows[:n].copy_(hidden_in[:n])
-            hidden_in = rows
+            padded = torch.zeros(capacity, hidden_in.shape[1], dtype=hidden_in.dtype, device=dev)
+            padded[:n].copy_(hidden_in[:n])
+            hidden_in = padded
         with nvtx_range("eager_body", category="eager"):
-            ctx = self.context(prep, torch.from_numpy(slots).to(dev), stats=prep.stats, aux=aux)
-            return self.run(ctx, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), hidden_in)
+            ids, pos, slots = to_device(rows, dev)
+            ctx = self.context(prep, slots, stats=prep.stats, aux=aux)
+            return self.run(ctx, ids, pos, hidden_in)

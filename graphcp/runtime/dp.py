@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphcp.attention.staging import to_device
 from graphcp.dist import CPGroup, gather_object
 from graphcp.errors import BatchError
 from graphcp.kv.paged import KVHandle, KVHandleError
@@ -37,6 +38,7 @@ from graphcp.runtime.batch import (
     check_item_type,
     request_tokens,
 )
+from graphcp.runtime.capture.buckets import FALLBACK_REQUESTS
 from graphcp.runtime.forward import ForwardParts, PrefillCall
 from graphcp.runtime.outputs import assemble
 
@@ -95,10 +97,10 @@ class DataParallelPrefill:
         padding = not mine
         # the token ids as the batch's rules read them (a tensor is copied to the host once)
         sub = [Request([0])] if padding else [Request(tokens[i], self._local(reqs[i].prefix)) for i in mine]
-        prep = self._prepare(sub, call)
+        prep, rows, fallback = self._prepare(sub, call)
         p = self.parts
         try:
-            res = p.stage.run(prep, None, call.force_eager, call.aux, self._max(prep.plan.max_local_rows))
+            res = p.stage.run(prep, None, call.force_eager, call.aux, rows, fallback)
             out = p.head.outputs(prep.plan, res.hidden, res.aux_rows, call.all_logits)
         except BaseException:
             p.preparer.abort(prep)
@@ -119,18 +121,19 @@ class DataParallelPrefill:
         res.info.stats["dp_assignment"] = where
         return assemble(len(reqs), [(idx, o) for idx, o, _ in parts], handles, res.info)
 
-    def _prepare(self, sub: list[Request], call: PrefillCall) -> PreparedBatch:
+    def _prepare(self, sub: list[Request], call: PrefillCall) -> tuple[PreparedBatch, int, str | None]:
         """This replica's sub-batch prepared, once every replica has prepared its own (a
-        refusal on one is raised on every rank, nothing changed)."""
+        refusal on one is raised on every rank, nothing changed); with the rows and the
+        graph-or-eager choice every replica agreed on (:meth:`_agree`)."""
         prep, error = None, None
         try:
             prep = self.parts.preparer.prepare(sub, call_args=call.fingerprint)
         except BatchError as e:
             error = e
-        self._agree(error is None, prep)
+        rows, fallback = self._agree(prep)
         if error is not None:
             raise error
-        return prep
+        return prep, rows, fallback
 
     @staticmethod
     def _requests(batch: Sequence[Request]) -> list[Request]:
@@ -167,15 +170,22 @@ class DataParallelPrefill:
                                 "pass each rank the handles its own engine returned")
         return h.local
 
-    def _agree(self, ok: bool, prep: PreparedBatch | None) -> None:
-        """Every rank of the stage learns whether every replica prepared its sub-batch."""
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
-        self.stage.all_reduce_(flag, op="min")
-        if int(flag.item()) == 0 and ok:
+    def _agree(self, prep: PreparedBatch | None) -> tuple[int, str | None]:
+        """One all-reduce a forward (one host sync), right after preparing: every rank of
+        the stage learns whether every replica prepared its sub-batch (``prep`` None: this
+        one refused), the largest replica's rows and whether some replica's batch rules
+        the graphs out (:meth:`GraphRunner.own_fallback`). Every replica then runs the
+        same path at the same rows, so the FFN's collectives have one size."""
+        runner = self.parts.stage.runner
+        if prep is None:
+            mine = [1, 0, 0]
+        else:
+            eager = runner is not None and runner.own_fallback(prep) is not None
+            mine = [0, prep.plan.max_local_rows, int(eager)]
+        t = to_device(np.array(mine, dtype=np.int64), self.device)
+        refused, rows, eager = self.stage.all_reduce_(t, op="max").tolist()
+        if refused and prep is not None:
             self.parts.preparer.abort(prep)
             raise BatchError("another attention-DP replica refused its share of the batch (its ranks name the "
                              "request); nothing was changed")
-
-    def _max(self, rows: int) -> int:
-        t = torch.tensor([rows], dtype=torch.int64, device=self.device)
-        return int(self.stage.all_reduce_(t, op="max").item())
+        return rows, FALLBACK_REQUESTS if eager else None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphcp.attention.staging import to_device
 from graphcp.dist import CPGroup
 from graphcp.model.eagle3.layer import Eagle3Draft
 from graphcp.model.eagle3.shift import draft_input_ids
@@ -59,7 +60,7 @@ class DraftRunner:
         info = target.info
         if info.path == "graph":  # the draft's graph reads the bucket's static rows
             return self.run(prep, flat, None, nxt, all_logits, info.stats, info.capacity)
-        cols = torch.tensor([layers.index(i) for i in self.draft.aux_layer_ids], device=self.device)
+        cols = to_device(np.array([layers.index(i) for i in self.draft.aux_layer_ids], dtype=np.int64), self.device)
         hidden = target.aux_rows.index_select(1, cols).flatten(1)  # [rows, 3 * hidden]: fc's input, this rank's rows
         return self.run(prep, flat, hidden, nxt, all_logits, info.stats)
 
@@ -98,15 +99,15 @@ class DraftRunner:
                phase: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft run eagerly on the largest rank's rows, padded as the body pads them."""
         n, capacity, dev = prep.ids.shape[0], prep.plan.max_local_rows, self.device
-        rows = np.zeros(capacity, dtype=np.int64)
-        pos = np.zeros(capacity, dtype=np.int64)
-        slots = np.full(capacity, -1, dtype=np.int64)
-        rows[:n], pos[:n], slots[:n] = ids, prep.positions, prep.slots
+        rows = np.zeros((3, capacity), dtype=np.int64)  # ids, positions, slots: one upload
+        rows[2, n:] = -1
+        rows[0, :n], rows[1, :n], rows[2, :n] = ids, prep.positions, prep.slots
         x = torch.zeros(capacity, hidden.shape[1], dtype=hidden.dtype, device=dev)
         x[:n].copy_(hidden[:n])  # this rank's own rows: no collective feeds the draft
         with nvtx_range("draft", category="eager"):
-            ctx = self.body.context(prep, torch.from_numpy(slots).to(dev), stats=phase)
-            return self.draft(torch.from_numpy(rows).to(dev), torch.from_numpy(pos).to(dev), x, ctx)
+            ids_t, pos_t, slots_t = to_device(rows, dev)
+            ctx = self.body.context(prep, slots_t, stats=phase)
+            return self.draft(ids_t, pos_t, x, ctx)
 
     def _stored(self, prep: PreparedBatch) -> int:
         """Bytes of the draft layer's K/V this rank's cache stored for the batch's new tokens
@@ -122,13 +123,13 @@ class DraftRunner:
         h = normed.shape[1]
         last = torch.zeros(plan.num_requests, 2 * h, dtype=normed.dtype, device=self.device)
         if mine.size:
-            idx = torch.from_numpy(plan.last_local_index[mine]).to(self.device)
-            last[torch.from_numpy(mine).to(self.device)] = torch.cat([normed, pre], dim=1).index_select(0, idx)
+            where, idx = to_device(np.stack([mine, plan.last_local_index[mine]]), self.device)
+            last[where] = torch.cat([normed, pre], dim=1).index_select(0, idx)
         self.group.all_reduce_(last)  # the owners' rows; zeros elsewhere
         per_token = None
         if all_logits:
             everyone = self.group.all_gather_rows(normed.contiguous())
-            order = torch.from_numpy(plan.gather_index(normed.shape[0])).to(self.device)
+            order = to_device(plan.gather_index(normed.shape[0]), self.device)
             per_token = list(torch.split(self.draft.logits(everyone.index_select(0, order)).cpu(),
                                          plan.extend_lens.tolist()))
         return DraftOutput(self.draft.logits(last[:, :h]).cpu(), self.draft.draft_to_target.cpu(),

@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from graphcp.attention.staging import to_device
 from graphcp.kv.paged import PagedKVCache
 from graphcp.model.forward_context import AuxCapture
 from graphcp.runtime.batch import BatchPreparer, ForwardInfo, PrefillOutput, PreparedBatch, Request
@@ -61,14 +62,15 @@ class StageForward:
     runner: GraphRunner | None
 
     def run(self, prep: PreparedBatch, hidden_in: torch.Tensor | None, force_eager: bool, aux: tuple[int, ...],
-            rows: int | None = None) -> StageResult:
+            rows: int | None = None, agreed_fallback: str | None = None) -> StageResult:
         """``rows``: the rows the forward must hold (attention DP: the largest replica's;
-        default this batch's)."""
+        default this batch's); ``agreed_fallback``: why every rank runs eagerly, agreed
+        between them (attention DP), or None."""
         model = self.body.model
         mine = tuple(i for i in aux if i in model.stage.layers)
         fallback = None
         if self.runner is not None and not force_eager:
-            outcome = self.runner.try_replay(prep, hidden_in, rows)
+            outcome = self.runner.try_replay(prep, hidden_in, rows, agreed_fallback)
             if not isinstance(outcome, Fallback):
                 hidden, info = outcome
                 info.stats.update(prep.stats)
@@ -87,7 +89,7 @@ class StageForward:
     def _replayed_aux(self, mine: tuple[int, ...], capacity: int) -> torch.Tensor | None:
         if not mine:
             return None
-        cols = torch.tensor([self.runner.aux_layers.index(i) for i in mine], device=self.body.device)
+        cols = to_device(np.array([self.runner.aux_layers.index(i) for i in mine], dtype=np.int64), self.body.device)
         # a copy: the static rows are overwritten by the next replay
         return self.runner.aux_rows(capacity).index_select(1, cols)
 

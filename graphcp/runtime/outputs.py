@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphcp.attention.staging import to_device
 from graphcp.cp import Plan
 from graphcp.dist import CPGroup
 from graphcp.model.llama import DecoderModel
@@ -36,8 +37,8 @@ class OutputHead:
         mine = np.flatnonzero(plan.last_owner == self.group.rank)
         rows = torch.zeros(plan.num_requests, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
         if mine.size:
-            idx = torch.from_numpy(plan.last_local_index[mine]).to(hidden.device)
-            rows[torch.from_numpy(mine).to(hidden.device)] = hidden.index_select(0, idx)
+            where, idx = to_device(np.stack([mine, plan.last_local_index[mine]]), hidden.device)
+            rows[where] = hidden.index_select(0, idx)
         # every other rank contributes zeros: the sum is exactly the owner's rows
         self.group.all_reduce_(rows)
         return self.model.logits(rows).cpu()
@@ -46,7 +47,7 @@ class OutputHead:
         """Every rank's local rows (padded to the same count), gathered over the CP
         group and put in batch order: [T, ...]."""
         everyone = self.group.all_gather_rows(rows.contiguous())
-        return everyone.index_select(0, torch.from_numpy(plan.gather_index(rows.shape[0])).to(rows.device))
+        return everyone.index_select(0, to_device(plan.gather_index(rows.shape[0]), rows.device))
 
     def all_logits(self, plan: Plan, hidden: Rows) -> Rows:
         """Every new token's logits, float32 [T, vocab] in batch order."""

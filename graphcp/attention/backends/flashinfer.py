@@ -90,7 +90,7 @@ import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
 from graphcp.attention.catalog import register_backend
-from graphcp.attention.staging import PinnedStaging
+from graphcp.attention.staging import PinnedStaging, to_device
 from graphcp.errors import ConfigError
 from graphcp.kv.paged import SCRATCH_PAGE
 
@@ -133,7 +133,7 @@ def write_no_key_rows(meta: AttentionMetadata, out: torch.Tensor, lse: torch.Ten
         return
     rows = meta.no_key_rows()
     if rows.size:
-        idx = torch.from_numpy(rows).to(out.device)
+        idx = to_device(rows, out.device)
         out.index_fill_(0, idx, 0)
         if lse is not None:
             lse.index_fill_(0, idx, float("-inf"))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata
 from graphcp.attention.catalog import register_backend
+from graphcp.attention.staging import to_device_packed
 from graphcp.kv.layout import kv_cache_views
 
 
@@ -82,9 +83,11 @@ class TorchAttention(AttentionBackend):
 
     @staticmethod
     def _runs(meta: AttentionMetadata) -> list[tuple[int, int, int, torch.Tensor]]:
-        """:func:`coalesced_segments` with each page list a long tensor on the metadata's device."""
-        return [(q0, q1, kv_len, torch.as_tensor(pages, device=meta.device, dtype=torch.long))
-                for q0, q1, kv_len, pages in coalesced_segments(meta)]
+        """:func:`coalesced_segments` with each page list a long tensor on the metadata's device
+        (one upload for all of them)."""
+        runs = coalesced_segments(meta)
+        pages = to_device_packed([r[3] for r in runs], meta.device) if runs else []
+        return [(q0, q1, kv_len, p) for (q0, q1, kv_len, _), p in zip(runs, pages)]
 
     def forward(self, q, kv_cache, meta: AttentionMetadata, out, lse=None) -> None:
         spec = self.spec

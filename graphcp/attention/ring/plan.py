@@ -42,6 +42,7 @@ import torch
 from graphcp.attention.base import AttentionMetadata, RankInputs
 from graphcp.attention.ring.exchange_choice import ExchangeChoice, choose_exchange
 from graphcp.attention.ring.hardware import HardwareSpec
+from graphcp.attention.staging import to_device
 from graphcp.cp.zigzag import ZigzagPlan
 from graphcp.jit import host_kernel
 from graphcp.kv.sharded import ShardedKVCache, page_count
@@ -82,7 +83,7 @@ class RingPlan:
     def send_index(self, device: torch.device) -> torch.Tensor:
         """:attr:`send_pages` on the device (uploaded once per forward)."""
         if self._send_index is None:
-            self._send_index = torch.from_numpy(self.send_pages).to(device)
+            self._send_index = to_device(self.send_pages, device)
         return self._send_index
 
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from graphcp.attention.base import AttentionMetadata, BatchRequests
 from graphcp.attention.sparse.mla import RowGroup, row_groups
+from graphcp.attention.staging import to_device_packed
 from graphcp.kv.dsv4 import CSA, HCA, SLIDING, DsV4CacheSpec, DsV4KVCache
 
 #: ForwardInfo.stats keys (per forward, summed over the layers)
@@ -93,14 +94,26 @@ class PoolWeights:
 @dataclass(frozen=True)
 class PoolPlan:
     """This forward's closing entries of one layer kind: their source rows' token slots
-    (``[E * span]``, entry-major), whether each is entry 0 (CSA: no previous window),
-    their RoPE positions and their slots in the entry pools."""
+    (``[E * span]``, entry-major), which of them are entry 0 (CSA: no previous window;
+    indices, None when none is), their RoPE positions and their slots in the entry pools."""
 
     sources: torch.Tensor
     span: int
     first: torch.Tensor | None
     positions: torch.Tensor
     dest: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """A row group's arrays on the device, sliced from the forward's one upload: its
+    pages, its rows' positions, and (CSA) the rows the indexer scores (seeing more than
+    ``index_topk`` entries; local indices), with their host copy ``scored_host``."""
+
+    pages: torch.Tensor
+    positions: torch.Tensor
+    scored: torch.Tensor
+    scored_host: np.ndarray
 
 
 def ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -114,8 +127,8 @@ def pool(src: torch.Tensor, bias: torch.Tensor, norm: torch.Tensor, eps: float, 
     """Entries from their source rows. ``src [E, S, 2 width (CSA) or width, ...]``: the
     kv part then the gate part of each source token (CSA: ``S = 2 m``, the previous
     window's tokens then the entry's own; HCA: ``S = m``). ``first [E]`` (CSA; None when
-    no entry is entry 0): entries with no previous window, whose first half gets weight
-    0. -> ``[E, width]`` before RoPE."""
+    no entry is entry 0): the entries with no previous window, whose first half gets weight
+    0 (indices: a boolean mask would be a device sync). -> ``[E, width]`` before RoPE."""
     if overlap:
         m = src.shape[1] // 2
         kv_parts, gate_parts = src[..., : 2 * width], src[..., 2 * width:]
@@ -148,15 +161,28 @@ class TorchDsV4Attention:
         self.layers = layers if layers is not None else range(len(spec.cache.layer_kinds))
         self.cos, self.sin = compress_cos, compress_sin  # float32 [positions, rope_dim / 2]
         self._groups: list[RowGroup] = []
+        self._device_groups: list[DeviceGroup] = []
         self._batch = BatchRequests.none()
         self._plans: dict[str, PoolPlan | None] = {}
         self._stats: dict[str, int] = {}
 
     def prepare(self, meta: AttentionMetadata, batch: BatchRequests | None = None) -> None:
         self._groups = row_groups(meta)
+        self._device_groups = self._upload_groups(meta.device)
         self._batch = batch if batch is not None else BatchRequests.none()
         self._plans: dict[str, PoolPlan | None] = {}
         self._stats = {STAT_INDEX_ROWS: 0, STAT_INDEX_PAIRS: 0, STAT_ATTN_ROWS: 0, STAT_ATTN_PAIRS: 0}
+
+    def _upload_groups(self, device: torch.device | str) -> list[DeviceGroup]:
+        """Every row group's pages, positions and CSA-scored rows, once a forward: every
+        layer and block slices them (they were uploaded per layer and block, blocking)."""
+        if not self._groups:
+            return []
+        m, topk = self.spec.cache.compress_csa, self.spec.index_topk
+        scored = [np.flatnonzero((g.positions + 1) // m > topk) for g in self._groups]
+        parts = [a for g, s in zip(self._groups, scored) for a in (g.pages, g.positions, s)]
+        views = to_device_packed(parts, device)
+        return [DeviceGroup(*views[3 * i: 3 * i + 3], s) for i, s in enumerate(scored)]
 
     # ---- 1. pooling ---------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -185,9 +211,10 @@ class TorchDsV4Attention:
             src = np.take_along_axis(pages, pos // ps, axis=1) * ps + pos % ps
             entry_page = np.take_along_axis(pages, (e * m // ps)[:, None], axis=1)[:, 0]
             epp = cache.epp[kind]
-            plan = PoolPlan(torch.from_numpy(src.reshape(-1)).to(dev), span,
-                            torch.from_numpy(e == 0).to(dev) if overlap and (e == 0).any() else None,
-                            torch.from_numpy(e * m).to(dev), torch.from_numpy(entry_page * epp + e % epp).to(dev))
+            first = np.flatnonzero(e == 0) if overlap else np.zeros(0, dtype=np.int64)
+            sources, first_t, positions, dest = to_device_packed([src.reshape(-1), first, e * m,
+                                                              entry_page * epp + e % epp], dev)
+            plan = PoolPlan(sources, span, first_t if first.size else None, positions, dest)
         self._plans[kind] = plan
         return plan
 
@@ -225,8 +252,8 @@ class TorchDsV4Attention:
         entries = cache.entries(layer).flatten(0, 1) if m else None
         index_entries = cache.index_entries(layer).flatten(0, 1) if kind == CSA else None
         heads = max(sp.num_heads, sp.index_n_heads if kind == CSA else 0)
-        for g in self._groups:
-            pages = torch.from_numpy(g.pages.astype(np.int64)).to(dev)
+        for g, dg in zip(self._groups, self._device_groups):
+            pages = dg.pages
             # a block's keys, at most: its window span and the request's entries
             n_keys = sp.sliding_window + BLOCK_ROWS + ((int(g.positions[-1]) + 1) // m if m else 0)
             step = max(1, min(BLOCK_ROWS, BLOCK_BYTES // (4 * heads * n_keys)))
@@ -237,14 +264,14 @@ class TorchDsV4Attention:
                 hi = int(pos[-1]) + 1
                 key_pos = torch.arange(lo, hi, device=dev)
                 keys = window.index_select(0, cache.token_slots(pages, key_pos))
-                pos_t = torch.from_numpy(pos).to(dev)
+                pos_t = dg.positions[r0:r1]  # (the forward's upload, sliced: no copy here)
                 visible = (key_pos[None, :] <= pos_t[:, None]) & (key_pos[None, :] > pos_t[:, None] - sp.sliding_window)
                 # the work, counted on the host (no device sync): window keys + the entries attended
                 pairs = int(np.minimum(pos + 1, sp.sliding_window).sum())
                 if m:
                     n_ent = hi // m
                     seen_np = (pos + 1) // m  # entries each row sees
-                    seen = torch.from_numpy(seen_np).to(dev)
+                    seen = torch.div(pos_t + 1, m, rounding_mode="floor")
                     ent = torch.arange(n_ent, device=dev)
                     ent_mask = ent[None, :] < seen[:, None]
                     pairs += int(np.minimum(seen_np, sp.index_topk).sum() if kind == CSA else seen_np.sum())
@@ -252,24 +279,27 @@ class TorchDsV4Attention:
                         slots = cache.entry_slots(layer, pages, ent)
                         keys = torch.cat([keys, entries.index_select(0, slots)], dim=0)
                         if kind == CSA:
-                            ent_mask = ent_mask & self.select(layer, g, pos, seen, index_q[rows], index_w[rows],
-                                                              index_entries.index_select(0, slots))
+                            ent_mask = ent_mask & self.select(layer, g, dg, (r0, r1), pos, seen, index_q[rows],
+                                                              index_w[rows], index_entries.index_select(0, slots))
                     visible = torch.cat([visible, ent_mask], dim=1)
                 self._stats[STAT_ATTN_ROWS] += len(pos)
                 self._stats[STAT_ATTN_PAIRS] += pairs
                 out[rows] = _attend(q[rows], keys, visible, sinks, sp.head_dim ** -0.5).to(out.dtype)
 
-    def select(self, layer: int, group: RowGroup, pos: np.ndarray, seen: torch.Tensor, iq: torch.Tensor,
-               iw: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
-        """[rows, entries]: the entries the indexer keeps for each row of ``group`` at
-        positions ``pos`` (all it sees while they are at most ``index_topk``)."""
+    def select(self, layer: int, group: RowGroup, on_device: DeviceGroup, block: tuple[int, int], pos: np.ndarray,
+               seen: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
+        """[rows, entries]: the entries the indexer of ``layer`` keeps for each row of
+        ``block`` (rows ``[r0, r1)`` of ``group``, whose arrays on the device are
+        ``on_device``, at positions ``pos``; all it sees while they are at most ``index_topk``)."""
         topk, n = self.spec.index_topk, ik.shape[0]
         keep = torch.arange(n, device=ik.device)[None, :] < seen[:, None]
         seen_np = (pos + 1) // self.spec.cache.compress_csa
-        scored = np.flatnonzero(seen_np > topk)  # on the host: no device sync
+        r0, r1 = block
+        lo, hi = np.searchsorted(on_device.scored_host, (r0, r1))  # the block's scored rows, found on the host
+        scored = on_device.scored_host[lo:hi] - r0
         if n <= topk or scored.size == 0:
             return keep
-        idx = torch.from_numpy(scored).to(ik.device)
+        idx = on_device.scored[lo:hi] - r0
         scores = F.relu(torch.matmul(iq[idx].float(), ik.float().t())) * self.spec.cache.index_head_dim ** -0.5
         scores = (scores * iw[idx].float().unsqueeze(-1)).sum(dim=1)  # [scored rows, entries]
         scores = scores.masked_fill(~keep[idx], float("-inf"))

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.sparse.topk import Selector, index_scores, positions_to_mask, select_topk
+from graphcp.attention.staging import to_device_packed
 from graphcp.kv.mla import MlaKVCache
 
 #: ForwardInfo.stats keys (per forward, summed over the layers that run the indexer)
@@ -164,7 +165,8 @@ class SelectedBlock:
     ``selection [rows, index_topk]`` positions (ascending, -1 padded), or None where
     every row sees at most ``index_topk`` tokens and attends to all of them (causal).
     ``kv``: the tokens the block's last row sees; ``pages``: the request's pages on the
-    device."""
+    device; ``positions_on_device``: ``positions`` there (both slices of the forward's one
+    upload)."""
 
     group: RowGroup
     rows: slice
@@ -172,6 +174,7 @@ class SelectedBlock:
     kv: int
     pages: torch.Tensor
     selection: torch.Tensor | None
+    positions_on_device: torch.Tensor
 
 
 class SelectingSparseMla(SparseMlaBackend):
@@ -188,11 +191,16 @@ class SelectingSparseMla(SparseMlaBackend):
         #: the top-k rule (tests swap in a wrong one to show the selection matters)
         self.selector = selector
         self._groups: list[RowGroup] = []
+        #: each group's pages and positions on the device: one upload a forward, sliced by the layers and blocks
+        self._on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._selection: dict[tuple[int, int], torch.Tensor] = {}  # (group, block start) -> positions
         self._rows = self._pairs = 0
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._groups = row_groups(meta)
+        views = to_device_packed([a for g in self._groups for a in (g.pages, g.positions)], meta.device) \
+            if self._groups else []
+        self._on_device = list(zip(views[0::2], views[1::2]))
         self._selection = {}
         self._rows = self._pairs = 0
 
@@ -224,8 +232,7 @@ class SelectingSparseMla(SparseMlaBackend):
         that runs the indexer (``index_q`` given), else the last indexer layer's."""
         sp = self.spec
         heads = max(sp.num_heads, sp.index_heads)
-        for gi, g in enumerate(self._groups):
-            pages = torch.from_numpy(g.pages.astype(np.int64)).to(device)
+        for gi, (g, (pages, positions)) in enumerate(zip(self._groups, self._on_device)):
             ik = None
             if index_q is not None:
                 extent = int(g.positions[-1]) + 1
@@ -235,11 +242,12 @@ class SelectingSparseMla(SparseMlaBackend):
                 rows = slice(g.q0 + b0, g.q0 + b1)
                 sel = None
                 if int(g.positions[b0]) >= sp.index_topk:  # rows that see more than index_topk tokens
-                    sel = self._select(layer, (gi, b0), g.positions[b0:b1], rows, index_q, index_w, ik, kv, device)
-                yield SelectedBlock(g, rows, g.positions[b0:b1], kv, pages, sel)
+                    sel = self._select(layer, (gi, b0), g.positions[b0:b1], positions[b0:b1], rows, index_q, index_w,
+                                       ik, kv, device)
+                yield SelectedBlock(g, rows, g.positions[b0:b1], kv, pages, sel, positions[b0:b1])
 
-    def _select(self, layer: int, block: tuple[int, int], positions: np.ndarray, rows: slice, index_q, index_w,
-                ik, kv: int, device: torch.device) -> torch.Tensor:
+    def _select(self, layer: int, block: tuple[int, int], positions: np.ndarray, pos: torch.Tensor, rows: slice,
+                index_q, index_w, ik, kv: int, device: torch.device) -> torch.Tensor:
         """A block's selection: scored here (a layer that runs the indexer), or the one
         the last indexer layer made for the same block."""
         if index_q is None:
@@ -248,7 +256,6 @@ class SelectingSparseMla(SparseMlaBackend):
                 raise RuntimeError(f"layer {layer} reuses the top-k of an earlier indexer layer, but none ran this "
                                    "forward")
             return sel
-        pos = torch.from_numpy(positions).to(device)
         visible = torch.arange(kv, device=device).unsqueeze(0) <= pos.unsqueeze(1)
         scores = index_scores(index_q[rows], index_w[rows], ik[:kv], self.spec.index_head_dim ** -0.5)
         sel = self.selector(scores.masked_fill(~visible, float("-inf")), self.spec.index_topk)
@@ -276,7 +283,7 @@ class TorchSparseMla(SelectingSparseMla):
                 extent = int(group.positions[-1]) + 1
                 lat = cache.latent(layer).index_select(0, blk.pages).flatten(0, 1)[:extent]
                 keys, values = self._decompress(lat, kv_b_weight)
-            pos = torch.from_numpy(blk.positions).to(dev)
+            pos = blk.positions_on_device
             mask = torch.arange(blk.kv, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
             if blk.selection is not None:
                 mask = mask & positions_to_mask(blk.selection, blk.kv)

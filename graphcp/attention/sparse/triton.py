@@ -35,6 +35,7 @@ from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.kernels.sparse_mla_configs import SparseTileConfig, sparse_tile_config
 from graphcp.attention.sparse.mla import SelectingSparseMla, SparseMlaSpec
 from graphcp.attention.sparse.topk import Selector, causal_positions, select_topk
+from graphcp.attention.staging import to_device
 from graphcp.errors import ConfigError, InputError
 from graphcp.kv.mla import MlaKVCache
 
@@ -81,7 +82,7 @@ class TritonSparseMla(SelectingSparseMla):
             for i, g in enumerate(groups):
                 table[i, : g.pages.size] = g.pages
                 row_table[g.q0:g.q1] = i
-            self._tables = (rows, torch.from_numpy(table).to(device), torch.from_numpy(row_table).to(device))
+            self._tables = (rows, to_device(table, device), to_device(row_table, device))
         return self._tables[1], self._tables[2]
 
     def selection(self, layer: int, rows: int, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
@@ -93,7 +94,7 @@ class TritonSparseMla(SelectingSparseMla):
         for blk in self.selected_blocks(layer, index_q, index_w, cache, device):
             sel = blk.selection
             if sel is None:
-                sel = causal_positions(torch.from_numpy(blk.positions).to(device), k)
+                sel = causal_positions(blk.positions_on_device, k)
             selected[blk.rows, : sel.shape[1]] = sel.to(torch.int32)
         return selected
 

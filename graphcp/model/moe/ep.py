@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphcp.attention.staging import to_device
 from graphcp.model.communicator import ffn_bytes
 from graphcp.model.moe.experts import Experts, combine, sort_by_expert, unsort
 from graphcp.nvtx_ranges import nvtx_range
@@ -104,8 +105,7 @@ def ep_forward(x: torch.Tensor, router, experts: Experts, group, num_experts: in
     with nvtx_range("moe_dispatch", category="comm"):
         sent = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
         received = group.all_to_all_rows(sent, plan.send_rows, plan.recv_rows)
-    perm = torch.from_numpy(plan.expert_major).to(dev, non_blocking=True)
-    local_ends = torch.from_numpy(plan.local_ends).to(dev, non_blocking=True)
+    perm, local_ends = to_device(plan.expert_major, dev), to_device(plan.local_ends, dev)
     out = experts(received.index_select(0, perm), local_ends)
     with nvtx_range("moe_combine", category="comm"):
         back = group.all_to_all_rows(unsort(out, perm), plan.recv_rows, plan.send_rows)

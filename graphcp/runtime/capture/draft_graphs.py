@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from graphcp.attention.staging import to_device
 from graphcp.model.eagle3.layer import Eagle3Draft
 from graphcp.model.forward_context import KV_RECEIVED, ForwardContext
 from graphcp.nvtx_ranges import nvtx_range
@@ -66,9 +67,9 @@ class DraftGraphs:
         self.graphs[capacity] = (graph, ctx.stats.get(KV_RECEIVED, 0))
 
     def _fill(self, capacity: int, ids: np.ndarray) -> None:
-        rows = torch.zeros(capacity, dtype=torch.int64)
-        rows[:ids.shape[0]] = torch.from_numpy(ids)
-        self.ids[:capacity].copy_(rows)
+        rows = np.zeros(capacity, dtype=np.int64)  # padding rows read token 0
+        rows[:ids.shape[0]] = ids
+        self.ids[:capacity].copy_(to_device(rows, self.ids.device))  # uploaded without blocking, then in place
 
     @torch.inference_mode()
     def replay(self, prep: PreparedBatch, capacity: int, ids: np.ndarray,

@@ -90,13 +90,14 @@ class GraphRunner:
                  max_context: int) -> None:
         rt = runtime
         self.full = rt.graph == "full"
+        if not self.full:  # tp experts into the breaks where a captured grouped matmul is not trusted yet
+            body.model.hold_experts_out_of_graphs(body.device)
         # the layouts, caches and backends a full graph refuses were refused with the engine's
-        # config (graphcp/combinations.py); what is left depends on the device
+        # config (graphcp/combinations.py); what is left depends on the device, and is checked
+        # after the experts moved: those in the eager break need no sync-free kernel
         problem = body.model.capture_problem(body.device, self.full)
         if problem is not None:
             raise ConfigError(problem)
-        if not self.full:  # tp experts into the breaks where a captured grouped matmul is not trusted yet
-            body.model.hold_experts_out_of_graphs(body.device)
         self.body, self.preparer, self.buckets = body, preparer, buckets
         self.max_context, self.max_requests = max_context, rt.max_requests
         cfg, kv = body.model.cfg, body.kv
@@ -299,19 +300,28 @@ class GraphRunner:
                 raise ReplayInputError(f"bucket {capacity}: static buffers moved since capture: {sorted(set(moved))}")
         self._checked[capacity] = view
 
+    def own_fallback(self, prep: PreparedBatch) -> str | None:
+        """What rules this rank's batch out of the graphs whatever the rows it is padded
+        to, or None: a full graph reads static segment metadata sized for max_requests."""
+        if self.full and prep.meta.num_segments > self.buffers.max_segments:
+            return FALLBACK_REQUESTS
+        return None
+
     @torch.inference_mode()
     def try_replay(self, prep: PreparedBatch, hidden_in: torch.Tensor | None = None,
-                   rows: int | None = None) -> tuple[torch.Tensor, ForwardInfo] | Fallback:
+                   rows: int | None = None, fallback: str | None = None) -> tuple[torch.Tensor, ForwardInfo] | Fallback:
         """Replay the bucket for this batch (capturing it first if needed): the body's
         output rows and the forward's info; or the Fallback that says why it must run
         eagerly. ``hidden_in``: a later pipeline stage's input rows; ``rows``: the rows
         the bucket must hold (attention DP: the largest replica's, so every replica
-        replays the same bucket; default this batch's)."""
+        replays the same bucket; default this batch's); ``fallback``: a fallback the
+        ranks agreed on (attention DP: one replica's :meth:`own_fallback` makes every
+        replica run eagerly, so their collectives keep the same sizes)."""
         with nvtx_range("select", category="host"):
             sel = self.select(rows or prep.plan.max_local_rows)
-            if sel.graph and self.full and prep.meta.num_segments > self.buffers.max_segments:
-                # a full graph reads static segment metadata sized for max_requests
-                sel = Selection(sel.required, None, FALLBACK_REQUESTS)
+            reason = fallback if fallback is not None else self.own_fallback(prep)
+            if sel.graph and reason is not None:
+                sel = Selection(sel.required, None, reason)
         if not sel.graph:
             self.stats.eager += 1
             self.stats.fallbacks[sel.reason] += 1

@@ -118,6 +118,8 @@ class StaticBuffers:
             self._ids_host = self._staging.host(max_capacity, torch.long)
             self._pos_host = self._staging.host(max_capacity, torch.long)
             self._slots_host = self._staging.host(max_capacity, torch.long, -1)
+        #: the pinned staging copy of the full graph's segment metadata (allocated on its first fill)
+        self._seg_host: torch.Tensor | None = None
         self._host_cache: tuple = ((), ())
         #: rows [0, _dirty) of the host inputs may hold a batch; past it they are inert
         #: (as allocated: token 0, position 0, slot -1)
@@ -226,9 +228,10 @@ class StaticBuffers:
             self._staging.upload(self.input_ids[:capacity], self._ids_host[:capacity])
             self._staging.upload(self.positions[:capacity], self._pos_host[:capacity])
             self._staging.upload(self.kv_slots[:capacity], self._slots_host[:capacity])
-            self._staging.mark()
         if cu_seqlens_q is not None:
             self._fill_segments(cu_seqlens_q, kv_lens, page_table)
+        if self._staged:
+            self._staging.mark()  # after every upload of this fill: the next fill waits for them
         if self.hidden_in is not None:
             if n and (hidden_in is None or hidden_in.shape[0] < n):
                 raise ValueError(f"this stage's body takes input rows: expected hidden_in with >= {n} rows, "
@@ -244,19 +247,40 @@ class StaticBuffers:
             raise ValueError(f"{s} segments exceed the buffers' {self.max_segments} (raise max_requests)")
         if page_table.shape[1] > self.max_pages_per_seq:
             raise ValueError(f"{page_table.shape[1]} pages per request exceed the buffers' {self.max_pages_per_seq}")
-        cu = np.full(self.max_segments + 1, cu_seqlens_q[-1], dtype=np.int32)
-        cu[: s + 1] = cu_seqlens_q
-        kv = np.zeros(self.max_segments, dtype=np.int32)
-        kv[:s] = kv_lens
-        self.cu_seqlens_q.copy_(torch.from_numpy(cu))
-        self.kv_lens.copy_(torch.from_numpy(kv))
-        # only the live block: a kernel reads page p of segment s only when p * page_size < kv_lens[s],
-        # and every other entry belongs to an empty segment or lies past its kv length
-        w = page_table.shape[1]
-        self.page_table[:s, :w].copy_(torch.from_numpy(np.ascontiguousarray(page_table, dtype=np.int32)))
+        S, w = self.max_segments, page_table.shape[1]
+        # one packed int32 buffer: the pinned staging copy on CUDA (fenced with the rows'),
+        # a temporary on CPU, where the copies are plain memory copies
+        if self._staged:
+            if self._seg_host is None:
+                self._seg_host = self._staging.host(2 * S + 1 + S * self.max_pages_per_seq, torch.int32)
+            host = self._seg_host
+        else:
+            host = torch.empty(2 * S + 1 + s * w, dtype=torch.int32)
+        cu, kv, pt = host[: S + 1], host[S + 1 : 2 * S + 1], host[2 * S + 1 : 2 * S + 1 + s * w].view(s, w)
+        cu_np, kv_np = cu.numpy(), kv.numpy()
+        cu_np[:] = cu_seqlens_q[-1]
+        cu_np[: s + 1] = cu_seqlens_q
+        kv_np[:] = 0
+        kv_np[:s] = kv_lens
+        pt.numpy()[:] = page_table
+        # only the live block of the page table: a kernel reads page p of segment s only when
+        # p * page_size < kv_lens[s], and every other entry belongs to an empty segment or lies past its kv length
+        for dst, src in ((self.cu_seqlens_q, cu), (self.kv_lens, kv), (self.page_table[:s, :w], pt)):
+            if self._staged:
+                self._staging.upload(dst, src)
+            else:
+                dst.copy_(src)
 
 
-@host_kernel
+def _fill_rows_np(ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, input_ids: np.ndarray,
+                  positions: np.ndarray, kv_slots: np.ndarray, end: int) -> None:
+    """:func:`_fill_rows` as slice assignments (the form that runs without numba)."""
+    n = input_ids.shape[0]
+    ids[:n], pos[:n], slots[:n] = input_ids, positions, kv_slots
+    ids[n:end], pos[n:end], slots[n:end] = 0, 0, -1
+
+
+@host_kernel(fallback=_fill_rows_np)
 def _fill_rows(ids, pos, slots, input_ids, positions, kv_slots, end):
     """The live rows into the host views (``input_ids`` etc., n of each), then rows n
     up to ``end`` padded inertly: token 0, position 0, slot -1 (one call)."""

@@ -1,0 +1,134 @@
+"""Host-to-device uploads a forward makes (graphcp/attention/staging.py): every host array
+goes through ``staging.to_device`` (pinned, queued without blocking the host on a GPU),
+once a forward; nothing in a forward uploads on its own (a ``tensor.to(device)`` or
+``torch.tensor(host data, device=...)`` from pageable memory blocks the host on CUDA until
+the stream drains). Counted on the CPU: a recorder stands in for the uploads
+(``tests/fake_copy_engine.py``), a torch-function mode catches the direct ones.
+DeepSeek V4's reference attention uploads per forward, not per layer and 256-row block."""
+
+from __future__ import annotations
+
+import traceback
+
+import numpy as np
+import pytest
+import torch
+from fake_copy_engine import UploadRecorder
+from torch.overrides import TorchFunctionMode
+
+from graphcp import PrefillEngine, Request, RuntimeConfig
+from graphcp.attention import staging
+from graphcp.model.presets import ensure_preset
+from graphcp.runtime.capture.buckets import BucketSet
+
+#: where a blocking upload is harmless: the batch check reads its all-gathered fingerprint
+#: on the host right after (a synchronous collective by design)
+SYNCHRONOUS = {"_check_consistency"}
+
+
+class DirectUploads(TorchFunctionMode):
+    """Records the calls that would upload host data on their own on a GPU: ``Tensor.to``
+    with a device, ``Tensor.cuda``, and ``torch.tensor`` / ``as_tensor`` of host data
+    with a device (on the CPU these run too, which is what makes them countable here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hits: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hit = False
+        if func is torch.Tensor.to:
+            hit = kwargs.get("device") is not None or any(isinstance(a, (torch.device, str)) for a in args[1:])
+        elif func is torch.Tensor.cuda:
+            hit = True
+        elif func in (torch.tensor, torch.as_tensor):
+            hit = kwargs.get("device") is not None and not isinstance(args[0], torch.Tensor)
+        if hit:
+            stack = traceback.extract_stack()[:-1]
+            if not SYNCHRONOUS & {f.name for f in stack}:
+                f = stack[-1]
+                self.hits.append(f"{f.filename.rsplit('graphcp/', 1)[-1]}:{f.lineno} {f.name}")
+        return func(*args, **kwargs)
+
+
+def uploads_of(engine: PrefillEngine, batch: list[Request], **kw) -> tuple[dict[str, int], list[str], str]:
+    """One prefill: its uploads per asking function, the direct uploads, the path it ran."""
+    rec, direct = UploadRecorder(), DirectUploads()
+    with staging.uploads_through(rec), direct:
+        out = engine.prefill(batch, **kw)
+    for h in out.handles:
+        engine.release(h)
+    return rec.sites(), direct.hits, out.info.path
+
+
+@pytest.fixture(scope="module")
+def dense(hf_model_dir):
+    return hf_model_dir("qwen3")
+
+
+@pytest.mark.parametrize("graph,attention", [("off", "triton"), ("breakable", "triton"), ("breakable", "torch")])
+def test_a_forward_uploads_each_array_once_and_never_blocks(dense, graph, attention):
+    """Eager: the rows (ids, positions, slots: one array), the attention metadata (one
+    packed buffer; the triton kernel reads it), the last rows' indices; a replay: the
+    metadata its breaks read and the last rows' indices (its static inputs are staged,
+    tests/test_static_buffers.py); with every token's logits, the gather order too. The
+    torch reference uploads its page lists, one array for all."""
+    eng = PrefillEngine(dense, RuntimeConfig(kv_tokens=1024, graph=graph, attention=attention), None,
+                        BucketSet((32, 64), padding_factor=64.0))
+    rng = np.random.default_rng(1)
+    prefix = eng.prefill([Request(rng.integers(0, 512, 21))]).handles[0]
+    batch = [Request(rng.integers(0, 512, 9), prefix), Request(rng.integers(0, 512, 5))]
+    sites, direct, path = uploads_of(eng, batch, all_logits=True)
+    assert path == ("eager" if graph == "off" else "graph")
+    assert direct == [], direct
+    meta = {"_device_tensors": 1} if attention == "triton" else {"_runs": 1}
+    rows = {"eager": 1} if graph == "off" else {}
+    assert sites == {**rows, **meta, "last_logits": 1, "in_batch_order": 1}, sites
+
+
+def test_dsv4_reference_uploads_per_forward_not_per_block():
+    """DeepSeek V4's reference attention (in the break, every layer): the row groups'
+    pages, positions and scored rows in one upload a forward, the pooling plan one a
+    compressed kind that closes entries; a 900-token request (four 256-row blocks, a
+    scored CSA row range) uploads no more than a 40-token one beyond that plan. The
+    expert-parallel MoE uploads its routing (two arrays a layer)."""
+    eng = PrefillEngine(ensure_preset("default-v4"), RuntimeConfig(kv_tokens=2048, page_size=8))
+    rng = np.random.default_rng(2)
+    small, direct_small, _ = uploads_of(eng, [Request(rng.integers(0, 8000, 40))])
+    large, direct_large, _ = uploads_of(eng, [Request(rng.integers(0, 8000, 900))])
+    assert direct_small == direct_large == [], (direct_small, direct_large)
+    assert small["_upload_groups"] == large["_upload_groups"] == 1
+    assert (small["_pool_plan"], large["_pool_plan"]) == (1, 2)  # CSA's entries close at 40 tokens, HCA's at 128
+    layers = eng.cfg.num_layers
+    for sites in (small, large):
+        assert sites["ep_forward"] == 2 * layers and sites["eager"] == sites["last_logits"] == 1, sites
+    assert {k: v for k, v in small.items() if k != "_pool_plan"} == {k: v for k, v in large.items()
+                                                                     if k != "_pool_plan"}
+
+
+def test_pinned_uploads_queue_a_copy_from_pinned_memory(monkeypatch):
+    """On CUDA an upload is a pinned block of torch's caching host allocator holding a copy
+    of the array, queued with non_blocking=True (the allocator keeps the block until the copy
+    ran, so the array may be rewritten at once); on a CPU the array itself. CUDA's calls are
+    recorded here, where this torch has none."""
+    calls = []
+    real_empty = torch.empty
+
+    def empty(*shape, dtype=None, pin_memory=False):
+        calls.append(("empty", pin_memory))
+        return real_empty(*shape, dtype=dtype)
+
+    def to(self, device, non_blocking=False):
+        calls.append(("to", str(device), non_blocking))
+        return self.clone()
+
+    host = np.arange(6, dtype=np.int32).reshape(2, 3)
+    on_cpu = staging.PinnedUploads().to_device(host, torch.device("cpu"))
+    assert on_cpu.data_ptr() == host.ctypes.data  # no copy on a CPU
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    got = staging.PinnedUploads().to_device(host, torch.device("cuda"))
+    host[:] = -1  # rewritten at once: the upload holds its own copy
+    assert calls == [("empty", True), ("to", "cuda", True)]
+    assert got.tolist() == [[0, 1, 2], [3, 4, 5]]
