@@ -46,8 +46,10 @@ def reference(folders, hf_model):
     toks, logits = [], []
     for p in _prompts(model.config.vocab_size):
         with torch.inference_mode():
-            g = model.generate(torch.from_numpy(p).view(1, -1), do_sample=False, max_new_tokens=NEW,
-                               min_new_tokens=NEW, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+            # (an explicit mask: without one, generate masks prompt tokens equal to pad_token_id)
+            g = model.generate(torch.from_numpy(p).view(1, -1), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=0)
         toks.append(g.sequences[0, len(p):])
         logits.append(torch.stack([x[0].float() for x in g.logits]))
     return torch.stack(toks), torch.stack(logits)

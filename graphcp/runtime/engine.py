@@ -38,6 +38,7 @@ from graphcp.runtime.build import build_parts
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.decode.batch import DecodeOutput
 from graphcp.runtime.decode.decoder import Decoder
+from graphcp.runtime.decode.generate import GenerateOutput, generate
 from graphcp.runtime.dp import DataParallelPrefill, ReplicaHandle
 from graphcp.runtime.draft import draft_next_tokens
 from graphcp.runtime.export import Exporter
@@ -189,6 +190,17 @@ class PrefillEngine:
         BatchError (nothing changed) for an empty batch, a handle that is not live here,
         a token outside the vocabulary, a request at the model's context."""
         return self._decoder.decode(handles, tokens, force_eager)
+
+    @torch.inference_mode()
+    def generate(self, requests, max_new_tokens: int, stop: Sequence[int] | None = None, logits: bool = False,
+                 release: bool = True, progress: bool = False) -> GenerateOutput:
+        """Greedy generation (docs/decode.md): each request (token ids, a ``Request``, or a
+        ``Conversation`` of turns) prefilled, then up to ``max_new_tokens`` tokens a turn,
+        one decode step each, until a token of ``stop``; a conversation's next turn is
+        prefilled after the tokens generated. Every turn of every request runs in one batch.
+        ``logits``: also return each step's logits; ``release=False`` keeps the KV (the
+        output's handles: export or extend them); ``progress``: a bar over the steps."""
+        return generate(self, requests, max_new_tokens, stop, logits, release, progress)
 
     def capture_decode(self, progress: bool = False) -> list[int]:
         """Capture every decode bucket's graph (graph modes); the buckets captured."""

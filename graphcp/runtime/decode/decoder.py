@@ -10,6 +10,8 @@ from typing import Any, Sequence
 
 import torch
 
+from graphcp.combinations import check as check_combination
+from graphcp.combinations import parallel_settings, runtime_settings
 from graphcp.kv.paged import KVHandle
 from graphcp.model.communicator import ReplicatedRows
 from graphcp.model.forward_context import KV_RECEIVED
@@ -32,10 +34,26 @@ class Decoder:
                              p.exchange.decode_step(rt.decode_merge), ReplicatedRows(m.cp, m.attn_tp, m.ffn, m.dp))
         self.preparer = StepPreparer(p.kv, m.ffn, p.cfg.vocab_size, p.cfg.max_position_embeddings, p.device,
                                      self.body.plan, rt.check_consistency)
-        #: the decode graphs (None: RuntimeConfig.graph='off')
-        self.graphs = None if rt.graph == "off" else DecodeGraphs(self.body, rt.decode_buckets, rt.graph_backend)
+        self._graphs: DecodeGraphs | None = None
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The decode graphs (None: RuntimeConfig.graph='off'), made on first use (an engine
+        that never decodes, or whose model decode refuses, builds none)."""
+        rt = self.parts.runtime
+        if self._graphs is None and rt.graph != "off":
+            self.check_combination()
+            self._graphs = DecodeGraphs(self.body, rt.decode_buckets, rt.graph_backend)
+        return self._graphs
+
+    def check_combination(self) -> None:
+        """ConfigError when this engine's options do not combine with decode (graphcp/combinations.py)."""
+        p, rt = self.parts, self.parts.runtime
+        check_combination({**runtime_settings(rt), **parallel_settings(p.parallel), "model": p.family.kind(p.cfg),
+                           "moe": rt.moe, "decode": "on"}, family=p.cfg.family)
 
     def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False) -> DecodeOutput:
+        self.check_combination()
         t0 = time.perf_counter()
         step = self.preparer.prepare(handles, tokens, (int(bool(force_eager)),))
         try:
