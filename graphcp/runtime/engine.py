@@ -99,6 +99,7 @@ class PrefillEngine:
     rank = property(lambda self: self.parts.group.rank, doc="This rank in its CP group (its stage's, under PP).")
     world = property(lambda self: self.parts.world, doc="Every rank of the run (stage-major under stages).")
     world_rank = property(lambda self: self.parts.world.rank)
+    decoder = property(lambda self: self._decoder, doc="The decode steps: their preparer, body and graphs.")
 
     # ---- public API -------------------------------------------------------------
     def capture(self, progress: bool = False):
@@ -204,9 +205,10 @@ class PrefillEngine:
 
     def capture_decode(self, progress: bool = False) -> list[int]:
         """Capture every decode bucket's graph (graph modes); the buckets captured."""
-        if self._decoder.graphs is None:
+        graphs = self._decoder.graphs
+        if graphs is None:
             raise ConfigError("RuntimeConfig.graph='off': there is no decode graph to capture")
-        return self._decoder.graphs.capture_all(progress)
+        return graphs.capture_all(progress)
 
     def _driver(self, call: PrefillCall) -> ForwardDriver:
         """Attention-DP replicas, one forward (a draft runs one), or micro-batches (any
