@@ -77,7 +77,15 @@ def test_a_step_larger_than_every_bucket_runs_eagerly_and_says_so(folders):
         steps = engine.stats()["decode_steps"][-3:]
         assert [s["fallback"] for s in steps] == [None, "larger_than_every_bucket", None]
         assert engine.decoder.graphs.fallbacks["larger_than_every_bucket"] == 1
-        assert engine.capture_decode() == [1]  # the buckets not captured yet
+        assert small.info.stats["pages"] == 1  # the requests' one page: the smallest page bucket
+        assert engine.capture_decode(pages=1) == [1]  # the batch sizes not captured yet for one page
+        assert engine.capture_decode() == [2, 1]  # nor for the widest
     finally:
         for h in (eager.handles[0], *big.handles[1:]):
             engine.release(h)
+
+
+def test_the_page_bucket_holds_the_longest_share_within_twice():
+    from graphcp.runtime.decode.graphs import page_bucket
+
+    assert [page_bucket(p, 32) for p in (0, 1, 2, 3, 5, 16, 17, 32, 40)] == [1, 1, 2, 4, 8, 16, 32, 32, 32]

@@ -203,12 +203,13 @@ class PrefillEngine:
         output's handles: export or extend them); ``progress``: a bar over the steps."""
         return generate(self, requests, max_new_tokens, stop, logits, release, progress)
 
-    def capture_decode(self, progress: bool = False) -> list[int]:
-        """Capture every decode bucket's graph (graph modes); the buckets captured."""
+    def capture_decode(self, pages: int | None = None, progress: bool = False) -> list[int]:
+        """Capture every decode batch-size bucket's graph for steps whose requests hold at
+        most ``pages`` pages on a rank (None: any; graph modes); the batch sizes captured."""
         graphs = self._decoder.graphs
         if graphs is None:
             raise ConfigError("RuntimeConfig.graph='off': there is no decode graph to capture")
-        return graphs.capture_all(progress)
+        return graphs.capture_all(pages, progress)
 
     def _driver(self, call: PrefillCall) -> ForwardDriver:
         """Attention-DP replicas, one forward (a draft runs one), or micro-batches (any
