@@ -1,8 +1,8 @@
 """The ``graphcp`` command: ``run`` (the main job on the built-in model), ``prefill``
 (a request file, logits saved), ``generate`` (greedy generation and conversations),
 ``tune`` (bucket capacities for a workload), ``profile`` (per-rank traces and a range
-summary), ``pd-demo`` (a prefill/decode round trip) and ``gpu-check`` (the one-shot GPU
-check). ``graphcp CMD --help`` for each.
+summary), ``pd-demo`` (a prefill/decode round trip)
+and ``gpu-check`` (the one-shot GPU check). ``graphcp CMD --help`` for each.
 
 Exit codes: 0 done; 2 bad input (one ``graphcp CMD: error: ...`` line on stderr,
 nothing written or changed); 1 a failed run (one line) or a bug (a traceback).
