@@ -94,12 +94,20 @@ def test_a_conversation_continues_after_its_generated_tokens(engine, hf_model, f
             engine.release(h)
 
 
+def test_a_request_extending_a_cached_prefix_generates_as_the_whole_prompt(engine, reference):
+    p = _prompts()[2]
+    h = engine.prefill([Request(p[:20])]).handles[0]
+    out = engine.generate([Request(p[20:], h)], NEW)
+    assert out.tokens == [[reference[2][0]]] and engine.kv.stored_tokens() == 0  # the extended KV released
+
+
 def test_generate_refuses_bad_requests_before_any_forward(engine):
     snap = engine.kv.snapshot()
     cases = [([[1, 512]], "generate: request 0, turn 0, position 1: token id 512"),
              ([Conversation([])], "request 0: turns must be a non-empty list"),
              ([Conversation([[], [1]])], "request 0: its first turn is empty"),
-             ([[1, 2], Conversation([[1] * 4000, [2]], 100)], "request 1: 4001 prompt tokens and up to 2 x 100"),
+             ([[1, 2], Conversation([[1] * 4000, [2]], 100)],
+              "request 1: 4001 cached and prompt tokens and up to 2 x 100"),
              ([], "non-empty list")]
     for reqs, match in cases:
         with pytest.raises(BatchError, match=match):

@@ -498,6 +498,12 @@ class PagedKVCache:
         """Undo :meth:`reserve_decode` (the step's forward failed): each request one token shorter."""
         self.rollback(step.seq_ids, np.ones(step.num_requests, dtype=np.int64))
 
+    def most_held(self, rows: np.ndarray) -> int:
+        """The most tokens any rank's pool holds of one of the live requests in table
+        ``rows`` (the same on every rank: a decode graph's page bucket). Here each rank
+        holds every token."""
+        return int(self._request_tokens(rows).max())
+
     def attention_holder(self, layer: int) -> int | None:
         """The one rank that attends over every request's KV of ``layer`` in a decode step
         (the rank whose cache keeps that layer), or None: each rank attends over what it

@@ -178,6 +178,10 @@ class ShardedKVCache(PagedKVCache):
             slots[here] = self.run_slots(taken[here], local[here], mine[here])
         return DecodeSlots(ids, taken, positions, holder, local + mine, slots)
 
+    def most_held(self, rows: np.ndarray) -> int:
+        """The most tokens any rank holds of one of these requests (every rank's ledger says)."""
+        return int(self._held[rows].max())
+
     def rollback_decode(self, step: DecodeSlots) -> None:
         """Undo :meth:`reserve_decode`: every rank's ledger and this rank's pages as they were."""
         last, undo = self._last, self._ledger_undo

@@ -35,6 +35,7 @@ class Decoder:
         self.preparer = StepPreparer(p.kv, m.ffn, p.cfg.vocab_size, p.cfg.max_position_embeddings, p.device,
                                      self.body.plan, rt.check_consistency)
         self._graphs: DecodeGraphs | None = None
+        self._combines = False
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -48,9 +49,12 @@ class Decoder:
 
     def check_combination(self) -> None:
         """ConfigError when this engine's options do not combine with decode (graphcp/combinations.py)."""
+        if self._combines:
+            return
         p, rt = self.parts, self.parts.runtime
         check_combination({**runtime_settings(rt), **parallel_settings(p.parallel), "model": p.family.kind(p.cfg),
                            "moe": rt.moe, "decode": "on"}, family=p.cfg.family)
+        self._combines = True  # (the options are fixed: checked once)
 
     def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False) -> DecodeOutput:
         self.check_combination()

@@ -43,7 +43,9 @@ class GenerateOutput:
     """Per request (in input order), per turn: the generated ids, why generation stopped
     (``stop``: a stop token; ``length``: max_new_tokens), and with ``logits`` asked each
     step's logits, float32 ``[steps, vocab]`` (the prefill's last row, then each decode
-    step's); ``handles``: each request's KV when kept (``release=False``), else None."""
+    step's); ``handles``: each request's KV when kept (``release=False``), else None. A
+    kept handle holds every token but the last generated one (no step has computed its
+    K/V): a next prefill extending it starts with that token."""
 
     tokens: list[list[list[int]]]
     finish: list[list[str]]
@@ -61,6 +63,7 @@ class _State:
     most: int  # tokens generated a turn, at most
     prefix: int
     handle: Any = None
+    owned: bool = False  # the handle is one generate's prefill returned (a caller's prefix is not released on failure)
     pending: int | None = None  # the last generated token, not in the cache yet
     tokens: list[list[int]] = field(default_factory=list)
     logits: list[list[torch.Tensor]] = field(default_factory=list)
@@ -90,11 +93,13 @@ def conversations(requests: Any, max_new_tokens: int, vocab: int, context: int) 
             raise BatchError(f"generate: request {j}: its first turn is empty (a prompt needs a token)")
         prefix = check_int(conv.prefix, f"request {j}: prefix", lo=0, hi=turns[0].size - 1, where="generate",
                            err=BatchError)
-        need = sum(t.size for t in turns) + len(turns) * most
+        handle = r.prefix if isinstance(r, Request) else None  # a cached prefix it extends (prefill checks it)
+        cached = 0 if handle is None else getattr(handle, "num_tokens", 0)
+        need = cached + sum(t.size for t in turns) + len(turns) * most
         if need > context:
-            raise BatchError(f"generate: request {j}: {sum(t.size for t in turns)} prompt tokens and up to "
-                             f"{len(turns)} x {most} generated exceed the model's context of {context}")
-        out.append(_State(turns, most, prefix))
+            raise BatchError(f"generate: request {j}: {cached + sum(t.size for t in turns)} cached and prompt tokens "
+                             f"and up to {len(turns)} x {most} generated exceed the model's context of {context}")
+        out.append(_State(turns, most, prefix, handle))
     return out
 
 
@@ -104,9 +109,9 @@ def _prefill_turn(engine, states: list[_State], t: int, stop: frozenset, keep_lo
     live = [s for s in states if t < len(s.turns)]
     if t == 0 and any(s.prefix for s in live):  # cached prefixes first, a forward of their own
         withp = [s for s in live if s.prefix]
-        out = engine.prefill([Request(s.turns[0][: s.prefix]) for s in withp], aux_hidden_layers=())
+        out = engine.prefill([Request(s.turns[0][: s.prefix], s.handle) for s in withp], aux_hidden_layers=())
         for s, h in zip(withp, out.handles):
-            s.handle = h
+            s.handle, s.owned = h, True
     reqs = []
     for s in live:
         new = s.turns[t][s.prefix:] if t == 0 else s.turns[t]
@@ -114,7 +119,7 @@ def _prefill_turn(engine, states: list[_State], t: int, stop: frozenset, keep_lo
     out = engine.prefill(reqs, aux_hidden_layers=())
     first = out.last_logits.argmax(-1).tolist()
     for j, (s, h) in enumerate(zip(live, out.handles)):
-        s.handle, s.pending = h, first[j]
+        s.handle, s.owned, s.pending = h, True, first[j]
         s.tokens.append([first[j]])
         s.logits.append([out.last_logits[j]] if keep_logits else [])
     return [s for s in live if not s.done(stop)]
@@ -174,9 +179,9 @@ def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | N
 
 def _release(engine, states: list[_State]) -> None:
     for s in states:
-        if s.handle is not None:
+        if s.owned:
             engine.release(s.handle)
-            s.handle = None
+            s.handle, s.owned = None, False
 
 
 def _bar(total: int, show: bool):

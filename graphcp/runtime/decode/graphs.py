@@ -88,10 +88,7 @@ class DecodeGraphs:
         """The step's page bucket: its longest request share on any rank (every rank's the
         same: the ledger's largest; a replicated cache's, its own)."""
         kv = self.body.kv
-        most = step.slots.local_lens.max()
-        if hasattr(kv, "rank_tokens"):  # (a token-sharded cache: every rank's shares, from the ledger)
-            most = kv.rank_tokens(step.slots.seq_ids, step.slots.rows).max()
-        return page_bucket(kv.pages_for(int(most)), self.width)
+        return page_bucket(kv.pages_for(kv.most_held(step.slots.rows)), self.width)
 
     def meta(self, capacity: int, width: int) -> AttentionMetadata:
         """The bucket's static metadata: one segment a row over its static length and pages."""
