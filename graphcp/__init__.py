@@ -1,4 +1,4 @@
-"""graphcp: a context-parallel prefill runtime with per-bucket breakable graphs."""
+"""graphcp: a context-parallel prefill (and decode) runtime with per-bucket breakable graphs."""
 
 from graphcp.config import ParallelConfig, RuntimeConfig
 from graphcp.cp import InterleaveLayout, ZigzagLayout, make_layout
@@ -8,6 +8,8 @@ from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError
 from graphcp.model.config import ModelConfig
 from graphcp.runtime.batch import ConsistencyError, ForwardInfo, PrefillOutput, Request
 from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.decode.batch import DecodeOutput
+from graphcp.runtime.decode.generate import Conversation, GenerateOutput
 from graphcp.runtime.engine import PrefillEngine
 
 __all__ = [
@@ -16,7 +18,10 @@ __all__ = [
     "CPGroup",
     "ConfigError",
     "ConsistencyError",
+    "Conversation",
+    "DecodeOutput",
     "ForwardInfo",
+    "GenerateOutput",
     "GraphcpError",
     "InputError",
     "InterleaveLayout",

@@ -53,7 +53,7 @@ class Axis:
             if value == ">1":
                 return f"{self.flag} >1" if flags else f"{self.api} > 1"
             return f"{self.flag} {value}" if flags else f"{self.api}={value}"
-        if self.key in ("aux", "export", "draft"):
+        if self.key in ("aux", "export", "draft", "decode"):
             return self.flag if flags else self.api
         if self.key == "model":
             kind = {"dsa": "DSA", "moe": "MoE", "dsv4": "DeepSeek V4"}.get(value, "dense")
@@ -77,6 +77,8 @@ AXES: dict[str, Axis] = {a.key: a for a in (
     Axis("aux", ("off", "on"), "RuntimeConfig.aux_hidden_layers", "--aux-hidden-layers"),
     Axis("export", ("off", "on"), "PrefillEngine.export_kv", "--export-kv"),
     Axis("draft", ("off", "on"), "RuntimeConfig.draft", "--draft"),  # an EAGLE-3 draft (docs/speculative.md)
+    # decode steps after the prefill: PrefillEngine.decode / generate, `graphcp generate` (docs/decode.md)
+    Axis("decode", ("off", "on"), "PrefillEngine.decode", "graphcp generate"),
 )}
 
 #: values that run only on a GPU (the matrix test runs the others on a CPU; the
@@ -183,6 +185,21 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("dp", (">1",)), ("draft", ("on",)),
             "the draft under attention DP (each replica drafting its own requests) is not built yet",
             (("dp", "1"),), "not built yet"),
+    Refusal(("model", ("dsa",)), ("decode", ("on",)),
+            "a decode step over MLA's latent cache with the indexer's top-k is not built yet",
+            (("model", "dense"), ("model", "moe")), "not built yet"),
+    Refusal(("model", ("dsv4",)), ("decode", ("on",)),
+            "a decode step over V4's window, source rows and compressed entries is not built yet",
+            (("model", "dense"), ("model", "moe")), "not built yet"),
+    Refusal(("pp", (">1",)), ("decode", ("on",)),
+            "a decode step through pipeline stages (its rows handed from stage to stage) is not built yet",
+            (("pp", "1"),), "not built yet"),
+    Refusal(("dp", (">1",)), ("decode", ("on",)),
+            "decode under attention DP (each replica decoding its own requests) is not built yet",
+            (("dp", "1"),), "not built yet"),
+    Refusal(("draft", ("on",)), ("decode", ("on",)),
+            "EAGLE-3 verification (a draft's tokens checked in one step) is not built yet; decode runs without a "
+            "draft", (("draft", "off"),), "not built yet"),
 )
 
 
@@ -386,7 +403,7 @@ def _flag_text(key: str, values: tuple[str, ...]) -> str:
         return f"{'/'.join({'dsa': 'DSA', 'dsv4': 'DeepSeek V4'}.get(v, v) for v in values)} models"
     if key == "attn_tp":  # (--tp over --cp x --dp: docs/parallel.md)
         return " or ".join(f"attention TP {'> 1' if v == '>1' else v}" for v in values)
-    if key in ("aux", "export", "draft", "pp", "dp"):
+    if key in ("aux", "export", "draft", "decode", "pp", "dp"):
         return " or ".join(f"`{a.say(v, True)}`" for v in values)
     return f"`{a.flag} {'/'.join(values)}`"
 
@@ -402,22 +419,20 @@ def _alternatives(instead: tuple[tuple[str, str], ...]) -> str:
 
 def readme_table() -> str:
     """The README's table: each refused pair and why in a few words (what to use instead
-    is in its error and in docs/combinations.md)."""
+    is in its error and in docs/combinations.md). A model kind's refusals share a row, and
+    so do the others refused with one option for one reason."""
     rows = ["| refused | why |", "| --- | --- |"]
-    by_model: dict[tuple, list[Refusal]] = {}  # a model kind's refusals share one row
+    groups: dict[tuple, list[Refusal]] = {}  # in order of first appearance
     for r in REFUSALS:
-        if r.a[0] == "model":
-            by_model.setdefault(r.a, []).append(r)
-    done = set()
-    for r in REFUSALS:
-        group = by_model.get(r.a, [r])
-        if r.a in done:
-            continue
-        if r.a[0] == "model":
-            done.add(r.a)
-        others = ", ".join(_flag_text(*g.b) for g in group)
-        why = "; ".join(dict.fromkeys(g.short for g in group))
-        rows.append(f"| {_flag_text(*r.a)} + {others} | {why} |")
+        groups.setdefault(("a", r.a) if r.a[0] == "model" else ("b", r.b, r.short), []).append(r)
+    for key, group in groups.items():
+        if key[0] == "a":
+            others = ", ".join(_flag_text(*g.b) for g in group)
+            why = "; ".join(dict.fromkeys(g.short for g in group))
+            rows.append(f"| {_flag_text(*group[0].a)} + {others} | {why} |")
+        else:
+            rows.append(f"| {', '.join(_flag_text(*g.a) for g in group)} + {_flag_text(*group[0].b)} | "
+                        f"{group[0].short} |")
     return "\n".join(rows)
 
 

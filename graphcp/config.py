@@ -17,6 +17,7 @@ from graphcp.combinations import runtime_settings
 from graphcp.errors import ConfigError
 from graphcp.options import (
     ATTENTION_BACKENDS,
+    DECODE_MERGES,
     EXCHANGES,
     GRAPH_BACKENDS,
     GRAPH_MODES,
@@ -24,6 +25,7 @@ from graphcp.options import (
     LAYOUTS,
     MOE_LAYOUTS,
     AttentionName,
+    DecodeMergeName,
     DtypeName,
     ExchangeName,
     GraphBackendName,
@@ -164,6 +166,9 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_TFLOPS = 1e6  # far above any accelerator
 MAX_GB_PER_S = 1e6
 MAX_MICROBATCHES = 4096
+#: the decode batch sizes a decode graph is captured for by default (docs/decode.md)
+DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MAX_DECODE_BUCKETS = 64
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,12 @@ class RuntimeConfig:
     #: an EAGLE-3 draft checkpoint (a folder): every prefill then also runs the draft over
     #: the same rows and caches its layer's K/V (docs/speculative.md); None: no draft
     draft: str | None = None
+    #: how a decode step over the token-sharded cache merges the ranks' partial attention:
+    #: "all-gather", "all-to-all", or "auto" (the one that moves fewer bytes; docs/decode.md)
+    decode_merge: DecodeMergeName = "auto"
+    #: the decode batch sizes a decode graph is captured for (graph modes; increasing); a
+    #: step of more requests than the largest runs eagerly
+    decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -226,7 +237,7 @@ class RuntimeConfig:
             check_int(self.kv_tokens, "kv_tokens", lo=1, hi=MAX_TOKENS, where="RuntimeConfig")
         for name, allowed in (("graph", GRAPH_MODES), ("graph_backend", GRAPH_BACKENDS), ("layout", LAYOUTS),
                               ("attention", ATTENTION_BACKENDS), ("kv_cache", KV_CACHE_MODES),
-                              ("exchange", EXCHANGES)):
+                              ("exchange", EXCHANGES), ("decode_merge", DECODE_MERGES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"RuntimeConfig.{name} must be one of {', '.join(allowed)}, "
                                   f"got {getattr(self, name)!r}")
@@ -242,9 +253,23 @@ class RuntimeConfig:
         object.__setattr__(self, "aux_hidden_layers", check_layer_list(
             self.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", MAX_LAYERS, err=ConfigError))
         check_int(self.microbatches, "microbatches", lo=1, hi=MAX_MICROBATCHES, where="RuntimeConfig")
+        self._check_decode_buckets()
         # the pairs of these fields that do not run together (graphcp/combinations.py)
         check_combination(runtime_settings(self))
         self._check_draft()
+
+    def _check_decode_buckets(self) -> None:
+        """Increasing batch sizes >= 1, at most :data:`MAX_DECODE_BUCKETS` of them, each at
+        most MAX_REQUESTS."""
+        b = self.decode_buckets
+        if isinstance(b, (str, bytes)) or not isinstance(b, (tuple, list)) or not 1 <= len(b) <= MAX_DECODE_BUCKETS:
+            raise ConfigError(f"RuntimeConfig.decode_buckets must list 1 to {MAX_DECODE_BUCKETS} batch sizes, "
+                              f"got {b!r}"[:300])
+        for i, n in enumerate(b):
+            check_int(n, f"decode_buckets[{i}]", lo=1, hi=MAX_REQUESTS, where="RuntimeConfig")
+        if any(x >= y for x, y in zip(b, b[1:])):
+            raise ConfigError(f"RuntimeConfig.decode_buckets must be increasing, got {list(b)}")
+        object.__setattr__(self, "decode_buckets", tuple(int(n) for n in b))
 
     def _check_draft(self) -> None:
         """A draft runs after the target's whole body, over the same rows: not yet in

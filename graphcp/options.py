@@ -22,6 +22,9 @@ ExchangeKind = Literal["all-gather", "pass-kv", "pass-q"]
 #: how a mixture-of-experts layer runs over the CP group: experts split over the ranks
 #: (all-to-all dispatch and combine) or every expert sharded like the dense MLP
 MoeLayout = Literal["ep", "tp"]
+#: how a decode step over the token-sharded cache merges the ranks' partial attention
+#: (docs/decode.md): "auto" takes the one that moves fewer bytes
+DecodeMergeName = Literal["auto", "all-gather", "all-to-all"]
 
 DTYPE_NAMES: tuple[str, ...] = get_args(DtypeName)
 GRAPH_MODES: tuple[str, ...] = get_args(GraphMode)
@@ -32,6 +35,7 @@ KV_CACHE_MODES: tuple[str, ...] = get_args(KVCacheMode)
 EXCHANGES: tuple[str, ...] = get_args(ExchangeName)
 EXCHANGE_KINDS: tuple[str, ...] = get_args(ExchangeKind)
 MOE_LAYOUTS: tuple[str, ...] = get_args(MoeLayout)
+DECODE_MERGES: tuple[str, ...] = get_args(DecodeMergeName)
 #: the dtypes the command line offers (float16 is API-only: no parity tests in it yet)
 CLI_DTYPES = ("float32", "bfloat16")
 DEVICE_KINDS = ("cpu", "cuda")

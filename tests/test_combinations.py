@@ -47,6 +47,9 @@ TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 #: request; past the DSA model's index_topk = 16, so its sparse attention selects
 BATCH = [(5, 19), (0, 7)]
 BUCKETS = BucketSet((16, 32, 64), padding_factor=64.0)
+#: a run with decode on: two decode steps of these tokens (fixed, not sampled: a near-tie
+#: between two ranks' roundings must not change what the steps compare) after the prefill
+DECODE_TOKENS = ([3, 7], [11, 5])
 AUX = (0, 1)
 #: a model of each kind: 2 layers (one a stage under PP 2); the MoE and DSA ones a MoE
 #: layer and a dense one
@@ -100,11 +103,16 @@ def _flat(export) -> list:
     return [layer[name] for layer in export.layers for name in sorted(layer)]
 
 
-def _outputs(engine, export: bool) -> dict:
+def _outputs(engine, export: bool, decode: bool) -> dict:
     o = prefill_after_prefixes(engine, _batch(engine.cfg.vocab_size), all_logits=True)
+    handles, steps = o.handles, []
+    for tokens in DECODE_TOKENS if decode else ():  # the export after them holds the decoded tokens
+        step = engine.decode(handles, tokens)
+        handles = step.handles
+        steps.append((step.info.path, step.logits))
     return {"path": o.info.path, "last": o.last_logits, "logits": o.logits, "aux": o.aux_hidden,
-            "draft": None if o.draft is None else o.draft.all_logits,
-            "export": [_flat(e) for e in engine.export_kv_batch(o.handles)] if export else None}
+            "draft": None if o.draft is None else o.draft.all_logits, "decode": steps,
+            "export": [_flat(e) for e in engine.export_kv_batch(handles)] if export else None}
 
 
 def _parallel(run: dict) -> ParallelConfig:
@@ -118,24 +126,24 @@ def _runs_job(group, runs: list[dict], folders: dict) -> list[dict]:
     for run in runs:
         eng = PrefillEngine(folders[run["model"], run["dtype"]], _runtime(run, folders), group, BUCKETS,
                             _parallel(run))
-        out.append(_outputs(eng, run["export"] == "on"))
+        out.append(_outputs(eng, run["export"] == "on", run["decode"] == "on"))
     return out
 
 
 def test_every_allowed_pair_runs_against_the_single_rank_engine(folders):
     refs = {}
-    for kind, dtype, draft in sorted({(r["model"], r["dtype"], r["draft"]) for r in CPU_RUNS}):
+    for kind, dtype, draft, decode in sorted({(r["model"], r["dtype"], r["draft"], r["decode"]) for r in CPU_RUNS}):
         aux = AUX if refusal({"model": kind, "aux": "on"}) is None else ()  # (V4 refuses aux)
         rt = RuntimeConfig(dtype=dtype, aux_hidden_layers=aux, kv_tokens=512,
                            draft=str(folders["draft"]) if draft == "on" else None)
-        refs[kind, dtype, draft] = _outputs(PrefillEngine(folders[kind, dtype], rt), True)
+        refs[kind, dtype, draft, decode] = _outputs(PrefillEngine(folders[kind, dtype], rt), True, decode == "on")
     for world in sorted({_parallel(r).world_size for r in CPU_RUNS}):
         runs = [r for r in CPU_RUNS if _parallel(r).world_size == world]
         per_rank = launch(_runs_job, world, runs, folders)
         for rank, results in enumerate(per_rank):
             for run, got in zip(runs, results):
                 where = (rank, run)
-                ref, tol = refs[run["model"], run["dtype"], run["draft"]], TOL[run["dtype"]]
+                ref, tol = refs[run["model"], run["dtype"], run["draft"], run["decode"]], TOL[run["dtype"]]
                 assert got["path"] == ("eager" if run["graph"] == "off" else "graph"), where
                 assert rel_err(got["last"], ref["last"]) <= tol, where
                 for a, b in zip(got["logits"], ref["logits"], strict=True):
@@ -150,6 +158,9 @@ def test_every_allowed_pair_runs_against_the_single_rank_engine(folders):
                         assert rel_err(a, b) <= tol, where
                 else:
                     assert got["draft"] is None, where
+                assert len(got["decode"]) == (len(DECODE_TOKENS) if run["decode"] == "on" else 0), where
+                for (path, a), (_, b) in zip(got["decode"], ref["decode"]):  # each decode step's logits
+                    assert path == ("eager" if run["graph"] == "off" else "graph") and rel_err(a, b) <= tol, where
                 if run["export"] == "on":
                     for x, y in zip(got["export"], ref["export"], strict=True):
                         for a, b in zip(x, y, strict=True):
@@ -192,8 +203,9 @@ def test_a_refused_pair_is_one_line_naming_both_options(pair, rule, folders, tmp
     family = MODELS[s["model"]][0]
     names = [AXES[k].say(v, False, family) for k, v in pair]
     # the Python API: refused before any weight loads or ranks are asked for (an export's
-    # refusal comes from export_kv on live ranks: tests/test_attn_dp.py)
-    if "export" not in dict(pair):
+    # refusal comes from export_kv on live ranks: tests/test_attn_dp.py; decode's from
+    # engine.decode: tests/test_decode_compose.py)
+    if "export" not in dict(pair) and "decode" not in dict(pair):
         with pytest.raises(ConfigError) as e:
             PrefillEngine(folders[s["model"], s["dtype"]], _runtime(s, folders), parallel=_parallel(s))
         msg = str(e.value)
@@ -203,7 +215,8 @@ def test_a_refused_pair_is_one_line_naming_both_options(pair, rule, folders, tmp
     monkeypatch.setattr(cli_main, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
     req = tmp_path / "req.jsonl"
     req.write_text(json.dumps({"tokens": [1, 2, 3]}) + "\n")
-    argv = ["prefill", "--model", folders[s["model"], s["dtype"]], "--input", req, "--output", tmp_path / "o.pt",
+    command = ["generate", "--max-new-tokens", "2"] if s["decode"] == "on" else ["prefill"]
+    argv = [*command, "--model", folders[s["model"], s["dtype"]], "--input", req, "--output", tmp_path / "o.pt",
             "--dtype", s["dtype"], "--layout", s["layout"], "--graph", s["graph"], "--attention", s["attention"],
             "--kv-cache", s["kv_cache"], "--exchange", s["exchange"], "--moe", s.get("moe", "ep"),
             *(["--aux-hidden-layers", "0,1"] if s["aux"] == "on" else []),
@@ -215,7 +228,7 @@ def test_a_refused_pair_is_one_line_naming_both_options(pair, rule, folders, tmp
     err = capsys.readouterr().err
     flags = [AXES[k].say(v, True, family) for k, v in pair]
     assert len(err.splitlines()) == 1 and all(f in err for f in flags) and rule.reason in err, err
-    assert err == f"graphcp prefill: error: {rule.message(s, True, family)}\n"
+    assert err == f"graphcp {command[0]}: error: {rule.message(s, True, family)}\n"
 
 
 def test_full_graph_refusals_agree_with_the_backends():

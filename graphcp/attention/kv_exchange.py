@@ -9,6 +9,11 @@ moves K/V, named by the cache class's ``exchange`` (graphcp.kv.paged.PagedKVCach
 - ``ring`` (the token-sharded cache): a rank writes its own rows to its own pool (no
   collective) and attends by the forward's pass-KV or pass-Q ring, merged by LSE.
 
+A decode step (docs/decode.md) is each exchange's other operation
+(:meth:`KVExchange.decode_step`, graphcp.attention.decode.steps): every rank holds every
+new row, writes the ones its cache keeps, and attends over what it holds; the all-gather's
+caches attend locally, the ring's merge the ranks' partial outputs by their LSE.
+
 An exchange has a host side too, its :attr:`~KVExchange.planner`: the batch preparer
 asks it for this rank's inputs (token ids, positions, cache slots, the attention
 metadata and the exchange's own per-forward plan). A forward's state is one
@@ -25,6 +30,7 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata, RankInputs
+from graphcp.attention.decode.steps import DecodeStep, LocalDecode, MergedDecode
 from graphcp.attention.ring.attention import RINGS, RingAttention
 from graphcp.attention.ring.plan import RingPlan, RingPlanner
 from graphcp.cp import Plan
@@ -119,6 +125,12 @@ class KVExchange:
         """The exchange as configured (engine.stats()'s ``exchange``)."""
         return self.name
 
+    def decode_step(self, merge: str = "auto") -> DecodeStep:
+        """What a decode step's layers store and attend through over this exchange's cache
+        (graphcp.attention.decode.steps; ``merge``: RuntimeConfig.decode_merge, for an
+        exchange whose ranks hold parts of each request)."""
+        raise NotImplementedError(f"the {self.name} exchange has no decode step")
+
 
 # ---- all-gather ---------------------------------------------------------------------
 class AllGatherPlanner:
@@ -185,6 +197,10 @@ class AllGather(KVExchange):
         got = fwd.fetch_prefix(layer)
         fwd.backend.forward(q, fwd.cache.layer(layer), fwd.meta, out)
         return got
+
+    def decode_step(self, merge: str = "auto") -> DecodeStep:
+        """Every rank keeps what it attends over (a layer-split layer: its owner)."""
+        return LocalDecode()
 
 
 def _rank_inputs_np(table: np.ndarray, page_size: int, seq_rows: np.ndarray, seg_request: np.ndarray,
@@ -287,6 +303,10 @@ class Ring(KVExchange):
 
     def setting(self) -> str:
         return self.planner.exchange  # auto | pass-kv | pass-q
+
+    def decode_step(self, merge: str = "auto") -> DecodeStep:
+        """Each rank holds a share of every request: partial attention, merged by LSE."""
+        return MergedDecode(merge)
 
     def describe(self, plan: RingPlan) -> dict[str, Any]:
         out: dict[str, Any] = {"exchange": plan.exchange}

@@ -1,7 +1,8 @@
 """The ``graphcp`` command: ``run`` (the main job on the built-in model), ``prefill``
-(a request file, logits saved), ``tune`` (bucket capacities for a workload),
-``profile`` (per-rank traces and a range summary), ``pd-demo`` (a prefill/decode
-round trip) and ``gpu-check`` (the one-shot GPU check). ``graphcp CMD --help`` for each.
+(a request file, logits saved), ``generate`` (greedy generation and conversations),
+``tune`` (bucket capacities for a workload), ``profile`` (per-rank traces and a range
+summary), ``pd-demo`` (a prefill/decode round trip)
+and ``gpu-check`` (the one-shot GPU check). ``graphcp CMD --help`` for each.
 
 Exit codes: 0 done; 2 bad input (one ``graphcp CMD: error: ...`` line on stderr,
 nothing written or changed); 1 a failed run (one line) or a bug (a traceback).
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from graphcp.checks import check_output_dir, check_output_path
+from graphcp.cli.generate import add_generate_parser
 from graphcp.cli.jobs import mixed_batch, prefill_job, run_job, twin_dtype
 from graphcp.cli.pd_demo import add_pd_demo_parser
 from graphcp.cli.requests import check_request_vocabulary, parse_requests
@@ -201,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="also write the results as JSON")
     p.set_defaults(func=cmd_run)
 
+    add_generate_parser(sub, _save)
     add_tune_parser(sub)
     add_profile_parser(sub)
     add_pd_demo_parser(sub)

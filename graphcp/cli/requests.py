@@ -36,37 +36,46 @@ class FileRequest:
 
 def parse_requests(path: str | Path) -> list[FileRequest]:
     p = Path(path)
-    out: list[FileRequest] = []
-    for where, d in read_jsonl(p, RequestFileError, "{name} line {line}", "request file"):
-        if isinstance(d, dict) and "tokens" not in d and "extend" in d:  # the other JSONL format graphcp reads
-            raise RequestFileError(f'{where}: this looks like a `graphcp tune` workload ("extend" lengths a batch, '
-                                   'workloads/README.md), not a request file: expected {"tokens": [ids...], '
-                                   '"prefix": K} a line (examples/requests.jsonl)')
-        if not isinstance(d, dict) or "tokens" not in d:
-            raise RequestFileError(f'{where}: expected an object with "tokens" (and optionally "prefix")')
-        toks, prefix = d["tokens"], d.get("prefix", 0)
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-            raise RequestFileError(f'{where}: "tokens" must be a list of integer ids')
-        lo, hi = _ID_RANGE
-        bad = next((i for i, t in enumerate(toks) if not lo <= t <= hi), None)
-        if bad is not None:
-            raise RequestFileError(f"{where}: token id {toks[bad]} at position {bad} does not fit 64 bits")
-        if not toks:
-            raise RequestFileError(f"{where}: empty request (no tokens)")
-        if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
-            raise RequestFileError(f'{where}: "prefix" must be an integer >= 0, got {prefix!r}')
-        if prefix >= len(toks):
-            raise RequestFileError(
-                f"{where}: prefix {prefix} is not shorter than the request's {len(toks)} tokens "
-                "(at least one token must be new)"
-            )
-        unknown = set(d) - {"tokens", "prefix"}
-        if unknown:
-            raise RequestFileError(f"{where}: unknown keys {sorted(unknown)}")
-        out.append(FileRequest(toks, prefix, where))
+    out = [request_line(where, d) for where, d in read_jsonl(p, RequestFileError, "{name} line {line}",
+                                                             "request file")]
     if not out:
         raise RequestFileError(f"{p}: no requests (empty batch)")
     return out
+
+
+def token_list(where: str, toks, key: str = "tokens") -> list[int]:
+    """A line's list of integer token ids (each fits 64 bits), or RequestFileError naming the line."""
+    if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        raise RequestFileError(f'{where}: "{key}" must be a list of integer ids')
+    lo, hi = _ID_RANGE
+    bad = next((i for i, t in enumerate(toks) if not lo <= t <= hi), None)
+    if bad is not None:
+        raise RequestFileError(f"{where}: token id {toks[bad]} at position {bad} does not fit 64 bits")
+    return toks
+
+
+def request_line(where: str, d) -> FileRequest:
+    """One request line, ``{"tokens": [ids...], "prefix": K}``, checked (RequestFileError naming the line)."""
+    if isinstance(d, dict) and "tokens" not in d and "extend" in d:  # the other JSONL format graphcp reads
+        raise RequestFileError(f'{where}: this looks like a `graphcp tune` workload ("extend" lengths a batch, '
+                               'workloads/README.md), not a request file: expected {"tokens": [ids...], '
+                               '"prefix": K} a line (examples/requests.jsonl)')
+    if not isinstance(d, dict) or "tokens" not in d:
+        raise RequestFileError(f'{where}: expected an object with "tokens" (and optionally "prefix")')
+    toks, prefix = token_list(where, d["tokens"]), d.get("prefix", 0)
+    if not toks:
+        raise RequestFileError(f"{where}: empty request (no tokens)")
+    if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
+        raise RequestFileError(f'{where}: "prefix" must be an integer >= 0, got {prefix!r}')
+    if prefix >= len(toks):
+        raise RequestFileError(
+            f"{where}: prefix {prefix} is not shorter than the request's {len(toks)} tokens "
+            "(at least one token must be new)"
+        )
+    unknown = set(d) - {"tokens", "prefix"}
+    if unknown:
+        raise RequestFileError(f"{where}: unknown keys {sorted(unknown)}")
+    return FileRequest(toks, prefix, where)
 
 
 def check_request_vocabulary(reqs: list[FileRequest], vocab_size: int) -> None:

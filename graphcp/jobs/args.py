@@ -12,7 +12,7 @@ from graphcp.attention.backends.triton import cpu_problem
 from graphcp.checks import check_layer_list
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import runtime_settings
-from graphcp.config import RuntimeConfig
+from graphcp.config import DEFAULT_DECODE_BUCKETS, RuntimeConfig
 from graphcp.dist import check_devices, local_ranks
 from graphcp.jobs.spec import JobSpec
 from graphcp.model.config import ModelConfig
@@ -22,6 +22,7 @@ from graphcp.model.presets import PRESETS, resolve_model
 from graphcp.options import (
     ATTENTION_BACKENDS,
     CLI_DTYPES,
+    DECODE_MERGES,
     DEVICE_KINDS,
     EXCHANGES,
     GRAPH_BACKENDS,
@@ -108,6 +109,15 @@ def add_draft_arg(p: argparse.ArgumentParser) -> None:
                         "(docs/speculative.md)")
 
 
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    """The decode flags (RuntimeConfig.decode_merge, decode_buckets): the commands that decode (generate)."""
+    p.add_argument("--decode-merge", default="auto", choices=DECODE_MERGES,
+                   help="how a decode step over --kv-cache sharded merges the ranks' partial attention (auto: the "
+                        "one that moves fewer bytes; docs/decode.md)")
+    p.add_argument("--decode-buckets", type=int_list, default=DEFAULT_DECODE_BUCKETS, metavar="N,N,...",
+                   help="the decode batch sizes a decode graph is captured for (default: 1,2,4,...,64)")
+
+
 def interpret_triton_on_cpu(args: argparse.Namespace, prog: str) -> None:
     """``--attention triton`` on a CPU runs Triton's interpreter: chosen here, in the
     launching process before any rank imports triton (ranks inherit the environment),
@@ -134,6 +144,8 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
         link_gb_per_s=args.link_gb_per_s,
         aux_hidden_layers=args.aux_hidden_layers, microbatches=args.pp_microbatches, moe=args.moe,
         draft=getattr(args, "draft", None),  # prefill's --draft
+        decode_merge=getattr(args, "decode_merge", "auto"),  # generate's decode flags
+        decode_buckets=getattr(args, "decode_buckets", DEFAULT_DECODE_BUCKETS),
     )
     return JobSpec(args.model, rt, args.buckets, args.cp, args.pp, args.pp_layers, args.tp, args.dp)
 

@@ -76,6 +76,10 @@ class LayerOwnership:
     def owner(self, layer: int) -> int:
         return layer_owner(layer - self.split_first, self.split_layers, self.cp_size)
 
+    def attention_holder(self, layer: int) -> int:
+        """A decode step attends over ``layer`` on its owner, the one rank that keeps it."""
+        return self.owner(layer)
+
     def pool_index(self, layer: int, owned: Sequence[int]) -> int:
         """Where ``layer`` lives in a pool holding the ``owned`` layers then one scratch
         layer: its own slot when this rank owns it, else the scratch."""

@@ -56,6 +56,7 @@ import torch
 from graphcp.cp.zigzag import ZigzagLayout
 from graphcp.errors import BatchError
 from graphcp.jit import host_kernel
+from graphcp.kv.decode import EVERY_RANK, DecodeSlots, decoded_positions
 from graphcp.kv.layout import KVLayout, kv_cache_views
 from graphcp.kv.spans import KVSpan, whole_layer_spans
 from graphcp.kv.spec import KVHeads, PoolSpec
@@ -100,6 +101,9 @@ class KVHandle:
     chunks: tuple[tuple[int, int], ...] = ()
     #: sharded: how many of the request's positions each rank holds (sums to num_tokens)
     rank_tokens: tuple[int, ...] = ()
+    #: sharded: the positions decode steps added, as runs ``(first, count, tokens on each rank
+    #: before)`` from which each position's rank follows (graphcp.kv.decode)
+    decoded: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
     def local_tokens(self, rank: int) -> int:
         """How many of the request's positions rank ``rank`` holds."""
@@ -116,6 +120,9 @@ class KVHandle:
             start, length = layout.plan([new], [cached]).blocks()
             for s, n in zip(start[rank, 0].tolist(), length[rank, 0].tolist()):
                 out.append(np.arange(s, s + n, dtype=np.int64))
+        if self.decoded:  # decoded tokens lie between the chunks: local order is position order
+            out.append(decoded_positions(self.decoded, rank))
+            return np.sort(np.concatenate(out))
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
@@ -474,6 +481,34 @@ class PagedKVCache:
         ``prefixes``, nothing changed since, ``new`` int64 [R]. Returns the sequence ids
         and their table rows (:meth:`table_rows`)."""
         return self._reserve(prefixes, rows, new)
+
+    # ---- a decode step (graphcp.kv.decode) ------------------------------------------
+    def reserve_decode(self, handles: "list[KVHandle]", rows: np.ndarray) -> DecodeSlots:
+        """Reserve one more token of each live request (``rows``: what :meth:`prefix_rows`
+        returned for ``handles``), all or nothing (KVCacheFull, nothing changed). Here every
+        rank stores it, at its own position."""
+        positions = self._request_tokens(rows)
+        one = np.ones(len(handles), dtype=np.int64)
+        ids, taken = self._reserve(handles, rows, one)
+        slots = self.run_slots(taken, positions, one)
+        return DecodeSlots(ids, taken, positions, np.full(len(ids), EVERY_RANK, dtype=np.int64), positions + 1,
+                           slots)
+
+    def rollback_decode(self, step: DecodeSlots) -> None:
+        """Undo :meth:`reserve_decode` (the step's forward failed): each request one token shorter."""
+        self.rollback(step.seq_ids, np.ones(step.num_requests, dtype=np.int64))
+
+    def most_held(self, rows: np.ndarray) -> int:
+        """The most tokens any rank's pool holds of one of the live requests in table
+        ``rows`` (the same on every rank: a decode graph's page bucket). Here each rank
+        holds every token."""
+        return int(self._request_tokens(rows).max())
+
+    def attention_holder(self, layer: int) -> int | None:
+        """The one rank that attends over every request's KV of ``layer`` in a decode step
+        (the rank whose cache keeps that layer), or None: each rank attends over what it
+        holds (here every rank holds every layer whole)."""
+        return None
 
     def _reserve(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray) -> tuple[list[int], np.ndarray]:
         """Reserve ``new[i]`` more tokens in row ``rows[i]`` (``prefixes[i]``'s; -1, or

@@ -26,6 +26,7 @@ import numpy as np
 
 from graphcp.cp.zigzag import rank_token_counts
 from graphcp.jit import host_kernel
+from graphcp.kv.decode import DecodeSlots, add_decoded, decode_owner, drop_decoded
 from graphcp.kv.paged import KVCacheFull, KVHandle, PagedKVCache
 from graphcp.kv.spans import KVSpan, position_spans
 from graphcp.kv.spec import KVHeads, PoolSpec
@@ -71,7 +72,10 @@ class ShardedKVCache(PagedKVCache):
         self._chunks: dict[int, tuple[tuple[int, int], ...]] = {}
         #: pages each rank's pool has handed out (scratch excluded), from the ledger
         self._used = np.zeros(cp_size, dtype=np.int64)
-        self._ledger_undo: tuple | None = None  # (the reservation, held before, pages it took, chunks before)
+        #: per live request that decoded: its decoded positions as runs (graphcp.kv.decode)
+        self._decoded: dict[int, tuple[tuple[int, int], ...]] = {}
+        # (the reservation, held before, pages it took, chunks before, decoded runs before: a decode step's)
+        self._ledger_undo: tuple | None = None
         self._pending_chunks: tuple | None = None  # (ids, new tokens) of an all-new reservation, not yet in _chunks
 
     def _ledger_chunks(self) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -144,8 +148,58 @@ class ShardedKVCache(PagedKVCache):
             chunks.update(zip(ids, map(add, before, zip(zip(cached.tolist(), new.tolist())))))
         self._used += need
         # what the undo of this reservation writes back (valid while it is the last one)
-        self._ledger_undo = (self._last, held, need, before)
+        self._ledger_undo = (self._last, held, need, before, None)
         return ids, rows
+
+    def reserve_decode(self, handles: "list[KVHandle]", rows: np.ndarray) -> DecodeSlots:
+        """One more token of each request on one rank (the one holding fewest of it,
+        round-robin among equals: graphcp.kv.decode), on every rank's ledger alike; all or nothing (KVCacheFull naming
+        the rank that is short, on every rank)."""
+        B = len(handles)
+        held = self._held[rows]  # [B, C] before (a copy)
+        positions = held.sum(axis=1)
+        holder = decode_owner(held, positions)
+        after = held.copy()
+        after[np.arange(B), holder] += 1
+        need = self._check_room(held, after)
+        mine = (holder == self.rank).astype(np.int64)
+        local = held[:, self.rank]
+        ids, taken = self._reserve(handles, rows, mine)
+        _set_rows(self._held, taken, after)
+        chunks = self._ledger_chunks()
+        decoded = self._decoded
+        before = list(map(decoded.get, ids, repeat(())))
+        decoded.update(zip(ids, map(add_decoded, before, positions.tolist(), map(tuple, held.tolist()))))
+        self._used += need
+        self._ledger_undo = (self._last, held, need, list(map(chunks.__getitem__, ids)), before)
+        slots = np.full(B, -1, dtype=np.int64)  # -1: another rank stores it (the write lands in scratch)
+        here = mine > 0
+        if here.any():
+            slots[here] = self.run_slots(taken[here], local[here], mine[here])
+        return DecodeSlots(ids, taken, positions, holder, local + mine, slots)
+
+    def most_held(self, rows: np.ndarray) -> int:
+        """The most tokens any rank holds of one of these requests (every rank's ledger says)."""
+        return int(self._held[rows].max())
+
+    def rollback_decode(self, step: DecodeSlots) -> None:
+        """Undo :meth:`reserve_decode`: every rank's ledger and this rank's pages as they were."""
+        last, undo = self._last, self._ledger_undo
+        if last is not None and undo is not None and undo[0] is last and last.undoes(step.seq_ids):
+            self._undo_last_ledger(step.seq_ids, last, undo)
+            return
+        rows = self.table_rows(step.seq_ids)  # something changed since: undo request by request
+        after = self._held[rows]
+        before = after.copy()
+        before[np.arange(len(rows)), step.holder] -= 1
+        self._used -= np.add.reduce(self._pages(after) - self._pages(before), axis=0)
+        _set_rows(self._held, rows, before)
+        for s in step.seq_ids:
+            self._decoded[s] = drop_decoded(self._decoded[s])
+            if not self._decoded[s]:
+                del self._decoded[s]
+        mine = (step.holder == self.rank).astype(np.int64)
+        self._undo(step.seq_ids, rows, self._row_tokens[rows] - mine, np.zeros(len(rows), dtype=bool))
 
     def _check_room(self, held: np.ndarray | None, after: np.ndarray) -> np.ndarray:
         """int64 [C]: the pages the batch takes on every rank (``held``: each request's
@@ -204,8 +258,11 @@ class ShardedKVCache(PagedKVCache):
         """Undo the last :meth:`reserve` when nothing changed since (what a failed forward
         undoes): the ledger's rows, page counts and chunks as that reservation found them,
         then this rank's pages and rows (:meth:`PagedKVCache._undo_last`)."""
-        _, held, need, before = undo
+        _, held, need, before, decoded = undo
         self._ledger_undo = None
+        if decoded is not None:  # a decode step: each request's decoded runs as they were
+            self._decoded.update(zip(seq_ids, decoded))
+            deque(map(self._decoded.pop, compress(seq_ids, map(not_, decoded))), maxlen=0)
         _set_rows(self._held, last.rows, _NO_COUNTS if held is None else held)
         self._used -= need
         if before is None:  # every request was new: its ledger entry goes (or was never written)
@@ -226,16 +283,19 @@ class ShardedKVCache(PagedKVCache):
         self._used -= self._pages(self._held[row])
         self._held[row] = 0
         del self._ledger_chunks()[handle.seq_id]
+        self._decoded.pop(handle.seq_id, None)
 
     def handle(self, seq_id: int) -> KVHandle:
         row = self._live_rows()[seq_id]
         held = self._held[row].tolist()
         return KVHandle(seq_id, sum(held), self._pages_of_row(row), self.cache_id, "sharded",
-                        self.cp_size, self._ledger_chunks()[seq_id], tuple(held))
+                        self.cp_size, self._ledger_chunks()[seq_id], tuple(held), self._decoded.get(seq_id, ()))
 
     def snapshot(self) -> tuple:
         chunks = self._ledger_chunks()
-        ledger = tuple((k, chunks[k], tuple(self._held[r].tolist())) for k, r in sorted(self._live_rows().items()))
+        decoded = self._decoded  # (a request that decoded: its runs too)
+        ledger = tuple((k, chunks[k], tuple(self._held[r].tolist())) + ((decoded[k],) if k in decoded else ())
+                       for k, r in sorted(self._live_rows().items()))
         return super().snapshot() + (ledger, tuple(self._used.tolist()))
 
     # ---- what the ring reads ----------------------------------------------------

@@ -81,6 +81,33 @@ class LayerCommunicator:
 
 
 
+@dataclass
+class ReplicatedRows(LayerCommunicator):
+    """A decode step's layout (docs/decode.md): every rank of the stage holds the same rows
+    (each request's one new token), so the FFN needs no gather: each rank multiplies every
+    row by its weight shard and the partial sums are all-reduced over the FFN group (the
+    same sum on every rank); MoE ``ep`` dispatches a disjoint slice of the rows from each
+    rank of the FFN group and all-reduces the slices back (zero outside each: exact)."""
+
+    def enter_ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def leave_ffn(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.ffn.all_reduce_(partial)
+
+    def ep_slice(self, live: int) -> tuple[int, int]:
+        T, t = self.ffn.size, self.ffn.rank
+        return live * t // T, live * (t + 1) // T
+
+    def ep_gather(self, routed: torch.Tensor, live: int) -> torch.Tensor:
+        if self.ffn.size == 1:
+            return routed
+        start, stop = self.ep_slice(live)
+        out = routed.new_zeros((live, routed.shape[1]))
+        out[start:stop] = routed
+        return self.ffn.all_reduce_(out)
+
+
 def ffn_bytes(rows: int, row_bytes: int, cp_size: int, attn_tp_size: int = 1, dp_size: int = 1) -> int:
     """Bytes each way a rank's :meth:`LayerCommunicator.enter_ffn` + ``leave_ffn`` move for
     ``rows`` partition rows (ring algorithms): the all-gather and the reduce-scatter over

@@ -36,6 +36,9 @@ from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.batch import PrefillOutput, Request
 from graphcp.runtime.build import build_parts
 from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.decode.batch import DecodeOutput
+from graphcp.runtime.decode.decoder import Decoder
+from graphcp.runtime.decode.generate import GenerateOutput, generate
 from graphcp.runtime.dp import DataParallelPrefill, ReplicaHandle
 from graphcp.runtime.draft import draft_next_tokens
 from graphcp.runtime.export import Exporter
@@ -69,6 +72,7 @@ class PrefillEngine:
             fw, stage, p.pipeline, p.parallel.stage_layers(p.cfg.num_layers), p.cfg.hidden_size, p.cfg.vocab_size,
             p.model.dtype, p.device, p.model.handoff_size)
         self._exporter = Exporter(p)
+        self._decoder = Decoder(p, self.recorder)
 
     # ---- what tools read (the parts) ---------------------------------------------
     cfg = property(lambda self: self.parts.cfg, doc="The model's config.")
@@ -95,6 +99,7 @@ class PrefillEngine:
     rank = property(lambda self: self.parts.group.rank, doc="This rank in its CP group (its stage's, under PP).")
     world = property(lambda self: self.parts.world, doc="Every rank of the run (stage-major under stages).")
     world_rank = property(lambda self: self.parts.world.rank)
+    decoder = property(lambda self: self._decoder, doc="The decode steps: their preparer, body and graphs.")
 
     # ---- public API -------------------------------------------------------------
     def capture(self, progress: bool = False):
@@ -173,6 +178,39 @@ class PrefillEngine:
             out.info.timings["total_s"] = time.perf_counter() - t0
             return out
 
+    @torch.inference_mode()
+    def decode(self, handles: Sequence[KVHandle], tokens, force_eager: bool = False) -> DecodeOutput:
+        """One decode step (docs/decode.md): ``tokens[j]`` (one token id a request) after
+        the KV of ``handles[j]`` (live handles of this engine, each once), on every rank
+        with the same arguments (SPMD, like ``prefill``). Returns each request's next-token
+        logits (float32 ``[B, vocab]``, the same on every rank) and its handles, one token
+        longer. Each rank attends over the KV its cache mode holds and the partial outputs
+        are merged exactly; the new token's K/V is stored where the mode puts it (the
+        token-sharded cache: on one rank, evenly over a request's ranks). With graphs, the
+        step replays its batch-size bucket's decode graph (``force_eager`` skips it).
+        BatchError (nothing changed) for an empty batch, a handle that is not live here,
+        a token outside the vocabulary, a request at the model's context."""
+        return self._decoder.decode(handles, tokens, force_eager)
+
+    @torch.inference_mode()
+    def generate(self, requests, max_new_tokens: int, stop: Sequence[int] | None = None, logits: bool = False,
+                 release: bool = True, progress: bool = False) -> GenerateOutput:
+        """Greedy generation (docs/decode.md): each request (token ids, a ``Request``, or a
+        ``Conversation`` of turns) prefilled, then up to ``max_new_tokens`` tokens a turn,
+        one decode step each, until a token of ``stop``; a conversation's next turn is
+        prefilled after the tokens generated. Every turn of every request runs in one batch.
+        ``logits``: also return each step's logits; ``release=False`` keeps the KV (the
+        output's handles: export or extend them); ``progress``: a bar over the steps."""
+        return generate(self, requests, max_new_tokens, stop, logits, release, progress)
+
+    def capture_decode(self, pages: int | None = None, progress: bool = False) -> list[int]:
+        """Capture every decode batch-size bucket's graph for steps whose requests hold at
+        most ``pages`` pages on a rank (None: any; graph modes); the batch sizes captured."""
+        graphs = self._decoder.graphs
+        if graphs is None:
+            raise ConfigError("RuntimeConfig.graph='off': there is no decode graph to capture")
+        return graphs.capture_all(pages, progress)
+
     def _driver(self, call: PrefillCall) -> ForwardDriver:
         """Attention-DP replicas, one forward (a draft runs one), or micro-batches (any
         call under pipeline stages)."""
@@ -236,6 +274,8 @@ class PrefillEngine:
             "kv_stored_pages": kv.stored_pages(),
             "forwards": list(self.recorder.forwards),
             "forwards_dropped": self.recorder.dropped,
+            "decode_steps": list(self.recorder.decode_steps),
+            "decode_steps_dropped": self.recorder.decode_dropped,
         }
 
     def reset_stats(self) -> None:

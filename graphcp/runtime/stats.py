@@ -11,7 +11,12 @@ writes. Other tools read these names (keys may be added, never renamed)::
                               "exchange": "all-gather" | "pass-kv" | "pass-q",
                               "new_tokens": N, "cached_tokens": N, "bytes_received": N,
                               "bytes_received_per_layer": N, ...}, ...],
-                "forwards_dropped": N}, ...]}
+                "forwards_dropped": N,
+                "decode_steps": [{"path": "graph" | "eager", "bucket": N | null, "fallback": null | "...",
+                                  "rows": N, "cached_tokens": N, "decode_merge": "local" | "all-gather" |
+                                  "all-to-all", "bytes_merged": N, "bytes_merged_per_layer": N,
+                                  "launches": N | null, "time_s": X}, ...],
+                "decode_steps_dropped": N}, ...]}
 
 ``rank`` is the rank in its CP group, ``world_rank`` in the whole run (stage-major
 under pipeline stages), ``stage`` its pipeline stage and ``layers`` the ``[first, end)``
@@ -21,7 +26,10 @@ and ``kv_heads`` the KV heads its cache stores (the model's, split over attentio
 keys; DeepSeek V4's window, source rows and entries per layer kind);
 under attention DP a forward's ``dp_assignment`` lists each request's replica.
 ``kv_pool_*`` describe one rank's pool; ``kv_stored_tokens`` counts the tokens whose
-KV the rank holds at the end (live handles). ``forwards`` lists every forward in
+KV the rank holds at the end (live handles). ``decode_steps`` lists every decode step
+(docs/decode.md): its path (a decode graph's bucket, or eager and why), its requests
+(``rows``) and their cached tokens, how the ranks' partial attention was merged and the
+bytes this rank received for it, and on the graph path the launches it took. ``forwards`` lists every forward in
 order (the command line prefills prefixes first, so a request with a prefix
 contributes two; under pipeline stages each micro-batch is a forward), each with every
 key of its ``ForwardInfo.stats``: besides those above, ``exchange_choice`` (the
@@ -59,6 +67,8 @@ class Recorder:
         self.exchange, self.num_layers = exchange, num_layers
         self.forwards: deque[dict] = deque(maxlen=HISTORY)
         self.seen = 0
+        self.decode_steps: deque[dict] = deque(maxlen=HISTORY)
+        self.decode_seen = 0
 
     def record(self, prep: PreparedBatch, info: ForwardInfo) -> None:
         """The forward's figures into its ForwardInfo.stats, and the entry into the history."""
@@ -73,13 +83,24 @@ class Recorder:
         self.forwards.append(forward_entry(info))
         self.seen += 1
 
+    def record_decode(self, info) -> None:
+        """One decode step (graphcp.runtime.decode.batch.StepInfo) into the history."""
+        self.decode_steps.append({"path": info.path, "bucket": info.bucket, "fallback": info.fallback, **info.stats})
+        self.decode_seen += 1
+
     @property
     def dropped(self) -> int:
         return self.seen - len(self.forwards)
 
+    @property
+    def decode_dropped(self) -> int:
+        return self.decode_seen - len(self.decode_steps)
+
     def reset(self) -> None:
         self.forwards.clear()
         self.seen = 0
+        self.decode_steps.clear()
+        self.decode_seen = 0
 
 
 def write_stats(path: str | os.PathLike, ranks: list[dict[str, Any]]) -> None:

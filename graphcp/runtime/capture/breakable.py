@@ -45,11 +45,15 @@ class BreakableGraph:
         return [s.num_ops for s in self.segments]
 
 
-def capture_breakable(backend: GraphBackend, ctx, body: Callable[[], Any], breakable: bool = True) -> BreakableGraph:
+def capture_breakable(backend: GraphBackend, ctx, body: Callable[[], Any],
+                      breakable: bool | Callable[[str], bool] = True) -> BreakableGraph:
     """Run ``body()`` once under capture. ``breakable=False`` keeps every break
-    inside the graph (full-graph mode: the break functions are captured too)."""
+    inside the graph (full-graph mode: the break functions are captured too); a
+    predicate on a break's name keeps the breaks it is true for (a decode graph breaks
+    only where a layer sizes work on the host) and captures the others."""
     graph = BreakableGraph()
     current: list[GraphSegment] = []
+    keep = breakable if callable(breakable) else None
 
     def open_segment() -> None:
         seg = backend.new_segment()
@@ -57,6 +61,9 @@ def capture_breakable(backend: GraphBackend, ctx, body: Callable[[], Any], break
         current.append(seg)
 
     def on_break(name: str, fn: Callable, bctx, args: tuple) -> None:
+        if keep is not None and not keep(name):  # captured inside the segment
+            fn(bctx, *args)
+            return
         seg = current.pop()
         seg.end()
         graph.segments.append(seg)

@@ -1,0 +1,133 @@
+"""Decode over the CP-sharded cache (docs/decode.md): the merge's bytes, a step's time at
+CP 1, 2 and 4, and the launches a step takes on the graph path.
+
+Run: ``python -m pytest benchmarks/bench_decode.py --benchmark-only -s`` (prints the tables).
+
+(a) ``test_merge_bytes_per_layer``: C local ranks (gloo) each hold a partial attention
+    output of B decode rows over a Llama-3-70B-like layer (64 query heads of 128,
+    bfloat16, a float32 LSE) and run the real merge (graphcp.attention.decode.merge) as
+    an all-gather and as an all-to-all; a counting CPGroup records the bytes each
+    collective delivers, which must equal the formula (``merge_bytes``), and the merged
+    output must equal the merge of every rank's partials. The table shows which one
+    ``auto`` takes.
+(b) ``test_decode_step_time``: the default preset (a small Qwen3-style model) on the
+    token-sharded cache, 8 requests of 2048 cached tokens, at CP 1, 2 and 4 in the same
+    run: the median time of a decode step eagerly and on the decode graphs (the trace
+    stand-in on a CPU: it counts launches; the launch overhead it saves shows on a GPU),
+    the launches of a graph step (segments and breaks), the bytes merged a layer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from graphcp import PrefillEngine, Request, RuntimeConfig
+from graphcp.attention.decode.merge import MERGE_FUNCTIONS, MERGES, choose_merge, merge_bytes
+from graphcp.attention.ring.merge import merge_states
+from graphcp.dist import CPGroup, launch
+from graphcp.model.presets import ensure_preset
+
+HQ, D, DTYPE = 64, 128, torch.bfloat16
+MERGE_CASES = [(c, b) for c in (2, 4, 8) for b in (1, 8, 64)]
+
+
+@dataclass
+class CountingGroup(CPGroup):
+    """A CPGroup that counts the bytes each collective delivers to this rank."""
+
+    received: int = 0
+
+    def all_gather_rows(self, x):
+        out = super().all_gather_rows(x)
+        self.received += out.nbytes - x.nbytes
+        return out
+
+    def all_to_all_rows(self, x, send_rows, recv_rows, out=None):
+        out = super().all_to_all_rows(x, send_rows, recv_rows, out)
+        self.received += out.nbytes - out.nbytes * recv_rows[self.rank] // max(1, sum(recv_rows))  # not its own
+        return out
+
+
+def _partials(C: int, B: int):
+    g = torch.Generator().manual_seed(B)
+    outs = torch.randn(C, B, HQ, D, generator=g).to(DTYPE)
+    lses = torch.randn(C, B, HQ, generator=g) * 4
+    lses[:, : B // 2, :3] = float("-inf")  # rows a rank holds no key of
+    lses[0, : B // 2, :3] = 1.0
+    return outs, lses
+
+
+def _merge_job(group: CPGroup, B: int) -> dict:
+    g = CountingGroup(group.rank, group.size, group.pg, group.timeout_s)
+    outs, lses = _partials(g.size, B)
+    want = merge_states(list(outs.unbind(0)), list(lses.unbind(0)))[0].to(DTYPE)
+    res = {}
+    for kind in MERGES:
+        out = outs[g.rank].clone()
+        g.received = 0
+        returned = MERGE_FUNCTIONS[kind](g, out, lses[g.rank].clone())
+        res[kind] = (g.received, returned, bool(torch.equal(out, want)))
+    return res
+
+
+ROWS: list[str] = []
+
+
+@pytest.mark.parametrize("cp,rows", MERGE_CASES)
+def test_merge_bytes_per_layer(benchmark, cp, rows):
+    ranks = benchmark.pedantic(launch, args=(_merge_job, cp, rows), rounds=1, iterations=1)
+    line = f"| {cp} | {rows} |"
+    for kind in MERGES:
+        want = merge_bytes(kind, rows, HQ, D, cp, DTYPE.itemsize)
+        for measured, returned, exact in (r[kind] for r in ranks):
+            assert measured == returned == want and exact, (kind, measured, returned, want)
+        line += f" {want / 1024:.1f} |"
+        benchmark.extra_info[kind] = want
+    auto = choose_merge("auto", rows, HQ, D, cp, DTYPE.itemsize)
+    ROWS.append(line + f" {auto} |")
+    if len(ROWS) == len(MERGE_CASES):
+        print("\n| C | B | all-gather KiB/layer | all-to-all KiB/layer | auto |\n|---|---|---|---|---|")
+        print("\n".join(ROWS))
+
+
+CONTEXT, REQUESTS, STEPS = 2048, 8, 8
+STEP_ROWS: list[str] = []
+
+
+def _step_job(group: CPGroup, model: str) -> dict:
+    rt = RuntimeConfig(kv_tokens=CONTEXT * REQUESTS // group.size + 2048, kv_cache="sharded", graph="breakable")
+    engine = PrefillEngine(model, rt, group)
+    rng = np.random.default_rng(0)
+    out = engine.prefill([Request(rng.integers(0, 8192, CONTEXT)) for _ in range(REQUESTS)], force_eager=True)
+    handles, times = out.handles, {"eager": [], "graph": []}
+    for i in range(2 * STEPS + 1):
+        path = "eager" if i % 2 else "graph"
+        t0 = time.perf_counter()
+        step = engine.decode(handles, rng.integers(0, 8192, REQUESTS), force_eager=path == "eager")
+        if i:  # (the first graph step captures its bucket)
+            times[path].append(time.perf_counter() - t0)
+        handles = step.handles
+    last = next(s for s in reversed(engine.stats()["decode_steps"]) if s["path"] == "graph")
+    return {"eager_ms": 1e3 * float(np.median(times["eager"])), "graph_ms": 1e3 * float(np.median(times["graph"])),
+            "launches": last["launches"], "merged": last["bytes_merged_per_layer"], "merge": last["decode_merge"]}
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_decode_step_time(benchmark, cp):
+    model = str(ensure_preset("default"))
+    res = benchmark.pedantic(launch, args=(_step_job, cp, model), rounds=1, iterations=1)[0]
+    assert res["launches"] == 1  # a dense model's step: one captured segment
+    assert (res["merged"] > 0) == (cp > 1)
+    benchmark.extra_info.update(res)
+    STEP_ROWS.append(f"| {cp} | {res['eager_ms']:.1f} | {res['graph_ms']:.1f} | {res['launches']} | "
+                     f"{res['merge']} | {res['merged'] / 1024:.1f} |")
+    if len(STEP_ROWS) == 3:
+        print(f"\n{REQUESTS} requests x {CONTEXT} cached tokens, the default preset, token-sharded cache (CPU):\n"
+              "| C | eager ms/step | graph ms/step | launches/step | merge | merged KiB/layer |\n"
+              "|---|---|---|---|---|---|")
+        print("\n".join(STEP_ROWS))

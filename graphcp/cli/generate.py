@@ -1,0 +1,149 @@
+"""``graphcp generate``: greedy generation of a JSONL file's requests and conversations
+(docs/decode.md, docs/cli.md).
+
+Each line is a request as ``graphcp prefill`` reads it, ``{"tokens": [ids...], "prefix":
+K}`` (one turn), or a conversation, ``{"turns": [[ids...], [ids...], ...],
+"max_new_tokens": N}`` (each turn prefilled after the previous turn's generated tokens;
+``max_new_tokens`` overrides the flag for its turns). OUT.pt (``torch.save``) holds
+``"tokens"``: per request, in input order, a list per turn of the generated ids;
+``"finish"``: per request and turn, ``stop`` or ``length``; with ``--save-logits``,
+``"logits"`` in the same nesting, each a float32 ``[steps, vocab]`` tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from graphcp.checks import check_output_path
+from graphcp.cli.requests import RequestFileError, request_line, token_list
+from graphcp.combinations import check as check_combination
+from graphcp.combinations import parallel_settings, runtime_settings
+from graphcp.dist import CPGroup, gather_object
+from graphcp.errors import InputError
+from graphcp.jobs.args import add_decode_args, add_draft_arg, add_runtime_args, int_list, job_spec, preflight
+from graphcp.jobs.memory import check_local_ranks_fit, job_memory
+from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
+from graphcp.jsonl import read_jsonl
+from graphcp.model.config import ModelConfig
+from graphcp.runtime.batch import check_vocabulary
+from graphcp.runtime.decode.generate import Conversation
+from graphcp.runtime.stats import write_stats
+
+
+@dataclass(frozen=True)
+class FileConversation:
+    turns: list[list[int]]
+    max_new_tokens: int | None = None
+    prefix: int = 0
+    where: str = ""
+
+
+def conversation_line(where: str, d) -> FileConversation:
+    """One line: a request (one turn) or ``{"turns": [...], "max_new_tokens": N}``."""
+    if not isinstance(d, dict) or "turns" not in d:
+        r = request_line(where, d)
+        return FileConversation([r.tokens], None, r.prefix, where)
+    turns, most = d["turns"], d.get("max_new_tokens")
+    if not isinstance(turns, list) or not turns:
+        raise RequestFileError(f'{where}: "turns" must be a non-empty list of token-id lists')
+    turns = [token_list(where, t, f"turns[{i}]") for i, t in enumerate(turns)]
+    if not turns[0]:
+        raise RequestFileError(f"{where}: the first turn is empty (a prompt needs a token)")
+    if most is not None and (not isinstance(most, int) or isinstance(most, bool) or most < 1):
+        raise RequestFileError(f'{where}: "max_new_tokens" must be an integer >= 1, got {most!r}')
+    unknown = set(d) - {"turns", "max_new_tokens"}
+    if unknown:
+        raise RequestFileError(f"{where}: unknown keys {sorted(unknown)}")
+    return FileConversation(turns, most, 0, where)
+
+
+def parse_conversations(path: str | Path) -> list[FileConversation]:
+    p = Path(path)
+    out = [conversation_line(w, d) for w, d in read_jsonl(p, RequestFileError, "{name} line {line}", "request file")]
+    if not out:
+        raise RequestFileError(f"{p}: no requests (empty batch)")
+    return out
+
+
+def check_conversations(convs: list[FileConversation], max_new: int, vocab: int, context: int) -> None:
+    """What generate would refuse, before any rank starts, naming the file and line: a token
+    outside the vocabulary, turns and their generated tokens past the model's context."""
+    for c in convs:
+        check_vocabulary([np.asarray(t, dtype=np.int64) for t in c.turns], vocab, lambda i, c=c: f"{c.where}, turn {i}")
+        most = c.max_new_tokens or max_new
+        prompt = sum(len(t) for t in c.turns)
+        if prompt + len(c.turns) * most > context:
+            raise InputError(f"{c.where}: {prompt} prompt tokens and up to {len(c.turns)} x {most} generated exceed "
+                             f"the model's context of {context}")
+
+
+def generate_job(group: CPGroup, spec: JobSpec, convs: list[FileConversation], max_new: int, stop: tuple[int, ...],
+                 logits: bool, with_stats: bool) -> dict | None:
+    engine = make_engine(group, spec)
+    out = engine.generate([Conversation(c.turns, c.max_new_tokens, c.prefix) for c in convs], max_new, stop, logits,
+                          progress=engine.world_rank == 0)
+    ranks = gather_object(engine.world, engine.stats()) if with_stats else None  # every rank takes part
+    if engine.world_rank != 0:
+        return None
+    steps = engine.stats()["decode_steps"]
+    res = {"tokens": out.tokens, "finish": out.finish, "steps": out.steps, "stats": ranks,
+           "paths": sorted({s["path"] for s in steps}), "kv_cache": spec.runtime.kv_cache}
+    if logits:
+        res["logits"] = [[x.float().contiguous() for x in turn] for turn in out.logits]
+    return res
+
+
+def cmd_generate(args, save) -> int:
+    check_output_path(args.output, "--output")  # before any work
+    if args.stats:
+        check_output_path(args.stats, "--stats")
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    spec = job_spec(args)
+    convs = parse_conversations(args.input)
+    model = preflight(spec)
+    check_decode(spec, model)
+    check_conversations(convs, args.max_new_tokens, model.vocab_size, model.max_position_embeddings)
+    if args.memory_check:  # the prompts' prefill
+        check_local_ranks_fit(spec, job_memory(spec, [sum(len(t) for c in convs for t in c.turns)]))
+    res = run_job_on_ranks(generate_job, spec, convs, args.max_new_tokens, tuple(args.stop or ()),
+                           args.save_logits, bool(args.stats))
+    out = {"tokens": res["tokens"], "finish": res["finish"]}
+    if args.save_logits:
+        out["logits"] = res["logits"]
+    save(out, args.output)
+    if args.stats:
+        write_stats(args.stats, res["stats"])
+    made = sum(len(t) for r in res["tokens"] for t in r)
+    print(f"generated {made} tokens for {len(convs)} requests ({sum(len(c.turns) for c in convs)} turns) in "
+          f"{res['steps']} decode steps on {spec.parallel.world_size} rank(s), {res['kv_cache']} KV cache, decode "
+          f"path {'/'.join(res['paths']) or '-'} -> {args.output}" + (f" (stats: {args.stats})" if args.stats else ""))
+    return 0
+
+
+def check_decode(spec: JobSpec, model: ModelConfig) -> None:
+    """Refuse what decode does not combine with (graphcp/combinations.py), in the flags' names."""
+    rt = spec.runtime
+    check_combination({**runtime_settings(rt), **parallel_settings(spec.parallel), "model": model.kind,
+                       "moe": rt.moe, "decode": "on"}, True, model.family)
+
+
+def add_generate_parser(sub, save) -> None:
+    p = sub.add_parser("generate", help="greedy generation of a JSONL file's requests and conversations")
+    p.add_argument("--input", required=True,
+                   help='REQUESTS.jsonl: {"tokens": [...], "prefix": K} or {"turns": [[...], ...], '
+                        '"max_new_tokens": N} a line')
+    p.add_argument("--output", required=True, help="OUT.pt (torch.save dict: tokens, finish, logits)")
+    p.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens generated a turn, at most")
+    p.add_argument("--stop", type=int_list, default=None, metavar="ID,ID,...",
+                   help="stop tokens: a turn ends after generating one (it is kept)")
+    p.add_argument("--save-logits", action="store_true", help="also save each step's logits")
+    p.add_argument("--stats", default=None, metavar="STATS.json",
+                   help="also write what each rank did, every decode step included (docs/decode.md)")
+    add_draft_arg(p)  # (refused with decode: the error says so in the flag's name)
+    add_decode_args(p)
+    add_runtime_args(p, None)
+    p.set_defaults(func=lambda args: cmd_generate(args, save))

@@ -1,0 +1,182 @@
+"""A decode step's batch: its checks, its reservation and host metadata, and its outputs.
+
+``decode(handles, tokens)`` adds ``tokens[j]`` after the KV of ``handles[j]``. The checks
+refuse (a BatchError naming the request, nothing changed) an empty batch, anything but a
+live, current KV handle of this engine given once, a token that is not an id of the
+vocabulary, and a request whose next position is past the model's context (or the pool);
+then every rank must have been given the same step (the batch's fingerprint), and the
+cache mode reserves each token where it lands (graphcp.kv.decode).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+import numpy as np
+import torch
+
+from graphcp.attention.base import AttentionMetadata
+from graphcp.dist import CPGroup
+from graphcp.errors import BatchError
+from graphcp.kv.decode import DecodeSlots
+from graphcp.kv.paged import KVHandle, KVHandleError, PagedKVCache
+from graphcp.runtime.batch import ConsistencyError
+
+
+@dataclass
+class StepInfo:
+    """How one decode step ran: the graph of its bucket or eagerly (and why)."""
+
+    path: Literal["eager", "graph"]
+    bucket: int | None = None  # the decode graph's batch size (graph path)
+    fallback: str | None = None  # why a step of an engine with graphs ran eagerly
+    #: the step's figures (engine.stats()'s ``decode_steps``): rows, the merge and its bytes, launches
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DecodeOutput:
+    logits: torch.Tensor  # float32 [B, vocab]: each request's next-token logits, identical on every rank
+    handles: list[KVHandle]  # each request's KV, one token longer: pass them to the next step
+    info: StepInfo
+
+
+@dataclass
+class PreparedStep:
+    """One decode step planned and reserved on this rank."""
+
+    slots: DecodeSlots
+    tokens: np.ndarray  # int64 [B]: each request's new token
+    meta: AttentionMetadata  # one segment a request: its query row over this rank's share of its KV
+    merge: str  # how the partial outputs are merged (the exchange's decode step plans it)
+
+    @property
+    def num_requests(self) -> int:
+        return self.slots.num_requests
+
+
+def step_tokens(tokens: Any, n: int, vocab: int) -> np.ndarray:
+    """int64 [n]: one token id a request, each in [0, vocab); BatchError naming the request otherwise."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise BatchError(f"decode: tokens must be integer ids, got a {tokens.dtype} tensor")
+        t = tokens.detach().cpu().numpy()
+    else:
+        try:
+            t = np.asarray(tokens)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise BatchError(f"decode: tokens must be one integer id per request ({e})") from None
+    if t.ndim != 1 or t.shape[0] != n or (t.size and t.dtype.kind not in "iu"):
+        raise BatchError(f"decode: tokens must be one integer id per request ({n}), got {t.dtype} {t.shape}")
+    bad = np.flatnonzero((t < 0) | (t >= vocab)) if t.size else []
+    if len(bad):
+        j = int(bad[0])
+        raise BatchError(f"decode: request {j}: token id {int(t[j])} is outside the vocabulary [0, {vocab})")
+    return t.astype(np.int64)
+
+
+def step_rows(handles: Any, kv: PagedKVCache) -> np.ndarray:
+    """The handles' rows of the cache's page table: each a live, current KVHandle of this
+    cache, given once (KVHandleError, a BatchError, naming the request otherwise)."""
+    if isinstance(handles, (str, bytes)) or not isinstance(handles, SequenceABC):
+        raise BatchError(f"decode: handles must be a list of KVHandle, got {type(handles).__name__}")
+    if len(handles) == 0:
+        raise BatchError("decode: empty batch: a decode step needs at least one request")
+    handles = list(handles)
+    for j, h in enumerate(handles):
+        if not isinstance(h, KVHandle):
+            raise KVHandleError(f"decode: request {j}: expected a KVHandle this engine returned, got "
+                                f"{type(h).__name__}")
+    try:
+        return kv.prefix_rows(handles)
+    except KVHandleError:
+        pass
+    seen: dict[int, int] = {}
+    for j, h in enumerate(handles):  # word what is wrong, naming the request
+        try:
+            kv.check_handle(h)
+        except KVHandleError as e:
+            raise KVHandleError(f"decode: request {j}: {e}") from None
+        if seen.setdefault(h.seq_id, j) != j:
+            raise KVHandleError(f"decode: requests {seen[h.seq_id]} and {j} are the same sequence "
+                                f"(seq_id={h.seq_id}); a sequence takes one token a step")
+    raise AssertionError("prefix_rows refused handles that pass one by one")  # pragma: no cover
+
+
+def check_room(handles: Sequence[KVHandle], max_context: int, pool_tokens: int) -> None:
+    """Every request has room for one more token: below the model's context and the pool."""
+    for j, h in enumerate(handles):
+        if h.num_tokens + 1 > max_context:
+            raise BatchError(f"decode: request {j} holds {h.num_tokens} tokens, the model's context of "
+                             f"{max_context}: no position is left for another")
+        if h.num_tokens + 1 > pool_tokens:
+            raise BatchError(f"decode: request {j} holds {h.num_tokens} tokens, the KV pool's {pool_tokens}: "
+                             "no room for another")
+
+
+def check_same_step(group: CPGroup, tokens: np.ndarray, handles: Sequence[KVHandle], call: Sequence[int],
+                    device: torch.device) -> None:
+    """Every rank was given the same step (ConsistencyError otherwise): one small all-gather
+    of a fingerprint of the tokens, the sequences, their lengths and the call's options."""
+    if not group.distributed:
+        return
+    shape = np.array([len(tokens), *[h.seq_id for h in handles], *[h.num_tokens for h in handles], *call],
+                     dtype=np.int64)
+    fp = torch.tensor([[zlib.crc32(tokens.tobytes()), zlib.crc32(shape.tobytes()), int(shape.sum())]],
+                      dtype=torch.int64, device=device)
+    every = group.all_gather_rows(fp).cpu()
+    differ = [r for r in range(group.size) if not torch.equal(every[r], every[group.rank])]
+    if differ:
+        raise ConsistencyError(f"rank {group.rank}: ranks {differ} were given a different decode step; every rank "
+                               "must call decode with the same handles and tokens")
+
+
+def step_metadata(kv: PagedKVCache, slots: DecodeSlots, device: torch.device) -> AttentionMetadata:
+    """One segment a request: its new row over the ``local_lens[j]`` tokens this rank holds
+    of it, in its pages (non-causal: every held token is before the new one, and a rank may
+    hold none of a request, whose row then gets output 0 and LSE -inf)."""
+    B, lens = slots.num_requests, slots.local_lens
+    most = int(lens.max())
+    buf, cu, kv_lens, table = AttentionMetadata.host_buffers(B, max(1, kv.pages_for(most)))
+    cu[:] = np.arange(B + 1)
+    kv_lens[:] = lens
+    kv.page_table_rows(slots.rows, table.shape[1], out=table)
+    return AttentionMetadata._live(cu, kv_lens, table, kv.page_size, 1, most, device, buf, False)
+
+
+@dataclass
+class StepPreparer:
+    """Checks, reserves and plans one decode step on this rank (see the module doc)."""
+
+    kv: PagedKVCache
+    #: the ranks that must be given the same step (the stage's: attention TP ranks too)
+    group: CPGroup
+    vocab_size: int
+    max_context: int
+    device: torch.device
+    #: the merge plan of a step of n rows: (rows) -> the exchange decode step's plan
+    plan: Any
+    check_consistency: bool = True
+
+    def prepare(self, handles: Sequence[KVHandle], tokens: Any, call: Sequence[int] = ()) -> PreparedStep:
+        """Nothing changes when it raises; :meth:`abort` undoes it. ``call``: the call's
+        options as integers (every rank must agree on them)."""
+        rows = step_rows(handles, self.kv)
+        toks = step_tokens(tokens, len(handles), self.vocab_size)
+        check_room(handles, self.max_context, self.kv.capacity_tokens)
+        if self.check_consistency:
+            check_same_step(self.group, toks, handles, call, self.device)
+        slots = self.kv.reserve_decode(list(handles), rows)
+        try:
+            meta = step_metadata(self.kv, slots, self.device)
+        except BaseException:
+            self.kv.rollback_decode(slots)
+            raise
+        return PreparedStep(slots, toks, meta, self.plan(len(toks)))
+
+    def abort(self, step: PreparedStep) -> None:
+        """Give back what a prepared step reserved (its forward failed)."""
+        self.kv.rollback_decode(step.slots)

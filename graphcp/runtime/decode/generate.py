@@ -1,0 +1,194 @@
+"""Greedy generation and conversations over ``prefill`` and ``decode``
+(``PrefillEngine.generate``, ``graphcp generate``; docs/decode.md).
+
+A request is a :class:`Conversation`: its turns (token ids each), every turn prefilled
+after what the request holds so far (the previous turn's prompt and generated tokens; the
+last generated token, whose K/V no step has computed yet, first), then up to
+``max_new_tokens`` tokens generated greedily, one decode step each, until a stop token
+(kept, as transformers keeps its end-of-sequence token). A plain request is one turn.
+Every turn of every request runs in one batch: one prefill, then decode steps over the
+requests still generating. SPMD: every rank calls it with the same arguments and returns
+the same tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from graphcp.checks import check_int
+from graphcp.errors import BatchError
+from graphcp.runtime.batch import Request, check_vocabulary, request_tokens
+
+
+@dataclass
+class Conversation:
+    """One request of :meth:`~graphcp.runtime.engine.PrefillEngine.generate`: its turns, in
+    order (the first non-empty), and the most tokens generated after each (None: the
+    call's ``max_new_tokens``); ``prefix``: the first turn's first tokens to prefill in a
+    forward of their own first (a cached prefix, as ``graphcp prefill``'s ``prefix``)."""
+
+    turns: Sequence[Any]
+    max_new_tokens: int | None = None
+    prefix: int = 0
+
+
+@dataclass
+class GenerateOutput:
+    """Per request (in input order), per turn: the generated ids, why generation stopped
+    (``stop``: a stop token; ``length``: max_new_tokens), and with ``logits`` asked each
+    step's logits, float32 ``[steps, vocab]`` (the prefill's last row, then each decode
+    step's); ``handles``: each request's KV when kept (``release=False``), else None. A
+    kept handle holds every token but the last generated one (no step has computed its
+    K/V): a next prefill extending it starts with that token."""
+
+    tokens: list[list[list[int]]]
+    finish: list[list[str]]
+    logits: list[list[torch.Tensor]] | None = None
+    handles: list | None = None
+    #: decode steps run (over all turns)
+    steps: int = 0
+
+
+@dataclass(eq=False)  # (compared by identity: a request is itself)
+class _State:
+    """One request while it generates."""
+
+    turns: list[np.ndarray]
+    most: int  # tokens generated a turn, at most
+    prefix: int
+    handle: Any = None
+    owned: bool = False  # the handle is one generate's prefill returned (a caller's prefix is not released on failure)
+    pending: int | None = None  # the last generated token, not in the cache yet
+    tokens: list[list[int]] = field(default_factory=list)
+    logits: list[list[torch.Tensor]] = field(default_factory=list)
+    finish: list[str] = field(default_factory=list)
+
+    def done(self, stop: frozenset) -> bool:
+        toks = self.tokens[-1]
+        return toks[-1] in stop or len(toks) >= self.most
+
+
+def conversations(requests: Any, max_new_tokens: int, vocab: int, context: int) -> list[_State]:
+    """Each request as a conversation, checked before anything runs (BatchError naming the
+    request and turn): token ids of the vocabulary, a non-empty first turn, and room for
+    every turn and its most generated tokens within the model's context."""
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, SequenceABC) or not requests:
+        raise BatchError("generate: requests must be a non-empty list of token ids, Requests or Conversations")
+    out = []
+    for j, r in enumerate(requests):
+        conv = r if isinstance(r, Conversation) else Conversation([r.tokens if isinstance(r, Request) else r])
+        if isinstance(conv.turns, (str, bytes)) or not isinstance(conv.turns, SequenceABC) or not conv.turns:
+            raise BatchError(f"generate: request {j}: turns must be a non-empty list of token-id lists")
+        turns = [request_tokens(t, j).astype(np.int64) for t in conv.turns]
+        check_vocabulary(turns, vocab, lambda t, j=j: f"generate: request {j}, turn {t}")
+        most = max_new_tokens if conv.max_new_tokens is None else check_int(
+            conv.max_new_tokens, f"request {j}: max_new_tokens", lo=1, where="generate", err=BatchError)
+        if turns[0].size == 0:
+            raise BatchError(f"generate: request {j}: its first turn is empty (a prompt needs a token)")
+        prefix = check_int(conv.prefix, f"request {j}: prefix", lo=0, hi=turns[0].size - 1, where="generate",
+                           err=BatchError)
+        handle = r.prefix if isinstance(r, Request) else None  # a cached prefix it extends (prefill checks it)
+        cached = 0 if handle is None else getattr(handle, "num_tokens", 0)
+        need = cached + sum(t.size for t in turns) + len(turns) * most
+        if need > context:
+            raise BatchError(f"generate: request {j}: {cached + sum(t.size for t in turns)} cached and prompt tokens "
+                             f"and up to {len(turns)} x {most} generated exceed the model's context of {context}")
+        out.append(_State(turns, most, prefix, handle))
+    return out
+
+
+def _prefill_turn(engine, states: list[_State], t: int, stop: frozenset, keep_logits: bool) -> list[_State]:
+    """Turn ``t`` of the requests that have it: one prefill of every prompt after its
+    pending token, the first generated token of each. The requests still generating."""
+    live = [s for s in states if t < len(s.turns)]
+    if t == 0 and any(s.prefix for s in live):  # cached prefixes first, a forward of their own
+        withp = [s for s in live if s.prefix]
+        out = engine.prefill([Request(s.turns[0][: s.prefix], s.handle) for s in withp], aux_hidden_layers=())
+        for s, h in zip(withp, out.handles):
+            s.handle, s.owned = h, True
+    reqs = []
+    for s in live:
+        new = s.turns[t][s.prefix:] if t == 0 else s.turns[t]
+        reqs.append(Request(new if s.pending is None else np.concatenate([[s.pending], new]), s.handle))
+    out = engine.prefill(reqs, aux_hidden_layers=())
+    first = out.last_logits.argmax(-1).tolist()
+    for j, (s, h) in enumerate(zip(live, out.handles)):
+        s.handle, s.owned, s.pending = h, True, first[j]
+        s.tokens.append([first[j]])
+        s.logits.append([out.last_logits[j]] if keep_logits else [])
+    return [s for s in live if not s.done(stop)]
+
+
+def _decode_turn(engine, live: list[_State], stop: frozenset, keep_logits: bool, bar) -> int:
+    """Decode steps until every request of the turn stopped; the steps run."""
+    steps = 0
+    while live:
+        out = engine.decode([s.handle for s in live], [s.pending for s in live])
+        nxt = out.logits.argmax(-1).tolist()
+        for j, (s, h) in enumerate(zip(live, out.handles)):
+            s.handle, s.pending = h, nxt[j]
+            s.tokens[-1].append(nxt[j])
+            if keep_logits:
+                s.logits[-1].append(out.logits[j])
+        live = [s for s in live if not s.done(stop)]
+        steps += 1
+        if bar is not None:
+            bar.update(1)
+    return steps
+
+
+def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | None = None,
+             logits: bool = False, release: bool = True, progress: bool = False) -> GenerateOutput:
+    """See the module doc (``engine``: a PrefillEngine)."""
+    engine.decoder.check_combination()  # (before the first prefill: nothing runs that decode would refuse)
+    most = check_int(max_new_tokens, "max_new_tokens", lo=1, where="generate", err=BatchError)
+    stops = frozenset(int(x) for x in (stop or ()))
+    states = conversations(requests, most, engine.cfg.vocab_size, engine.max_context)
+    turns = max(len(s.turns) for s in states)
+    # the steps when no stop token comes: a turn's steps serve all its requests at once
+    bar = _bar(sum(max(s.most - 1 for s in states if t < len(s.turns)) for t in range(turns)),
+               progress and engine.world_rank == 0)
+    steps = 0
+    try:
+        for t in range(turns):
+            live = _prefill_turn(engine, states, t, stops, logits)
+            for s in states:
+                if t < len(s.turns) and s not in live:
+                    s.finish.append("stop" if s.tokens[-1][-1] in stops else "length")
+            steps += _decode_turn(engine, live, stops, logits, bar)
+            for s in live:
+                s.finish.append("stop" if s.tokens[-1][-1] in stops else "length")
+    except BaseException:
+        _release(engine, states)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    handles = None if release else [s.handle for s in states]
+    if release:
+        _release(engine, states)
+    return GenerateOutput([s.tokens for s in states], [s.finish for s in states],
+                          [[torch.stack(x) for x in s.logits] for s in states] if logits else None, handles, steps)
+
+
+def _release(engine, states: list[_State]) -> None:
+    for s in states:
+        if s.owned:
+            engine.release(s.handle)
+            s.handle, s.owned = None, False
+
+
+def _bar(total: int, show: bool):
+    if not show:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="decode steps", unit="step", file=sys.stderr)

@@ -1,0 +1,91 @@
+"""Decode graphs (issue 40, docs/decode.md): one per batch-size bucket, attention and merge
+inside. On the CPU stand-in (the ``trace`` graph backend) a replay must equal bitwise the
+same step run eagerly on the same bucket (its hidden rows and the K/V it writes), at CP 2
+over each cache mode and a MoE ``ep`` model (whose exchange stays a break); a dense step is
+one launch; a step larger than every bucket runs eagerly and says why."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphcp import PrefillEngine, Request, RuntimeConfig
+from graphcp.dist import launch
+
+CASES = [("qwen3", "replicated"), ("qwen3", "sharded"), ("qwen3", "layer-split"), ("qwen3_moe", "sharded")]
+
+
+def _same_bucket(engine: PrefillEngine, lens, tokens) -> dict:
+    """A prepared step replayed on its bucket, then the same step run eagerly on the same
+    bucket from the same cache: the hidden rows and the pool after each, the launches."""
+    out = engine.prefill([Request(np.arange(n) % 500 + 1) for n in lens])
+    dec = engine.decoder
+    step = dec.preparer.prepare(out.handles, tokens)
+    try:
+        pool0 = engine.kv.pool.clone()
+        stats: dict = {}
+        hidden, bucket, launches = dec.graphs.try_replay(step, stats)
+        got = (hidden.clone(), engine.kv.pool.clone())
+        engine.kv.pool.copy_(pool0)
+        want = (dec.graphs.eager_on_bucket(step, bucket)[: len(lens)].clone(), engine.kv.pool.clone())
+    finally:
+        dec.preparer.abort(step)
+    for h in out.handles:
+        engine.release(h)
+    return {"bitwise": all(torch.equal(a, b) for a, b in zip(got, want)), "bucket": bucket, "launches": launches,
+            "merge": stats["decode_merge"], "wrote": int((got[1][:, 1:] != pool0[:, 1:]).sum())}  # (not scratch)
+
+
+def _job(group, folders: dict) -> list[dict]:
+    res = []
+    for family, mode in CASES:
+        rt = RuntimeConfig(kv_tokens=512, kv_cache=mode, graph="breakable", page_size=16)
+        res.append(_same_bucket(PrefillEngine(folders[family], rt, group), [5, 33, 1], [7, 8, 9]))
+    return res
+
+
+@pytest.fixture(scope="module")
+def folders(hf_model_dir):
+    return {f: hf_model_dir(f, False, "float32") for f in ("qwen3", "qwen3_moe")}
+
+
+def test_a_replay_equals_the_same_bucket_eager_step_bitwise(folders):
+    ranks = launch(_job, 2, folders)
+    for rank, results in enumerate(ranks):
+        for k, ((family, mode), r) in enumerate(zip(CASES, results)):
+            where = (rank, family, mode)
+            assert r["bitwise"] and r["bucket"] == 4, where
+            # every rank writes the new tokens' K/V, or (sharded) each token's one rank
+            assert (r["wrote"] > 0 if mode != "sharded" else sum(x[k]["wrote"] for x in ranks) > 0), where
+            # a dense body is one segment; the MoE model's ep layer (layer 0) stays a break
+            assert r["launches"] == (3 if family == "qwen3_moe" else 1), (where, r["launches"])
+            assert r["merge"] == ("all-to-all" if mode == "sharded" else "local"), where
+
+
+def test_a_step_larger_than_every_bucket_runs_eagerly_and_says_so(folders):
+    rt = RuntimeConfig(kv_tokens=512, graph="breakable", decode_buckets=(1, 2))
+    engine = PrefillEngine(folders["qwen3"], rt)
+    out = engine.prefill([Request([1, 2, 3]), Request([4]), Request([5, 6])])
+    try:
+        small = engine.decode(out.handles[:2], [1, 2])
+        big = engine.decode([small.handles[0], small.handles[1], out.handles[2]], [3, 4, 5])
+        eager = engine.decode(big.handles[:1], [6], force_eager=True)
+        assert (small.info.path, small.info.bucket) == ("graph", 2)
+        assert (big.info.path, big.info.fallback) == ("eager", "larger_than_every_bucket")
+        assert (eager.info.path, eager.info.fallback) == ("eager", None)
+        steps = engine.stats()["decode_steps"][-3:]
+        assert [s["fallback"] for s in steps] == [None, "larger_than_every_bucket", None]
+        assert engine.decoder.graphs.fallbacks["larger_than_every_bucket"] == 1
+        assert small.info.stats["pages"] == 1  # the requests' one page: the smallest page bucket
+        assert engine.capture_decode(pages=1) == [1]  # the batch sizes not captured yet for one page
+        assert engine.capture_decode() == [2, 1]  # nor for the widest
+    finally:
+        for h in (eager.handles[0], *big.handles[1:]):
+            engine.release(h)
+
+
+def test_the_page_bucket_holds_the_longest_share_within_twice():
+    from graphcp.runtime.decode.graphs import page_bucket
+
+    assert [page_bucket(p, 32) for p in (0, 1, 2, 3, 5, 16, 17, 32, 40)] == [1, 1, 2, 4, 8, 16, 32, 32, 32]
