@@ -79,8 +79,12 @@ class EngineParts:
 
     @property
     def world(self) -> CPGroup:
-        """Every rank of the run: the pipeline's (stage-major), or the CP group's (its stage)."""
-        return self.pipeline.world if self.pipeline is not None else self.group
+        """Every rank of the run, numbered as graphcp.mesh does: the pipeline's (stage-major),
+        or the stage's (every replica, CP and attention-TP rank: the FFN group's ranks)."""
+        if self.pipeline is not None:
+            return self.pipeline.world
+        ffn = self.mesh.ffn
+        return self.group if ffn.size == self.group.size else replace(ffn, name="run (every rank)")
 
 
 def build_parts(model: str | Path, rt: RuntimeConfig, group: CPGroup, buckets: BucketSet | None,
