@@ -198,7 +198,8 @@ def _attention_limits(rt: RuntimeConfig, kv: PagedKVCache, group: CPGroup, bucke
 def _make_preparer(layout: Layout, kv: PagedKVCache, mesh: MeshGroups, pipeline: PipelineGroups | None,
                    parallel: ParallelConfig, rt: RuntimeConfig, cfg: ModelConfig, device: torch.device,
                    attention: Any, exchange: KVExchange) -> BatchPreparer:
-    # every stage of a pipeline (every rank of the mesh) must be given the same batch
+    # every stage of a pipeline (every rank of the mesh) must be given the same batch; under
+    # attention DP the driver checks the whole batch over the stage (runtime/dp.py)
     consistency = pipeline.world if pipeline is not None else (
         mesh.ffn if mesh.ffn.size != mesh.cp.size and parallel.dp_size == 1 else None)
     sized = preallocates_per_request(attention.name)  # a batch may hold at most max_requests
