@@ -8,6 +8,13 @@ which returns the float32 log-sum-exp with the output (fused, as fast as the
 plain path); elsewhere, or where that op is missing, float32 matmuls, a
 log-sum-exp and a second matmul per block of rows (the readable fallback, and
 what the tests compare the fused path with).
+
+A bottom-right causal segment (new rows after cached keys, or a zigzag rank's late
+block) needs a mask, which the kernels take as a tensor of rows x keys: it is attended
+in blocks of query rows (:func:`row_blocks`), each over the keys its rows can see, so
+the mask (and the fallback's float32 scores) of one call stay within
+``TorchAttention.max_block_elements`` however long the prompt. A row's result does not
+depend on the other rows of its call: blocks change no value.
 """
 
 from __future__ import annotations
@@ -36,6 +43,14 @@ def bottom_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> t
     rows = torch.arange(q_len, device=device).unsqueeze(1)
     cols = torch.arange(kv_len, device=device).unsqueeze(0)
     return cols <= rows + (kv_len - q_len)
+
+
+def row_blocks(q_len: int, kv_len: int, max_elements: int) -> list[tuple[int, int]]:
+    """``[b0, b1)`` blocks of a bottom-right causal segment's ``q_len`` rows whose
+    ``rows x keys`` (block ``[b0, b1)`` sees keys ``[0, kv_len - q_len + b1)``) stay
+    within ``max_elements`` (at least one row a block): the whole segment when it fits."""
+    rows = max(1, max_elements // max(kv_len, 1))
+    return [(b0, min(q_len, b0 + rows)) for b0 in range(0, q_len, rows)]
 
 
 def coalesced_segments(meta: AttentionMetadata) -> list[tuple[int, int, int, np.ndarray]]:
@@ -72,6 +87,9 @@ class TorchAttention(AttentionBackend):
 
     #: query rows per score block when LSE is asked (bounds the float32 score memory)
     lse_block_rows = 1024
+    #: the most (query row x key) elements one call's mask, or the fallback's scores of
+    #: all heads, may hold: 16 MiB of a float32 mask (module doc)
+    max_block_elements = 1 << 22
 
     #: (metadata, its segments with their page indices as tensors) of the forward
     #: :meth:`prepare` planned: every layer's call reads them instead of redoing them
@@ -113,12 +131,21 @@ class TorchAttention(AttentionBackend):
                     o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True,
                                                        scale=spec.scale)
                 else:
-                    mask = bottom_right_causal_mask(q1 - q0, kv_len, q.device)
-                    o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask,
-                                                       scale=spec.scale)
+                    self._bottom_right(qs, ks, vs, q0, q1, kv_len, out)
+                    continue
                 out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
             else:
                 self._with_lse(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
+
+    def _bottom_right(self, qs, ks, vs, q0, q1, kv_len, out) -> None:
+        """A bottom-right causal segment, a block of rows at a time (:func:`row_blocks`)."""
+        q_len = q1 - q0
+        for b0, b1 in row_blocks(q_len, kv_len, self.max_block_elements):
+            seen = kv_len - q_len + b1  # the keys rows [b0, b1) can see
+            mask = bottom_right_causal_mask(b1 - b0, seen, qs.device)
+            o = F.scaled_dot_product_attention(qs[None, :, b0:b1], ks[None, :, :seen], vs[None, :, :seen],
+                                               attn_mask=mask, scale=self.spec.scale)
+            out[q0 + b0:q0 + b1] = o[0].transpose(0, 1).to(out.dtype)
 
     #: ATen's CPU flash attention, which also returns the LSE (None: not in this torch)
     _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -131,20 +158,27 @@ class TorchAttention(AttentionBackend):
 
     def _with_lse_fused(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool) -> None:
         q_len = q1 - q0
-        mask = None
-        if causal and q_len != kv_len:  # bottom-right: an additive mask in q's dtype (what the kernel takes)
-            keep = bottom_right_causal_mask(q_len, kv_len, qs.device)
-            mask = torch.zeros(q_len, kv_len, dtype=qs.dtype, device=qs.device).masked_fill_(~keep, float("-inf"))
-        o, row_lse = self._cpu_flash(qs[None], ks[None], vs[None], 0.0, causal and q_len == kv_len, attn_mask=mask,
-                                     scale=self.spec.scale)[:2]
-        out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
-        lse[q0:q1] = row_lse[0].transpose(0, 1)
+        if not causal or q_len == kv_len:  # no mask: the kernel skips the masked blocks itself
+            o, row_lse = self._cpu_flash(qs[None], ks[None], vs[None], 0.0, causal, scale=self.spec.scale)[:2]
+            out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
+            lse[q0:q1] = row_lse[0].transpose(0, 1)
+            return
+        for b0, b1 in row_blocks(q_len, kv_len, self.max_block_elements):
+            seen = kv_len - q_len + b1  # bottom-right: an additive mask in q's dtype (what the kernel takes)
+            keep = bottom_right_causal_mask(b1 - b0, seen, qs.device)
+            mask = torch.zeros(b1 - b0, seen, dtype=qs.dtype, device=qs.device).masked_fill_(~keep, float("-inf"))
+            o, row_lse = self._cpu_flash(qs[None, :, b0:b1], ks[None, :, :seen], vs[None, :, :seen], 0.0, False,
+                                         attn_mask=mask, scale=self.spec.scale)[:2]
+            out[q0 + b0:q0 + b1] = o[0].transpose(0, 1).to(out.dtype)
+            lse[q0 + b0:q0 + b1] = row_lse[0].transpose(0, 1)
 
     def _with_lse_blocks(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool = True) -> None:
         q_len = q1 - q0
         kf, vf = ks.float(), vs.float()
-        for b0 in range(0, q_len, self.lse_block_rows):
-            b1 = min(q_len, b0 + self.lse_block_rows)
+        # float32 scores of every head: [heads, rows, keys] within max_block_elements
+        step = max(1, min(self.lse_block_rows, self.max_block_elements // max(1, qs.shape[0] * kv_len)))
+        for b0 in range(0, q_len, step):
+            b1 = min(q_len, b0 + step)
             scores = torch.matmul(qs[:, b0:b1].float(), kf.transpose(1, 2)) * self.spec.scale
             if causal:
                 rows = torch.arange(b0, b1, device=qs.device).unsqueeze(1)
