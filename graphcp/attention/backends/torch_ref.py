@@ -10,11 +10,13 @@ log-sum-exp and a second matmul per block of rows (the readable fallback, and
 what the tests compare the fused path with).
 
 A bottom-right causal segment (new rows after cached keys, or a zigzag rank's late
-block) needs a mask, which the kernels take as a tensor of rows x keys: it is attended
-in blocks of query rows (:func:`row_blocks`), each over the keys its rows can see, so
-the mask (and the fallback's float32 scores) of one call stay within
-``TorchAttention.max_block_elements`` however long the prompt. A row's result does not
-depend on the other rows of its call: blocks change no value.
+block) would need a mask, which the kernels take as a tensor of rows x keys. On a CPU
+it runs as two unmasked calls of the flash kernel, the keys before the segment's rows
+and the segment's own square (causal), merged by their LSEs; elsewhere (and in the
+matmul fallback) in blocks of query rows (:func:`row_blocks`), each over the keys its
+rows can see, so one call's mask (or float32 scores) stays within
+``TorchAttention.max_block_elements`` however long the prompt. Either is within
+rounding of one masked call.
 """
 
 from __future__ import annotations
@@ -138,7 +140,12 @@ class TorchAttention(AttentionBackend):
                 self._with_lse(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
 
     def _bottom_right(self, qs, ks, vs, q0, q1, kv_len, out) -> None:
-        """A bottom-right causal segment, a block of rows at a time (:func:`row_blocks`)."""
+        """A bottom-right causal segment: on a CPU in two unmasked parts
+        (:meth:`_bottom_right_split`); elsewhere a block of rows at a time
+        (:func:`row_blocks`), each with its mask."""
+        if self._fused(qs):
+            self._bottom_right_split(qs, ks, vs, q0, q1, kv_len, out, None)
+            return
         q_len = q1 - q0
         for b0, b1 in row_blocks(q_len, kv_len, self.max_block_elements):
             seen = kv_len - q_len + b1  # the keys rows [b0, b1) can see
@@ -150,27 +157,44 @@ class TorchAttention(AttentionBackend):
     #: ATen's CPU flash attention, which also returns the LSE (None: not in this torch)
     _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
+    def _fused(self, qs) -> bool:
+        """Whether ATen's CPU flash kernel (output and LSE) takes these inputs."""
+        return self._cpu_flash is not None and qs.device.type == "cpu" and qs.dtype in (torch.float32, torch.bfloat16)
+
     def _with_lse(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool = True) -> None:
-        if self._cpu_flash is not None and qs.device.type == "cpu" and qs.dtype in (torch.float32, torch.bfloat16):
+        if self._fused(qs):
             self._with_lse_fused(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
         else:
             self._with_lse_blocks(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
 
     def _with_lse_fused(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool) -> None:
-        q_len = q1 - q0
-        if not causal or q_len == kv_len:  # no mask: the kernel skips the masked blocks itself
-            o, row_lse = self._cpu_flash(qs[None], ks[None], vs[None], 0.0, causal, scale=self.spec.scale)[:2]
-            out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
-            lse[q0:q1] = row_lse[0].transpose(0, 1)
+        if causal and q1 - q0 != kv_len:
+            self._bottom_right_split(qs, ks, vs, q0, q1, kv_len, out, lse)
             return
-        for b0, b1 in row_blocks(q_len, kv_len, self.max_block_elements):
-            seen = kv_len - q_len + b1  # bottom-right: an additive mask in q's dtype (what the kernel takes)
-            keep = bottom_right_causal_mask(b1 - b0, seen, qs.device)
-            mask = torch.zeros(b1 - b0, seen, dtype=qs.dtype, device=qs.device).masked_fill_(~keep, float("-inf"))
-            o, row_lse = self._cpu_flash(qs[None, :, b0:b1], ks[None, :, :seen], vs[None, :, :seen], 0.0, False,
-                                         attn_mask=mask, scale=self.spec.scale)[:2]
-            out[q0 + b0:q0 + b1] = o[0].transpose(0, 1).to(out.dtype)
-            lse[q0 + b0:q0 + b1] = row_lse[0].transpose(0, 1)
+        # no mask: the kernel skips the masked blocks itself
+        o, row_lse = self._cpu_flash(qs[None], ks[None], vs[None], 0.0, causal, scale=self.spec.scale)[:2]
+        out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
+        lse[q0:q1] = row_lse[0].transpose(0, 1)
+
+    def _bottom_right_split(self, qs, ks, vs, q0, q1, kv_len, out, lse) -> None:
+        """A bottom-right causal segment with no mask (ATen's CPU flash kernel): every row
+        sees all the keys before the segment's own (none masked), and the segment's own
+        keys causally (a square: the kernel skips the masked blocks); the two parts merge
+        by their LSEs in float32. Temporaries: O(rows x heads x head_dim)."""
+        own = kv_len - (q1 - q0)  # the keys before the segment's rows
+
+        def part(k, v, causal: bool):
+            o, row_lse = self._cpu_flash(qs[None], k[None], v[None], 0.0, causal, scale=self.spec.scale)[:2]
+            return o[0].float(), row_lse[0]  # [H, rows, D], [H, rows]
+
+        (o1, l1), (o2, l2) = part(ks[:, :own], vs[:, :own], False), part(ks[:, own:], vs[:, own:], True)
+        top = torch.maximum(l1, l2)
+        w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
+        total = w1 + w2
+        o = o1 * (w1 / total).unsqueeze(-1) + o2 * (w2 / total).unsqueeze(-1)
+        out[q0:q1] = o.transpose(0, 1).to(out.dtype)
+        if lse is not None:
+            lse[q0:q1] = (top + torch.log(total)).transpose(0, 1)
 
     def _with_lse_blocks(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool = True) -> None:
         q_len = q1 - q0
