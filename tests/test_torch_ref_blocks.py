@@ -114,7 +114,7 @@ def test_a_long_segment_allocates_no_rows_by_keys_temporary(path, monkeypatch):
     2048 x 8192 (the smallest q x kv tensor: 16 MiB); the largest within a block's mask
     or scores, or one request's K / V (the split takes no mask at all)."""
     q_len, kv_len = 2048, 8192
-    budget = 1 << 18
+    budget = 1 << 20
     monkeypatch.setattr(TorchAttention, "max_block_elements", budget)
     meta, pages = _meta([(q_len, kv_len)])
     dtype = torch.float32
