@@ -15,6 +15,7 @@ from helpers import mesh_engine, rel_err, twin_of
 from graphcp import (
     BatchError,
     ConfigError,
+    ConsistencyError,
     ModelConfig,
     ParallelConfig,
     PrefillEngine,
@@ -150,10 +151,13 @@ def _refusals(group, folder):
     errors = []
     for call in (lambda: eng.export_kv(out.handles[0]), lambda: eng.prefill([Request([1])], microbatches=2),
                  lambda: eng.prefill([Request([1], prefix=out.handles[0].local or out.handles[1].local)]),
-                 lambda: eng.prefill([Request([1]), Request([2] * 5000)])):
+                 lambda: eng.prefill([Request([1]), Request([2] * 5000)]),
+                 # the replicas given different batches (one token differs): both ranks' share goes to
+                 # replica 0, so without a check over the whole mesh replica 1 would pad and say nothing
+                 lambda: eng.prefill([Request([1, 2, 3 + group.rank])])):
         try:
             call()
-        except (ConfigError, BatchError) as e:
+        except (ConfigError, BatchError, ConsistencyError) as e:
             errors.append(f"{type(e).__name__}: {e}")
     after = eng.prefill([Request([7, 8])])  # the refusals changed nothing; the engine still runs
     return errors, eng.kv.stored_tokens(), after.last_logits
@@ -162,15 +166,18 @@ def _refusals(group, folder):
 def test_dp_refuses_what_is_not_built_and_agrees_on_a_refused_batch(hf_model_dir):
     """The export and micro-batches are refused under DP; a plain cache handle is not a
     DP prefix; a request one replica refuses (longer than the context) is refused on
-    every rank (the other replica's ranks agree before any forward: no hang)."""
+    every rank (the other replica's ranks agree before any forward: no hang); ranks of
+    different replicas given different batches get a one-line ConsistencyError each."""
     results = launch(_refusals, 2, hf_model_dir("qwen3"), timeout_s=120)
-    for errors, _, _ in results:
-        assert len(errors) == 4, errors
+    for rank, (errors, _, _) in enumerate(results):
+        assert len(errors) == 5, errors
         assert "ParallelConfig.dp_size > 1 with PrefillEngine.export_kv: the KV export under attention DP is not " \
                "built yet" in errors[0]
         assert "microbatches=2 under attention DP is not built yet" in errors[1]
         assert "under attention DP a prefix is the ReplicaHandle" in errors[2]
         assert "exceed" in errors[3] or "another attention-DP replica refused" in errors[3]
+        assert errors[4].startswith(f"ConsistencyError: rank {rank}: ranks [{1 - rank}] were given a different "
+                                    "batch") and "\n" not in errors[4], errors[4]
     # each replica's cache holds its own requests: replica 0 the 3 tokens of the first batch's
     # request 0 and the last batch's 2 (the lower index wins a tie), replica 1 request 1's 2
     assert [stored for _, stored, _ in results] == [5, 2]
@@ -193,8 +200,10 @@ def _full_graph_fallback(group, folder):
                             ParallelConfig(tp_size=2, cp_size=1, dp_size=2))
         eng.capture()
         stage, agreements = eng.dp.stage, []
-        reduce = stage.all_reduce_
-        stage.all_reduce_ = lambda x, op="sum": (agreements.append(op), reduce(x, op))[1]  # the stage's agreements
+        reduce, gather = stage.all_reduce_, stage.all_gather_rows
+        # the stage's agreements
+        stage.all_reduce_ = lambda x, op="sum": (agreements.append(f"all_reduce {op}"), reduce(x, op))[1]
+        stage.all_gather_rows = lambda x: (agreements.append("all_gather"), gather(x))[1]
         got = []
         for lens in (FALLBACK_LENS, [20, 1]):
             agreements.clear()
@@ -209,8 +218,8 @@ def _full_graph_fallback(group, folder):
 def test_full_graph_fallback_is_agreed_by_every_replica(hf_model_dir):
     """Attention DP with graph='full': the eager fallback is decided with the rows, on
     every rank, so both replicas take the same path; the logits equal one rank's in
-    float32 and bfloat16. The refusal, the rows and the fallback are one all-reduce a
-    forward (one host sync; there were two)."""
+    float32 and bfloat16. The batch's fingerprint, the refusal, the rows and the fallback
+    are one all-gather over the stage a forward (one host sync; there were two)."""
     from graphcp.runtime.capture.buckets import FALLBACK_REQUESTS
 
     folder = hf_model_dir("qwen3")
@@ -224,6 +233,6 @@ def test_full_graph_fallback_is_agreed_by_every_replica(hf_model_dir):
             for rank, per_dtype in enumerate(results):
                 path, fallback, logits, agreements = per_dtype[dtype][k]
                 assert (path, fallback) == (("eager", FALLBACK_REQUESTS) if k == 0 else ("graph", None)), (rank, k)
-                assert agreements == ["max"], agreements
+                assert agreements == ["all_gather"], agreements
                 for a, b in zip(logits, want.logits):
                     assert rel_err(a, b) <= TOL[dtype], (dtype, rank, k, rel_err(a, b))

@@ -19,6 +19,7 @@ from helpers import mesh_engine, rel_err, twin_of
 
 from graphcp import (
     ConfigError,
+    InputError,
     ModelConfig,
     ParallelConfig,
     PrefillEngine,
@@ -66,15 +67,21 @@ def _batch(vocab: int):
     return [(rng.integers(0, vocab, p) if p else None, rng.integers(0, vocab, n)) for n, p in zip(LENS, PREFIX)]
 
 
-def _run(eng):
+def _run(eng, rank: int = 0, size: int = 1):
     """The batch's outputs, and the KV export (every rank receiving) of request 2: its
-    cached prefix and new tokens, every layer's K and V with all the model's KV heads."""
+    cached prefix and new tokens, every layer's K and V with all the model's KV heads.
+    Exported to one rank ``dst`` of the whole run (``rank`` of ``size``, the launch's
+    numbering: attention-TP ranks fastest, stage-major), exactly that rank receives it:
+    the first attention-TP rank but one, and the last rank (of the last stage)."""
     out = prefill_after_prefixes(eng, _batch(eng.cfg.vocab_size), all_logits=True, aux_hidden_layers=AUX)
     export = eng.export_kv(out.handles[2])
-    last = eng.world.size - 1  # one receiver: the last rank (of the last stage)
-    to_last = eng.export_kv(out.handles[2], dst=last)
-    assert (to_last is None) == (eng.world.rank != last)
-    assert to_last is None or all(torch.equal(a, b) for a, b in zip(to_last.k + to_last.v, export.k + export.v))
+    assert (eng.world_rank, eng.world.size) == (rank, size)
+    for dst in sorted({min(1, size - 1), size - 1}):
+        got = eng.export_kv(out.handles[2], dst=dst)
+        assert (got is None) == (rank != dst), (rank, dst)
+        assert got is None or all(torch.equal(a, b) for a, b in zip(got.k + got.v, export.k + export.v))
+    with pytest.raises(InputError, match=rf"export_kv: dst .* must be <= {size - 1}, got {size}"):
+        eng.export_kv(out.handles[2], dst=size)  # one line, on every rank
     for h in out.handles:
         eng.release(h)
     return out, export
@@ -85,7 +92,7 @@ def _job(group, folders, cases):
     for tp, cp, pp, *case in cases:
         family, dtype, layout, kv_cache, graph, moe = case
         eng = mesh_engine(group, folders, BUCKETS, ParallelConfig(tp_size=tp, cp_size=cp, pp_size=pp), *case, AUX)
-        out, export = _run(eng)
+        out, export = _run(eng, group.rank, group.size)
         st = eng.stats()
         last = st["forwards"][-1]
         res.append((out.last_logits, out.logits, out.aux_hidden, out.info.path,

@@ -4,7 +4,9 @@
   attention-TP ranks and 2 attention-DP replicas where the run has them) on a tiny model, and its logits, auxiliary hidden
   states and exported KV match the single-rank eager engine on the same batch (float32
   1e-5, bfloat16 2e-2; the single-rank engine is checked against transformers by the
-  parity tests), the graph path taken where a graph mode is set;
+  parity tests), the graph path taken where a graph mode is set; an export to one rank
+  of the run (``dst``) reaches exactly that rank, under attention TP without and with
+  stages too (``DST_RUNS``: triples the pairwise cover need not hold);
 - every refused pair, in a configuration where it is the only refused pair, ends the
   Python API and the command line with one line that names both options and the reason;
 - the README table and docs/combinations.md are what the declaration generates, and the
@@ -72,6 +74,26 @@ ALL_EXPERTS = {"moe": dict(num_experts_per_tok=8), "dsa": dict(num_experts_per_t
 CPU_RUNS = covering_runs(cpu_values())
 
 
+def _run(**kw) -> dict:
+    base = {"model": "dense", "dtype": "float32", "layout": "zigzag", "graph": "off", "attention": "torch",
+            "kv_cache": "replicated", "exchange": "auto", "pp": "1", "attn_tp": "1", "dp": "1", "aux": "off",
+            "export": "on", "draft": "off", "decode": "off"}
+    return {**base, **kw}
+
+
+#: what the pairwise cover need not hold together: an export to one rank under attention
+#: TP without stages and with them, a family whose heads split (dense, MoE) and one whose
+#: every rank holds the whole KV (V4), in each cache mode that family runs
+DST_RUNS = [
+    _run(attn_tp=">1"),
+    _run(model="moe", dtype="bfloat16", kv_cache="sharded", exchange="pass-kv", attn_tp=">1", moe="tp"),
+    _run(model="dsv4", kv_cache="layer-split", attn_tp=">1", moe="ep"),
+    _run(attn_tp=">1", pp=">1", kv_cache="layer-split"),
+    _run(model="moe", kv_cache="sharded", exchange="pass-q", attn_tp=">1", pp=">1", moe="ep"),
+    _run(model="dsv4", dtype="bfloat16", attn_tp=">1", pp=">1", moe="tp"),
+]
+
+
 @pytest.fixture(scope="module")
 def folders(hf_model_dir, tmp_path_factory):
     """(model kind, dtype) -> checkpoint folder; "draft" -> an EAGLE-3 draft that fits the
@@ -103,6 +125,12 @@ def _flat(export) -> list:
     return [layer[name] for layer in export.layers for name in sorted(layer)]
 
 
+def _dsts(world: int) -> list[int]:
+    """The ranks an export is sent to alone: rank 1 (under attention TP 2: the second
+    attention-TP rank of the first CP rank) and the last rank of the run."""
+    return sorted({min(1, world - 1), world - 1})
+
+
 def _outputs(engine, export: bool, decode: bool) -> dict:
     o = prefill_after_prefixes(engine, _batch(engine.cfg.vocab_size), all_logits=True)
     handles, steps = o.handles, []
@@ -110,9 +138,13 @@ def _outputs(engine, export: bool, decode: bool) -> dict:
         step = engine.decode(handles, tokens)
         handles = step.handles
         steps.append((step.info.path, step.logits))
-    return {"path": o.info.path, "last": o.last_logits, "logits": o.logits, "aux": o.aux_hidden,
-            "draft": None if o.draft is None else o.draft.all_logits, "decode": steps,
-            "export": [_flat(e) for e in engine.export_kv_batch(handles)] if export else None}
+    out = {"path": o.info.path, "last": o.last_logits, "logits": o.logits, "aux": o.aux_hidden,
+           "draft": None if o.draft is None else o.draft.all_logits, "decode": steps,
+           "export": [_flat(e) for e in engine.export_kv_batch(handles)] if export else None}
+    if export:  # to one rank of the whole run: what that rank gets, None elsewhere
+        out["to_one"] = {dst: [None if e is None else _flat(e) for e in engine.export_kv_batch(handles, dst=dst)]
+                         for dst in _dsts(engine.world.size)}
+    return out
 
 
 def _parallel(run: dict) -> ParallelConfig:
@@ -137,8 +169,8 @@ def test_every_allowed_pair_runs_against_the_single_rank_engine(folders):
         rt = RuntimeConfig(dtype=dtype, aux_hidden_layers=aux, kv_tokens=512,
                            draft=str(folders["draft"]) if draft == "on" else None)
         refs[kind, dtype, draft, decode] = _outputs(PrefillEngine(folders[kind, dtype], rt), True, decode == "on")
-    for world in sorted({_parallel(r).world_size for r in CPU_RUNS}):
-        runs = [r for r in CPU_RUNS if _parallel(r).world_size == world]
+    for world in sorted({_parallel(r).world_size for r in CPU_RUNS + DST_RUNS}):
+        runs = [r for r in CPU_RUNS + DST_RUNS if _parallel(r).world_size == world]
         per_rank = launch(_runs_job, world, runs, folders)
         for rank, results in enumerate(per_rank):
             for run, got in zip(runs, results):
@@ -165,12 +197,17 @@ def test_every_allowed_pair_runs_against_the_single_rank_engine(folders):
                     for x, y in zip(got["export"], ref["export"], strict=True):
                         for a, b in zip(x, y, strict=True):
                             assert a.shape == b.shape and rel_err(a, b) <= tol, where
+                    assert sorted(got["to_one"]) == _dsts(world), where
+                    for dst, exports in got["to_one"].items():  # exactly dst receives, what every rank gets
+                        for x, y in zip(exports, got["export"], strict=True):
+                            assert (x is None) == (rank != dst), (where, dst)
+                            assert x is None or all(a.equal(b) for a, b in zip(x, y, strict=True)), (where, dst)
 
 
 def test_the_runs_hold_every_allowed_pair_and_no_refused_one():
     allowed, refused, implied = classify_pairs(cpu_values())
     held = set()
-    for run in CPU_RUNS:
+    for run in CPU_RUNS + DST_RUNS:
         assert refusal(run) is None, run
         held |= {tuple(sorted(p, key=lambda kv: list(AXES).index(kv[0]))) for p in combinations(run.items(), 2)}
     assert set(allowed) <= held

@@ -1,6 +1,8 @@
 """The Mooncake transport on loopback TCP: prefill ranks (forked) send to a receiver
 process (forked). A batch of mixed lengths from 2 ranks, with the replicated, the
-layer-split and the token-sharded cache, arrives bitwise equal to ``export_kv``; each
+layer-split and the token-sharded cache, arrives bitwise equal to ``export_kv``, and so
+it does from every rank of a run under pipeline stages and under attention TP (each
+rank its own layers and KV heads); each
 fault ends in its documented error within the timeout, nothing is handed out
 partially, and the prefill side's KV can still be exported (and sent again) afterwards."""
 
@@ -176,6 +178,63 @@ def test_pipeline_stages_send_their_own_layers(hf_model_dir, tmp_path):
             recv = read_kv(tmp_path / f"pp-{mode}-{i}.safetensors")
             assert recv.meta.num_layers == 4 and recv.meta.dtype == PP_DTYPES[mode], (mode, i)
             assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), (mode, i)
+
+
+#: (tp, cp, pp, cache mode, dtype): the KV heads split over attention TP 2 at CP 2; 2 KV
+#: heads over attention TP 4 (each held by two ranks, written once); attention TP 2 in
+#: each of two stages
+ATTN_TP_RUNS = [(4, 2, 1, "replicated", "float32"), (4, 1, 1, "sharded", "bfloat16"),
+                (2, 1, 2, "layer-split", "bfloat16")]
+
+
+def _send_attn_tp(group, folder, address):
+    """Every rank of the run sends its KV heads of the spans it owns; rank 0's export is
+    what the receiver must hold."""
+    from graphcp.pd.sender import KVSender
+
+    out = []
+    for tp, cp, pp, mode, dtype in ATTN_TP_RUNS:
+        eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache=mode, dtype=dtype), group,
+                            parallel=ParallelConfig(tp_size=tp, cp_size=cp, pp_size=pp))
+        handles = eng.prefill(_requests(eng.cfg.vocab_size)).handles
+        sender = KVSender(address, eng.world_rank, eng.world.size, timeout_s=60)
+        sender.send(eng, handles, [f"tp-{mode}-{i}" for i in range(len(handles))])
+        sender.close()
+        exports = eng.export_kv_batch(handles, dst=0)
+        out.append([(e.k, e.v) for e in exports] if eng.world_rank == 0 else None)
+    return out
+
+
+def test_attention_tp_ranks_send_their_heads(hf_model_dir, tmp_path):
+    folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=4)
+    ids = [f"tp-{r[3]}-{i}" for r in ATTN_TP_RUNS for i in range(len(LENS))]
+    rx = Receiver("good", tmp_path, ids, timeout_s=120)
+    sent = launch(_send_attn_tp, 4, folder, rx.address)[0]
+    got = rx.results()
+    assert sorted(got.pop("completed")) == [] and all(v == ("ok", "") for v in got.values()), got
+    for run, exports in zip(ATTN_TP_RUNS, sent):
+        for i, (k, v) in enumerate(exports):
+            recv = read_kv(tmp_path / f"tp-{run[3]}-{i}.safetensors")
+            assert recv.meta.num_kv_heads == 2 and recv.meta.dtype == run[4], (run, i)
+            assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), (run, i)
+
+
+def test_which_heads_an_attention_tp_rank_writes():
+    """Its shard's heads; a head replicated over ranks by its first holder only; a format
+    every rank holds whole (DeepSeek V4's one shared KV head) by attention-TP rank 0 only."""
+    from types import SimpleNamespace as NS
+
+    from graphcp.pd.sender import _heads_written
+
+    def written(a, A, H, splits=True):
+        parts = NS(mesh=NS(attn_tp=NS(rank=a, size=A)), family=NS(export_splits_heads=splits),
+                   attn_cfg=NS(num_kv_heads=max(1, H // A)))
+        return _heads_written(NS(parts=parts), NS(num_kv_heads=H))
+
+    assert written(0, 1, 8) is None
+    assert [written(a, 2, 8) for a in range(2)] == [(0, 4), (4, 4)]
+    assert [written(a, 4, 2) for a in range(4)] == [(0, 1), (0, 0), (1, 1), (0, 0)]
+    assert [written(a, 2, 1, splits=False) for a in range(2)] == [None, (0, 0)]
 
 
 def _faulty_send(group, folder, address, ids, die_before_done=False):

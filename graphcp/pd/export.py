@@ -220,17 +220,18 @@ def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta
 
 
 def gather_stages(out: list[dict[str, torch.Tensor]] | None, meta, stage_layers: list[range], stage: int,
-                  world: CPGroup, cp_size: int, dst: int | None, device: torch.device) -> None:
-    """Under pipeline stages: each stage's CP group has assembled its own layers (with
-    :func:`assemble`, at every rank when ``dst`` is None, else at the CP rank
-    ``dst % cp_size``); move every stage's layers to the final receivers over ``world``
-    (every rank of the pipeline, stage-major: global rank ``s * cp_size + r``). One
-    message a stage: a broadcast from the stage's first rank when every rank receives,
-    else a send from rank ``(s, dst % cp_size)`` to ``dst``. Every rank calls it."""
+                  world: CPGroup, stage_size: int, dst: int | None, device: torch.device) -> None:
+    """Under pipeline stages: each stage has assembled its own layers (at every rank when
+    ``dst`` is None, else at the rank of the stage in ``dst``'s place: stage-local rank
+    ``dst % stage_size``); move every stage's layers to the final receivers over
+    ``world`` (every rank of the pipeline, stage-major: global rank ``s * stage_size +
+    r``). One message a stage: a broadcast from the stage's first rank when every rank
+    receives, else a send from rank ``(s, dst % stage_size)`` to ``dst``. Every rank
+    calls it."""
     for s, layers in enumerate(stage_layers):
         nbytes = sum(meta.nbytes_of(i, n, meta.num_tokens) for i in layers for n in meta.layer_tensors(i))
         if dst is None:
-            root = s * cp_size
+            root = s * stage_size
             if stage == s and world.rank == root:
                 buf = _pack(out, layers, meta)
             else:
@@ -239,8 +240,8 @@ def gather_stages(out: list[dict[str, torch.Tensor]] | None, meta, stage_layers:
             if stage != s:
                 _unpack_layers(out, layers, buf, meta)
             continue
-        dst_stage, dst_cp = divmod(dst, cp_size)
-        src = s * cp_size + dst_cp
+        dst_stage, place = divmod(dst, stage_size)
+        src = s * stage_size + place
         if s == dst_stage:
             continue  # dst assembled its own stage's layers
         if world.rank == src:

@@ -1,6 +1,6 @@
 """The prefill side of the Mooncake transport: :class:`KVSender`, one per prefill rank
-(``KVSender(address, engine.world_rank, engine.world.size)``: under pipeline stages every
-rank of every stage, each sending its stage's layers).
+(``KVSender(address, engine.world_rank, engine.world.size)``: every rank of the run;
+under pipeline stages each sends its stage's layers, under attention TP its KV heads).
 
 Every rank of the prefill group calls :meth:`KVSender.send` with the same handles and
 request ids (like ``prefill``), and sends only the spans its cache mode makes it the
@@ -24,6 +24,7 @@ import torch
 from graphcp.errors import ConfigError
 from graphcp.pd.control import Channel, connect
 from graphcp.pd.errors import ReceiverDied, ReceiverUnreachable, TransferFailed, TransferTimeout
+from graphcp.pd.heads import head_owners
 from graphcp.pd.mooncake import MooncakeEngine
 
 
@@ -99,7 +100,9 @@ class KVSender:
         meta = engine.kv_meta(handle)  # either format: the runs come from its layout (graphcp.pd.layout)
         # the spans this rank owns in its CP group (under pipeline stages: of its stage's layers)
         source = engine.kv_source  # the cache, or what reads a V4 cache's state
-        mine = [s for s in source.kv_spans(handle, engine.group.size) if s.owner == engine.rank]
+        heads = _heads_written(engine, meta)
+        mine = [s for s in source.kv_spans(handle, engine.group.size) if s.owner == engine.rank] \
+            if heads != (0, 0) else []
         self.channel.send(op="open", id=rid, rank=self.rank, senders=self.cp_size, meta=meta.to_dict())
         base = int(self._reply(rid, ("region", "refused", "failed"), "region")["addr"])
         staging = self._stage(sum(meta.nbytes_of(s.layer, n, s.num_tokens) for s in mine
@@ -111,7 +114,11 @@ class KVSender:
                 dtype = meta.tensor_dtype(span.layer, name)  # bytes: a format may mix dtypes (V4's float32 gates)
                 nb = t.numel() * dtype.itemsize
                 staging[pos:pos + nb].copy_(t.to(dtype).contiguous().view(-1).view(torch.uint8))
-                for s_off, d_off, n in meta.span_runs(span.layer, name, span.start, span.num_tokens):
+                runs = meta.span_runs(span.layer, name, span.start, span.num_tokens)
+                if heads is not None:  # this rank's KV heads: their runs (graphcp-kv/1: one run a head)
+                    first, count = heads
+                    runs = [(s_off - first * n, d_off, n) for s_off, d_off, n in runs[first:first + count]]
+                for s_off, d_off, n in runs:
                     src.append(self._staging_addr + pos + s_off)
                     dst.append(base + d_off)
                     lengths.append(n)
@@ -140,3 +147,21 @@ class KVSender:
             self._staging = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
             self._staging_addr = self.engine.register(self._staging)
         return self._staging
+
+
+def _heads_written(engine, meta) -> tuple[int, int] | None:
+    """Under attention TP, which of the model's KV heads this rank writes of its spans:
+    ``(first, count)`` of its head shard; ``(0, 0)``: none (another attention-TP rank
+    writes the same: a KV head replicated over ranks, or a format every rank holds
+    whole, which attention-TP rank 0 writes); None: whole tensors (no attention TP)."""
+    p = engine.parts
+    a, A = p.mesh.attn_tp.rank, p.mesh.attn_tp.size
+    if A == 1:
+        return None
+    if not p.family.export_splits_heads:
+        return None if a == 0 else (0, 0)
+    H = meta.num_kv_heads  # (a format whose heads split: graphcp-kv/1)
+    if a not in head_owners(A, H):
+        return (0, 0)
+    local = p.attn_cfg.num_kv_heads
+    return (a * local, local) if H >= A else (a * H // A, 1)

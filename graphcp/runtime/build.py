@@ -79,8 +79,12 @@ class EngineParts:
 
     @property
     def world(self) -> CPGroup:
-        """Every rank of the run: the pipeline's (stage-major), or the CP group's (its stage)."""
-        return self.pipeline.world if self.pipeline is not None else self.group
+        """Every rank of the run, numbered as graphcp.mesh does: the pipeline's (stage-major),
+        or the stage's (every replica, CP and attention-TP rank: the FFN group's ranks)."""
+        if self.pipeline is not None:
+            return self.pipeline.world
+        ffn = self.mesh.ffn
+        return self.group if ffn.size == self.group.size else replace(ffn, name="run (every rank)")
 
 
 def build_parts(model: str | Path, rt: RuntimeConfig, group: CPGroup, buckets: BucketSet | None,
@@ -194,7 +198,8 @@ def _attention_limits(rt: RuntimeConfig, kv: PagedKVCache, group: CPGroup, bucke
 def _make_preparer(layout: Layout, kv: PagedKVCache, mesh: MeshGroups, pipeline: PipelineGroups | None,
                    parallel: ParallelConfig, rt: RuntimeConfig, cfg: ModelConfig, device: torch.device,
                    attention: Any, exchange: KVExchange) -> BatchPreparer:
-    # every stage of a pipeline (every rank of the mesh) must be given the same batch
+    # every stage of a pipeline (every rank of the mesh) must be given the same batch; under
+    # attention DP the driver checks the whole batch over the stage (runtime/dp.py)
     consistency = pipeline.world if pipeline is not None else (
         mesh.ffn if mesh.ffn.size != mesh.cp.size and parallel.dp_size == 1 else None)
     sized = preallocates_per_request(attention.name)  # a batch may hold at most max_requests

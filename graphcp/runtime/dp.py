@@ -12,6 +12,10 @@ so every replica runs every forward, with the same row capacity (the largest rep
 - A replica with no request prefills one padding request of one token (SGLang pads an
   idle DP rank the same way), whose pages are given back after the forward: it joins the
   FFN collectives and never hangs them.
+- Every rank of the stage must be given the same batch: its fingerprint (the whole
+  batch's, before the split) rides on the one small all-gather in which the replicas
+  agree on their shares, so ranks of different replicas given different batches raise a
+  ``ConsistencyError`` on every rank, nothing changed, at the cost of the agreement alone.
 - A refusal on one replica (a ``BatchError``) is agreed by every rank before any forward:
   every rank raises, nothing changes.
 - Every rank returns the whole batch's outputs in request order, and a
@@ -20,6 +24,7 @@ so every replica runs every forward, with the same row capacity (the largest rep
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,7 +39,9 @@ from graphcp.runtime.batch import (
     PrefillOutput,
     PreparedBatch,
     Request,
+    batch_fingerprint,
     check_container,
+    check_fingerprints,
     check_item_type,
     request_tokens,
 )
@@ -97,7 +104,8 @@ class DataParallelPrefill:
         padding = not mine
         # the token ids as the batch's rules read them (a tensor is copied to the host once)
         sub = [Request([0])] if padding else [Request(tokens[i], self._local(reqs[i].prefix)) for i in mine]
-        prep, rows, fallback = self._prepare(sub, call)
+        fingerprint = self._fingerprint(tokens, cached, fixed, sub if not padding else [], call)
+        prep, rows, fallback = self._prepare(sub, call, fingerprint)
         p = self.parts
         try:
             res = p.stage.run(prep, None, call.force_eager, call.aux, rows, fallback)
@@ -121,19 +129,34 @@ class DataParallelPrefill:
         res.info.stats["dp_assignment"] = where
         return assemble(len(reqs), [(idx, o) for idx, o, _ in parts], handles, res.info)
 
-    def _prepare(self, sub: list[Request], call: PrefillCall) -> tuple[PreparedBatch, int, str | None]:
-        """This replica's sub-batch prepared, once every replica has prepared its own (a
-        refusal on one is raised on every rank, nothing changed); with the rows and the
+    def _prepare(self, sub: list[Request], call: PrefillCall,
+                 fingerprint: list[int]) -> tuple[PreparedBatch, int, str | None]:
+        """This replica's sub-batch prepared, once every rank has agreed it was given the
+        same batch and every replica has prepared its own (a different batch or a refusal
+        on one is raised on every rank, nothing changed); with the rows and the
         graph-or-eager choice every replica agreed on (:meth:`_agree`)."""
         prep, error = None, None
-        try:
-            prep = self.parts.preparer.prepare(sub, call_args=call.fingerprint)
+        try:  # (verified: the whole batch's fingerprint is checked in the agreement, over every rank)
+            prep = self.parts.preparer.prepare(sub, verified=True, call_args=call.fingerprint)
         except BatchError as e:
             error = e
-        rows, fallback = self._agree(prep)
+        rows, fallback = self._agree(prep, fingerprint)
         if error is not None:
             raise error
         return prep, rows, fallback
+
+    def _fingerprint(self, tokens: list[np.ndarray], cached: list[int], fixed: list[int | None],
+                     sub: list[Request], call: PrefillCall) -> list[int]:
+        """The whole batch's fingerprint (every rank of the stage computes the same from
+        the same batch: the prefixes named by replica), then this replica's prefixes'
+        cache handles (its own ranks compute the same); zeros with the check off."""
+        if not self.parts.preparer.check_consistency:
+            return [0, 0, 0, 0]
+        flat = np.concatenate([t.astype(np.int64, copy=False) for t in tokens]) if tokens else np.zeros(0, np.int64)
+        whole = batch_fingerprint(flat, [t.size for t in tokens], cached, [-1 if d is None else d for d in fixed],
+                                  call.fingerprint)
+        local = np.asarray([-1 if r.prefix is None else r.prefix.seq_id for r in sub], dtype=np.int64)
+        return whole + [zlib.crc32(local.tobytes())]
 
     @staticmethod
     def _requests(batch: Sequence[Request]) -> list[Request]:
@@ -170,20 +193,31 @@ class DataParallelPrefill:
                                 "pass each rank the handles its own engine returned")
         return h.local
 
-    def _agree(self, prep: PreparedBatch | None) -> tuple[int, str | None]:
-        """One all-reduce a forward (one host sync), right after preparing: every rank of
-        the stage learns whether every replica prepared its sub-batch (``prep`` None: this
-        one refused), the largest replica's rows and whether some replica's batch rules
-        the graphs out (:meth:`GraphRunner.own_fallback`). Every replica then runs the
-        same path at the same rows, so the FFN's collectives have one size."""
+    def _agree(self, prep: PreparedBatch | None, fingerprint: list[int]) -> tuple[int, str | None]:
+        """One all-gather a forward over every rank of the stage (one host sync), right after
+        preparing: every rank learns whether every rank was given its batch (the whole
+        batch's fingerprint equal everywhere, a replica's prefix handles within the replica),
+        whether every replica prepared its sub-batch (``prep`` None: this one refused), the
+        largest replica's rows and whether some replica's batch rules the graphs out
+        (:meth:`GraphRunner.own_fallback`). Every replica then runs the same path at the
+        same rows, so the FFN's collectives have one size."""
         runner = self.parts.stage.runner
         if prep is None:
             mine = [1, 0, 0]
         else:
             eager = runner is not None and runner.own_fallback(prep) is not None
             mine = [0, prep.plan.max_local_rows, int(eager)]
-        t = to_device(np.array(mine, dtype=np.int64), self.device)
-        refused, rows, eager = self.stage.all_reduce_(t, op="max").tolist()
+        row = to_device(np.array([mine + fingerprint], dtype=np.int64), self.device)
+        every = self.stage.all_gather_rows(row).cpu()
+        try:
+            me, per = self.stage.rank, self.stage.size // self.replicas  # a replica's ranks are consecutive
+            check_fingerprints(every[:, 3:6], me)
+            check_fingerprints(every[:, 6:], me, range(me // per * per, (me // per + 1) * per))
+        except BaseException:
+            if prep is not None:
+                self.parts.preparer.abort(prep)
+            raise
+        refused, rows, eager = every[:, :3].max(dim=0).values.tolist()
         if refused and prep is not None:
             self.parts.preparer.abort(prep)
             raise BatchError("another attention-DP replica refused its share of the batch (its ranks name the "

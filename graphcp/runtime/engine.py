@@ -97,8 +97,8 @@ class PrefillEngine:
     max_context = property(lambda self: self.parts.cfg.max_position_embeddings, doc="The model's context.")
     attention = property(lambda self: self.parts.body.attention, doc="The attention backend.")
     rank = property(lambda self: self.parts.group.rank, doc="This rank in its CP group (its stage's, under PP).")
-    world = property(lambda self: self.parts.world, doc="Every rank of the run (stage-major under stages).")
-    world_rank = property(lambda self: self.parts.world.rank)
+    world = property(lambda self: self.parts.world, doc="Every rank of the run (graphcp.mesh numbers them).")
+    world_rank = property(lambda self: self.parts.world.rank, doc="This rank in the run (export_kv's dst).")
     decoder = property(lambda self: self._decoder, doc="The decode steps: their preparer, body and graphs.")
 
     # ---- public API -------------------------------------------------------------
@@ -137,16 +137,18 @@ class PrefillEngine:
         (graphcp.pd.export: every layer's K and V, ``[num_kv_heads, num_tokens,
         head_dim]``, keys after RoPE; a DSA model: latent, rope key and indexer key,
         graphcp.pd.mla_export; a DeepSeek V4 model: transformers' cache state,
-        graphcp.pd.dsv4_export). Every rank calls it (like prefill); ``dst`` is the rank
-        that gets the export (the others get None), None: every rank. Each rank
-        contributes the spans its cache mode holds; only this request's KV moves.
-        Releases nothing (``release`` stays explicit); KVHandleError for a handle that is
-        not live here.
+        graphcp.pd.dsv4_export). Every rank of the run calls it (like prefill); ``dst`` is
+        the rank that gets the export (the others get None), None: every rank. ``dst`` is
+        a rank of the whole run (``engine.world``: every stage, CP and attention-TP rank,
+        numbered as ``torch.distributed`` numbers them, graphcp.mesh); one outside it is
+        an InputError. Each rank contributes the spans its cache mode holds; only this
+        request's KV moves. Releases nothing (``release`` stays explicit); KVHandleError
+        for a handle that is not live here.
 
-        Under pipeline stages every rank of every stage calls it and ``dst`` is a rank of
-        the whole pipeline (stage-major, as ``torch.distributed`` numbers them): each
-        stage's CP group assembles its own layers, then each stage's layers travel to the
-        receivers in one message (graphcp.pd.export.gather_stages)."""
+        Under attention TP each head shard is assembled over its CP group, then the heads
+        are gathered over attention TP (graphcp.pd.heads); under pipeline stages each
+        stage assembles its own layers, then each stage's layers travel to the receivers
+        in one message (graphcp.pd.export.gather_stages)."""
         return self._exporter.export(handle, dst)
 
     def export_kv_batch(self, handles: Sequence[KVHandle], dst: int | None = None) -> list:

@@ -11,6 +11,7 @@ from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings
 from graphcp.errors import InputError
 from graphcp.kv.paged import KVHandle
+from graphcp.mesh import MeshCoords, coords
 from graphcp.model.fingerprint import model_fingerprint
 from graphcp.pd.export import assemble, gather_stages
 from graphcp.pd.heads import gather_heads, shard_meta
@@ -34,25 +35,40 @@ class Exporter:
         return p.family.export_meta(p.cfg, handle.num_tokens, p.runtime, self._fingerprint, drafts)
 
     def export(self, handle: KVHandle, dst: int | None):
-        """See :meth:`graphcp.runtime.engine.PrefillEngine.export_kv`."""
+        """See :meth:`graphcp.runtime.engine.PrefillEngine.export_kv`: ``dst`` is a rank of
+        the whole run (every stage, replica, CP and attention-TP rank, numbered as
+        graphcp.mesh does: as ``torch.distributed`` does)."""
         p = self.parts
         check_combination({**parallel_settings(p.parallel), "export": "on"})
         p.kv.check_handle(handle)
         world = p.world
         if dst is not None:
-            check_int(dst, "export_kv: dst (the rank that receives the export)", lo=0, hi=world.size - 1,
-                      err=InputError)
-        spans = p.kv_source.kv_spans(handle, p.group.size)
+            check_int(dst, f"export_kv: dst (the rank of the run's {world.size} that receives the export)", lo=0,
+                      hi=world.size - 1, err=InputError)
         meta = self.meta(handle)
-        C = p.group.size  # without stages dst % C is dst
-        if p.mesh.attn_tp.size > 1 and p.family.export_splits_heads:
-            # each shard over CP, every rank receiving; then the heads over attention TP
-            out = assemble(p.kv, handle, spans, p.group, shard_meta(meta, p.attn_cfg.num_kv_heads), None, p.device)
-            gather_heads(out, p.mesh.attn_tp, meta.num_kv_heads)
-            C = p.mesh.ffn.size  # every rank of a stage holds the export now
-        else:
-            out = assemble(p.kv_source, handle, spans, p.group, meta, None if dst is None else dst % C, p.device)
+        out = self._stage_export(handle, meta, None if dst is None else coords(dst, p.parallel))
         if p.pipeline is not None:
             stage_layers = p.parallel.stage_layers(p.cfg.num_layers)
-            gather_stages(out, meta, stage_layers, p.pipeline.stage, world, C, dst, p.device)
+            gather_stages(out, meta, stage_layers, p.pipeline.stage, world, p.parallel.tp_size, dst, p.device)
         return meta.make_export(out) if dst is None or world.rank == dst else None
+
+    def _stage_export(self, handle: KVHandle, meta, to: MeshCoords | None) -> list | None:
+        """This stage's layers of the export on every rank of the stage (``to`` None), or
+        on the rank at ``to``'s place in the stage (the others: None; the ranks of other
+        replicas and, where every attention-TP rank holds every head, of other
+        attention-TP ranks take no part)."""
+        p = self.parts
+        here = p.mesh.coords
+        if to is not None and here.dp != to.dp:
+            return None
+        spans = p.kv_source.kv_spans(handle, p.group.size)
+        if p.mesh.attn_tp.size > 1 and p.family.export_splits_heads:
+            # each head shard over CP (to its rank at ``to``'s CP place), then the heads over attention TP
+            shard = shard_meta(meta, p.attn_cfg.num_kv_heads)
+            out = assemble(p.kv, handle, spans, p.group, shard, None if to is None else to.cp, p.device)
+            if to is not None and here.cp != to.cp:
+                return None
+            return gather_heads(out, p.mesh.attn_tp, meta.num_kv_heads, None if to is None else to.attn_tp)
+        if to is not None and here.attn_tp != to.attn_tp:
+            return None  # (each attention-TP rank holds the whole KV: one CP group assembles it)
+        return assemble(p.kv_source, handle, spans, p.group, meta, None if to is None else to.cp, p.device)

@@ -8,6 +8,15 @@ which returns the float32 log-sum-exp with the output (fused, as fast as the
 plain path); elsewhere, or where that op is missing, float32 matmuls, a
 log-sum-exp and a second matmul per block of rows (the readable fallback, and
 what the tests compare the fused path with).
+
+A bottom-right causal segment (new rows after cached keys, or a zigzag rank's late
+block) would need a mask, which the kernels take as a tensor of rows x keys. On a CPU
+it runs as two unmasked calls of the flash kernel, the keys before the segment's rows
+and the segment's own square (causal), merged by their LSEs; elsewhere (and in the
+matmul fallback) in blocks of query rows (:func:`row_blocks`), each over the keys its
+rows can see, so one call's mask (or float32 scores) stays within
+``TorchAttention.max_block_elements`` however long the prompt. Either is within
+rounding of one masked call.
 """
 
 from __future__ import annotations
@@ -37,6 +46,14 @@ def bottom_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> t
     rows = torch.arange(q_len, device=device).unsqueeze(1)
     cols = torch.arange(kv_len, device=device).unsqueeze(0)
     return cols <= rows + (kv_len - q_len)
+
+
+def row_blocks(q_len: int, kv_len: int, max_elements: int) -> list[tuple[int, int]]:
+    """``[b0, b1)`` blocks of a bottom-right causal segment's ``q_len`` rows whose
+    ``rows x keys`` (block ``[b0, b1)`` sees keys ``[0, kv_len - q_len + b1)``) stay
+    within ``max_elements`` (at least one row a block): the whole segment when it fits."""
+    rows = max(1, max_elements // max(kv_len, 1))
+    return [(b0, min(q_len, b0 + rows)) for b0 in range(0, q_len, rows)]
 
 
 def coalesced_segments(meta: AttentionMetadata) -> list[tuple[int, int, int, np.ndarray]]:
@@ -73,6 +90,9 @@ class TorchAttention(AttentionBackend):
 
     #: query rows per score block when LSE is asked (bounds the float32 score memory)
     lse_block_rows = 1024
+    #: the most (query row x key) elements one call's mask, or the fallback's scores of
+    #: all heads, may hold: 16 MiB of a float32 mask (module doc)
+    max_block_elements = 1 << 22
 
     #: (metadata, its segments with their page indices as tensors) of the forward
     #: :meth:`prepare` planned: every layer's call reads them instead of redoing them
@@ -116,38 +136,76 @@ class TorchAttention(AttentionBackend):
                     o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True,
                                                        scale=spec.scale)
                 else:
-                    mask = bottom_right_causal_mask(q1 - q0, kv_len, q.device)
-                    o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask,
-                                                       scale=spec.scale)
+                    self._bottom_right(qs, ks, vs, q0, q1, kv_len, out)
+                    continue
                 out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
             else:
                 self._with_lse(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
 
+    def _bottom_right(self, qs, ks, vs, q0, q1, kv_len, out) -> None:
+        """A bottom-right causal segment: on a CPU in two unmasked parts
+        (:meth:`_bottom_right_split`); elsewhere a block of rows at a time
+        (:func:`row_blocks`), each with its mask."""
+        if self._fused(qs):
+            self._bottom_right_split(qs, ks, vs, q0, q1, kv_len, out, None)
+            return
+        q_len = q1 - q0
+        for b0, b1 in row_blocks(q_len, kv_len, self.max_block_elements):
+            seen = kv_len - q_len + b1  # the keys rows [b0, b1) can see
+            mask = bottom_right_causal_mask(b1 - b0, seen, qs.device)
+            o = F.scaled_dot_product_attention(qs[None, :, b0:b1], ks[None, :, :seen], vs[None, :, :seen],
+                                               attn_mask=mask, scale=self.spec.scale)
+            out[q0 + b0:q0 + b1] = o[0].transpose(0, 1).to(out.dtype)
+
     #: ATen's CPU flash attention, which also returns the LSE (None: not in this torch)
     _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
+    def _fused(self, qs) -> bool:
+        """Whether ATen's CPU flash kernel (output and LSE) takes these inputs."""
+        return self._cpu_flash is not None and qs.device.type == "cpu" and qs.dtype in (torch.float32, torch.bfloat16)
+
     def _with_lse(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool = True) -> None:
-        if self._cpu_flash is not None and qs.device.type == "cpu" and qs.dtype in (torch.float32, torch.bfloat16):
+        if self._fused(qs):
             self._with_lse_fused(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
         else:
             self._with_lse_blocks(qs, ks, vs, q0, q1, kv_len, out, lse, causal)
 
     def _with_lse_fused(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool) -> None:
-        q_len = q1 - q0
-        mask = None
-        if causal and q_len != kv_len:  # bottom-right: an additive mask in q's dtype (what the kernel takes)
-            keep = bottom_right_causal_mask(q_len, kv_len, qs.device)
-            mask = torch.zeros(q_len, kv_len, dtype=qs.dtype, device=qs.device).masked_fill_(~keep, float("-inf"))
-        o, row_lse = self._cpu_flash(qs[None], ks[None], vs[None], 0.0, causal and q_len == kv_len, attn_mask=mask,
-                                     scale=self.spec.scale)[:2]
+        if causal and q1 - q0 != kv_len:
+            self._bottom_right_split(qs, ks, vs, q0, q1, kv_len, out, lse)
+            return
+        # no mask: the kernel skips the masked blocks itself
+        o, row_lse = self._cpu_flash(qs[None], ks[None], vs[None], 0.0, causal, scale=self.spec.scale)[:2]
         out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
         lse[q0:q1] = row_lse[0].transpose(0, 1)
+
+    def _bottom_right_split(self, qs, ks, vs, q0, q1, kv_len, out, lse) -> None:
+        """A bottom-right causal segment with no mask (ATen's CPU flash kernel): every row
+        sees all the keys before the segment's own (none masked), and the segment's own
+        keys causally (a square: the kernel skips the masked blocks); the two parts merge
+        by their LSEs in float32. Temporaries: O(rows x heads x head_dim)."""
+        own = kv_len - (q1 - q0)  # the keys before the segment's rows
+
+        def part(k, v, causal: bool):
+            o, row_lse = self._cpu_flash(qs[None], k[None], v[None], 0.0, causal, scale=self.spec.scale)[:2]
+            return o[0].float(), row_lse[0]  # [H, rows, D], [H, rows]
+
+        (o1, l1), (o2, l2) = part(ks[:, :own], vs[:, :own], False), part(ks[:, own:], vs[:, own:], True)
+        top = torch.maximum(l1, l2)
+        w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
+        total = w1 + w2
+        o = o1 * (w1 / total).unsqueeze(-1) + o2 * (w2 / total).unsqueeze(-1)
+        out[q0:q1] = o.transpose(0, 1).to(out.dtype)
+        if lse is not None:
+            lse[q0:q1] = (top + torch.log(total)).transpose(0, 1)
 
     def _with_lse_blocks(self, qs, ks, vs, q0, q1, kv_len, out, lse, causal: bool = True) -> None:
         q_len = q1 - q0
         kf, vf = ks.float(), vs.float()
-        for b0 in range(0, q_len, self.lse_block_rows):
-            b1 = min(q_len, b0 + self.lse_block_rows)
+        # float32 scores of every head: [heads, rows, keys] within max_block_elements
+        step = max(1, min(self.lse_block_rows, self.max_block_elements // max(1, qs.shape[0] * kv_len)))
+        for b0 in range(0, q_len, step):
+            b1 = min(q_len, b0 + step)
             scores = torch.matmul(qs[:, b0:b1].float(), kf.transpose(1, 2)) * self.spec.scale
             if causal:
                 rows = torch.arange(b0, b1, device=qs.device).unsqueeze(1)
