@@ -215,6 +215,9 @@ class RuntimeConfig:
     #: an EAGLE-3 draft checkpoint (a folder): every prefill then also runs the draft over
     #: the same rows and caches its layer's K/V (docs/speculative.md); None: no draft
     draft: str | None = None
+    #: a linear-attention hybrid's cache (docs/hybrid.md): the live requests whose recurrent
+    #: and convolution states it keeps per linear layer (two slots each); None: max_requests
+    state_slots: int | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -242,6 +245,8 @@ class RuntimeConfig:
         object.__setattr__(self, "aux_hidden_layers", check_layer_list(
             self.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", MAX_LAYERS, err=ConfigError))
         check_int(self.microbatches, "microbatches", lo=1, hi=MAX_MICROBATCHES, where="RuntimeConfig")
+        if self.state_slots is not None:  # (None: max_requests)
+            check_int(self.state_slots, "state_slots", lo=1, hi=MAX_REQUESTS, where="RuntimeConfig")
         # the pairs of these fields that do not run together (graphcp/combinations.py)
         check_combination(runtime_settings(self))
         self._check_draft()

@@ -47,8 +47,8 @@ class Exporter:
         C = p.group.size  # without stages dst % C is dst
         if p.mesh.attn_tp.size > 1 and p.family.export_splits_heads:
             # each shard over CP, every rank receiving; then the heads over attention TP
-            out = assemble(p.kv, handle, spans, p.group, shard_meta(meta, p.attn_cfg.num_kv_heads), None, p.device)
-            gather_heads(out, p.mesh.attn_tp, meta.num_kv_heads)
+            out = assemble(p.kv, handle, spans, p.group, shard_meta(meta, p.mesh.attn_tp.size), None, p.device)
+            gather_heads(out, p.mesh.attn_tp, meta)
             C = p.mesh.ffn.size  # every rank of a stage holds the export now
         else:
             out = assemble(p.kv_source, handle, spans, p.group, meta, None if dst is None else dst % C, p.device)
