@@ -203,3 +203,18 @@ def test_bad_input_is_one_line(folder, tmp_path, capsys, edit, match):
     req = tmp_path / "req.jsonl"
     req.write_text(json.dumps({"tokens": [1, 2, 3]}) + "\n")
     one_line_error(capsys, ["prefill", "--model", bad, "--input", req, "--output", tmp_path / "o.pt"], match=match)
+
+
+def test_the_preset_prefills_from_the_command_line(tmp_path, monkeypatch):
+    from graphcp.cli.main import main
+
+    monkeypatch.setenv("GRAPHCP_CACHE", str(tmp_path / "cache"))
+    req = tmp_path / "req.jsonl"
+    req.write_text("".join(json.dumps({"tokens": t}) + "\n" for t in ([1, 2, 3, 4, 5], [9, 8, 7])))
+    out = tmp_path / "out.pt"
+    argv = ["prefill", "--model", "default-hybrid", "--input", req, "--output", out, "--graph", "off",
+            "--export-kv", tmp_path / "kv"]
+    assert main([str(a) for a in argv]) == 0
+    logits = torch.load(out)["last_logits"]
+    assert logits.shape == (2, 8192) and torch.isfinite(logits).all()
+    assert read_kv(tmp_path / "kv" / "0.safetensors").meta.num_tokens == 5

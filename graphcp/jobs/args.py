@@ -87,6 +87,9 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--link-gb-per-s", type=float, default=450.0,
                    help="link GB/s per direction per GPU, for --exchange auto (default: H100/H200 NVLink)")
     p.add_argument("--max-requests", type=int, default=64)
+    p.add_argument("--state-slots", type=int, default=None,
+                   help="a linear-attention hybrid's cache: live requests whose linear layers' states it keeps "
+                        "(default: --max-requests; docs/hybrid.md)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each new bucket on a synthetic batch and compare it bitwise with the same-bucket "
@@ -133,6 +136,7 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
         link_gb_per_s=args.link_gb_per_s,
         aux_hidden_layers=args.aux_hidden_layers, microbatches=args.pp_microbatches, moe=args.moe,
         draft=getattr(args, "draft", None),  # prefill's --draft
+        state_slots=args.state_slots,
     )
     return JobSpec(args.model, rt, args.buckets, args.cp, args.pp, args.pp_layers, args.tp, args.dp)
 

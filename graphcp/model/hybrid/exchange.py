@@ -20,6 +20,7 @@ import torch
 
 from graphcp.attention.kv_exchange import EXCHANGES, KVExchange, KVForward, register_exchange
 from graphcp.cp import Plan
+from graphcp.model.hybrid import kernels
 from graphcp.model.hybrid.scan import STAT_LINEAR_SENT, LinearPlan, LinearScan
 
 
@@ -60,6 +61,8 @@ class HybridExchange(KVExchange):
     def __init__(self, inner: KVExchange, device: torch.device) -> None:
         self.inner, self.device = inner, device
         self.planner = HybridPlanner(inner.planner)
+        #: the linear layers' local kernels on this device (fla-core and causal-conv1d on CUDA)
+        self.kernels = kernels.select_kernels(device)
 
     @classmethod
     def build(cls, make_backend, group, device: torch.device, planner) -> "HybridExchange":
@@ -72,7 +75,7 @@ class HybridExchange(KVExchange):
     def prepare(self, fwd: KVForward) -> None:
         plan: HybridPlan = fwd.plan
         plan.inner_fwd = replace(fwd, plan=plan.inner)
-        plan.scan = LinearScan(plan.linear, fwd.cache, fwd.group, self.device)
+        plan.scan = LinearScan(plan.linear, fwd.cache, fwd.group, self.device, self.kernels)
         self.inner.prepare(plan.inner_fwd)
 
     def begin(self, fwd: KVForward) -> None:
@@ -95,6 +98,7 @@ class HybridExchange(KVExchange):
         out = self.inner.describe(plan.inner)
         if plan.scan is not None:
             out[STAT_LINEAR_SENT] = plan.scan.stats[STAT_LINEAR_SENT]
+        out["linear_kernels"] = self.kernels.name
         return out
 
     def setting(self) -> str:

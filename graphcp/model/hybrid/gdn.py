@@ -43,11 +43,11 @@ def decay_and_beta(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
 
 
 def query_key(q: torch.Tensor, k: torch.Tensor, repeat: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 queries and keys ``[n, Hv, d_k]`` of rows ``[n, Hk, d_k]``: each key head
+    """float32 queries and keys ``[..., Hv, d_k]`` of ``[..., Hk, d_k]``: each key head
     serves ``repeat`` consecutive value heads; l2-normalised, queries scaled by
     ``d_k^-0.5`` (transformers' ``use_qk_l2norm_in_kernel``)."""
     if repeat > 1:
-        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        q, k = q.repeat_interleave(repeat, dim=-2), k.repeat_interleave(repeat, dim=-2)
     q, k = l2norm(q.float()), l2norm(k.float())
     return q * q.shape[-1] ** -0.5, k
 
@@ -84,19 +84,35 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 
 def augmented_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   initial: torch.Tensor, known: torch.Tensor, chunk: int = CHUNK
+                   initial: torch.Tensor, known: torch.Tensor, rule=chunk_gated_delta_rule
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every block's outputs for any incoming state, in one pass (module doc). ``known``
     ``[B]`` bool: the block's incoming state is ``initial`` (else unknown: ``initial`` is
-    ignored). Returns ``(p, o0, X, Y)``: ``p`` ``[B, H, T, d_k]``, ``o0`` ``[B, H, T, d_v]``
-    (a token's output is ``p S_in + o0``), and the block's map ``S_out = X S_in + Y``."""
+    ignored); ``rule``: the chunked rule that runs it (this module's, or a kernel's:
+    graphcp.model.hybrid.kernels). Returns ``(p, o0, X, Y)``: ``p`` ``[B, H, T, d_k]``,
+    ``o0`` ``[B, H, T, d_v]`` (a token's output is ``p S_in + o0``), and the block's map
+    ``S_out = X S_in + Y``."""
     B, H, _, dk = k.shape
     eye = torch.eye(dk, dtype=q.dtype, device=q.device).expand(B, H, dk, dk)
     x0 = torch.where(known[:, None, None, None], torch.zeros_like(eye), eye)
     y0 = torch.where(known[:, None, None, None], initial, torch.zeros_like(initial))
     values = torch.cat([torch.zeros_like(k), v], dim=-1)
-    out, final = chunk_gated_delta_rule(q, k, values, g, beta, torch.cat([x0, y0], dim=-1), chunk)
+    out, final = rule(q, k, values, g, beta, torch.cat([x0, y0], dim=-1))
     return out[..., :dk], out[..., dk:], final[..., :dk], final[..., dk:]
+
+
+def block_conv(x: torch.Tensor, halo: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The depthwise causal convolution and its SiLU over blocks ``x`` ``[B, T, channels]``
+    whose ``K - 1`` preceding rows are ``halo`` ``[B, K - 1, channels]`` (``weight``
+    ``[channels, K]``): float32 sums rounded to ``x``'s dtype, then the SiLU in it (as
+    ``F.conv1d`` and ``silu`` in the model dtype give them)."""
+    T, K = x.shape[1], weight.shape[1]
+    ext = torch.cat([halo, x], dim=1).float()
+    w = weight.float()
+    out = ext[:, :T] * w[:, 0]
+    for j in range(1, K):
+        out = out + ext[:, j:j + T] * w[:, j]
+    return F.silu(out.to(x.dtype))
 
 
 def causal_conv(windows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

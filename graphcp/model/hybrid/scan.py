@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from graphcp.cp import Plan
-from graphcp.model.hybrid.gdn import CHUNK, augmented_rule, chunk_gated_delta_rule
+from graphcp.model.hybrid.gdn import CHUNK, augmented_rule
+from graphcp.model.hybrid.kernels import TORCH, LinearKernels
 
 #: a ForwardInfo.stats key: bytes a rank sent per linear layer (its tails and maps), summed over the layers
 STAT_LINEAR_SENT = "linear_scan_bytes_sent"
@@ -50,7 +51,7 @@ class LinearPlan:
     block_index: np.ndarray  # [nb] its place in its request's blocks (0: the first)
     gather: np.ndarray  # [nb, T] local row of each block position (rows: a zero row)
     scatter: np.ndarray  # [rows] each local row's flat (block, position) index
-    windows: np.ndarray  # [rows, K] each local row's convolution window: a local row or rows + a source row
+    halo: np.ndarray  # [nb, K - 1] the K - 1 pre-convolution rows before each local block, in the halo source
     tails: np.ndarray  # [nb, K] each local block's last K rows, right-aligned (rows: zero)
     final_conv: np.ndarray  # [R, K] each request's last K pre-convolution rows in the halo source
     compose: np.ndarray  # [R, blocks] each request's blocks in the gathered maps (rank * nb + local)
@@ -97,10 +98,9 @@ class LinearPlan:
         tails = _tails(starts, local_len, n, kernel)
         source = _HaloSource(C, R, len(local_req), plan.prefix_lens > 0, lengths, location, kernel)
         halo = source.rows(lengths.cumsum(axis=1) - lengths, kernel - 1)  # [R, blocks, K-1]
-        windows = _windows(starts, local_len, halo[local_req, local_k], n, kernel)
         final = source.rows(ext[:, None], kernel)[:, 0]  # the last K rows before position ext: [R, K]
-        return cls(C, n, R, len(local_req), read, write, local_req, local_k, gather, scatter, windows, tails, final,
-                   location)
+        return cls(C, n, R, len(local_req), read, write, local_req, local_k, gather, scatter,
+                   halo[local_req, local_k], tails, final, location)
 
 
 def _chunks(starts: np.ndarray, lengths: np.ndarray, n: int, chunk: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -152,26 +152,14 @@ class _HaloSource:
         return np.where(o < 0, prefix, tail)
 
 
-def _windows(starts: np.ndarray, lengths: np.ndarray, halo: np.ndarray, n: int, kernel: int) -> np.ndarray:
-    """``[n, K]``: each local row's window, oldest first: a local row, or ``n + h`` for
-    row ``h`` of the halo source."""
-    block = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), lengths)
-    offset = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    p = offset[:, None] - (kernel - 1) + np.arange(kernel, dtype=np.int64)[None, :]
-    local = np.repeat(starts, lengths)[:, None] + p
-    from_halo = n + halo[block[:, None], np.clip(kernel - 1 + p, 0, kernel - 2)]
-    out = np.empty((n, kernel), dtype=np.int64)
-    out[np.repeat(starts, lengths) + offset] = np.where(p >= 0, local, from_halo)
-    return out
-
-
 class LinearScan:
     """One forward's linear-layer work on this rank (device side of a :class:`LinearPlan`):
     what each linear layer's break calls. ``cache``: the hybrid cache (its states),
-    ``group``: the CP group."""
+    ``group``: the CP group, ``kernels``: the local pass's (graphcp.model.hybrid.kernels)."""
 
-    def __init__(self, plan: LinearPlan, cache, group, device: torch.device) -> None:
-        self.plan, self.cache, self.group = plan, cache, group
+    def __init__(self, plan: LinearPlan, cache, group, device: torch.device,
+                 kernels: LinearKernels = TORCH) -> None:
+        self.plan, self.cache, self.group, self.kernels = plan, cache, group, kernels
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
@@ -179,18 +167,21 @@ class LinearScan:
         p = plan
         self.read, self.write = dev(p.read), dev(p.write)
         self.gather, self.scatter = dev(p.gather.reshape(-1)), dev(p.scatter)
-        self.windows, self.tails, self.final_conv = dev(p.windows), dev(p.tails), dev(p.final_conv)
+        self.padding = dev(p.gather >= p.rows)[..., None]  # [nb, T, 1]
+        self.halo, self.tails, self.final_conv = dev(p.halo), dev(p.tails), dev(p.final_conv)
         self.compose = dev(p.compose)
         self.known = dev(p.block_index == 0)
         self.block_request, self.block_index = dev(p.block_request), dev(p.block_index)
         self.stats = {STAT_LINEAR_SENT: 0}
 
-    def convolve_input(self, layer: int, qkv: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Every local row's convolution window ``[rows, K, conv_dim]`` of the
-        pre-convolution rows ``qkv`` (this rank's, live rows first); the request's last K
-        rows become its conv state. Returns the windows and the bytes received."""
+    def convolve(self, layer: int, qkv: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The convolution (``weight`` ``[conv_dim, K]``) of this rank's pre-convolution rows
+        ``qkv`` (live rows first) as padded blocks ``[nb, T, conv_dim]``, zero past each
+        block: each block's halo from the blocks before it (every rank's last K rows,
+        all-gathered) or the cached conv state; each request's last K rows become its new
+        conv state. Returns the blocks and the bytes received."""
         p, n, width = self.plan, self.plan.rows, qkv.shape[1]
-        K = p.windows.shape[1]
+        K, T = p.tails.shape[1], p.gather.shape[1]
         rows = torch.cat([qkv[:n], qkv.new_zeros(1, width)])
         tails = rows.index_select(0, self.tails.view(-1)).view(p.num_local, K, width)
         got = 0
@@ -203,24 +194,26 @@ class LinearScan:
         self._prefix = recurrent
         source = torch.cat([conv.reshape(-1, width), tails.reshape(-1, width), qkv.new_zeros(1, width)])
         self._final_conv = source.index_select(0, self.final_conv.view(-1)).view(p.num_requests, K, width)
-        windows = torch.cat([rows[:n], source]).index_select(0, self.windows.view(-1))
-        return windows.view(n, K, width), got + fetched
+        halo = source.index_select(0, self.halo.view(-1)).view(p.num_local, K - 1, width)
+        blocks = rows.index_select(0, self.gather).view(p.num_local, T, width)
+        return self.kernels.conv(blocks, halo, weight).masked_fill(self.padding, 0), got + fetched
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The gated delta rule over this rank's rows (float32 ``q``, ``k`` ``[rows, Hv,
-        d_k]``, ``v`` ``[rows, Hv, d_v]``, ``g``, ``beta`` ``[rows, Hv]``), the blocks'
-        states composed across ranks; stores every request's final state (after
-        :meth:`convolve_input`). The outputs ``[rows, Hv, d_v]`` and the bytes received."""
+        """The gated delta rule over this rank's blocks (float32 ``q``, ``k`` ``[nb, Hv, T,
+        d_k]`` and ``v`` ``[nb, Hv, T, d_v]``, zero past each block; ``g``, ``beta`` rows
+        ``[rows, Hv]``), the blocks' states composed across ranks; stores every request's
+        final state (after :meth:`convolve`). The outputs ``[rows, Hv, d_v]`` and the bytes
+        received."""
         p = self.plan
-        blocks = [_blocks(x, self.gather, p.num_local, p.gather.shape[1]) for x in (q, k, v, g, beta)]
+        T = p.gather.shape[1]
+        g, beta = (_blocks(x, self.gather, p.num_local, T) for x in (g, beta))
         initial = self._prefix.index_select(0, self.block_request)
         got = 0
         if not p.maps:
-            out, final = chunk_gated_delta_rule(*blocks, initial)
-            final_states = final
+            out, final_states = self.kernels.rule(q, k, v, g, beta, initial)
         else:
-            pre, o0, x, y = augmented_rule(*blocks, initial, self.known)
+            pre, o0, x, y = augmented_rule(q, k, v, g, beta, initial, self.known, self.kernels.rule)
             incoming, final_states, got = self._scan(x, y)
             out = pre @ incoming + o0
         flat = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[-1])  # [nb * T, Hv, d_v]
