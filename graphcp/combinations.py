@@ -143,7 +143,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("hybrid",)), ("layout", ("interleave",)),
             "a linear-attention hybrid's recurrence is scanned over each rank's contiguous blocks; interleave's "
             "one-token blocks would exchange a state map per token", (("layout", "zigzag"),),
-            "a state map per token"),
+            "a map per token"),
     Refusal(("model", ("hybrid",)), ("graph", ("full",)),
             "a linear-attention layer's scan reads the live batch's blocks on the host, in its break",
             (("graph", "breakable"),), "scan reads the live batch"),
@@ -394,7 +394,7 @@ def _flag_text(key: str, values: tuple[str, ...]) -> str:
     """An axis's values as the command line says them, in a table cell."""
     a = AXES[key]
     if key == "model":
-        names = {"dsa": "DSA", "dsv4": "DeepSeek V4", "hybrid": "linear-attention hybrid"}
+        names = {"dsa": "DSA", "dsv4": "DeepSeek V4"}
         return f"{'/'.join(names.get(v, v) for v in values)} models"
     if key == "attn_tp":  # (--tp over --cp x --dp: docs/parallel.md)
         return " or ".join(f"attention TP {'> 1' if v == '>1' else v}" for v in values)
