@@ -146,7 +146,7 @@ def randomise_(model: torch.nn.Module, seed: int) -> None:
     HF's init leaves biases at zero and norms at one, which would test neither."""
     g = torch.Generator().manual_seed(seed)
     # a hybrid's RMSNorms scale by 1 + weight (zero-centred), but for its gated norm
-    centred = model.config.model_type in HYBRID_FAMILIES + ("qwen3_5_moe",)
+    centred = getattr(getattr(model, "config", None), "model_type", None) in HYBRID_FAMILIES + ("qwen3_5_moe",)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)

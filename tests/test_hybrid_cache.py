@@ -218,3 +218,26 @@ def test_the_preset_prefills_from_the_command_line(tmp_path, monkeypatch):
     logits = torch.load(out)["last_logits"]
     assert logits.shape == (2, 8192) and torch.isfinite(logits).all()
     assert read_kv(tmp_path / "kv" / "0.safetensors").meta.num_tokens == 5
+
+
+def test_the_memory_check_counts_the_states(folder, monkeypatch):
+    """A machine with room for the K/V pool but not for the states refuses the engine."""
+    import os
+
+    from graphcp import ConfigError
+    from graphcp.model.config import ModelConfig
+    from graphcp.model.family import family_of
+    from graphcp.runtime.pool_size import pool_pages, pool_spec
+
+    rt = RuntimeConfig(kv_tokens=512, state_slots=4096)
+    cfg = ModelConfig.from_file(folder / "config.json")
+    geometry = family_of(cfg).cache_geometry(cfg, rt)
+    pool = pool_spec(rt, pool_pages(rt, cfg), range(cfg.num_layers), 0, 1)
+    whole = factory.pool_bytes("replicated", geometry, pool)
+    states = len(cfg.hybrid.linear_layers) * 2 * 4096 * geometry.linear.state_bytes(4)
+    assert states < whole
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: 1 if name == "SC_PAGE_SIZE" else
+                        (whole - states // 2 if name == "SC_PHYS_PAGES" else real(name)))
+    with pytest.raises(ConfigError, match=r"kv_tokens=512: a KV pool of 512 tokens needs .* GiB, more than"):
+        PrefillEngine(folder, rt)

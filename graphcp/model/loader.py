@@ -173,10 +173,11 @@ def _read_files(cfg: ModelConfig, model_dir: Path, plan: _Plan, params: dict,
             with _open(f) as sf:
                 for name in names:
                     first = plan.targets[name]
+                    if not first.read:  # another rank's expert: checked, not read
+                        _read_checked(sf, f, name, first, declared, cfg.torch_dtype)
+                        continue
                     for tgt in (first, *first.parts):  # (parts: more slices of the same tensor)
                         t = _read_checked(sf, f, name, tgt, declared, cfg.torch_dtype)
-                        if t is None:  # another rank's expert: checked, not read
-                            break
                         _place(params, f, sf, name, tgt, t)
                         filled[tgt.param] += t.numel()
                     if on_tensor is not None:

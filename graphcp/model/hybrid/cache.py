@@ -134,9 +134,11 @@ class LinearStates:
         wrote: what an export reads)."""
         return 2 * row + int(self._phase[row])
 
-    def read_states(self, layer: int, read: torch.Tensor, group: CPGroup) -> tuple[tuple[torch.Tensor, ...], int]:
+    def read_states(self, layer: int, read: torch.Tensor, group: CPGroup,
+                    prefixed: bool = True) -> tuple[tuple[torch.Tensor, ...], int]:
         """``(recurrent [R, Hv, d_k, d_v], conv [R, K, conv_dim])`` of the prefixes in
-        ``read`` (-1: zeros), and the bytes received fetching them (0 here)."""
+        ``read`` (-1: zeros; ``prefixed``: whether any is given, known on the host), and
+        the bytes received fetching them (0 here)."""
         j = self.linear_index[layer]
         return _gather((self.recurrent[j], self.conv[j]), read), 0
 
@@ -296,18 +298,19 @@ class LayerSplitHybridCache(LinearStates, LayerSplitKVCache):
             raise IndexError(f"layer {i} is a linear-attention layer: it has no K/V")
         return self.pool[self.pool_index(i, self.owned_full)]
 
-    def read_states(self, layer: int, read: torch.Tensor, group: CPGroup) -> tuple[tuple[torch.Tensor, ...], int]:
+    def read_states(self, layer: int, read: torch.Tensor, group: CPGroup,
+                    prefixed: bool = True) -> tuple[tuple[torch.Tensor, ...], int]:
         """The prefixes' states: the layer's owner reads them and broadcasts them (one
-        message) when some request extends a prefix; every rank calls it."""
+        message each) when some request extends a prefix; every rank calls it."""
         d = self.geometry.linear
         R = read.shape[0]
         shapes = ((R, d.num_v_heads, d.k_head_dim, d.v_head_dim), (R, d.conv_kernel, d.conv_dim))
-        if not bool((read >= 0).any()):  # the same on every rank: a batch without prefixes
+        if not prefixed:  # the same on every rank: a batch without prefixes
             return tuple(torch.zeros(s, dtype=t, device=read.device)
                          for s, t in zip(shapes, (torch.float32, self.conv.dtype))), 0
         src = self.owner(layer)
         if group.rank == src:
-            rec, conv = super().read_states(layer, read, group)[0]
+            rec, conv = super().read_states(layer, read, group, prefixed)[0]
             group.broadcast_(rec, src)
             group.broadcast_(conv, src)
             return (rec, conv), 0

@@ -41,9 +41,6 @@ class HybridPlanner:
     def __init__(self, inner) -> None:
         self.inner = inner
 
-    def __getattr__(self, name: str):  # what a caller asks of the inner planner (a ring's exchange setting)
-        return getattr(self.inner, name)
-
     def rank_inputs(self, plan: Plan, kv, seq_ids: list[int], rank: int, flat: np.ndarray, device: torch.device,
                     seq_rows: np.ndarray | None = None):
         if seq_rows is None:

@@ -190,7 +190,7 @@ class LinearScan:
             got = gathered.nbytes - tails.nbytes
             self.stats[STAT_LINEAR_SENT] += tails.nbytes
             tails = gathered
-        (recurrent, conv), fetched = self.cache.read_states(layer, self.read, self.group)
+        (recurrent, conv), fetched = self.cache.read_states(layer, self.read, self.group, bool((p.read >= 0).any()))
         self._prefix = recurrent
         source = torch.cat([conv.reshape(-1, width), tails.reshape(-1, width), qkv.new_zeros(1, width)])
         self._final_conv = source.index_select(0, self.final_conv.view(-1)).view(p.num_requests, K, width)
