@@ -8,8 +8,10 @@ model dtype; transformers' ``conv_states`` transposed). A request's states live 
 holding the prefix's state and writes the other, and its reservation flips which one is
 current (a rollback flips it back). So re-running a prepared batch (a capture's
 self-check) reads the same states, and a failed forward leaves every prefix's state
-as it was. The rows a cache hands out stay below ``RuntimeConfig.state_slots`` (a batch
-that would need more live requests is refused, as a full pool is).
+as it was (but for a request split over pipeline micro-batches, whose pieces read and
+write its two slots in turn: a failure after both ran leaves the later piece's state).
+The rows a cache hands out stay below ``RuntimeConfig.state_slots`` (a batch that would
+need more live requests is refused, as a full pool is).
 
 - replicated (:class:`HybridKVCache`): every rank keeps every layer's states;
 - sharded (:class:`ShardedHybridCache`): the K/V token-sharded, the states on every
