@@ -56,13 +56,14 @@ class Axis:
         if self.key in ("aux", "export", "draft", "decode"):
             return self.flag if flags else self.api
         if self.key == "model":
-            kind = {"dsa": "DSA", "moe": "MoE", "dsv4": "DeepSeek V4"}.get(value, "dense")
+            kind = {"dsa": "DSA", "moe": "MoE", "dsv4": "DeepSeek V4", "hybrid": "linear-attention hybrid"}.get(
+                value, "dense")
             return f"a {family} model ({kind})" if family else f"a {kind} model"
         return f"{self.flag} {value}" if flags else f"{self.api}={value!r}"
 
 
 AXES: dict[str, Axis] = {a.key: a for a in (
-    Axis("model", ("dense", "moe", "dsa", "dsv4"), "the model", "--model"),
+    Axis("model", ("dense", "moe", "dsa", "dsv4", "hybrid"), "the model", "--model"),
     Axis("dtype", ("float32", "bfloat16"), "RuntimeConfig.dtype", "--dtype"),
     Axis("layout", LAYOUTS, "RuntimeConfig.layout", "--layout"),
     Axis("graph", GRAPH_MODES, "RuntimeConfig.graph", "--graph"),
@@ -70,7 +71,7 @@ AXES: dict[str, Axis] = {a.key: a for a in (
          "--attention"),
     Axis("kv_cache", KV_CACHE_MODES, "RuntimeConfig.kv_cache", "--kv-cache"),
     Axis("exchange", EXCHANGES, "RuntimeConfig.exchange", "--exchange"),
-    Axis("moe", MOE_LAYOUTS, "RuntimeConfig.moe", "--moe", applies=("model", ("moe", "dsa", "dsv4"))),
+    Axis("moe", MOE_LAYOUTS, "RuntimeConfig.moe", "--moe", applies=("model", ("moe", "dsa", "dsv4", "hybrid"))),
     Axis("pp", ("1", ">1"), "ParallelConfig.pp_size", "--pp"),
     Axis("attn_tp", ("1", ">1"), "attention TP", "--tp"),
     Axis("dp", ("1", ">1"), "ParallelConfig.dp_size", "--dp"),
@@ -141,6 +142,19 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("dsv4",)), ("draft", ("on",)),
             "an EAGLE-3 draft reads one hidden row a layer and caches per-head K/V; V4 has hc_mult streams and "
             "one shared KV head", (("model", "dense"), ("model", "moe")), "residual is hc_mult streams"),
+    Refusal(("model", ("hybrid",)), ("layout", ("interleave",)),
+            "a linear-attention hybrid's recurrence is scanned over each rank's contiguous blocks; interleave's "
+            "one-token blocks would exchange a state map per token", (("layout", "zigzag"),),
+            "a map per token"),
+    Refusal(("model", ("hybrid",)), ("graph", ("full",)),
+            "a linear-attention layer's scan reads the live batch's blocks on the host, in its break",
+            (("graph", "breakable"),), "scan reads the live batch"),
+    Refusal(("model", ("hybrid",)), ("draft", ("on",)),
+            "an EAGLE-3 draft for a linear-attention hybrid is not built (the draft's K/V layer would follow "
+            "layers that keep states, not K/V)", (("model", "dense"), ("model", "moe")), "not built yet"),
+    Refusal(("model", ("hybrid",)), ("decode", ("on",)),
+            "a decode step of a linear-attention hybrid (each linear layer's state advanced a token) is not "
+            "built yet", (("model", "dense"), ("model", "moe")), "not built yet"),
     Refusal(("dp", (">1",)), ("pp", (">1",)),
             "attention data parallelism under pipeline stages is not built yet", (("dp", "1"), ("pp", "1")),
             "not built yet"),
@@ -400,7 +414,8 @@ def _flag_text(key: str, values: tuple[str, ...]) -> str:
     """An axis's values as the command line says them, in a table cell."""
     a = AXES[key]
     if key == "model":
-        return f"{'/'.join({'dsa': 'DSA', 'dsv4': 'DeepSeek V4'}.get(v, v) for v in values)} models"
+        names = {"dsa": "DSA", "dsv4": "DeepSeek V4"}
+        return f"{'/'.join(names.get(v, v) for v in values)} models"
     if key == "attn_tp":  # (--tp over --cp x --dp: docs/parallel.md)
         return " or ".join(f"attention TP {'> 1' if v == '>1' else v}" for v in values)
     if key in ("aux", "export", "draft", "decode", "pp", "dp"):

@@ -226,6 +226,9 @@ class RuntimeConfig:
     #: the decode batch sizes a decode graph is captured for (graph modes; increasing); a
     #: step of more requests than the largest runs eagerly
     decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
+    #: a linear-attention hybrid's cache (docs/hybrid.md): the live requests whose recurrent
+    #: and convolution states it keeps per linear layer (two slots each); None: max_requests
+    state_slots: int | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -254,6 +257,8 @@ class RuntimeConfig:
             self.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", MAX_LAYERS, err=ConfigError))
         check_int(self.microbatches, "microbatches", lo=1, hi=MAX_MICROBATCHES, where="RuntimeConfig")
         self._check_decode_buckets()
+        if self.state_slots is not None:  # (None: max_requests)
+            check_int(self.state_slots, "state_slots", lo=1, hi=MAX_REQUESTS, where="RuntimeConfig")
         # the pairs of these fields that do not run together (graphcp/combinations.py)
         check_combination(runtime_settings(self))
         self._check_draft()

@@ -68,6 +68,19 @@ V4_TINY = dict(
     partial_rotary_factor=0.5, rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
 )
+#: tiny linear-attention hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): three Gated DeltaNet layers
+#: then a full-attention one; 2 key heads of 24 serving 4 value heads of 16, a convolution of 4;
+#: the MoE ones 8 experts top-2 and a shared expert (Qwen3-Next's layer 1 dense)
+HYBRID_TINY = dict(
+    vocab_size=512, hidden_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=24,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=4096, rms_norm_eps=1e-6,
+)
+HYBRID_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+#: the hybrid families hf_config builds ("qwen3_5": the multimodal checkpoint, a one-block vision tower)
+HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_5")
+HYBRID_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=96, patch_size=4,
+                     temporal_patch_size=2, num_position_embeddings=16)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -109,6 +122,18 @@ def hf_config(family: str, tied: bool, **overrides):
     elif family in DSA_FAMILIES:
         kw = dict(DSA_TINY, tie_word_embeddings=tied)
         cls = transformers.DeepseekV32Config if family == "deepseek_v32" else transformers.GlmMoeDsaConfig
+    elif family in HYBRID_FAMILIES:
+        kw = dict(HYBRID_TINY, tie_word_embeddings=tied)
+        if family == "qwen3_5":  # the multimodal config: the text model in text_config
+            text = {**kw, **{k: v for k, v in overrides.items()}}
+            return transformers.Qwen3_5Config(text_config=text, vision_config=dict(HYBRID_VISION),
+                                              tie_word_embeddings=tied)
+        if family != "qwen3_5_text":
+            kw.update(HYBRID_MOE)
+        if family == "qwen3_next":
+            kw.update(mlp_only_layers=[1])
+        cls = {"qwen3_5_text": transformers.Qwen3_5TextConfig, "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
+               "qwen3_next": transformers.Qwen3NextConfig}[family]
     else:
         raise ValueError(f"unknown family {family!r}")
     kw.update(overrides)
@@ -120,13 +145,19 @@ def randomise_(model: torch.nn.Module, seed: int) -> None:
     so attention is far from uniform), norms 1 + N(0, 0.2^2), biases N(0, 0.2^2).
     HF's init leaves biases at zero and norms at one, which would test neither."""
     g = torch.Generator().manual_seed(seed)
+    # a hybrid's RMSNorms scale by 1 + weight (zero-centred), but for its gated norm
+    centred = getattr(getattr(model, "config", None), "model_type", None) in HYBRID_FAMILIES + ("qwen3_5_moe",)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if p.ndim >= 2:  # matrices, and stacked experts [E, out, in]
                 p.copy_(noise * p.shape[-1] ** -0.5)
+                if centred and ".in_proj_qkv" in name:  # a hybrid's q/k/v rows (and Qwen3-Next's z): scaled up
+                    p.mul_(8.0)  # so that no head's output is near zero (its gated norm would magnify it)
             elif "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
+                p.copy_((0.0 if centred and "linear_attn" not in name else 1.0) + 0.2 * noise)
+            elif name.endswith("A_log"):  # a hybrid's decays: slow (exp(g) near 1), so a state lasts hundreds of tokens
+                p.copy_((0.005 + 0.045 * torch.rand(p.shape, generator=g)).log())
             else:  # biases
                 p.copy_(0.2 * noise)
         for name, b in model.named_buffers():  # DeepSeek V4's routing tables
@@ -141,7 +172,13 @@ def build_hf_model(family: str, tied: bool, dtype: str = "float32", seed: int = 
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family, tied, **overrides), dtype=torch.float32)
+    config = hf_config(family, tied, **overrides)
+    if family == "qwen3_5":  # the multimodal model (AutoModelForCausalLM would build the text model only)
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomise_(model, seed)
     return model.to(getattr(torch, dtype)).eval()
 

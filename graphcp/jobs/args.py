@@ -89,6 +89,9 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--link-gb-per-s", type=float, default=450.0,
                    help="link GB/s per direction per GPU, for --exchange auto (default: H100/H200 NVLink)")
     p.add_argument("--max-requests", type=int, default=64)
+    p.add_argument("--state-slots", type=int, default=None,
+                   help="a linear-attention hybrid's cache: live requests whose linear layers' states it keeps "
+                        "(default: --max-requests; docs/hybrid.md)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each new bucket on a synthetic batch and compare it bitwise with the same-bucket "
@@ -146,6 +149,7 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
         draft=getattr(args, "draft", None),  # prefill's --draft
         decode_merge=getattr(args, "decode_merge", "auto"),  # generate's decode flags
         decode_buckets=getattr(args, "decode_buckets", DEFAULT_DECODE_BUCKETS),
+        state_slots=args.state_slots,
     )
     return JobSpec(args.model, rt, args.buckets, args.cp, args.pp, args.pp_layers, args.tp, args.dp)
 

@@ -278,6 +278,11 @@ class PagedKVCache:
         compares the pages a batch touched in each)."""
         return {"kv_cache": self.pool}
 
+    def state_pools(self) -> dict[str, torch.Tensor]:
+        """Every tensor holding per-request state besides the pages (a linear-attention
+        hybrid's recurrent and convolution states, graphcp.model.hybrid.cache): none here."""
+        return {}
+
     # ---- capacity -------------------------------------------------------------
     @property
     def capacity_tokens(self) -> int:

@@ -60,6 +60,10 @@ class ModelConfig:
     #: compressors, indexer, mHC and MoE); None for other families. Read by its package
     #: only. V4 models set num_kv_heads = 1 and intermediate_size = moe_intermediate_size
     dsv4: Any = None
+    #: a linear-attention hybrid's settings (graphcp.model.hybrid.config.HybridConfig: the
+    #: layer kinds, the Gated DeltaNet heads and convolution, the partial RoPE); None for
+    #: other families. Read by its package only
+    hybrid: Any = None
 
     def __post_init__(self) -> None:
         w = "ModelConfig"

@@ -1,11 +1,12 @@
 """The built-in model families, registered (graphcp.model.family): the dense decoder
-(with its MoE members), DSA and DeepSeek V4. ``graphcp.model`` imports this module, so
-every program that reads a config has them."""
+(with its MoE members), DSA, DeepSeek V4 and the linear-attention hybrids.
+``graphcp.model`` imports this module, so every program that reads a config has them."""
 
 from __future__ import annotations
 
 from graphcp.model.dense.family import DENSE
 from graphcp.model.dsa.family import DSA
 from graphcp.model.dsv4.family import DSV4
+from graphcp.model.hybrid.family import HYBRID
 
-BUILT_IN = (DENSE, DSA, DSV4)
+BUILT_IN = (DENSE, DSA, DSV4, HYBRID)

@@ -152,7 +152,8 @@ def _plan_reads(cfg: ModelConfig, model_dir: Path, table: dict[str, TensorTarget
             continue
         local = _stage_param(tgt.param, layers, params)
         if local is not None:  # None: another stage's tensor, not read here
-            targets[name] = replace(tgt, param=local)
+            parts = tuple(replace(t, param=_stage_param(t.param, layers, params)) for t in tgt.parts)
+            targets[name] = replace(tgt, param=local, parts=parts)
             by_file.setdefault(f, []).append(name)
     missing = sorted(set(targets) - listed)
     if missing:
@@ -171,22 +172,27 @@ def _read_files(cfg: ModelConfig, model_dir: Path, plan: _Plan, params: dict,
                 raise CheckpointError(f"{model_dir}: index names {f.name}, which does not exist")
             with _open(f) as sf:
                 for name in names:
-                    tgt = plan.targets[name]
-                    t = _read_checked(sf, f, name, tgt, declared, cfg.torch_dtype)
-                    if t is None:  # another rank's expert: checked, not read
+                    first = plan.targets[name]
+                    if not first.read:  # another rank's expert: checked, not read
+                        _read_checked(sf, f, name, first, declared, cfg.torch_dtype)
                         continue
-                    p = params[tgt.param] if tgt.index is None else params[tgt.param][tgt.index]
-                    dst = p.narrow(tgt.dim, tgt.start, t.shape[tgt.dim]) if t.dim() > tgt.dim else p
-                    if tuple(dst.shape) != tuple(t.shape) or tgt.start + t.shape[tgt.dim] > p.shape[tgt.dim]:
-                        raise CheckpointError(
-                            f"{f.name}: tensor {name!r} has shape {list(_shape(sf, f, name))}, "
-                            f"expected {list(tgt.shape)}"
-                        )
-                    dst.copy_(t)
-                    filled[tgt.param] += t.numel()
+                    for tgt in (first, *first.parts):  # (parts: more slices of the same tensor)
+                        t = _read_checked(sf, f, name, tgt, declared, cfg.torch_dtype)
+                        _place(params, f, sf, name, tgt, t)
+                        filled[tgt.param] += t.numel()
                     if on_tensor is not None:
                         on_tensor(name)
     return filled
+
+
+def _place(params: dict, f: Path, sf, name: str, tgt: TensorTarget, t: torch.Tensor) -> None:
+    """Copy one slice ``t`` of checkpoint tensor ``name`` where its target says."""
+    p = params[tgt.param] if tgt.index is None else params[tgt.param][tgt.index]
+    dst = p.narrow(tgt.dim, tgt.start, t.shape[tgt.dim]) if t.dim() > tgt.dim else p
+    if tuple(dst.shape) != tuple(t.shape) or tgt.start + t.shape[tgt.dim] > p.shape[tgt.dim]:
+        raise CheckpointError(f"{f.name}: tensor {name!r} has shape {list(_shape(sf, f, name))}, "
+                              f"expected {list(tgt.shape)}")
+    dst.copy_(t)
 
 
 def _shape(sf, f: Path, name: str) -> tuple[int, ...]:

@@ -38,6 +38,9 @@ class TensorTarget:
     index: int | None = None  # lands in ``param[index]`` (a local expert), then as above
     read: bool = True  # False: another rank's expert (its shape is checked, it is not read)
     integer: bool = False  # an integer table (DeepSeek V4's tid2eid), not a weight
+    #: more slices of the same checkpoint tensor that land elsewhere (each its own param,
+    #: dim, start and shard: a hybrid's fused q/k/v rows of this rank's heads, three runs)
+    parts: tuple["TensorTarget", ...] = ()
 
 
 def expert_targets(hf: str, me: str, num_experts: int, size: int, h: int, rank: int, tp: int,

@@ -19,7 +19,7 @@ never a pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -88,6 +88,17 @@ class KVMeta(TensorLayout):
 
     def make_export(self, layers: list[dict[str, torch.Tensor]], **extra) -> "KVExport":
         return KVExport(self, [t["k"] for t in layers], [t["v"] for t in layers], **extra)
+
+    def head_shard(self, size: int) -> "KVMeta":
+        """One attention-TP rank's share: its KV heads (one, replicated, when the model has
+        fewer than the ranks; graphcp.model.heads)."""
+        return replace(self, num_kv_heads=self.num_kv_heads // size if self.num_kv_heads >= size else 1)
+
+    def merge_heads(self, layer: int, name: str, gathered: torch.Tensor, size: int) -> torch.Tensor:
+        """The whole ``[num_kv_heads, tokens, head_dim]`` from the attention-TP ranks'
+        shares all-gathered rank-major (a KV head replicated over ranks kept once)."""
+        H = self.num_kv_heads
+        return (gathered if gathered.shape[0] == H else gathered[:: size // H]).contiguous()
 
     @property
     def tensor_bytes(self) -> int:

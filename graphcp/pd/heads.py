@@ -1,23 +1,21 @@
-"""The KV export under attention TP: each rank's cache holds its own KV heads, so a
+"""The KV export under attention TP: each rank's cache holds its own heads, so a
 request's export is assembled per head shard over the CP group, then the shards are
-gathered over attention TP in head order (a KV head replicated over several ranks,
-when the model has fewer KV heads than the attention-TP ranks, kept once): to every
-rank of the attention-TP group (an all-gather) or to one (point to point: only the
-ranks that hold distinct heads send, one message each)."""
+gathered over attention TP and merged in head order as the format says (``head_shard`` /
+``merge_heads`` of its metadata: graphcp-kv/1 keeps a KV head replicated over several
+ranks once; graphcp-hybrid/1 also regroups its linear layers' conv channels): to every
+rank of the attention-TP group (an all-gather) or to one (point to point: each other
+rank sends its shards of every layer in one message)."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
 from graphcp.dist import CPGroup
-from graphcp.pd.export import KVMeta
 
 
-def shard_meta(meta: KVMeta, local_kv_heads: int) -> KVMeta:
-    """``meta`` with one rank's KV heads (what its cache's spans assemble to)."""
-    return replace(meta, num_kv_heads=local_kv_heads)
+def shard_meta(meta, attn_tp_size: int):
+    """``meta`` with one attention-TP rank's heads (what its cache's spans assemble to)."""
+    return meta.head_shard(attn_tp_size)
 
 
 def head_owners(attn_tp_size: int, num_kv_heads: int) -> list[int]:
@@ -27,34 +25,30 @@ def head_owners(attn_tp_size: int, num_kv_heads: int) -> list[int]:
     return list(range(0, attn_tp_size, step))
 
 
-def gather_heads(out: list[dict[str, torch.Tensor]] | None, attn_tp: CPGroup, num_kv_heads: int,
+def gather_heads(out: list[dict[str, torch.Tensor]], attn_tp: CPGroup, meta,
                  dst: int | None = None) -> list[dict[str, torch.Tensor]] | None:
-    """Each layer's tensors ``[local heads, tokens, head_dim]`` -> the model's
-    ``[num_kv_heads, tokens, head_dim]``: on every rank of ``attn_tp`` (``dst`` None, in
-    place), or on its rank ``dst`` only (the others return None). Every rank calls it."""
+    """Each layer's tensors of this rank's heads -> the model's: on every rank of
+    ``attn_tp`` (``dst`` None, in place), or on its rank ``dst`` only (the others return
+    None). Every rank calls it."""
     if dst is None:
-        for layer in out:
+        for i, layer in enumerate(out):
             for name, t in layer.items():
-                every = attn_tp.all_gather_rows(t)  # [A * local, tokens, head_dim], attention-TP rank-major
-                if every.shape[0] != num_kv_heads:  # fewer KV heads than ranks: A / H copies of each
-                    every = every[:: attn_tp.size // num_kv_heads]
-                layer[name] = every.contiguous()
+                layer[name] = meta.merge_heads(i, name, attn_tp.all_gather_rows(t), attn_tp.size)
         return out
-    owners = head_owners(attn_tp.size, num_kv_heads)
     me = attn_tp.rank
     flat = [t for layer in out for t in layer.values()]
-    if me != dst:
-        if me in owners:  # one message: all this rank's heads of every layer
-            attn_tp.send(torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in flat]), dst)
+    if me != dst:  # one message: all this rank's heads of every layer
+        attn_tp.send(torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in flat]), dst)
         return None
     shards = {me: flat}
-    for owner in owners:
-        if owner != me:
-            buf = attn_tp.recv_(torch.empty(sum(t.numel() * t.element_size() for t in flat), dtype=torch.uint8,
-                                            device=flat[0].device), owner)
-            shards[owner] = _split(buf, flat)
-    heads = iter(torch.cat([shards[o][i] for o in owners]) for i in range(len(flat)))
-    return [{name: next(heads) for name in layer} for layer in out]
+    nbytes = sum(t.numel() * t.element_size() for t in flat)
+    for rank in range(attn_tp.size):
+        if rank != me:
+            buf = attn_tp.recv_(torch.empty(nbytes, dtype=torch.uint8, device=flat[0].device), rank)
+            shards[rank] = _split(buf, flat)
+    every = iter(torch.cat([shards[r][k] for r in range(attn_tp.size)]) for k in range(len(flat)))
+    return [{name: meta.merge_heads(i, name, next(every), attn_tp.size) for name in layer}
+            for i, layer in enumerate(out)]
 
 
 def _split(buf: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

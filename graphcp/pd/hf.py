@@ -19,6 +19,7 @@ import torch
 from graphcp.kv.dsv4 import CSA, HCA, SLIDING
 from graphcp.pd.dsv4_export import DsV4Export
 from graphcp.pd.export import KVExport
+from graphcp.pd.hybrid_export import FULL, HybridExport
 from graphcp.pd.mla_export import MlaExport, interleaved_to_half_split
 
 
@@ -107,14 +108,43 @@ def to_dsv4_cache(export: DsV4Export, device: torch.device | str | None = None, 
     return cache
 
 
-def to_transformers_cache(export: KVExport | MlaExport | DsV4Export, device: torch.device | str | None = None,
-                          dtype: torch.dtype | None = None):
+def to_hybrid_cache(export: HybridExport, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    """The ``transformers.DynamicCache`` a Qwen3.5 / Qwen3-Next model keeps, holding
+    ``export`` (batch of one): built as transformers builds it (``DynamicCache(config=...)``
+    of the export's layer types: a ``LinearAttentionLayer`` or a ``DynamicLayer`` a layer),
+    then filled: a full layer's keys and values ``[1, heads, T, head_dim]``; a linear
+    layer's conv state ``[1, conv_dim, K]`` and recurrent state ``[1, Hv, d_k, d_v]``
+    (float32, as transformers keeps it; ``dtype`` casts the rest)."""
+    import transformers
+    from transformers import DynamicCache
+
+    m = export.meta
+    names = ["full_attention" if k == FULL else "linear_attention" for k in m.layer_kinds]
+    cache = DynamicCache(config=transformers.Qwen3_5TextConfig(num_hidden_layers=m.num_layers, layer_types=names))
+
+    def put(t: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        return t.to(device=device, dtype=None if keep_dtype else dtype)[None]
+
+    for i, layer in enumerate(cache.layers):
+        t = export.layers[i]
+        if m.layer_kinds[i] == FULL:
+            layer.update(put(t["k"]), put(t["v"]))
+            continue
+        layer.update_conv_state(put(t["conv"]), conv_kernel_size=m.conv_kernel)
+        layer.update_recurrent_state(put(t["recurrent"], keep_dtype=True))
+    return cache
+
+
+def to_transformers_cache(export: KVExport | MlaExport | DsV4Export | HybridExport,
+                          device: torch.device | str | None = None, dtype: torch.dtype | None = None):
     """The transformers cache of any export format (a DSA model's: :func:`to_mla_cache`;
-    a DeepSeek V4 model's: :func:`to_dsv4_cache`)."""
+    a DeepSeek V4 model's: :func:`to_dsv4_cache`; a hybrid's: :func:`to_hybrid_cache`)."""
     if isinstance(export, MlaExport):
         return to_mla_cache(export, device, dtype)
     if isinstance(export, DsV4Export):
         return to_dsv4_cache(export, device, dtype)
+    if isinstance(export, HybridExport):
+        return to_hybrid_cache(export, device, dtype)
     return to_dynamic_cache(export, device, dtype)
 
 

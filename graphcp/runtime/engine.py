@@ -269,9 +269,11 @@ class PrefillEngine:
             "layers": [self.stage.layers.start, self.stage.layers.stop], "kv_cache": self.runtime.kv_cache,
             "exchange": p.exchange.setting(),
             "kv_pool_tokens": (kv.num_pages - 1) * kv.page_size,
-            "kv_pool_bytes": kv.pool_bytes,  # every page pool (MLA: latent and indexer keys)
+            "kv_pool_bytes": kv.pool_bytes,  # every page pool (MLA: latent and indexer keys) and state pool
             # each pool's bytes (V4: window, source rows and entries of each layer kind)
             "kv_pools": {name: t.numel() * t.element_size() for name, t in kv.page_pools().items()},
+            # each per-request state pool's bytes (a hybrid's linear layers: recurrent and conv states)
+            "kv_state_pools": {name: t.numel() * t.element_size() for name, t in kv.state_pools().items()},
             "kv_stored_tokens": kv.stored_tokens(),
             "kv_stored_pages": kv.stored_pages(),
             "forwards": list(self.recorder.forwards),

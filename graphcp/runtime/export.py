@@ -64,11 +64,11 @@ class Exporter:
         spans = p.kv_source.kv_spans(handle, p.group.size)
         if p.mesh.attn_tp.size > 1 and p.family.export_splits_heads:
             # each head shard over CP (to its rank at ``to``'s CP place), then the heads over attention TP
-            shard = shard_meta(meta, p.attn_cfg.num_kv_heads)
+            shard = shard_meta(meta, p.mesh.attn_tp.size)
             out = assemble(p.kv, handle, spans, p.group, shard, None if to is None else to.cp, p.device)
             if to is not None and here.cp != to.cp:
                 return None
-            return gather_heads(out, p.mesh.attn_tp, meta.num_kv_heads, None if to is None else to.attn_tp)
+            return gather_heads(out, p.mesh.attn_tp, meta, None if to is None else to.attn_tp)
         if to is not None and here.attn_tp != to.attn_tp:
             return None  # (each attention-TP rank holds the whole KV: one CP group assembles it)
         return assemble(p.kv_source, handle, spans, p.group, meta, None if to is None else to.cp, p.device)

@@ -6,6 +6,7 @@ writes. Other tools read these names (keys may be added, never renamed)::
                 "dp_size": 1, "kv_heads": N,
                 "kv_cache": "sharded", "exchange": "auto",
                 "kv_pool_tokens": N, "kv_pool_bytes": N, "kv_pools": {"kv_cache": N, ...},
+                "kv_state_pools": {"linear_recurrent": N, ...},
                 "kv_stored_tokens": N, "kv_stored_pages": N,
                 "forwards": [{"path": "graph" | "eager", "bucket": N | null,
                               "exchange": "all-gather" | "pass-kv" | "pass-q",
@@ -23,7 +24,9 @@ under pipeline stages), ``stage`` its pipeline stage and ``layers`` the ``[first
 decoder layers it runs; ``mesh`` its (dp, cp, attn_tp) coordinates (docs/parallel.md)
 and ``kv_heads`` the KV heads its cache stores (the model's, split over attention TP);
 ``kv_pools`` each page pool's bytes (one for most models; MLA's latent and indexer
-keys; DeepSeek V4's window, source rows and entries per layer kind);
+keys; DeepSeek V4's window, source rows and entries per layer kind), ``kv_state_pools``
+each per-request state pool's (a linear-attention hybrid's recurrent and conv states;
+``kv_pool_bytes`` counts both);
 under attention DP a forward's ``dp_assignment`` lists each request's replica.
 ``kv_pool_*`` describe one rank's pool; ``kv_stored_tokens`` counts the tokens whose
 KV the rank holds at the end (live handles). ``decode_steps`` lists every decode step

@@ -1,0 +1,176 @@
+"""HybridExport: one request's cache of a linear-attention hybrid, format
+``graphcp-hybrid/1``: exactly what transformers' cache of a Qwen3.5 / Qwen3-Next model
+holds after the request's ``T`` tokens, so a decode engine (or transformers,
+:func:`graphcp.pd.hf.to_hybrid_cache`) continues from it.
+
+Per layer ``i``:
+
+- a full-attention layer: ``k.<i>``, ``v.<i>`` ``[num_kv_heads, T, head_dim]`` in the
+  model dtype, keys after RoPE (as graphcp-kv/1);
+- a linear-attention layer: ``conv.<i>`` ``[conv_dim, conv_kernel]`` (the model dtype):
+  the last ``conv_kernel`` pre-convolution rows, oldest first, zeros before the first
+  token (transformers' ``conv_states``; channels: q of every key head, k, then v of
+  every value head), and ``recurrent.<i>`` ``[num_v_heads, k_head_dim, v_head_dim]``
+  **float32**: the gated delta rule's state (transformers' ``recurrent_states``).
+
+Metadata (:class:`HybridMeta`): tokens, layers, the layer kinds (``linear`` /
+``full``), the full layers' KV heads and head_dim, the linear layers' key and value
+heads and dims and conv kernel, ``dtype``, the prefill engine's ``page_size`` and the
+model fingerprint. Flattened (a transport's region) the tensors follow one another layer
+by layer in the order above (graphcp.pd.layout); a full layer's K/V may travel in runs of
+positions, a linear layer's states only whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from graphcp.config import DTYPES, parse_dtype
+from graphcp.pd.export import KVFormatError, check_tensors
+from graphcp.pd.layout import TensorLayout
+
+HYBRID_FORMAT = "graphcp-hybrid/1"
+LINEAR, FULL = "linear", "full"
+_INTS = ("num_tokens", "num_layers", "num_kv_heads", "head_dim", "num_k_heads", "num_v_heads", "k_head_dim",
+         "v_head_dim", "conv_kernel", "page_size")
+
+
+@dataclass(frozen=True)
+class HybridMeta(TensorLayout):
+    num_tokens: int
+    num_layers: int
+    layer_kinds: tuple[str, ...]  # linear | full per layer
+    num_kv_heads: int
+    head_dim: int
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    dtype: str
+    page_size: int
+    fingerprint: str
+    family: str = "qwen3_5_text"
+    format: str = HYBRID_FORMAT
+
+    token_dim = 1  # a full layer's [heads, tokens, head_dim]
+
+    def __post_init__(self) -> None:
+        for name in _INTS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise KVFormatError(f"hybrid KV metadata: {name} must be an integer >= 1, got {v!r}")
+        if self.dtype not in DTYPES:
+            raise KVFormatError(f"hybrid KV metadata: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - {LINEAR, FULL}:
+            raise KVFormatError(f"hybrid KV metadata: layer_kinds must be {self.num_layers} of linear / full, got "
+                                f"{list(self.layer_kinds)}")
+        if self.format != HYBRID_FORMAT:
+            raise KVFormatError(f"hybrid KV metadata: format {self.format!r} is not {HYBRID_FORMAT!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+    def layer_tensors(self, layer: int) -> tuple[str, ...]:
+        return ("k", "v") if self.layer_kinds[layer] == FULL else ("conv", "recurrent")
+
+    def tensor_dtype(self, layer: int, name: str) -> torch.dtype:
+        return torch.float32 if name == "recurrent" else self.torch_dtype
+
+    def tensor_shape(self, layer: int, name: str, num_tokens: int | None = None) -> tuple[int, ...]:
+        if name in ("k", "v"):
+            return (self.num_kv_heads, self.num_tokens if num_tokens is None else num_tokens, self.head_dim)
+        if name == "conv":
+            return (self.conv_dim, self.conv_kernel)
+        return (self.num_v_heads, self.k_head_dim, self.v_head_dim)
+
+    def span_runs(self, layer: int, name: str, start: int, num_tokens: int) -> list[tuple[int, int, int]]:
+        if self.layer_kinds[layer] == FULL:
+            return super().span_runs(layer, name, start, num_tokens)
+        if (start, num_tokens) != (0, self.num_tokens):
+            raise KVFormatError(f"{HYBRID_FORMAT}: linear layer {layer}'s states travel whole (positions 0.."
+                                f"{self.num_tokens}), got positions {start}..{start + num_tokens}")
+        return [(0, self.tensor_offset(layer, name), self.nbytes_of(layer, name))]
+
+    # ---- attention TP: each rank's cache holds its heads (graphcp.pd.heads) ----------------
+    def head_shard(self, size: int) -> "HybridMeta":
+        """One attention-TP rank's share (its own KV, key and value heads)."""
+        kv = self.num_kv_heads // size if self.num_kv_heads >= size else 1
+        return replace(self, num_kv_heads=kv, num_k_heads=self.num_k_heads // size,
+                       num_v_heads=self.num_v_heads // size)
+
+    def merge_heads(self, layer: int, name: str, gathered: torch.Tensor, size: int) -> torch.Tensor:
+        """The whole tensor from the attention-TP ranks' shares, all-gathered rank-major
+        along dim 0: K/V heads (a replicated one kept once) and states in head order;
+        the conv channels regrouped (each rank holds q, k and v of its own heads)."""
+        if name in ("k", "v"):
+            H = self.num_kv_heads
+            return (gathered if gathered.shape[0] == H else gathered[:: size // H]).contiguous()
+        if name == "recurrent":
+            return gathered.contiguous()
+        q, k = self.num_k_heads * self.k_head_dim // size, self.num_k_heads * self.k_head_dim // size
+        parts = gathered.view(size, -1, self.conv_kernel).split([q, k, self.num_v_heads * self.v_head_dim // size], 1)
+        return torch.cat([p.reshape(-1, self.conv_kernel) for p in parts]).contiguous()
+
+    def make_export(self, layers: list[dict[str, torch.Tensor]], **extra) -> "HybridExport":
+        return HybridExport(self, layers, **extra)
+
+    def to_dict(self) -> dict[str, str]:
+        """String values (a safetensors header holds strings only)."""
+        d = {k: str(v) for k, v in vars(self).items()}
+        d["layer_kinds"] = ",".join(self.layer_kinds)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "hybrid KV metadata") -> "HybridMeta":
+        missing = [k for k in (*_INTS, "layer_kinds", "dtype", "fingerprint", "format") if k not in d]
+        if missing:
+            raise KVFormatError(f"{source}: missing hybrid KV metadata {missing} (not a {HYBRID_FORMAT} export?)")
+        try:
+            ints = {k: int(d[k]) for k in _INTS}
+        except (TypeError, ValueError):
+            raise KVFormatError(f"{source}: {', '.join(_INTS)} must be integers, got "
+                                f"{ {k: d[k] for k in _INTS} }") from None
+        kinds = tuple(k for k in str(d["layer_kinds"]).split(",") if k)
+        try:
+            return cls(**ints, layer_kinds=kinds, dtype=str(d["dtype"]), fingerprint=str(d["fingerprint"]),
+                       family=str(d.get("family", "qwen3_5_text")), format=str(d["format"]))
+        except KVFormatError as e:
+            raise KVFormatError(f"{source}: {e}") from None
+
+
+@dataclass
+class HybridExport:
+    """One request's hybrid cache (module docstring): ``layers[i]`` maps the layer's
+    tensor names to tensors. ``token_ids`` and ``last_logits`` ride along as in
+    :class:`graphcp.pd.export.KVExport`."""
+
+    meta: HybridMeta
+    layers: list[dict[str, torch.Tensor]]
+    token_ids: torch.Tensor | None = None
+    last_logits: torch.Tensor | None = None
+
+    def tensor(self, layer: int, name: str) -> torch.Tensor:
+        return self.layers[layer][name]
+
+    def check(self, source: str = "hybrid KV export") -> "HybridExport":
+        """KVFormatError unless every layer has the metadata's tensors, shapes and dtypes."""
+        m = self.meta
+        if len(self.layers) != m.num_layers:
+            raise KVFormatError(f"{source}: {len(self.layers)} layers of tensors for {m.num_layers} layers")
+        for i, ts in enumerate(self.layers):
+            if set(ts) != set(m.layer_tensors(i)):
+                raise KVFormatError(f"{source}: layer {i} ({m.layer_kinds[i]}) has {sorted(ts)}, expected "
+                                    f"{sorted(m.layer_tensors(i))}")
+        return check_tensors(self, source)
+
+    def to(self, device: torch.device | str) -> "HybridExport":
+        return HybridExport(self.meta, [{n: t.to(device) for n, t in ts.items()} for ts in self.layers],
+                            self.token_ids, self.last_logits)

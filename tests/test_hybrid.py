@@ -1,0 +1,158 @@
+"""Linear-attention hybrids (docs/hybrid.md) against transformers: Qwen3.5's text model
+(``Qwen3_5ForCausalLM``, tests/conftest.py's HYBRID_TINY: three Gated DeltaNet layers and a
+full-attention one, slow decays so a state carries across hundreds of tokens).
+
+- the chunked gated delta rule equals transformers' (bitwise), and the scan composes
+  every block's incoming state as a sequential run reaches it (the maps of each rank's
+  blocks, composed in block order, for requests shorter than 2C and a cached prefix);
+- the engine at CP 1, 2 and 4, graphs off and breakable: requests of 1 to 600 tokens in
+  one batch, every token's logits within 1e-4 (float32) of transformers', and a chunked
+  continuation from a cached prefix ending inside a zigzag block equal to one shot;
+  bfloat16 within 2e-2 of transformers in bfloat16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import rel_err
+
+from graphcp import PrefillEngine, Request, RuntimeConfig
+from graphcp.cp import make_layout
+from graphcp.dist import launch
+from graphcp.model.hybrid.gdn import augmented_rule, chunk_gated_delta_rule, query_key
+from graphcp.model.hybrid.scan import LinearPlan, _blocks, compose
+from graphcp.runtime.capture.buckets import BucketSet
+
+TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+LENS = [1, 7, 45, 600]
+#: a prefix of the long request, cut inside a zigzag block at CP 2 and 4, and its continuation
+SPLIT = 203
+BUCKETS = BucketSet((64, 256, 512), padding_factor=64.0)
+
+
+def _tokens():
+    rng = np.random.default_rng(5)
+    return [rng.integers(0, 512, n) for n in LENS]
+
+
+@pytest.fixture(scope="module")
+def folder(hf_model_dir):
+    return hf_model_dir("qwen3_5_text")
+
+
+def reference_logits(hf_model, folder, sequences, model_of=None) -> dict:
+    """transformers' logits of each sequence, float32 and bfloat16 (``model_of(folder,
+    dtype)``: how the reference loads; default the causal-LM fixture)."""
+    out = {}
+    for dtype in TOL:
+        model = (model_of or hf_model)(folder, dtype)
+        with torch.no_grad():
+            out[dtype] = [model(torch.tensor(t)[None]).logits[0].float() for t in sequences]
+    return out
+
+
+def check_logits(outs, ref, dtype: str, where) -> None:
+    """Each of ``outs`` within the dtype's bound of its reference."""
+    for got, want in zip(outs, ref, strict=True):
+        assert rel_err(got, want) <= TOL[dtype], (where, rel_err(got, want))
+
+
+@pytest.fixture(scope="module")
+def reference(folder, hf_model):
+    return reference_logits(hf_model, folder, _tokens())
+
+
+def test_the_chunked_rule_is_transformers_and_the_scan_composes_every_block():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    g = torch.Generator().manual_seed(0)
+    T, Hk, Hv, dk, dv = 130, 2, 4, 24, 16
+    q, k = torch.randn(1, T, Hk, dk, generator=g), torch.randn(1, T, Hk, dk, generator=g)
+    v = torch.randn(1, T, Hv, dv, generator=g)
+    decay, beta = -0.05 * torch.rand(1, T, Hv, generator=g), torch.rand(1, T, Hv, generator=g)
+    s0 = torch.randn(1, Hv, dk, dv, generator=g)
+    ref, ref_state = torch_chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=s0, output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
+    qn, kn = query_key(q[0], k[0], Hv // Hk)
+    rows = [x.transpose(0, 1)[None] for x in (qn, kn, v[0], decay[0], beta[0])]
+    pad = [torch.cat([x, x.new_zeros(*x.shape[:2], 192 - T, *x.shape[3:])], dim=2) for x in rows]
+    out, state = chunk_gated_delta_rule(*pad, s0)
+    assert torch.equal(out[0, :, :T].transpose(0, 1), ref[0]) and torch.equal(state, ref_state)
+
+    # the scan at C = 4: requests of 3, 11 and 130 tokens (the last extends a cached state)
+    C, lens = 4, [3, 11, T]
+    plan = make_layout("zigzag", C).plan(lens, [0, 0, 20])
+    prefix = torch.zeros(3, Hv, dk, dv)
+    prefix[2] = s0[0]
+    rows_of = {name: torch.cat([t[:n] for n in lens]) for name, t in
+               (("q", qn), ("k", kn), ("v", v[0]), ("g", decay[0]), ("b", beta[0]))}
+    maps, plans = [], []
+    for r in range(C):
+        lp = LinearPlan.build(plan, r, np.array([-1, -1, 0]), np.array([1, 3, 5]), 4)
+        local = torch.from_numpy(plan.rank(r).rows.copy())
+        gather = torch.from_numpy(lp.gather.reshape(-1))
+        blocks = [_blocks(rows_of[n].index_select(0, local), gather, lp.num_local, lp.gather.shape[1])
+                  for n in ("q", "k", "v", "g", "b")]
+        known = torch.from_numpy(lp.block_index == 0)
+        _, _, x, y = augmented_rule(*blocks, prefix.index_select(0, torch.from_numpy(lp.block_request)), known)
+        maps.append((x, y))
+        plans.append(lp)
+    xs, ys = torch.cat([m[0] for m in maps]), torch.cat([m[1] for m in maps])
+    incoming, final = compose(xs, ys, torch.from_numpy(plans[0].compose), prefix)
+    starts = np.cumsum([0] + lens)
+    for j, n in enumerate(lens):
+        ends = np.cumsum([0] + [(n + 2 * C - 1 - b) // (2 * C) for b in range(2 * C)])
+        for b in range(2 * C + 1):  # each block's incoming state, then the final one
+            sl = slice(starts[j], starts[j] + int(ends[b]))
+            seq = [x[sl].transpose(0, 1)[None] for x in (rows_of["q"], rows_of["k"], rows_of["v"], rows_of["g"],
+                                                          rows_of["b"])]
+            length = seq[0].shape[2]
+            padded = -(-max(length, 1) // 64) * 64
+            seq = [torch.cat([x, x.new_zeros(*x.shape[:2], padded - length, *x.shape[3:])], dim=2) for x in seq]
+            _, want = chunk_gated_delta_rule(*seq, prefix[j:j + 1])
+            got = incoming[j, b] if b < 2 * C else final[j]
+            assert rel_err(got, want[0]) < 1e-5, (j, b)
+
+
+def _run(eng: PrefillEngine) -> tuple[list, list, set]:
+    """The batch in one forward, then the long request again as a prefix of SPLIT tokens
+    and its continuation; every token's logits of both, and the paths the forwards took."""
+    toks = _tokens()
+    one = eng.prefill([Request(t) for t in toks], all_logits=True)
+    for h in one.handles:
+        eng.release(h)
+    head = eng.prefill([Request(toks[3][:SPLIT])], all_logits=True)
+    tail = eng.prefill([Request(toks[3][SPLIT:], head.handles[0]), Request(toks[1])], all_logits=True)
+    for h in tail.handles:
+        eng.release(h)
+    paths = {one.info.path, head.info.path, tail.info.path}
+    return [x.clone() for x in one.logits], [torch.cat([head.logits[0], tail.logits[0]]), tail.logits[1]], paths
+
+
+def _runs_job(group, folder, runs):
+    out = []
+    for dtype, graph in runs:
+        eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, graph=graph, kv_tokens=4096), group, BUCKETS)
+        out.append(_run(eng) if group.rank == 0 else _run(eng) and None)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_rank_matches_transformers_and_a_continuation_one_shot(folder, reference, dtype):
+    eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=4096))
+    one, chunked, _ = _run(eng)
+    check_logits(one, reference[dtype], dtype, "one shot")
+    check_logits(chunked, [reference[dtype][3], reference[dtype][1]], dtype, "chunked")
+
+
+@pytest.mark.parametrize("cp,runs", [(2, [("float32", "off"), ("float32", "breakable"), ("bfloat16", "off")]),
+                                     (4, [("float32", "breakable")])])
+def test_cp_matches_transformers(folder, reference, cp, runs):
+    results = launch(_runs_job, cp, folder, runs)[0]
+    for (dtype, graph), (one, chunked, paths) in zip(runs, results):
+        where = (cp, dtype, graph)
+        assert paths == {"graph" if graph != "off" else "eager"}, where
+        check_logits(one, reference[dtype], dtype, where)
+        check_logits(chunked, [reference[dtype][3], reference[dtype][1]], dtype, where)
