@@ -27,15 +27,32 @@ class Decoder:
     """The engine's decode steps (see the module doc)."""
 
     def __init__(self, parts: EngineParts, recorder: Recorder) -> None:
-        p, rt = parts, parts.runtime
-        self.parts, self.recorder = p, recorder
-        m = p.mesh
-        self.body = StepBody(p.model, p.kv, p.group, p.device, p.body.attention,
-                             p.exchange.decode_step(rt.decode_merge), ReplicatedRows(m.cp, m.attn_tp, m.ffn, m.dp))
-        self.preparer = StepPreparer(p.kv, m.ffn, p.cfg.vocab_size, p.cfg.max_position_embeddings, p.device,
-                                     self.body.plan, rt.check_consistency)
+        self.parts, self.recorder = parts, recorder
+        self._body: StepBody | None = None
+        self._preparer: StepPreparer | None = None
         self._graphs: DecodeGraphs | None = None
         self._combines = False
+
+    @property
+    def body(self) -> StepBody:
+        """The decode step's body, made on first use (an engine that never decodes, or whose
+        options decode refuses, builds none: its exchange may have no decode step)."""
+        if self._body is None:
+            self.check_combination()
+            p, m = self.parts, self.parts.mesh
+            self._body = StepBody(p.model, p.kv, p.group, p.device, p.body.attention,
+                                  p.exchange.decode_step(p.runtime.decode_merge),
+                                  ReplicatedRows(m.cp, m.attn_tp, m.ffn, m.dp))
+        return self._body
+
+    @property
+    def preparer(self) -> StepPreparer:
+        """A decode step's checks, reservation and plan (made with the body)."""
+        if self._preparer is None:
+            p = self.parts
+            self._preparer = StepPreparer(p.kv, p.mesh.ffn, p.cfg.vocab_size, p.cfg.max_position_embeddings,
+                                          p.device, self.body.plan, p.runtime.check_consistency)
+        return self._preparer
 
     @property
     def graphs(self) -> DecodeGraphs | None:
