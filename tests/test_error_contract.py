@@ -34,7 +34,10 @@ def model_dir(hf_model_dir) -> Path:
 
 def one_line_error(capsys, argv, cmd="prefill", code=2, match=None) -> str:
     """Run the CLI in-process; check exit code, exactly one stderr line, no traceback."""
-    got = main([str(a) for a in argv])
+    try:
+        got = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's own errors (a flag's value out of range)
+        got = e.code
     err = capsys.readouterr().err
     assert got == code, err
     assert err.endswith("\n") and len(err.splitlines()) == 1, f"expected one stderr line, got:\n{err}"
@@ -78,12 +81,12 @@ def test_case01_rank_error_is_the_rank_message_in_one_line(capsys, tmp_path, mod
 # ---- 2: --output that cannot be written: refused before any work -------------------------------
 @pytest.mark.parametrize("where", ["missing-folder", "a-folder"])
 def test_case02_output_checked_before_any_work(capsys, tmp_path, model_dir, monkeypatch, where):
-    import graphcp.cli.main
+    import graphcp.cli.commands
 
     def no_work(*a, **k):
         raise AssertionError("the forward ran although --output cannot be written")
 
-    monkeypatch.setattr(graphcp.cli.main, "run_job_on_ranks", no_work)
+    monkeypatch.setattr(graphcp.cli.commands, "run_job_on_ranks", no_work)
     req = _requests(tmp_path, [{"tokens": [1, 2, 3]}])
     out = tmp_path / "nope" / "out.pt" if where == "missing-folder" else tmp_path
     one_line_error(capsys, _prefill(model_dir, req, out), match=r"--output .*(does not exist|is a folder)")
@@ -190,7 +193,7 @@ def test_case09_tune_huge_cp(capsys, tmp_path):
 def test_case10_kv_tokens_validated(capsys, tmp_path, model_dir, kv):
     req = _requests(tmp_path, [{"tokens": [1, 2, 3]}])
     one_line_error(capsys, _prefill(model_dir, req, tmp_path / "o.pt", "--kv-tokens", kv),
-                   match=rf"RuntimeConfig: kv_tokens must be >= 1, got {kv}")
+                   match=rf"argument --kv-tokens: expected an integer >= 1 and <= {2**31 - 1}, got '{kv}'")
     with pytest.raises(ConfigError, match="kv_tokens must be >= 1"):
         RuntimeConfig(kv_tokens=int(kv))
 

@@ -27,8 +27,8 @@ from graphcp.cli.table import print_table
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings
 from graphcp.errors import ConfigError
-from graphcp.jobs.args import add_runtime_args, job_spec, preflight
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
+from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
 from graphcp.model.presets import resolve_model
 from graphcp.pd.errors import TransferError
@@ -41,20 +41,6 @@ from graphcp.pd.sender import KVSender
 from graphcp.runtime.engine import prefill_after_prefixes
 
 REQUEST_ID = "demo-0"
-
-
-def add_pd_demo_parser(sub) -> None:
-    p = sub.add_parser("pd-demo",
-                       help="prefill at CP N, hand the KV to a decode process, continue it with transformers")
-    add_runtime_args(p, "breakable")
-    p.set_defaults(cp=2, func=cmd_pd_demo)
-    p.add_argument("--transport", default=None, choices=("mooncake", "file"),
-                   help="mooncake: the transfer engine on loopback TCP (the .[pd] extra); file: a safetensors file "
-                        "(default: mooncake where it imports, else file)")
-    p.add_argument("--prompt-tokens", type=int, default=1024, help="the prompt's length")
-    p.add_argument("--prefix-tokens", type=int, default=384, help="of which prefilled first, as a cached prefix")
-    p.add_argument("--steps", type=int, default=8, help="greedy tokens the decode side generates")
-    p.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds for each transfer step")
 
 
 def _prompt(vocab: int, n: int) -> np.ndarray:
@@ -146,7 +132,7 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     spec = job_spec(args)
-    preflight(spec)
+    preflight(spec, args.moe, "graphcp pd-demo")
     check_combination({**parallel_settings(spec.parallel), "export": "on"}, flags=True)
     if args.memory_check:
         check_local_ranks_fit(spec, job_memory(spec, [args.prefix_tokens, args.prompt_tokens - args.prefix_tokens]))
