@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from graphcp.checks import check_output_dir, check_output_path
-from graphcp.cli.jobs import mixed_batch, prefill_job, run_job, twin_dtype
+from graphcp.cli.jobs import INTERPRETER_SCALE, interpreted, mixed_batch, prefill_job, run_job, twin_dtype
 from graphcp.cli.requests import check_request_vocabulary, parse_requests
 from graphcp.cli.table import print_table, ranks_text
 from graphcp.combinations import check as check_combination
@@ -93,6 +93,11 @@ def cmd_run(args) -> int:
         forwards = [sum(len(t) for t in mixed_batch(1))]
         check_local_ranks_fit(spec, job_memory(spec, forwards, capture_all=spec.runtime.graph != "off",
                                                twin_dtype=twin_dtype(spec.runtime.dtype)))
+    if interpreted(spec):
+        tokens = sum(len(t) for t in mixed_batch(1, scale=INTERPRETER_SCALE))
+        print(f"graphcp run: note: in Triton's interpreter the batch is {tokens} tokens (not "
+              f"{sum(len(t) for t in mixed_batch(1))}) and only the buckets it uses are captured: a few minutes",
+              file=sys.stderr)
     res = run_job_on_ranks(run_job, spec)
     rows = [
         ("model", res["model"]),
