@@ -159,7 +159,7 @@ def test_case07_tune_huge_lengths(capsys, tmp_path, line):
     wl = _requests(tmp_path, [{"extend": [8]}, line], "w.jsonl")
     out = tmp_path / "b.json"
     one_line_error(capsys, ["tune", "--workload", wl, "--cp", "2", "--output", out], cmd="tune",
-                   match=r"w\.jsonl:2: '(extend|prefix)' lengths must be <= 2147483647")
+                   match=r"w\.jsonl line 2: '(extend|prefix)' lengths must be <= 2147483647")
     assert not out.exists()
 
 
@@ -275,4 +275,4 @@ def test_case13_non_utf8_files_name_file_and_line(capsys, tmp_path, model_dir):
     wl = tmp_path / "w.jsonl"
     wl.write_bytes(b'{"extend": [8]}\n\n{"extend": [\xe9]}\n')
     one_line_error(capsys, ["tune", "--workload", wl, "--cp", "2", "--output", tmp_path / "b.json"], cmd="tune",
-                   match=r"w\.jsonl:3: not UTF-8 text \(byte 0xe9 at column 13\)")
+                   match=r"w\.jsonl line 3: not UTF-8 text \(byte 0xe9 at column 13\)")

@@ -37,7 +37,7 @@ class FileRequest:
 def parse_requests(path: str | Path) -> list[FileRequest]:
     p = Path(path)
     out: list[FileRequest] = []
-    for where, d in read_jsonl(p, RequestFileError, "{name} line {line}", "request file"):
+    for where, d in read_jsonl(p, RequestFileError, "request file"):
         if isinstance(d, dict) and "tokens" not in d and "extend" in d:  # the other JSONL format graphcp reads
             raise RequestFileError(f'{where}: this looks like a `graphcp tune` workload ("extend" lengths a batch, '
                                    'workloads/README.md), not a request file: expected {"tokens": [ids...], '

@@ -10,6 +10,7 @@ import os
 import sys
 
 from graphcp.attention.backends.triton import cpu_problem
+from graphcp.attention.registry import backend_info
 from graphcp.checks import check_layer_list
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import runtime_settings
@@ -44,6 +45,9 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.pp_layers is not None and len(args.pp_layers) != args.pp:
         raise ConfigError(f"--pp-layers {','.join(map(str, args.pp_layers))} lists {len(args.pp_layers)} stages, "
                           f"expected --pp {args.pp} (one layer count a stage)")
+    if args.device == "cpu" and args.attention != "auto" and backend_info(args.attention).cls.gpu_kernels:
+        raise ConfigError(f"--attention {args.attention} runs CUDA kernels and needs --device cuda (a GPU); on a CPU "
+                          "use --attention torch or triton")
     if args.graph_backend == "cuda" and args.device == "cpu":
         raise ConfigError("--graph-backend cuda captures CUDA graphs and needs --device cuda; on a CPU use "
                           "--graph-backend trace (or auto)")
