@@ -380,9 +380,10 @@ def _parent_death_signal(sig: int) -> bool:
         return False
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Called first thing in a rank: end this process when ``parent_pid`` (the launcher)
-    dies. SIGKILL: nothing a rank holds is worth finishing once nobody reads its result."""
+def die_with_parent(parent_pid: int) -> None:
+    """Called first thing in a rank (or any helper process a command starts): end this
+    process when ``parent_pid`` (the launcher) dies. SIGKILL: nothing a rank holds is
+    worth finishing once nobody reads its result."""
     if not _parent_death_signal(signal.SIGKILL):
         def watch() -> None:
             while os.getppid() == parent_pid:
@@ -415,7 +416,7 @@ def _stop(procs: Sequence[Any], wait_s: float, grace_s: float = 1.0) -> None:
 
 
 def _rank_main(rank, size, port, backend, timeout_s, fn, args, results, threads, launcher_pid) -> None:
-    _die_with_parent(launcher_pid)  # a killed launcher takes its ranks with it
+    die_with_parent(launcher_pid)  # a killed launcher takes its ranks with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle (see above)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -45,9 +45,6 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.pp_layers is not None and len(args.pp_layers) != args.pp:
         raise ConfigError(f"--pp-layers {','.join(map(str, args.pp_layers))} lists {len(args.pp_layers)} stages, "
                           f"expected --pp {args.pp} (one layer count a stage)")
-    if args.device == "cpu" and args.attention != "auto" and backend_info(args.attention).cls.gpu_kernels:
-        raise ConfigError(f"--attention {args.attention} runs CUDA kernels and needs --device cuda (a GPU); on a CPU "
-                          "use --attention torch or triton")
     if args.graph_backend == "cuda" and args.device == "cpu":
         raise ConfigError("--graph-backend cuda captures CUDA graphs and needs --device cuda; on a CPU use "
                           "--graph-backend trace (or auto)")
@@ -84,6 +81,10 @@ def preflight(spec: JobSpec, moe_flag: str | None = None, prog: str = "graphcp")
     config = resolve_model(spec.model, "--model") / "config.json"
     model = ModelConfig.from_file(config)
     model.check_combination(spec.runtime, spec.parallel, flags=True)
+    rt = spec.runtime
+    if rt.device == "cpu" and rt.attention != "auto" and backend_info(rt.attention).cls.gpu_kernels:
+        raise ConfigError(f"--attention {rt.attention} runs CUDA kernels and needs --device cuda (a GPU); on a CPU "
+                          "use --attention torch or triton")
     model.check_parallel(spec.parallel, str(config), spec.runtime.moe, flags=True)
     check_layer_list(spec.runtime.aux_hidden_layers, f"--aux-hidden-layers ({config})", model.num_layers)
     if spec.runtime.draft is not None:  # an EAGLE-3 draft: its config against the target, before any rank starts
