@@ -1,16 +1,42 @@
-"""graphcp: a context-parallel prefill (and decode) runtime with per-bucket breakable graphs."""
+"""graphcp: a context-parallel prefill (and decode) runtime with per-bucket breakable graphs.
 
-from graphcp.config import ParallelConfig, RuntimeConfig
-from graphcp.cp import InterleaveLayout, ZigzagLayout, make_layout
-from graphcp.dist import CPGroup, init_from_env, launch
-from graphcp.errors import BatchError, ConfigError, GraphcpError, InputError
-from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError
-from graphcp.model.config import ModelConfig
-from graphcp.runtime.batch import ConsistencyError, ForwardInfo, PrefillOutput, Request
-from graphcp.runtime.capture.buckets import BucketSet
-from graphcp.runtime.decode.batch import DecodeOutput
-from graphcp.runtime.decode.generate import Conversation, GenerateOutput
-from graphcp.runtime.engine import PrefillEngine
+The names below are imported on first use (PEP 562): ``import graphcp`` and the
+command line's parsing stay free of torch, so ``graphcp --help`` and a mistyped flag
+answer at once."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: each public name and the module that defines it
+_EXPORTS = {
+    "BatchError": "graphcp.errors",
+    "BucketSet": "graphcp.runtime.capture.buckets",
+    "CPGroup": "graphcp.dist",
+    "ConfigError": "graphcp.errors",
+    "ConsistencyError": "graphcp.runtime.batch",
+    "Conversation": "graphcp.runtime.decode.generate",
+    "DecodeOutput": "graphcp.runtime.decode.batch",
+    "ForwardInfo": "graphcp.runtime.batch",
+    "GenerateOutput": "graphcp.runtime.decode.generate",
+    "GraphcpError": "graphcp.errors",
+    "InputError": "graphcp.errors",
+    "InterleaveLayout": "graphcp.cp",
+    "KVCacheFull": "graphcp.kv.paged",
+    "KVHandle": "graphcp.kv.paged",
+    "KVHandleError": "graphcp.kv.paged",
+    "ModelConfig": "graphcp.model.config",
+    "ParallelConfig": "graphcp.config",
+    "PrefillEngine": "graphcp.runtime.engine",
+    "PrefillOutput": "graphcp.runtime.batch",
+    "Request": "graphcp.runtime.batch",
+    "RuntimeConfig": "graphcp.config",
+    "ZigzagLayout": "graphcp.cp",
+    "init_from_env": "graphcp.dist",
+    "launch": "graphcp.dist",
+    "make_layout": "graphcp.cp",
+}
 
 __all__ = [
     "BatchError",
@@ -39,3 +65,29 @@ __all__ = [
     "launch",
     "make_layout",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'graphcp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from graphcp.config import ParallelConfig, RuntimeConfig
+    from graphcp.cp import InterleaveLayout, ZigzagLayout, make_layout
+    from graphcp.dist import CPGroup, init_from_env, launch
+    from graphcp.errors import BatchError, ConfigError, GraphcpError, InputError
+    from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError
+    from graphcp.model.config import ModelConfig
+    from graphcp.runtime.batch import ConsistencyError, ForwardInfo, PrefillOutput, Request
+    from graphcp.runtime.capture.buckets import BucketSet
+    from graphcp.runtime.decode.batch import DecodeOutput
+    from graphcp.runtime.decode.generate import Conversation, GenerateOutput
+    from graphcp.runtime.engine import PrefillEngine

@@ -22,6 +22,18 @@ from graphcp.errors import ConfigError, InputError
 #: typo fails here instead of in an allocation or an int64 overflow
 MAX_TOKENS = 2**31 - 1  # a request, a context, a KV pool (page ids are int32)
 MAX_CP = 1024
+#: the most decoder layers a model (and so a pipeline) may have
+MAX_LAYERS = 4096
+# RuntimeConfig's fields (and their flags, checked before torch is imported)
+MAX_PAGE_SIZE = 4096
+MAX_REQUESTS = 1 << 16
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_TFLOPS = 1e6  # far above any accelerator
+MAX_GB_PER_S = 1e6
+MAX_MICROBATCHES = 4096
+#: the decode batch sizes a decode graph is captured for by default (docs/decode.md)
+DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MAX_DECODE_BUCKETS = 64
 
 
 def _short(value: Any) -> str:

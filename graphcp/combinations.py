@@ -457,6 +457,9 @@ def combinations_doc() -> str:
     allowed, refused, implied = classify_pairs()
     cpu_runs = covering_runs(cpu_values())
     out = ["# Which options combine", "",
+           "Which options run together, and why the others are refused. A refused pair ends a command before "
+           "anything starts, with one line naming both flags and what to use instead:", "",
+           "```sh", "graphcp run --kv-cache sharded --graph full    # exit 2: ... use --graph breakable", "```", "",
            "Generated from `graphcp/combinations.py` by `python scripts/combinations_doc.py` (a test checks it "
            "is current). Every pair of values below that is not refused combines, and "
            "`tests/test_combinations.py` runs each such pair at least once at CP 2 on a tiny model "

@@ -11,7 +11,24 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcp.checks import MAX_CP, MAX_TOKENS, check_bool, check_float, check_int, check_layer_list, check_str
+from graphcp.checks import (
+    DEFAULT_DECODE_BUCKETS,
+    MAX_CP,
+    MAX_DECODE_BUCKETS,
+    MAX_GB_PER_S,
+    MAX_LAYERS,
+    MAX_MICROBATCHES,
+    MAX_PAGE_SIZE,
+    MAX_REQUESTS,
+    MAX_TFLOPS,
+    MAX_TIMEOUT_S,
+    MAX_TOKENS,
+    check_bool,
+    check_float,
+    check_int,
+    check_layer_list,
+    check_str,
+)
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import runtime_settings
 from graphcp.errors import ConfigError
@@ -36,9 +53,6 @@ from graphcp.options import (
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-#: the most decoder layers a model (and so a pipeline) may have
-MAX_LAYERS = 4096
 
 
 def parse_dtype(name: "str | torch.dtype") -> torch.dtype:
@@ -138,37 +152,28 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.pp_size * self.tp_size
 
-    def stage_layers(self, num_layers: int, source: str = "the model") -> list[range]:
+    def stage_layers(self, num_layers: int, source: str = "the model", flags: bool = False) -> list[range]:
         """Each stage's decoder layers (contiguous ranges, in stage order): ``pp_layers``
         when given, else :func:`default_stage_counts`; ConfigError when they do not fit
-        ``num_layers``."""
+        ``num_layers`` (``flags``: named as the command line's flags)."""
         P = self.pp_size
         if self.pp_layers is None:
             if num_layers < P:
-                raise ConfigError(f"{source}: pp_size={P} is more than num_hidden_layers={num_layers}; each "
-                                  "pipeline stage needs at least one decoder layer")
+                raise ConfigError(f"{source}: {f'--pp {P}' if flags else f'pp_size={P}'} is more than "
+                                  f"num_hidden_layers={num_layers}; each pipeline stage needs at least one decoder "
+                                  "layer")
             counts = default_stage_counts(num_layers, P)
         else:
             counts = list(self.pp_layers)
             if sum(counts) != num_layers:
-                raise ConfigError(f"{source}: ParallelConfig.pp_layers={counts} sums to {sum(counts)} layers, "
-                                  f"the model has num_hidden_layers={num_layers}")
+                given = f"--pp-layers {','.join(map(str, counts))}" if flags else f"ParallelConfig.pp_layers={counts}"
+                raise ConfigError(f"{source}: {given} sums to {sum(counts)} layers, the model has "
+                                  f"num_hidden_layers={num_layers}")
         starts = [sum(counts[:s]) for s in range(P)]
         return [range(a, a + n) for a, n in zip(starts, counts)]
 
     def stage(self, index: int, num_layers: int) -> PipelineStage:
         return PipelineStage(index, self.pp_size, self.stage_layers(num_layers)[index])
-
-
-MAX_PAGE_SIZE = 4096
-MAX_REQUESTS = 1 << 16
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-MAX_TFLOPS = 1e6  # far above any accelerator
-MAX_GB_PER_S = 1e6
-MAX_MICROBATCHES = 4096
-#: the decode batch sizes a decode graph is captured for by default (docs/decode.md)
-DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-MAX_DECODE_BUCKETS = 64
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,28 @@ Failure handling: every collective runs under the group's timeout; a collective
 that fails (a peer died, or the timeout passed) raises :class:`CollectiveError`
 naming this rank, the collective and the cause. :func:`launch` watches its
 children and raises :class:`RankFailure` naming the rank that died first and why.
+Launched ranks never outlive their launcher: Ctrl-C reaches the launcher alone
+(ranks ignore SIGINT), which stops every rank at once before it re-raises; a
+launcher that is killed takes its ranks with it (a parent-death signal, or a
+watchdog where the system has none).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import os
 import pickle
 import queue as queue_mod
+import re
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -61,6 +73,17 @@ def _error_report(e: BaseException) -> dict:
         cause = None
     return {"summary": f"{type(e).__name__}: {one_line(e)}", "cause": cause, "traceback": traceback.format_exc(),
             "graphcp": isinstance(e, GraphcpError), "collective": isinstance(e, CollectiveError)}
+
+
+def short_cause(e: BaseException, limit: int = 100) -> str:
+    """What a backend said went wrong, short: its first sentence without the source
+    location it starts with (gloo: ``[.../pair.cc:553] Connection closed by peer
+    [127.0.0.1]:42919. This is typically caused by ...``)."""
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", one_line(e))
+    text = re.split(r"\.\s+(?=[A-Z])", text, maxsplit=1)[0].rstrip(".")
+    if len(text) > limit:
+        text = text[: limit - 3].rstrip() + "..."
+    return f"{type(e).__name__}: {text}"
 
 
 def wait_work(work, timeout_s: float | None = None) -> None:
@@ -109,7 +132,7 @@ class CPGroup:
         where = "" if self.global_rank is None else f" (global rank {self.global_rank})"
         return CollectiveError(
             f"rank {self.rank}/{self.size}{where}: {op} over the {self.name} failed "
-            f"(a peer rank died or did not arrive within {self.timeout_s:g}s): {type(e).__name__}: {e}"
+            f"(a peer rank died or did not arrive within {self.timeout_s:g}s): {short_cause(e)}"
         )
 
     def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -253,7 +276,7 @@ class PeerLink:
     def fail(self, op: str, e: Exception) -> CollectiveError:
         return CollectiveError(
             f"rank {self.rank}: {op} {self.peer_name} failed (the peer died or did not arrive within "
-            f"{self.timeout_s:g}s): {type(e).__name__}: {one_line(e)}"
+            f"{self.timeout_s:g}s): {short_cause(e)}"
         )
 
 
@@ -350,7 +373,83 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, size, port, backend, timeout_s, fn, args, results, threads) -> None:
+# ---- ranks live and die with their launcher -----------------------------------------
+# Ctrl-C: a terminal sends SIGINT to the whole foreground process group, and a user (or
+# ``timeout -s INT``) may signal the launcher alone. Either way only the launcher acts on
+# it: ranks start with SIGINT ignored, and the launcher stops every rank at once before it
+# re-raises. A launcher killed outright (kill -9, the OOM killer) runs no code: each rank
+# asks the kernel for SIGKILL when its parent dies (Linux PR_SET_PDEATHSIG), or elsewhere
+# watches its parent from a thread. On GPUs an orphaned rank would go on holding its device.
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+#: how often a rank without a parent-death signal checks its parent
+WATCH_PARENT_S = 0.5
+
+
+@contextlib.contextmanager
+def _sigint_ignored_in_children() -> Iterator[None]:
+    """While children start: SIGINT ignored, a disposition that ``fork`` and ``exec``
+    both hand down (a spawned interpreter then installs no KeyboardInterrupt handler, so
+    a Ctrl-C while it imports torch prints no traceback). The launcher's own handler
+    comes back after: a Ctrl-C in these few milliseconds is lost, not half-handled."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _parent_death_signal(sig: int) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies; False elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Called first thing in a rank (or any helper process a command starts): end this
+    process when ``parent_pid`` (the launcher) dies. SIGKILL: nothing a rank holds is
+    worth finishing once nobody reads its result."""
+    if not _parent_death_signal(signal.SIGKILL):
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(WATCH_PARENT_S)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="graphcp-parent-watch", daemon=True).start()
+    if os.getppid() != parent_pid:  # the launcher died before the signal was asked for
+        os._exit(1)
+
+
+def _stop(procs: Sequence[Any], wait_s: float, grace_s: float = 1.0) -> None:
+    """Let ``procs`` (multiprocessing Processes) exit on their own for up to ``wait_s``
+    seconds in all, then stop the rest: SIGTERM, and SIGKILL for any still alive
+    ``grace_s`` later."""
+    def join_all(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    join_all(wait_s)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    join_all(grace_s if alive else 0.0)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _rank_main(rank, size, port, backend, timeout_s, fn, args, results, threads, launcher_pid) -> None:
+    die_with_parent(launcher_pid)  # a killed launcher takes its ranks with it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle (see above)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
@@ -400,7 +499,9 @@ def launch(
 
     Uses ``fork`` on CPU (fast; never after CUDA is initialised) and ``spawn``
     otherwise. If a rank dies or raises, the others are stopped and
-    :class:`RankFailure` names the first rank that failed and why.
+    :class:`RankFailure` names the first rank that failed and why. Ctrl-C (or anything
+    else that stops this process) stops every rank at once, and a killed launcher
+    takes its ranks with it.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -417,15 +518,17 @@ def launch(
     # workers: launch(fn, 1) after any multi-threaded op in the caller hung)
     threads = 1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // nprocs)
     procs = [
-        ctx.Process(target=_rank_main, args=(r, nprocs, port, backend, timeout_s, fn, args, results, threads),
-                    daemon=False)
+        ctx.Process(target=_rank_main, args=(r, nprocs, port, backend, timeout_s, fn, args, results, threads,
+                                             os.getpid()), daemon=False)
         for r in range(nprocs)
     ]
-    for p in procs:
-        p.start()
+    with _sigint_ignored_in_children():
+        for p in procs:
+            p.start()
     outputs: dict[int, Any] = {}
     errors: list[tuple[float, int, str]] = []
     deadline_after_failure: float | None = None
+    interrupted = True  # until the loop ends on its own: Ctrl-C (or anything raised) stops every rank at once
     try:
         while len(outputs) + len(errors) < nprocs:
             try:
@@ -453,13 +556,9 @@ def launch(
                 deadline_after_failure = time.monotonic() + timeout_s + 10
             if deadline_after_failure is not None and time.monotonic() > deadline_after_failure:
                 break
+        interrupted = False
     finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 1)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+        _stop(procs, wait_s=0 if interrupted else 1 if errors else 5)
     if errors:
         # the cause is a rank that died or raised on its own; a CollectiveError is a
         # survivor noticing it (and may reach the queue first)

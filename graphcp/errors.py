@@ -45,6 +45,7 @@ class BatchError(InputError):
 
 EXIT_INPUT = 2  # bad input: nothing was changed
 EXIT_FAILURE = 1  # graphcp's own runtime failure, or a bug
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT): the shells' 128 + 2
 
 
 def debug_enabled(flag: bool = False) -> bool:

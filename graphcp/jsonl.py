@@ -21,10 +21,10 @@ def _parse_int(text: str) -> int:
     return int(text)
 
 
-def read_jsonl(path: str | Path, err: type[InputError], where: str = "{path} line {line}",
-               what: str = "file") -> Iterator[tuple[str, Any]]:
-    """Yield ``(where, value)`` for every non-blank line; ``where`` names the file and
-    line (formatted from ``{path}``, ``{name}`` and ``{line}``). Raises ``err``."""
+def read_jsonl(path: str | Path, err: type[InputError], what: str = "file") -> Iterator[tuple[str, Any]]:
+    """Yield ``(where, value)`` for every non-blank line; ``where`` names the file as
+    given and the line, one way for every input file: ``data/reqs.jsonl line 2``.
+    Raises ``err``."""
     p = Path(path)
     try:
         data = p.read_bytes()
@@ -32,7 +32,7 @@ def read_jsonl(path: str | Path, err: type[InputError], where: str = "{path} lin
         raise err(f"cannot read {what} {p}: {e.strerror or e}") from None
     # bytes.splitlines: the line numbers an editor shows (\n, \r\n or \r)
     for n, raw in enumerate(data.splitlines(), start=1):
-        at = where.format(path=p, name=p.name, line=n)
+        at = f"{p} line {n}"
         try:
             line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a leading BOM is not content
         except UnicodeDecodeError as e:

@@ -155,7 +155,7 @@ def test_prefill_help_and_usage_errors(capsys):
 
 def test_verify_capture_flag_reaches_the_runtime_config():
     from graphcp.cli.main import build_parser
-    from graphcp.jobs.args import job_spec
+    from graphcp.jobs.preflight import job_spec
 
     for flag, want in (((), None), (("--verify-capture",), True), (("--no-verify-capture",), False)):
         args = build_parser().parse_args(["prefill", "--input", "r.jsonl", "--output", "o.pt", *flag])

@@ -76,7 +76,7 @@ def test_run_shows_the_mesh(tmp_path, hf_model_dir, capsys):
 
 
 @pytest.mark.parametrize("flags,msg", [
-    (["--tp", "3", "--cp", "2"], "tp_size=3 must be a multiple of dp_size x cp_size = 1 x 2 = 2"),
+    (["--tp", "3", "--cp", "2"], "--tp 3 must be a multiple of --dp x --cp = 1 x 2 = 2"),
     (["--tp", "16"], "num_attention_heads=8 does not divide by attention TP 16"),
     (["--dp", "2", "--pp", "2"], "--dp >1 with --pp >1: attention data parallelism under pipeline stages"),
     (["--dp", "2", "--export-kv", "KV"], "--dp >1 with --export-kv: the KV export under attention DP is not built yet"),

@@ -24,7 +24,7 @@ import pytest
 from cp_utils import rel_err
 from eagle3_ref import draft_config, draft_tensors, write_draft
 
-import graphcp.cli.main as cli_main
+import graphcp.cli.commands as cli_commands
 from graphcp import ParallelConfig, PrefillEngine, RuntimeConfig
 from graphcp.cli.main import main
 from graphcp.combinations import (
@@ -251,7 +251,7 @@ def test_a_refused_pair_is_one_line_naming_both_options(pair, rule, folders, tmp
         assert "\n" not in msg and all(n in msg for n in names) and rule.reason in msg, msg
         assert msg == rule.message(s, False, family)
     # the command line: in the flags typed, before any rank starts
-    monkeypatch.setattr(cli_main, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
+    monkeypatch.setattr(cli_commands, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
     req = tmp_path / "req.jsonl"
     req.write_text(json.dumps({"tokens": [1, 2, 3]}) + "\n")
     command = ["generate", "--max-new-tokens", "2"] if s["decode"] == "on" else ["prefill"]

@@ -18,7 +18,7 @@ from graphcp.errors import ConfigError
 @pytest.fixture
 def no_rank_starts(monkeypatch):
     """Fail the test if the command reads a model or starts a rank."""
-    import graphcp.jobs.args as args_mod
+    import graphcp.jobs.preflight as args_mod  # (where preflight reads the model)
     import graphcp.jobs.spec as spec_mod
 
     def forbidden(*a, **k):

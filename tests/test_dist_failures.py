@@ -32,12 +32,12 @@ def _killed_mid_forward(group, victim: int, layer: int, parallel: ParallelConfig
 
 def _failure(nprocs: int, *args) -> str:
     """The RankFailure message of a launch whose victim is killed, with what every other
-    rank reported after it; every other rank must have stopped on its own within the
-    timeout."""
-    t0 = time.monotonic()
+    rank reported after it. That every other rank stopped on its own is what they
+    reported (a CollectiveError each, checked by the callers), not a wall-clock bound:
+    one failed under the machine's load (issue 42)."""
     with pytest.raises(RankFailure) as err:
         launch(_killed_mid_forward, nprocs, *args, timeout_s=TIMEOUT_S)
-    assert time.monotonic() - t0 < TIMEOUT_S + 10
+    assert len(err.value.others) == nprocs - 1  # every survivor reported before the launcher gave up on it
     return str(err.value) + "".join(f"\nrank {r}: {s}" for r, s in sorted(err.value.others.items()))
 
 
@@ -66,6 +66,8 @@ def test_killed_rank_stops_the_others_with_the_documented_error():
     assert "rank 1 failed first: rank 1 died (killed by signal 9)" in msg
     # the survivor stopped on its own, with the collective and its rank named
     assert "rank 0: CollectiveError: rank 0/2:" in msg and "over the CP group failed" in msg
+    # in graphcp's words, the backend's cause kept short (gloo's went on to its closing emoji)
+    assert "This is typically" not in msg and len(msg.splitlines()[0]) < 300, msg
 
 
 def test_a_dead_rank_of_stage_1_stops_every_other_rank_of_the_pipeline():

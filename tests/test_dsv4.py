@@ -287,7 +287,7 @@ def test_bad_v4_settings_are_one_line_errors(folders, tmp_path, capsys):
     assert main(["prefill", "--model", str(folders["v4"]), "--cp", "3", "--moe", "ep", "--input", str(req),
                  "--output", str(tmp_path / "o.pt")]) == 2
     err = capsys.readouterr().err
-    assert "num_experts=8 does not divide by cp_size=3" in err and len(err.splitlines()) == 1, err
+    assert "num_experts=8 does not divide by --cp 3" in err and len(err.splitlines()) == 1, err
     bad = tmp_path / "bad"
     shutil.copytree(folders["v4"], bad)
     cfg = json.loads((bad / "config.json").read_text())

@@ -17,7 +17,7 @@ import torch
 from eagle3_ref import draft_config, draft_tensors, write_draft, write_target
 from helpers import rel_err
 
-import graphcp.cli.main as cli_main
+import graphcp.cli.commands as cli_commands
 from graphcp import PrefillEngine, RuntimeConfig
 from graphcp.cli.main import main
 from graphcp.dist import launch
@@ -70,7 +70,7 @@ def test_prefill_draft_writes_the_draft_logits_and_map(tmp_path, capsys, monkeyp
     assert "missing tensor 'norm.weight'" in err
     assert len(err.strip().splitlines()) == 1, err
     # refused before any rank starts: a draft that does not fit the target, pipeline stages
-    monkeypatch.setattr(cli_main, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
+    monkeypatch.setattr(cli_commands, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
     misfit = write_draft(tmp_path / "misfit", config=draft_config(num_key_value_heads=4))
     for flags, message in ((["--draft", str(misfit)], "num_key_value_heads=4, the target model has 2"),
                            (["--draft", str(draft), "--pp", "2"], "--pp >1 with --draft: the draft runs after")):

@@ -34,7 +34,10 @@ def model_dir(hf_model_dir) -> Path:
 
 def one_line_error(capsys, argv, cmd="prefill", code=2, match=None) -> str:
     """Run the CLI in-process; check exit code, exactly one stderr line, no traceback."""
-    got = main([str(a) for a in argv])
+    try:
+        got = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's own errors (a flag's value out of range)
+        got = e.code
     err = capsys.readouterr().err
     assert got == code, err
     assert err.endswith("\n") and len(err.splitlines()) == 1, f"expected one stderr line, got:\n{err}"
@@ -78,12 +81,12 @@ def test_case01_rank_error_is_the_rank_message_in_one_line(capsys, tmp_path, mod
 # ---- 2: --output that cannot be written: refused before any work -------------------------------
 @pytest.mark.parametrize("where", ["missing-folder", "a-folder"])
 def test_case02_output_checked_before_any_work(capsys, tmp_path, model_dir, monkeypatch, where):
-    import graphcp.cli.main
+    import graphcp.cli.commands
 
     def no_work(*a, **k):
         raise AssertionError("the forward ran although --output cannot be written")
 
-    monkeypatch.setattr(graphcp.cli.main, "run_job_on_ranks", no_work)
+    monkeypatch.setattr(graphcp.cli.commands, "run_job_on_ranks", no_work)
     req = _requests(tmp_path, [{"tokens": [1, 2, 3]}])
     out = tmp_path / "nope" / "out.pt" if where == "missing-folder" else tmp_path
     one_line_error(capsys, _prefill(model_dir, req, out), match=r"--output .*(does not exist|is a folder)")
@@ -156,7 +159,7 @@ def test_case07_tune_huge_lengths(capsys, tmp_path, line):
     wl = _requests(tmp_path, [{"extend": [8]}, line], "w.jsonl")
     out = tmp_path / "b.json"
     one_line_error(capsys, ["tune", "--workload", wl, "--cp", "2", "--output", out], cmd="tune",
-                   match=r"w\.jsonl:2: '(extend|prefix)' lengths must be <= 2147483647")
+                   match=r"w\.jsonl line 2: '(extend|prefix)' lengths must be <= 2147483647")
     assert not out.exists()
 
 
@@ -190,7 +193,7 @@ def test_case09_tune_huge_cp(capsys, tmp_path):
 def test_case10_kv_tokens_validated(capsys, tmp_path, model_dir, kv):
     req = _requests(tmp_path, [{"tokens": [1, 2, 3]}])
     one_line_error(capsys, _prefill(model_dir, req, tmp_path / "o.pt", "--kv-tokens", kv),
-                   match=rf"RuntimeConfig: kv_tokens must be >= 1, got {kv}")
+                   match=rf"argument --kv-tokens: expected an integer >= 1 and <= {2**31 - 1}, got '{kv}'")
     with pytest.raises(ConfigError, match="kv_tokens must be >= 1"):
         RuntimeConfig(kv_tokens=int(kv))
 
@@ -272,4 +275,4 @@ def test_case13_non_utf8_files_name_file_and_line(capsys, tmp_path, model_dir):
     wl = tmp_path / "w.jsonl"
     wl.write_bytes(b'{"extend": [8]}\n\n{"extend": [\xe9]}\n')
     one_line_error(capsys, ["tune", "--workload", wl, "--cp", "2", "--output", tmp_path / "b.json"], cmd="tune",
-                   match=r"w\.jsonl:3: not UTF-8 text \(byte 0xe9 at column 13\)")
+                   match=r"w\.jsonl line 3: not UTF-8 text \(byte 0xe9 at column 13\)")

@@ -13,7 +13,7 @@ from graphcp.cli.main import build_parser
 from graphcp.config import RuntimeConfig
 from graphcp.dist import CPGroup
 from graphcp.errors import ConfigError
-from graphcp.jobs.args import job_spec
+from graphcp.jobs.preflight import job_spec
 
 H100 = HardwareSpec()
 GQA3 = dict(num_heads=24, num_kv_heads=8, head_dim=128)  # N_H / N_KV = 3

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import graphcp.cli.main as cli_main
+import graphcp.cli.commands as cli_commands
 import graphcp.jobs.memory as memory
 from graphcp.attention.base import AttentionSpec
 from graphcp.attention.registry import make_attention
@@ -130,7 +130,7 @@ def test_item2_the_command_refuses_before_launching_and_the_flag_overrides(capsy
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(memory, "available_memory", lambda device: (1 << 30, "available host memory", 1))
     launched = []
-    monkeypatch.setattr(cli_main, "run_job_on_ranks", lambda *a: launched.append(a) or None)
+    monkeypatch.setattr(cli_commands, "run_job_on_ranks", lambda *a: launched.append(a) or None)
     req = _requests(tmp_path, [{"tokens": [1, 2, 3]}])
     argv = ["prefill", "--model", model_dir, "--input", req, "--output", tmp_path / "o.pt", "--cp", 4]
     one_line_error(capsys, argv, match=r"--cp 4: 4 ranks need about .* GiB .*more than the 1.00 GiB of available "
@@ -167,7 +167,7 @@ def test_item7_a_bucket_file_for_another_cp_names_the_file(capsys, tmp_path, mod
     buckets = tmp_path / "b.json"
     assert main(["tune", "--synthetic", "short", "--cp", "4", "--output", str(buckets)]) == 0
     capsys.readouterr()
-    monkeypatch.setattr(cli_main, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
+    monkeypatch.setattr(cli_commands, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
     req = _requests(tmp_path, [{"tokens": [1, 2, 3]}])
     one_line_error(capsys, ["prefill", "--model", model_dir, "--input", req, "--output", tmp_path / "o.pt",
                             "--buckets", buckets, "--cp", 2],
@@ -175,7 +175,7 @@ def test_item7_a_bucket_file_for_another_cp_names_the_file(capsys, tmp_path, mod
 
 
 def test_item7_an_out_of_vocabulary_token_names_file_and_line(capsys, tmp_path, model_dir, monkeypatch):
-    monkeypatch.setattr(cli_main, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
+    monkeypatch.setattr(cli_commands, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
     req = _requests(tmp_path, [{"tokens": [1, 2, 3]}, {"tokens": [4, 5, VOCAB + 7], "prefix": 1}])
     one_line_error(capsys, ["prefill", "--model", model_dir, "--input", req, "--output", tmp_path / "o.pt"],
                    match=rf"req\.jsonl line 2, position 2: token id {VOCAB + 7} is outside the vocabulary "
@@ -184,7 +184,7 @@ def test_item7_an_out_of_vocabulary_token_names_file_and_line(capsys, tmp_path, 
 
 def test_item7_the_dsa_refusals_name_the_flags_typed(capsys, tmp_path, hf_model_dir, monkeypatch):
     folder = hf_model_dir("deepseek_v32", False, "float32")
-    monkeypatch.setattr(cli_main, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
+    monkeypatch.setattr(cli_commands, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
     req = _requests(tmp_path, [{"tokens": [1, 2, 3]}])
     base = ["prefill", "--model", folder, "--input", req, "--output", tmp_path / "o.pt"]
     err = one_line_error(capsys, base + ["--kv-cache", "sharded"],

@@ -453,9 +453,9 @@ def fake_installed(monkeypatch):
 
 
 def test_import_error_names_the_extra(no_flashinfer):
-    with pytest.raises(ImportError, match=r"'flashinfer'.*pip install graphcp\[flashinfer\]"):
+    with pytest.raises(ImportError, match=r"'flashinfer'.*pip install -e \"\.\[flashinfer\]\""):
         FlashInferAttention(spec_for(16), "cpu", max_segments=2, max_pages=4, max_q_rows=8)
-    with pytest.raises(ImportError, match=r"'trtllm'.*pip install graphcp\[flashinfer\]"):
+    with pytest.raises(ImportError, match=r"'trtllm'.*pip install -e \"\.\[flashinfer\]\""):
         TrtllmAttention(
             spec_for(16, "HND"), "cpu", max_segments=2, max_pages_per_segment=2, max_q_rows=8, capability=BLACKWELL
         )

@@ -107,7 +107,7 @@ def test_cli_refuses_experts_not_divisible_before_ranks_start(moe_dir, tmp_path,
     code = main(["prefill", "--model", str(moe_dir), "--input", str(req), "--output", str(tmp_path / "o.pt"),
                  "--cp", "3", "--moe", "ep"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "num_experts=8 does not divide by cp_size=3" in err[0], err
+    assert code == 2 and len(err) == 1 and "num_experts=8 does not divide by --cp 3; --moe ep" in err[0], err
     assert not (tmp_path / "o.pt").exists()
     with pytest.raises(SystemExit) as e:
         main(["prefill", "--model", str(moe_dir), "--input", str(req), "--output", str(tmp_path / "o.pt"),

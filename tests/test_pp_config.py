@@ -102,11 +102,11 @@ def test_a_stage_caches_and_loads_only_its_layers():
 
 
 @pytest.mark.parametrize("flags,msg", [
-    (["--pp-layers", "2,1", "--pp", "2"], "pp_layers=[2, 1] sums to 3 layers"),
-    (["--pp", "5"], "pp_size=5 is more than num_hidden_layers=4"),
+    (["--pp-layers", "2,1", "--pp", "2"], "--pp-layers 2,1 sums to 3 layers"),
+    (["--pp", "5"], "--pp 5 is more than num_hidden_layers=4"),
     (["--pp", "2", "--pp-layers", "1,x"], "argument --pp-layers: expected comma-separated integers"),
     (["--aux-hidden-layers", "1,4"], "[1] must be a decoder layer index in [0, 4), got 4"),
-    (["--pp-microbatches", "0"], "microbatches must be >= 1, got 0"),
+    (["--pp-microbatches", "0"], "argument --pp-microbatches: expected an integer >= 1 and <= 4096, got '0'"),
 ])
 def test_bad_pipeline_flags_are_one_line(tmp_path, capsys, flags, msg):
     req = tmp_path / "r.jsonl"

@@ -167,7 +167,9 @@ def test_load_batches_synthetic_and_max_batches():
 
 
 def test_profile_rejects_bad_arguments(tmp_path, capsys):
-    assert main(["profile", "--iters", "0", "--out", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as e:  # argparse names the flag: "argument --iters: expected an integer >= 1"
+        main(["profile", "--iters", "0", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "argument --iters: expected an integer >= 1, got '0'" in capsys.readouterr().err
     assert main(["profile", "--synthetic", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown synthetic workload" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -58,7 +58,7 @@ def test_jsonl_errors_name_the_line(tmp_path, line, message):
     p.write_text('{"extend": [8]}\n\n' + line + "\n")
     with pytest.raises(WorkloadError) as e:
         load_jsonl(p)
-    assert "bad.jsonl:3:" in str(e.value)
+    assert "bad.jsonl line 3:" in str(e.value)
     assert message in str(e.value)
 
 
@@ -432,7 +432,7 @@ def test_cli_bad_workload_file(tmp_path, capsys):
     bad.write_text('{"extend": [5]}\n{"extend": [0]}\n')
     assert cli.run_tune(_args("--workload", str(bad), "--cp", "2", "--output", str(tmp_path / "b.json"))) == 2
     err = capsys.readouterr().err
-    assert "w.jsonl:2:" in err and "got 0" in err
+    assert "w.jsonl line 2:" in err and "got 0" in err
 
 
 def test_cli_workload_over_max_capacity(tmp_path, capsys):

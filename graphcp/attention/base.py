@@ -278,6 +278,9 @@ class AttentionBackend(ABC):
     name: str = "base"
     #: the backend can run inside a captured graph, reading only static device metadata
     supports_full_graph: bool = False
+    #: its kernels are CUDA kernels: the command line refuses it with --device cpu (tests
+    #: still build it on a CPU, over fakes of its kernel library)
+    gpu_kernels: bool = False
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec

@@ -18,13 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from graphcp.checks import check_output_path
+from graphcp.cli.commands import save_output
 from graphcp.cli.requests import RequestFileError, request_line, token_list
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
 from graphcp.dist import CPGroup, gather_object
 from graphcp.errors import InputError
-from graphcp.jobs.args import add_decode_args, add_draft_arg, add_runtime_args, int_list, job_spec, preflight
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
+from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
 from graphcp.jsonl import read_jsonl
 from graphcp.model.config import ModelConfig
@@ -62,7 +63,7 @@ def conversation_line(where: str, d) -> FileConversation:
 
 def parse_conversations(path: str | Path) -> list[FileConversation]:
     p = Path(path)
-    out = [conversation_line(w, d) for w, d in read_jsonl(p, RequestFileError, "{name} line {line}", "request file")]
+    out = [conversation_line(w, d) for w, d in read_jsonl(p, RequestFileError, "request file")]
     if not out:
         raise RequestFileError(f"{p}: no requests (empty batch)")
     return out
@@ -96,7 +97,7 @@ def generate_job(group: CPGroup, spec: JobSpec, convs: list[FileConversation], m
     return res
 
 
-def cmd_generate(args, save) -> int:
+def cmd_generate(args) -> int:
     check_output_path(args.output, "--output")  # before any work
     if args.stats:
         check_output_path(args.stats, "--stats")
@@ -114,7 +115,7 @@ def cmd_generate(args, save) -> int:
     out = {"tokens": res["tokens"], "finish": res["finish"]}
     if args.save_logits:
         out["logits"] = res["logits"]
-    save(out, args.output)
+    save_output(out, args.output)
     if args.stats:
         write_stats(args.stats, res["stats"])
     made = sum(len(t) for r in res["tokens"] for t in r)
@@ -129,21 +130,3 @@ def check_decode(spec: JobSpec, model: ModelConfig) -> None:
     rt = spec.runtime
     check_combination({**runtime_settings(rt), **parallel_settings(spec.parallel), "model": model.kind,
                        "moe": rt.moe, "decode": "on"}, True, model.family)
-
-
-def add_generate_parser(sub, save) -> None:
-    p = sub.add_parser("generate", help="greedy generation of a JSONL file's requests and conversations")
-    p.add_argument("--input", required=True,
-                   help='REQUESTS.jsonl: {"tokens": [...], "prefix": K} or {"turns": [[...], ...], '
-                        '"max_new_tokens": N} a line')
-    p.add_argument("--output", required=True, help="OUT.pt (torch.save dict: tokens, finish, logits)")
-    p.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens generated a turn, at most")
-    p.add_argument("--stop", type=int_list, default=None, metavar="ID,ID,...",
-                   help="stop tokens: a turn ends after generating one (it is kept)")
-    p.add_argument("--save-logits", action="store_true", help="also save each step's logits")
-    p.add_argument("--stats", default=None, metavar="STATS.json",
-                   help="also write what each rank did, every decode step included (docs/decode.md)")
-    add_draft_arg(p)  # (refused with decode: the error says so in the flag's name)
-    add_decode_args(p)
-    add_runtime_args(p, None)
-    p.set_defaults(func=lambda args: cmd_generate(args, save))

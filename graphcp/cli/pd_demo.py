@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import multiprocessing as mp
+import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -26,9 +28,10 @@ import torch
 from graphcp.cli.table import print_table
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings
+from graphcp.dist import die_with_parent
 from graphcp.errors import ConfigError
-from graphcp.jobs.args import add_runtime_args, job_spec, preflight
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
+from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
 from graphcp.model.presets import resolve_model
 from graphcp.pd.errors import TransferError
@@ -41,20 +44,6 @@ from graphcp.pd.sender import KVSender
 from graphcp.runtime.engine import prefill_after_prefixes
 
 REQUEST_ID = "demo-0"
-
-
-def add_pd_demo_parser(sub) -> None:
-    p = sub.add_parser("pd-demo",
-                       help="prefill at CP N, hand the KV to a decode process, continue it with transformers")
-    add_runtime_args(p, "breakable")
-    p.set_defaults(cp=2, func=cmd_pd_demo)
-    p.add_argument("--transport", default=None, choices=("mooncake", "file"),
-                   help="mooncake: the transfer engine on loopback TCP (the .[pd] extra); file: a safetensors file "
-                        "(default: mooncake where it imports, else file)")
-    p.add_argument("--prompt-tokens", type=int, default=1024, help="the prompt's length")
-    p.add_argument("--prefix-tokens", type=int, default=384, help="of which prefilled first, as a cached prefix")
-    p.add_argument("--steps", type=int, default=8, help="greedy tokens the decode side generates")
-    p.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds for each transfer step")
 
 
 def _prompt(vocab: int, n: int) -> np.ndarray:
@@ -85,8 +74,10 @@ def _prefill_and_send(group, spec: JobSpec, prompt: np.ndarray, prefix: int, tra
             "pool_bytes": engine.kv.pool_bytes, "path": out.info.path}
 
 
-def _decode_main(model_dir: str, transport: str, ready, jobs, results, timeout_s: float) -> None:
+def _decode_main(model_dir: str, transport: str, ready, jobs, results, timeout_s: float, parent_pid: int) -> None:
     """The decode process: receive the request's KV, continue it with transformers."""
+    die_with_parent(parent_pid)  # as the ranks: a killed pd-demo takes it with it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the command's to handle: it kills this process
     torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool
     try:
         receiver = KVReceiver(256 << 20, timeout_s=timeout_s) if transport == "mooncake" else None
@@ -146,7 +137,7 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     spec = job_spec(args)
-    preflight(spec)
+    preflight(spec, args.moe, "graphcp pd-demo")
     check_combination({**parallel_settings(spec.parallel), "export": "on"}, flags=True)
     if args.memory_check:
         check_local_ranks_fit(spec, job_memory(spec, [args.prefix_tokens, args.prompt_tokens - args.prefix_tokens]))
@@ -157,7 +148,7 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
     ctx = mp.get_context("fork")
     ready, jobs, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     decode = ctx.Process(target=_decode_main, args=(str(model_dir), args.transport, ready, jobs, results,
-                                                   args.transfer_timeout), daemon=True)
+                                                   args.transfer_timeout, os.getpid()), daemon=True)
     decode.start()
     try:
         where = ready.get(timeout=args.transfer_timeout + 60)
@@ -165,6 +156,9 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
                                args.transfer_timeout)
         jobs.put((res["next_token"], args.steps))
         got = pickle.loads(results.get(timeout=args.transfer_timeout + 120))
+    except KeyboardInterrupt:
+        decode.kill()  # Ctrl-C: at once, not after the decode side's wait
+        raise
     except BaseException:
         jobs.put(None)
         raise

@@ -36,8 +36,7 @@ class FileRequest:
 
 def parse_requests(path: str | Path) -> list[FileRequest]:
     p = Path(path)
-    out = [request_line(where, d) for where, d in read_jsonl(p, RequestFileError, "{name} line {line}",
-                                                             "request file")]
+    out = [request_line(where, d) for where, d in read_jsonl(p, RequestFileError, "request file")]
     if not out:
         raise RequestFileError(f"{p}: no requests (empty batch)")
     return out

@@ -138,11 +138,12 @@ class ModelConfig:
             settings["attention"] = attention
         check_combination(settings, flags, self.family)
 
-    def check_parallel(self, parallel: ParallelConfig, source: str = "the model", moe: MoeLayout = "ep") -> None:
+    def check_parallel(self, parallel: ParallelConfig, source: str = "the model", moe: MoeLayout = "ep",
+                       flags: bool = False) -> None:
         """Refuse this model under ``parallel`` when its sharded sizes do not divide (its
         family's checks: heads over attention TP, intermediate sizes and experts over the
-        FFN's TP degree, layers into the pipeline stages)."""
-        family_named(self.family).check_parallel(self, parallel, source, moe)
+        FFN's TP degree, layers into the pipeline stages); ``flags``: name the flags."""
+        family_named(self.family).check_parallel(self, parallel, source, moe, flags)
 
 
 def model_type_of(d: dict[str, Any], source: str) -> str:

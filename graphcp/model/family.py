@@ -76,25 +76,30 @@ class ModelFamily:
         """What ``graphcp/combinations.py``'s model axis calls this model (dense, moe, ...)."""
         raise NotImplementedError
 
-    def check_parallel(self, cfg, parallel, source: str, moe: str) -> None:
+    def check_parallel(self, cfg, parallel, source: str, moe: str, flags: bool = False) -> None:
         """Refuse the model under ``parallel``: a mesh its kind does not combine with (the
         one declaration, graphcp/combinations.py), then shards that do not divide: its
         experts over the FFN's TP degree T as ``moe`` asks, a dense MLP's intermediate
         size over T, its heads over attention TP (:meth:`check_heads`), its layers into
-        the pipeline stages."""
-        check_combination({**parallel_settings(parallel), "model": self.kind(cfg)}, family=cfg.family)
+        the pipeline stages. ``flags``: name the command line's flags."""
+        check_combination({**parallel_settings(parallel), "model": self.kind(cfg)}, flags=flags, family=cfg.family)
         T = parallel.tp_size
-        degree = "cp_size" if T == parallel.cp_size else "tp_size"
+        if flags:  # the flag that set T: --cp unless --tp or --dp did
+            degree = "--cp" if T == parallel.cp_size else "--tp"
+        else:
+            degree = "cp_size" if T == parallel.cp_size else "tp_size"
         for experts in self.experts(cfg):
-            experts.check_parallel(T, moe, source, cfg.hidden_size, degree)
+            experts.check_parallel(T, moe, source, cfg.hidden_size, degree, flags)
         if self.has_dense_mlp(cfg) and cfg.intermediate_size % T:
-            degree = f"tp_size=cp_size={T}" if T == parallel.cp_size else f"tp_size={T}"
+            if not flags:
+                degree = f"tp_size=cp_size={T}" if T == parallel.cp_size else f"tp_size={T}"
             raise ConfigError(
-                f"{source}: intermediate_size={cfg.intermediate_size} does not divide by {degree}; the MLP is "
-                "column/row-parallel over the stage's tp_size ranks"
+                f"{source}: intermediate_size={cfg.intermediate_size} does not divide by "
+                f"{f'{degree} {T}' if flags else degree}; the MLP is column/row-parallel over the stage's "
+                f"{'--tp' if flags else 'tp_size'} ranks"
             )
-        self.check_heads(cfg, parallel.attn_tp_size, source)
-        parallel.stage_layers(cfg.num_layers, source)
+        self.check_heads(cfg, parallel.attn_tp_size, source, flags)
+        parallel.stage_layers(cfg.num_layers, source, flags)
 
     def experts(self, cfg) -> list:
         """The model's mixture-of-experts settings (MoeConfig), each checked against T."""
@@ -104,19 +109,19 @@ class ModelFamily:
         """Whether some layer runs the dense MLP of ``intermediate_size`` (sharded over T)."""
         return cfg.moe is None or len(cfg.moe.layers) < cfg.num_layers
 
-    def check_heads(self, cfg, size: int, source: str) -> None:
+    def check_heads(self, cfg, size: int, source: str, flags: bool = False) -> None:
         """Heads split over attention TP ``size`` (graphcp.model.heads): query heads evenly,
         KV heads evenly or replicated when fewer than the ranks."""
         if size == 1:
             return
+        split, change = attention_tp_names(flags)
         if cfg.num_heads % size:
             raise ConfigError(f"{source}: num_attention_heads={cfg.num_heads} does not divide by attention TP "
-                              f"{size} (tp_size / (cp_size x dp_size)): change tp_size or cp_size")
+                              f"{size} ({split}): {change}")
         kv = cfg.num_kv_heads
         if kv % size and size % kv:
             raise ConfigError(f"{source}: num_key_value_heads={kv} neither divides by attention TP {size} nor "
-                              "divides it (KV heads split, or replicate when fewer than the ranks): change tp_size "
-                              "or cp_size")
+                              f"divides it (KV heads split, or replicate when fewer than the ranks): {change}")
 
     def check_run(self, cfg, runtime, parallel, flags: bool = False) -> None:
         """Refuse what needs the model's own values to judge (a page size its entries
@@ -196,6 +201,13 @@ class ModelFamily:
 PLUGINS_ENV = "GRAPHCP_FAMILIES"
 #: the entry-point group of installed packages' family modules
 ENTRY_POINTS = "graphcp.families"
+
+def attention_tp_names(flags: bool) -> tuple[str, str]:
+    """How attention TP is made, and what to change, in the API's or the flags' names."""
+    if flags:
+        return "--tp / (--cp x --dp)", "change --tp or --cp"
+    return "tp_size / (cp_size x dp_size)", "change tp_size or cp_size"
+
 
 _BY_MODEL_TYPE: dict[str, ModelFamily] = {}
 _BY_ARCHITECTURE: dict[str, str] = {}

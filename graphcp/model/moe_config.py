@@ -81,34 +81,41 @@ class MoeConfig:
         return layer in self.layers
 
     def check_parallel(self, cp_size: int, layout: str, source: str, hidden_size: int,
-                       degree: str = "cp_size") -> None:
+                       degree: str = "cp_size", flags: bool = False) -> None:
         """Refuse a split of the experts over ``cp_size`` ranks that does not divide, and
         sizes the grouped matmuls cannot take (``layout``: RuntimeConfig.moe, checked there).
         ``cp_size``: the ranks the experts split over (the stage's tp_size); ``degree``: its
-        name in the messages (cp_size without attention TP or DP, else tp_size)."""
+        name in the messages (cp_size without attention TP or DP, else tp_size; with
+        ``flags``, the flag: --cp or --tp)."""
+        ranks = f"{degree} {cp_size}" if flags else f"{degree}={cp_size}"
+
+        def moe(value: str) -> str:  # the MoE layout as the API or the command line says it
+            return f"--moe {value}" if flags else f"moe={value!r}"
+
         if hidden_size % GROUPED_ALIGN:
             raise ConfigError(f"{source}: hidden_size={hidden_size} of a mixture-of-experts model must be a multiple "
                               f"of {GROUPED_ALIGN} (the grouped expert matmuls need 16-byte rows)")
         if layout == "ep" and self.num_experts % cp_size:
             raise ConfigError(
-                f"{source}: num_experts={self.num_experts} does not divide by {degree}={cp_size}; "
-                f"RuntimeConfig.moe='ep' gives each rank num_experts / {degree} contiguous experts "
-                f"(use moe='tp', or a degree that divides {self.num_experts})"
+                f"{source}: num_experts={self.num_experts} does not divide by {ranks}; "
+                f"{'--moe ep' if flags else 'RuntimeConfig.moe=' + repr('ep')} gives each rank num_experts / {degree} "
+                f"contiguous experts (use {moe('tp')}, or a degree that divides {self.num_experts})"
             )
         if layout != "ep" and self.intermediate_size % cp_size:
             raise ConfigError(
                 f"{source}: the experts' intermediate size {self.intermediate_size} does not divide by "
-                f"{degree}={cp_size}; RuntimeConfig.moe='tp' shards every expert over the TP ranks (use moe='ep')"
+                f"{ranks}; {'--moe tp' if flags else 'RuntimeConfig.moe=' + repr('tp')} shards every expert over "
+                f"the TP ranks (use {moe('ep')})"
             )
         per_rank = self.intermediate_size // (1 if layout == "ep" else cp_size)
         if per_rank % GROUPED_ALIGN:
             raise ConfigError(
-                f"{source}: each rank's expert intermediate size is {per_rank} (moe={layout!r}, {degree}={cp_size}); "
+                f"{source}: each rank's expert intermediate size is {per_rank} ({moe(layout)}, {ranks}); "
                 f"the grouped expert matmuls (torch._grouped_mm) need a multiple of {GROUPED_ALIGN} (16-byte rows)"
             )
         if self.shared_intermediate_size % cp_size:
             raise ConfigError(f"{source}: shared_intermediate_size={self.shared_intermediate_size} does not "
-                              f"divide by {degree}={cp_size}; the shared expert is sharded like the dense MLP")
+                              f"divide by {ranks}; the shared expert is sharded like the dense MLP")
 
 
 def moe_from_hf(d: dict[str, Any], family: str, num_layers: int, source: str) -> MoeConfig | None:

@@ -82,12 +82,13 @@ def ensure_random_model(name: str, config: dict, root: Path | None = None) -> Pa
     return folder
 
 
-def resolve_model(name_or_dir: str | os.PathLike) -> Path:
-    """A preset name or a checkpoint folder -> the folder."""
+def resolve_model(name_or_dir: str | os.PathLike, what: str = "model") -> Path:
+    """A preset name or a checkpoint folder -> the folder (``what``: its name in errors,
+    ``--model`` on the command line)."""
     s = str(name_or_dir)
     if is_preset(s) and not Path(s).exists():
         return ensure_preset(s)
     p = Path(s)
     if not p.is_dir():
-        raise ConfigError(f"model {s!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint folder")
+        raise ConfigError(f"{what} {s!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint folder")
     return p

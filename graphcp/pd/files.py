@@ -23,6 +23,13 @@ from graphcp.pd.export import KVFormatError
 from graphcp.pd.formats import Export, meta_from_dict
 
 
+def _umask() -> int:
+    """The process's file-creation mask (reading it means setting it: set it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_kv(export: Export, path: str | os.PathLike) -> Path:
     """Write ``export`` (either format, on any device; copied to the host) to ``path``."""
     export.check()
@@ -35,6 +42,7 @@ def save_kv(export: Export, path: str | os.PathLike) -> Path:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata=export.meta.to_dict())
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates 0600; a file is as readable as any other written
         os.replace(tmp, path)
     finally:
         if tmp.exists():

@@ -1,16 +1,9 @@
-"""``graphcp profile``: warm up, then profile a measured workload, per rank.
-
-CPU (``--tool torch``, the default there): every rank runs under
-``torch.profiler`` and writes ``trace_rank<r>.json`` (open it in Perfetto) and
-``summary_rank<r>.json``; rank 0's launcher merges them into ``summary.md`` and
-``summary.json``. CUDA (``--tool nsys``, the default there): re-run under
-``nsys profile`` and summarise the NVTX ranges of the report the same way; with
-no ``nsys`` on PATH, print the commands to run. See profiles/README.md.
-"""
+"""The work of ``graphcp profile`` (its flags, and what it does, are in
+:mod:`graphcp.cli.parsers`): warm up, then profile a measured workload, per rank,
+under ``torch.profiler`` or ``nsys``, and merge the ranks' summaries."""
 
 from __future__ import annotations
 
-import argparse
 import platform
 import subprocess
 import sys
@@ -19,8 +12,9 @@ from pathlib import Path
 import torch
 
 from graphcp.errors import InputError
-from graphcp.jobs.args import add_runtime_args, graph_mode, help_text, job_spec
+from graphcp.jobs.args import graph_mode
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
+from graphcp.jobs.preflight import job_spec
 from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.profile import nsys
 from graphcp.profile.job import ProfileJob, profile_rank
@@ -38,30 +32,6 @@ DEFAULT_BATCHES: list[tuple[list[int], list[int]]] = [
     ([128, 64, 33, 15], [0, 0, 0, 0]),
     ([448], [0]),
 ]
-TOOLS = ("auto", "torch", "nsys", "nvtx")
-
-
-def add_profile_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("profile", help="profile a workload: per-rank traces and a range summary",
-                              description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_runtime_args(p, "breakable")
-    p.set_defaults(cp=2)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--workload", default=None, help='JSONL: {"extend": [...], "prefix": [...]} a batch a line')
-    src.add_argument("--synthetic", default=None, help="NAME[:k=v,...], see python -m graphcp.tune.workload")
-    p.add_argument("--seed", type=int, default=0, help="token ids and synthetic workloads")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured passes over the workload (captures happen here)")
-    p.add_argument("--iters", type=int, default=2, help="measured passes over the workload")
-    p.add_argument("--max-batches", type=int, default=None, help="use the first N batches of the workload")
-    p.add_argument("--out", required=True, help="output folder: summary.md/json, summary_rank<r>.json, traces")
-    p.add_argument("--trace-dir", default=None, help="where the Chrome traces go (default: --out)")
-    p.add_argument("--tool", default="auto", choices=TOOLS,
-                   help="auto: torch on CPU, nsys on CUDA; nvtx: ranges only (run under your own nsys)")
-    p.add_argument("--from-nsys", default=None, nargs="+", metavar="REPORT",
-                   help="summarise existing .nsys-rep reports (or their nvtx_pushpop_trace CSVs) into --out")
-    p.add_argument("--label", default=None, help="title of summary.md (default: <device>-cp<N>-<graph>)")
-    p.set_defaults(func=cmd_profile)
-    return p
 
 
 # ---- pieces a test can check ------------------------------------------------------------

@@ -102,12 +102,14 @@ class PrefillEngine:
     decoder = property(lambda self: self._decoder, doc="The decode steps: their preparer, body and graphs.")
 
     # ---- public API -------------------------------------------------------------
-    def capture(self, progress: bool = False):
-        """Capture every bucket (graph mode); returns per-bucket capture stats."""
+    def capture(self, progress: bool = False, up_to: int | None = None):
+        """Capture every bucket (graph mode), or those of at most ``up_to`` local rows (a
+        larger one is captured when a batch first needs it); returns per-bucket capture
+        stats."""
         runner, drafter = self.parts.runner, self.parts.drafter
         if runner is None:
             raise ConfigError("RuntimeConfig.graph='off': there is nothing to capture")
-        out = runner.capture_all(progress=progress)
+        out = runner.capture_all(progress=progress, up_to=up_to)
         if drafter is not None:  # the draft's graph of every bucket, after the target's
             for cap in sorted(runner.graphs, reverse=True):
                 drafter.graphs.capture(cap)

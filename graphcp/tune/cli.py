@@ -49,7 +49,8 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--workload", metavar="FILE", help='JSONL, one batch a line: {"extend": [...], "prefix": [...]}')
     src.add_argument("--synthetic", metavar="SPEC", help="NAME[:k=v,...] with NAME longctx, chunked or short")
     p.add_argument("--cp", type=int, required=True, metavar="N", help="context-parallel size")
-    p.add_argument("--layout", choices=LAYOUTS, default="zigzag")
+    p.add_argument("--layout", choices=LAYOUTS, default="zigzag",
+                   help="how a request's tokens are split over the CP ranks (default: %(default)s)")
     p.add_argument("--align", type=int, default=8, metavar="A", help="capacities are multiples of A (default 8)")
     p.add_argument(
         "--max-buckets",
@@ -84,15 +85,18 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="W",
-        help="each bucket costs W mean rows per batch (capture time); 0 = use all K if they help",
+        help="each bucket costs W mean rows per batch (capture time); 0 = use all K if they help (default: 0)",
     )
-    p.add_argument("--baselines", default=",".join(BASELINES), help="comma list of %s, or none" % ",".join(BASELINES))
+    p.add_argument("--baselines", default=",".join(BASELINES),
+                   help="the schedules to compare with: a comma list of them, or none (default: %(default)s)")
     p.add_argument("--output", required=True, metavar="buckets.json", help="the bucket file to write (BucketSet JSON)")
     p.add_argument("--plot", metavar="PNG", help="histogram with the buckets, and cost vs bucket count")
     p.add_argument("--report-json", metavar="FILE", help="the full report (every row, the curve) as JSON")
     p.add_argument("--measure", action="store_true", help="capture the tuned buckets and record time and memory")
-    p.add_argument("--model", default="default", help="model captured by --measure (preset name or folder)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device --measure captures on")
+    p.add_argument("--model", default="default",
+                   help="model captured by --measure (preset name or folder; default: %(default)s)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="device --measure captures on (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of --synthetic (default 0)")
     p.set_defaults(func=run_tune)
     return p

@@ -166,9 +166,12 @@ class Report:
         head = ["set", "buckets", "largest", "overhead %", "padding %", "padded rows/batch", "eager %"]
         if measured:
             head += ["capture s", "pool MiB"]
+        if len(self.rows) > 1:  # a schedule of more buckets pads less: compare at equal counts first
+            out += ["each schedule, then the best set of as many buckets (tuned@k); last, the set written "
+                    f"(tuned, {self.tuned.k} buckets: --max-buckets)", ""]
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
-        for r in self.rows:
+        for r in self.rows[1:] + self.rows[:1]:
             cells = [
                 r.name,
                 str(r.k),

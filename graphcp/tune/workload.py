@@ -186,7 +186,7 @@ def parse_batch(obj, where: str) -> tuple[list[int], list[int]]:
 
 def load_jsonl(path: str | Path) -> Workload:
     p = Path(path)
-    batches = [parse_batch(obj, where) for where, obj in read_jsonl(p, WorkloadError, "{path}:{line}", "workload file")]
+    batches = [parse_batch(obj, where) for where, obj in read_jsonl(p, WorkloadError, "workload file")]
     if not batches:
         raise WorkloadError(f"workload file {p} has no batches")
     return Workload.from_batches(batches, name=p.stem, source={"file": str(p)})

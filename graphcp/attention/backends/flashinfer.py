@@ -94,7 +94,7 @@ from graphcp.attention.staging import PinnedStaging, to_device
 from graphcp.errors import ConfigError
 from graphcp.kv.paged import SCRATCH_PAGE
 
-FLASHINFER_EXTRA = "pip install graphcp[flashinfer]"
+FLASHINFER_EXTRA = 'pip install -e ".[flashinfer]"'
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 LN2 = math.log(2.0)
 #: FlashInfer kernels whose row counts come from device memory in CUDA-graph mode (see above)
@@ -209,6 +209,7 @@ class PagedPlanArgs:
 @register_backend("flashinfer", kv_layout="NHD", per_request=True)
 class FlashInferAttention(AttentionBackend):
     supports_full_graph = True  # only with prepare() (plan) before every replay
+    gpu_kernels = True
 
     def __init__(
         self,

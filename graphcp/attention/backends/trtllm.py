@@ -113,6 +113,7 @@ def check_capability(capability: tuple[int, int], where: str = "this GPU") -> No
 @register_backend("trtllm", kv_layout="HND", per_request=True)
 class TrtllmAttention(AttentionBackend):
     supports_full_graph = False  # per instance: True with static max lengths
+    gpu_kernels = True
 
     def __init__(
         self,

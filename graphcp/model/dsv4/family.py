@@ -17,7 +17,7 @@ from graphcp.model.dsv4.config import dsv4_from_hf
 from graphcp.model.dsv4.model import DsV4Model
 from graphcp.model.dsv4.presets import PRESETS
 from graphcp.model.dsv4.runtime import check_page_size, make_attention
-from graphcp.model.family import AttentionParts, ModelFamily, register_family
+from graphcp.model.family import AttentionParts, ModelFamily, attention_tp_names, register_family
 from graphcp.model.tensor_table import is_skipped
 from graphcp.pd.dsv4_export import DsV4Meta, dsv4_meta
 from graphcp.pd.dsv4_source import export_source
@@ -50,11 +50,12 @@ class DsV4Family(ModelFamily):
     def has_dense_mlp(self, cfg: ModelConfig) -> bool:
         return False
 
-    def check_heads(self, cfg: ModelConfig, size: int, source: str) -> None:
-        super().check_heads(cfg, size, source)
+    def check_heads(self, cfg: ModelConfig, size: int, source: str, flags: bool = False) -> None:
+        super().check_heads(cfg, size, source, flags)
         if cfg.dsv4.o_groups % size:  # a rank projects its heads' whole groups
+            split, change = attention_tp_names(flags)
             raise ConfigError(f"{source}: o_groups={cfg.dsv4.o_groups} does not divide by attention TP {size} "
-                              "(tp_size / (cp_size x dp_size)): change tp_size or cp_size")
+                              f"({split}): {change}")
 
     def check_run(self, cfg, runtime, parallel, flags: bool = False) -> None:
         # its entries are paged with the tokens they pool

@@ -198,8 +198,10 @@ class GraphRunner:
             self.stats.captures.append(st)
             return st
 
-    def capture_all(self, progress: bool = False) -> list[BucketCaptureStats]:
-        caps = sorted(self.buckets.capacities, reverse=True)
+    def capture_all(self, progress: bool = False, up_to: int | None = None) -> list[BucketCaptureStats]:
+        """Capture the buckets not captured yet, largest first (``up_to``: only those of
+        at most that many rows)."""
+        caps = sorted((c for c in self.buckets.capacities if up_to is None or c <= up_to), reverse=True)
         out = []
         for cap in _progress(caps, progress and self.body.group.rank == 0):
             if cap not in self.graphs:
