@@ -404,7 +404,7 @@ def test_the_multi_gpu_commands_pass_the_up_front_checks(what, gpus, command):
     check made before ranks start (on the CPU here: --device cpu), with ``gpus`` ranks."""
     import shlex
 
-    from graphcp.jobs.args import job_spec, preflight
+    from graphcp.jobs.preflight import job_spec, preflight
 
     argv = shlex.split(command)
     assert argv[0] == "graphcp" and "--device" in argv and argv[argv.index("--device") + 1] == "cuda"

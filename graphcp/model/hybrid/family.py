@@ -18,7 +18,7 @@ from graphcp.errors import ConfigError
 from graphcp.kv.factory import register_cache
 from graphcp.kv.spec import KVHeads
 from graphcp.model.config import ConfigReader, ModelConfig, decoder_config, read_head
-from graphcp.model.family import AttentionParts, ModelFamily, register_family
+from graphcp.model.family import AttentionParts, ModelFamily, attention_tp_names, register_family
 from graphcp.model.hybrid import checkpoint
 from graphcp.model.hybrid.cache import (
     HybridGeometry,
@@ -68,13 +68,13 @@ class HybridFamily(ModelFamily):
     def attention(self, name: str, device) -> str:
         return resolve_attention(name, device)
 
-    def check_heads(self, cfg: ModelConfig, size: int, source: str) -> None:
-        super().check_heads(cfg, size, source)
+    def check_heads(self, cfg: ModelConfig, size: int, source: str, flags: bool = False) -> None:
+        super().check_heads(cfg, size, source, flags)
         h = cfg.hybrid
         if size > 1 and h.num_k_heads % size:
+            _, change = attention_tp_names(flags)
             raise ConfigError(f"{source}: linear_num_key_heads={h.num_k_heads} does not divide by attention TP "
-                              f"{size} (a rank holds whole key heads and the value heads they serve): change "
-                              "tp_size or cp_size")
+                              f"{size} (a rank holds whole key heads and the value heads they serve): {change}")
 
     def tensor_table(self, cfg, rank, tp, moe, shard):
         return checkpoint.hybrid_tensors(cfg, rank, tp, moe, shard)
