@@ -3,7 +3,8 @@
 - every allowed pair of option values runs at least once at CP 2 (with 2 stages, 2
   attention-TP ranks and 2 attention-DP replicas where the run has them) on a tiny model, and its logits, auxiliary hidden
   states and exported KV match the single-rank eager engine on the same batch (float32
-  1e-5, bfloat16 2e-2; the single-rank engine is checked against transformers by the
+  1e-5; bfloat16 2e-2, or no further from the float32 result than the single-rank
+  bfloat16 engine is; the single-rank engine is checked against transformers by the
   parity tests), the graph path taken where a graph mode is set; an export to one rank
   of the run (``dst``) reaches exactly that rank, under attention TP without and with
   stages too (``DST_RUNS``: triples the pairwise cover need not hold);
@@ -45,6 +46,12 @@ from graphcp.runtime.engine import prefill_after_prefixes
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+#: a bfloat16 run past TOL may still be as exact as bfloat16 allows: two bfloat16 engines
+#: that sum the same rows in different orders differ by about as much as either differs
+#: from float32 (the hybrid's TP 2 run: 2.2e-2 from one rank, yet 2.8e-2 from float32 where
+#: one rank is 2.8e-2); it passes if it is no further from the float32 result than the
+#: single-rank bfloat16 engine is, times this
+BF16_SLACK = 1.25
 #: (cached prefix, new tokens): an extend of a prefix from an earlier forward, and a fresh
 #: request; past the DSA model's index_topk = 16, so its sparse attention selects
 BATCH = [(5, 19), (0, 7)]
@@ -164,46 +171,70 @@ def _runs_job(group, runs: list[dict], folders: dict) -> list[dict]:
     return out
 
 
-def test_every_allowed_pair_runs_against_the_single_rank_engine(folders):
-    refs = {}
+def _close(got, ref, truth, dtype: str) -> bool:
+    """``got`` equals the single-rank ``ref`` within ``TOL``; in bfloat16, or is no further
+    from the float32 ``truth`` than ``ref`` is (within ``BF16_SLACK``)."""
+    err = rel_err(got, ref)
+    if dtype == "float32" or err <= TOL[dtype]:
+        return err <= TOL[dtype]
+    return rel_err(got, truth) <= BF16_SLACK * rel_err(ref, truth)
+
+
+def _references(folders) -> tuple[dict, dict]:
+    """The single-rank eager engine's outputs for each (model, dtype, draft, decode) the
+    runs use, and the float32 engine's on the same checkpoint (the truth a bfloat16 run
+    is measured against when it differs from the bfloat16 reference)."""
+    refs, truths = {}, {}
     for kind, dtype, draft, decode in sorted({(r["model"], r["dtype"], r["draft"], r["decode"]) for r in CPU_RUNS}):
         aux = AUX if refusal({"model": kind, "aux": "on"}) is None else ()  # (V4 refuses aux)
-        rt = RuntimeConfig(dtype=dtype, aux_hidden_layers=aux, kv_tokens=512,
-                           draft=str(folders["draft"]) if draft == "on" else None)
-        refs[kind, dtype, draft, decode] = _outputs(PrefillEngine(folders[kind, dtype], rt), True, decode == "on")
+        for key, out, run_dtype in [(dtype, refs, dtype), ("float32", truths, "float32")]:
+            rt = RuntimeConfig(dtype=run_dtype, aux_hidden_layers=aux, kv_tokens=512,
+                               draft=str(folders["draft"]) if draft == "on" else None)
+            out[kind, dtype, draft, decode] = _outputs(PrefillEngine(folders[kind, dtype], rt), True, decode == "on")
+    return refs, truths
+
+
+def test_every_allowed_pair_runs_against_the_single_rank_engine(folders):
+    refs, truths = _references(folders)
     for world in sorted({_parallel(r).world_size for r in CPU_RUNS + DST_RUNS}):
         runs = [r for r in CPU_RUNS + DST_RUNS if _parallel(r).world_size == world]
         per_rank = launch(_runs_job, world, runs, folders)
         for rank, results in enumerate(per_rank):
             for run, got in zip(runs, results):
-                where = (rank, run)
-                ref, tol = refs[run["model"], run["dtype"], run["draft"], run["decode"]], TOL[run["dtype"]]
-                assert got["path"] == ("eager" if run["graph"] == "off" else "graph"), where
-                assert rel_err(got["last"], ref["last"]) <= tol, where
-                for a, b in zip(got["logits"], ref["logits"], strict=True):
-                    assert rel_err(a, b) <= tol, where
-                if run["aux"] == "on":
-                    for a, b in zip(got["aux"], ref["aux"], strict=True):
-                        assert rel_err(a, b) <= tol, where
-                else:
-                    assert got["aux"] is None, where
-                if run["draft"] == "on":  # the draft's logits at every new position
-                    for a, b in zip(got["draft"], ref["draft"], strict=True):
-                        assert rel_err(a, b) <= tol, where
-                else:
-                    assert got["draft"] is None, where
-                assert len(got["decode"]) == (len(DECODE_TOKENS) if run["decode"] == "on" else 0), where
-                for (path, a), (_, b) in zip(got["decode"], ref["decode"]):  # each decode step's logits
-                    assert path == ("eager" if run["graph"] == "off" else "graph") and rel_err(a, b) <= tol, where
-                if run["export"] == "on":
-                    for x, y in zip(got["export"], ref["export"], strict=True):
-                        for a, b in zip(x, y, strict=True):
-                            assert a.shape == b.shape and rel_err(a, b) <= tol, where
-                    assert sorted(got["to_one"]) == _dsts(world), where
-                    for dst, exports in got["to_one"].items():  # exactly dst receives, what every rank gets
-                        for x, y in zip(exports, got["export"], strict=True):
-                            assert (x is None) == (rank != dst), (where, dst)
-                            assert x is None or all(a.equal(b) for a, b in zip(x, y, strict=True)), (where, dst)
+                _check_run(rank, run, got, refs, truths, world)
+
+
+def _check_run(rank: int, run: dict, got: dict, refs: dict, truths: dict, world: int) -> None:
+    where, key = (rank, run), (run["model"], run["dtype"], run["draft"], run["decode"])
+    ref, truth, dtype = refs[key], truths[key], run["dtype"]
+
+    def close(field, a_of=lambda o: o):
+        for a, b, t in zip(a_of(got[field]), a_of(ref[field]), a_of(truth[field]), strict=True):
+            assert _close(a, b, t, dtype), (where, field, rel_err(a, b))
+
+    assert got["path"] == ("eager" if run["graph"] == "off" else "graph"), where
+    close("last", lambda o: [o])
+    close("logits")
+    if run["aux"] == "on":
+        close("aux")
+    else:
+        assert got["aux"] is None, where
+    if run["draft"] == "on":  # the draft's logits at every new position
+        close("draft")
+    else:
+        assert got["draft"] is None, where
+    assert len(got["decode"]) == (len(DECODE_TOKENS) if run["decode"] == "on" else 0), where
+    assert all(path == ("eager" if run["graph"] == "off" else "graph") for path, _ in got["decode"]), where
+    close("decode", lambda steps: [logits for _, logits in steps])
+    if run["export"] == "on":
+        for x, y, t in zip(got["export"], ref["export"], truth["export"], strict=True):
+            for a, b, c in zip(x, y, t, strict=True):
+                assert a.shape == b.shape and _close(a, b, c, dtype), where
+        assert sorted(got["to_one"]) == _dsts(world), where
+        for dst, exports in got["to_one"].items():  # exactly dst receives, what every rank gets
+            for x, y in zip(exports, got["export"], strict=True):
+                assert (x is None) == (rank != dst), (where, dst)
+                assert x is None or all(a.equal(b) for a, b in zip(x, y, strict=True)), (where, dst)
 
 
 def test_the_runs_hold_every_allowed_pair_and_no_refused_one():
