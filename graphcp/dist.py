@@ -368,6 +368,8 @@ def init_from_env(device: str = "cpu", timeout_s: float = 300.0) -> CPGroup:
 
 
 def free_port() -> int:
+    """A port free now; another process may bind it before the caller does (for tests
+    and tools that must name a port up front: ``launch`` binds its own)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -456,10 +458,10 @@ def _rank_main(rank, size, port, backend, timeout_s, fn, args, results, threads,
     try:
         if backend == "nccl":  # one GPU a rank (launch checked there are enough); "cuda": this rank's
             torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s),
-            init_method=f"tcp://127.0.0.1:{port}",
-        )
+        # a client of the launcher's store (see launch): no rank binds a port of its own
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
         group = CPGroup(rank, size, None, timeout_s)
         out = fn(group, *args)
         # by value: shared-memory handles would die with this process
@@ -511,7 +513,13 @@ def launch(
         start_method = "fork" if device == "cpu" and not cuda_live else "spawn"
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
-    port = free_port()
+    # the launcher hosts the ranks' rendezvous store on a port the OS picks as it binds:
+    # a port picked free and bound later by rank 0 could be taken in between (another
+    # job starting on the node), and rank 0 then failed while the others waited out
+    # their whole timeout for it
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    port = store.port
     backend = default_backend(device)
     # a forked rank runs one intra-op thread: libgomp cannot start a thread team in a
     # forked child of a process that ran one (the child waits forever for the parent's
@@ -559,6 +567,7 @@ def launch(
         interrupted = False
     finally:
         _stop(procs, wait_s=0 if interrupted else 1 if errors else 5)
+        del store  # its server stops with the ranks
     if errors:
         # the cause is a rank that died or raised on its own; a CollectiveError is a
         # survivor noticing it (and may reach the queue first)

@@ -94,9 +94,8 @@ def test_prefill_under_torchrun_matches_one_rank(tmp_path, tiny, requests_file):
     base = ["prefill", "--model", tiny, "--input", str(requests_file), "--kv-tokens", "4096"]
     assert main(base + ["--output", str(one), "--graph", "off"]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    from graphcp.dist import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    # --standalone: torchrun binds its rendezvous on a port it picks as it binds
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "graphcp", *base, "--output", str(two), "--cp", "2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -112,13 +111,11 @@ def test_prefill_pp2_under_torchrun_with_microbatches_and_aux_matches_one_rank(t
     import subprocess
     import sys
 
-    from graphcp.dist import free_port
-
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     base = ["prefill", "--model", tiny, "--input", str(requests_file), "--all-logits", "--kv-tokens", "4096",
             "--aux-hidden-layers", "3,1"]
     assert main(base + ["--output", str(one), "--graph", "off"]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "graphcp", *base, "--output", str(two), "--pp", "2", "--pp-layers", "3,1", "--pp-microbatches", "2"]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]

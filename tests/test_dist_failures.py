@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from graphcp import ConsistencyError, PrefillEngine, Request
 from graphcp.config import ParallelConfig, RuntimeConfig
@@ -166,3 +167,22 @@ def test_a_gather_that_loses_its_peer_names_the_dead_rank_first():
     msg = str(err.value)
     assert msg.startswith("rank 1 failed first: rank 1 died (exit code 7)"), msg
     assert "rank 0: CollectiveError: rank 0/2: all_gather_object over the CP group failed" in msg, msg
+
+
+def _ranks(group):
+    return group.all_reduce_(torch.ones(1)).item()
+
+
+def test_a_port_taken_by_another_process_does_not_stop_the_ranks(monkeypatch):
+    """Under a busy node a port picked free may be bound by another job before rank 0
+    binds it: rank 0 then failed with EADDRINUSE and the others waited out their whole
+    timeout for it. The launcher binds its ranks' store itself, on a port the OS picks."""
+    import socket
+
+    import graphcp.dist as gdist
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(gdist, "free_port", lambda: taken.getsockname()[1])  # the race, made certain
+        assert launch(_ranks, 2, timeout_s=5) == [2.0, 2.0]
