@@ -449,17 +449,20 @@ def _stop(procs: Sequence[Any], wait_s: float, grace_s: float = 1.0) -> None:
             p.join()
 
 
-def _rank_main(rank, size, port, backend, timeout_s, fn, args, results, threads, launcher_pid) -> None:
+def _rank_main(rank, size, store_port, backend, timeout_s, fn, args, results, threads, launcher_pid) -> None:
     die_with_parent(launcher_pid)  # a killed launcher takes its ranks with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle (see above)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     try:
+        port, port_set = store_port
+        if not port_set.wait(timeout_s):
+            raise RuntimeError(f"the launcher's rendezvous store did not start within {timeout_s:g} s")
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port.value))
         if backend == "nccl":  # one GPU a rank (launch checked there are enough); "cuda": this rank's
             torch.cuda.set_device(rank)
         # a client of the launcher's store (see launch): no rank binds a port of its own
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore("127.0.0.1", port.value, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
         group = CPGroup(rank, size, None, timeout_s)
@@ -513,21 +516,21 @@ def launch(
         start_method = "fork" if device == "cpu" and not cuda_live else "spawn"
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
-    # the launcher hosts the ranks' rendezvous store on a port the OS picks as it binds:
-    # a port picked free and bound later by rank 0 could be taken in between (another
-    # job starting on the node), and rank 0 then failed while the others waited out
-    # their whole timeout for it
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
-    port = store.port
+    # the launcher hosts the ranks' rendezvous store on a port the OS picks as it binds
+    # (a port picked free and bound later by rank 0 could be taken in between by another
+    # job on the node: rank 0 then failed and the others waited out their timeout). It
+    # starts after the ranks are forked: its server thread may hold a libc lock (name
+    # lookup) at the moment of a fork, and a child that inherits it hangs
+    port, port_set = ctx.Value("i", 0), ctx.Event()
+    store = None
     backend = default_backend(device)
     # a forked rank runs one intra-op thread: libgomp cannot start a thread team in a
     # forked child of a process that ran one (the child waits forever for the parent's
     # workers: launch(fn, 1) after any multi-threaded op in the caller hung)
     threads = 1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // nprocs)
     procs = [
-        ctx.Process(target=_rank_main, args=(r, nprocs, port, backend, timeout_s, fn, args, results, threads,
-                                             os.getpid()), daemon=False)
+        ctx.Process(target=_rank_main, daemon=False, args=(r, nprocs, (port, port_set), backend, timeout_s, fn, args,
+                                                           results, threads, os.getpid()))
         for r in range(nprocs)
     ]
     with _sigint_ignored_in_children():
@@ -538,6 +541,10 @@ def launch(
     deadline_after_failure: float | None = None
     interrupted = True  # until the loop ends on its own: Ctrl-C (or anything raised) stops every rank at once
     try:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s))
+        port.value = store.port
+        port_set.set()
         while len(outputs) + len(errors) < nprocs:
             try:
                 rank, status, payload = results.get(timeout=0.05)

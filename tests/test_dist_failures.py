@@ -186,3 +186,23 @@ def test_a_port_taken_by_another_process_does_not_stop_the_ranks(monkeypatch):
         taken.listen()
         monkeypatch.setattr(gdist, "free_port", lambda: taken.getsockname()[1])  # the race, made certain
         assert launch(_ranks, 2, timeout_s=5) == [2.0, 2.0]
+
+
+def test_the_store_starts_after_the_ranks_fork(monkeypatch):
+    """The launcher's store runs a server thread; a rank forked while it held a libc lock
+    (a name lookup) hung in its own lookup (seen in the suite). Every rank is started
+    before the store is."""
+    import multiprocessing
+
+    import graphcp.dist as gdist
+
+    started, real = [], gdist.dist.TCPStore
+
+    def store(*args, **kwargs):
+        if kwargs.get("is_master"):
+            started.append(len(multiprocessing.active_children()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gdist.dist, "TCPStore", store)
+    assert launch(_ranks, 2, timeout_s=5) == [2.0, 2.0]
+    assert started == [2]
