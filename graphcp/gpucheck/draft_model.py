@@ -6,18 +6,15 @@ vocabulary), its draft vocabulary a quarter of the target's."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from graphcp.model.config import ModelConfig
 from graphcp.model.eagle3.checkpoint import draft_tensors
 from graphcp.model.eagle3.config import ARCHITECTURE, read_eagle3_config
-from graphcp.model.presets import cache_root
+from graphcp.model.presets import cache_root, write_model_folder
 
 
 def draft_config(target: dict) -> dict:
@@ -62,17 +59,4 @@ def ensure_random_draft(target_dir: Path, label: str, seed: int = 0) -> Path:
         return folder
     target_json = json.loads((Path(target_dir) / "config.json").read_text())
     target = ModelConfig.from_file(Path(target_dir) / "config.json")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(draft_config(target_json), indent=2) + "\n")
-        save_file(random_draft(tmp, target, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        try:
-            tmp.rename(folder)
-        except OSError:
-            if not (folder / "config.json").exists():  # not another process winning the race
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    return write_model_folder(folder, draft_config(target_json), lambda tmp: random_draft(tmp, target, seed))

@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -66,11 +66,18 @@ def ensure_random_model(name: str, config: dict, root: Path | None = None) -> Pa
     folder = (root or cache_root()) / "models" / name
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         return folder
+    return write_model_folder(folder, config, lambda _: random_weights(config))
+
+
+def write_model_folder(folder: Path, config: dict, weights: Callable[[Path], dict[str, torch.Tensor]]) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (``weights(dir)``, called once the
+    config is in ``dir``) as ``folder``, atomically: of two processes writing the same
+    folder at once, one wins whole and the other's copy is dropped."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(random_weights(config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(weights(tmp), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         try:
             tmp.rename(folder)
         except OSError:

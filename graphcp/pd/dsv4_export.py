@@ -43,7 +43,7 @@ import torch
 
 from graphcp.config import DTYPES, parse_dtype
 from graphcp.kv.dsv4 import CSA, HCA, SLIDING
-from graphcp.pd.export import KVFormatError, check_tensors
+from graphcp.pd.export import KVFormatError, LayerTensorsExport
 from graphcp.pd.layout import TensorLayout
 
 DSV4_FORMAT = "graphcp-dsv4/1"
@@ -179,30 +179,10 @@ def dsv4_meta(cfg, num_tokens: int, dtype: str, page_size: int, fingerprint: str
 
 
 @dataclass
-class DsV4Export:
+class DsV4Export(LayerTensorsExport):
     """One request's V4 cache (module docstring): ``layers[i]`` maps the layer's tensor
     names to tensors. ``token_ids`` and ``last_logits`` ride along as in
     :class:`graphcp.pd.export.KVExport`."""
 
     meta: DsV4Meta
-    layers: list[dict[str, torch.Tensor]]
-    token_ids: torch.Tensor | None = None
-    last_logits: torch.Tensor | None = None
-
-    def tensor(self, layer: int, name: str) -> torch.Tensor:
-        return self.layers[layer][name]
-
-    def check(self, source: str = "DeepSeek V4 KV export") -> "DsV4Export":
-        """KVFormatError unless every layer has the metadata's tensors, shapes and dtypes."""
-        m = self.meta
-        if len(self.layers) != m.num_layers:
-            raise KVFormatError(f"{source}: {len(self.layers)} layers of tensors for {m.num_layers} layers")
-        for i, ts in enumerate(self.layers):
-            if set(ts) != set(m.layer_tensors(i)):
-                raise KVFormatError(f"{source}: layer {i} ({m.layer_kinds[i]}) has {sorted(ts)}, expected "
-                                    f"{sorted(m.layer_tensors(i))}")
-        return check_tensors(self, source)
-
-    def to(self, device: torch.device | str) -> "DsV4Export":
-        return DsV4Export(self.meta, [{n: t.to(device) for n, t in ts.items()} for ts in self.layers],
-                          self.token_ids, self.last_logits)
+    SOURCE = "DeepSeek V4 KV export"

@@ -184,6 +184,39 @@ def check_tensors(export, source: str):
     return export
 
 
+@dataclass
+class LayerTensorsExport:
+    """One request's cache in a format whose layers hold named tensors of their own kinds
+    (V4's window and compressor state, a hybrid's K/V or conv and recurrent state):
+    ``layers[i]`` maps the layer's tensor names to tensors, as ``meta.layer_tensors(i)``
+    names them. ``token_ids`` and ``last_logits`` ride along as in :class:`KVExport`."""
+
+    meta: TensorLayout
+    layers: list[dict[str, torch.Tensor]]
+    token_ids: torch.Tensor | None = None
+    last_logits: torch.Tensor | None = None
+    #: what an error names this export when the caller does not
+    SOURCE = "KV export"
+
+    def tensor(self, layer: int, name: str) -> torch.Tensor:
+        return self.layers[layer][name]
+
+    def check(self, source: str | None = None):
+        """KVFormatError unless every layer has the metadata's tensors, shapes and dtypes."""
+        m, source = self.meta, source or self.SOURCE
+        if len(self.layers) != m.num_layers:
+            raise KVFormatError(f"{source}: {len(self.layers)} layers of tensors for {m.num_layers} layers")
+        for i, ts in enumerate(self.layers):
+            if set(ts) != set(m.layer_tensors(i)):
+                raise KVFormatError(f"{source}: layer {i} ({m.layer_kinds[i]}) has {sorted(ts)}, expected "
+                                    f"{sorted(m.layer_tensors(i))}")
+        return check_tensors(self, source)
+
+    def to(self, device: torch.device | str):
+        return type(self)(self.meta, [{n: t.to(device) for n, t in ts.items()} for ts in self.layers],
+                          self.token_ids, self.last_logits)
+
+
 def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta, dst: int | None,
              device: torch.device) -> list[dict[str, torch.Tensor]] | None:
     """Put one request's KV together from the spans each rank holds, in ``meta``'s format
