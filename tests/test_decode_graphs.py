@@ -9,10 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from cp_utils import rel_err
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
-from graphcp.dist import launch
+from graphcp.dist import CPGroup, launch
 
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 CASES = [("qwen3", "replicated"), ("qwen3", "sharded"), ("qwen3", "layer-split"), ("qwen3_moe", "sharded")]
 
 
@@ -89,3 +91,62 @@ def test_the_page_bucket_holds_the_longest_share_within_twice():
     from graphcp.runtime.decode.graphs import page_bucket
 
     assert [page_bucket(p, 32) for p in (0, 1, 2, 3, 5, 16, 17, 32, 40)] == [1, 1, 2, 4, 8, 16, 32, 32, 32]
+
+
+def _corrupt_first_replay(engine: PrefillEngine, rank: int) -> None:
+    """Make every bucket captured on ``rank`` replay one value differently from eager
+    (what a graph that kept something of its capture batch would do)."""
+    graphs, capture = engine.decoder.graphs, engine.decoder.graphs.capture
+
+    def corrupted(capacity: int, width: int):
+        captured = capture(capacity, width)
+        if engine.world_rank == rank:
+            replay = captured.graph.replay
+            captured.graph.replay = lambda ctx: (replay(ctx), graphs.hidden_out[1, 0].add_(1.0))
+        return captured
+
+    graphs.capture = corrupted
+
+
+def _self_check_job(group, folder: str, dtype: str, corrupt_rank: int | None) -> dict:
+    from graphcp.runtime.capture.graphs import CaptureError
+
+    engine = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, graph="breakable", page_size=16, dtype=dtype,
+                                                 kv_cache="sharded" if group.size > 1 else "replicated"), group)
+    out = engine.prefill([Request(np.arange(n) % 500 + 1) for n in (5, 33, 1)])
+    if corrupt_rank is not None:
+        _corrupt_first_replay(engine, corrupt_rank)
+    pool0 = engine.kv.pool.clone()
+    try:
+        step = engine.decode(out.handles, [7, 8, 9])
+    except CaptureError as e:
+        # refused whole: the cache as before, and the same step then runs eagerly
+        same_pool = torch.equal(engine.kv.pool, pool0)
+        eager = engine.decode(out.handles, [7, 8, 9], force_eager=True)
+        return {"error": str(e), "same_pool": same_pool, "eager": eager.logits}
+    eager_engine = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, graph="off", page_size=16, dtype=dtype,
+                                                       kv_cache="sharded" if group.size > 1 else "replicated"), group)
+    ref = eager_engine.decode(eager_engine.prefill([Request(np.arange(n) % 500 + 1) for n in (5, 33, 1)]).handles,
+                              [7, 8, 9])
+    return {"path": step.info.path, "verified": sorted(engine.decoder.graphs.verified), "logits": step.logits,
+            "eager": ref.logits}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_first_replay_of_a_bucket_is_checked_against_the_eager_step(folders, dtype):
+    """On the CPU stand-in each bucket's first replay is compared bitwise with the same
+    step run eagerly on the bucket; a checked step equals an engine without graphs."""
+    r = _self_check_job(CPGroup(), folders["qwen3"], dtype, None)
+    assert r["path"] == "graph" and r["verified"] == [(4, 4)]
+    assert torch.equal(r["logits"], r["eager"]) or rel_err(r["logits"], r["eager"]) <= TOL[dtype]
+
+
+def test_a_replay_that_differs_stops_the_step_on_every_rank_and_changes_nothing(folders):
+    """A corrupted replay on rank 0 at CP 2: both ranks raise (none is left in a
+    collective), the cache is as before, and the same step then runs eagerly."""
+    ranks = launch(_self_check_job, 2, folders["qwen3"], "float32", 0)
+    assert "decode graph self-check of bucket 4 requests x 2 pages" in ranks[0]["error"]
+    assert "hidden_out rows [1]" in ranks[0]["error"], ranks[0]["error"]
+    assert "another rank's output differs" in ranks[1]["error"]
+    assert all(r["same_pool"] for r in ranks)
+    assert torch.equal(ranks[0]["eager"], ranks[1]["eager"])

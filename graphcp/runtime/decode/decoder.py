@@ -61,7 +61,7 @@ class Decoder:
         rt = self.parts.runtime
         if self._graphs is None and rt.graph != "off":
             self.check_combination()
-            self._graphs = DecodeGraphs(self.body, rt.decode_buckets, rt.graph_backend)
+            self._graphs = DecodeGraphs(self.body, rt.decode_buckets, rt.graph_backend, rt.verify_capture)
         return self._graphs
 
     def check_combination(self) -> None:

@@ -15,6 +15,13 @@ torch operations over the static metadata), the merge's collectives have the buc
 shapes, so the body is one captured segment; a layer that sizes work on the host (the MoE
 ``ep`` exchange) stays a break, run eagerly at replay over the same static buffers. A
 step larger than every bucket runs eagerly and says so (``larger_than_every_bucket``).
+
+Self-check (``RuntimeConfig.verify_capture``; on by default for the CPU stand-in, as for
+the prefill graphs): the first replay of each bucket is checked against the same step run
+eagerly on the same bucket, bitwise: the hidden rows and every page the step wrote. A
+difference (a graph that kept something of its inert capture batch) is a CaptureError on
+every rank, and the step changes nothing. The step is a real one: its requests' KV is
+the cache's, so no synthetic batch is needed.
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ from graphcp.model.forward_context import KV_RECEIVED, ForwardContext
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.capture.breakable import BreakableGraph, capture_breakable
 from graphcp.runtime.capture.buckets import FALLBACK_TOO_LARGE
-from graphcp.runtime.capture.graphs import make_graph_backend
+from graphcp.runtime.capture.graphs import CaptureError, make_graph_backend
 from graphcp.runtime.capture.runner import WARMUP_RUNS, Fallback
+from graphcp.runtime.capture.selfcheck import first_difference
 from graphcp.runtime.decode.batch import PreparedStep
 from graphcp.runtime.decode.step import StepBody
 
@@ -63,9 +71,13 @@ def page_bucket(pages: int, most: int) -> int:
 class DecodeGraphs:
     """The decode graphs of one engine (see the module doc)."""
 
-    def __init__(self, body: StepBody, buckets: tuple[int, ...], graph_backend: str) -> None:
+    def __init__(self, body: StepBody, buckets: tuple[int, ...], graph_backend: str,
+                 verify: bool | None = None) -> None:
         self.body, self.buckets = body, tuple(buckets)
         self.backend = make_graph_backend(graph_backend, body.device)
+        #: check each bucket's first replay (module doc); None: on the CPU stand-in only
+        self.verify = verify if verify is not None else self.backend.name == "trace"
+        self.verified: set[tuple[int, int]] = set()  # (requests, pages) whose first replay was checked
         n, dev, kv = self.buckets[-1], body.device, body.kv
         self.width = kv.table_width
         i64 = dict(dtype=torch.int64, device=dev)
@@ -165,13 +177,47 @@ class DecodeGraphs:
             return Fallback(FALLBACK_TOO_LARGE)
         width = self.pages(step)
         captured = self.graphs.get((capacity, width)) or self.capture(capacity, width)
+        check = self.verify and (capacity, width) not in self.verified
+        before = self._written(step) if check else None
         with nvtx_range(f"decode_replay[{capacity},{width}]", category="graph"):
             self.fill(step, capacity, width)
             stats.update(captured.segment_stats, decode_merge=captured.plan, pages=width)
             captured.ctx.stats, captured.ctx.inputs.live_rows = stats, B
             captured.graph.replay(captured.ctx)
+        if check:
+            self.self_check(step, capacity, width, before)
         self.replays[capacity, width] += 1
         return self.hidden_out[:B], capacity, len(captured.graph.segments) + len(captured.graph.breaks)
+
+    def _written(self, step: PreparedStep) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The pages the step writes on this rank (its stored slots') and their contents now."""
+        kv, slots = self.body.kv, step.slots.slots
+        pages = torch.from_numpy(np.unique(slots[slots >= 0] // kv.page_size)).to(self.body.device)
+        return pages, {n: p.index_select(1, pages) for n, p in kv.page_pools().items()}
+
+    @torch.inference_mode()
+    def self_check(self, step: PreparedStep, capacity: int, width: int,
+                   before: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+        """After the first replay of bucket ``(capacity, width)``: the same step run eagerly
+        on the same bucket from the same pages must give the same rows and pages, bitwise.
+        Leaves the eager step's rows and pages (equal to the replay's) in place."""
+        B, pools, (pages, saved) = step.num_requests, self.body.kv.page_pools(), before
+        got = {"hidden_out": self.hidden_out[:B].clone(), **{n: p.index_select(1, pages) for n, p in pools.items()}}
+        for n, p in pools.items():  # the eager step starts from the same cache
+            p.index_copy_(1, pages, saved[n])
+        want = {"hidden_out": self.eager_on_bucket(step, capacity)[:B],
+                **{n: p.index_select(1, pages) for n, p in pools.items()}}
+        problem = first_difference({n: (got[n], want[n]) for n in got})
+        # every rank raises, so none is left waiting in a collective
+        failed = torch.tensor([problem is not None], dtype=torch.int64, device=self.body.device)
+        self.body.group.all_reduce_(failed, "max")
+        if failed.item():
+            for n, p in pools.items():  # the pages as they were: the refused step leaves no trace
+                p.index_copy_(1, pages, saved[n])
+            raise CaptureError(f"rank {self.body.group.rank}: decode graph self-check of bucket {capacity} "
+                               f"requests x {width} pages: the replay differs from the same step run eagerly on "
+                               "the bucket: " + (problem or "another rank's output differs"))
+        self.verified.add((capacity, width))
 
     @torch.inference_mode()
     def eager_on_bucket(self, step: PreparedStep, capacity: int) -> torch.Tensor:
