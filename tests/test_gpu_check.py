@@ -326,15 +326,15 @@ def test_doc_gives_the_device_commands_and_the_part_budgets():
 
 
 def test_dry_run_engines_and_host_preparation(dry_run):
-    """DeepSeek V4, MoE tp and ep, and an EAGLE-3 draft's breakable and full graphs at CP 1:
-    each replay bitwise equal to the same bucket run eagerly, the prefill on the graph, its
-    logits within the bound of the eager prefill's; the host preparation timed, saying
+    """DeepSeek V4, MoE tp and ep, an EAGLE-3 draft's breakable and full graphs, and decode
+    at CP 1: each replay bitwise equal to the same bucket run eagerly, the prefill (each
+    decode step) on the graph, its logits within the bound of the eager path's; the host preparation timed, saying
     which host kernels ran."""
     _, res, _ = dry_run
     rows = {(r["engine"], r["graph"]): r for r in res["engines"]}
     assert set(rows) == {("default-v4", "breakable"), ("default-moe tp", "breakable"),
                          ("default-moe ep", "breakable"), ("default + EAGLE-3 draft", "breakable"),
-                         ("default + EAGLE-3 draft", "full")}
+                         ("default + EAGLE-3 draft", "full"), ("default decode", "breakable")}
     for r in rows.values():
         assert r["status"] == "pass" and r["ran"] == "graph", r
         assert [b["bitwise_equal"] for b in r["batches"]] == [True]
@@ -343,6 +343,9 @@ def test_dry_run_engines_and_host_preparation(dry_run):
     assert rows[("default-v4", "breakable")]["segments_breaks"] == {"32": [9, 8]}
     assert rows[("default-moe ep", "breakable")]["experts_in_break"] is True
     assert rows[("default-moe tp", "breakable")]["experts_in_break"] is False  # a CPU captures them
+    decode = rows[("default decode", "breakable")]  # 3 requests: bucket 4, a dense step one launch
+    assert decode["batches"][0]["bucket"] == [4] and decode["launches_per_step"] == 1
+    assert decode["graph_step_ms"] > 0 and decode["eager_step_ms"] > 0
     host = {r["case"]: r for r in res["host"]}
     assert set(host) == {"16 requests, 64..512 tokens", "16 requests, 1..2000 tokens"}
     for r in host.values():

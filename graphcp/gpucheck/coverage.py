@@ -26,4 +26,7 @@ MULTI_GPU: tuple[tuple[str, int, str], ...] = (
      "graphcp run --device cuda --cp 2 --model default-moe --moe ep --attention triton"),
     ("DeepSeek V4 at CP 2", 2, "graphcp run --device cuda --cp 2 --model default-v4"),
     ("the PD hand-off from several ranks", 2, "graphcp pd-demo --device cuda --cp 2"),
+    ("decode over the sharded cache at CP 2: the LSE merge inside the decode graphs, each bucket's first replay "
+     "checked", 2, "graphcp generate --device cuda --cp 2 --kv-cache sharded --verify-capture "
+     "--input examples/requests.jsonl --output out.pt --max-new-tokens 16"),
 )

@@ -6,17 +6,21 @@
   graphs, in the attention break, until a captured grouped matmul is validated: the row
   says whether they were) and with ``moe='ep'`` (the exchange in the break);
 - an EAGLE-3 draft (seeded random, :mod:`graphcp.gpucheck.draft_model`) whose graphs run
-  after the target's, ``breakable`` and ``full``.
+  after the target's, ``breakable`` and ``full``;
+- decode (the default model): a few steps of a batch on its decode graph, the first
+  replay self-checked against the same step run eagerly on the bucket.
 
 Per engine: one bucket captured (the capture self-check on), then a batch extending a
 cached prefix. It passes when the replay equals the same bucket's eager body bit for bit
-(the draft: its replay equals the draft run eagerly on the bucket), the prefill took the
-graph (a fallback fails: a graph was asked) and its logits are within
-:data:`graphcp.jobs.tolerance.RUN_TOLERANCE` of the eager prefill's.
+(the draft: its replay equals the draft run eagerly on the bucket; decode: the self-check
+of its first replay), the prefill (every decode step) took the graph (a fallback fails: a
+graph was asked) and its logits are within :data:`graphcp.jobs.tolerance.RUN_TOLERANCE`
+of the eager path's.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +38,7 @@ from graphcp.model.moe.block import SparseMoeBlock
 from graphcp.model.presets import ensure_preset
 from graphcp.runtime.batch import Request
 from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.runtime.capture.graphs import CaptureError
 from graphcp.runtime.capture.runner import Fallback
 from graphcp.runtime.engine import PrefillEngine
 
@@ -43,6 +48,8 @@ MODEL_CASES = (("default-v4", "default-v4", {"moe": "ep"}),
                ("default-moe tp", "default-moe", {"moe": "tp"}),
                ("default-moe ep", "default-moe", {"moe": "ep"}))
 DRAFT_MODES = ("breakable", "full")
+#: decode steps a path runs (the same fixed tokens on the graph and the eager path)
+DECODE_STEPS = 4
 
 
 def _engine(st: Settings, model, dtype: str, graph: str, attention: str, verify: bool, **extra) -> PrefillEngine:
@@ -69,14 +76,14 @@ def _prefill(engine: PrefillEngine, toks: tuple, eager: bool):
     return out
 
 
-def _judge_prefill(row: dict, graph, eager, dtype: str) -> None:
-    """The graph prefill took the graph, and its last logits (``graph`` / ``eager``: the
-    logits compared) are within the bound of the eager prefill's."""
+def _judge_prefill(row: dict, graph, eager, dtype: str, what: str = "prefill") -> None:
+    """The graph path's logits (``graph`` / ``eager``: the logits compared) are within the
+    bound of the eager path's."""
     got, want = graph.float(), eager.float()
     diff = float((got - want).norm() / max(float(want.norm()), 1e-30))
     row.update(logits_rel_diff_vs_eager=diff, tol=RUN_TOLERANCE[dtype])
     if row["status"] == "pass" and not diff <= RUN_TOLERANCE[dtype]:
-        row.update(status="fail", error=f"logits differ from the eager prefill's: relative {diff:.3g} > "
+        row.update(status="fail", error=f"logits differ from the eager {what}'s: relative {diff:.3g} > "
                                         f"{RUN_TOLERANCE[dtype]:g}")
 
 
@@ -135,6 +142,50 @@ def _check_draft(engine: PrefillEngine, st: Settings, row: dict) -> None:
     _judge_prefill(row, outs[False].draft.logits, outs[True].draft.logits, row["dtype"])
 
 
+def _decode(engine: PrefillEngine, toks: tuple, tokens: np.ndarray, eager: bool) -> tuple[list, list, list]:
+    """Prefill ``toks``, then one step a row of ``tokens``; each step's logits, info and
+    wall time (every handle released)."""
+    handles = engine.prefill([Request(t) for t in toks]).handles
+    logits, infos, times = [], [], []
+    try:
+        for step_tokens in tokens:
+            t0 = time.perf_counter()
+            step = engine.decode(handles, step_tokens, force_eager=eager)
+            times.append(time.perf_counter() - t0)
+            handles = step.handles
+            logits.append(step.logits)
+            infos.append(step.info)
+    finally:
+        for h in handles:
+            engine.release(h)
+    return logits, infos, times
+
+
+def _check_decode(engine: PrefillEngine, st: Settings, row: dict) -> None:
+    toks = _tokens(engine, st)
+    tokens = np.random.default_rng(st.seed + 11).integers(0, engine.cfg.vocab_size, (DECODE_STEPS, len(toks)))
+    batch = {"batch": f"{len(toks)} requests x {DECODE_STEPS} steps"}
+    try:
+        graph, infos, graph_s = _decode(engine, toks, tokens, False)
+    except CaptureError as e:  # the self-check of a first replay: a difference
+        row["batches"] = [{**batch, "bitwise_equal": False, "status": "fail", "error": str(e)}]
+        judge_batches(row)
+        return
+    checked = engine.decoder.graphs.verified
+    buckets = sorted({i.bucket for i in infos if i.bucket is not None})
+    same = bool(buckets) and all(any(b == c for c, _ in checked) for b in buckets)
+    row["batches"] = [{**batch, "bucket": buckets, "bitwise_equal": same, "status": "pass" if same else "fail"}]
+    judge_batches(row)
+    eager, _, eager_s = _decode(engine, toks, tokens, True)
+    paths = {i.path for i in infos}
+    row.update(ran="graph" if paths == {"graph"} else "eager", launches_per_step=infos[-1].stats.get("launches"),
+               graph_step_ms=1e3 * float(np.median(graph_s[1:])), eager_step_ms=1e3 * float(np.median(eager_s[1:])))
+    if row["ran"] != "graph" and row["status"] == "pass":
+        fallbacks = sorted({str(i.fallback) for i in infos if i.path != "graph"})
+        row.update(status="fail", error=f"a decode step ran eagerly ({', '.join(fallbacks)}): a graph was asked")
+    _judge_prefill(row, torch.cat(graph), torch.cat(eager), row["dtype"], "decode")
+
+
 def _run(row: dict, budget: Budget, device: torch.device, build, check, st: Settings) -> None:
     if not budget.allows(5.0):
         skip(row, TIME_BUDGET)
@@ -153,8 +204,9 @@ def _run(row: dict, budget: Budget, device: torch.device, build, check, st: Sett
 
 
 def check_engines(st: Settings, budget: Budget, available: list[str]) -> list[dict]:
-    """One row per engine: the model engines (float32, breakable), then the EAGLE-3 draft's
-    graphs (the timing dtype, breakable and full; a full graph where Triton is available)."""
+    """One row per engine: the model engines (float32, breakable), the EAGLE-3 draft's
+    graphs (the timing dtype, breakable and full; a full graph where Triton is available),
+    then decode (the timing dtype, breakable)."""
     device = torch.device(st.device)
     rows: list[dict] = []
     attention = st.graph_attention["breakable"] if st.graph_attention["breakable"] in available else "torch"
@@ -183,4 +235,9 @@ def check_engines(st: Settings, budget: Budget, available: list[str]) -> list[di
             return _engine(st, target, st.timing_dtype, m, b, False, draft=str(draft))
 
         _run(row, budget, device, build, _check_draft, st)
+    row = {"engine": "default decode", "dtype": st.timing_dtype, "graph": "breakable", "status": "pending",
+           "batches": []}
+    rows.append(row)
+    _run(row, budget, device, lambda: _engine(st, target, st.timing_dtype, "breakable", attention, True), _check_decode,
+         st)
     return rows

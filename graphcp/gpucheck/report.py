@@ -151,10 +151,10 @@ def _graphs(res: dict) -> list[str]:
 def _engines(res: dict) -> list[str]:
     if not res.get("engines"):
         return []
-    out = ["## Engines at CP = 1 (DeepSeek V4, MoE tp and ep, an EAGLE-3 draft's graphs)", "",
-           "bitwise: the replay (the draft's, for the draft) equals the same bucket run eagerly; logits: the graph "
-           "prefill vs the eager prefill (relative, within tol); experts in break: the tp layout's experts held "
-           "out of the graphs.", ""]
+    out = ["## Engines at CP = 1 (DeepSeek V4, MoE tp and ep, an EAGLE-3 draft's graphs, decode)", "",
+           "bitwise: the replay (the draft's, for the draft; decode: each bucket's first, self-checked) equals the "
+           "same bucket run eagerly; logits: the graph path vs the eager path (relative, within tol); experts in "
+           "break: the tp layout's experts held out of the graphs.", ""]
     rows = [[r["engine"], r["dtype"], r["graph"], _fmt((r.get("batches") or [{}])[0].get("bitwise_equal")),
              _fmt(r.get("segments_breaks")), _fmt(r.get("experts_in_break")), _fmt(r.get("ran")),
              _fmt(r.get("logits_rel_diff_vs_eager"), ".1e"), _fmt(r.get("tol"), ".0e"), _status(r, ("pass",))]
