@@ -3,7 +3,8 @@
 Run: ``python -m pytest benchmarks/bench_long_context.py --benchmark-only -q -s``
 (``-s`` prints the table; ``--benchmark-json out.json`` keeps it in ``extra_info``).
 Bigger prompts: ``GRAPHCP_LONG_CONTEXT=8192,32768,65536`` (the default, 8192, runs in
-about 2.5 minutes on a busy 2-core VM; 32K takes 10-16 times as long, 64K ~4 times more);
+about 2.5 minutes on a busy 2-core VM; 64K at CP 2, both caches, took 4.5 minutes on a
+quiet one and 32K 7 minutes on a busy one);
 ``GRAPHCP_LONG_CONTEXT_CP=2`` runs one CP degree only.
 
 One request of N tokens (no prefix), prefilled eagerly on the torch reference backend
