@@ -19,7 +19,7 @@ import numpy as np
 
 from graphcp.checks import check_output_path
 from graphcp.cli.commands import save_output
-from graphcp.cli.requests import RequestFileError, request_line, token_list
+from graphcp.cli.requests import RequestFileError, parse_lines, request_line, token_list
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
 from graphcp.dist import CPGroup, gather_object
@@ -27,7 +27,6 @@ from graphcp.errors import InputError
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
-from graphcp.jsonl import read_jsonl
 from graphcp.model.config import ModelConfig
 from graphcp.runtime.batch import check_vocabulary
 from graphcp.runtime.decode.generate import Conversation
@@ -62,11 +61,7 @@ def conversation_line(where: str, d) -> FileConversation:
 
 
 def parse_conversations(path: str | Path) -> list[FileConversation]:
-    p = Path(path)
-    out = [conversation_line(w, d) for w, d in read_jsonl(p, RequestFileError, "request file")]
-    if not out:
-        raise RequestFileError(f"{p}: no requests (empty batch)")
-    return out
+    return parse_lines(path, conversation_line)
 
 
 def check_conversations(convs: list[FileConversation], max_new: int, vocab: int, context: int) -> None:

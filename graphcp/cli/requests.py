@@ -6,8 +6,10 @@ forward; the rest extends that cached prefix.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,12 +36,17 @@ class FileRequest:
         return self.tokens[self.prefix:]
 
 
-def parse_requests(path: str | Path) -> list[FileRequest]:
+def parse_lines(path: str | Path, parse_line: Callable[[str, dict], Any]) -> list:
+    """Each line of a request file read by ``parse_line(where, line)``; an empty file is refused."""
     p = Path(path)
-    out = [request_line(where, d) for where, d in read_jsonl(p, RequestFileError, "request file")]
+    out = [parse_line(where, d) for where, d in read_jsonl(p, RequestFileError, "request file")]
     if not out:
         raise RequestFileError(f"{p}: no requests (empty batch)")
     return out
+
+
+def parse_requests(path: str | Path) -> list[FileRequest]:
+    return parse_lines(path, request_line)
 
 
 def token_list(where: str, toks, key: str = "tokens") -> list[int]:

@@ -85,6 +85,11 @@ class LinearStates:
     """The states every hybrid cache keeps (mixed in ahead of its K/V cache class): two
     slots a live request's row, per held linear layer; the row bound, the slot flips."""
 
+    @classmethod
+    def create(cls, geometry: HybridGeometry, pool: PoolSpec) -> "LinearStates":
+        """Every hybrid mode builds from the geometry and the pool alone (the cache factory's call)."""
+        return cls(geometry, pool)
+
     def _init_states(self, geometry: HybridGeometry, pool: PoolSpec, held: list[int]) -> None:
         """``held``: the linear layers whose states this rank keeps."""
         d, S = geometry.linear, geometry.state_slots
@@ -216,10 +221,6 @@ class HybridKVCache(LinearStates, FullLayers, PagedKVCache):
     exchange = "hybrid+all-gather"
 
     @classmethod
-    def create(cls, geometry: HybridGeometry, pool: PoolSpec) -> "HybridKVCache":
-        return cls(geometry, pool)
-
-    @classmethod
     def pool_bytes_for(cls, geometry: HybridGeometry, pool: PoolSpec) -> int:
         return (_kv_bytes(geometry, pool, len(geometry.of_kind(pool.layers, FULL)))
                 + _state_bytes(geometry, pool, len(geometry.of_kind(pool.layers, LINEAR))))
@@ -237,10 +238,6 @@ class ShardedHybridCache(LinearStates, FullLayers, ShardedKVCache):
     """The token-sharded mode: the K/V of a rank's own zigzag blocks, every state (module doc)."""
 
     exchange = "hybrid+ring"
-
-    @classmethod
-    def create(cls, geometry: HybridGeometry, pool: PoolSpec) -> "ShardedHybridCache":
-        return cls(geometry, pool)
 
     @classmethod
     def pool_bytes_for(cls, geometry: HybridGeometry, pool: PoolSpec) -> int:
@@ -271,10 +268,6 @@ class LayerSplitHybridCache(LinearStates, LayerSplitKVCache):
     and one scratch layer, the states its own linear layers."""
 
     exchange = "hybrid+all-gather"
-
-    @classmethod
-    def create(cls, geometry: HybridGeometry, pool: PoolSpec) -> "LayerSplitHybridCache":
-        return cls(geometry, pool)
 
     @classmethod
     def pool_bytes_for(cls, geometry: HybridGeometry, pool: PoolSpec) -> int:

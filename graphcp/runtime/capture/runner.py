@@ -32,7 +32,7 @@ from graphcp.runtime.body import Body
 from graphcp.runtime.capture.breakable import BreakableGraph, capture_breakable
 from graphcp.runtime.capture.buckets import FALLBACK_REQUESTS, BucketSet, Selection
 from graphcp.runtime.capture.graphs import CaptureError, make_graph_backend
-from graphcp.runtime.capture.selfcheck import first_difference, synthetic_batch
+from graphcp.runtime.capture.selfcheck import failed_on_any_rank, first_difference, synthetic_batch
 from graphcp.runtime.capture.static_buffers import BucketView, StaticBuffers
 
 #: eager runs before a capture (CUDA: lazy init, autotuning, allocator warm-up)
@@ -203,7 +203,7 @@ class GraphRunner:
         at most that many rows)."""
         caps = sorted((c for c in self.buckets.capacities if up_to is None or c <= up_to), reverse=True)
         out = []
-        for cap in _progress(caps, progress and self.body.group.rank == 0):
+        for cap in capture_progress(caps, progress and self.body.group.rank == 0):
             if cap not in self.graphs:
                 out.append(self.capture_bucket(cap))
         return out
@@ -253,10 +253,7 @@ class GraphRunner:
         finally:
             if prefix is not None:
                 kv.release(prefix)
-        # every rank raises, so none is left waiting in a collective
-        failed = torch.tensor([problem is not None], dtype=torch.int64, device=body.device)
-        body.group.all_reduce_(failed, "max")
-        if failed.item():
+        if failed_on_any_rank(body.group, problem, body.device):
             raise CaptureError(
                 f"rank {body.group.rank}: capture self-check of bucket {capacity}: the replay differs from the same "
                 f"body run eagerly on a synthetic batch ({len(spec.extend_lens)} requests, {spec.num_tokens} tokens): "
@@ -369,12 +366,13 @@ class GraphRunner:
         return view.hidden_out.copy_(self.body.run(ctx, view.input_ids, view.positions, view.hidden_in))
 
 
-def _progress(items, show: bool):
+def capture_progress(items, show: bool, desc: str = "capturing buckets"):
+    """``items`` under a progress bar on stderr when ``show`` (and tqdm is installed)."""
     if not show:
         return items
     try:
         from tqdm import tqdm
 
-        return tqdm(items, desc="capturing buckets", unit="bucket", file=sys.stderr)
+        return tqdm(items, desc=desc, unit="bucket", file=sys.stderr)
     except ImportError:
         return items

@@ -68,3 +68,11 @@ def first_difference(outputs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> s
             return (f"{name} {what} {rows[:8]}{' ...' if len(rows) > 8 else ''} ({len(rows)} of {ne.shape[0]}) "
                     f"differ, max |diff| {diff:.4g}")
     return None
+
+
+def failed_on_any_rank(group, problem: str | None, device: torch.device) -> bool:
+    """Whether any rank of ``group`` found a ``problem`` (one all-reduce): every rank then
+    raises, so none is left waiting in a collective."""
+    failed = torch.tensor([problem is not None], dtype=torch.int64, device=device)
+    group.all_reduce_(failed, "max")
+    return bool(failed.item())
