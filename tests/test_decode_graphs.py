@@ -150,3 +150,31 @@ def test_a_replay_that_differs_stops_the_step_on_every_rank_and_changes_nothing(
     assert "another rank's output differs" in ranks[1]["error"]
     assert all(r["same_pool"] for r in ranks)
     assert torch.equal(ranks[0]["eager"], ranks[1]["eager"])
+
+
+def test_a_fill_waits_for_the_previous_fills_uploads_before_rewriting_its_host_buffers(folders):
+    """On a GPU the step's rows reach the static buffers by non-blocking uploads from
+    pinned memory, read when the stream runs them. With a copy engine that runs them late
+    (tests/fake_copy_engine.py), a replay queued after each of two fills reads its own
+    step's rows: the second fill waited for the first's uploads before rewriting."""
+    from fake_copy_engine import FakeCopyEngine
+
+    from graphcp.runtime.decode.graphs import DecodeGraphs
+
+    engine = PrefillEngine(folders["qwen3"], RuntimeConfig(kv_tokens=512, graph="breakable", page_size=16))
+    out = engine.prefill([Request(np.arange(n) % 500 + 1) for n in (5, 33, 1)])
+    copies = FakeCopyEngine()
+    graphs = DecodeGraphs(engine.decoder.body, (4,), "trace", staging=copies)
+    seen = []
+    for tokens in ([7, 8, 9], [10, 11, 12]):
+        step = engine.decoder.preparer.prepare(out.handles, tokens)
+        try:
+            graphs.fill(step, 4, graphs.pages(step))
+            copies.launch(lambda: seen.append((graphs.ids.tolist(), graphs.kv_lens.tolist(),
+                                               graphs.page_table[:4, :4].clone())))
+        finally:
+            engine.decoder.preparer.abort(step)
+    copies.sync()
+    assert [ids for ids, _, _ in seen] == [[7, 8, 9, 0], [10, 11, 12, 0]]
+    assert seen[0][1] == seen[1][1] and seen[0][1][3] == 0 and min(seen[0][1][:3]) > 0  # lengths; inert row 0
+    assert copies.waits == 1

@@ -26,7 +26,6 @@ the cache's, so no synthetic batch is needed.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from dataclasses import dataclass
 
@@ -35,13 +34,14 @@ import torch
 
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.decode.paged import PagedDecodeAttention
+from graphcp.attention.staging import PinnedStaging
 from graphcp.model.forward_context import KV_RECEIVED, ForwardContext
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.capture.breakable import BreakableGraph, capture_breakable
 from graphcp.runtime.capture.buckets import FALLBACK_TOO_LARGE
 from graphcp.runtime.capture.graphs import CaptureError, make_graph_backend
-from graphcp.runtime.capture.runner import WARMUP_RUNS, Fallback
-from graphcp.runtime.capture.selfcheck import first_difference
+from graphcp.runtime.capture.runner import WARMUP_RUNS, Fallback, capture_progress
+from graphcp.runtime.capture.selfcheck import failed_on_any_rank, first_difference
 from graphcp.runtime.decode.batch import PreparedStep
 from graphcp.runtime.decode.step import StepBody
 
@@ -72,7 +72,7 @@ class DecodeGraphs:
     """The decode graphs of one engine (see the module doc)."""
 
     def __init__(self, body: StepBody, buckets: tuple[int, ...], graph_backend: str,
-                 verify: bool | None = None) -> None:
+                 verify: bool | None = None, staging: PinnedStaging | None = None) -> None:
         self.body, self.buckets = body, tuple(buckets)
         self.backend = make_graph_backend(graph_backend, body.device)
         #: check each bucket's first replay (module doc); None: on the CPU stand-in only
@@ -87,6 +87,14 @@ class DecodeGraphs:
         self.cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros((n, self.width), dtype=torch.int32, device=dev)
         self.hidden_out = torch.zeros(n, body.model.cfg.hidden_size, dtype=body.model.dtype, device=dev)
+        # what fill writes on the host: pinned on CUDA, uploaded without blocking and fenced
+        # (a fill waits until the previous fill's uploads ran before rewriting them), as the
+        # prefill's static buffers are; plain memory on a CPU, copied in place
+        self._staging = staging if staging is not None else PinnedStaging(dev) if dev.type == "cuda" else None
+        host = self._staging.host if self._staging is not None else _plain_host
+        self._rows_host = host(3 * n, torch.int64).view(3, n)  # ids, positions, slots
+        self._lens_host = host(n, torch.int32)
+        self._table_host = host(n * self.width, torch.int32)
         self.attention = PagedDecodeAttention(body.backend.spec)
         self.graphs: dict[tuple[int, int], _Captured] = {}  # (requests, pages) -> its graph
         self.replays: Counter = Counter()  # (requests, pages) -> replays
@@ -113,17 +121,29 @@ class DecodeGraphs:
     def fill(self, step: PreparedStep | None, capacity: int, width: int) -> None:
         """The step's rows into the bucket's static buffers, the rest inert (None: all inert)."""
         B = 0 if step is None else step.num_requests
-        host = np.zeros((4, capacity), dtype=np.int64)  # ids, positions, slots, lengths
-        host[2] = -1
-        table = np.zeros((capacity, width), dtype=np.int32)
+        if self._staging is not None:
+            self._staging.wait()  # the previous fill's uploads read these buffers when they run
+        rows, lens = self._rows_host[:, :capacity].numpy(), self._lens_host[:capacity].numpy()
+        table_host = self._table_host[: capacity * width].view(capacity, width)
+        table = table_host.numpy()
+        rows[:2], rows[2], lens[:], table[:] = 0, -1, 0, 0
         if step is not None:
             s = step.slots
-            host[:, :B] = step.tokens, s.positions, s.slots, s.local_lens
+            rows[:, :B] = step.tokens, s.positions, s.slots
+            lens[:B] = s.local_lens
             self.body.kv.page_table_rows(s.rows, width, out=table[:B])
-        for dst, src in zip((self.ids, self.positions, self.slots), host[:3]):
-            dst[:capacity].copy_(torch.from_numpy(src))
-        self.kv_lens[:capacity].copy_(torch.from_numpy(host[3].astype(np.int32)))
-        self.page_table[:capacity, :width].copy_(torch.from_numpy(table))
+        for dst, src in ((self.ids, self._rows_host[0]), (self.positions, self._rows_host[1]),
+                         (self.slots, self._rows_host[2]), (self.kv_lens, self._lens_host)):
+            self._upload(dst[:capacity], src[:capacity])
+        self._upload(self.page_table[:capacity, :width], table_host)
+        if self._staging is not None:
+            self._staging.mark()  # after every upload of this fill: the next fill waits for them
+
+    def _upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._staging is None:
+            dst.copy_(src)
+        else:
+            self._staging.upload(dst, src)
 
     def context(self, capacity: int, width: int, plan: str, live: int, stats: dict | None) -> ForwardContext:
         return self.body.context(self.meta(capacity, width), self.slots[:capacity], self.attention, plan, live,
@@ -160,7 +180,7 @@ class DecodeGraphs:
         ``pages`` (None: the widest), largest first; the batch sizes captured."""
         width = self.width if pages is None else page_bucket(pages, self.width)
         todo = [b for b in sorted(self.buckets, reverse=True) if (b, width) not in self.graphs]
-        for b in _progress(todo, progress):
+        for b in capture_progress(todo, progress, "capturing decode buckets"):
             self.capture(b, width)
         return todo
 
@@ -208,10 +228,7 @@ class DecodeGraphs:
         want = {"hidden_out": self.eager_on_bucket(step, capacity)[:B],
                 **{n: p.index_select(1, pages) for n, p in pools.items()}}
         problem = first_difference({n: (got[n], want[n]) for n in got})
-        # every rank raises, so none is left waiting in a collective
-        failed = torch.tensor([problem is not None], dtype=torch.int64, device=self.body.device)
-        self.body.group.all_reduce_(failed, "max")
-        if failed.item():
+        if failed_on_any_rank(self.body.group, problem, self.body.device):
             for n, p in pools.items():  # the pages as they were: the refused step leaves no trace
                 p.index_copy_(1, pages, saved[n])
             raise CaptureError(f"rank {self.body.group.rank}: decode graph self-check of bucket {capacity} "
@@ -230,12 +247,5 @@ class DecodeGraphs:
         return self.hidden_out[:capacity]
 
 
-def _progress(items, show: bool):
-    if not show:
-        return items
-    try:
-        from tqdm import tqdm
-
-        return tqdm(items, desc="capturing decode buckets", unit="bucket", file=sys.stderr)
-    except ImportError:
-        return items
+def _plain_host(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(n, dtype=dtype)
