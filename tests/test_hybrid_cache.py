@@ -32,7 +32,7 @@ from graphcp.dist import launch
 from graphcp.kv import factory
 from graphcp.model.hybrid.layers import GatedAttention
 from graphcp.pd.files import read_kv, save_kv
-from graphcp.pd.hf import greedy_continue
+from graphcp.pd.hf import cache_argument, greedy_continue
 from graphcp.pd.load import load_kv
 from graphcp.pd.mooncake import mooncake_problem
 
@@ -146,6 +146,44 @@ def test_compositions_and_the_export_continue_in_transformers(folder, reference,
             assert loaded.export.meta.format == "graphcp-hybrid/1" and loaded.num_tokens == LENS[3]
             _, first = greedy_continue(model, loaded.cache, 5, 1)
             assert rel_err(first, reference[1]) <= TOL, where
+
+
+EXPORT_TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def _export_chunked(group, folder, dtype):
+    """The long request prefilled in two chunks (the second starts inside the first's conv
+    halo) and exported to rank 0, in every cache mode at CP = the world."""
+    toks = _tokens()[3]
+    out = {}
+    for mode in ("replicated", "sharded", "layer-split"):
+        eng = PrefillEngine(folder, RuntimeConfig(kv_cache=mode, kv_tokens=1024, dtype=dtype), group, None,
+                            ParallelConfig(cp_size=group.size))
+        head = eng.prefill([Request(toks[:SPLIT])])
+        tail = eng.prefill([Request(toks[SPLIT:], head.handles[0])])
+        out[mode] = eng.export_kv(tail.handles[0], dst=0)
+    return out if group.rank == 0 else None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_export_continues_in_transformers_at_every_cp_and_mode(folder, hf_model, tmp_path, world, dtype):
+    """load_kv's cache continues in the installed transformers as its own one-shot run of the
+    whole sequence does, step after step (the positions included), within 1e-4 in float32."""
+    model = hf_model(folder, dtype)
+    prompt = [int(t) for t in _tokens()[3]]
+    fed = prompt + [5, 9, 200, 31]  # the continuation's tokens, fed one a step
+    with torch.no_grad():
+        want = model(torch.tensor([fed])).logits[0, len(prompt):].float()
+    exports = launch(_export_chunked, world, folder, dtype)[0]
+    for mode, exported in exports.items():
+        cache = load_kv(save_kv(exported.check(), tmp_path / f"{mode}.safetensors")).cache
+        assert int(cache.get_seq_length()) == len(prompt), mode
+        with torch.no_grad():
+            steps = torch.stack([model(input_ids=torch.tensor([[t]]), use_cache=True,
+                                       **{cache_argument(model): cache}).logits[0, -1].float()
+                                 for t in fed[len(prompt):]])
+        assert rel_err(steps, want) <= EXPORT_TOL[dtype], (world, mode, dtype)
 
 
 def _send(group, folder, address):

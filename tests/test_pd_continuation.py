@@ -103,3 +103,34 @@ def test_transformers_continues_from_the_export(cp, hf_model_dir, hf_model, refe
                 if dtype == "float32":
                     assert tokens == ref_tokens, where
                 assert loaded.cache.get_seq_length() == export.meta.num_tokens + STEPS, where
+
+
+@pytest.mark.parametrize("version,known", [("5.23.0", False), ("5.24.0", True), ("5.25.0", True), ("5.25.3", True),
+                                           ("5.26.0", False), ("6.0.0", False), ("4.57.1", False), ("main", False)])
+def test_the_loader_names_the_transformers_releases_it_knows(version, known):
+    """A release whose caches graphcp does not know how to build is one line naming the ones
+    it knows, not a cache that continues at the wrong positions."""
+    from graphcp.pd.hf import UnknownTransformers, check_transformers
+
+    if known:
+        check_transformers(version)
+        return
+    with pytest.raises(UnknownTransformers) as e:
+        check_transformers(version)
+    assert str(e.value) == (f'transformers {version} is not a release graphcp\'s KV loader knows (it knows 5.24 to '
+                            f'5.25): pip install "transformers>=5.24,<5.26"')
+
+
+def test_load_kv_refuses_an_unknown_transformers(monkeypatch, tmp_path):
+    import transformers
+
+    from graphcp.pd.hf import UnknownTransformers
+
+    from graphcp.pd.export import KVExport, KVMeta
+
+    meta = KVMeta(num_tokens=3, num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", page_size=16,
+                  fingerprint="f")
+    path = save_kv(KVExport(meta, [torch.zeros(1, 3, 2)], [torch.zeros(1, 3, 2)]), tmp_path / "kv.safetensors")
+    monkeypatch.setattr(transformers, "__version__", "5.26.0")
+    with pytest.raises(UnknownTransformers, match=r"transformers 5\.26\.0 is not a release"):
+        load_kv(path)

@@ -13,14 +13,41 @@ transformers 5 renamed the forward's ``past_key_values`` argument to ``cache``:
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
 
+from graphcp.errors import GraphcpError
 from graphcp.kv.dsv4 import CSA, HCA, SLIDING
 from graphcp.pd.dsv4_export import DsV4Export
 from graphcp.pd.export import KVExport
 from graphcp.pd.hybrid_export import FULL, HybridExport
 from graphcp.pd.mla_export import MlaExport, interleaved_to_half_split
+
+#: the transformers releases (major, minor) whose caches this module builds and whose
+#: continuation from them was checked; ``scripts/check_latest.sh`` tells what a newer one moved
+KNOWN_TRANSFORMERS = ((5, 24), (5, 25))
+
+
+class UnknownTransformers(GraphcpError, RuntimeError):
+    """The installed transformers is not a release whose caches graphcp knows how to build."""
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Raise :class:`UnknownTransformers` unless ``version`` (default: the installed
+    transformers') is within :data:`KNOWN_TRANSFORMERS`: a cache built for another
+    release may continue at the wrong positions, silently (transformers 5.25 moved where a
+    hybrid's cache counts its tokens)."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    parts = re.match(r"(\d+)\.(\d+)", version)
+    (lo, hi) = KNOWN_TRANSFORMERS
+    if parts is None or not lo <= (int(parts[1]), int(parts[2])) <= hi:
+        raise UnknownTransformers(
+            f"transformers {version} is not a release graphcp's KV loader knows (it knows {lo[0]}.{lo[1]} to "
+            f"{hi[0]}.{hi[1]}): pip install \"transformers>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}\"")
 
 
 def to_dynamic_cache(export: KVExport, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
@@ -132,13 +159,26 @@ def to_hybrid_cache(export: HybridExport, device: torch.device | str | None = No
             continue
         layer.update_conv_state(put(t["conv"]), conv_kernel_size=m.conv_kernel)
         layer.update_recurrent_state(put(t["recurrent"], keep_dtype=True))
+        _count_linear_tokens(layer, m.num_tokens)
     return cache
+
+
+def _count_linear_tokens(layer, num_tokens: int) -> None:
+    """transformers >= 5.25 counts a linear layer's tokens itself (``cumulative_length_linear``:
+    what ``get_seq_length()`` returns, so the continuation's positions), and
+    ``update_conv_state`` added the conv state's width to it, not the request's length.
+    Earlier releases count the full layers' keys and keep no such counter."""
+    count = getattr(layer, "cumulative_length_linear", None)
+    if count is not None:
+        count.fill_(num_tokens)
 
 
 def to_transformers_cache(export: KVExport | MlaExport | DsV4Export | HybridExport,
                           device: torch.device | str | None = None, dtype: torch.dtype | None = None):
     """The transformers cache of any export format (a DSA model's: :func:`to_mla_cache`;
-    a DeepSeek V4 model's: :func:`to_dsv4_cache`; a hybrid's: :func:`to_hybrid_cache`)."""
+    a DeepSeek V4 model's: :func:`to_dsv4_cache`; a hybrid's: :func:`to_hybrid_cache`), for a
+    transformers release :func:`check_transformers` knows."""
+    check_transformers()
     if isinstance(export, MlaExport):
         return to_mla_cache(export, device, dtype)
     if isinstance(export, DsV4Export):
