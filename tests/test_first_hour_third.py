@@ -1,0 +1,61 @@
+"""A new user's first hour, third pass (issue 45): items 5, 7, 8, 9 and 11, one test (or
+group) per item, numbered as there. Every refusal is exit code 2, one stderr line naming
+the bad value and what was expected, and nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from graphcp.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+VOCAB = 512  # the tiny models' (tests/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_model_dir) -> Path:
+    return hf_model_dir("qwen3", False, "float32")
+
+
+def _lines(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _one_line(capsys, argv: list, cmd: str) -> str:
+    """main() in-process must exit 2 (argparse's refusals too) with one stderr line; the line."""
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith(f"graphcp {cmd}: error: ") and "Traceback" not in err, err
+    return err
+
+
+# ---- 5: tune --plot without matplotlib --------------------------------------------------------
+_NO_MATPLOTLIB = """
+import sys
+sys.modules["matplotlib"] = None  # import matplotlib raises ImportError, as where it is not installed
+from graphcp.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_item5_plot_without_matplotlib_is_refused_before_writing(tmp_path):
+    out, png = tmp_path / "buckets.json", tmp_path / "tune.png"
+    p = subprocess.run([sys.executable, "-c", _NO_MATPLOTLIB, "tune", "--workload", ROOT / "workloads" / "longctx.jsonl",
+                        "--cp", "4", "--max-buckets", "8", "--output", out, "--plot", png], env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert p.stderr.startswith("graphcp tune: error: --plot needs matplotlib") and 'pip install -e ".[plot]"' in p.stderr
+    assert p.stdout == "" and not out.exists() and not png.exists()
