@@ -59,3 +59,23 @@ def test_item5_plot_without_matplotlib_is_refused_before_writing(tmp_path):
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
     assert p.stderr.startswith("graphcp tune: error: --plot needs matplotlib") and 'pip install -e ".[plot]"' in p.stderr
     assert p.stdout == "" and not out.exists() and not png.exists()
+
+
+# ---- 7: errors that name internals, or nothing --------------------------------------------------
+def test_item7_draft_with_generate_says_to_drop_it(capsys, tmp_path):
+    """Refused from the flags alone, before the model or the draft is read (neither exists here)."""
+    out = tmp_path / "o.pt"
+    err = _one_line(capsys, ["generate", "--model", tmp_path / "no-model", "--input", _lines(tmp_path / "r.jsonl", [
+        {"tokens": [1, 2]}]), "--output", out, "--max-new-tokens", "2", "--draft", tmp_path / "no-draft"], "generate")
+    assert "--draft with graphcp generate" in err and err.rstrip().endswith("; drop --draft"), err
+    assert "use --draft" not in err and not out.exists()
+
+
+def test_item7_a_hybrid_refusing_generate_names_generate(hf_model_dir):
+    from graphcp import ConfigError, PrefillEngine, RuntimeConfig
+
+    engine = PrefillEngine(hf_model_dir("qwen3_next"), RuntimeConfig(kv_tokens=256))
+    snap = engine.kv.snapshot()
+    with pytest.raises(ConfigError, match=r"with PrefillEngine\.generate: .*not built yet") as e:
+        engine.generate([[1, 2]], 3)
+    assert "PrefillEngine.decode" not in str(e.value) and engine.kv.snapshot() == snap

@@ -99,6 +99,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     spec = job_spec(args)
+    check_decode(spec)  # what the flags alone refuse, before the model (or a --draft) is read
     convs = parse_conversations(args.input)
     model = preflight(spec)
     check_decode(spec, model)
@@ -120,8 +121,10 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def check_decode(spec: JobSpec, model: ModelConfig) -> None:
-    """Refuse what decode does not combine with (graphcp/combinations.py), in the flags' names."""
+def check_decode(spec: JobSpec, model: ModelConfig | None = None) -> None:
+    """Refuse what decode does not combine with (graphcp/combinations.py), in the flags'
+    names; ``model``: None before it is read (its kind refuses nothing yet)."""
     rt = spec.runtime
-    check_combination({**runtime_settings(rt), **parallel_settings(spec.parallel), "model": model.kind,
-                       "moe": rt.moe, "decode": "on"}, True, model.family)
+    of_model = {} if model is None else {"model": model.kind, "moe": rt.moe}
+    check_combination({**runtime_settings(rt), **parallel_settings(spec.parallel), **of_model, "decode": "on"}, True,
+                      model.family if model is not None else None)

@@ -146,7 +146,8 @@ def _decode_turn(engine, live: list[_State], stop: frozenset, keep_logits: bool,
 def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | None = None,
              logits: bool = False, release: bool = True, progress: bool = False) -> GenerateOutput:
     """See the module doc (``engine``: a PrefillEngine)."""
-    engine.decoder.check_combination()  # (before the first prefill: nothing runs that decode would refuse)
+    # before the first prefill: nothing runs that decode would refuse
+    engine.decoder.check_combination("PrefillEngine.generate")
     most = check_int(max_new_tokens, "max_new_tokens", lo=1, where="generate", err=BatchError)
     stops = frozenset(int(x) for x in (stop or ()))
     states = conversations(requests, most, engine.cfg.vocab_size, engine.max_context)
