@@ -79,3 +79,15 @@ def test_item7_a_hybrid_refusing_generate_names_generate(hf_model_dir):
     with pytest.raises(ConfigError, match=r"with PrefillEngine\.generate: .*not built yet") as e:
         engine.generate([[1, 2]], 3)
     assert "PrefillEngine.decode" not in str(e.value) and engine.kv.snapshot() == snap
+
+
+@pytest.mark.parametrize("value,match", [
+    ("4,1,2", "expected increasing integers such as 1,2,4, got '4,1,2'"),
+    ("1,70000", "expected integers >= 1 and <= 65536, got '1,70000'"),
+])
+def test_item7_decode_buckets_are_refused_in_the_flags_name(capsys, tmp_path, value, match):
+    out = tmp_path / "o.pt"
+    err = _one_line(capsys, ["generate", "--input", tmp_path / "r.jsonl", "--output", out, "--max-new-tokens", "2",
+                             "--decode-buckets", value], "generate")
+    assert f"argument --decode-buckets: {match}" in err and "RuntimeConfig" not in err, err
+    assert not out.exists()

@@ -15,6 +15,7 @@ from typing import Callable
 from graphcp.checks import (
     DEFAULT_DECODE_BUCKETS,
     MAX_CP,
+    MAX_DECODE_BUCKETS,
     MAX_GB_PER_S,
     MAX_LAYERS,
     MAX_MICROBATCHES,
@@ -57,17 +58,24 @@ def bounded(cast: type, lo: float, hi: float | None = None, lo_open: bool = Fals
     return parse
 
 
-def int_list(lo: int = 0, distinct: bool = False) -> Callable[[str], tuple[int, ...]]:
-    """An argparse type: comma-separated integers (``1,5,9``), each >= ``lo``."""
+def int_list(lo: int = 0, distinct: bool = False, hi: int | None = None, increasing: bool = False,
+             most: int | None = None) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: comma-separated integers (``1,5,9``), each in ``[lo, hi]``
+    (``increasing``: each larger than the one before; ``most``: at most that many)."""
     def parse(text: str) -> tuple[int, ...]:
         try:
             out = tuple(int(x) for x in text.split(","))
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,5,9, got {text!r}") from None
-        if any(v < lo for v in out):
-            raise argparse.ArgumentTypeError(f"expected integers >= {lo}, got {text!r}")
+        if any(v < lo for v in out) or (hi is not None and any(v > hi for v in out)):
+            raise argparse.ArgumentTypeError(f"expected integers >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+                                             + f", got {text!r}")
         if distinct and len(set(out)) != len(out):
             raise argparse.ArgumentTypeError(f"expected distinct integers, got {text!r}")
+        if increasing and any(a >= b for a, b in zip(out, out[1:])):
+            raise argparse.ArgumentTypeError(f"expected increasing integers such as 1,2,4, got {text!r}")
+        if most is not None and len(out) > most:
+            raise argparse.ArgumentTypeError(f"expected at most {most} integers, got {len(out)}")
         return out
 
     parse.__name__ = "list"
@@ -178,7 +186,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-merge", default="auto", choices=DECODE_MERGES,
                    help="how a decode step over --kv-cache sharded merges the ranks' partial attention (auto: the "
                         "one that moves fewer bytes; docs/decode.md; default: %(default)s)")
-    p.add_argument("--decode-buckets", type=int_list(1), default=DEFAULT_DECODE_BUCKETS, metavar="N,N,...",
+    # (RuntimeConfig.decode_buckets' rules, said in the flag's name)
+    p.add_argument("--decode-buckets", type=int_list(1, hi=MAX_REQUESTS, increasing=True, most=MAX_DECODE_BUCKETS),
+                   default=DEFAULT_DECODE_BUCKETS, metavar="N,N,...",
                    help="the decode batch sizes a decode graph is captured for (default: 1,2,4,...,64)")
 
 
