@@ -91,3 +91,27 @@ def test_item7_decode_buckets_are_refused_in_the_flags_name(capsys, tmp_path, va
                              "--decode-buckets", value], "generate")
     assert f"argument --decode-buckets: {match}" in err and "RuntimeConfig" not in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("cmd", ["generate", "prefill"])
+def test_item7_a_full_kv_pool_names_kv_tokens(capsys, tmp_path, model_dir, cmd):
+    """examples/requests.jsonl's case: the batch's prompts need more pages than 64 tokens
+    hold (and generate's progress bar starts with the first step: one line)."""
+    out = tmp_path / "o.pt"
+    req = _lines(tmp_path / "r.jsonl", [{"tokens": list(range(1, 41))}, {"tokens": list(range(1, 41))}])
+    more = ["--max-new-tokens", "20"] if cmd == "generate" else []
+    err = _one_line(capsys, [cmd, "--model", model_dir, "--input", req, "--output", out, "--kv-tokens", "64",
+                             "--graph", "off", *more], cmd)
+    assert "KV cache full: the batch needs 6 more pages of 16 tokens, 4 are free (pool of 4 usable pages); " \
+           "raise --kv-tokens (given 64)" in err and "RuntimeConfig" not in err, err
+    assert not out.exists()
+
+
+def test_item7_too_few_state_slots_name_the_flag(capsys, tmp_path, hf_model_dir):
+    out = tmp_path / "o.pt"
+    req = _lines(tmp_path / "r.jsonl", [{"tokens": [1, 2, 3]}, {"tokens": [4, 5]}])
+    err = _one_line(capsys, ["prefill", "--model", hf_model_dir("qwen3_next"), "--input", req, "--output", out,
+                             "--state-slots", "1", "--graph", "off", "--kv-tokens", "256"], "prefill")
+    assert "state slots full: the batch needs 2 live requests' states, the cache keeps 1; raise --state-slots " \
+           "(given 1)" in err and "RuntimeConfig" not in err, err
+    assert not out.exists()

@@ -192,5 +192,12 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="the decode batch sizes a decode graph is captured for (default: 1,2,4,...,64)")
 
 
+def runtime_flag(field: str) -> str:
+    """The flag that sets RuntimeConfig.``field`` (:func:`graphcp.jobs.preflight.job_spec`
+    maps them): its name with dashes, but for the two named otherwise."""
+    return {"collective_timeout_s": "--timeout", "microbatches": "--pp-microbatches"}.get(
+        field, "--" + field.replace("_", "-"))
+
+
 def graph_mode(args: argparse.Namespace) -> str:
     return args.graph or "breakable"

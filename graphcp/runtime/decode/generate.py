@@ -153,12 +153,13 @@ def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | N
     states = conversations(requests, most, engine.cfg.vocab_size, engine.max_context)
     turns = max(len(s.turns) for s in states)
     # the steps when no stop token comes: a turn's steps serve all its requests at once
-    bar = _bar(sum(max(s.most - 1 for s in states if t < len(s.turns)) for t in range(turns)),
-               progress and engine.world_rank == 0)
-    steps = 0
+    total = sum(max(s.most - 1 for s in states if t < len(s.turns)) for t in range(turns))
+    bar, steps = None, 0
     try:
         for t in range(turns):
             live = _prefill_turn(engine, states, t, stops, logits)
+            if t == 0:  # shown from the first step: a batch the prefill refuses is one line on stderr
+                bar = _bar(total, progress and engine.world_rank == 0)
             for s in states:
                 if t < len(s.turns) and s not in live:
                     s.finish.append("stop" if s.tokens[-1][-1] in stops else "length")
