@@ -115,3 +115,65 @@ def test_item7_too_few_state_slots_name_the_flag(capsys, tmp_path, hf_model_dir)
     assert "state slots full: the batch needs 2 live requests' states, the cache keeps 1; raise --state-slots " \
            "(given 1)" in err and "RuntimeConfig" not in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("cmd,rows,match", [
+    ("generate", [{"turn": [[1, 2]]}],
+     r"line 1: unknown keys \['turn'\]: expected \{\"tokens\": \[ids\.\.\.\], \"prefix\": K\} or "
+     r"\{\"turns\": \[\[ids\.\.\.\], \.\.\.\], \"max_new_tokens\": N\} a line"),
+    ("prefill", [{"turns": [[1, 2], [3]]}],
+     r"line 1: this looks like a conversation \(\"turns\": `graphcp generate` reads it\): expected "
+     r"\{\"tokens\": \[ids\.\.\.\], \"prefix\": K\} a line"),
+])
+def test_item7_a_line_of_the_wrong_kind_says_which_it_is(capsys, tmp_path, cmd, rows, match):
+    out = tmp_path / "o.pt"
+    more = ["--max-new-tokens", "2"] if cmd == "generate" else []
+    err = _one_line(capsys, [cmd, "--input", _lines(tmp_path / "r.jsonl", rows), "--output", out, *more], cmd)
+    assert __import__("re").search(match, err), err
+    assert not out.exists()
+
+
+def test_item7_a_request_file_given_to_tune_is_named_as_one(capsys, tmp_path):
+    out = tmp_path / "b.json"
+    err = _one_line(capsys, ["tune", "--workload", ROOT / "examples" / "requests.jsonl", "--cp", "2", "--output", out],
+                    "tune")
+    assert 'requests.jsonl line 1: this looks like a request file ("tokens" ids a line' in err, err
+    assert 'expected {"extend": [...], "prefix": [...]} a line (workloads/README.md)' in err and "missing" not in err
+    assert not out.exists()
+
+
+def test_item7_a_request_file_given_as_buckets_is_named_as_one(capsys, tmp_path):
+    out = tmp_path / "o.pt"
+    req = _lines(tmp_path / "r.jsonl", [{"tokens": [1, 2]}])
+    err = _one_line(capsys, ["prefill", "--input", req, "--output", out, "--buckets",
+                             ROOT / "examples" / "requests.jsonl"], "prefill")
+    assert "--buckets: bucket file " in err and "not valid JSON (Extra data at line 2 column 1): this looks like a " \
+           "request file" in err and "expected the JSON object `graphcp tune --output` writes" in err, err
+    assert not out.exists()
+
+
+# ---- 9: a bad input file is refused before anything loads ------------------------------------
+_NOTHING_LOADED = """
+import sys
+from graphcp.cli.main import main
+code = main(sys.argv[1:])
+assert "torch" not in sys.modules, "torch was imported before the file was refused"
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("cmd,flag,more", [
+    ("prefill", "--input", ["--output", "o.pt"]),
+    ("generate", "--input", ["--output", "o.pt", "--max-new-tokens", "2"]),
+    ("profile", "--workload", ["--out", "prof"]),
+    ("run", "--buckets", ["--json", "o.json"]),
+])
+def test_item9_a_bad_file_is_refused_before_torch_or_the_model(tmp_path, cmd, flag, more):
+    """The model named does not exist and torch is never imported: the file's error comes first."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": "1 2 3"}\n')
+    p = subprocess.run([sys.executable, "-c", _NOTHING_LOADED, cmd, flag, bad, "--model", tmp_path / "no-model",
+                        *more], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert p.stderr.startswith(f"graphcp {cmd}: error: ") and "bad.jsonl" in p.stderr and "no-model" not in p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["bad.jsonl"]  # no output, no --out folder

@@ -9,11 +9,12 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from graphcp.checks import check_output_dir, check_output_path
 from graphcp.cli.jobs import INTERPRETER_SCALE, interpreted, mixed_batch, prefill_job, run_job, twin_dtype
-from graphcp.cli.requests import check_request_vocabulary, parse_requests
+from graphcp.cli.requests import FileRequest
 from graphcp.cli.table import print_table, ranks_text
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings
@@ -22,6 +23,7 @@ from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.jobs.tolerance import RUN_TOLERANCE
 from graphcp.model.family import family_of
+from graphcp.runtime.batch import check_vocabulary
 from graphcp.runtime.stats import write_stats
 
 
@@ -36,6 +38,11 @@ def save_output(obj, path: str) -> None:
             os.unlink(tmp)
 
 
+def check_request_vocabulary(reqs: list[FileRequest], vocab_size: int) -> None:
+    """The prefill's vocabulary check, before any rank starts, naming the file and line."""
+    check_vocabulary([np.asarray(r.tokens, dtype=np.int64) for r in reqs], vocab_size, lambda j: reqs[j].where)
+
+
 def cmd_prefill(args) -> int:
     check_output_path(args.output, "--output")  # before any work: not after the forward
     if args.stats:
@@ -45,7 +52,7 @@ def cmd_prefill(args) -> int:
     spec = job_spec(args)
     if args.export_kv is not None:
         check_combination({**parallel_settings(spec.parallel), "export": "on"}, flags=True)
-    reqs = parse_requests(args.input)
+    reqs = args.requests  # read with the flags (graphcp.cli.inputs)
     model = preflight(spec, args.moe, f"graphcp {args.command}")
     check_request_vocabulary(reqs, model.vocab_size)
     if args.memory_check:  # the prefixes' forward, then the new tokens'

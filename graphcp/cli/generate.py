@@ -12,14 +12,11 @@ K}`` (one turn), or a conversation, ``{"turns": [[ids...], [ids...], ...],
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 
 from graphcp.checks import check_output_path
 from graphcp.cli.commands import save_output
-from graphcp.cli.requests import RequestFileError, parse_lines, request_line, token_list
+from graphcp.cli.requests import FileConversation
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
 from graphcp.dist import CPGroup, gather_object
@@ -31,37 +28,6 @@ from graphcp.model.config import ModelConfig
 from graphcp.runtime.batch import check_vocabulary
 from graphcp.runtime.decode.generate import Conversation
 from graphcp.runtime.stats import write_stats
-
-
-@dataclass(frozen=True)
-class FileConversation:
-    turns: list[list[int]]
-    max_new_tokens: int | None = None
-    prefix: int = 0
-    where: str = ""
-
-
-def conversation_line(where: str, d) -> FileConversation:
-    """One line: a request (one turn) or ``{"turns": [...], "max_new_tokens": N}``."""
-    if not isinstance(d, dict) or "turns" not in d:
-        r = request_line(where, d)
-        return FileConversation([r.tokens], None, r.prefix, where)
-    turns, most = d["turns"], d.get("max_new_tokens")
-    if not isinstance(turns, list) or not turns:
-        raise RequestFileError(f'{where}: "turns" must be a non-empty list of token-id lists')
-    turns = [token_list(where, t, f"turns[{i}]") for i, t in enumerate(turns)]
-    if not turns[0]:
-        raise RequestFileError(f"{where}: the first turn is empty (a prompt needs a token)")
-    if most is not None and (not isinstance(most, int) or isinstance(most, bool) or most < 1):
-        raise RequestFileError(f'{where}: "max_new_tokens" must be an integer >= 1, got {most!r}')
-    unknown = set(d) - {"turns", "max_new_tokens"}
-    if unknown:
-        raise RequestFileError(f"{where}: unknown keys {sorted(unknown)}")
-    return FileConversation(turns, most, 0, where)
-
-
-def parse_conversations(path: str | Path) -> list[FileConversation]:
-    return parse_lines(path, conversation_line)
 
 
 def check_conversations(convs: list[FileConversation], max_new: int, vocab: int, context: int) -> None:
@@ -100,7 +66,7 @@ def cmd_generate(args) -> int:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     spec = job_spec(args)
     check_decode(spec)  # what the flags alone refuse, before the model (or a --draft) is read
-    convs = parse_conversations(args.input)
+    convs = args.requests  # read with the flags (graphcp.cli.inputs)
     model = preflight(spec)
     check_decode(spec, model)
     check_conversations(convs, args.max_new_tokens, model.vocab_size, model.max_position_embeddings)

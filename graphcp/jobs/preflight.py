@@ -1,7 +1,8 @@
 """The runtime flags (:mod:`graphcp.jobs.args`) as a :class:`JobSpec`, and what can be
 refused before any rank starts, in the flags' names: the pairs of flags that do not
-combine, the model's config.json against the run, the bucket file. Imported after the
-flags are parsed (this imports torch)."""
+combine, the model's config.json against the run (the input files, the bucket file
+among them, were checked before: :mod:`graphcp.cli.inputs`). Imported after the flags
+are parsed (this imports torch)."""
 
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
 def preflight(spec: JobSpec, moe_flag: str | None = None, prog: str = "graphcp") -> ModelConfig:
     """What can be refused before ranks start, in this process: the parallel config, the
     model's config.json against it (TP shards, pipeline stages, auxiliary layers, the
-    options this kind of model does not combine with, in the flags' names), and the bucket file
-    and its fit to the run (each rank would fail the same way, only later and N times).
+    options this kind of model does not combine with, in the flags' names): each rank would
+    fail the same way, only later and N times.
     ``moe_flag``: ``--moe`` as typed (a model without experts says it has no effect).
     The model's config."""
     check_ranks_fit_devices(spec)
@@ -99,9 +100,6 @@ def preflight(spec: JobSpec, moe_flag: str | None = None, prog: str = "graphcp")
     if moe_flag is not None and not family.experts(model):
         print(f"{prog}: note: --moe {moe_flag} has no effect: {config} has no mixture-of-experts layers",
               file=sys.stderr)
-    buckets = spec.buckets()
-    if buckets is not None:
-        buckets.check_compatible(spec.cp_size, spec.runtime.layout)
     return model
 
 
