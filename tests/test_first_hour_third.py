@@ -177,3 +177,21 @@ def test_item9_a_bad_file_is_refused_before_torch_or_the_model(tmp_path, cmd, fl
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
     assert p.stderr.startswith(f"graphcp {cmd}: error: ") and "bad.jsonl" in p.stderr and "no-model" not in p.stderr
     assert sorted(x.name for x in tmp_path.iterdir()) == ["bad.jsonl"]  # no output, no --out folder
+
+
+# ---- 8: silently accepted ----------------------------------------------------------------------
+def test_item8_an_empty_turn_is_refused_with_the_file_and_line(capsys, tmp_path):
+    out = tmp_path / "o.pt"
+    req = _lines(tmp_path / "r.jsonl", [{"tokens": [1, 2]}, {"turns": [[1, 2], []]}])
+    err = _one_line(capsys, ["generate", "--input", req, "--output", out, "--max-new-tokens", "2"], "generate")
+    assert "r.jsonl line 2: turn 1 is empty (every turn needs a prompt token)" in err, err
+    assert not out.exists()
+
+
+def test_item8_the_api_refuses_an_empty_turn_too(tmp_path, model_dir):
+    from graphcp import BatchError, Conversation, PrefillEngine, RuntimeConfig
+
+    engine = PrefillEngine(model_dir, RuntimeConfig(kv_tokens=256))
+    with pytest.raises(BatchError, match=r"^generate: request 0: turn 1 is empty"):
+        engine.generate([Conversation([[1, 2], []])], 2)
+    assert engine.kv.stored_tokens() == 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from graphcp.checks import check_turns
 from graphcp.errors import InputError
 from graphcp.jsonl import CONVERSATION, REQUEST, LineFormat, expected_lines, read_jsonl, wrong_line
 
@@ -106,8 +107,7 @@ def conversation_line(where: str, d) -> FileConversation:
     if not isinstance(turns, list) or not turns:
         raise RequestFileError(f'{where}: "turns" must be a non-empty list of token-id lists')
     turns = [token_list(where, t, f"turns[{i}]") for i, t in enumerate(turns)]
-    if not turns[0]:
-        raise RequestFileError(f"{where}: the first turn is empty (a prompt needs a token)")
+    check_turns([len(t) for t in turns], where, RequestFileError)
     if most is not None and (not isinstance(most, int) or isinstance(most, bool) or most < 1):
         raise RequestFileError(f'{where}: "max_new_tokens" must be an integer >= 1, got {most!r}')
     check_known_keys(where, d, CONVERSATION, accepted)

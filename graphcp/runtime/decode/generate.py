@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from graphcp.checks import check_int
+from graphcp.checks import check_int, check_turns
 from graphcp.errors import BatchError
 from graphcp.runtime.batch import Request, check_vocabulary, request_tokens
 
@@ -29,7 +29,7 @@ from graphcp.runtime.batch import Request, check_vocabulary, request_tokens
 @dataclass
 class Conversation:
     """One request of :meth:`~graphcp.runtime.engine.PrefillEngine.generate`: its turns, in
-    order (the first non-empty), and the most tokens generated after each (None: the
+    order (none empty), and the most tokens generated after each (None: the
     call's ``max_new_tokens``); ``prefix``: the first turn's first tokens to prefill in a
     forward of their own first (a cached prefix, as ``graphcp prefill``'s ``prefix``)."""
 
@@ -89,8 +89,7 @@ def conversations(requests: Any, max_new_tokens: int, vocab: int, context: int) 
         check_vocabulary(turns, vocab, lambda t, j=j: f"generate: request {j}, turn {t}")
         most = max_new_tokens if conv.max_new_tokens is None else check_int(
             conv.max_new_tokens, f"request {j}: max_new_tokens", lo=1, where="generate", err=BatchError)
-        if turns[0].size == 0:
-            raise BatchError(f"generate: request {j}: its first turn is empty (a prompt needs a token)")
+        check_turns([t.size for t in turns], f"generate: request {j}", BatchError)
         prefix = check_int(conv.prefix, f"request {j}: prefix", lo=0, hi=turns[0].size - 1, where="generate",
                            err=BatchError)
         handle = r.prefix if isinstance(r, Request) else None  # a cached prefix it extends (prefill checks it)
