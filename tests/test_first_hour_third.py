@@ -195,3 +195,27 @@ def test_item8_the_api_refuses_an_empty_turn_too(tmp_path, model_dir):
     with pytest.raises(BatchError, match=r"^generate: request 0: turn 1 is empty"):
         engine.generate([Conversation([[1, 2], []])], 2)
     assert engine.kv.stored_tokens() == 0
+
+
+def test_item8_a_stop_token_past_the_vocabulary_is_refused(capsys, tmp_path, model_dir, monkeypatch):
+    import graphcp.cli.generate as cli_generate
+
+    monkeypatch.setattr(cli_generate, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
+    out = tmp_path / "o.pt"
+    err = _one_line(capsys, ["generate", "--model", model_dir, "--input", _lines(tmp_path / "r.jsonl", [
+        {"tokens": [1, 2]}]), "--output", out, "--max-new-tokens", "2", "--stop", "7,99999"], "generate")
+    assert f"--stop: token id 99999 is outside the vocabulary [0, {VOCAB})" in err, err
+    assert not out.exists()
+
+
+def test_item7_generate_stop_takes_a_list_of_ids(model_dir):
+    """engine.generate(..., stop=879) raised a raw TypeError from iterating an int."""
+    from graphcp import BatchError, PrefillEngine, RuntimeConfig
+
+    engine = PrefillEngine(model_dir, RuntimeConfig(kv_tokens=256))
+    for stop, match in ((879, r"^generate: stop must be a list of token ids, got int 879; one stop token is \[879\]$"),
+                        ([1, 2.5], r"got an item 2\.5$"), ([VOCAB], rf"token id {VOCAB} is outside the vocabulary")):
+        with pytest.raises(BatchError, match=match):
+            engine.generate([[1, 2]], 2, stop=stop)
+    assert engine.kv.stored_tokens() == 0
+    assert engine.generate([[1, 2]], 2, stop=(3,)).finish  # a tuple is a list of ids too

@@ -26,7 +26,7 @@ from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
 from graphcp.model.config import ModelConfig
 from graphcp.runtime.batch import check_vocabulary
-from graphcp.runtime.decode.generate import Conversation
+from graphcp.runtime.decode.generate import Conversation, stop_tokens
 from graphcp.runtime.stats import write_stats
 
 
@@ -70,9 +70,10 @@ def cmd_generate(args) -> int:
     model = preflight(spec)
     check_decode(spec, model)
     check_conversations(convs, args.max_new_tokens, model.vocab_size, model.max_position_embeddings)
+    stop = tuple(sorted(stop_tokens(args.stop, model.vocab_size, "--stop")))
     if args.memory_check:  # the prompts' prefill
         check_local_ranks_fit(spec, job_memory(spec, [sum(len(t) for c in convs for t in c.turns)]))
-    res = run_job_on_ranks(generate_job, spec, convs, args.max_new_tokens, tuple(args.stop or ()),
+    res = run_job_on_ranks(generate_job, spec, convs, args.max_new_tokens, stop,
                            args.save_logits, bool(args.stats))
     out = {"tokens": res["tokens"], "finish": res["finish"]}
     if args.save_logits:

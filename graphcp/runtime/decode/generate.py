@@ -13,7 +13,9 @@ the same tokens.
 
 from __future__ import annotations
 
+import operator
 import sys
+from collections.abc import Iterable as IterableABC
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -102,6 +104,35 @@ def conversations(requests: Any, max_new_tokens: int, vocab: int, context: int) 
     return out
 
 
+def stop_tokens(stop: Any, vocab: int, name: str = "generate: stop") -> frozenset[int]:
+    """``stop`` as a set of token ids (None: none), each in the vocabulary; BatchError
+    naming ``name`` (the argument, or the flag that gave it) otherwise. A bare id is
+    refused: ``stop=879`` is a list of one."""
+    if stop is None:
+        return frozenset()
+    if isinstance(stop, (str, bytes)) or not isinstance(stop, IterableABC):
+        one = f"; one stop token is [{stop!r}]" if _token_id(stop) is not None else ""
+        raise BatchError(f"{name} must be a list of token ids, got {type(stop).__name__} {stop!r}"[:300] + one)
+    given = list(stop)
+    ids = [_token_id(t) for t in given]
+    if None in ids:
+        raise BatchError(f"{name} must be a list of token ids, got an item {given[ids.index(None)]!r}"[:300])
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise BatchError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+    return frozenset(ids)
+
+
+def _token_id(t: Any) -> int | None:
+    """``t`` as an int (numpy's and torch's integers too), or None (a bool is no id)."""
+    if isinstance(t, bool):
+        return None
+    try:
+        return operator.index(t)
+    except TypeError:
+        return None
+
+
 def _prefill_turn(engine, states: list[_State], t: int, stop: frozenset, keep_logits: bool) -> list[_State]:
     """Turn ``t`` of the requests that have it: one prefill of every prompt after its
     pending token, the first generated token of each. The requests still generating."""
@@ -148,7 +179,7 @@ def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | N
     # before the first prefill: nothing runs that decode would refuse
     engine.decoder.check_combination("PrefillEngine.generate")
     most = check_int(max_new_tokens, "max_new_tokens", lo=1, where="generate", err=BatchError)
-    stops = frozenset(int(x) for x in (stop or ()))
+    stops = stop_tokens(stop, engine.cfg.vocab_size)
     states = conversations(requests, most, engine.cfg.vocab_size, engine.max_context)
     turns = max(len(s.turns) for s in states)
     # the steps when no stop token comes: a turn's steps serve all its requests at once
