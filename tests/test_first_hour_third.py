@@ -219,3 +219,36 @@ def test_item7_generate_stop_takes_a_list_of_ids(model_dir):
             engine.generate([[1, 2]], 2, stop=stop)
     assert engine.kv.stored_tokens() == 0
     assert engine.generate([[1, 2]], 2, stop=(3,)).finish  # a tuple is a list of ids too
+
+
+@pytest.mark.parametrize("cmd", ["prefill", "generate"])
+def test_item8_flags_a_dense_model_ignores_are_noted_by_both_commands(capsys, tmp_path, model_dir, monkeypatch, cmd):
+    import graphcp.cli.commands as cli_commands
+    import graphcp.cli.generate as cli_generate
+
+    class Launched(Exception):
+        pass
+
+    def launch(*args):
+        raise Launched  # the notes come before any rank starts: stop there
+
+    monkeypatch.setattr(cli_commands if cmd == "prefill" else cli_generate, "run_job_on_ranks", launch)
+    more = ["--max-new-tokens", "2"] if cmd == "generate" else []
+    argv = [cmd, "--model", str(model_dir), "--input", str(_lines(tmp_path / "r.jsonl", [{"tokens": [1, 2]}])),
+            "--output", str(tmp_path / "o.pt"), *more]
+    capsys.readouterr()
+    with pytest.raises(Launched):
+        main(argv + ["--moe", "ep", "--state-slots", "4"])
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"graphcp {cmd}: note: --moe ep has no effect: {model_dir}/config.json has no mixture-of-experts "
+                   "layers", f"graphcp {cmd}: note: --state-slots 4 has no effect: {model_dir}/config.json has no "
+                   "linear-attention layers"], err
+
+
+def test_item8_help_and_docs_agree_on_moe_without_experts(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    doc = " ".join((ROOT / "docs" / "cli.md").read_text().split())
+    said = "A model without experts runs the same either way, and says so in a note when the flag is given"
+    assert said in doc and said.lower() in flat.lower() and "refuses the flag" not in flat

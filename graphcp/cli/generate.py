@@ -67,7 +67,7 @@ def cmd_generate(args) -> int:
     spec = job_spec(args)
     check_decode(spec)  # what the flags alone refuse, before the model (or a --draft) is read
     convs = args.requests  # read with the flags (graphcp.cli.inputs)
-    model = preflight(spec)
+    model = preflight(spec, args.moe, f"graphcp {args.command}")
     check_decode(spec, model)
     check_conversations(convs, args.max_new_tokens, model.vocab_size, model.max_position_embeddings)
     stop = tuple(sorted(stop_tokens(args.stop, model.vocab_size, "--stop")))

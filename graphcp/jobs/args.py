@@ -158,7 +158,7 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
                    help="requests a batch may hold (kernel backends preallocate for them; default: %(default)s)")
     p.add_argument("--state-slots", type=bounded(int, 1, MAX_REQUESTS), default=None,
                    help="a linear-attention hybrid's cache: live requests whose linear layers' states it keeps "
-                        "(default: --max-requests; docs/hybrid.md)")
+                        "(default: --max-requests; docs/hybrid.md; another model notes it has no effect)")
     p.add_argument("--timeout", type=bounded(float, 0, MAX_TIMEOUT_S, lo_open=True), default=300.0,
                    help="seconds a collective may take before the run fails (default: %(default)s)")
     p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
@@ -170,7 +170,7 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--moe", default=None, choices=MOE_LAYOUTS,
                    help="mixture-of-experts layers: ep splits the experts over the --tp ranks of a stage (all-to-all "
                         "dispatch and combine), tp shards every expert like the dense MLP (default: ep; a model "
-                        "without experts refuses the flag)")
+                        "without experts runs the same either way, and says so in a note when the flag is given)")
 
 
 def add_draft_arg(p: argparse.ArgumentParser) -> None:
