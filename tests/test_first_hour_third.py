@@ -252,3 +252,41 @@ def test_item8_help_and_docs_agree_on_moe_without_experts(capsys):
     doc = " ".join((ROOT / "docs" / "cli.md").read_text().split())
     said = "A model without experts runs the same either way, and says so in a note when the flag is given"
     assert said in doc and said.lower() in flat.lower() and "refuses the flag" not in flat
+
+
+# ---- 11: docs slips ----------------------------------------------------------------------------
+def test_item11_prefill_names_the_file_and_line_as_generate_does(capsys, tmp_path, model_dir):
+    out = tmp_path / "o.pt"
+    req = _lines(tmp_path / "r.jsonl", [{"tokens": [1, 2]}, {"tokens": [1] * 4097}])
+    err = _one_line(capsys, ["prefill", "--model", model_dir, "--input", req, "--output", out], "prefill")
+    assert "r.jsonl line 2: 4097 prompt tokens exceed the model's context of 4096" in err and "request 1" not in err
+    assert not out.exists()
+
+
+def test_item11_the_export_names_its_folder_once(capsys, tmp_path, model_dir):
+    req = _lines(tmp_path / "r.jsonl", [{"tokens": [1, 2, 3]}])
+    assert main(["prefill", "--model", str(model_dir), "--input", str(req), "--output", str(tmp_path / "o.pt"),
+                 "--graph", "off", "--export-kv", f"{tmp_path / 'KV'}/"]) == 0
+    said = capsys.readouterr().out
+    assert f"; KV -> {tmp_path / 'KV'}/<i>.safetensors" in said and "//" not in said, said
+    assert (tmp_path / "KV" / "0.safetensors").is_file()
+
+
+def test_item11_the_readme_example_prints_what_it_made(capsys, model_dir):
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert code.count('"default"') == 1
+    exec(compile(code.replace('"default"', repr(str(model_dir))), "README.md", "exec"), {})  # as a script runs it
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2 and printed[0].startswith("tensor([") and printed[1] == "7", printed
+
+
+def test_item11_docs_say_what_they_mean():
+    readme = (ROOT / "README.md").read_text()
+    assert "2 for the others" not in readme and "`tune` needs it" in readme  # tune has no --cp default
+    pd = (ROOT / "docs" / "pd.md").read_text()
+    snippet = pd.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "torch.tensor" in snippet and snippet.startswith("import torch\n")
+    from graphcp.gpucheck.cli import default_out
+
+    assert "output folder" in default_out.__doc__ and "comes back" not in default_out.__doc__

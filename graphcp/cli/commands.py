@@ -14,7 +14,7 @@ import torch
 
 from graphcp.checks import check_output_dir, check_output_path
 from graphcp.cli.jobs import INTERPRETER_SCALE, interpreted, mixed_batch, prefill_job, run_job, twin_dtype
-from graphcp.cli.requests import FileRequest
+from graphcp.cli.requests import FileRequest, check_context
 from graphcp.cli.table import print_table, ranks_text
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings
@@ -38,9 +38,12 @@ def save_output(obj, path: str) -> None:
             os.unlink(tmp)
 
 
-def check_request_vocabulary(reqs: list[FileRequest], vocab_size: int) -> None:
-    """The prefill's vocabulary check, before any rank starts, naming the file and line."""
+def check_requests(reqs: list[FileRequest], vocab_size: int, context: int) -> None:
+    """What a rank would refuse of the file's requests, before any starts, naming the file
+    and line: a token outside the vocabulary, a request past the model's context."""
     check_vocabulary([np.asarray(r.tokens, dtype=np.int64) for r in reqs], vocab_size, lambda j: reqs[j].where)
+    for r in reqs:
+        check_context(r.where, len(r.tokens), context)
 
 
 def cmd_prefill(args) -> int:
@@ -54,7 +57,7 @@ def cmd_prefill(args) -> int:
         check_combination({**parallel_settings(spec.parallel), "export": "on"}, flags=True)
     reqs = args.requests  # read with the flags (graphcp.cli.inputs)
     model = preflight(spec, args.moe, f"graphcp {args.command}")
-    check_request_vocabulary(reqs, model.vocab_size)
+    check_requests(reqs, model.vocab_size, model.max_position_embeddings)
     if args.memory_check:  # the prefixes' forward, then the new tokens'
         forwards = [sum(r.prefix for r in reqs), sum(len(r.new_tokens) for r in reqs)]
         check_local_ranks_fit(spec, job_memory(spec, forwards))
@@ -80,7 +83,7 @@ def cmd_prefill(args) -> int:
               f"path {info['path']} (local capacity {info['capacity']}), {info['kv_cache']} KV cache"
               + (f", exchange {info['exchange']}" if info["exchange"] is not None else "")  # a pipeline has none
               + f" -> {args.output}" + (f" (stats: {args.stats})" if args.stats else "")
-              + (f"; KV -> {args.export_kv}/<i>.safetensors" if args.export_kv is not None else ""))
+              + (f"; KV -> {Path(args.export_kv) / '<i>.safetensors'}" if args.export_kv is not None else ""))
         for line in family_of(model).work_report(info["stats_per_rank"]):  # DSA, V4: the indexer's work
             print(line)
     return 0

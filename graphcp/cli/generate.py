@@ -16,7 +16,7 @@ import numpy as np
 
 from graphcp.checks import check_output_path
 from graphcp.cli.commands import save_output
-from graphcp.cli.requests import FileConversation
+from graphcp.cli.requests import FileConversation, check_context
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
 from graphcp.dist import CPGroup, gather_object
@@ -35,11 +35,7 @@ def check_conversations(convs: list[FileConversation], max_new: int, vocab: int,
     outside the vocabulary, turns and their generated tokens past the model's context."""
     for c in convs:
         check_vocabulary([np.asarray(t, dtype=np.int64) for t in c.turns], vocab, lambda i, c=c: f"{c.where}, turn {i}")
-        most = c.max_new_tokens or max_new
-        prompt = sum(len(t) for t in c.turns)
-        if prompt + len(c.turns) * most > context:
-            raise InputError(f"{c.where}: {prompt} prompt tokens and up to {len(c.turns)} x {most} generated exceed "
-                             f"the model's context of {context}")
+        check_context(c.where, sum(len(t) for t in c.turns), context, len(c.turns), c.max_new_tokens or max_new)
 
 
 def generate_job(group: CPGroup, spec: JobSpec, convs: list[FileConversation], max_new: int, stop: tuple[int, ...],

@@ -80,6 +80,14 @@ def request_line(where: str, d, accepted: Sequence[LineFormat] = (REQUEST,)) -> 
     return FileRequest(toks, prefix, where)
 
 
+def check_context(where: str, prompt: int, context: int, turns: int = 1, most: int = 0) -> None:
+    """A line's prompt tokens, and the ``most`` tokens each of its ``turns`` may generate,
+    within the model's context (what a rank would refuse as ``request j``, named by line)."""
+    if prompt + turns * most > context:
+        made = f" and up to {turns} x {most} generated" if most else ""
+        raise RequestFileError(f"{where}: {prompt} prompt tokens{made} exceed the model's context of {context}")
+
+
 def check_known_keys(where: str, d: dict, fmt: LineFormat, accepted: Sequence[LineFormat]) -> None:
     """A line of ``fmt`` holds only its keys (a misspelt one is refused, named)."""
     unknown = set(d) - {fmt.key, *fmt.optional}
