@@ -109,6 +109,15 @@ def check_layer_list(value: Any, key: str, num_layers: int, *, err: type = Confi
             raise err(f"{key} lists layer {int(v)} twice ({_short(list(value))}); expected distinct layers")
         out.append(int(v))
     return tuple(out)
+def check_turns(lengths: Iterable[int], where: str, err: type = InputError) -> None:
+    """A conversation's turns, by their token counts, each hold a prompt token: an empty
+    turn would only generate on after the last, a slip rather than a turn (the file's
+    and ``PrefillEngine.generate``'s one rule)."""
+    empty = next((i for i, n in enumerate(lengths) if n == 0), None)
+    if empty is not None:
+        raise err(f"{where}: turn {empty} is empty (every turn needs a prompt token)")
+
+
 def check_output_dir(path: str | os.PathLike, flag: str, err: type = InputError) -> Path:
     """Refuse an output folder that cannot be written, before any work is done: a file,
     a missing parent, an unwritable folder. The folder itself may not exist yet (it is

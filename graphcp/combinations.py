@@ -103,11 +103,29 @@ class Refusal:
         (ka, va), (kb, vb) = self.a, self.b
         return settings.get(ka) in va and settings.get(kb) in vb
 
-    def message(self, settings: Mapping[str, str], flags: bool = False, family: str | None = None) -> str:
+    def message(self, settings: Mapping[str, str], flags: bool = False, family: str | None = None,
+                names: Mapping[str, str] | None = None) -> str:
+        """``names``: how to name an axis instead of its API name (the call that asked:
+        ``{"decode": "PrefillEngine.generate"}``)."""
         (ka, _), (kb, _) = self.a, self.b
-        use = " or ".join(AXES[k].say(v, flags) for k, v in self.instead)
-        return (f"{AXES[ka].say(settings[ka], flags, family)} with {AXES[kb].say(settings[kb], flags, family)}: "
-                f"{self.reason}; use {use}")
+
+        def say(k: str) -> str:
+            return (names or {}).get(k) or AXES[k].say(settings[k], flags, family)
+
+        return f"{say(ka)} with {say(kb)}: {self.reason}; {self.advice(flags)}"
+
+    def advice(self, flags: bool) -> str:
+        """What to do instead: use the alternatives, or leave out an option turned on
+        (``drop --draft``: ``use --draft`` would say the opposite)."""
+        use = [AXES[k].say(v, flags) for k, v in self.instead if not _off(k, v)]
+        drop = [AXES[k].say("on", flags) for k, v in self.instead if _off(k, v)]
+        parts = [f"use {' or '.join(use)}"] if use else []
+        return " or ".join(parts + [f"drop {d}" if flags else f"leave {d} unset" for d in drop])
+
+
+def _off(key: str, value: str) -> bool:
+    """An on/off option turned off (an option left out)."""
+    return AXES[key].values == ("off", "on") and value == "off"
 
 
 _RINGS = ("pass-kv", "pass-q")
@@ -238,12 +256,14 @@ def refusal(settings: Mapping[str, str]) -> Refusal | None:
     return next((r for r in REFUSALS if r.matches(s)), None)
 
 
-def check(settings: Mapping[str, str], flags: bool = False, family: str | None = None) -> None:
+def check(settings: Mapping[str, str], flags: bool = False, family: str | None = None,
+          names: Mapping[str, str] | None = None) -> None:
     """ConfigError, one line naming both options and why, if ``settings`` hold a refused
-    pair; ``flags``: in the command line's names; ``family``: the model's, to name it."""
+    pair; ``flags``: in the command line's names; ``family``: the model's, to name it;
+    ``names``: axes named otherwise (:meth:`Refusal.message`)."""
     r = refusal(settings)
     if r is not None:
-        raise ConfigError(r.message(applicable(settings), flags, family))
+        raise ConfigError(r.message(applicable(settings), flags, family, names))
 
 
 def runtime_settings(rt) -> dict[str, str]:
@@ -419,7 +439,7 @@ def _flag_text(key: str, values: tuple[str, ...]) -> str:
     if key == "attn_tp":  # (--tp over --cp x --dp: docs/parallel.md)
         return " or ".join(f"attention TP {'> 1' if v == '>1' else v}" for v in values)
     if key in ("aux", "export", "draft", "decode", "pp", "dp"):
-        return " or ".join(f"`{a.say(v, True)}`" for v in values)
+        return " or ".join(f"no `{a.flag}`" if _off(key, v) else f"`{a.say(v, True)}`" for v in values)
     return f"`{a.flag} {'/'.join(values)}`"
 
 

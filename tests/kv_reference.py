@@ -67,7 +67,7 @@ class ReferenceAllocator:
         if need > len(self._free):
             raise KVCacheFull(
                 f"KV cache full: the batch needs {need} more pages of {self.page_size} tokens, "
-                f"{len(self._free)} are free (pool of {self.num_pages - 1} usable pages)"
+                f"{len(self._free)} are free (pool of {self.num_pages - 1} usable pages)", "kv_tokens"
             )
         ids = []
         for h, n in zip(prefixes, new_tokens):

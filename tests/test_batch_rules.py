@@ -282,7 +282,7 @@ def _one_rule_broken(rule: str, h: dict[str, Any]) -> tuple[Any, dict, str]:
         "context": ([ok, Request(np.ones(171, dtype=np.int64), h["live1"])], {},
                     r"^request 1: 30 cached \+ 171 new tokens exceed the model's context of 200$"),
         "pool": ([Request(np.ones(227, dtype=np.int64), h["live1"])], {"max_context": 1000},
-                 r"^request 0: 257 tokens exceed the KV pool of 256$"),
+                 r"^request 0: 257 tokens exceed the KV pool of 256; raise RuntimeConfig.kv_tokens$"),
         "vocabulary": ([ok, Request([4, 5, VOCAB])], {},
                        rf"^request 1, position 2: token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)$"),
     }[rule]

@@ -62,12 +62,13 @@ def test_attention_tp_ranks_merge_their_own_heads(folder):
 def _refused(engine: PrefillEngine, pair: tuple[str, str]) -> None:
     rule = next(r for r in REFUSALS if {r.a[0], r.b[0]} == {pair[0], "decode"} and pair[1] in r.a[1] + r.b[1])
     out = engine.prefill([Request([1, 2, 3])])
-    for call in (lambda: engine.decode(out.handles, [4]), lambda: engine.generate([[1, 2]], 3)):
+    for name, call in (("PrefillEngine.decode", lambda: engine.decode(out.handles, [4])),
+                       ("PrefillEngine.generate", lambda: engine.generate([[1, 2]], 3))):
         snap = engine.kv.snapshot()
         with pytest.raises(ConfigError) as e:
             call()
         msg = str(e.value)
-        assert "\n" not in msg and "PrefillEngine.decode" in msg and rule.reason in msg, msg
+        assert "\n" not in msg and name in msg and rule.reason in msg, msg
         assert engine.kv.snapshot() == snap
 
 

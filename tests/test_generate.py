@@ -105,7 +105,7 @@ def test_generate_refuses_bad_requests_before_any_forward(engine):
     snap = engine.kv.snapshot()
     cases = [([[1, 512]], "generate: request 0, turn 0, position 1: token id 512"),
              ([Conversation([])], "request 0: turns must be a non-empty list"),
-             ([Conversation([[], [1]])], "request 0: its first turn is empty"),
+             ([Conversation([[], [1]])], "request 0: turn 0 is empty"),
              ([[1, 2], Conversation([[1] * 4000, [2]], 100)],
               "request 1: 4001 cached and prompt tokens and up to 2 x 100"),
              ([], "non-empty list")]

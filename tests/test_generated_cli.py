@@ -445,12 +445,12 @@ def test_subprocess_runs_print_one_line(tmp_path, model_dir):
 def test_a_bug_is_not_reported_as_bad_input(capsys, tmp_path, model_dir, monkeypatch):
     """Anything that is not graphcp's own error surfaces (exit 1 with a traceback from
     the interpreter), instead of being dressed up as a user error."""
-    import graphcp.cli.commands
+    import graphcp.cli.inputs
 
     def broken(path):
         return 1 / 0
 
-    monkeypatch.setattr(graphcp.cli.commands, "parse_requests", broken)
+    monkeypatch.setattr(graphcp.cli.inputs, "parse_requests", broken)
     req = tmp_path / "r.jsonl"
     req.write_text('{"tokens": [1]}\n')
     with pytest.raises(ZeroDivisionError):

@@ -78,7 +78,7 @@ def test_state_slots_the_estimate_stats_and_release(folder):
     toks = _tokens()
     a, b = eng.prefill([Request(toks[1]), Request(toks[2])]).handles
     before = kv.snapshot()
-    with pytest.raises(KVCacheFull, match="state_slots=2"):
+    with pytest.raises(KVCacheFull, match="the cache keeps 2; raise RuntimeConfig.state_slots"):
         eng.prefill([Request(toks[0])])
     assert kv.snapshot() == before
     eng.release(a)

@@ -1,4 +1,5 @@
 """The ``graphcp`` command line: ``main`` and its parser (``main.py``, which wires every
 application's subcommand), the jobs behind ``prefill`` and ``run`` (``jobs.py``), the
-request file reader (``requests.py``) and ``pd-demo`` (``pd_demo.py``). The runtime
+request and conversation file reader (``requests.py``), the input files read before
+anything heavy (``inputs.py``) and ``pd-demo`` (``pd_demo.py``). The runtime
 flags and job spec it shares with ``profile`` live in :mod:`graphcp.jobs`."""

@@ -9,11 +9,12 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from graphcp.checks import check_output_dir, check_output_path
 from graphcp.cli.jobs import INTERPRETER_SCALE, interpreted, mixed_batch, prefill_job, run_job, twin_dtype
-from graphcp.cli.requests import check_request_vocabulary, parse_requests
+from graphcp.cli.requests import FileRequest, check_context
 from graphcp.cli.table import print_table, ranks_text
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings
@@ -22,6 +23,7 @@ from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.jobs.tolerance import RUN_TOLERANCE
 from graphcp.model.family import family_of
+from graphcp.runtime.batch import check_vocabulary
 from graphcp.runtime.stats import write_stats
 
 
@@ -36,6 +38,14 @@ def save_output(obj, path: str) -> None:
             os.unlink(tmp)
 
 
+def check_requests(reqs: list[FileRequest], vocab_size: int, context: int) -> None:
+    """What a rank would refuse of the file's requests, before any starts, naming the file
+    and line: a token outside the vocabulary, a request past the model's context."""
+    check_vocabulary([np.asarray(r.tokens, dtype=np.int64) for r in reqs], vocab_size, lambda j: reqs[j].where)
+    for r in reqs:
+        check_context(r.where, len(r.tokens), context)
+
+
 def cmd_prefill(args) -> int:
     check_output_path(args.output, "--output")  # before any work: not after the forward
     if args.stats:
@@ -45,9 +55,9 @@ def cmd_prefill(args) -> int:
     spec = job_spec(args)
     if args.export_kv is not None:
         check_combination({**parallel_settings(spec.parallel), "export": "on"}, flags=True)
-    reqs = parse_requests(args.input)
+    reqs = args.requests  # read with the flags (graphcp.cli.inputs)
     model = preflight(spec, args.moe, f"graphcp {args.command}")
-    check_request_vocabulary(reqs, model.vocab_size)
+    check_requests(reqs, model.vocab_size, model.max_position_embeddings)
     if args.memory_check:  # the prefixes' forward, then the new tokens'
         forwards = [sum(r.prefix for r in reqs), sum(len(r.new_tokens) for r in reqs)]
         check_local_ranks_fit(spec, job_memory(spec, forwards))
@@ -73,7 +83,7 @@ def cmd_prefill(args) -> int:
               f"path {info['path']} (local capacity {info['capacity']}), {info['kv_cache']} KV cache"
               + (f", exchange {info['exchange']}" if info["exchange"] is not None else "")  # a pipeline has none
               + f" -> {args.output}" + (f" (stats: {args.stats})" if args.stats else "")
-              + (f"; KV -> {args.export_kv}/<i>.safetensors" if args.export_kv is not None else ""))
+              + (f"; KV -> {Path(args.export_kv) / '<i>.safetensors'}" if args.export_kv is not None else ""))
         for line in family_of(model).work_report(info["stats_per_rank"]):  # DSA, V4: the indexer's work
             print(line)
     return 0

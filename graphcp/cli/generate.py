@@ -12,14 +12,11 @@ K}`` (one turn), or a conversation, ``{"turns": [[ids...], [ids...], ...],
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 
 from graphcp.checks import check_output_path
 from graphcp.cli.commands import save_output
-from graphcp.cli.requests import RequestFileError, parse_lines, request_line, token_list
+from graphcp.cli.requests import FileConversation, check_context
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
 from graphcp.dist import CPGroup, gather_object
@@ -29,39 +26,8 @@ from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
 from graphcp.model.config import ModelConfig
 from graphcp.runtime.batch import check_vocabulary
-from graphcp.runtime.decode.generate import Conversation
+from graphcp.runtime.decode.generate import Conversation, stop_tokens
 from graphcp.runtime.stats import write_stats
-
-
-@dataclass(frozen=True)
-class FileConversation:
-    turns: list[list[int]]
-    max_new_tokens: int | None = None
-    prefix: int = 0
-    where: str = ""
-
-
-def conversation_line(where: str, d) -> FileConversation:
-    """One line: a request (one turn) or ``{"turns": [...], "max_new_tokens": N}``."""
-    if not isinstance(d, dict) or "turns" not in d:
-        r = request_line(where, d)
-        return FileConversation([r.tokens], None, r.prefix, where)
-    turns, most = d["turns"], d.get("max_new_tokens")
-    if not isinstance(turns, list) or not turns:
-        raise RequestFileError(f'{where}: "turns" must be a non-empty list of token-id lists')
-    turns = [token_list(where, t, f"turns[{i}]") for i, t in enumerate(turns)]
-    if not turns[0]:
-        raise RequestFileError(f"{where}: the first turn is empty (a prompt needs a token)")
-    if most is not None and (not isinstance(most, int) or isinstance(most, bool) or most < 1):
-        raise RequestFileError(f'{where}: "max_new_tokens" must be an integer >= 1, got {most!r}')
-    unknown = set(d) - {"turns", "max_new_tokens"}
-    if unknown:
-        raise RequestFileError(f"{where}: unknown keys {sorted(unknown)}")
-    return FileConversation(turns, most, 0, where)
-
-
-def parse_conversations(path: str | Path) -> list[FileConversation]:
-    return parse_lines(path, conversation_line)
 
 
 def check_conversations(convs: list[FileConversation], max_new: int, vocab: int, context: int) -> None:
@@ -69,11 +35,7 @@ def check_conversations(convs: list[FileConversation], max_new: int, vocab: int,
     outside the vocabulary, turns and their generated tokens past the model's context."""
     for c in convs:
         check_vocabulary([np.asarray(t, dtype=np.int64) for t in c.turns], vocab, lambda i, c=c: f"{c.where}, turn {i}")
-        most = c.max_new_tokens or max_new
-        prompt = sum(len(t) for t in c.turns)
-        if prompt + len(c.turns) * most > context:
-            raise InputError(f"{c.where}: {prompt} prompt tokens and up to {len(c.turns)} x {most} generated exceed "
-                             f"the model's context of {context}")
+        check_context(c.where, sum(len(t) for t in c.turns), context, len(c.turns), c.max_new_tokens or max_new)
 
 
 def generate_job(group: CPGroup, spec: JobSpec, convs: list[FileConversation], max_new: int, stop: tuple[int, ...],
@@ -99,13 +61,15 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     spec = job_spec(args)
-    convs = parse_conversations(args.input)
-    model = preflight(spec)
+    check_decode(spec)  # what the flags alone refuse, before the model (or a --draft) is read
+    convs = args.requests  # read with the flags (graphcp.cli.inputs)
+    model = preflight(spec, args.moe, f"graphcp {args.command}")
     check_decode(spec, model)
     check_conversations(convs, args.max_new_tokens, model.vocab_size, model.max_position_embeddings)
+    stop = tuple(sorted(stop_tokens(args.stop, model.vocab_size, "--stop")))
     if args.memory_check:  # the prompts' prefill
         check_local_ranks_fit(spec, job_memory(spec, [sum(len(t) for c in convs for t in c.turns)]))
-    res = run_job_on_ranks(generate_job, spec, convs, args.max_new_tokens, tuple(args.stop or ()),
+    res = run_job_on_ranks(generate_job, spec, convs, args.max_new_tokens, stop,
                            args.save_logits, bool(args.stats))
     out = {"tokens": res["tokens"], "finish": res["finish"]}
     if args.save_logits:
@@ -120,8 +84,10 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def check_decode(spec: JobSpec, model: ModelConfig) -> None:
-    """Refuse what decode does not combine with (graphcp/combinations.py), in the flags' names."""
+def check_decode(spec: JobSpec, model: ModelConfig | None = None) -> None:
+    """Refuse what decode does not combine with (graphcp/combinations.py), in the flags'
+    names; ``model``: None before it is read (its kind refuses nothing yet)."""
     rt = spec.runtime
-    check_combination({**runtime_settings(rt), **parallel_settings(spec.parallel), "model": model.kind,
-                       "moe": rt.moe, "decode": "on"}, True, model.family)
+    of_model = {} if model is None else {"model": model.kind, "moe": rt.moe}
+    check_combination({**runtime_settings(rt), **parallel_settings(spec.parallel), **of_model, "decode": "on"}, True,
+                      model.family if model is not None else None)

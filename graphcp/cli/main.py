@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser({command} if command in COMMANDS else ()).parse_args(argv)
         if getattr(args, "attention", None) == "triton":  # before anything imports triton
             load("graphcp.jobs.preflight:interpret_triton_on_cpu")(args, prog)
-        func = load(args.func) if isinstance(args.func, str) else args.func
         try:
+            load("graphcp.cli.inputs:read_inputs")(args)  # before the command's module (torch): at once
+            func = load(args.func) if isinstance(args.func, str) else args.func
             return int(func(args) or 0)
         except Exception as e:  # noqa: BLE001 - graphcp's errors are reported, the rest re-raised
             code = report(prog, e, args.debug)

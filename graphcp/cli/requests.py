@@ -1,21 +1,22 @@
-"""REQUESTS.jsonl: one request a line, ``{"tokens": [ids...], "prefix": K}``.
+"""REQUESTS.jsonl: one request a line, ``{"tokens": [ids...], "prefix": K}``; what
+``graphcp generate`` reads besides, conversations, ``{"turns": [[ids...], ...],
+"max_new_tokens": N}``.
 
 ``prefix`` (default 0) says the first K tokens were prefilled in an earlier
-forward; the rest extends that cached prefix.
+forward; the rest extends that cached prefix. No torch here: the files are read and
+checked before anything heavy is imported (:mod:`graphcp.cli.inputs`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from graphcp.checks import check_turns
 from graphcp.errors import InputError
-from graphcp.jsonl import read_jsonl
-from graphcp.runtime.batch import check_vocabulary
+from graphcp.jsonl import CONVERSATION, REQUEST, LineFormat, expected_lines, read_jsonl, wrong_line
 
 #: token ids must fit int64 (the vocabulary check, which names the position, comes later)
 _ID_RANGE = (-(2**63), 2**63 - 1)
@@ -60,14 +61,11 @@ def token_list(where: str, toks, key: str = "tokens") -> list[int]:
     return toks
 
 
-def request_line(where: str, d) -> FileRequest:
-    """One request line, ``{"tokens": [ids...], "prefix": K}``, checked (RequestFileError naming the line)."""
-    if isinstance(d, dict) and "tokens" not in d and "extend" in d:  # the other JSONL format graphcp reads
-        raise RequestFileError(f'{where}: this looks like a `graphcp tune` workload ("extend" lengths a batch, '
-                               'workloads/README.md), not a request file: expected {"tokens": [ids...], '
-                               '"prefix": K} a line (examples/requests.jsonl)')
+def request_line(where: str, d, accepted: Sequence[LineFormat] = (REQUEST,)) -> FileRequest:
+    """One request line, ``{"tokens": [ids...], "prefix": K}``, checked (RequestFileError
+    naming the line; ``accepted``: the formats the file may hold, which a refusal names)."""
     if not isinstance(d, dict) or "tokens" not in d:
-        raise RequestFileError(f'{where}: expected an object with "tokens" (and optionally "prefix")')
+        raise RequestFileError(wrong_line(where, d, accepted))
     toks, prefix = token_list(where, d["tokens"]), d.get("prefix", 0)
     if not toks:
         raise RequestFileError(f"{where}: empty request (no tokens)")
@@ -78,12 +76,51 @@ def request_line(where: str, d) -> FileRequest:
             f"{where}: prefix {prefix} is not shorter than the request's {len(toks)} tokens "
             "(at least one token must be new)"
         )
-    unknown = set(d) - {"tokens", "prefix"}
-    if unknown:
-        raise RequestFileError(f"{where}: unknown keys {sorted(unknown)}")
+    check_known_keys(where, d, REQUEST, accepted)
     return FileRequest(toks, prefix, where)
 
 
-def check_request_vocabulary(reqs: list[FileRequest], vocab_size: int) -> None:
-    """The prefill's vocabulary check, before any rank starts, naming the file and line."""
-    check_vocabulary([np.asarray(r.tokens, dtype=np.int64) for r in reqs], vocab_size, lambda j: reqs[j].where)
+def check_context(where: str, prompt: int, context: int, turns: int = 1, most: int = 0) -> None:
+    """A line's prompt tokens, and the ``most`` tokens each of its ``turns`` may generate,
+    within the model's context (what a rank would refuse as ``request j``, named by line)."""
+    if prompt + turns * most > context:
+        made = f" and up to {turns} x {most} generated" if most else ""
+        raise RequestFileError(f"{where}: {prompt} prompt tokens{made} exceed the model's context of {context}")
+
+
+def check_known_keys(where: str, d: dict, fmt: LineFormat, accepted: Sequence[LineFormat]) -> None:
+    """A line of ``fmt`` holds only its keys (a misspelt one is refused, named)."""
+    unknown = set(d) - {fmt.key, *fmt.optional}
+    if unknown:
+        raise RequestFileError(f"{where}: unknown keys {sorted(unknown)}: expected {expected_lines(accepted)}")
+
+
+@dataclass(frozen=True)
+class FileConversation:
+    """A line of ``graphcp generate``'s file: a conversation, or a request (one turn)."""
+
+    turns: list[list[int]]
+    max_new_tokens: int | None = None
+    prefix: int = 0
+    where: str = ""
+
+
+def conversation_line(where: str, d) -> FileConversation:
+    """One line: a request (one turn) or ``{"turns": [...], "max_new_tokens": N}``."""
+    accepted = (REQUEST, CONVERSATION)
+    if not isinstance(d, dict) or "turns" not in d:
+        r = request_line(where, d, accepted)
+        return FileConversation([r.tokens], None, r.prefix, where)
+    turns, most = d["turns"], d.get("max_new_tokens")
+    if not isinstance(turns, list) or not turns:
+        raise RequestFileError(f'{where}: "turns" must be a non-empty list of token-id lists')
+    turns = [token_list(where, t, f"turns[{i}]") for i, t in enumerate(turns)]
+    check_turns([len(t) for t in turns], where, RequestFileError)
+    if most is not None and (not isinstance(most, int) or isinstance(most, bool) or most < 1):
+        raise RequestFileError(f'{where}: "max_new_tokens" must be an integer >= 1, got {most!r}')
+    check_known_keys(where, d, CONVERSATION, accepted)
+    return FileConversation(turns, most, 0, where)
+
+
+def parse_conversations(path: str | Path) -> list[FileConversation]:
+    return parse_lines(path, conversation_line)

@@ -121,8 +121,8 @@ def add_gpu_check_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def default_out() -> str:
-    """``$OUT`` when set (the device machine's folder that comes back), else a folder in
-    graphcp's cache: never the current folder (a checkout stays clean)."""
+    """``$OUT`` when the environment names an output folder, else a folder in graphcp's
+    cache: never the current folder (a checkout stays clean)."""
     return os.environ.get("OUT") or str(cache_root() / "gpu_check")
 
 

@@ -15,6 +15,7 @@ from typing import Callable
 from graphcp.checks import (
     DEFAULT_DECODE_BUCKETS,
     MAX_CP,
+    MAX_DECODE_BUCKETS,
     MAX_GB_PER_S,
     MAX_LAYERS,
     MAX_MICROBATCHES,
@@ -57,17 +58,24 @@ def bounded(cast: type, lo: float, hi: float | None = None, lo_open: bool = Fals
     return parse
 
 
-def int_list(lo: int = 0, distinct: bool = False) -> Callable[[str], tuple[int, ...]]:
-    """An argparse type: comma-separated integers (``1,5,9``), each >= ``lo``."""
+def int_list(lo: int = 0, distinct: bool = False, hi: int | None = None, increasing: bool = False,
+             most: int | None = None) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: comma-separated integers (``1,5,9``), each in ``[lo, hi]``
+    (``increasing``: each larger than the one before; ``most``: at most that many)."""
     def parse(text: str) -> tuple[int, ...]:
         try:
             out = tuple(int(x) for x in text.split(","))
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,5,9, got {text!r}") from None
-        if any(v < lo for v in out):
-            raise argparse.ArgumentTypeError(f"expected integers >= {lo}, got {text!r}")
+        if any(v < lo for v in out) or (hi is not None and any(v > hi for v in out)):
+            raise argparse.ArgumentTypeError(f"expected integers >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+                                             + f", got {text!r}")
         if distinct and len(set(out)) != len(out):
             raise argparse.ArgumentTypeError(f"expected distinct integers, got {text!r}")
+        if increasing and any(a >= b for a, b in zip(out, out[1:])):
+            raise argparse.ArgumentTypeError(f"expected increasing integers such as 1,2,4, got {text!r}")
+        if most is not None and len(out) > most:
+            raise argparse.ArgumentTypeError(f"expected at most {most} integers, got {len(out)}")
         return out
 
     parse.__name__ = "list"
@@ -150,7 +158,7 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
                    help="requests a batch may hold (kernel backends preallocate for them; default: %(default)s)")
     p.add_argument("--state-slots", type=bounded(int, 1, MAX_REQUESTS), default=None,
                    help="a linear-attention hybrid's cache: live requests whose linear layers' states it keeps "
-                        "(default: --max-requests; docs/hybrid.md)")
+                        "(default: --max-requests; docs/hybrid.md; another model notes it has no effect)")
     p.add_argument("--timeout", type=bounded(float, 0, MAX_TIMEOUT_S, lo_open=True), default=300.0,
                    help="seconds a collective may take before the run fails (default: %(default)s)")
     p.add_argument("--verify-capture", action=argparse.BooleanOptionalAction, default=None,
@@ -162,7 +170,7 @@ def add_runtime_args(p: argparse.ArgumentParser, default_graph: str | None) -> N
     p.add_argument("--moe", default=None, choices=MOE_LAYOUTS,
                    help="mixture-of-experts layers: ep splits the experts over the --tp ranks of a stage (all-to-all "
                         "dispatch and combine), tp shards every expert like the dense MLP (default: ep; a model "
-                        "without experts refuses the flag)")
+                        "without experts runs the same either way, and says so in a note when the flag is given)")
 
 
 def add_draft_arg(p: argparse.ArgumentParser) -> None:
@@ -178,8 +186,17 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-merge", default="auto", choices=DECODE_MERGES,
                    help="how a decode step over --kv-cache sharded merges the ranks' partial attention (auto: the "
                         "one that moves fewer bytes; docs/decode.md; default: %(default)s)")
-    p.add_argument("--decode-buckets", type=int_list(1), default=DEFAULT_DECODE_BUCKETS, metavar="N,N,...",
+    # (RuntimeConfig.decode_buckets' rules, said in the flag's name)
+    p.add_argument("--decode-buckets", type=int_list(1, hi=MAX_REQUESTS, increasing=True, most=MAX_DECODE_BUCKETS),
+                   default=DEFAULT_DECODE_BUCKETS, metavar="N,N,...",
                    help="the decode batch sizes a decode graph is captured for (default: 1,2,4,...,64)")
+
+
+def runtime_flag(field: str) -> str:
+    """The flag that sets RuntimeConfig.``field`` (:func:`graphcp.jobs.preflight.job_spec`
+    maps them): its name with dashes, but for the two named otherwise."""
+    return {"collective_timeout_s": "--timeout", "microbatches": "--pp-microbatches"}.get(
+        field, "--" + field.replace("_", "-"))
 
 
 def graph_mode(args: argparse.Namespace) -> str:

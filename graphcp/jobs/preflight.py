@@ -1,7 +1,8 @@
 """The runtime flags (:mod:`graphcp.jobs.args`) as a :class:`JobSpec`, and what can be
 refused before any rank starts, in the flags' names: the pairs of flags that do not
-combine, the model's config.json against the run, the bucket file. Imported after the
-flags are parsed (this imports torch)."""
+combine, the model's config.json against the run (the input files, the bucket file
+among them, were checked before: :mod:`graphcp.cli.inputs`). Imported after the flags
+are parsed (this imports torch)."""
 
 from __future__ import annotations
 
@@ -78,9 +79,10 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
 def preflight(spec: JobSpec, moe_flag: str | None = None, prog: str = "graphcp") -> ModelConfig:
     """What can be refused before ranks start, in this process: the parallel config, the
     model's config.json against it (TP shards, pipeline stages, auxiliary layers, the
-    options this kind of model does not combine with, in the flags' names), and the bucket file
-    and its fit to the run (each rank would fail the same way, only later and N times).
-    ``moe_flag``: ``--moe`` as typed (a model without experts says it has no effect).
+    options this kind of model does not combine with, in the flags' names): each rank would
+    fail the same way, only later and N times.
+    ``moe_flag``: ``--moe`` as typed (flags the model has no use for are noted:
+    :func:`note_unused_flags`).
     The model's config."""
     check_ranks_fit_devices(spec)
     config = resolve_model(spec.model, "--model") / "config.json"
@@ -96,13 +98,21 @@ def preflight(spec: JobSpec, moe_flag: str | None = None, prog: str = "graphcp")
         read_eagle3_config(spec.runtime.draft, model)
     family = family_of(model)
     family.check_run(model, spec.runtime, spec.parallel, flags=True)
-    if moe_flag is not None and not family.experts(model):
-        print(f"{prog}: note: --moe {moe_flag} has no effect: {config} has no mixture-of-experts layers",
-              file=sys.stderr)
-    buckets = spec.buckets()
-    if buckets is not None:
-        buckets.check_compatible(spec.cp_size, spec.runtime.layout)
+    note_unused_flags(spec, model, moe_flag, str(config), prog)
     return model
+
+
+def note_unused_flags(spec: JobSpec, model: ModelConfig, moe_flag: str | None, config: str, prog: str) -> None:
+    """Flags given that this model has nothing to apply to, said in a note on stderr (the
+    run goes on): ``--moe`` without mixture-of-experts layers, ``--state-slots`` without
+    linear-attention layers. ``moe_flag``: ``--moe`` as typed (None: not given)."""
+    unused = []
+    if moe_flag is not None and not family_of(model).experts(model):
+        unused.append((f"--moe {moe_flag}", "mixture-of-experts"))
+    if spec.runtime.state_slots is not None and model.hybrid is None:  # (None: not given)
+        unused.append((f"--state-slots {spec.runtime.state_slots}", "linear-attention"))
+    for flag, layers in unused:
+        print(f"{prog}: note: {flag} has no effect: {config} has no {layers} layers", file=sys.stderr)
 
 
 def check_ranks_fit_devices(spec: JobSpec) -> None:

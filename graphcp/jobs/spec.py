@@ -9,6 +9,9 @@ from typing import Any
 
 from graphcp.config import ParallelConfig, RuntimeConfig
 from graphcp.dist import CPGroup, run_ranks
+from graphcp.errors import GraphcpError, InputError, user_error
+from graphcp.jobs.args import runtime_flag
+from graphcp.kv.paged import KVCacheFull
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.engine import PrefillEngine
 
@@ -34,9 +37,22 @@ class JobSpec:
 
 
 def run_job_on_ranks(fn, spec: JobSpec, *args: Any) -> Any:
-    """``fn(group, spec, *args)`` on every rank of ``spec``'s run (pp x tp ranks); rank 0's result."""
-    return run_ranks(fn, spec.parallel.world_size, spec, *args, device=spec.runtime.device,
-                     timeout_s=spec.runtime.collective_timeout_s)
+    """``fn(group, spec, *args)`` on every rank of ``spec``'s run (pp x tp ranks); rank 0's
+    result. A cache too small for the job says which flag to raise."""
+    try:
+        return run_ranks(fn, spec.parallel.world_size, spec, *args, device=spec.runtime.device,
+                         timeout_s=spec.runtime.collective_timeout_s)
+    except GraphcpError as e:
+        full = user_error(e)
+        if isinstance(full, KVCacheFull) and full.setting is not None:
+            raise InputError(full.naming(_given(spec.runtime, full.setting))) from e
+        raise
+
+
+def _given(rt: RuntimeConfig, field: str) -> str:
+    """A runtime flag as given (``--kv-tokens (64)``), or by its name where it took the default."""
+    value = getattr(rt, field)
+    return runtime_flag(field) + (f" (given {value})" if value is not None else "")
 
 
 def make_engine(group: CPGroup, spec: JobSpec, runtime: RuntimeConfig | None = None) -> PrefillEngine:

@@ -65,8 +65,22 @@ SCRATCH_PAGE = 0
 
 
 class KVCacheFull(BatchError, RuntimeError):
-    """Not enough free pages for a batch; the pool is unchanged. A BatchError (and,
-    as before, a RuntimeError)."""
+    """Not enough free pages (or state slots) for a batch; the pool is unchanged. A
+    BatchError (and, as before, a RuntimeError). ``setting``: the RuntimeConfig field
+    that sizes what is full (``kv_tokens``, ``state_slots``; None: nothing to raise),
+    which the message advises raising: by its API name, or by the flag that set it
+    (:meth:`naming`, the command line)."""
+
+    def __init__(self, message: str, setting: str | None = None) -> None:
+        super().__init__(message, setting)  # (both: a rank's error is pickled to the launcher)
+        self.message, self.setting = message, setting
+
+    def __str__(self) -> str:
+        return self.naming(f"RuntimeConfig.{self.setting}")
+
+    def naming(self, name: str) -> str:
+        """The message advising to raise ``name`` (the setting, as the caller set it)."""
+        return self.message if self.setting is None else f"{self.message}; raise {name}"
 
 
 class KVHandleError(BatchError):
@@ -538,7 +552,7 @@ class PagedKVCache:
         if not done:
             raise KVCacheFull(
                 f"KV cache full: the batch needs {need} more pages of {self.page_size} tokens, "
-                f"{self._num_free} are free (pool of {self.num_pages - 1} usable pages)"
+                f"{self._num_free} are free (pool of {self.num_pages - 1} usable pages)", "kv_tokens"
             )
         first = self._next_id
         self._next_id = first + fresh

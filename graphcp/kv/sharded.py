@@ -224,8 +224,8 @@ class ShardedKVCache(PagedKVCache):
             raise KVCacheFull(
                 f"KV cache full on rank {k}: the batch needs {int(need[k])} more pages of {self.page_size} tokens "
                 f"there, {int(free[k])} are free (one rank's pool: {self.num_pages - 1} usable pages, "
-                f"{self.rank_capacity_tokens} tokens; the sharded cache spreads each request over {self.cp_size} pools)"
-            )
+                f"{self.rank_capacity_tokens} tokens; the sharded cache spreads each request over {self.cp_size} "
+                "pools)", "kv_tokens")
         return need
 
     def rollback(self, seq_ids: list[int], new_tokens=None) -> None:

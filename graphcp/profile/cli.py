@@ -17,39 +17,12 @@ from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.preflight import job_spec
 from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.profile import nsys
+from graphcp.profile.batches import DEFAULT_BATCHES, load_batches  # noqa: F401 - their names here too
 from graphcp.profile.job import ProfileJob, profile_rank
 from graphcp.profile.summary import RankProfile, merge, rank_profile, write_rank, write_summary
-from graphcp.tune.workload import load_workload
-
-#: the default workload: six small CP batches (mixed sizes, two with cached
-#: prefixes) that land in the 128- and 256-row buckets at CP = 2: a few
-#: seconds on a laptop CPU with the default model, two cheap captures.
-DEFAULT_BATCHES: list[tuple[list[int], list[int]]] = [
-    ([384], [0]),
-    ([160, 96, 48, 7, 1], [0, 0, 0, 0, 0]),
-    ([256], [256]),
-    ([120, 120, 60], [0, 200, 0]),
-    ([128, 64, 33, 15], [0, 0, 0, 0]),
-    ([448], [0]),
-]
 
 
 # ---- pieces a test can check ------------------------------------------------------------
-def load_batches(args) -> tuple[list[tuple[list[int], list[int]]], str]:
-    """(batches, description) from --workload / --synthetic, or the default workload."""
-    if args.workload is None and args.synthetic is None:
-        batches, desc = list(DEFAULT_BATCHES), "default (graphcp.profile.cli.DEFAULT_BATCHES)"
-    else:
-        w = load_workload(args.workload, args.synthetic, args.seed)
-        batches = [w.batch(b) for b in range(w.n_batches)]
-        desc = args.workload or f"synthetic {args.synthetic} (seed {args.seed})"
-    if args.max_batches is not None:
-        if args.max_batches < 1:
-            raise InputError(f"--max-batches must be >= 1, got {args.max_batches}")
-        batches = batches[: args.max_batches]
-    return batches, desc
-
-
 def resolve_tool(args) -> str:
     if args.tool != "auto":
         return args.tool
@@ -102,7 +75,7 @@ def cmd_profile(args) -> int:
         raise InputError(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    batches, desc = load_batches(args)
+    batches, desc = args.batches  # read with the flags (graphcp.cli.inputs)
     config = run_config(args, desc, batches)
 
     if args.from_nsys is not None:

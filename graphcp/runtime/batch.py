@@ -29,7 +29,7 @@ from graphcp.cp import Layout, Plan
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, GraphcpError
 from graphcp.jit import host_kernel
-from graphcp.kv.paged import KVHandle, KVHandleError, PagedKVCache
+from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError, PagedKVCache
 from graphcp.nvtx_ranges import nvtx_range
 
 
@@ -389,7 +389,7 @@ def _context(w: _Walk) -> None:
 def _pool(w: _Walk) -> None:
     pool = w.limits.kv.capacity_tokens
     if w.cached + w.tokens.size > pool:
-        raise BatchError(f"request {w.j}: {w.cached + w.tokens.size} tokens exceed the KV pool of {pool}")
+        raise KVCacheFull(f"request {w.j}: {w.cached + w.tokens.size} tokens exceed the KV pool of {pool}", "kv_tokens")
 
 
 def _vocabulary(w: _Walk) -> None:

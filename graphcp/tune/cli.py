@@ -113,6 +113,8 @@ def _check(args) -> list[str]:
     for flag, path in (("--output", args.output), ("--plot", args.plot), ("--report-json", args.report_json)):
         if path is not None:
             check_output_path(path, flag, err=err)
+    if args.plot is not None:
+        _check_plot_installed()
     names = (
         [] if args.baselines.strip().lower() == "none" else [s.strip() for s in args.baselines.split(",") if s.strip()]
     )
@@ -120,6 +122,16 @@ def _check(args) -> list[str]:
     if unknown:
         raise TuneInputError(f"--baselines: unknown {unknown}; expected a comma list of {sorted(BASELINES)} or none")
     return names
+
+
+def _check_plot_installed() -> None:
+    """``--plot`` draws with matplotlib, an optional extra: refused up front when it is not
+    importable, before the bucket file is written (the plot comes last)."""
+    try:
+        import matplotlib  # noqa: F401 - only whether it imports
+    except ImportError:
+        raise TuneInputError('--plot needs matplotlib, which is not installed: pip install -e ".[plot]" '
+                             "(or drop --plot)") from None
 
 
 def _measure(bucket_set: BucketSet, cp_size: int, model: str = "default", device: str = "cpu") -> list[dict]:

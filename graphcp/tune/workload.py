@@ -27,7 +27,7 @@ import numpy as np
 
 from graphcp.checks import MAX_TOKENS, check_float, check_int
 from graphcp.errors import InputError
-from graphcp.jsonl import read_jsonl
+from graphcp.jsonl import WORKLOAD, other_format, read_jsonl, wrong_line
 
 #: a request's extend or prefix length: far above any context, and small enough that
 #: no per-batch or per-workload sum can overflow int64
@@ -168,6 +168,8 @@ def parse_batch(obj, where: str) -> tuple[list[int], list[int]]:
         raise WorkloadError(
             f"{where}: expected a JSON object with 'extend' (and optional 'prefix'), got {type(obj).__name__}"
         )
+    if other_format(obj, (WORKLOAD,)) is not None:  # a request file, a conversation: say which
+        raise WorkloadError(wrong_line(where, obj, (WORKLOAD,)))
     if "extend" not in obj:
         raise WorkloadError(f"{where}: missing 'extend' (a list of new-token counts per request)")
     unknown = set(obj) - {"extend", "prefix"}

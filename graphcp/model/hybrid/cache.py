@@ -118,8 +118,7 @@ class LinearStates:
         if taken.shape[0] and int(taken.max()) >= self.state_slots:
             super().rollback(ids, new)
             raise KVCacheFull(f"linear-attention state slots full: the batch needs {int(taken.max()) + 1} live "
-                              f"requests' states, the cache keeps RuntimeConfig.state_slots={self.state_slots} "
-                              "(release handles, or raise state_slots)")
+                              f"requests' states, the cache keeps {self.state_slots}", "state_slots")
         self._phase[taken] ^= 1
         return ids, taken
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from graphcp.checks import MAX_CP, check_choice, check_float, check_int
 from graphcp.errors import ConfigError
+from graphcp.jsonl import other_format
 from graphcp.options import LAYOUTS
 
 DEFAULT_ALIGN = 8
@@ -109,7 +110,10 @@ class BucketSet:
         p = Path(path)
         try:
             d = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8, bad JSON, a huge integer
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"bucket file {p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+                              f"{_looks(p)}; expected the JSON object `graphcp tune --output` writes") from None
+        except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8, a huge integer
             raise ConfigError(f"cannot read bucket file {p}: {e}") from None
         if not isinstance(d, dict):
             raise ConfigError(f"bucket file {p}: expected a JSON object with \"capacities\" (as graphcp tune writes), "
@@ -125,6 +129,17 @@ class BucketSet:
                       layout=d.get("layout"), meta=d.get("meta", {}))
         _check_fields(f"bucket file {p}", **fields)  # names the file, not the class
         return cls(**{**fields, "capacities": tuple(fields["capacities"])}, source=str(p))
+
+
+def _looks(path: Path) -> str:
+    """``: this looks like a request file (...)`` when the file's first line is a line of
+    one of graphcp's JSONL files (given to --buckets by mistake), else nothing."""
+    try:
+        first = json.loads(path.read_bytes().splitlines()[0])
+    except (OSError, ValueError, IndexError, RecursionError):
+        return ""
+    fmt = other_format(first, ())
+    return f": this looks like {fmt.looks}" if fmt is not None else ""
 
 
 def check_align(align: int, name: str = "align", err: type = ConfigError, where: str | None = None) -> int:

@@ -22,7 +22,7 @@ from graphcp.attention.base import AttentionMetadata
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError
 from graphcp.kv.decode import DecodeSlots
-from graphcp.kv.paged import KVHandle, KVHandleError, PagedKVCache
+from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError, PagedKVCache
 from graphcp.runtime.batch import ConsistencyError
 
 
@@ -113,8 +113,8 @@ def check_room(handles: Sequence[KVHandle], max_context: int, pool_tokens: int) 
             raise BatchError(f"decode: request {j} holds {h.num_tokens} tokens, the model's context of "
                              f"{max_context}: no position is left for another")
         if h.num_tokens + 1 > pool_tokens:
-            raise BatchError(f"decode: request {j} holds {h.num_tokens} tokens, the KV pool's {pool_tokens}: "
-                             "no room for another")
+            raise KVCacheFull(f"decode: request {j} holds {h.num_tokens} tokens, the KV pool's {pool_tokens}: "
+                              "no room for another", "kv_tokens")
 
 
 def check_same_step(group: CPGroup, tokens: np.ndarray, handles: Sequence[KVHandle], call: Sequence[int],

@@ -64,13 +64,14 @@ class Decoder:
             self._graphs = DecodeGraphs(self.body, rt.decode_buckets, rt.graph_backend, rt.verify_capture)
         return self._graphs
 
-    def check_combination(self) -> None:
-        """ConfigError when this engine's options do not combine with decode (graphcp/combinations.py)."""
+    def check_combination(self, call: str = "PrefillEngine.decode") -> None:
+        """ConfigError when this engine's options do not combine with decode
+        (graphcp/combinations.py), naming ``call``: what the caller called."""
         if self._combines:
             return
         p, rt = self.parts, self.parts.runtime
         check_combination({**runtime_settings(rt), **parallel_settings(p.parallel), "model": p.family.kind(p.cfg),
-                           "moe": rt.moe, "decode": "on"}, family=p.cfg.family)
+                           "moe": rt.moe, "decode": "on"}, family=p.cfg.family, names={"decode": call})
         self._combines = True  # (the options are fixed: checked once)
 
     def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False) -> DecodeOutput:

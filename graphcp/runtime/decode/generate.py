@@ -13,7 +13,9 @@ the same tokens.
 
 from __future__ import annotations
 
+import operator
 import sys
+from collections.abc import Iterable as IterableABC
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -21,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from graphcp.checks import check_int
+from graphcp.checks import check_int, check_turns
 from graphcp.errors import BatchError
 from graphcp.runtime.batch import Request, check_vocabulary, request_tokens
 
@@ -29,7 +31,7 @@ from graphcp.runtime.batch import Request, check_vocabulary, request_tokens
 @dataclass
 class Conversation:
     """One request of :meth:`~graphcp.runtime.engine.PrefillEngine.generate`: its turns, in
-    order (the first non-empty), and the most tokens generated after each (None: the
+    order (none empty), and the most tokens generated after each (None: the
     call's ``max_new_tokens``); ``prefix``: the first turn's first tokens to prefill in a
     forward of their own first (a cached prefix, as ``graphcp prefill``'s ``prefix``)."""
 
@@ -89,8 +91,7 @@ def conversations(requests: Any, max_new_tokens: int, vocab: int, context: int) 
         check_vocabulary(turns, vocab, lambda t, j=j: f"generate: request {j}, turn {t}")
         most = max_new_tokens if conv.max_new_tokens is None else check_int(
             conv.max_new_tokens, f"request {j}: max_new_tokens", lo=1, where="generate", err=BatchError)
-        if turns[0].size == 0:
-            raise BatchError(f"generate: request {j}: its first turn is empty (a prompt needs a token)")
+        check_turns([t.size for t in turns], f"generate: request {j}", BatchError)
         prefix = check_int(conv.prefix, f"request {j}: prefix", lo=0, hi=turns[0].size - 1, where="generate",
                            err=BatchError)
         handle = r.prefix if isinstance(r, Request) else None  # a cached prefix it extends (prefill checks it)
@@ -101,6 +102,35 @@ def conversations(requests: Any, max_new_tokens: int, vocab: int, context: int) 
                              f"and up to {len(turns)} x {most} generated exceed the model's context of {context}")
         out.append(_State(turns, most, prefix, handle))
     return out
+
+
+def stop_tokens(stop: Any, vocab: int, name: str = "generate: stop") -> frozenset[int]:
+    """``stop`` as a set of token ids (None: none), each in the vocabulary; BatchError
+    naming ``name`` (the argument, or the flag that gave it) otherwise. A bare id is
+    refused: ``stop=879`` is a list of one."""
+    if stop is None:
+        return frozenset()
+    if isinstance(stop, (str, bytes)) or not isinstance(stop, IterableABC):
+        one = f"; one stop token is [{stop!r}]" if _token_id(stop) is not None else ""
+        raise BatchError(f"{name} must be a list of token ids, got {type(stop).__name__} {stop!r}"[:300] + one)
+    given = list(stop)
+    ids = [_token_id(t) for t in given]
+    if None in ids:
+        raise BatchError(f"{name} must be a list of token ids, got an item {given[ids.index(None)]!r}"[:300])
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise BatchError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+    return frozenset(ids)
+
+
+def _token_id(t: Any) -> int | None:
+    """``t`` as an int (numpy's and torch's integers too), or None (a bool is no id)."""
+    if isinstance(t, bool):
+        return None
+    try:
+        return operator.index(t)
+    except TypeError:
+        return None
 
 
 def _prefill_turn(engine, states: list[_State], t: int, stop: frozenset, keep_logits: bool) -> list[_State]:
@@ -146,18 +176,20 @@ def _decode_turn(engine, live: list[_State], stop: frozenset, keep_logits: bool,
 def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | None = None,
              logits: bool = False, release: bool = True, progress: bool = False) -> GenerateOutput:
     """See the module doc (``engine``: a PrefillEngine)."""
-    engine.decoder.check_combination()  # (before the first prefill: nothing runs that decode would refuse)
+    # before the first prefill: nothing runs that decode would refuse
+    engine.decoder.check_combination("PrefillEngine.generate")
     most = check_int(max_new_tokens, "max_new_tokens", lo=1, where="generate", err=BatchError)
-    stops = frozenset(int(x) for x in (stop or ()))
+    stops = stop_tokens(stop, engine.cfg.vocab_size)
     states = conversations(requests, most, engine.cfg.vocab_size, engine.max_context)
     turns = max(len(s.turns) for s in states)
     # the steps when no stop token comes: a turn's steps serve all its requests at once
-    bar = _bar(sum(max(s.most - 1 for s in states if t < len(s.turns)) for t in range(turns)),
-               progress and engine.world_rank == 0)
-    steps = 0
+    total = sum(max(s.most - 1 for s in states if t < len(s.turns)) for t in range(turns))
+    bar, steps = None, 0
     try:
         for t in range(turns):
             live = _prefill_turn(engine, states, t, stops, logits)
+            if t == 0:  # shown from the first step: a batch the prefill refuses is one line on stderr
+                bar = _bar(total, progress and engine.world_rank == 0)
             for s in states:
                 if t < len(s.turns) and s not in live:
                     s.finish.append("stop" if s.tokens[-1][-1] in stops else "length")
