@@ -124,9 +124,8 @@ def test_the_loader_names_the_transformers_releases_it_knows(version, known):
 def test_load_kv_refuses_an_unknown_transformers(monkeypatch, tmp_path):
     import transformers
 
-    from graphcp.pd.hf import UnknownTransformers
-
     from graphcp.pd.export import KVExport, KVMeta
+    from graphcp.pd.hf import UnknownTransformers
 
     meta = KVMeta(num_tokens=3, num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", page_size=16,
                   fingerprint="f")
