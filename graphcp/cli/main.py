@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Collection, Sequence
 from typing import Callable
 
-from graphcp.errors import EXIT_INTERRUPTED, debug_enabled, one_line, report
+from graphcp.errors import debug_enabled, interrupted, one_line, report
 from graphcp.jobs.args import help_text
 
 #: the commands in ``--help``'s order: each one's line of help and the function that adds
@@ -123,5 +123,5 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug_enabled("--debug" in argv):
             traceback.print_exc()
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted(prog)
+

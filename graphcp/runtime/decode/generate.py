@@ -13,7 +13,6 @@ the same tokens.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -24,6 +23,7 @@ import torch
 from graphcp.checks import check_int
 from graphcp.errors import BatchError
 from graphcp.runtime.batch import Request, check_vocabulary, request_tokens
+from graphcp.runtime.progress import progress_bar
 
 
 @dataclass
@@ -152,8 +152,8 @@ def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | N
     states = conversations(requests, most, engine.cfg.vocab_size, engine.max_context)
     turns = max(len(s.turns) for s in states)
     # the steps when no stop token comes: a turn's steps serve all its requests at once
-    bar = _bar(sum(max(s.most - 1 for s in states if t < len(s.turns)) for t in range(turns)),
-               progress and engine.world_rank == 0)
+    bar = progress_bar(progress and engine.world_rank == 0, desc="decode steps", unit="step",
+                       total=sum(max(s.most - 1 for s in states if t < len(s.turns)) for t in range(turns)))
     steps = 0
     try:
         for t in range(turns):
@@ -182,13 +182,3 @@ def _release(engine, states: list[_State]) -> None:
         if s.owned:
             engine.release(s.handle)
             s.handle, s.owned = None, False
-
-
-def _bar(total: int, show: bool):
-    if not show:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="decode steps", unit="step", file=sys.stderr)

@@ -1,0 +1,119 @@
+"""Progress bars only on a terminal, and a Ctrl-C's line a line of its own (issue 45,
+item 10). Every process a test interrupts starts with SIGINT at its default
+(``sigint_default``): a run started as ``nohup pytest ... &`` has SIGINT ignored (issue 45
+item 3).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import sigint_default
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+#: how long a test waits for a process to do what it must (a liveness bound, never a timing claim)
+PATIENCE_S = 120
+INTERRUPTED = "graphcp generate: interrupted\n"
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_model_dir) -> Path:
+    return hf_model_dir("qwen3", False, "float32")
+
+
+@pytest.fixture
+def requests_file(tmp_path) -> Path:
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"tokens": [1, 2, 3, 4, 5, 6, 7, 8]}) + "\n")
+    return path
+
+
+def _generate_argv(model_dir: Path, requests: Path, out: Path, *extra: str) -> list[str]:
+    return ["generate", "--model", str(model_dir), "--input", str(requests), "--output", str(out), *extra]
+
+
+def _graphcp(argv: list[str], **kw) -> subprocess.Popen:
+    """``graphcp ARGV`` in a session of its own (its process group is the run's) with
+    SIGINT at its default."""
+    return subprocess.Popen([sys.executable, "-m", "graphcp", *argv], env=ENV, start_new_session=True,
+                            preexec_fn=sigint_default, stdout=subprocess.DEVNULL, **kw)
+
+
+def _written(folder: Path, name: str) -> list[str]:
+    """What a command left in ``folder`` under ``name``: the file, or a temporary beside it."""
+    return sorted(p.name for p in folder.glob(f"{name}*"))
+
+
+# ---- 10: progress bars only on a terminal --------------------------------------------------
+def test_off_a_terminal_stderr_holds_no_progress_bar(tmp_path, model_dir, requests_file):
+    """stderr to a file: no capture or decode-step bars (they wrote ``\\r`` lines into logs)."""
+    out, log = tmp_path / "out.pt", tmp_path / "stderr.log"
+    with log.open("w") as f:
+        p = _graphcp(_generate_argv(model_dir, requests_file, out, "--cp", "2", "--max-new-tokens", "8"), stderr=f)
+        assert p.wait(timeout=PATIENCE_S) == 0, log.read_text()[-3000:]
+    assert log.read_text() == "" and torch.load(out)["finish"] == [["length"]]
+
+
+class Terminal(threading.Thread):
+    """A pseudo-terminal: ``fd`` is its end to hand a process as stderr; what the process
+    shows accumulates in ``shown`` (read as it comes: a full terminal would block it)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.master, self.fd = pty.openpty()
+        # a terminal's size (a new one has none, and tqdm then draws an empty bar)
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        self.shown = b""
+
+    def run(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.master, 1 << 16)
+            except OSError:  # EIO: every writer has closed it
+                break
+            if not chunk:
+                break
+            self.shown += chunk
+
+    def text(self) -> str:
+        return self.shown.decode(errors="replace").replace("\r\n", "\n")  # the terminal's own newline translation
+
+
+def test_on_a_terminal_the_interrupted_line_follows_the_bar_on_its_own(tmp_path, model_dir, requests_file):
+    """On a terminal rank 0 draws the decode steps' bar; a Ctrl-C then stops it
+    mid-line, and ``graphcp generate: interrupted`` was glued to it."""
+    out, terminal = tmp_path / "out.pt", Terminal()
+    terminal.start()
+    p = _graphcp(_generate_argv(model_dir, requests_file, out, "--cp", "2", "--max-new-tokens", "3000"),
+                 stderr=terminal.fd)
+    os.close(terminal.fd)
+    try:
+        deadline = time.monotonic() + PATIENCE_S
+        while b"decode steps" not in terminal.shown:
+            assert p.poll() is None and time.monotonic() < deadline, terminal.text()[-3000:]
+            time.sleep(0.05)
+        os.kill(p.pid, signal.SIGINT)
+        code = p.wait(timeout=PATIENCE_S)
+        terminal.join(timeout=PATIENCE_S)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        os.close(terminal.master)
+    text = terminal.text()
+    assert code == 130 and "\r" in text, text[-3000:]  # a bar was drawn
+    assert text.endswith("\n" + INTERRUPTED), text[-3000:]
+    assert not _written(tmp_path, out.name)
