@@ -1,7 +1,7 @@
-"""Progress bars only on a terminal, and a Ctrl-C's line a line of its own (issue 45,
-item 10). Every process a test interrupts starts with SIGINT at its default
-(``sigint_default``): a run started as ``nohup pytest ... &`` has SIGINT ignored (issue 45
-item 3).
+"""Ctrl-C (issue 45, items 4 and 10): exit code 130, one stderr line, nothing written;
+and progress bars only on a terminal. Every process a test interrupts starts with SIGINT
+at its default (``sigint_default``): a run started as ``nohup pytest ... &`` has SIGINT
+ignored (issue 45 item 3).
 """
 
 from __future__ import annotations
@@ -56,6 +56,32 @@ def _graphcp(argv: list[str], **kw) -> subprocess.Popen:
 def _written(folder: Path, name: str) -> list[str]:
     """What a command left in ``folder`` under ``name``: the file, or a temporary beside it."""
     return sorted(p.name for p in folder.glob(f"{name}*"))
+
+
+# ---- 4: a Ctrl-C is never lost -------------------------------------------------------------
+_INTERRUPTED_IN_EXEC = """
+import sys
+import graphcp.cli.generate as generate
+from graphcp.cli.main import main
+def interrupted_in_exec(*args):  # as in torch's imports: dataclasses build their methods with exec()
+    exec("import os, signal\\nos.kill(os.getpid(), signal.SIGINT)\\nfor _ in range(9): pass")
+generate.run_job_on_ranks = interrupted_in_exec
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_a_ctrl_c_inside_exec_still_exits_130(tmp_path, model_dir, requests_file):
+    """CPython marks a KeyboardInterrupt that leaves exec()'d code uncaught: ``python -m
+    graphcp`` then ended by SIGINT (-2), one in ~12 Ctrl-Cs during torch's imports."""
+    (tmp_path / "interrupted_in_exec").mkdir()
+    (tmp_path / "interrupted_in_exec" / "__main__.py").write_text(_INTERRUPTED_IN_EXEC)
+    out = tmp_path / "out.pt"
+    p = subprocess.run([sys.executable, "-m", "interrupted_in_exec",
+                        *_generate_argv(model_dir, requests_file, out, "--max-new-tokens", "2")],
+                       env={**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ENV['PYTHONPATH']}"}, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=PATIENCE_S, preexec_fn=sigint_default)
+    assert (p.returncode, p.stderr) == (130, INTERRUPTED), p.stderr[-3000:]
+    assert not _written(tmp_path, out.name)
 
 
 # ---- 10: progress bars only on a terminal --------------------------------------------------
