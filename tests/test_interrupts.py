@@ -27,6 +27,8 @@ import pytest
 import torch
 from helpers import sigint_default
 
+import graphcp.cli.generate as cli_generate
+from graphcp.cli.main import main
 from graphcp.dist import sigint_deferred
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,8 +173,69 @@ def test_ctrl_c_at_any_moment_of_a_cp2_generate_stops_it(tmp_path, model_dir, re
     assert not failed, "\n".join(failed)
 
 
+def _fake_ranks(then=None):
+    """run_job_on_ranks as the ranks would end it: a result (``then()`` first)."""
+    def run(fn, spec, convs, *args):
+        if then is not None:
+            then()
+        return {"tokens": [[[9, 9]]], "finish": [["length"]], "steps": 1, "stats": [{"rank": 0}], "paths": ["graph"],
+                "kv_cache": spec.runtime.kv_cache}
+
+    return run
+
+
 def _ctrl_c() -> None:
     os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_as_the_ranks_finish_writes_nothing(tmp_path, model_dir, requests_file, capsys, monkeypatch,
+                                                   sigint_raises):
+    """After the ranks returned and before the output is written: exit 130, nothing."""
+    monkeypatch.setattr(cli_generate, "run_job_on_ranks", _fake_ranks(then=_ctrl_c))
+    out = tmp_path / "out.pt"
+    code = main(_generate_argv(model_dir, requests_file, out, "--max-new-tokens", "2", "--stats",
+                               str(tmp_path / "out.pt.stats")))
+    assert (code, capsys.readouterr().err) == (130, INTERRUPTED)
+    assert not _written(tmp_path, out.name)
+
+
+def test_ctrl_c_while_the_output_is_written_leaves_nothing(tmp_path, model_dir, requests_file, capsys, monkeypatch,
+                                                          sigint_raises):
+    """A Ctrl-C once OUT.pt's temporary file is written, the stats' still to come: no
+    file, no temporary, an old OUT.pt as it was."""
+    monkeypatch.setattr(cli_generate, "run_job_on_ranks", _fake_ranks())
+    save = torch.save
+
+    def save_then_ctrl_c(obj, path):
+        save(obj, path)
+        _ctrl_c()
+
+    monkeypatch.setattr(torch, "save", save_then_ctrl_c)
+    out = tmp_path / "out.pt"
+    out.write_text("old")
+    code = main(_generate_argv(model_dir, requests_file, out, "--max-new-tokens", "2", "--stats",
+                               str(tmp_path / "out.pt.stats")))
+    assert (code, capsys.readouterr().err) == (130, INTERRUPTED)
+    assert _written(tmp_path, out.name) == ["out.pt"] and out.read_text() == "old"
+
+
+def test_ctrl_c_between_the_renames_leaves_every_file_whole(tmp_path, model_dir, requests_file, capsys, monkeypatch,
+                                                           sigint_raises):
+    """Once the outputs are renamed into place a Ctrl-C waits for the last: exit 130,
+    and OUT.pt and the stats both whole (never one without the other)."""
+    monkeypatch.setattr(cli_generate, "run_job_on_ranks", _fake_ranks())
+    replace = os.replace
+
+    def replace_then_ctrl_c(src, dst):
+        replace(src, dst)
+        _ctrl_c()
+
+    monkeypatch.setattr(os, "replace", replace_then_ctrl_c)
+    out, stats = tmp_path / "out.pt", tmp_path / "out.pt.stats"
+    code = main(_generate_argv(model_dir, requests_file, out, "--max-new-tokens", "2", "--stats", str(stats)))
+    assert (code, capsys.readouterr().err) == (130, INTERRUPTED)
+    assert _written(tmp_path, out.name) == ["out.pt", "out.pt.stats"]
+    assert torch.load(out)["tokens"] == [[[9, 9]]] and json.loads(stats.read_text()) == {"ranks": [{"rank": 0}]}
 
 
 _INTERRUPTED_IN_EXEC = """

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -17,6 +18,7 @@ from graphcp.cli.requests import check_request_vocabulary, parse_requests
 from graphcp.cli.table import print_table, ranks_text
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings
+from graphcp.dist import sigint_deferred
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import run_job_on_ranks
@@ -25,15 +27,24 @@ from graphcp.model.family import family_of
 from graphcp.runtime.stats import write_stats
 
 
-def save_output(obj, path: str) -> None:
-    """torch.save through a temporary file: an old OUT.pt is replaced whole or not at all."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+def write_outputs(files: dict[str, Callable[[str], Any]]) -> None:
+    """Write a command's output files, all or none: ``files`` maps each path to what
+    writes it (given the path to write). Each is written to a temporary file beside its
+    path, then all are renamed over theirs at once, a Ctrl-C held until the renames are
+    done: one that comes before leaves every old file as it was and no new one, one that
+    comes during is acted on after them (every file whole)."""
+    tmps: dict[str, str] = {}
     try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
+        for path, write in files.items():
+            tmps[path] = f"{path}.tmp-{os.getpid()}"
+            write(tmps[path])
+        with sigint_deferred():
+            for path, tmp in tmps.items():
+                os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for tmp in tmps.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def cmd_prefill(args) -> int:
@@ -60,9 +71,10 @@ def cmd_prefill(args) -> int:
             out["aux_hidden"], out["aux_hidden_layers"] = res["aux_hidden"], res["aux_hidden_layers"]
         if "draft_logits" in res:
             out["draft_logits"], out["draft_to_target"] = res["draft_logits"], res["draft_to_target"]
-        save_output(out, args.output)
+        files = {args.output: lambda tmp: torch.save(out, tmp)}
         if args.stats:
-            write_stats(args.stats, res["stats"])
+            files[args.stats] = lambda tmp: write_stats(tmp, res["stats"])
+        write_outputs(files)
         info = res["info"]
         if info["tp_size"] == info["cp_size"]:
             ranks = f"{info['cp_size']} rank(s)" if info["pp_size"] == 1 else \
@@ -138,7 +150,7 @@ def cmd_run(args) -> int:
     for line in family_of(model).work_report(res["stats_per_rank"]):  # DSA / V4: the eager forward's indexer work
         print(line)
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+        write_outputs({args.json: lambda tmp: Path(tmp).write_text(json.dumps(res, indent=2, default=str) + "\n")})
     for c in res.get("comparisons", []):
         # the replay must equal the same-bucket body exactly; the unpadded forward only
         # within the rounding of matmuls over padded rows
