@@ -27,6 +27,7 @@ import pytest
 import torch
 from helpers import sigint_default
 
+import graphcp.cli.commands as cli_commands
 import graphcp.cli.generate as cli_generate
 from graphcp.cli.main import main
 from graphcp.dist import sigint_deferred
@@ -236,6 +237,24 @@ def test_ctrl_c_between_the_renames_leaves_every_file_whole(tmp_path, model_dir,
     assert (code, capsys.readouterr().err) == (130, INTERRUPTED)
     assert _written(tmp_path, out.name) == ["out.pt", "out.pt.stats"]
     assert torch.load(out)["tokens"] == [[[9, 9]]] and json.loads(stats.read_text()) == {"ranks": [{"rank": 0}]}
+
+
+def test_ctrl_c_as_the_kv_export_is_written_leaves_no_folder(tmp_path, model_dir, requests_file, capsys,
+                                                            monkeypatch, sigint_raises):
+    """``prefill --export-kv``: rank 0 writes the files into a staging folder the command
+    names and removes (a rank stopped by a Ctrl-C cleans nothing up: it moved its files
+    into the folder itself, and left its staging folder behind)."""
+    def ranks_then_ctrl_c(fn, spec, reqs, all_logits, stats, staging):
+        Path(staging).mkdir()  # as rank 0: graphcp/cli/jobs.py export_files
+        (Path(staging) / "0.safetensors").write_bytes(b"part")
+        _ctrl_c()
+
+    monkeypatch.setattr(cli_commands, "run_job_on_ranks", ranks_then_ctrl_c)
+    out, kv = tmp_path / "out.pt", tmp_path / "kv"
+    code = main(["prefill", "--model", str(model_dir), "--input", str(requests_file), "--output", str(out),
+                 "--export-kv", str(kv)])
+    assert (code, capsys.readouterr().err) == (130, "graphcp prefill: interrupted\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
 
 
 _INTERRUPTED_IN_EXEC = """
