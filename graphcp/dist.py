@@ -378,29 +378,62 @@ def free_port() -> int:
 # ---- ranks live and die with their launcher -----------------------------------------
 # Ctrl-C: a terminal sends SIGINT to the whole foreground process group, and a user (or
 # ``timeout -s INT``) may signal the launcher alone. Either way only the launcher acts on
-# it: ranks start with SIGINT ignored, and the launcher stops every rank at once before it
-# re-raises. A launcher killed outright (kill -9, the OOM killer) runs no code: each rank
-# asks the kernel for SIGKILL when its parent dies (Linux PR_SET_PDEATHSIG), or elsewhere
-# watches its parent from a thread. On GPUs an orphaned rank would go on holding its device.
+# it: ranks start with SIGINT blocked and then ignore it, and the launcher stops every rank
+# at once before it re-raises. A Ctrl-C while ranks start is held and acted on once they
+# have (never lost: it was, and a run went on to the end). A launcher killed outright
+# (kill -9, the OOM killer) runs no code: each rank asks the kernel for SIGKILL when its
+# parent dies (Linux PR_SET_PDEATHSIG), or elsewhere watches its parent from a thread. On
+# GPUs an orphaned rank would go on holding its device.
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 #: how often a rank without a parent-death signal checks its parent
 WATCH_PARENT_S = 0.5
 
 
 @contextlib.contextmanager
-def _sigint_ignored_in_children() -> Iterator[None]:
-    """While children start: SIGINT ignored, a disposition that ``fork`` and ``exec``
-    both hand down (a spawned interpreter then installs no KeyboardInterrupt handler, so
-    a Ctrl-C while it imports torch prints no traceback). The launcher's own handler
-    comes back after: a Ctrl-C in these few milliseconds is lost, not half-handled."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread inside: one that comes waits, pending, until the
+    block ends. A child started inside inherits the block (``fork`` and ``exec`` both
+    hand the mask down) and keeps it until it ignores SIGINT (:func:`ignore_sigint`): a
+    Ctrl-C to the process group while it starts (a spawned interpreter's torch import)
+    is dropped there, with no KeyboardInterrupt traceback."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # the mask as it is (blocking nothing)
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         yield
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)  # a pending SIGINT is delivered here
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Code inside runs whole: a Ctrl-C meanwhile is neither lost nor raised in the
+    middle (a child forked but not yet known, a rank half stopped); it is acted on as
+    the block ends, as if it came then (KeyboardInterrupt under Python's handler, nothing
+    where SIGINT is ignored). SIGINT is blocked in this thread (see
+    :func:`_sigint_blocked`, which children inherit); one that another thread takes
+    meanwhile (torch's, OpenMP's) is noted by a handler that only notes it, and sent again
+    once the handler before is back."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        with _sigint_blocked():
+            yield
+        return
+    came: list[int] = []
+    before = signal.signal(signal.SIGINT, lambda sig, frame: came.append(sig))
+    try:
+        with _sigint_blocked():
+            yield
+    finally:
         signal.signal(signal.SIGINT, before)
+    if came:
+        signal.raise_signal(signal.SIGINT)
+
+
+def ignore_sigint() -> None:
+    """First thing in a process a command starts: SIGINT ignored, then unblocked (the
+    launcher started it blocked: a Ctrl-C that came meanwhile is dropped). Ctrl-C is the
+    launcher's to handle: it stops its children itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _parent_death_signal(sig: int) -> bool:
@@ -429,29 +462,35 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _stop(procs: Sequence[Any], wait_s: float, grace_s: float = 1.0) -> None:
-    """Let ``procs`` (multiprocessing Processes) exit on their own for up to ``wait_s``
-    seconds in all, then stop the rest: SIGTERM, and SIGKILL for any still alive
-    ``grace_s`` later."""
-    def join_all(seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-
-    join_all(wait_s)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.terminate()
-    join_all(grace_s if alive else 0.0)
+def _join_all(procs: Sequence[Any], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
     for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _stop(procs: Sequence[Any], wait_s: float, grace_s: float = 1.0) -> None:
+    """Let ``procs`` (started multiprocessing Processes) exit on their own for up to
+    ``wait_s`` seconds in all, then stop the rest: SIGTERM, and SIGKILL for any still
+    alive ``grace_s`` later. A Ctrl-C cuts the first wait short; the stopping itself
+    runs whole (a rank left running would hold the launcher's exit: multiprocessing
+    joins its children then)."""
+    try:
+        _join_all(procs, wait_s)
+    finally:
+        with sigint_deferred():
+            alive = [p for p in procs if p.is_alive()]
+            for p in alive:
+                p.terminate()
+            _join_all(procs, grace_s if alive else 0.0)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
 
 
 def _rank_main(rank, size, store_port, backend, timeout_s, fn, args, results, threads, launcher_pid) -> None:
     die_with_parent(launcher_pid)  # a killed launcher takes its ranks with it
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle (see above)
+    ignore_sigint()  # Ctrl-C is the launcher's to handle (see above)
     torch.set_num_threads(threads)
     try:
         port, port_set = store_port
@@ -533,14 +572,16 @@ def launch(
                                                            results, threads, os.getpid()))
         for r in range(nprocs)
     ]
-    with _sigint_ignored_in_children():
-        for p in procs:
-            p.start()
+    started: list[Any] = []
     outputs: dict[int, Any] = {}
     errors: list[tuple[float, int, str]] = []
     deadline_after_failure: float | None = None
     interrupted = True  # until the loop ends on its own: Ctrl-C (or anything raised) stops every rank at once
     try:
+        with sigint_deferred():  # a Ctrl-C while ranks start is raised once all have (it stops them)
+            for p in procs:
+                p.start()
+                started.append(p)
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=timeout_s))
         port.value = store.port
@@ -573,7 +614,7 @@ def launch(
                 break
         interrupted = False
     finally:
-        _stop(procs, wait_s=0 if interrupted else 1 if errors else 5)
+        _stop(started, wait_s=0 if interrupted else 1 if errors else 5)
         del store  # its server stops with the ranks
     if errors:
         # the cause is a rank that died or raised on its own; a CollectiveError is a

@@ -52,6 +52,21 @@ def debug_enabled(flag: bool = False) -> bool:
     return flag or os.environ.get("GRAPHCP_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def stderr_is_terminal() -> bool:
+    """Whether stderr is a terminal: only there are progress bars drawn
+    (graphcp/runtime/progress.py); a log or a pipe gets whole lines only. Ranks share
+    the launcher's stderr, so every process of a run decides alike."""
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
+def interrupted(prog: str) -> int:
+    """Report a Ctrl-C: one line on stderr, on a line of its own (on a terminal a
+    rank's progress bar or the echoed ``^C`` may have left the cursor mid-line, which
+    the launcher cannot see); the exit code."""
+    print(("\n" if stderr_is_terminal() else "") + f"{prog}: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def one_line(msg: object) -> str:
     """A message on one line (a multi-line message would break the one-line contract)."""
     return " | ".join(part.strip() for part in str(msg).splitlines() if part.strip())

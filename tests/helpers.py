@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 import torch
@@ -74,3 +75,11 @@ def send_export(group, folder, address: str, runtime, prefix, new, name: str):
     sender.send(eng, [h], [name])
     sender.close()
     return eng.export_kv(h, dst=0)
+
+
+def sigint_default() -> None:
+    """``preexec_fn`` of a process a test interrupts: SIGINT back to its default whatever
+    the test run was started with. ``nohup pytest ... &`` starts it ignored, a disposition
+    every child inherits across ``exec`` (Python then installs no KeyboardInterrupt
+    handler: the Ctrl-C the test sends does nothing)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

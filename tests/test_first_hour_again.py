@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import sigint_default
 
 import graphcp.cli.commands as cli_commands
 from graphcp.cli.jobs import INTERPRETER_SCALE, MIXED_LENGTHS, interpreted, mixed_batch
@@ -86,7 +87,7 @@ def test_item2_ctrl_c_while_torch_imports_is_one_line():
     """The first seconds of a run are torch's imports: a Ctrl-C there printed a 35-60
     line KeyboardInterrupt traceback."""
     p = subprocess.run([sys.executable, "-c", _INTERRUPTED_IN_TORCH, "run", "--graph", "off"], env=ENV,
-                       capture_output=True, text=True, timeout=PATIENCE_S)
+                       capture_output=True, text=True, timeout=PATIENCE_S, preexec_fn=sigint_default)
     assert (p.returncode, p.stderr) == (130, "graphcp run: interrupted\n"), p.stderr[-3000:]
 
 
@@ -111,7 +112,7 @@ def test_item2_ctrl_c_stops_every_rank_at_once(tmp_path, model_dir, who):
     went on capturing, and the command exited 12 s later)."""
     p = subprocess.Popen([sys.executable, "-c", _SLEEPING_RUN, str(tmp_path), "run", "--model", str(model_dir),
                           "--graph", "off", "--cp", "2", "--no-memory-check"], env=ENV, start_new_session=True,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     try:
         _wait_for(lambda: len(list(tmp_path.glob("*.pid"))) == 2 or p.poll() is not None, "both ranks to start")
         ranks = [int(f.read_text()) for f in tmp_path.glob("*.pid")]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
+from graphcp.cli.commands import staging_beside, write_outputs
 from graphcp.cli.jobs import export_files
 from graphcp.cli.requests import FileRequest
 from graphcp.dist import RankFailure, launch
@@ -109,7 +110,9 @@ def _files_job(group, folder, out_dir, fail_rank):
 def test_export_files_appear_only_when_every_stage_sent_its_layers(hf_model_dir, tmp_path):
     folder = hf_model_dir("llama", False, "float32", num_hidden_layers=LAYERS)
     done = tmp_path / "kv"
-    launch(_files_job, 2, folder, str(done), -1, timeout_s=60)
+    with staging_beside(str(done)) as staging:  # as graphcp prefill --export-kv does
+        launch(_files_job, 2, folder, staging, -1, timeout_s=60)
+        write_outputs({}, {str(done): staging})
     assert sorted(p.name for p in done.iterdir()) == ["0.safetensors", "1.safetensors"]
     from graphcp.pd.files import read_kv
 
@@ -118,8 +121,9 @@ def test_export_files_appear_only_when_every_stage_sent_its_layers(hf_model_dir,
     # a stage-1 rank fails while exporting: rank 0 gives up within the timeout and no
     # file (nor its staging folder) is left behind
     failed = tmp_path / "failed"
-    with pytest.raises(RankFailure, match="rank 1 failed first: RuntimeError: injected read failure"):
-        launch(_files_job, 2, folder, str(failed), 1, timeout_s=5.0)
+    with staging_beside(str(failed)) as staging:
+        with pytest.raises(RankFailure, match="rank 1 failed first: RuntimeError: injected read failure"):
+            launch(_files_job, 2, folder, staging, 1, timeout_s=5.0)
     assert not failed.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv"]
 

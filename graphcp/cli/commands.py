@@ -4,10 +4,15 @@ on every rank (:mod:`graphcp.cli.jobs`), write and print what it returned."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -18,6 +23,7 @@ from graphcp.cli.requests import FileRequest, check_context
 from graphcp.cli.table import print_table, ranks_text
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings
+from graphcp.dist import sigint_deferred
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import run_job_on_ranks
@@ -27,15 +33,60 @@ from graphcp.runtime.batch import check_vocabulary
 from graphcp.runtime.stats import write_stats
 
 
-def save_output(obj, path: str) -> None:
-    """torch.save through a temporary file: an old OUT.pt is replaced whole or not at all."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+def write_outputs(files: dict[str, Callable[[str], Any]], folders: dict[str, str] | None = None) -> None:
+    """Write a command's outputs, all or none. ``files`` maps each path to what writes it
+    (given the path to write): each is written to a temporary file beside its path.
+    ``folders`` maps a folder to a folder of files the ranks wrote (``--export-kv``'s staging
+    folder), whose files move into it. Then every file is renamed into place at once, a
+    Ctrl-C held until the renames are done: one that comes before leaves every old file
+    as it was and no new one, one that comes during is acted on after them (every file
+    whole)."""
+    tmps: dict[str, str] = {}
     try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
+        for path, write in files.items():
+            tmps[path] = f"{path}.tmp-{os.getpid()}"
+            write(tmps[path])
+        with sigint_deferred():
+            for path, tmp in tmps.items():
+                os.replace(tmp, path)
+            for folder, staged in (folders or {}).items():
+                Path(folder).mkdir(exist_ok=True)
+                for f in sorted(Path(staged).iterdir()):
+                    os.replace(f, Path(folder) / f.name)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for tmp in tmps.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def staging_beside(folder: str | None) -> Iterator[str | None]:
+    """A name for a folder beside ``folder`` (None: none) that the ranks write into; it
+    is removed on the way out, whatever happened (a rank stopped by a Ctrl-C cannot)."""
+    if folder is None:
+        yield None
+        return
+    p = Path(folder)
+    staging = p.with_name(f".{p.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        yield str(staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_prefill_outputs(args, res: dict, staging: str | None) -> None:
+    """OUT.pt (and --stats, --export-kv's files from ``staging``) from rank 0's result."""
+    out = {"last_logits": res["last_logits"]}
+    if args.all_logits:
+        out["logits"] = res["logits"]
+    if "aux_hidden" in res:
+        out["aux_hidden"], out["aux_hidden_layers"] = res["aux_hidden"], res["aux_hidden_layers"]
+    if "draft_logits" in res:
+        out["draft_logits"], out["draft_to_target"] = res["draft_logits"], res["draft_to_target"]
+    files = {args.output: lambda tmp: torch.save(out, tmp)}
+    if args.stats:
+        files[args.stats] = lambda tmp: write_stats(tmp, res["stats"])
+    write_outputs(files, {args.export_kv: staging} if staging is not None else None)
 
 
 def check_requests(reqs: list[FileRequest], vocab_size: int, context: int) -> None:
@@ -61,18 +112,11 @@ def cmd_prefill(args) -> int:
     if args.memory_check:  # the prefixes' forward, then the new tokens'
         forwards = [sum(r.prefix for r in reqs), sum(len(r.new_tokens) for r in reqs)]
         check_local_ranks_fit(spec, job_memory(spec, forwards))
-    res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits, bool(args.stats), args.export_kv)
+    with staging_beside(args.export_kv) as staging:
+        res = run_job_on_ranks(prefill_job, spec, reqs, args.all_logits, bool(args.stats), staging)
+        if res is not None:
+            write_prefill_outputs(args, res, staging)
     if res is not None:
-        out = {"last_logits": res["last_logits"]}
-        if args.all_logits:
-            out["logits"] = res["logits"]
-        if "aux_hidden" in res:
-            out["aux_hidden"], out["aux_hidden_layers"] = res["aux_hidden"], res["aux_hidden_layers"]
-        if "draft_logits" in res:
-            out["draft_logits"], out["draft_to_target"] = res["draft_logits"], res["draft_to_target"]
-        save_output(out, args.output)
-        if args.stats:
-            write_stats(args.stats, res["stats"])
         info = res["info"]
         if info["tp_size"] == info["cp_size"]:
             ranks = f"{info['cp_size']} rank(s)" if info["pp_size"] == 1 else \
@@ -148,7 +192,7 @@ def cmd_run(args) -> int:
     for line in family_of(model).work_report(res["stats_per_rank"]):  # DSA / V4: the eager forward's indexer work
         print(line)
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+        write_outputs({args.json: lambda tmp: Path(tmp).write_text(json.dumps(res, indent=2, default=str) + "\n")})
     for c in res.get("comparisons", []):
         # the replay must equal the same-bucket body exactly; the unpadded forward only
         # within the rounding of matmuls over padded rows

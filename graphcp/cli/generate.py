@@ -13,9 +13,10 @@ K}`` (one turn), or a conversation, ``{"turns": [[ids...], [ids...], ...],
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from graphcp.checks import check_output_path
-from graphcp.cli.commands import save_output
+from graphcp.cli.commands import write_outputs
 from graphcp.cli.requests import FileConversation, check_context
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
@@ -74,9 +75,10 @@ def cmd_generate(args) -> int:
     out = {"tokens": res["tokens"], "finish": res["finish"]}
     if args.save_logits:
         out["logits"] = res["logits"]
-    save_output(out, args.output)
+    files = {args.output: lambda tmp: torch.save(out, tmp)}
     if args.stats:
-        write_stats(args.stats, res["stats"])
+        files[args.stats] = lambda tmp: write_stats(tmp, res["stats"])
+    write_outputs(files)
     made = sum(len(t) for r in res["tokens"] for t in r)
     print(f"generated {made} tokens for {len(convs)} requests ({sum(len(c.turns) for c in convs)} turns) in "
           f"{res['steps']} decode steps on {spec.parallel.world_size} rank(s), {res['kv_cache']} KV cache, decode "

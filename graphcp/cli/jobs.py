@@ -4,8 +4,6 @@ launcher (:mod:`graphcp.jobs.spec`)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -32,39 +30,33 @@ def prefill_requests(engine: PrefillEngine, reqs: list[FileRequest], all_logits:
         all_logits)
 
 
-def export_files(engine: PrefillEngine, out: PrefillOutput, reqs: list[FileRequest], folder: str | Path) -> None:
-    """``folder/<i>.safetensors`` for request i (graphcp.pd.files), written by global rank
-    0; every rank of every stage takes part (a layer-split cache sends each layer from its
-    owner, pipeline stages their own layers). The files appear only once every request's
-    export is complete on every rank: they are written into a temporary folder beside
-    ``folder`` and moved into it after a last collective; a failure leaves ``folder`` as
-    it was."""
-    folder = Path(folder)
+def export_files(engine: PrefillEngine, out: PrefillOutput, reqs: list[FileRequest], staging: str | Path) -> None:
+    """``staging/<i>.safetensors`` for request i (graphcp.pd.files), written by global
+    rank 0, which makes the folder; every rank of every stage takes part (a layer-split
+    cache sends each layer from its owner, pipeline stages their own layers), and a last
+    collective says every rank's part is in. ``graphcp prefill`` names ``staging`` beside
+    ``--export-kv`` and moves the files into it once the run has succeeded (with its
+    other outputs: graphcp/cli/commands.py), removing ``staging`` whatever happens: a
+    failure or a Ctrl-C leaves ``--export-kv`` as it was."""
+    staging = Path(staging)
     first = engine.world_rank == 0
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent)) if first else None
-    try:
-        for i, (r, h) in enumerate(zip(reqs, out.handles)):
-            export = engine.export_kv(h, dst=0)
-            if export is not None:
-                export.token_ids = torch.tensor(r.tokens, dtype=torch.int64)
-                export.last_logits = out.last_logits[i]
-                save_kv(export, staging / f"{i}.safetensors")
-        barrier(engine.world)  # every rank's part is in: no rank failed after rank 0 wrote
-        if first:
-            folder.mkdir(exist_ok=True)
-            for f in sorted(staging.iterdir()):
-                f.replace(folder / f.name)
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+    if first:
+        staging.mkdir()
+    for i, (r, h) in enumerate(zip(reqs, out.handles)):
+        export = engine.export_kv(h, dst=0)
+        if export is not None:
+            export.token_ids = torch.tensor(r.tokens, dtype=torch.int64)
+            export.last_logits = out.last_logits[i]
+            save_kv(export, staging / f"{i}.safetensors")
+    barrier(engine.world)  # every rank's part is in: no rank failed after rank 0 wrote
 
 
 def prefill_job(group: CPGroup, spec: JobSpec, reqs: list[FileRequest], all_logits: bool,
-                with_stats: bool = False, export_kv: str | None = None) -> dict | None:
+                with_stats: bool = False, export_staging: str | None = None) -> dict | None:
     engine = make_engine(group, spec)
     out = prefill_requests(engine, reqs, all_logits)
-    if export_kv is not None:
-        export_files(engine, out, reqs, export_kv)
+    if export_staging is not None:
+        export_files(engine, out, reqs, export_staging)
     ranks = gather_object(group, engine.stats()) if with_stats else None  # every rank takes part
     stats = gather_object(group, dict(out.info.stats))  # every rank's figures (the indexer's work, say)
     if group.rank != 0:  # every rank holds the same outputs (under PP too: broadcast from their stages)

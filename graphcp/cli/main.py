@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Collection, Sequence
 from typing import Callable
 
-from graphcp.errors import EXIT_INTERRUPTED, debug_enabled, one_line, report
+from graphcp.errors import debug_enabled, interrupted, one_line, report
 from graphcp.jobs.args import help_text
 
 #: the commands in ``--help``'s order: each one's line of help and the function that adds
@@ -124,5 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug_enabled("--debug" in argv):
             traceback.print_exc()
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        _interrupt_handled()
+        return interrupted(prog)
+
+
+def _interrupt_handled() -> None:
+    """Tell CPython the KeyboardInterrupt was handled. One that left code run by exec()
+    of a string (dataclasses build their methods so, all through torch's imports) is
+    marked uncaught however it is caught later, and ``python -m graphcp`` then ends by
+    SIGINT (-2 to its parent) instead of the 130 returned; each exec() of a string clears
+    the mark as it starts (CPython 3.11, pythonrun.c: run_eval_code_obj)."""
+    exec("")

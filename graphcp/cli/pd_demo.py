@@ -16,7 +16,6 @@ import importlib.util
 import multiprocessing as mp
 import os
 import pickle
-import signal
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ import torch
 from graphcp.cli.table import print_table
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings
-from graphcp.dist import die_with_parent
+from graphcp.dist import die_with_parent, ignore_sigint, sigint_deferred
 from graphcp.errors import ConfigError
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.preflight import job_spec, preflight
@@ -77,7 +76,7 @@ def _prefill_and_send(group, spec: JobSpec, prompt: np.ndarray, prefix: int, tra
 def _decode_main(model_dir: str, transport: str, ready, jobs, results, timeout_s: float, parent_pid: int) -> None:
     """The decode process: receive the request's KV, continue it with transformers."""
     die_with_parent(parent_pid)  # as the ranks: a killed pd-demo takes it with it
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the command's to handle: it kills this process
+    ignore_sigint()  # Ctrl-C is the command's to handle: it kills this process
     torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool
     try:
         receiver = KVReceiver(256 << 20, timeout_s=timeout_s) if transport == "mooncake" else None
@@ -149,7 +148,8 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
     ready, jobs, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     decode = ctx.Process(target=_decode_main, args=(str(model_dir), args.transport, ready, jobs, results,
                                                    args.transfer_timeout, os.getpid()), daemon=True)
-    decode.start()
+    with sigint_deferred():  # a Ctrl-C as it forks is raised after (a daemon: it goes at exit)
+        decode.start()
     try:
         where = ready.get(timeout=args.transfer_timeout + 60)
         res = run_job_on_ranks(_prefill_and_send, spec, prompt, args.prefix_tokens, args.transport, where,

@@ -107,12 +107,6 @@ class Recorder:
 
 
 def write_stats(path: str | os.PathLike, ranks: list[dict[str, Any]]) -> None:
-    """Write ``{"ranks": ranks}`` as JSON, replacing ``path`` whole or not at all."""
-    p = Path(path)
-    tmp = p.with_name(f"{p.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps({"ranks": ranks}, indent=1) + "\n")
-        os.replace(tmp, p)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    """Write ``{"ranks": ranks}`` as JSON to ``path`` (the command line writes it to a
+    temporary file it then renames with its other outputs: graphcp/cli/commands.py)."""
+    Path(path).write_text(json.dumps({"ranks": ranks}, indent=1) + "\n")

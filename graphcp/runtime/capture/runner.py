@@ -13,7 +13,6 @@ self-check, the buckets and the graph settings), never from the engine.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from graphcp.runtime.capture.buckets import FALLBACK_REQUESTS, BucketSet, Select
 from graphcp.runtime.capture.graphs import CaptureError, make_graph_backend
 from graphcp.runtime.capture.selfcheck import failed_on_any_rank, first_difference, synthetic_batch
 from graphcp.runtime.capture.static_buffers import BucketView, StaticBuffers
+from graphcp.runtime.progress import progress_bar
 
 #: eager runs before a capture (CUDA: lazy init, autotuning, allocator warm-up)
 WARMUP_RUNS = {"cuda": 2, "trace": 1}
@@ -367,12 +367,6 @@ class GraphRunner:
 
 
 def capture_progress(items, show: bool, desc: str = "capturing buckets"):
-    """``items`` under a progress bar on stderr when ``show`` (and tqdm is installed)."""
-    if not show:
-        return items
-    try:
-        from tqdm import tqdm
-
-        return tqdm(items, desc=desc, unit="bucket", file=sys.stderr)
-    except ImportError:
-        return items
+    """``items`` under a progress bar on stderr when ``show`` (where stderr is a terminal: runtime/progress.py)."""
+    bar = progress_bar(show, items, desc=desc, unit="bucket")
+    return items if bar is None else bar

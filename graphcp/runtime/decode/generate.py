@@ -14,7 +14,6 @@ the same tokens.
 from __future__ import annotations
 
 import operator
-import sys
 from collections.abc import Iterable as IterableABC
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import torch
 from graphcp.checks import check_int, check_turns
 from graphcp.errors import BatchError
 from graphcp.runtime.batch import Request, check_vocabulary, request_tokens
+from graphcp.runtime.progress import progress_bar
 
 
 @dataclass
@@ -189,7 +189,8 @@ def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | N
         for t in range(turns):
             live = _prefill_turn(engine, states, t, stops, logits)
             if t == 0:  # shown from the first step: a batch the prefill refuses is one line on stderr
-                bar = _bar(total, progress and engine.world_rank == 0)
+                bar = progress_bar(progress and engine.world_rank == 0, desc="decode steps", unit="step",
+                                   total=total)
             for s in states:
                 if t < len(s.turns) and s not in live:
                     s.finish.append("stop" if s.tokens[-1][-1] in stops else "length")
@@ -214,13 +215,3 @@ def _release(engine, states: list[_State]) -> None:
         if s.owned:
             engine.release(s.handle)
             s.handle, s.owned = None, False
-
-
-def _bar(total: int, show: bool):
-    if not show:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="decode steps", unit="step", file=sys.stderr)
