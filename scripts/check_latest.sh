@@ -37,7 +37,7 @@ echo "packages that moved (constraints.txt -> the checked venv):"
     [ "$old" != "$version" ] && echo "  $name ${old:-(not pinned)} -> $version"
 done || true
 
-mapfile -t files < <(grep -lE "hf_model|from transformers|import transformers" tests/test_*.py)
+mapfile -t files < <(grep -lE "\bhf_model\b|from transformers|import transformers|AutoModel" tests/test_*.py)
 echo "running ${#files[@]} reference test files with transformers $newest ..."
 set +e
 PYTHONPATH=$PWD "$work/venv/bin/python" -m pytest -n 2 --dist loadfile -q -p no:cacheprovider -rf \
