@@ -173,21 +173,6 @@ def _count_linear_tokens(layer, num_tokens: int) -> None:
         count.fill_(num_tokens)
 
 
-def to_transformers_cache(export: KVExport | MlaExport | DsV4Export | HybridExport,
-                          device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-    """The transformers cache of any export format (a DSA model's: :func:`to_mla_cache`;
-    a DeepSeek V4 model's: :func:`to_dsv4_cache`; a hybrid's: :func:`to_hybrid_cache`), for a
-    transformers release :func:`check_transformers` knows."""
-    check_transformers()
-    if isinstance(export, MlaExport):
-        return to_mla_cache(export, device, dtype)
-    if isinstance(export, DsV4Export):
-        return to_dsv4_cache(export, device, dtype)
-    if isinstance(export, HybridExport):
-        return to_hybrid_cache(export, device, dtype)
-    return to_dynamic_cache(export, device, dtype)
-
-
 def cache_argument(model) -> str:
     """The forward argument that takes a cache: ``cache`` (transformers 5) or
     ``past_key_values`` (4.x)."""
