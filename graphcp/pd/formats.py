@@ -20,9 +20,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from graphcp.pd.dsv4_export import DSV4_FORMAT, DsV4Export, DsV4Meta
 from graphcp.pd.export import FORMAT, KVExport, KVFormatError, KVMeta
-from graphcp.pd.hf import to_dsv4_cache, to_dynamic_cache, to_hybrid_cache, to_mla_cache
+from graphcp.pd.hf import to_dynamic_cache, to_hybrid_cache, to_mla_cache
 from graphcp.pd.hybrid_export import HYBRID_FORMAT, HybridExport, HybridMeta
 from graphcp.pd.layout import TensorLayout
 from graphcp.pd.mla_export import MLA_FORMAT, MlaExport, MlaMeta
@@ -85,5 +84,4 @@ def meta_from_dict(d: dict, source: str = "KV metadata") -> TensorLayout:
 
 register_format(FORMAT, KVMeta, KVExport, to_dynamic_cache)
 register_format(MLA_FORMAT, MlaMeta, MlaExport, to_mla_cache)
-register_format(DSV4_FORMAT, DsV4Meta, DsV4Export, to_dsv4_cache)
 register_format(HYBRID_FORMAT, HybridMeta, HybridExport, to_hybrid_cache)

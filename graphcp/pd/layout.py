@@ -3,7 +3,7 @@ dimension, and their flat layout (the transports' byte offsets).
 
 A format's metadata (``graphcp-kv/1``'s :class:`graphcp.pd.export.KVMeta`, the DSA
 models' ``graphcp-mla/1`` :class:`graphcp.pd.mla_export.MlaMeta`, DeepSeek V4's
-``graphcp-dsv4/1`` :class:`graphcp.pd.dsv4_export.DsV4Meta`) says, for each layer,
+``graphcp-dsv4/1`` :class:`graphcp.model.dsv4.export.DsV4Meta`) says, for each layer,
 which tensors it has (:meth:`TensorLayout.layer_tensors`, in order: what a cache's
 ``read_span`` returns for that layer), their shapes (:meth:`TensorLayout.tensor_shape`,
 the tokens along :attr:`TensorLayout.token_dim`) and dtypes
@@ -38,7 +38,7 @@ class TensorLayout:
 
     def tensor_dtype(self, layer: int, name: str) -> torch.dtype:
         """Tensor ``name``'s dtype: the model's, unless a format keeps a tensor in another
-        (DeepSeek V4's float32 overlap gates: graphcp.pd.dsv4_export)."""
+        (DeepSeek V4's float32 overlap gates: graphcp.model.dsv4.export)."""
         return self.torch_dtype
 
     def tensors(self) -> list[tuple[int, str]]:
