@@ -27,11 +27,17 @@ from safetensors.torch import save_file
 from graphcp import CPGroup, PrefillEngine, RuntimeConfig
 from graphcp.dist import launch
 from graphcp.kv.paged import KVHandleError
+from graphcp.model.dsa.export import (
+    MLA_FORMAT,
+    MlaExport,
+    MlaMeta,
+    half_split_to_interleaved,
+    interleaved_to_half_split,
+)
 from graphcp.pd.export import KVFormatError
 from graphcp.pd.files import read_kv, save_kv
 from graphcp.pd.hf import cache_argument
 from graphcp.pd.load import load_kv
-from graphcp.pd.mla_export import MLA_FORMAT, MlaExport, MlaMeta, half_split_to_interleaved, interleaved_to_half_split
 from graphcp.pd.mooncake import mooncake_problem
 from graphcp.runtime.engine import prefill_after_prefixes
 
@@ -201,7 +207,7 @@ def test_prefill_command_exports_dsa_files_at_cp2_layer_split(folders, tmp_path,
     graphcp-mla/1 file a request (with a cached prefix), loadable as transformers' cache;
     the --stats file's pool bytes count both pools as held."""
     from graphcp.cli.main import main
-    from graphcp.kv.mla_layer_split import mla_pool_layers
+    from graphcp.model.dsa.layer_split import mla_pool_layers
 
     folder = folders["glm_moe_dsa-shared"]
     reqs = tmp_path / "r.jsonl"

@@ -2,7 +2,7 @@
 
 - :mod:`graphcp.pd.export`: the transport-neutral layout (:class:`KVExport`, :class:`KVMeta`)
   and its assembly from the spans each rank holds (``PrefillEngine.export_kv``);
-- :mod:`graphcp.pd.mla_export`, :mod:`graphcp.model.dsv4.export`: the DSA models' and
+- :mod:`graphcp.model.dsa.export`, :mod:`graphcp.model.dsv4.export`: the DSA models' and
   DeepSeek V4's formats (their caches are not per-head K/V);
 - :mod:`graphcp.pd.files`: one safetensors file a request;
 - :mod:`graphcp.pd.hf`: a transformers ``DynamicCache`` from an export;

@@ -3,7 +3,7 @@
 Tensors ``<name>.<layer>`` of the export's format: ``k.<layer>`` and ``v.<layer>``
 (graphcp-kv/1, graphcp.pd.export), or ``latent.<layer>``, ``rope_key.<layer>`` and,
 for the indexer layers, ``index_key.<layer>`` (graphcp-mla/1, DSA models:
-graphcp.pd.mla_export), or ``window.<layer>``, ``compressed_kv.<layer>``, ... (graphcp-dsv4/1,
+graphcp.model.dsa.export), or ``window.<layer>``, ``compressed_kv.<layer>``, ... (graphcp-dsv4/1,
 DeepSeek V4: graphcp.model.dsv4.export, its overlap gates float32); optionally ``token_ids`` (int64) and ``last_logits``
 (float32); the metadata in the safetensors header, as strings (its ``format`` says
 which). A file is written to a

@@ -21,10 +21,9 @@ from typing import Any, Callable, Protocol
 import torch
 
 from graphcp.pd.export import FORMAT, KVExport, KVFormatError, KVMeta
-from graphcp.pd.hf import to_dynamic_cache, to_hybrid_cache, to_mla_cache
+from graphcp.pd.hf import to_dynamic_cache, to_hybrid_cache
 from graphcp.pd.hybrid_export import HYBRID_FORMAT, HybridExport, HybridMeta
 from graphcp.pd.layout import TensorLayout
-from graphcp.pd.mla_export import MLA_FORMAT, MlaExport, MlaMeta
 
 #: ``(export, device, dtype) -> the transformers cache``; it imports transformers itself
 CacheBuilder = Callable[..., Any]
@@ -83,5 +82,4 @@ def meta_from_dict(d: dict, source: str = "KV metadata") -> TensorLayout:
 
 
 register_format(FORMAT, KVMeta, KVExport, to_dynamic_cache)
-register_format(MLA_FORMAT, MlaMeta, MlaExport, to_mla_cache)
 register_format(HYBRID_FORMAT, HybridMeta, HybridExport, to_hybrid_cache)

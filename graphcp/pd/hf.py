@@ -20,7 +20,6 @@ import torch
 from graphcp.errors import GraphcpError
 from graphcp.pd.export import KVExport
 from graphcp.pd.hybrid_export import FULL, HybridExport
-from graphcp.pd.mla_export import MlaExport, interleaved_to_half_split
 
 #: the transformers releases (major, minor) whose caches this module builds and whose
 #: continuation from them was checked; ``scripts/check_latest.sh`` tells what a newer one moved
@@ -58,32 +57,6 @@ def to_dynamic_cache(export: KVExport, device: torch.device | str | None = None,
         if device is not None or dtype is not None:
             k, v = k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)
         cache.update(k.unsqueeze(0), v.unsqueeze(0), i)
-    return cache
-
-
-def to_mla_cache(export: MlaExport, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-    """The ``transformers.DynamicCache`` a DeepSeek V3.2 / GLM-5 model (transformers 5)
-    keeps, holding ``export`` (batch of one): per layer a ``DynamicIndexedLayer`` (every
-    layer of these models is ``indexed_attention``) with ``keys [1, 1, T, kv_lora_rank]``
-    (the latent), ``values [1, 1, T, rope_dim]`` (the rope key in transformers' pair
-    order) and, for the indexer layers, ``indexer_keys [1, T, index_dim]`` (GLM's rope
-    dims in transformers' order too). A "shared" layer's indexer keys stay unset, as
-    after transformers' own forward."""
-    from transformers.cache_utils import DynamicCache, DynamicIndexedLayer
-
-    m = export.meta
-    cache = DynamicCache()
-    cache.layers = [DynamicIndexedLayer() for _ in range(m.num_layers)]
-
-    def put(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype) if device is not None or dtype is not None else t
-
-    for i in range(m.num_layers):
-        t = export.layers[i]
-        cache.update(put(t["latent"])[None, None], put(interleaved_to_half_split(t["rope_key"]))[None, None], i)
-        if "index_key" in t:
-            key = interleaved_to_half_split(t["index_key"], m.rope_dim) if m.index_rope_interleaved else t["index_key"]
-            cache.update_indexer(put(key)[None], i)
     return cache
 
 

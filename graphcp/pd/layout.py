@@ -2,7 +2,7 @@
 dimension, and their flat layout (the transports' byte offsets).
 
 A format's metadata (``graphcp-kv/1``'s :class:`graphcp.pd.export.KVMeta`, the DSA
-models' ``graphcp-mla/1`` :class:`graphcp.pd.mla_export.MlaMeta`, DeepSeek V4's
+models' ``graphcp-mla/1`` :class:`graphcp.model.dsa.export.MlaMeta`, DeepSeek V4's
 ``graphcp-dsv4/1`` :class:`graphcp.model.dsv4.export.DsV4Meta`) says, for each layer,
 which tensors it has (:meth:`TensorLayout.layer_tensors`, in order: what a cache's
 ``read_span`` returns for that layer), their shapes (:meth:`TensorLayout.tensor_shape`,
