@@ -21,8 +21,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from graphcp.pd.export import FORMAT, KVExport, KVFormatError, KVMeta
-from graphcp.pd.hf import to_dynamic_cache, to_hybrid_cache
-from graphcp.pd.hybrid_export import HYBRID_FORMAT, HybridExport, HybridMeta
+from graphcp.pd.hf import to_dynamic_cache
 from graphcp.pd.layout import TensorLayout
 
 #: ``(export, device, dtype) -> the transformers cache``; it imports transformers itself
@@ -82,4 +81,3 @@ def meta_from_dict(d: dict, source: str = "KV metadata") -> TensorLayout:
 
 
 register_format(FORMAT, KVMeta, KVExport, to_dynamic_cache)
-register_format(HYBRID_FORMAT, HybridMeta, HybridExport, to_hybrid_cache)

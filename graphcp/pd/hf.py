@@ -1,6 +1,10 @@
-"""A transformers cache from a KV export (any format), so a transformers model continues a request
+"""The transformers side of a KV export, so a transformers model continues a request
 graphcp prefilled (the decode side of the file transport, and the reference the
-continuation tests use). transformers is imported here only: graphcp does not need it.
+continuation tests use): the releases whose caches graphcp builds
+(:func:`check_transformers`), graphcp-kv/1's cache (:func:`to_dynamic_cache`), the
+forward's cache argument and the greedy loop. A format of a family's own registers its
+cache's builder with the format (graphcp.pd.formats); ``graphcp.pd.load`` picks it.
+transformers is imported only when a function needs it: graphcp does not need it.
 
 transformers' ``DynamicCache`` holds per layer ``[batch, num_kv_heads, seq, head_dim]``
 keys after RoPE: the export's layout with a batch dimension. The cache is built with
@@ -19,7 +23,6 @@ import torch
 
 from graphcp.errors import GraphcpError
 from graphcp.pd.export import KVExport
-from graphcp.pd.hybrid_export import FULL, HybridExport
 
 #: the transformers releases (major, minor) whose caches this module builds and whose
 #: continuation from them was checked; ``scripts/check_latest.sh`` tells what a newer one moved
@@ -58,44 +61,6 @@ def to_dynamic_cache(export: KVExport, device: torch.device | str | None = None,
             k, v = k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)
         cache.update(k.unsqueeze(0), v.unsqueeze(0), i)
     return cache
-
-
-def to_hybrid_cache(export: HybridExport, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-    """The ``transformers.DynamicCache`` a Qwen3.5 / Qwen3-Next model keeps, holding
-    ``export`` (batch of one): built as transformers builds it (``DynamicCache(config=...)``
-    of the export's layer types: a ``LinearAttentionLayer`` or a ``DynamicLayer`` a layer),
-    then filled: a full layer's keys and values ``[1, heads, T, head_dim]``; a linear
-    layer's conv state ``[1, conv_dim, K]`` and recurrent state ``[1, Hv, d_k, d_v]``
-    (float32, as transformers keeps it; ``dtype`` casts the rest)."""
-    import transformers
-    from transformers import DynamicCache
-
-    m = export.meta
-    names = ["full_attention" if k == FULL else "linear_attention" for k in m.layer_kinds]
-    cache = DynamicCache(config=transformers.Qwen3_5TextConfig(num_hidden_layers=m.num_layers, layer_types=names))
-
-    def put(t: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
-        return t.to(device=device, dtype=None if keep_dtype else dtype)[None]
-
-    for i, layer in enumerate(cache.layers):
-        t = export.layers[i]
-        if m.layer_kinds[i] == FULL:
-            layer.update(put(t["k"]), put(t["v"]))
-            continue
-        layer.update_conv_state(put(t["conv"]), conv_kernel_size=m.conv_kernel)
-        layer.update_recurrent_state(put(t["recurrent"], keep_dtype=True))
-        _count_linear_tokens(layer, m.num_tokens)
-    return cache
-
-
-def _count_linear_tokens(layer, num_tokens: int) -> None:
-    """transformers >= 5.25 counts a linear layer's tokens itself (``cumulative_length_linear``:
-    what ``get_seq_length()`` returns, so the continuation's positions), and
-    ``update_conv_state`` added the conv state's width to it, not the request's length.
-    Earlier releases count the full layers' keys and keep no such counter."""
-    count = getattr(layer, "cumulative_length_linear", None)
-    if count is not None:
-        count.fill_(num_tokens)
 
 
 def cache_argument(model) -> str:
