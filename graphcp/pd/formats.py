@@ -68,7 +68,8 @@ def kv_format(name: object, source: str = "KV metadata") -> KVFormat:
     """The format ``name``; KVFormatError naming ``source`` when none is registered by that name."""
     fmt = _FORMATS.get(name) if isinstance(name, str) else None
     if fmt is None:
-        raise KVFormatError(f"{source}: format {name!r} is none of {registered()}")
+        raise KVFormatError(f"{source}: format {name!r} is none of {registered()} (the formats registered; "
+                            "importing graphcp.model registers every built-in family's)")
     return fmt
 
 
