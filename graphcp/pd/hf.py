@@ -37,7 +37,7 @@ def check_transformers(version: str | None = None) -> None:
     """Raise :class:`UnknownTransformers` unless ``version`` (default: the installed
     transformers') is within :data:`KNOWN_TRANSFORMERS`: a cache built for another
     release may continue at the wrong positions, silently (transformers 5.25 moved where a
-    hybrid's cache counts its tokens)."""
+    linear-attention layer's cache counts its tokens)."""
     if version is None:
         import transformers
 

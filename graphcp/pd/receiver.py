@@ -4,7 +4,7 @@ It runs a transfer engine, registers one buffer (the arena) and serves the contr
 channel (graphcp.pd.control) on a TCP port: each prefill rank connects, reads the
 ``hello`` (session, buffer, wanted layout), and per request sends ``open``; the first
 ``open`` of a request reserves its region (``meta.nbytes``, in the layout of the
-request's format: graphcp-kv/1, or a DSA model's graphcp-mla/1) and
+request's format: graphcp-kv/1, or a family's own, graphcp.pd.formats) and
 every sender of it gets the same address; each rank writes its part straight into
 the arena and says ``done``. When every rank is done and the bytes add up, the
 request is complete: every sender gets ``ack`` and :meth:`KVReceiver.get` hands it
