@@ -1,4 +1,4 @@
-"""The Triton sparse MLA attention of DSA models (graphcp/attention/sparse/triton.py)
+"""The Triton sparse MLA attention of DSA models (graphcp/model/dsa/sparse_triton.py)
 against the torch reference (TorchSparseMla): the kernel alone on random paged caches
 and selections, then whole forwards of the tiny DSA checkpoint at CP 1 and 2, and a
 compile-only register/spill check for sm_90a and sm_100a.
@@ -16,10 +16,10 @@ from helpers import rel_err
 
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.kernels.sparse_mla_configs import SparseTileConfig
-from graphcp.attention.sparse.mla import SparseMlaSpec, TorchSparseMla
-from graphcp.attention.sparse.topk import mask_to_positions, select_topk
-from graphcp.attention.sparse.triton import TritonSparseMla
-from graphcp.kv.mla import MlaKVCache
+from graphcp.model.dsa.cache import MlaKVCache
+from graphcp.model.dsa.sparse import SparseMlaSpec, TorchSparseMla
+from graphcp.model.dsa.sparse_triton import TritonSparseMla
+from graphcp.model.dsa.topk import mask_to_positions, select_topk
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 PAGE = 4

@@ -35,8 +35,8 @@ from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
 from graphcp.model.presets import resolve_model
 from graphcp.pd.errors import TransferError
 from graphcp.pd.files import save_kv
-from graphcp.pd.hf import greedy_continue, to_transformers_cache
-from graphcp.pd.load import load_kv
+from graphcp.pd.hf import greedy_continue
+from graphcp.pd.load import load_kv, to_transformers_cache
 from graphcp.pd.mooncake import PD_EXTRA, mooncake_problem
 from graphcp.pd.receiver import KVReceiver
 from graphcp.pd.sender import KVSender

@@ -33,11 +33,11 @@ import torch
 from graphcp.attention.backends.triton import interpreting
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.kernels.sparse_mla_configs import SparseTileConfig, sparse_tile_config
-from graphcp.attention.sparse.mla import SelectingSparseMla, SparseMlaSpec
-from graphcp.attention.sparse.topk import Selector, causal_positions, select_topk
 from graphcp.attention.staging import to_device
 from graphcp.errors import ConfigError, InputError
-from graphcp.kv.mla import MlaKVCache
+from graphcp.model.dsa.cache import MlaKVCache
+from graphcp.model.dsa.sparse import SelectingSparseMla, SparseMlaSpec
+from graphcp.model.dsa.topk import Selector, causal_positions, select_topk
 
 
 def _import_kernel() -> ModuleType:
