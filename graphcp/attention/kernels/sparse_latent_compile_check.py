@@ -68,8 +68,8 @@ def compile_sparse_variant(arch: int, dtype: torch.dtype, kv_lora_rank: int, rop
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Compile the sparse latent-attention Triton kernel for CUDA targets; report "
-                                            "registers/spills")
+    p = argparse.ArgumentParser(description="Compile the sparse latent-attention Triton kernel for CUDA targets; "
+                                            "report registers/spills")
     p.add_argument("--arch", default="90,100", help="compute capabilities as numbers (default %(default)s)")
     p.add_argument("--dtypes", default="bfloat16,float32", help="operand dtypes (default %(default)s)")
     p.add_argument("--latent", default="512:64", help="kv_lora_rank:rope_dim pairs (default %(default)s)")
