@@ -55,11 +55,8 @@ class _NoKernel(AttentionBackend):
 @pytest.fixture(scope="module")
 def live_batch():
     """One rank's prepared live batch over a tiny-headed replicated cache, and its rows."""
-    stack = host_stack(8, False, 16, 64, rank=3)
+    stack = host_stack(8, False, 16, 64, rank=3, layers=4, heads=HEADS, head_dim=HEAD_DIM)  # 4 layers of tiny heads
     prep = stack.preparer.prepare(batch_of(16, 64))
-    kv = stack.preparer.kv
-    kv.pool = torch.zeros((4, kv.num_pages, 2, PAGE_SIZE, HEADS, HEAD_DIM))  # 4 layers of tiny heads
-    kv.num_layers, kv.num_kv_heads, kv.head_dim = 4, HEADS, HEAD_DIM
     rows = prep.ids.shape[0]
     q = torch.randn(rows, HEADS, HEAD_DIM)
     return stack, prep, q
@@ -110,10 +107,9 @@ def test_backend_prepare_per_forward(benchmark, live_batch, name):
 def _ring_break_times(group: CPGroup, exchange: str, calls: int) -> list[float]:
     """One rank of a sharded cache at C = group.size: the ring break of one layer (the
     same 16 x 64-token batch, backends that launch nothing), ``calls`` times; seconds each."""
-    stack = host_stack(group.size, True, 16, 64, rank=group.rank)
+    stack = host_stack(group.size, True, 16, 64, rank=group.rank, heads=HEADS, head_dim=HEAD_DIM)
     prep = stack.preparer.prepare(batch_of(16, 64))
     kv = stack.preparer.kv
-    kv.pool = torch.zeros((1, kv.num_pages, 2, PAGE_SIZE, HEADS, HEAD_DIM))
     spec = AttentionSpec(HEADS, HEADS, HEAD_DIM, PAGE_SIZE, HEAD_DIM ** -0.5, "NHD")
     ring = RingAttention(lambda: _NoKernel(spec), group, "cpu")
     plan = plan_sharded(prep.plan, kv, prep.seq_ids, group.rank, exchange, torch.device("cpu"))

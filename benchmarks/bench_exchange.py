@@ -38,8 +38,8 @@ from graphcp.attention.ring.pass_q import run_pass_q
 from graphcp.attention.ring.plan import plan_sharded
 from graphcp.cp import ZigzagLayout
 from graphcp.dist import CPGroup, launch
-from graphcp.kv.paged import PagedKVCache
-from graphcp.kv.sharded import ShardedKVCache
+from graphcp.kv.factory import make_cache
+from graphcp.kv.spec import KVHeads, PoolSpec
 
 HQ, HKV, D, PAGE, DTYPE = 64, 8, 128, 16, torch.bfloat16
 E = 2  # bytes per element
@@ -83,7 +83,7 @@ def _measure(group: CPGroup, new: int, cached: int) -> dict:
     g = CountingGroup(group.rank, group.size, group.pg, group.timeout_s)
     C, r = g.size, g.rank
     pages = -(-(new + cached) // PAGE) + 4
-    kv = ShardedKVCache(1, pages, PAGE, HKV, D, DTYPE, cp_size=C, rank=r)
+    kv = make_cache("sharded", KVHeads(HKV, D), PoolSpec(range(1), pages, PAGE, DTYPE, rank=r, cp_size=C))
     prefix = kv.handle(kv.extend([None], [cached])[0]) if cached else None
     ids = kv.extend([prefix], [new])
     plan = ZigzagLayout(C).plan([new], [cached])
@@ -97,7 +97,7 @@ def _measure(group: CPGroup, new: int, cached: int) -> dict:
         out[exchange] = g.received
     # the replicated cache's all-gather of the largest rank's rows (the eager capacity)
     cap = plan.max_local_rows
-    rep = PagedKVCache(1, 2, PAGE, HKV, D, DTYPE)
+    rep = make_cache("replicated", KVHeads(HKV, D), PoolSpec(range(1), 2, PAGE, DTYPE))
     fwd = KVForward(rep, AllGather(), g, None, None, torch.full((cap,), -1))
     fwd.gathered_slots = torch.full((C * cap,), -1)
     g.received = 0

@@ -42,13 +42,15 @@ def _bucket(rows: int) -> int:
     return max(256, 1 << max(rows - 1, 0).bit_length())
 
 
-def host_stack(cp_size: int, sharded: bool, num_requests: int, tokens: int, rank: int = 0) -> HostStack:
+def host_stack(cp_size: int, sharded: bool, num_requests: int, tokens: int, rank: int = 0, layers: int = 1,
+               heads: int = 1, head_dim: int = 1) -> HostStack:
     """Rank ``rank``'s host stack, sized for ``num_requests`` requests of ``tokens`` new
-    tokens each (no collective is issued: consistency checks are off)."""
+    tokens each (no collective is issued: consistency checks are off); its cache holds
+    ``layers`` layers of ``heads`` K/V heads of ``head_dim``."""
     per_seq = -(-tokens // PAGE_SIZE) + 1
     pages = num_requests * per_seq + 1  # room for the whole batch on any rank
-    pool = PoolSpec(range(1), pages, PAGE_SIZE, torch.float32, "cpu", per_seq, rank, cp_size)
-    kv = make_cache("sharded" if sharded else "replicated", KVHeads(1, 1), pool)
+    pool = PoolSpec(range(layers), pages, PAGE_SIZE, torch.float32, "cpu", per_seq, rank, cp_size)
+    kv = make_cache("sharded" if sharded else "replicated", KVHeads(heads, head_dim), pool)
     planner = RingPlanner("auto", 1, 1, 1, 4, HardwareSpec()) if sharded else None
     prep = BatchPreparer(ZigzagLayout(cp_size), kv, CPGroup(rank=rank, size=cp_size), VOCAB, max_context=tokens,
                          device=torch.device("cpu"), check_consistency=False, planner=planner)

@@ -23,9 +23,9 @@ _EXPORTS = {
     "GraphcpError": "graphcp.errors",
     "InputError": "graphcp.errors",
     "InterleaveLayout": "graphcp.cp",
-    "KVCacheFull": "graphcp.kv.paged",
-    "KVHandle": "graphcp.kv.paged",
-    "KVHandleError": "graphcp.kv.paged",
+    "KVCacheFull": "graphcp.kv.handle",
+    "KVHandle": "graphcp.kv.handle",
+    "KVHandleError": "graphcp.kv.handle",
     "KVReceiver": "graphcp.pd.receiver",
     "LoadedKV": "graphcp.pd.load",
     "ModelConfig": "graphcp.model.config",
@@ -99,7 +99,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from graphcp.cp import InterleaveLayout, ZigzagLayout, make_layout
     from graphcp.dist import CPGroup, init_from_env, launch
     from graphcp.errors import BatchError, ConfigError, GraphcpError, InputError
-    from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError
+    from graphcp.kv.handle import KVCacheFull, KVHandle, KVHandleError
     from graphcp.model.config import ModelConfig
     from graphcp.pd.files import read_kv
     from graphcp.pd.load import LoadedKV, load_kv

@@ -7,8 +7,8 @@ Every error graphcp raises deliberately derives from :class:`GraphcpError`:
 - :class:`ConfigError`: a model, runtime, parallel or bucket configuration.
 - :class:`BatchError`: a batch ``PrefillEngine.prefill`` refused. The KV cache is
   exactly as it was (allocator state and pool contents). Its subclasses
-  ``graphcp.kv.paged.KVHandleError`` (a released, stale, foreign or repeated prefix
-  handle) and ``graphcp.kv.paged.KVCacheFull`` (the batch does not fit the pool)
+  ``graphcp.kv.handle.KVHandleError`` (a released, stale, foreign or repeated prefix
+  handle) and ``graphcp.kv.handle.KVCacheFull`` (the batch does not fit the pool)
   are batch errors too: catching ``BatchError`` catches every refused batch.
 - other ``GraphcpError`` (a collective that timed out, ranks given different
   batches): the run failed, not the input. Exit code 1, one line.

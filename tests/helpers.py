@@ -83,3 +83,16 @@ def sigint_default() -> None:
     every child inherits across ``exec`` (Python then installs no KeyboardInterrupt
     handler: the Ctrl-C the test sends does nothing)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def kv_cache(mode: str, layers: int, pages: int, page_size: int, heads: int, dim: int,
+             dtype: torch.dtype = torch.float32, *, max_pages_per_seq: int | None = None, first_layer: int = 0,
+             rank: int = 0, cp_size: int = 1, layout: str = "NHD"):
+    """A dense model's cache of ``mode`` from the one factory (graphcp.kv.factory): ``layers``
+    layers from ``first_layer`` of ``heads`` K/V heads of ``dim``, ``pages`` pages of ``page_size``."""
+    from graphcp.kv.factory import make_cache
+    from graphcp.kv.spec import KVHeads, PoolSpec
+
+    pool = PoolSpec(range(first_layer, first_layer + layers), pages, page_size, dtype, "cpu", max_pages_per_seq,
+                    rank, cp_size)
+    return make_cache(mode, KVHeads(heads, dim, layout), pool)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphcp.cp.zigzag import rank_token_counts
-from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError
+from graphcp.kv.handle import KVCacheFull, KVHandle, KVHandleError
 
 
 @dataclass

@@ -12,14 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import rel_err
+from helpers import kv_cache, rel_err
 
 from graphcp import BatchError, PrefillEngine, Request
 from graphcp.cli.main import main
 from graphcp.cli.requests import RequestFileError, parse_requests
 from graphcp.config import RuntimeConfig
+from graphcp.kv.handle import KVCacheFull, KVHandle, KVHandleError
 from graphcp.kv.layout import write_kv
-from graphcp.kv.paged import SCRATCH_PAGE, KVCacheFull, KVHandle, KVHandleError, PagedKVCache
+from graphcp.kv.page_table import SCRATCH_PAGE
+from graphcp.kv.paged import PagedKVCache
 from graphcp.runtime.outputs import OutputHead
 
 VOCAB = 512
@@ -304,7 +306,7 @@ def test_cli_missing_files_and_bad_model_exit_2(capsys, tmp_path, model_dir):
 
 # ---- the paged KV cache itself -----------------------------------------------------------
 def _cache(num_pages=5, page_size=4) -> PagedKVCache:
-    return PagedKVCache(2, num_pages, page_size, 1, 2, torch.float32)
+    return kv_cache("replicated", 2, num_pages, page_size, 1, 2)
 
 
 def test_page_zero_is_never_allocated():
@@ -375,7 +377,7 @@ def test_check_handle_and_extend_validation():
         kv.extend([None], [1, 2])
     assert kv.snapshot() == before
     with pytest.raises(ValueError, match="num_pages must be >= 2"):
-        PagedKVCache(1, 1, 4, 1, 2, torch.float32)
+        kv_cache("replicated", 1, 1, 4, 1, 2)
 
 
 def test_page_table_and_slots():

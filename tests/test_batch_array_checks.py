@@ -12,11 +12,11 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import kv_cache
 
 from graphcp.cp import ZigzagLayout
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError
-from graphcp.kv.paged import PagedKVCache
 from graphcp.runtime.batch import BatchPreparer, Request, _check_batch
 
 VOCAB = 1000
@@ -27,7 +27,7 @@ class _SubRequest(Request):
 
 
 def _preparer() -> BatchPreparer:
-    kv = PagedKVCache(1, 65, 4, 1, 2, torch.float32)  # 256 tokens of pool
+    kv = kv_cache("replicated", 1, 65, 4, 1, 2)  # 256 tokens of pool
     return BatchPreparer(ZigzagLayout(2), kv, CPGroup(rank=0, size=2), VOCAB, max_context=200,
                          device=torch.device("cpu"), check_consistency=False)
 

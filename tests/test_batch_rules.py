@@ -14,13 +14,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import kv_cache
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from graphcp.cp import ZigzagLayout
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError
-from graphcp.kv.paged import KVHandle, PagedKVCache
+from graphcp.kv.handle import KVHandle
+from graphcp.kv.paged import PagedKVCache
 from graphcp.runtime.batch import (
     BATCH_RULES,
     BatchLimits,
@@ -42,7 +44,7 @@ class _SubRequest(Request):
 
 
 def _cache() -> PagedKVCache:
-    return PagedKVCache(1, 65, 4, 1, 2, torch.float32)  # 64 usable pages of 4: 256 tokens
+    return kv_cache("replicated", 1, 65, 4, 1, 2)  # 64 usable pages of 4: 256 tokens
 
 
 def _handles(kv: PagedKVCache) -> dict[str, Any]:

@@ -98,7 +98,7 @@ def conversation(engine: PrefillEngine, vocab: int):
                 logits[j].append(o.logits[j : j + 1])
             handles, tok = o.handles, o.logits.argmax(-1)
         last = tok.tolist()
-        held.append([h.rank_tokens for h in handles])
+        held.append([tuple(h.local_tokens(r) for r in range(engine.kv.cp_size)) for h in handles])
     for h in handles:
         engine.release(h)
     return seqs, [torch.cat(x) for x in logits], held, [h.num_tokens for h in handles]

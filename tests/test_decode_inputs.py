@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from helpers import kv_cache
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.errors import BatchError
 from graphcp.kv.decode import EVERY_RANK, decode_owner, decoded_positions
-from graphcp.kv.layer_split import LayerSplitKVCache
-from graphcp.kv.paged import KVHandleError, PagedKVCache
-from graphcp.kv.sharded import ShardedKVCache
+from graphcp.kv.handle import KVHandleError
+from graphcp.kv.paged import PagedKVCache
 
 PAGE = 4
 
 
-def _sharded(cp: int, pages: int = 40) -> list[ShardedKVCache]:
-    return [ShardedKVCache(1, pages, PAGE, 1, 2, torch.float32, cp_size=cp, rank=r) for r in range(cp)]
+def _sharded(cp: int, pages: int = 40) -> list[PagedKVCache]:
+    return [kv_cache("sharded", 1, pages, PAGE, 1, 2, cp_size=cp, rank=r) for r in range(cp)]
 
 
 def _step(caches, handles):
@@ -58,15 +57,15 @@ def test_sharded_decode_tokens_land_on_one_rank_and_the_ledger_agrees(cp):
             assert np.array_equal(s.positions, [h.num_tokens for h in before])
             assert np.array_equal(s.slots >= 0, holder == r)  # one rank writes each token
             assert np.array_equal(s.local_lens, [h.local_tokens(r) for h in handles[r]])
-        assert all(h.decoded == handles[0][j].decoded for hs in handles for j, h in enumerate(hs))
+        assert all(h.holding.decoded == handles[0][j].holding.decoded for hs in handles for j, h in enumerate(hs))
     for j, h in enumerate(handles[0]):
         held = [h.positions(r) for r in range(cp)]
-        assert [len(p) for p in held] == list(h.rank_tokens)
+        assert [len(p) for p in held] == list(h.holding.rank_tokens)
         assert all(np.all(np.diff(p) > 0) for p in held)  # local order is position order
         assert np.array_equal(np.sort(np.concatenate(held)), np.arange(h.num_tokens))
-        assert max(h.rank_tokens) - min(h.rank_tokens) <= 1, h.rank_tokens  # evened out
+        assert max(h.holding.rank_tokens) - min(h.holding.rank_tokens) <= 1, h.holding.rank_tokens  # evened out
     assert sum(c.stored_tokens() for c in caches) == sum(h.num_tokens for h in handles[0])
-    used = caches[0].rank_used_pages()
+    used = caches[0].placement.rank_used_pages()
     assert [c.stored_pages() for c in caches] == used.tolist()
     # a next turn's chunk after the decoded tokens: still a partition, in position order
     ids = [c.extend(h, [9, 2, 5]) for c, h in zip(caches, handles)]
@@ -74,7 +73,7 @@ def test_sharded_decode_tokens_land_on_one_rank_and_the_ledger_agrees(cp):
         h = caches[0].handle(ids[0][j])
         held = np.concatenate([caches[r].handle(ids[r][j]).positions(r) for r in range(cp)])
         assert np.array_equal(np.sort(held), np.arange(h.num_tokens))
-        assert len(h.positions(0)) == h.rank_tokens[0]
+        assert len(h.positions(0)) == h.holding.rank_tokens[0]
 
 
 @pytest.mark.parametrize("cp", [1, 4])
@@ -90,21 +89,22 @@ def test_a_failed_decode_step_rolls_back_on_every_rank(cp):
     assert [c.snapshot() for c in caches] == snaps
     steps, _ = _step(caches, handles)
     for c, s in zip(caches, steps):  # the general undo (something changed since)
-        c._last = None
+        c.allocator.last = None
         c.rollback_decode(s)
     assert [c.snapshot() for c in caches] == snaps
 
 
-@pytest.mark.parametrize("cls", [PagedKVCache, LayerSplitKVCache])
-def test_replicated_and_layer_split_store_a_decoded_token_on_every_rank(cls):
-    kw = dict(rank=1, cp_size=2) if cls is LayerSplitKVCache else {}
-    c = cls(2, 20, PAGE, 1, 2, torch.float32, "cpu", "NHD", None, **kw)
+@pytest.mark.parametrize("mode", ["replicated", "layer-split"])
+def test_replicated_and_layer_split_store_a_decoded_token_on_every_rank(mode):
+    split = mode == "layer-split"
+    kw = dict(rank=1, cp_size=2) if split else {}
+    c = kv_cache(mode, 2, 20, PAGE, 1, 2, **kw)
     h = [c.handle(i) for i in c.extend([None, None], [3, 4])]
     snap = c.snapshot()
     s = c.reserve_decode(h, c.prefix_rows(h))
     assert s.holder.tolist() == [EVERY_RANK] * 2 and s.positions.tolist() == [3, 4]
     assert s.local_lens.tolist() == [4, 5] and (s.slots > 0).all()
-    assert c.attention_holder(0) == (0 if cls is LayerSplitKVCache else None)
+    assert c.attention_holder(0) == (0 if split else None)
     c.rollback_decode(s)
     assert c.snapshot() == snap
 

@@ -97,7 +97,7 @@ def test_the_checks_catch_a_stale_line(monkeypatch):
     assert ("--kv-cache", "replicated|layer-split") in found and ("--no-such-flag", "") in found
 
 
-#: a path of the repository a doc names (``graphcp/kv/sharded.py``, ``tests/test_mesh.py``)
+#: a path of the repository a doc names (``graphcp/kv/paged.py``, ``tests/test_mesh.py``)
 PATH = re.compile(r"(?<![\w/.-])((?:graphcp|tests|benchmarks|scripts|examples)/[\w./-]*\w)")
 #: a module a doc names (``graphcp.pd.export``); its attributes may follow
 MODULE = re.compile(r"(?<![\w/.])(graphcp(?:\.\w+)+)(?![\w-])")  # (not a file: graphcp.nsys-rep)

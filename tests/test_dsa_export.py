@@ -30,7 +30,8 @@ from safetensors.torch import save_file
 
 from graphcp import CPGroup, PrefillEngine, RuntimeConfig
 from graphcp.dist import launch
-from graphcp.kv.paged import KVHandleError
+from graphcp.kv.handle import KVHandleError
+from graphcp.kv.spans import owned_layers
 from graphcp.model.dsa.export import (
     MLA_FORMAT,
     MlaExport,
@@ -206,13 +207,17 @@ def test_malformed_mla_files_are_refused_naming_what_is_wrong(folders, tmp_path)
         assert json.loads(json.dumps(f.metadata()))["family"] == "glm_moe_dsa"
 
 
+def mla_pool_layers(indexer_layers: tuple[bool, ...], rank: int, cp_size: int) -> tuple[int, int]:
+    """Layers a rank's layer-split pools hold: (latent pool, indexer-key pool), each with its scratch layer."""
+    owned = owned_layers(rank, len(indexer_layers), cp_size)
+    return len(owned) + 1, sum(indexer_layers[i] for i in owned) + 1
+
+
 def test_prefill_command_exports_dsa_files_at_cp2_layer_split(folders, tmp_path, capsys):
     """``graphcp prefill --export-kv DIR --kv-cache layer-split --cp 2`` on a DSA model: one
     graphcp-mla/1 file a request (with a cached prefix), loadable as transformers' cache;
     the --stats file's pool bytes count both pools as held."""
     from graphcp.cli.main import main
-    from graphcp.model.dsa.layer_split import mla_pool_layers
-
     folder = folders["glm_moe_dsa-shared"]
     reqs = tmp_path / "r.jsonl"
     reqs.write_text(json.dumps({"tokens": list(range(5, 60))}) + "\n"

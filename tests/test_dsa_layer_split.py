@@ -18,8 +18,10 @@ from conftest import save_cases
 from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import launch
 from graphcp.errors import ConfigError
+from graphcp.kv.layers import HeldLayers
 from graphcp.kv.spans import owned_layers
-from graphcp.model.dsa.layer_split import LayerSplitMlaKVCache
+from graphcp.kv.spec import PoolSpec
+from graphcp.model.dsa.cache import MlaGeometry, MlaStorage
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.engine import prefill_after_prefixes
 
@@ -56,7 +58,7 @@ def _both_caches(group, runs):
         for mode in ("replicated", "layer-split"):
             eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=1024, kv_cache=mode), group)
             o = prefill_after_prefixes(eng, _batch(), all_logits=True)
-            res[mode] = (o.last_logits, o.logits, eng.stats()["kv_pool_bytes"], _pools(eng.kv),
+            res[mode] = (o.last_logits, o.logits, eng.stats()["kv_pool_bytes"], _pools(eng.kv.storage),
                          o.info.stats["bytes_received"])
         out.append(res)
     return out
@@ -112,7 +114,8 @@ def test_breakable_graphs_replay_the_layer_split_bitwise(folders):
 
 def test_pools_hold_the_owned_layers_and_one_scratch_layer_each():
     indexer = (True, False, True, True)  # layer 1 reuses layer 0's selection
-    kv = LayerSplitMlaKVCache(4, 8, 16, 32, 8, 16, indexer, torch.float32, "cpu", None, rank=0, cp_size=2)
+    held = HeldLayers(range(4), owned_layers(0, 4, 2), 2, split=True)  # rank 0 of a layer split over 2
+    kv = MlaStorage(MlaGeometry(32, 8, 16, indexer), PoolSpec(range(4), 8, 16, torch.float32), held)
     assert kv.pool.shape[0] == 3 and kv.index_pool.shape[0] == 2  # layers 0, 1 (+ scratch); indexer: 0 (+ scratch)
     assert kv.latent(1).data_ptr() == kv.pool[1].data_ptr()
     assert kv.latent(2).data_ptr() == kv.latent(3).data_ptr() == kv.pool[2].data_ptr()

@@ -233,7 +233,7 @@ def test_cli_prefill_reports_the_indexer_work_per_rank(folders, tmp_path, capsys
 def test_cache_holds_the_latent_rope_key_and_indexer_key_of_transformers(case, folders):
     """After a prefix and its extension, the paged cache holds per token what transformers'
     cache holds (latent, rope key, indexer key where the layer runs the indexer): what a
-    decode engine of these models is handed (MlaKVCache.read_tokens)."""
+    decode engine of these models is handed (MlaStorage.read_tokens)."""
     from transformers import AutoModelForCausalLM
 
     eng = PrefillEngine(folders[case], RuntimeConfig(kv_tokens=2048, moe="tp"))
@@ -245,7 +245,7 @@ def test_cache_holds_the_latent_rope_key_and_indexer_key_of_transformers(case, f
     cache = model(input_ids=full, use_cache=True).past_key_values
     indexer = eng.cfg.dsa.indexer_layers
     for layer in range(eng.cfg.num_layers):
-        got, ref = eng.kv.read_tokens(h, layer), cache.layers[layer]
+        got, ref = eng.kv.storage.read_tokens(h, layer), cache.layers[layer]
         assert got["latent"].shape == (full.shape[1], eng.cfg.dsa.kv_lora_rank)
         assert rel_err(got["latent"], ref.keys[0, 0]) < 1e-5, (case, layer)
         # transformers lists the rotated pairs' first members, then the second ones

@@ -22,7 +22,7 @@ from graphcp import BatchError, PrefillEngine, Request
 from graphcp.cli.main import main
 from graphcp.config import RuntimeConfig
 from graphcp.errors import ConfigError
-from graphcp.kv.paged import KVHandle
+from graphcp.kv.handle import KVHandle
 
 VOCAB = 512  # the tiny checkpoints of conftest.py
 

@@ -21,7 +21,7 @@ from graphcp import PrefillEngine, Request
 from graphcp.config import RuntimeConfig
 from graphcp.dist import launch
 from graphcp.errors import BatchError
-from graphcp.kv.paged import KVHandle
+from graphcp.kv.handle import KVHandle
 
 VOCAB, CONTEXT, POOL, PAGE = 512, 4096, 256, 16  # conftest.py's tiny qwen2; a 16-page pool
 SEED = 2024

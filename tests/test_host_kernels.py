@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import kv_cache
 
 from graphcp.cp import InterleaveLayout, ZigzagLayout
 from graphcp.dist import CPGroup
-from graphcp.kv.paged import SCRATCH_PAGE, PagedKVCache
+from graphcp.kv.page_table import SCRATCH_PAGE
 from graphcp.runtime.batch import BatchPreparer, Request
 from graphcp.runtime.capture.static_buffers import StaticBuffers
 
@@ -52,7 +53,7 @@ def test_segment_runs_describe_every_row(layout, cp):
 
 
 def _preparer(cp: int, rank: int, page_size: int, layout=ZigzagLayout) -> BatchPreparer:
-    kv = PagedKVCache(1, 4000, page_size, 1, 2, torch.float32, max_pages_per_seq=-(-1024 // page_size))
+    kv = kv_cache("replicated", 1, 4000, page_size, 1, 2, max_pages_per_seq=-(-1024 // page_size))
     return BatchPreparer(layout(cp), kv, CPGroup(rank=rank, size=cp), VOCAB, max_context=1024,
                          device=torch.device("cpu"), check_consistency=False)
 
@@ -224,7 +225,7 @@ def test_checked_least_twin_on_edge_values():
 def _kernel_lines(tokens: int, names: list[str]) -> dict[str, int]:
     """Python lines executed in the functions ``names`` by one rank's preparation, fill
     and undo of one request of ``tokens`` tokens."""
-    kv = PagedKVCache(1, 1100, 16, 1, 2, torch.float32, max_pages_per_seq=1024)
+    kv = kv_cache("replicated", 1, 1100, 16, 1, 2, max_pages_per_seq=1024)
     prep_of = BatchPreparer(ZigzagLayout(1), kv, CPGroup(), VOCAB, max_context=16384, device=torch.device("cpu"),
                             check_consistency=False)
     buffers = StaticBuffers(16384, 1, 1, 1, 1, 4, 1024, torch.float32, "cpu")

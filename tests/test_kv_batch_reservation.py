@@ -12,19 +12,19 @@ import random
 
 import numpy as np
 import pytest
-import torch
+from helpers import kv_cache
 from kv_reference import ReferenceAllocator, ReferenceShardedAllocator
 
-from graphcp.kv.paged import SCRATCH_PAGE, KVCacheFull, KVHandleError, PagedKVCache
-from graphcp.kv.sharded import ShardedKVCache
+from graphcp.kv.handle import KVCacheFull, KVHandleError
+from graphcp.kv.page_table import SCRATCH_PAGE
 
 
 def _pair(sharded: bool, num_pages: int, page_size: int, width: int, cp: int = 1, rank: int = 0):
     if sharded:
-        kv = ShardedKVCache(1, num_pages, page_size, 1, 2, torch.float32, max_pages_per_seq=width,
+        kv = kv_cache("sharded", 1, num_pages, page_size, 1, 2, max_pages_per_seq=width,
                             cp_size=cp, rank=rank)
         return kv, ReferenceShardedAllocator(num_pages, page_size, width, kv.cache_id, cp, rank)
-    kv = PagedKVCache(1, num_pages, page_size, 1, 2, torch.float32, max_pages_per_seq=width)
+    kv = kv_cache("replicated", 1, num_pages, page_size, 1, 2, max_pages_per_seq=width)
     return kv, ReferenceAllocator(num_pages, page_size, width, kv.cache_id)
 
 
@@ -89,8 +89,7 @@ def _run(kv, ref, rng: random.Random, steps: int, sharded: bool) -> int:
             h = next((p for p in prefixes if p is not None), None)
             if h is not None:
                 prefixes.append(h if rng.random() < 0.5 else type(h)(h.seq_id, h.num_tokens + 1, h.pages,
-                                                                       h.cache_id, h.kv_cache, h.cp_size,
-                                                                       h.chunks, h.rank_tokens))
+                                                                       h.cache_id, h.holding))
         new = [rng.choice([1, 2, 3, rng.randint(1, 40), rng.randint(1, 200)]) for _ in prefixes]
         if rng.random() < 0.5:
             new = np.asarray(new, dtype=np.int64)  # what the preparer passes
@@ -134,10 +133,10 @@ def test_sharded_matches_the_per_request_ledger(cp, rank):
     kv, ref = _pair(True, num_pages=120, page_size=4, width=30, cp=cp, rank=rank)
     refused = _run(kv, ref, rng, 1200, sharded=True)
     assert refused > 10
-    for s, r in kv._live_rows().items():  # the handles read the same ledger
+    for s, r in kv.allocator.table.live().items():  # the handles read the same ledger
         h = kv.handle(s)
         tokens, chunks = ref._shares[s]
-        assert h.chunks == tuple(chunks) and h.rank_tokens == tuple(tokens.tolist()) and r >= 0
+        assert h.holding.chunks == tuple(chunks) and h.holding.rank_tokens == tuple(tokens.tolist()) and r >= 0
 
 
 @pytest.mark.parametrize("cp,rank", [(3, 2), (8, 5)])
@@ -154,13 +153,13 @@ def test_undoing_the_last_extend_equals_undoing_it_the_long_way():
     rng = np.random.default_rng(3)
     states = []
     for shortcut in (True, False):
-        kv = PagedKVCache(1, 200, 4, 1, 2, torch.float32, max_pages_per_seq=30)
+        kv = kv_cache("replicated", 1, 200, 4, 1, 2, max_pages_per_seq=30)
         a = kv.extend([None, None], [9, 30])
         new = rng.integers(1, 30, 5).tolist() if not states else states[0][2]
         ids = kv.extend([kv.handle(a[1]), None, None, kv.handle(a[0]), None], new)
         before = (kv.snapshot(), kv.table.copy())
         if not shortcut:
-            kv._last = None  # as if something had changed since
+            kv.allocator.last = None  # as if something had changed since
         kv.rollback(ids, new)
         states.append((kv.snapshot(), kv.table.copy(), new))
         assert kv.snapshot() != before[0]

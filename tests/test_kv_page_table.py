@@ -6,13 +6,15 @@ import random
 
 import numpy as np
 import pytest
-import torch
+from helpers import kv_cache
 
-from graphcp.kv.paged import SCRATCH_PAGE, KVCacheFull, PagedKVCache
+from graphcp.kv.handle import KVCacheFull
+from graphcp.kv.page_table import SCRATCH_PAGE
+from graphcp.kv.paged import PagedKVCache
 
 
 def _cache(num_pages: int, page_size: int = 4, max_pages_per_seq: int | None = None) -> PagedKVCache:
-    return PagedKVCache(1, num_pages, page_size, 1, 2, torch.float32, max_pages_per_seq=max_pages_per_seq)
+    return kv_cache("replicated", 1, num_pages, page_size, 1, 2, max_pages_per_seq=max_pages_per_seq)
 
 
 def _old_table(kv: PagedKVCache, seq_ids: list[int], width: int | None = None) -> np.ndarray:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import kv_cache
 
 from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import launch
 from graphcp.errors import ConfigError
-from graphcp.kv.layer_split import LayerSplitKVCache
 from graphcp.kv.spans import KVSpan, layer_owner, owned_layers
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.engine import prefill_after_prefixes
@@ -97,7 +97,7 @@ def test_owned_layers_cover_every_layer_once(num_layers, cp):
 def test_refusals():
     with pytest.raises(ConfigError, match="kv_cache must be one of replicated, sharded, layer-split"):
         RuntimeConfig(kv_cache="paged")
-    kv = LayerSplitKVCache(4, 8, 16, 2, 32, torch.float32, "cpu", "NHD", None, rank=0, cp_size=2)
+    kv = kv_cache("layer-split", 4, 8, 16, 2, 32, rank=0, cp_size=2)
     assert kv.pool.shape[0] == 3 and kv.layer(1).data_ptr() == kv.pool[1].data_ptr()
     assert kv.layer(2).data_ptr() == kv.layer(3).data_ptr() == kv.pool[2].data_ptr()  # the one scratch layer
     h = kv.handle(kv.extend([None], [3])[0])
@@ -120,7 +120,7 @@ def _pipeline_caches(group, folder, cases):
             o = prefill_after_prefixes(eng, _batch(eng.cfg.vocab_size), all_logits=True)
             exports = eng.export_kv_batch(o.handles)
             res[mode] = (o.last_logits, o.logits, eng.stats()["kv_pool_bytes"], [e.k + e.v for e in exports],
-                         o.info.path, list(eng.kv.owned) if mode == "layer-split" else None)
+                         o.info.path, list(eng.kv.placement.owned) if mode == "layer-split" else None)
         out.append(res)
     return out
 

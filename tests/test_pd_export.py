@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import kv_cache
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import launch
+from graphcp.kv.handle import KVHandleError
 from graphcp.kv.layout import kv_cache_views
-from graphcp.kv.paged import KVHandleError
-from graphcp.kv.sharded import ShardedKVCache
 from graphcp.kv.spans import KVSpan, position_runs, position_spans
 from graphcp.pd import KVFormatError, load_kv
 from graphcp.pd.export import KVMeta
@@ -87,7 +87,7 @@ def test_sharded_spans_cover_each_position_once_from_the_rank_that_stored_it(cp)
     position (+ 1000 x layer): the spans partition (layer, position), each owned by the
     rank that stored it, and read_span on the owner returns exactly those positions."""
     layers, page = 2, 4
-    caches = [ShardedKVCache(layers, 64, page, 2, 3, torch.float32, cp_size=cp, rank=r) for r in range(cp)]
+    caches = [kv_cache("sharded", layers, 64, page, 2, 3, cp_size=cp, rank=r) for r in range(cp)]
     handles = [None] * cp
     for cached, new in ((0, 37), (37, 5), (42, 1), (43, 20)):  # four chunks, one a single token
         ids = [c.extend([h], [new]) for c, h in zip(caches, handles)]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import kv_cache
 
 from graphcp import ConfigError, CPGroup, ModelConfig, ParallelConfig, PrefillEngine, RuntimeConfig
 from graphcp.cli.main import main
-from graphcp.kv.paged import PagedKVCache
 from graphcp.model.loader import load_model
 from graphcp.model.presets import PRESETS, ensure_preset, ensure_random_model
 from graphcp.runtime.pp.microbatch import last_pieces, split_microbatches
@@ -76,7 +76,7 @@ def test_microbatch_split_covers_every_token_once_in_order_and_balanced():
 
 
 def test_a_stage_caches_and_loads_only_its_layers(tmp_path):
-    kv = PagedKVCache(2, 4, 16, 2, 8, torch.float32, first_layer=2)
+    kv = kv_cache("replicated", 2, 4, 16, 2, 8, first_layer=2)
     assert kv.layer(2).data_ptr() == kv.pool[0].data_ptr() and kv.layer(3).data_ptr() == kv.pool[1].data_ptr()
     for i in (1, 4):
         with pytest.raises(IndexError, match=f"layer {i} is not cached here: this KV cache holds layers 2..3"):

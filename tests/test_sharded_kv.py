@@ -7,17 +7,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import kv_cache
 
 from graphcp.attention.ring.plan import RingPlanError, plan_sharded, visible_keys, visible_keys_of, visible_keys_to
 from graphcp.cp import ZigzagLayout
-from graphcp.kv.paged import KVCacheFull, KVHandleError
-from graphcp.kv.sharded import ShardedKVCache
+from graphcp.kv.handle import KVCacheFull, KVHandleError
+from graphcp.kv.paged import PagedKVCache
 
 PAGE = 4
 
 
-def _ranks(cp: int, pages: int = 40) -> list[ShardedKVCache]:
-    return [ShardedKVCache(1, pages, PAGE, 1, 2, torch.float32, cp_size=cp, rank=r) for r in range(cp)]
+def _ranks(cp: int, pages: int = 40) -> list[PagedKVCache]:
+    return [kv_cache("sharded", 1, pages, PAGE, 1, 2, cp_size=cp, rank=r) for r in range(cp)]
 
 
 def _extend(caches, prefixes_per_rank, lens):
@@ -30,14 +31,14 @@ def _check_holdings(caches, handles):
     for per_rank in handles:
         h0 = per_rank[0]
         held = [h.positions(r) for r, h in enumerate(per_rank)]
-        assert all(h.num_tokens == h0.num_tokens and h.chunks == h0.chunks for h in per_rank)
-        assert [len(p) for p in held] == list(h0.rank_tokens)
+        assert all(h.num_tokens == h0.num_tokens and h.holding.chunks == h0.holding.chunks for h in per_rank)
+        assert [len(p) for p in held] == list(h0.holding.rank_tokens)
         assert all(np.all(np.diff(p) > 0) for p in held)  # local order is increasing
         assert np.array_equal(np.sort(np.concatenate(held)), np.arange(h0.num_tokens))
         for r, h in enumerate(per_rank):
             assert len(h.pages) == -(-h.local_tokens(r) // PAGE)
-    used = caches[0].rank_used_pages()
-    assert all(np.array_equal(c.rank_used_pages(), used) for c in caches)
+    used = caches[0].placement.rank_used_pages()
+    assert all(np.array_equal(c.placement.rank_used_pages(), used) for c in caches)
     assert [c.stored_pages() for c in caches] == used.tolist()
     assert len({c.num_free_pages for c in caches}) == 1  # what a batch can count on, the same everywhere
     assert sum(c.stored_tokens() for c in caches) == sum(h[0].num_tokens for h in handles)
@@ -54,7 +55,7 @@ def test_chunks_spread_over_ranks_and_the_ledger_agrees(cp):
     ids2 = _extend(caches, [[first[0][r], first[1][r], None] for r in range(cp)], [5, 9, 1])
     second = [[c.handle(i[j]) for c, i in zip(caches, ids2)] for j in range(3)]
     _check_holdings(caches, second + [first[2]])
-    assert second[0][0].chunks == ((0, 37), (37, 5)) and second[0][0].num_tokens == 42
+    assert second[0][0].holding.chunks == ((0, 37), (37, 5)) and second[0][0].num_tokens == 42
     # the first chunk's handles are stale now, on every rank
     with pytest.raises(KVHandleError, match="stale"):
         caches[1].check_handle(first[0][1])
@@ -100,7 +101,7 @@ def test_admission_checks_every_rank_and_names_the_short_one():
     # 3x one rank's pool fits sharded (96 tokens over 4 pools)
     ids = [c.extend([None], [96]) for c in caches]
     assert [c.stored_tokens() for c in caches] == [24, 24, 24, 24]
-    assert caches[0].capacity_tokens == 4 * 32 and caches[0].rank_capacity_tokens == 32
+    assert caches[0].capacity_tokens == 4 * 32 and caches[0].placement.rank_capacity_tokens == 32
     assert ids[0] == ids[3]
 
 
@@ -191,7 +192,7 @@ def _random_chunks(cp: int, page: int, seed: int, rounds: int = 4):
     """C simulated ranks through a few random batches (new requests and chunks of earlier
     ones); yields after each batch's reservation: the caches, each rank's ids, the plan."""
     rng = np.random.default_rng(seed)
-    caches = [ShardedKVCache(1, 600, page, 1, 2, torch.float32, cp_size=cp, rank=r) for r in range(cp)]
+    caches = [kv_cache("sharded", 1, 600, page, 1, 2, cp_size=cp, rank=r) for r in range(cp)]
     handles: list[list] = []  # per live request: its handle on every rank
     for _ in range(rounds):
         num = int(rng.integers(1, 7))
@@ -221,7 +222,7 @@ def test_the_compiled_ring_plan_is_the_reference_counts(cp, page):
     and maxima, the slots, the pass-KV message, on random chunked batches."""
     for caches, ids, plan in _random_chunks(cp, page, seed=cp * 10 + page):
         start, length = plan.blocks()
-        after = caches[0].rank_tokens(ids[0])  # [C, R] (every rank's ledger the same)
+        after = caches[0].placement.rank_tokens(ids[0])  # [C, R] (every rank's ledger the same)
         every = visible_keys(start, length, after - length.sum(axis=2))
         pages = -(-after // page)
         for r, c in enumerate(caches):
@@ -270,15 +271,15 @@ def test_a_ledger_that_disagrees_is_refused_as_the_reference_words_it(cp):
         start, length = plan.blocks()
         for r, c in enumerate(caches):
             rows = c.table_rows(ids[r])
-            saved = c._held.copy()
+            saved = c.placement.ledger.held.copy()
             try:
                 for k in range(cp):  # one position of request 0 moved from rank k to the next rank
-                    c._held[:] = saved
-                    if c._held[rows[0], k] == 0:
+                    c.placement.ledger.held[:] = saved
+                    if c.placement.ledger.held[rows[0], k] == 0:
                         continue
-                    c._held[rows[0], k] -= 1
-                    c._held[rows[0], (k + 1) % cp] += 1
-                    before = c.rank_tokens(ids[r], rows) - length.sum(axis=2)
+                    c.placement.ledger.held[rows[0], k] -= 1
+                    c.placement.ledger.held[rows[0], (k + 1) % cp] += 1
+                    before = c.placement.rank_tokens(ids[r], rows) - length.sum(axis=2)
                     try:
                         visible_keys_of(r, start, length, before)
                     except RingPlanError as e:
@@ -292,7 +293,7 @@ def test_a_ledger_that_disagrees_is_refused_as_the_reference_words_it(cp):
                         with pytest.raises(RingPlanError, match="ring plan"):
                             plan_sharded(plan, c, ids[r], r, "pass-kv", torch.device("cpu"))
             finally:
-                c._held[:] = saved
+                c.placement.ledger.held[:] = saved
 
 
 def _sharded_digest() -> dict:
@@ -308,7 +309,7 @@ def _sharded_digest() -> dict:
     out: dict = {}
     rng = np.random.default_rng(5)
     for page, exchange in ((4, "pass-kv"), (3, "pass-q")):
-        kv = ShardedKVCache(1, 36, page, 1, 2, torch.float32, cp_size=4, rank=1)  # 35 pages a rank
+        kv = kv_cache("sharded", 1, 36, page, 1, 2, cp_size=4, rank=1)  # 35 pages a rank
         prep_of = BatchPreparer(ZigzagLayout(4), kv, CPGroup(rank=1, size=4), 1000, max_context=512,
                                 device=torch.device("cpu"), check_consistency=False,
                                 planner=RingPlanner(exchange, 1, 1, 1, 4, HardwareSpec()))

@@ -16,7 +16,9 @@ from helpers import rel_err
 
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.kernels.sparse_latent_configs import SparseTileConfig
-from graphcp.model.dsa.cache import MlaKVCache
+from graphcp.kv.layers import HeldLayers
+from graphcp.kv.spec import PoolSpec
+from graphcp.model.dsa.cache import MlaGeometry, MlaStorage
 from graphcp.model.dsa.sparse import SparseMlaSpec, TorchSparseMla
 from graphcp.model.dsa.sparse_triton import TritonSparseMla
 from graphcp.model.dsa.topk import mask_to_positions, select_topk
@@ -53,8 +55,9 @@ def _case(dtype: torch.dtype, seed: int = 0):
     rng = np.random.default_rng(seed)
     sp = SPEC
     need = sum(-(-n // PAGE) for n, _ in REQUESTS)
-    cache = MlaKVCache(2, need + 5, PAGE, sp.kv_lora_rank, sp.qk_rope_head_dim, sp.index_head_dim, (True, False),
-                       dtype)
+    pool = PoolSpec(range(2), need + 5, PAGE, dtype)
+    cache = MlaStorage(MlaGeometry(sp.kv_lora_rank, sp.qk_rope_head_dim, sp.index_head_dim, (True, False)), pool,
+                       HeldLayers(range(2), range(2)))
     cache.pool.copy_(torch.randn(cache.pool.shape, generator=g))
     cache.index_pool.copy_(torch.randn(cache.index_pool.shape, generator=g))
     free = rng.permutation(np.arange(1, need + 5))

@@ -36,7 +36,8 @@ from graphcp.attention.ring.plan import RingPlan, RingPlanner
 from graphcp.cp import Plan
 from graphcp.jit import host_kernel
 from graphcp.kv.layout import write_kv
-from graphcp.kv.paged import SCRATCH_PAGE, PagedKVCache
+from graphcp.kv.page_table import SCRATCH_PAGE
+from graphcp.kv.paged import PagedKVCache
 from graphcp.nvtx_ranges import nvtx_range
 
 

@@ -11,7 +11,7 @@ from graphcp.config import ParallelConfig, RuntimeConfig
 from graphcp.dist import CPGroup, run_ranks
 from graphcp.errors import GraphcpError, InputError, user_error
 from graphcp.jobs.args import runtime_flag
-from graphcp.kv.paged import KVCacheFull
+from graphcp.kv.handle import KVCacheFull
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.engine import PrefillEngine
 

@@ -1,5 +1,5 @@
 """One decode step's reservation: where each request's new token lands, as the cache mode
-decides it (:meth:`graphcp.kv.paged.PagedKVCache.reserve_decode`).
+decides it (its placement's ``reserve_decode``, graphcp.kv.placement).
 
 A decode step adds one token to each of a batch of live requests, at position
 ``num_tokens`` of each. A replicated or layer-split cache stores it on every rank (a

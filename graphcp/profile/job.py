@@ -18,7 +18,7 @@ from graphcp.dist import CPGroup, barrier, gather_object
 from graphcp.errors import InputError
 from graphcp.jobs.quiet_profiler import without_kineto_log
 from graphcp.jobs.spec import make_engine
-from graphcp.kv.paged import KVCacheFull, KVHandle
+from graphcp.kv.handle import KVCacheFull, KVHandle
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.profile.nsys import write_rank_pids
 from graphcp.profile.summary import events_from_chrome_trace, rank_profile, write_rank

@@ -29,7 +29,8 @@ from graphcp.cp import Layout, Plan
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, GraphcpError
 from graphcp.jit import host_kernel
-from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError, PagedKVCache
+from graphcp.kv.handle import KVCacheFull, KVHandle, KVHandleError
+from graphcp.kv.paged import PagedKVCache
 from graphcp.nvtx_ranges import nvtx_range
 
 

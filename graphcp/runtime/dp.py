@@ -34,7 +34,7 @@ import torch
 from graphcp.attention.staging import to_device
 from graphcp.dist import CPGroup, gather_object
 from graphcp.errors import BatchError
-from graphcp.kv.paged import KVHandle, KVHandleError
+from graphcp.kv.handle import KVHandle, KVHandleError
 from graphcp.runtime.batch import (
     PrefillOutput,
     PreparedBatch,

@@ -31,7 +31,7 @@ from graphcp.checks import check_int, check_layer_list
 from graphcp.config import MAX_MICROBATCHES, ParallelConfig, RuntimeConfig
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, ConfigError, InputError
-from graphcp.kv.paged import KVHandle
+from graphcp.kv.handle import KVHandle
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.batch import PrefillOutput, Request
 from graphcp.runtime.build import build_parts

@@ -10,7 +10,7 @@ from graphcp.checks import check_int
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings
 from graphcp.errors import InputError
-from graphcp.kv.paged import KVHandle
+from graphcp.kv.handle import KVHandle
 from graphcp.mesh import MeshCoords, coords
 from graphcp.model.fingerprint import model_fingerprint
 from graphcp.pd.export import assemble, gather_stages

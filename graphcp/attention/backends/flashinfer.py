@@ -92,7 +92,7 @@ from graphcp.attention.base import AttentionBackend, AttentionMetadata, Attentio
 from graphcp.attention.catalog import register_backend
 from graphcp.attention.staging import PinnedStaging, to_device
 from graphcp.errors import ConfigError
-from graphcp.kv.paged import SCRATCH_PAGE
+from graphcp.kv.page_table import SCRATCH_PAGE
 
 FLASHINFER_EXTRA = 'pip install -e ".[flashinfer]"'
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024

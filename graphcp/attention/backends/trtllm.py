@@ -77,7 +77,7 @@ from graphcp.attention.backends.flashinfer import (
 from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
 from graphcp.attention.catalog import register_backend
 from graphcp.errors import ConfigError
-from graphcp.kv.paged import SCRATCH_PAGE
+from graphcp.kv.page_table import SCRATCH_PAGE
 
 SUPPORTED_CAPABILITIES = ((10, 0), (10, 3))
 SUPPORTED_PAGE_SIZES = (16, 32, 64)

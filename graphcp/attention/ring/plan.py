@@ -1,7 +1,7 @@
 """Host-side plan of one forward's ring over a token-sharded KV cache.
 
 Every rank derives the same facts from the batch's zigzag plan and the cache's
-ledger (:mod:`graphcp.kv.sharded`): which positions of each request every rank
+ledger (:mod:`graphcp.kv.placement.ledger`): which positions of each request every rank
 holds (its cached prefix pieces, then this forward's early and late blocks). The
 masks then follow from positions alone. A query block ``(q, j, e)`` (rank ``q``'s
 early or late block of request ``j``) sees, of rank ``k``'s keys of request ``j``,
@@ -45,7 +45,8 @@ from graphcp.attention.ring.hardware import HardwareSpec
 from graphcp.attention.staging import to_device
 from graphcp.cp.zigzag import ZigzagPlan
 from graphcp.jit import host_kernel
-from graphcp.kv.sharded import ShardedKVCache, page_count
+from graphcp.kv.paged import PagedKVCache
+from graphcp.kv.placement.ledger import page_count
 
 
 class RingPlanError(RuntimeError):
@@ -195,7 +196,7 @@ def visible_keys_to(rank: int, start: np.ndarray, length: np.ndarray, held_befor
     return col
 
 
-def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int, exchange: str,
+def plan_sharded(plan: ZigzagPlan, kv: PagedKVCache, seq_ids: list[int], rank: int, exchange: str,
                  device: torch.device, choice: ExchangeChoice | None = None,
                  seq_rows: np.ndarray | None = None) -> ShardedInputs:
     """Rank ``rank``'s inputs for one batch over a sharded cache whose pages the batch
@@ -207,10 +208,10 @@ def plan_sharded(plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank:
     start, length = plan.blocks()
     if seq_rows is None:
         seq_rows = kv.table_rows(seq_ids)
-    ledger = kv.ledger
+    ledger = kv.placement.ledger.counts  # (a token-sharded cache's: graphcp.kv.placement.sharded)
     pass_q = exchange == "pass-q"
     msg = np.empty(C, dtype=np.int64)
-    shift = kv.page_shift
+    shift = kv.allocator.table.page_shift
     own_width, widest = _ring_extent(ledger, seq_rows, rank, ps, shift, msg)
     if own_width > kv.table_width:  # (the kernel reads this rank's pages of every request from its table rows)
         raise RingPlanError(f"ring plan: the ledger gives rank {rank} {own_width} pages of one request, its page "
@@ -424,12 +425,12 @@ class RingPlanner:
         return choose_exchange(self.exchange, plan.num_tokens, int(np.add.reduce(plan.prefix_lens)), self.num_heads,
                                self.num_kv_heads, self.head_dim, plan.cp_size, self.elem_bytes, self.hardware)
 
-    def inputs(self, plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int,
+    def inputs(self, plan: ZigzagPlan, kv: PagedKVCache, seq_ids: list[int], rank: int,
                device: torch.device, seq_rows: np.ndarray | None = None) -> ShardedInputs:
         choice = self.choose(plan)
         return plan_sharded(plan, kv, seq_ids, rank, choice.exchange, device, choice, seq_rows)
 
-    def rank_inputs(self, plan: ZigzagPlan, kv: ShardedKVCache, seq_ids: list[int], rank: int, flat: np.ndarray,
+    def rank_inputs(self, plan: ZigzagPlan, kv: PagedKVCache, seq_ids: list[int], rank: int, flat: np.ndarray,
                     device: torch.device, seq_rows: np.ndarray | None = None) -> RankInputs:
         """This rank's host inputs of a planned batch (the batch preparer's call): its own
         rows' ids, positions and local slots, step 0's metadata and the ring plan."""

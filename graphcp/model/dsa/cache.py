@@ -1,4 +1,4 @@
-"""The paged cache of a DSA model: MLA's latent and the indexer's keys.
+"""The storage of a DSA model's cache: MLA's latent and the indexer's keys.
 
 Per layer and token MLA needs only what ``kv_a_proj_with_mqa`` produced: the
 compressed latent (``kv_lora_rank`` values, after ``kv_a_layernorm``) and the rope
@@ -14,15 +14,24 @@ Beside it, for every layer that runs the indexer, the indexer's key of each toke
 (``index_head_dim`` values, after LayerNorm and RoPE), scored against later queries
 (GLM's interleaved indexer RoPE: its pairs in place too, a permutation of transformers').
 
-Pools, pages along dim 1 as in :class:`PagedKVCache` (same allocator, page tables,
-slots and handles; page 0 is scratch):
+Pools, pages along dim 1 (page 0 is scratch; the allocator, page tables, slots and
+handles are every cache's, graphcp.kv):
 
-- ``pool``: ``[num_layers, num_pages, page_size, latent_dim]``;
-- ``index_pool``: ``[num_indexer_layers, num_pages, page_size, index_head_dim]``.
+- ``pool``: ``[latent layers, num_pages, page_size, latent_dim]``;
+- ``index_pool``: ``[indexer-key layers, num_pages, page_size, index_head_dim]``.
 
-The forward reads a layer through :meth:`latent` and :meth:`index_keys` only: the
-layer split of these caches (graphcp.model.dsa.layer_split) overrides them. A PD export
-reads :meth:`read_span` (graphcp.model.dsa.export).
+The layers are those this rank keeps (graphcp.kv.layers): every layer it serves
+(replicated), or under the layer split its own, and one scratch layer in each pool that
+the others are written to. In the attention break (``run_sparse_mla``) a layer's owner
+broadcasts the batch's cached-prefix pages of that layer, latent and indexer keys in one
+message, before the indexer scores and the sparse attention read them: the same values
+as the replicated cache, so the logits are bitwise the replicated engine's. A GLM
+"shared" layer keeps no indexer keys (it reuses the last indexer layer's selection), so
+only its latent is fetched.
+
+The forward reads a layer through :meth:`MlaStorage.latent` and
+:meth:`MlaStorage.index_keys`; a PD export reads the cache's ``read_span``
+(graphcp.model.dsa.export).
 """
 
 from __future__ import annotations
@@ -31,9 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcp.kv.paged import KVHandle, PagedKVCache
-from graphcp.kv.spans import KVSpan
+from graphcp.kv.handle import KVHandle
+from graphcp.kv.layers import HeldLayers, LayerSlots
 from graphcp.kv.spec import PoolSpec
+from graphcp.kv.storage.base import Storage, itemsize
 
 
 @dataclass(frozen=True)
@@ -50,71 +60,46 @@ class MlaGeometry:
     def indexer_of(self, layers: range) -> tuple[bool, ...]:
         return self.indexer_layers[layers.start:layers.stop]
 
+    def slots(self, pool: PoolSpec, held: HeldLayers) -> tuple[LayerSlots, LayerSlots]:
+        """Where each layer lives in the latent pool and in the indexer-key pool."""
+        indexer = self.indexer_of(pool.layers)
+        if len(indexer) != len(pool.layers):
+            raise ValueError(f"indexer_layers has {len(indexer)} entries for {len(pool.layers)} layers")
+        index_layers = [i for i, full in zip(pool.layers, indexer) if full]
+        return LayerSlots(held), LayerSlots(held, index_layers, what=_NO_INDEX_KEYS)
 
-class MlaKVCache(PagedKVCache):
+
+_NO_INDEX_KEYS = "reuses an earlier layer's top-k and keeps no indexer keys"
+
+
+class MlaStorage(Storage):
+    modes = ("replicated", "layer-split")
+
+    def __init__(self, geometry: MlaGeometry, pool: PoolSpec, held: HeldLayers) -> None:
+        self.kv_lora_rank, self.rope_dim, self.index_dim = geometry.kv_lora_rank, geometry.rope_dim, geometry.index_dim
+        self.num_pages, self.page_size, self.held = pool.num_pages, pool.page_size, held
+        self.latent_slots, self.index_slots = geometry.slots(pool, held)
+        #: the served layers that run the indexer (a GLM "shared" layer does not)
+        self.indexer = frozenset(i for i, full in zip(pool.layers, geometry.indexer_of(pool.layers)) if full)
+        shape = (pool.num_pages, pool.page_size)
+        self.pool = torch.zeros((self.latent_slots.depth, *shape, self.latent_dim), dtype=pool.dtype,
+                                device=pool.device)
+        self.index_pool = torch.zeros((self.index_slots.depth, *shape, self.index_dim), dtype=pool.dtype,
+                                      device=pool.device)
+
     @classmethod
-    def create(cls, geometry: MlaGeometry, pool: PoolSpec) -> "MlaKVCache":
-        return cls(*cls._args(geometry, pool), first_layer=pool.layers.start)
-
-    @staticmethod
-    def _args(g: MlaGeometry, pool: PoolSpec) -> tuple:
-        return (len(pool.layers), pool.num_pages, pool.page_size, g.kv_lora_rank, g.rope_dim, g.index_dim,
-                g.indexer_of(pool.layers), pool.dtype, pool.device, pool.max_pages_per_seq)
+    def create(cls, geometry: MlaGeometry, pool: PoolSpec, held: HeldLayers) -> "MlaStorage":
+        return cls(geometry, pool, held)
 
     @classmethod
-    def held_layers_of(cls, geometry: MlaGeometry, pool: PoolSpec) -> tuple[int, int]:
-        """(latent layers, indexer-key layers) a rank's pools hold."""
-        indexer = geometry.indexer_of(pool.layers)
-        return len(indexer), sum(indexer)
-
-    @classmethod
-    def pool_bytes_for(cls, geometry: MlaGeometry, pool: PoolSpec) -> int:
-        held, index_held = cls.held_layers_of(geometry, pool)
-        itemsize = torch.empty(0, dtype=pool.dtype).element_size()
-        return pool.num_pages * cls.bytes_per_page(held, pool.page_size, geometry.kv_lora_rank + geometry.rope_dim,
-                                                   geometry.index_dim, index_held, itemsize)
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_pages: int,
-        page_size: int,
-        kv_lora_rank: int,
-        rope_dim: int,
-        index_dim: int,
-        indexer_layers: tuple[bool, ...],
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        max_pages_per_seq: int | None = None,
-        first_layer: int = 0,
-    ) -> None:
-        """``num_layers`` from global layer ``first_layer`` on (a pipeline stage's, or the
-        model's); ``indexer_layers``: which of them run the indexer."""
-        if len(indexer_layers) != num_layers:
-            raise ValueError(f"indexer_layers has {len(indexer_layers)} entries for {num_layers} layers")
-        self.kv_lora_rank, self.rope_dim, self.index_dim = kv_lora_rank, rope_dim, index_dim
-        #: global layer -> its slot of index_pool (layers that run the indexer only)
-        self.index_slot = {first_layer + i: j
-                           for j, i in enumerate(i for i, full in enumerate(indexer_layers) if full)}
-        # the base class's "one head of latent_dim" is what a token holds: its bookkeeping fits
-        super().__init__(num_layers, num_pages, page_size, 1, kv_lora_rank + rope_dim, dtype, device, "NHD",
-                         max_pages_per_seq, first_layer)
+    def pool_bytes(cls, geometry: MlaGeometry, pool: PoolSpec, held: HeldLayers) -> int:
+        latent, index = geometry.slots(pool, held)
+        values = latent.depth * (geometry.kv_lora_rank + geometry.rope_dim) + index.depth * geometry.index_dim
+        return pool.num_pages * pool.page_size * values * itemsize(pool.dtype)
 
     @property
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.rope_dim
-
-    @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, latent_dim: int, index_dim: int, num_indexer_layers: int,
-                       itemsize: int) -> int:
-        """Bytes one page takes in both pools (the engine checks the pool fits memory)."""
-        return page_size * (num_layers * latent_dim + num_indexer_layers * index_dim) * itemsize
-
-    def _allocate_pool(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        self.index_pool = torch.zeros((len(self.index_slot), self.num_pages, self.page_size, self.index_dim),
-                                      dtype=dtype, device=device)
-        return torch.zeros((self.num_layers, self.num_pages, self.page_size, self.latent_dim), dtype=dtype,
-                           device=device)
 
     def page_pools(self) -> dict[str, torch.Tensor]:
         return {"latent_cache": self.pool, "index_key_cache": self.index_pool}
@@ -123,21 +108,24 @@ class MlaKVCache(PagedKVCache):
         return self.latent_dim + (self.index_dim if self.has_index_keys(layer) else 0)
 
     def latent(self, layer: int) -> torch.Tensor:
-        """``[num_pages, page_size, latent_dim]``: layer ``layer``'s latent + rope keys."""
-        return self.pool[self.local_layer(layer)]
+        """``[num_pages, page_size, latent_dim]``: layer ``layer``'s latent + rope keys
+        (under the layer split: its own, or the scratch layer)."""
+        return self.pool[self.latent_slots[layer]]
 
     def layer(self, i: int) -> torch.Tensor:
         return self.latent(i)
 
     def has_index_keys(self, layer: int) -> bool:
-        return layer in self.index_slot
+        return layer in self.indexer
 
     def index_keys(self, layer: int) -> torch.Tensor:
         """``[num_pages, page_size, index_dim]``: the indexer keys of a layer that runs it."""
-        slot = self.index_slot.get(layer)
-        if slot is None:
-            raise ValueError(f"layer {layer} reuses an earlier layer's top-k and keeps no indexer keys")
-        return self.index_pool[slot]
+        if layer not in self.indexer:
+            raise ValueError(f"layer {layer} {_NO_INDEX_KEYS}")
+        return self.index_pool[self.index_slots[layer]]
+
+    def layer_pools(self, layer: int) -> list[torch.Tensor]:
+        return [self.latent(layer)] + ([self.index_keys(layer)] if self.has_index_keys(layer) else [])
 
     def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Scatter ``rows [n, latent_dim (+ index_dim)]`` (latent, rope key, and the
@@ -149,26 +137,25 @@ class MlaKVCache(PagedKVCache):
         if self.has_index_keys(layer):
             self.index_keys(layer)[page, off] = rows[:, self.latent_dim:]
 
-    def read_span(self, handle: KVHandle, span: KVSpan) -> tuple[torch.Tensor, ...]:
-        """``handle``'s positions ``[span.start, span.stop)`` of one layer (new
-        contiguous tensors, tokens along dim 0): ``latent [n, kv_lora_rank]``, ``rope_key
-        [n, rope_dim]`` (pairs interleaved, as cached) and, where the layer runs the
-        indexer, ``index_key [n, index_dim]`` (graphcp.model.dsa.export's per-layer tensors)."""
-        self.check_handle(handle)
+    def read_span(self, pages: tuple[int, ...], layer: int, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """Positions ``[start, stop)`` of one layer (new contiguous tensors, tokens along
+        dim 0): ``latent [n, kv_lora_rank]``, ``rope_key [n, rope_dim]`` (pairs
+        interleaved, as cached) and, where the layer runs the indexer, ``index_key [n,
+        index_dim]`` (graphcp.model.dsa.export's per-layer tensors)."""
         ps = self.page_size
-        first, last = span.start // ps, self.pages_for(span.stop)
-        pages = torch.tensor(handle.pages[first:last], dtype=torch.long, device=self.pool.device)
-        lo, hi = span.start - first * ps, span.stop - first * ps
-        lat = self.latent(span.layer).index_select(0, pages).flatten(0, 1)[lo:hi]
+        first, last = start // ps, -(-stop // ps)
+        index = torch.tensor(pages[first:last], dtype=torch.long, device=self.pool.device)
+        lo, hi = start - first * ps, stop - first * ps
+        lat = self.latent(layer).index_select(0, index).flatten(0, 1)[lo:hi]
         out = (lat[:, : self.kv_lora_rank].contiguous(), lat[:, self.kv_lora_rank:].contiguous())
-        if self.has_index_keys(span.layer):
-            out += (self.index_keys(span.layer).index_select(0, pages).flatten(0, 1)[lo:hi].contiguous(),)
+        if self.has_index_keys(layer):
+            out += (self.index_keys(layer).index_select(0, index).flatten(0, 1)[lo:hi].contiguous(),)
         return out
 
     def read_tokens(self, handle: KVHandle, layer: int) -> dict[str, torch.Tensor]:
-        """One request's cached tokens of one layer, as a decode engine of these models
-        needs them (new tensors): ``latent [T, kv_lora_rank]``, ``rope_key [T,
-        qk_rope_head_dim]`` (pairs interleaved) and, where the layer runs the indexer,
-        ``index_key [T, index_head_dim]``."""
-        parts = self.read_span(handle, KVSpan(layer, 0, handle.num_tokens, 0))
+        """One request's cached tokens of one layer (a live handle of this cache's: the
+        caller checks it), as a decode engine of these models needs them (new tensors):
+        ``latent [T, kv_lora_rank]``, ``rope_key [T, qk_rope_head_dim]`` (pairs
+        interleaved) and, where the layer runs the indexer, ``index_key [T, index_head_dim]``."""
+        parts = self.read_span(handle.pages, layer, 0, handle.num_tokens)
         return dict(zip(("latent", "rope_key", "index_key"), parts))

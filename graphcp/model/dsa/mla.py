@@ -49,7 +49,7 @@ def attend_sparse(ctx: ForwardContext, layer: int, q: torch.Tensor, index_q: tor
     cached-prefix pages of this layer (latent and indexer keys) from their owner."""
     with nvtx_range(f"attention[{layer}]", category="break"):
         fetch_prefix(ctx, layer)
-        ctx.kv.backend.forward(layer, q, index_q, index_w, kv_b_weight, ctx.kv.cache, out)
+        ctx.kv.backend.forward(layer, q, index_q, index_w, kv_b_weight, ctx.kv.cache.storage, out)
 
 
 run_sparse_mla = graph_break("attention")(attend_sparse)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.staging import to_device_packed
-from graphcp.model.dsa.cache import MlaKVCache
+from graphcp.model.dsa.cache import MlaStorage
 from graphcp.model.dsa.topk import Selector, index_scores, positions_to_mask, select_topk
 
 #: ForwardInfo.stats keys (per forward, summed over the layers that run the indexer)
@@ -147,7 +147,7 @@ class SparseMlaBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
-                kv_b_weight: torch.Tensor, cache: MlaKVCache, out: torch.Tensor) -> None:
+                kv_b_weight: torch.Tensor, cache: MlaStorage, out: torch.Tensor) -> None:
         """Attend ``q [rows, H, qk_nope + qk_rope]`` (rope part rotated) over the cache,
         each row restricted to its top-k tokens; write ``out [rows, H, v_head_dim]``
         (padding rows: zeros). ``index_q [rows, H_I, D_I]`` and ``index_w [rows, H_I]``
@@ -227,7 +227,7 @@ class SelectingSparseMla(SparseMlaBackend):
         return out
 
     def selected_blocks(self, layer: int, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
-                        cache: MlaKVCache, device: torch.device) -> Iterator[SelectedBlock]:
+                        cache: MlaStorage, device: torch.device) -> Iterator[SelectedBlock]:
         """Every block of this forward's rows with its selection, scored here in a layer
         that runs the indexer (``index_q`` given), else the last indexer layer's."""
         sp = self.spec

@@ -35,7 +35,7 @@ from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.kernels.sparse_latent_configs import SparseTileConfig, sparse_tile_config
 from graphcp.attention.staging import to_device
 from graphcp.errors import ConfigError, InputError
-from graphcp.model.dsa.cache import MlaKVCache
+from graphcp.model.dsa.cache import MlaStorage
 from graphcp.model.dsa.sparse import SelectingSparseMla, SparseMlaSpec
 from graphcp.model.dsa.topk import Selector, causal_positions, select_topk
 
@@ -86,7 +86,7 @@ class TritonSparseMla(SelectingSparseMla):
         return self._tables[1], self._tables[2]
 
     def selection(self, layer: int, rows: int, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
-                  cache: MlaKVCache, device: torch.device) -> torch.Tensor:
+                  cache: MlaStorage, device: torch.device) -> torch.Tensor:
         """int32 ``[rows, index_topk]``: every row's selected positions (ascending, -1
         padded; dense rows: 0 .. their position; padding rows: all -1)."""
         k = self.spec.index_topk
@@ -119,7 +119,7 @@ class TritonSparseMla(SelectingSparseMla):
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         out.copy_(torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1))
 
-    def _check(self, layer: int, q: torch.Tensor, cache: MlaKVCache, out: torch.Tensor) -> None:
+    def _check(self, layer: int, q: torch.Tensor, cache: MlaStorage, out: torch.Tensor) -> None:
         sp = self.spec
         want = (sp.num_heads, sp.qk_head_dim)
         if q.dim() != 3 or tuple(q.shape[1:]) != want:

@@ -36,7 +36,7 @@ def attend_v4(ctx: ForwardContext, layer: int, q: torch.Tensor, index_q: torch.T
     the batch's cached-prefix pages of this layer's pools from their owner."""
     with nvtx_range(f"attention[{layer}]", category="break"):
         fetch_prefix(ctx, layer)
-        ctx.kv.backend.forward(layer, q, index_q, index_w, sinks, ctx.kv.cache, weights, out)
+        ctx.kv.backend.forward(layer, q, index_q, index_w, sinks, ctx.kv.cache.storage, weights, out)
 
 
 run_v4_attention = graph_break("attention")(attend_v4)

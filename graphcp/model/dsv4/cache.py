@@ -1,4 +1,4 @@
-"""The paged cache of a DeepSeek V4 model (docs/dsv4.md): per layer kind,
+"""The storage of a DeepSeek V4 model's cache (docs/dsv4.md): per layer kind,
 
 - **window rows** (every layer): each token's K = V (``head_dim`` values, after the
   norm and RoPE), what the sliding window reads;
@@ -12,7 +12,7 @@
   tokens (and a CSA layer's indexer entry of ``index_head_dim``), written by the
   forward that closes its window.
 
-All pools share :class:`PagedKVCache`'s allocator, page tables, slots and handles (page
+All pools share the cache's allocator, page tables, slots and handles (graphcp.kv; page
 0 is scratch). Token pools hold ``page_size`` rows a page. An entry pool holds
 ``epp = max(1, page_size / m)`` entries a page: entry ``e`` of a request lives in the
 page that holds its first token (token ``e * m``), at ``e % epp``, so a request's pages
@@ -22,9 +22,14 @@ multiple of it.
 
 Every token's window and source rows are kept: only the last ``sliding_window - 1``
 window rows and the last ``2 m`` source rows are read again (docs/dsv4.md says what
-releasing the older pages would save). :class:`DsV4KVCache` holds every layer it serves
-(replicated over the CP ranks); :class:`LayerSplitDsV4KVCache` its own layers and a
-scratch layer a pool (``--kv-cache layer-split``).
+releasing the older pages would save). :class:`DsV4Storage` holds the layers this rank
+keeps (graphcp.kv.layers): every layer it serves (replicated over the CP ranks), or
+under the layer split (``--kv-cache layer-split``) its own, with a scratch layer in each
+pool some served layer of whose kind another rank keeps. The exchange writes a layer's
+rows where the accessors point (its own slots on its owner, the scratch elsewhere); in
+the attention break the owner broadcasts the batch's cached-prefix pages of every pool
+of that layer before the pooling and attention read them: the same values as the
+replicated cache.
 """
 
 from __future__ import annotations
@@ -34,10 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.errors import ConfigError
-from graphcp.kv.layer_split import LayerOwnership
-from graphcp.kv.paged import KVHandle, PagedKVCache
-from graphcp.kv.spans import owned_layers
+from graphcp.kv.handle import KVHandle
+from graphcp.kv.layers import HeldLayers, LayerSlots
 from graphcp.kv.spec import PoolSpec
+from graphcp.kv.storage.base import Storage, itemsize
 
 #: a V4 layer's kind: a window only, the window + compressed sparse entries, + heavily compressed entries
 SLIDING, CSA, HCA = "sliding", "csa", "hca"
@@ -84,90 +89,53 @@ def entries_per_page(page_size: int, rate: int, where: str = "RuntimeConfig.page
     return 1
 
 
-class DsV4KVCache(PagedKVCache):
-    #: pools keep one scratch layer for the layers this rank does not hold (LayerSplit)
-    scratch = False
+def layer_slots(cfg: DsV4CacheSpec, held: HeldLayers) -> dict[str | None, LayerSlots]:
+    """Where each layer lives in each pool: the window pool (None: every layer) and each
+    compressed kind's; a pool has a scratch layer when some served layer of its kind is
+    kept by another rank."""
+    out = {}
+    for kind in (None, CSA, HCA):
+        layers = [i for i in held.served if kind is None or cfg.layer_kinds[i] == kind]
+        missing = any(i not in held.held for i in layers)
+        out[kind] = LayerSlots(held, layers, scratch=held.split and missing, what=f"is not a {kind} layer")
+    return out
 
-    @classmethod
-    def create(cls, geometry: DsV4CacheSpec, pool: PoolSpec) -> "DsV4KVCache":
-        return cls(geometry, pool.num_pages, pool.page_size, pool.dtype, pool.device, pool.max_pages_per_seq,
-                   pool.layers)
 
-    @classmethod
-    def held_of(cls, pool: PoolSpec) -> tuple[range, range | None]:
-        """(the layers a rank's pools hold, the layers a split serves or None)."""
-        return pool.layers, None
+class DsV4Storage(Storage):
+    modes = ("replicated", "layer-split")
 
-    @classmethod
-    def pool_bytes_for(cls, geometry: DsV4CacheSpec, pool: PoolSpec) -> int:
-        held, served = cls.held_of(pool)
-        itemsize = torch.empty(0, dtype=pool.dtype).element_size()
-        return pool.num_pages * cls.bytes_per_page(geometry, pool.page_size, itemsize, held, served)
-
-    def __init__(self, cfg: DsV4CacheSpec, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", max_pages_per_seq: int | None = None,
-                 layers: range | None = None, held: range | None = None) -> None:
-        """``layers``: the global layers the cache serves (a pipeline stage's; None: the
-        model's); ``held``: those whose pools this rank keeps (None: all of them)."""
-        self.cfg = cfg
-        self.layers = layers = layers if layers is not None else range(len(cfg.layer_kinds))
-        self.epp = {kind: entries_per_page(page_size, rate) for kind, rate in ((CSA, cfg.compress_csa),
-                                                                             (HCA, cfg.compress_hca))}
-        held = layers if held is None else held
-        #: pool -> global layer -> its index in the pool (None: the window pool; CSA / HCA: that kind's)
-        self.index = {None: {i: j for j, i in enumerate(held)}}
-        for k in (CSA, HCA):
-            self.index[k] = {i: j for j, i in enumerate(x for x in held if cfg.layer_kinds[x] == k)}
-        super().__init__(len(layers), num_pages, page_size, 1, cfg.head_dim, dtype, device, "NHD", max_pages_per_seq,
-                         layers.start)
-
-    def _scratch(self, kind: str | None) -> int:
-        """Scratch layers a pool keeps: one when some layer it serves is not held here."""
-        of_kind = [i for i in self.layers if kind is None or self.cfg.layer_kinds[i] == kind]
-        return int(self.scratch and any(i not in self.index[kind] for i in of_kind))
-
-    def _at(self, layer: int, kind: str | None) -> int:
-        """``layer``'s index in a pool (the window's, or a kind's): its own, or the scratch."""
-        held = self.index[kind]
-        j = held.get(layer)
-        if j is not None:
-            return j
-        if self.scratch and layer in self.layers:
-            return len(held)
-        raise IndexError(f"layer {layer} is not cached here: this cache serves layers "
-                         f"{self.layers.start}..{self.layers.stop - 1}")
-
-    @staticmethod
-    def bytes_per_page(cfg: DsV4CacheSpec, page_size: int, itemsize: int, layers: range | None = None,
-                       served: range | None = None) -> int:
-        """Bytes one page takes in every pool holding ``layers`` (None: the model's); with
-        ``served`` (LayerSplit: the layers the split covers) one scratch layer in each pool
-        some served layer of whose kind is not held (the engine checks the pools fit memory)."""
-        layers = list(layers if layers is not None else range(len(cfg.layer_kinds)))
-        missing = [i for i in (served or ()) if i not in layers]
-        n_csa = sum(cfg.layer_kinds[i] == CSA for i in layers) + any(cfg.layer_kinds[i] == CSA for i in missing)
-        n_hca = sum(cfg.layer_kinds[i] == HCA for i in layers) + any(cfg.layer_kinds[i] == HCA for i in missing)
-        layers += [None] * bool(missing)
-        epp_csa = entries_per_page(page_size, cfg.compress_csa)
-        epp_hca = entries_per_page(page_size, cfg.compress_hca)
-        values = page_size * (len(layers) * cfg.head_dim
-                              + n_csa * (4 * cfg.head_dim + 4 * cfg.index_head_dim) + n_hca * 2 * cfg.head_dim)
-        values += epp_csa * n_csa * (cfg.head_dim + cfg.index_head_dim) + epp_hca * n_hca * cfg.head_dim
-        return values * itemsize
-
-    def _allocate_pool(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        c, P, ps = self.cfg, self.num_pages, self.page_size
-        n_csa, n_hca = len(self.index[CSA]) + self._scratch(CSA), len(self.index[HCA]) + self._scratch(HCA)
+    def __init__(self, cfg: DsV4CacheSpec, pool: PoolSpec, held: HeldLayers) -> None:
+        self.cfg, self.held = cfg, held
+        self.num_pages, self.page_size = pool.num_pages, pool.page_size
+        self.epp = {kind: entries_per_page(pool.page_size, rate) for kind, rate in ((CSA, cfg.compress_csa),
+                                                                                  (HCA, cfg.compress_hca))}
+        #: pool (None: the window pool; CSA / HCA: that kind's) -> where each layer lives in it
+        self.slots = layer_slots(cfg, held)
+        P, ps, hd, ihd = pool.num_pages, pool.page_size, cfg.head_dim, cfg.index_head_dim
+        n_csa, n_hca = self.slots[CSA].depth, self.slots[HCA].depth
 
         def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
+            return torch.zeros(shape, dtype=pool.dtype, device=pool.device)
 
-        self.source_pools = {CSA: zeros(n_csa, P, ps, 4 * c.head_dim + 4 * c.index_head_dim),
-                             HCA: zeros(n_hca, P, ps, 2 * c.head_dim)}
-        self.entry_pools = {CSA: zeros(n_csa, P, self.epp[CSA], c.head_dim),
-                            HCA: zeros(n_hca, P, self.epp[HCA], c.head_dim)}
-        self.index_pool = zeros(n_csa, P, self.epp[CSA], c.index_head_dim)
-        return zeros(len(self.index[None]) + self._scratch(None), P, ps, c.head_dim)
+        self.source_pools = {CSA: zeros(n_csa, P, ps, 4 * hd + 4 * ihd), HCA: zeros(n_hca, P, ps, 2 * hd)}
+        self.entry_pools = {CSA: zeros(n_csa, P, self.epp[CSA], hd), HCA: zeros(n_hca, P, self.epp[HCA], hd)}
+        self.index_pool = zeros(n_csa, P, self.epp[CSA], ihd)
+        self.pool = zeros(self.slots[None].depth, P, ps, hd)
+
+    @classmethod
+    def create(cls, geometry: DsV4CacheSpec, pool: PoolSpec, held: HeldLayers) -> "DsV4Storage":
+        return cls(geometry, pool, held)
+
+    @classmethod
+    def pool_bytes(cls, geometry: DsV4CacheSpec, pool: PoolSpec, held: HeldLayers) -> int:
+        """Bytes of every pool (the engine checks the pools fit memory)."""
+        c, ps = geometry, pool.page_size
+        slots = layer_slots(c, held)
+        n_win, n_csa, n_hca = slots[None].depth, slots[CSA].depth, slots[HCA].depth
+        values = ps * (n_win * c.head_dim + n_csa * (4 * c.head_dim + 4 * c.index_head_dim) + n_hca * 2 * c.head_dim)
+        values += (entries_per_page(ps, c.compress_csa) * n_csa * (c.head_dim + c.index_head_dim)
+                   + entries_per_page(ps, c.compress_hca) * n_hca * c.head_dim)
+        return pool.num_pages * values * itemsize(pool.dtype)
 
     def page_pools(self) -> dict[str, torch.Tensor]:
         return {"window": self.pool, "source_csa": self.source_pools[CSA], "source_hca": self.source_pools[HCA],
@@ -183,7 +151,7 @@ class DsV4KVCache(PagedKVCache):
 
     def window(self, layer: int) -> torch.Tensor:
         """``[num_pages, page_size, head_dim]``: layer ``layer``'s window rows."""
-        return self.pool[self._at(layer, None)]
+        return self.pool[self.slots[None][layer]]
 
     def layer(self, i: int) -> torch.Tensor:
         return self.window(i)
@@ -191,16 +159,25 @@ class DsV4KVCache(PagedKVCache):
     def sources(self, layer: int) -> torch.Tensor:
         """``[num_pages, page_size, width]``: a compressed layer's source rows."""
         kind = self.kind(layer)
-        return self.source_pools[kind][self._at(layer, kind)]
+        return self.source_pools[kind][self.slots[kind][layer]]
 
     def entries(self, layer: int) -> torch.Tensor:
         """``[num_pages, epp, head_dim]``: a compressed layer's compressed entries."""
         kind = self.kind(layer)
-        return self.entry_pools[kind][self._at(layer, kind)]
+        return self.entry_pools[kind][self.slots[kind][layer]]
 
     def index_entries(self, layer: int) -> torch.Tensor:
         """``[num_pages, epp, index_head_dim]``: a CSA layer's indexer entries."""
-        return self.index_pool[self._at(layer, CSA)]
+        return self.index_pool[self.slots[CSA][layer]]
+
+    def layer_pools(self, layer: int) -> list[torch.Tensor]:
+        kind = self.kind(layer)
+        pools = [self.window(layer)]
+        if kind in (CSA, HCA):
+            pools += [self.sources(layer), self.entries(layer)]
+        if kind == CSA:
+            pools.append(self.index_entries(layer))
+        return pools
 
     def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Scatter exchange rows ``[n, head_dim + source width]`` to token ``slots [n]``;
@@ -211,6 +188,9 @@ class DsV4KVCache(PagedKVCache):
         self.window(layer)[page, off] = rows[:, :hd]
         if self.kind(layer) in (CSA, HCA):
             self.sources(layer)[page, off] = rows[:, hd:]
+
+    def read_span(self, pages: tuple[int, ...], layer: int, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        raise ValueError("a DeepSeek V4 cache is read whole a layer (graphcp.model.dsv4.source reads read_tokens)")
 
     # ---- slots of a request's rows (device tensors; ``pages``: its page ids, int64) ----------
     def token_slots(self, pages: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -224,12 +204,12 @@ class DsV4KVCache(PagedKVCache):
 
     def read_tokens(self, handle: KVHandle, layer: int, window_from: int = 0,
                     sources_from: int = 0) -> dict[str, torch.Tensor]:
-        """One request's cached state of one layer (new tensors): ``window [T - window_from,
-        head_dim]`` (the rows of positions ``[window_from, T)``), and in a compressed layer
-        ``sources [T - sources_from, width]``, ``entries [T // m, head_dim]`` and (CSA)
-        ``index_entries [T // m, index_head_dim]`` (graphcp.pd's V4 export reads the last
-        window and the last source rows only)."""
-        self.check_handle(handle)
+        """One request's cached state of one layer (a live handle of this cache's: the
+        caller checks it; new tensors): ``window [T - window_from, head_dim]`` (the rows of
+        positions ``[window_from, T)``), and in a compressed layer ``sources [T -
+        sources_from, width]``, ``entries [T // m, head_dim]`` and (CSA) ``index_entries [T
+        // m, index_head_dim]`` (graphcp.model.dsv4.source reads the last window and the
+        last source rows only)."""
         dev = self.pool.device
         T = handle.num_tokens
         if not (0 <= window_from <= T and 0 <= sources_from <= T):
@@ -248,40 +228,3 @@ class DsV4KVCache(PagedKVCache):
             if kind == CSA:
                 out["index_entries"] = self.index_entries(layer).flatten(0, 1).index_select(0, es)
         return out
-
-
-class LayerSplitDsV4KVCache(LayerOwnership, DsV4KVCache):
-    """LayerSplit of a V4 cache (graphcp.kv.layer_split): each CP rank keeps every pool of
-    its own layers (window rows, source rows, entries, a CSA layer's indexer entries) and
-    one scratch layer in each. The exchange writes a layer's rows where the accessors
-    point (its own slots on its owner, the scratch elsewhere); in the attention break the
-    owner broadcasts the batch's cached-prefix pages of every pool of that layer before
-    the pooling and attention read them: the same values as the replicated cache."""
-
-    scratch = True
-
-    @classmethod
-    def create(cls, geometry: DsV4CacheSpec, pool: PoolSpec) -> "LayerSplitDsV4KVCache":
-        return cls(geometry, pool.num_pages, pool.page_size, pool.dtype, pool.device, pool.max_pages_per_seq,
-                   pool.rank, pool.cp_size, pool.layers)
-
-    @classmethod
-    def held_of(cls, pool: PoolSpec) -> tuple[range, range | None]:
-        own = owned_layers(pool.rank, len(pool.layers), pool.cp_size)
-        return range(pool.layers.start + own.start, pool.layers.start + own.stop), pool.layers
-
-    def __init__(self, cfg: DsV4CacheSpec, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device | str, max_pages_per_seq: int | None, rank: int, cp_size: int,
-                 layers: range | None = None) -> None:
-        layers = layers if layers is not None else range(len(cfg.layer_kinds))
-        self._split(len(layers), rank, cp_size, layers.start)
-        super().__init__(cfg, num_pages, page_size, dtype, device, max_pages_per_seq, layers, self.owned)
-
-    def layer_pools(self, layer: int) -> list[torch.Tensor]:
-        kind = self.kind(layer)
-        pools = [self.window(layer)]
-        if kind in (CSA, HCA):
-            pools += [self.sources(layer), self.entries(layer)]
-        if kind == CSA:
-            pools.append(self.index_entries(layer))
-        return pools

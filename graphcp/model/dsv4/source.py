@@ -20,9 +20,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from graphcp.kv.paged import KVHandle
+from graphcp.kv.handle import KVHandle
+from graphcp.kv.paged import PagedKVCache
 from graphcp.kv.spans import KVSpan
-from graphcp.model.dsv4.cache import CSA, DsV4KVCache
+from graphcp.model.dsv4.cache import CSA
 from graphcp.model.dsv4.export import layer_tensor_names
 
 
@@ -36,8 +37,9 @@ class Biases:
 
 
 class DsV4Source:
-    def __init__(self, cache: DsV4KVCache, biases: dict[int, Biases], sliding_window: int) -> None:
+    def __init__(self, cache: PagedKVCache, biases: dict[int, Biases], sliding_window: int) -> None:
         self.cache, self.biases = cache, biases
+        self.storage = cache.storage  # a DsV4Storage (graphcp.model.dsv4.cache)
         self.window_rows = sliding_window - 1  # the window rows transformers keeps
 
     def kv_spans(self, handle: KVHandle, cp_size: int) -> list[KVSpan]:
@@ -57,21 +59,22 @@ class DsV4Source:
             raise ValueError(f"a V4 export reads layer {span.layer} whole (positions 0..{T}), not "
                              f"{span.start}..{span.stop}")
         state = self.layer_state(handle, span.layer)
-        spec = self.cache.cfg
+        spec = self.storage.cfg
         return [state[n] for n in layer_tensor_names(spec.layer_kinds[span.layer], T, spec.compress_csa)]
 
     def layer_state(self, handle: KVHandle, layer: int) -> dict[str, torch.Tensor]:
         """Layer ``layer``'s tensors by name (graphcp.model.dsv4.export's module docstring)."""
-        spec, T = self.cache.cfg, handle.num_tokens
+        self.cache.check_handle(handle)
+        spec, T = self.storage.cfg, handle.num_tokens
         window_from = T - min(T, self.window_rows)
         m = spec.compress_rate(layer)
         if not m:
-            return {"window": self.cache.read_tokens(handle, layer, window_from)["window"]}
+            return {"window": self.storage.read_tokens(handle, layer, window_from)["window"]}
         n = T // m
         kind = spec.layer_kinds[layer]
         overlap = kind == CSA and n >= 1
         first = (n - 1) * m if overlap else n * m  # the first source row still read
-        rows = self.cache.read_tokens(handle, layer, window_from, first)
+        rows = self.storage.read_tokens(handle, layer, window_from, first)
         src = rows["sources"]
         hd, ihd = spec.head_dim, spec.index_head_dim
         out = {"window": rows["window"], "compressed_kv": rows["entries"]}
@@ -92,7 +95,7 @@ class DsV4Source:
         return out
 
 
-def export_source(cache: DsV4KVCache, layers: Iterable[tuple[int, nn.Module]], sliding_window: int) -> DsV4Source:
+def export_source(cache: PagedKVCache, layers: Iterable[tuple[int, nn.Module]], sliding_window: int) -> DsV4Source:
     """The source of an engine's V4 cache; ``layers``: ``(layer index, decoder layer)`` of
     the model (their ``self_attn.compressor`` / ``.indexer`` hold the biases)."""
     biases = {}

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from graphcp.attention.base import AttentionMetadata, BatchRequests
 from graphcp.attention.staging import to_device_packed
 from graphcp.model.dsa.sparse import RowGroup, row_groups
-from graphcp.model.dsv4.cache import CSA, HCA, SLIDING, DsV4CacheSpec, DsV4KVCache
+from graphcp.model.dsv4.cache import CSA, HCA, SLIDING, DsV4CacheSpec, DsV4Storage
 
 #: ForwardInfo.stats keys (per forward, summed over the layers)
 STAT_INDEX_ROWS = "dsv4_indexer_rows"  # query rows this rank scored (CSA layers)
@@ -190,7 +190,7 @@ class TorchDsV4Attention:
         sin = self.sin.index_select(0, positions).to(x.dtype)
         return rope_tail(x, cos, sin)
 
-    def _pool_plan(self, kind: str, cache: DsV4KVCache) -> PoolPlan | None:
+    def _pool_plan(self, kind: str, cache: DsV4Storage) -> PoolPlan | None:
         """Where this forward's closing entries of a layer kind come from and go (the same
         for every layer of the kind: made once a forward); None when none closes."""
         if kind in self._plans:
@@ -218,7 +218,7 @@ class TorchDsV4Attention:
         self._plans[kind] = plan
         return plan
 
-    def pool_new_entries(self, layer: int, cache: DsV4KVCache, w: PoolWeights) -> None:
+    def pool_new_entries(self, layer: int, cache: DsV4Storage, w: PoolWeights) -> None:
         """Every entry whose window this forward closes, for every request of the batch."""
         spec = self.spec.cache
         kind = spec.layer_kinds[layer]
@@ -238,7 +238,7 @@ class TorchDsV4Attention:
 
     # ---- 2 and 3. this rank's rows ------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
-                sinks: torch.Tensor, cache: DsV4KVCache, weights: PoolWeights | None, out: torch.Tensor) -> None:
+                sinks: torch.Tensor, cache: DsV4Storage, weights: PoolWeights | None, out: torch.Tensor) -> None:
         """Pool the closing entries, then attend ``q [rows, H, head_dim]`` (rotated) of this
         rank's rows; writes ``out [rows, H, head_dim]`` (padding rows: zeros)."""
         sp, cs = self.spec, self.spec.cache

@@ -3,7 +3,7 @@ cache mode's own exchange (the all-gather, or the ring of a token-sharded cache)
 its linear layers through the scan (graphcp.model.hybrid.scan), planned with the batch.
 
 :class:`HybridExchange` wraps the mode's exchange (registered as ``hybrid+<name>``, the
-``exchange`` a hybrid cache class names): its planner adds this rank's
+``exchange`` a hybrid cache's storage names): its planner adds this rank's
 :class:`~graphcp.model.hybrid.scan.LinearPlan` to the inner plan, and before the body
 runs it uploads it (:class:`~graphcp.model.hybrid.scan.LinearScan`) for the linear
 layers' breaks to read (:func:`linear_scan`). Every other call goes to the inner
@@ -46,8 +46,9 @@ class HybridPlanner:
         if seq_rows is None:
             seq_rows = kv.table_rows(seq_ids)
         ins = self.inner.rank_inputs(plan, kv, seq_ids, rank, flat, device, seq_rows)
-        read, write = kv.state_slots_of(seq_rows, plan.prefix_lens > 0)
-        linear = LinearPlan.build(plan, rank, read, write, kv.geometry.linear.conv_kernel)
+        states = kv.storage.states  # the hybrid's (graphcp.model.hybrid.cache.LinearStates)
+        read, write = states.slots_of(seq_rows, plan.prefix_lens > 0)
+        linear = LinearPlan.build(plan, rank, read, write, states.dims.conv_kernel)
         return replace(ins, plan=HybridPlan(ins.plan, linear))
 
 
@@ -72,7 +73,7 @@ class HybridExchange(KVExchange):
     def prepare(self, fwd: KVForward) -> None:
         plan: HybridPlan = fwd.plan
         plan.inner_fwd = replace(fwd, plan=plan.inner)
-        plan.scan = LinearScan(plan.linear, fwd.cache, fwd.group, self.device, self.kernels)
+        plan.scan = LinearScan(plan.linear, fwd.cache.storage.states, fwd.group, self.device, self.kernels)
         self.inner.prepare(plan.inner_fwd)
 
     def begin(self, fwd: KVForward) -> None:
@@ -82,8 +83,9 @@ class HybridExchange(KVExchange):
         return HybridPlan(self.inner.inert_plan(group), LinearPlan.inert(group.size))
 
     def reserve(self, capacity: int, cache, layer: int, heads: int, dim: int, dtype: torch.dtype) -> None:
-        if cache.full_layers:  # the inner exchange sizes by a layer with K/V
-            self.inner.reserve(capacity, cache, cache.full_layers[0], heads, dim, dtype)
+        full = cache.storage.full_layers
+        if full:  # the inner exchange sizes by a layer with K/V
+            self.inner.reserve(capacity, cache, full[0], heads, dim, dtype)
 
     def store(self, fwd: KVForward, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         return self.inner.store(self._inner(fwd), layer, k, v)

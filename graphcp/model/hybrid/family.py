@@ -1,11 +1,11 @@
 """The linear-attention hybrid family (docs/hybrid.md): Qwen3.5 (``Qwen3_5ForCausalLM``),
 Qwen3.5-MoE (``Qwen3_5MoeForCausalLM``), Qwen3-Next (``Qwen3NextForCausalLM``) and the
 text model of the multimodal Qwen3.5 checkpoints (``Qwen3_5ForConditionalGeneration``,
-``Qwen3_5MoeForConditionalGeneration``; their vision tower skipped). Its cache holds the
-full-attention layers' K/V in any cache mode and each live request's linear-layer states
-(``cache.py``, its exchange ``exchange.py``); the linear layers run the scan across the CP
+``Qwen3_5MoeForConditionalGeneration``; their vision tower skipped). Its cache's storage holds
+the full-attention layers' K/V in any cache mode and each live request's linear-layer
+states (``cache.py``, its exchange ``exchange.py``); the linear layers run the scan across the CP
 ranks. Its export is ``graphcp-hybrid/1`` (``export.py``, its transformers cache
-``hf_cache.py``). This module registers the caches and the format."""
+``hf_cache.py``). This module registers the storage and the format."""
 
 from __future__ import annotations
 
@@ -17,18 +17,12 @@ from graphcp.attention.base import AttentionSpec
 from graphcp.attention.registry import make_attention, preferred_kv_layout
 from graphcp.attention.registry import resolve as resolve_attention
 from graphcp.errors import ConfigError
-from graphcp.kv.factory import register_cache
+from graphcp.kv.factory import register_storage
 from graphcp.kv.spec import KVHeads
 from graphcp.model.config import ConfigReader, ModelConfig, decoder_config, read_head
 from graphcp.model.family import AttentionParts, ModelFamily, attention_tp_names, register_family
 from graphcp.model.hybrid import checkpoint
-from graphcp.model.hybrid.cache import (
-    HybridGeometry,
-    HybridKVCache,
-    LayerSplitHybridCache,
-    LinearDims,
-    ShardedHybridCache,
-)
+from graphcp.model.hybrid.cache import HybridGeometry, HybridStorage, LinearDims
 from graphcp.model.hybrid.config import hybrid_from_hf, hybrid_moe, hybrid_rope, text_part
 from graphcp.model.hybrid.export import HYBRID_FORMAT, HybridExport, HybridMeta
 from graphcp.model.hybrid.hf_cache import to_hybrid_cache
@@ -36,9 +30,7 @@ from graphcp.model.hybrid.model import HybridModel
 from graphcp.model.hybrid.presets import PRESETS
 from graphcp.pd.formats import register_format
 
-for _mode, _cls in (("replicated", HybridKVCache), ("sharded", ShardedHybridCache),
-                    ("layer-split", LayerSplitHybridCache)):
-    register_cache(HybridGeometry, _mode, _cls)
+register_storage(HybridGeometry, HybridStorage)
 register_format(HYBRID_FORMAT, HybridMeta, HybridExport, to_hybrid_cache)
 
 

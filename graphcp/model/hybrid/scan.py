@@ -154,12 +154,13 @@ class _HaloSource:
 
 class LinearScan:
     """One forward's linear-layer work on this rank (device side of a :class:`LinearPlan`):
-    what each linear layer's break calls. ``cache``: the hybrid cache (its states),
+    what each linear layer's break calls. ``states``: the hybrid cache's
+    (graphcp.model.hybrid.cache.LinearStates),
     ``group``: the CP group, ``kernels``: the local pass's (graphcp.model.hybrid.kernels)."""
 
-    def __init__(self, plan: LinearPlan, cache, group, device: torch.device,
+    def __init__(self, plan: LinearPlan, states, group, device: torch.device,
                  kernels: LinearKernels = TORCH) -> None:
-        self.plan, self.cache, self.group, self.kernels = plan, cache, group, kernels
+        self.plan, self.states, self.group, self.kernels = plan, states, group, kernels
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
@@ -190,7 +191,7 @@ class LinearScan:
             got = gathered.nbytes - tails.nbytes
             self.stats[STAT_LINEAR_SENT] += tails.nbytes
             tails = gathered
-        (recurrent, conv), fetched = self.cache.read_states(layer, self.read, self.group, bool((p.read >= 0).any()))
+        (recurrent, conv), fetched = self.states.read_states(layer, self.read, self.group, bool((p.read >= 0).any()))
         self._prefix = recurrent
         source = torch.cat([conv.reshape(-1, width), tails.reshape(-1, width), qkv.new_zeros(1, width)])
         self._final_conv = source.index_select(0, self.final_conv.view(-1)).view(p.num_requests, K, width)
@@ -217,7 +218,7 @@ class LinearScan:
             incoming, final_states, got = self._scan(x, y)
             out = pre @ incoming + o0
         flat = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[-1])  # [nb * T, Hv, d_v]
-        self.cache.write_states(layer, self.write, final_states, self._final_conv)
+        self.states.write_states(layer, self.write, final_states, self._final_conv)
         return flat.index_select(0, self.scatter), got
 
     def _scan(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -22,7 +22,8 @@ from graphcp.attention.base import AttentionMetadata
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError
 from graphcp.kv.decode import DecodeSlots
-from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError, PagedKVCache
+from graphcp.kv.handle import KVCacheFull, KVHandle, KVHandleError
+from graphcp.kv.paged import PagedKVCache
 from graphcp.runtime.batch import ConsistencyError
 
 

@@ -12,7 +12,7 @@ import torch
 
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
-from graphcp.kv.paged import KVHandle
+from graphcp.kv.handle import KVHandle
 from graphcp.model.communicator import ReplicatedRows
 from graphcp.model.forward_context import KV_RECEIVED
 from graphcp.nvtx_ranges import nvtx_range
