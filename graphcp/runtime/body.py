@@ -65,7 +65,7 @@ class Body:
         fwd = KVForward(self.kv, self.exchange, self.group, self.attention, live if meta is None else meta, slots,
                         prep.kv_plan if prep is not None else self.exchange.inert_plan(self.group),
                         self._prefix_pages(prep))
-        self.exchange.prepare(fwd)
+        fwd.prepare()
         inputs = StaticInputs(live_rows=live.num_q_rows) if static is None else static.inputs(live.num_q_rows)
         if stats is not None:
             stats.update(self.model.static_stats(slots.shape[0]))

@@ -41,8 +41,7 @@ class Decoder:
             self.check_combination()
             p, m = self.parts, self.parts.mesh
             self._body = StepBody(p.model, p.kv, p.group, p.device, p.body.attention,
-                                  p.exchange.decode_step(p.runtime.decode_merge),
-                                  ReplicatedRows(m.cp, m.attn_tp, m.ffn, m.dp))
+                                  p.exchange, ReplicatedRows(m.cp, m.attn_tp, m.ffn, m.dp), p.runtime.decode_merge)
         return self._body
 
     @property

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from graphcp.attention.base import AttentionMetadata
-from graphcp.attention.decode.steps import DecodeStep
-from graphcp.attention.kv_exchange import KVForward
+from graphcp.attention.kv_exchange import KVExchange, KVForward
+from graphcp.attention.phase import DECODE
 from graphcp.dist import CPGroup
 from graphcp.kv.paged import PagedKVCache
 from graphcp.model.communicator import ReplicatedRows
@@ -33,19 +33,21 @@ class StepBody:
     group: CPGroup  # the CP group: the merge's
     device: torch.device
     backend: Any  # the engine's attention backend (eager steps)
-    op: DecodeStep  # the exchange's decode step
+    exchange: KVExchange  # its decode phase stores and attends
     comm: ReplicatedRows
+    merge: str = "auto"  # RuntimeConfig.decode_merge
 
     def plan(self, rows: int) -> str:
         """The merge of a step of ``rows`` rows (the exchange's decode step decides)."""
         cfg = self.model.attn_cfg  # this rank's heads
-        return self.op.plan(rows, cfg.num_heads, cfg.head_dim, self.group.size, self.model.dtype.itemsize)
+        return self.exchange.decode.plan(rows, cfg.num_heads, cfg.head_dim, self.group.size,
+                                         self.model.dtype.itemsize, self.merge)
 
     def context(self, meta: AttentionMetadata, slots: torch.Tensor, backend: Any, plan: str, live: int,
                 stats: dict | None) -> ForwardContext:
         """A step's forward context: the exchange's decode step over ``meta``, this rank's
         ``slots`` of the new tokens (-1: another rank stores it), the rows replicated."""
-        fwd = KVForward(self.kv, self.op, self.group, backend, meta, slots, plan)
+        fwd = KVForward(self.kv, self.exchange, self.group, backend, meta, slots, plan, phase=DECODE)
         return ForwardContext(fwd, StaticInputs(live_rows=live), stats, None, self.comm)
 
     def run(self, ctx: ForwardContext, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
