@@ -17,7 +17,7 @@ _EXPORTS = {
     "ConfigError": "graphcp.errors",
     "ConsistencyError": "graphcp.runtime.batch",
     "Conversation": "graphcp.runtime.decode.generate",
-    "DecodeOutput": "graphcp.runtime.decode.batch",
+    "DecodeOutput": "graphcp.runtime.batch",
     "ForwardInfo": "graphcp.runtime.batch",
     "GenerateOutput": "graphcp.runtime.decode.generate",
     "GraphcpError": "graphcp.errors",
@@ -86,8 +86,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from graphcp.errors import BatchError, ConfigError, GraphcpError, InputError
     from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError
     from graphcp.model.config import ModelConfig
-    from graphcp.runtime.batch import ConsistencyError, ForwardInfo, PrefillOutput, Request
+    from graphcp.runtime.batch import ConsistencyError, DecodeOutput, ForwardInfo, PrefillOutput, Request
     from graphcp.runtime.capture.buckets import BucketSet
-    from graphcp.runtime.decode.batch import DecodeOutput
     from graphcp.runtime.decode.generate import Conversation, GenerateOutput
     from graphcp.runtime.engine import PrefillEngine
