@@ -27,7 +27,6 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from graphcp.attention.phase import DECODE
 from graphcp.checks import check_int, check_layer_list
 from graphcp.config import MAX_MICROBATCHES, ParallelConfig, RuntimeConfig
 from graphcp.dist import CPGroup
@@ -212,12 +211,7 @@ class PrefillEngine:
     def capture_decode(self, pages: int | None = None, progress: bool = False) -> list[int]:
         """Capture every decode batch-size bucket's graph for steps whose requests hold at
         most ``pages`` pages on a rank (None: any; graph modes); the batch sizes captured."""
-        graphs = self._decoder.graphs
-        if graphs is None:
-            raise ConfigError("RuntimeConfig.graph='off': there is no decode graph to capture")
-        stats = self.parts.runner.capture_keys(DECODE, graphs.capture_order(pages), progress,
-                                               "capturing decode buckets")
-        return [s.capacity for s in stats]
+        return self._decoder.capture(pages, progress)
 
     def _driver(self, call: PrefillCall) -> ForwardDriver:
         """Attention-DP replicas, one forward (a draft runs one), or micro-batches (any

@@ -318,6 +318,7 @@ class DecodeGraphs(PhaseGraphs):
         self.attention = PagedDecodeAttention(body.attention.spec)
         self._metas: dict[tuple[int, int], AttentionMetadata] = {}
         self._plans: dict[int, Any] = {}
+        self._replays: dict[tuple[int, int], ForwardContext] = {}
 
     @staticmethod
     def breakable(name: str) -> bool:
@@ -379,6 +380,18 @@ class DecodeGraphs(PhaseGraphs):
 
     def context(self, prep: PreparedBatch | None, key: tuple[int, int], view: DecodeView, stats: dict | None = None,
                 aux: AuxCapture | None = None, eager: bool = False) -> ForwardContext:
+        if prep is None or eager:
+            return self._context(prep, key, view, stats)
+        # a replay's: everything in it is the bucket's but the live rows and the figures,
+        # so it is made once a bucket (no per-step Python on the replay path)
+        ctx = self._replays.get(key)
+        if ctx is None:
+            ctx = self._replays[key] = self._context(prep, key, view, stats)
+        ctx.stats, ctx.inputs.live_rows = stats, prep.rows
+        return ctx
+
+    def _context(self, prep: PreparedBatch | None, key: tuple[int, int], view: DecodeView,
+                 stats: dict | None) -> ForwardContext:
         return self.body.context(prep, view.kv_slots, phase=DECODE, meta=self.static_meta(key),
                                  attention=self.attention, stats=stats)
 

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from graphcp.attention.phase import DECODE
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
+from graphcp.errors import ConfigError
 from graphcp.kv.paged import KVHandle
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.batch import DecodeOutput
@@ -48,6 +49,16 @@ class Decoder:
             return None
         self.check_combination()
         return self.parts.runner.phase(DECODE)
+
+    def capture(self, pages: int | None = None, progress: bool = False) -> list[int]:
+        """Capture every batch-size bucket's decode graph for the page bucket that holds
+        ``pages`` (None: the widest), largest first; the batch sizes captured."""
+        graphs = self.graphs
+        if graphs is None:
+            raise ConfigError("RuntimeConfig.graph='off': there is no decode graph to capture")
+        stats = self.parts.runner.capture_keys(DECODE, graphs.capture_order(pages), progress,
+                                               "capturing decode buckets")
+        return [s.capacity for s in stats]
 
     def check_combination(self, call: str = "PrefillEngine.decode") -> None:
         """ConfigError when this engine's options do not combine with decode
