@@ -19,9 +19,9 @@ import pytest
 from vs_transformers import prefill_vs_transformers, tokens
 
 from graphcp import PrefillEngine, Request
-from graphcp.attention.sparse.mla import STAT_PAIRS, STAT_REPLICATED
 from graphcp.config import RuntimeConfig
 from graphcp.dist import launch
+from graphcp.model.dsa.sparse import STAT_PAIRS, STAT_REPLICATED
 from graphcp.model.presets import ensure_preset
 
 TOKENS = 2048

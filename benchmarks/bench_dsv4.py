@@ -20,9 +20,9 @@ import pytest
 from vs_transformers import prefill_vs_transformers, tokens
 
 from graphcp import PrefillEngine, Request
-from graphcp.attention.sparse.dsv4 import REPLICATED, STAT_ATTN_PAIRS, STAT_INDEX_PAIRS
 from graphcp.config import RuntimeConfig
 from graphcp.dist import launch
+from graphcp.model.dsv4.sparse import REPLICATED, STAT_ATTN_PAIRS, STAT_INDEX_PAIRS
 from graphcp.model.forward_context import KV_RECEIVED
 from graphcp.model.presets import ensure_preset
 

@@ -26,6 +26,8 @@ _EXPORTS = {
     "KVCacheFull": "graphcp.kv.paged",
     "KVHandle": "graphcp.kv.paged",
     "KVHandleError": "graphcp.kv.paged",
+    "KVReceiver": "graphcp.pd.receiver",
+    "LoadedKV": "graphcp.pd.load",
     "ModelConfig": "graphcp.model.config",
     "ParallelConfig": "graphcp.config",
     "PrefillEngine": "graphcp.runtime.engine",
@@ -35,8 +37,15 @@ _EXPORTS = {
     "ZigzagLayout": "graphcp.cp",
     "init_from_env": "graphcp.dist",
     "launch": "graphcp.dist",
+    "load_kv": "graphcp.pd.load",
     "make_layout": "graphcp.cp",
+    "read_kv": "graphcp.pd.files",
 }
+
+#: the names that read a KV export of any family's format (graphcp.pd.formats): each family
+#: registers its own when graphcp.model imports it, so it is imported before they resolve
+#: (graphcp.pd itself sits below the model and reads only the formats registered so far)
+_READ_FORMATS = frozenset({"KVReceiver", "load_kv", "read_kv"})
 
 __all__ = [
     "BatchError",
@@ -54,6 +63,8 @@ __all__ = [
     "KVCacheFull",
     "KVHandle",
     "KVHandleError",
+    "KVReceiver",
+    "LoadedKV",
     "ModelConfig",
     "ParallelConfig",
     "PrefillEngine",
@@ -63,13 +74,17 @@ __all__ = [
     "ZigzagLayout",
     "init_from_env",
     "launch",
+    "load_kv",
     "make_layout",
+    "read_kv",
 ]
 
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'graphcp' has no attribute {name!r}")
+    if name in _READ_FORMATS:
+        importlib.import_module("graphcp.model")  # every built-in family's format registered
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # the next access is a plain attribute
     return value
@@ -86,6 +101,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from graphcp.errors import BatchError, ConfigError, GraphcpError, InputError
     from graphcp.kv.paged import KVCacheFull, KVHandle, KVHandleError
     from graphcp.model.config import ModelConfig
+    from graphcp.pd.files import read_kv
+    from graphcp.pd.load import LoadedKV, load_kv
+    from graphcp.pd.receiver import KVReceiver
     from graphcp.runtime.batch import ConsistencyError, DecodeOutput, ForwardInfo, PrefillOutput, Request
     from graphcp.runtime.capture.buckets import BucketSet
     from graphcp.runtime.decode.generate import Conversation, GenerateOutput

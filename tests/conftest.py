@@ -28,6 +28,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # and in the graphcp commands the tests start
 
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow: the long combination and acceptance runs (CI runs them)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked ``slow`` run only with ``--slow``: the README's command stays within its
+    minutes as the suite grows, and CI (``.ci/run``) still runs every one."""
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow (CI does)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #: mixture-of-experts families (hf_config builds them too; 8 experts split over CP 1, 2 and 4)
 MOE_FAMILIES = ("qwen3_moe", "mixtral")

@@ -194,6 +194,7 @@ def _references(folders) -> tuple[dict, dict]:
     return refs, truths
 
 
+@pytest.mark.slow
 def test_every_allowed_pair_runs_against_the_single_rank_engine(folders):
     refs, truths = _references(folders)
     for world in sorted({_parallel(r).world_size for r in CPU_RUNS + DST_RUNS}):

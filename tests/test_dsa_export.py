@@ -15,6 +15,10 @@ carries the format; malformed metadata is refused with a message naming it.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,11 +31,17 @@ from safetensors.torch import save_file
 from graphcp import CPGroup, PrefillEngine, RuntimeConfig
 from graphcp.dist import launch
 from graphcp.kv.paged import KVHandleError
+from graphcp.model.dsa.export import (
+    MLA_FORMAT,
+    MlaExport,
+    MlaMeta,
+    half_split_to_interleaved,
+    interleaved_to_half_split,
+)
 from graphcp.pd.export import KVFormatError
 from graphcp.pd.files import read_kv, save_kv
 from graphcp.pd.hf import cache_argument
 from graphcp.pd.load import load_kv
-from graphcp.pd.mla_export import MLA_FORMAT, MlaExport, MlaMeta, half_split_to_interleaved, interleaved_to_half_split
 from graphcp.pd.mooncake import mooncake_problem
 from graphcp.runtime.engine import prefill_after_prefixes
 
@@ -201,7 +211,7 @@ def test_prefill_command_exports_dsa_files_at_cp2_layer_split(folders, tmp_path,
     graphcp-mla/1 file a request (with a cached prefix), loadable as transformers' cache;
     the --stats file's pool bytes count both pools as held."""
     from graphcp.cli.main import main
-    from graphcp.kv.mla_layer_split import mla_pool_layers
+    from graphcp.model.dsa.layer_split import mla_pool_layers
 
     folder = folders["glm_moe_dsa-shared"]
     reqs = tmp_path / "r.jsonl"
@@ -226,3 +236,32 @@ def test_prefill_command_exports_dsa_files_at_cp2_layer_split(folders, tmp_path,
         kv = load_kv(tmp_path / "kv" / f"{i}.safetensors")
         assert isinstance(kv.export, MlaExport) and kv.num_tokens == n and kv.export.meta.index_layers == (0, 2)
         assert kv.cache.get_seq_length() == n and torch.equal(kv.export.last_logits, logits[i])
+
+
+def test_a_program_that_only_reads_kv_finds_the_family_formats(tmp_path):
+    """graphcp.pd sits below the model, so it reads the formats registered so far: in a
+    fresh interpreter that imported only graphcp.pd that is graphcp-kv/1 alone, and
+    ``from graphcp import load_kv`` (or read_kv, KVReceiver) registers every built-in
+    family's first (docs/pd.md)."""
+    meta = MlaMeta(3, 2, 4, 2, 4, (0,), False, "deepseek_v32", "float32", 16, "fp")
+    layers = [{n: torch.randn(meta.tensor_shape(i, n)) for n in meta.layer_tensors(i)} for i in range(2)]
+    path = save_kv(MlaExport(meta, layers), tmp_path / "mla.safetensors")
+    script = (
+        "import sys\n"
+        "from graphcp.pd import KVFormatError, load_kv as pd_load_kv\n"
+        "from graphcp.pd.formats import registered\n"
+        "assert 'graphcp.model' not in sys.modules and registered() == ['graphcp-kv/1'], registered()\n"
+        "try:\n"
+        "    pd_load_kv(sys.argv[1])\n"
+        "    raise SystemExit('read a format nothing registered')\n"
+        "except KVFormatError as e:\n"
+        "    assert 'graphcp-mla/1' in str(e), e\n"
+        "from graphcp import load_kv, read_kv\n"
+        "assert registered() == ['graphcp-kv/1', 'graphcp-mla/1', 'graphcp-dsv4/1', 'graphcp-hybrid/1'], registered()\n"
+        "assert read_kv(sys.argv[1]).meta.format == 'graphcp-mla/1'\n"
+        "assert load_kv(sys.argv[1]).export.meta.format == 'graphcp-mla/1'\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300,
+                       cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]

@@ -18,8 +18,8 @@ from conftest import save_cases
 from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import launch
 from graphcp.errors import ConfigError
-from graphcp.kv.mla_layer_split import LayerSplitMlaKVCache
 from graphcp.kv.spans import owned_layers
+from graphcp.model.dsa.layer_split import LayerSplitMlaKVCache
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.engine import prefill_after_prefixes
 

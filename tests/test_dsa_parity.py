@@ -23,11 +23,11 @@ from conftest import save_cases
 from helpers import rel_err
 
 from graphcp import PrefillEngine, Request
-from graphcp.attention.sparse.mla import STAT_PAIRS, STAT_REPLICATED, STAT_ROWS
-from graphcp.attention.sparse.topk import mask_to_positions, select_topk
 from graphcp.config import ParallelConfig, RuntimeConfig
 from graphcp.dist import CPGroup, launch
 from graphcp.model.config import ModelConfig
+from graphcp.model.dsa.sparse import STAT_PAIRS, STAT_REPLICATED, STAT_ROWS
+from graphcp.model.dsa.topk import mask_to_positions, select_topk
 from graphcp.model.moe.ep import STAT_LAYOUT, STAT_SENT
 from graphcp.runtime.capture.buckets import BucketSet
 

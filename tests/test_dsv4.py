@@ -25,15 +25,15 @@ from conftest import save_cases
 from helpers import rel_err
 
 from graphcp import PrefillEngine, Request
-from graphcp.attention.sparse.dsv4 import (
+from graphcp.config import RuntimeConfig
+from graphcp.dist import CPGroup, launch
+from graphcp.model.dsv4.sparse import (
     REPLICATED,
     STAT_ATTN_PAIRS,
     STAT_ATTN_ROWS,
     STAT_INDEX_PAIRS,
     STAT_INDEX_ROWS,
 )
-from graphcp.config import RuntimeConfig
-from graphcp.dist import CPGroup, launch
 from graphcp.runtime.capture.buckets import BucketSet
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -198,7 +198,7 @@ def test_small_row_blocks_match_transformers(folders, monkeypatch, dtype):
     """The reference's row blocks (bounded by BLOCK_ROWS / BLOCK_BYTES) at 5 rows: blocks
     that split a request's rows, its window keys and its entries, as one block does
     (bfloat16: on the twin that scores no row, so no near-tied selection can flip)."""
-    from graphcp.attention.sparse import dsv4
+    from graphcp.model.dsv4 import sparse as dsv4
 
     monkeypatch.setattr(dsv4, "BLOCK_ROWS", 5)
     folder = _mesh_folder(folders, dtype)

@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 
 from graphcp import CPGroup, PrefillEngine, RuntimeConfig
 from graphcp.dist import launch
-from graphcp.kv.dsv4 import CSA, HCA
-from graphcp.pd.dsv4_export import DSV4_FORMAT, DsV4Export, DsV4Meta
+from graphcp.model.dsv4.cache import CSA, HCA
+from graphcp.model.dsv4.export import DSV4_FORMAT, DsV4Export, DsV4Meta
 from graphcp.pd.export import KVFormatError
 from graphcp.pd.files import read_kv, save_kv
 from graphcp.pd.load import load_kv

@@ -68,14 +68,14 @@ def test_case01_rank_error_is_the_rank_message_in_one_line(capsys, tmp_path, mod
     assert not out.exists()
     # intermediate_size 128 does not divide by 5: refused before any rank starts
     one_line_error(capsys, _prefill(model_dir, req, out, "--cp", "5"), match=r"intermediate_size=128 does not divide")
-    # an over-context request at CP 2; the traceback only on request (GRAPHCP_DEBUG)
-    long = _requests(tmp_path, [{"tokens": [1] * 4097}], "long.jsonl")
+    # a request past the KV pool at CP 2 (a rank finds it: the pool is the cache mode's); the
+    # traceback only on request (GRAPHCP_DEBUG)
+    long = _requests(tmp_path, [{"tokens": [1] * 300}], "long.jsonl")
     monkeypatch.setenv("GRAPHCP_DEBUG", "1")
-    assert main([str(a) for a in _prefill(model_dir, long, out, "--cp", "2", "--kv-tokens", "8192")]) == 2
+    assert main([str(a) for a in _prefill(model_dir, long, out, "--cp", "2", "--kv-tokens", "64")]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "--- rank " in err  # the failing rank's traceback, with --debug
-    assert re.match(r"graphcp prefill: error: request 0: 0 cached \+ 4097 new tokens exceed the model's context",
-                    err.splitlines()[-1]), err
+    assert re.match(r"graphcp prefill: error: request 0: .*raise --kv-tokens \(given 64\)", err.splitlines()[-1]), err
 
 
 # ---- 2: --output that cannot be written: refused before any work -------------------------------

@@ -220,7 +220,7 @@ def test_item11_the_readme_stays_under_10_kb():
 
 # ---- 8: output polish ------------------------------------------------------------------
 def test_item8_a_dsa_batch_within_index_topk_says_why_nothing_was_scored():
-    from graphcp.attention.sparse.mla import STAT_PAIRS, STAT_REPLICATED, STAT_ROWS, indexer_report
+    from graphcp.model.dsa.sparse import STAT_PAIRS, STAT_REPLICATED, STAT_ROWS, indexer_report
 
     none = {STAT_ROWS: 0, STAT_PAIRS: 0, STAT_REPLICATED: 0}
     assert indexer_report([none, none]) == ("indexer: no key scored (no row sees more than index_topk keys: "

@@ -164,7 +164,7 @@ def test_generated_engine_level_requests(capsys, tmp_path, model_dir):
     ctx = tmp_path / "ctx.jsonl"
     ctx.write_text(json.dumps({"tokens": [5] * 4097}) + "\n")
     cases.append(Case("context", ["prefill", "--model", model_dir, "--input", ctx, "--output", tmp_path / "c.pt"],
-                      r"request 0: 0 cached \+ 4097 new tokens exceed the model's context of 4096",
+                      r"ctx.jsonl line 1: 4097 prompt tokens exceed the model's context of 4096",
                       out=tmp_path / "c.pt"))
     pool = tmp_path / "pool.jsonl"
     pool.write_text(json.dumps({"tokens": [5] * 100}) + "\n")

@@ -157,6 +157,7 @@ def _interrupt_once(argv: list[str], out: Path, moment: str, rng: random.Random)
     return None
 
 
+@pytest.mark.slow
 @linux_only
 def test_ctrl_c_at_any_moment_of_a_cp2_generate_stops_it(tmp_path, model_dir, requests_file):
     """A SIGINT at 20 random moments of ``graphcp generate --cp 2``, rank spawn included:

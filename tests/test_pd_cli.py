@@ -77,3 +77,17 @@ def test_pd_demo_defaults_to_the_file_transport_where_mooncake_does_not_import(h
         'for Mooncake: pip install -e ".[pd]" (and, on CPU machines, apt-get install libibverbs1)']
     asked = _graphcp(capsys, *args, "--transport", "mooncake")  # asked for by name: refused, saying how
     assert asked.returncode == 2 and asked.stderr.startswith("graphcp pd-demo: error: --transport mooncake: ")
+
+
+def test_pd_demo_reference_takes_an_end_of_sequence_id_like_the_decode_side(tmp_path):
+    """transformers' reference continuation is plain argmax, as the decode side's: with
+    min_new_tokens it banned the end-of-sequence id, and a continuation that reached it
+    (now that the presets' greedy tokens vary) read as a mismatch."""
+    from graphcp.cli.pd_demo import _prompt, _reference
+    from graphcp.model.presets import PRESETS, ensure_preset, ensure_random_model
+
+    prompt = _prompt(PRESETS["default"]["vocab_size"], 20)
+    first = _reference(ensure_preset("default", root=tmp_path), prompt, 0)[0]
+    # the same weights, the greedy first token now the end-of-sequence id
+    folder = ensure_random_model("default-eos", {**PRESETS["default"], "eos_token_id": first}, root=tmp_path)
+    assert _reference(folder, prompt, 2)[0] == first

@@ -12,7 +12,7 @@ from graphcp import ConfigError, CPGroup, ModelConfig, ParallelConfig, PrefillEn
 from graphcp.cli.main import main
 from graphcp.kv.paged import PagedKVCache
 from graphcp.model.loader import load_model
-from graphcp.model.presets import ensure_preset
+from graphcp.model.presets import PRESETS, ensure_preset, ensure_random_model
 from graphcp.runtime.pp.microbatch import last_pieces, split_microbatches
 
 
@@ -75,13 +75,14 @@ def test_microbatch_split_covers_every_token_once_in_order_and_balanced():
     assert len(split_microbatches([2, 1], 8)) == 3  # never an empty micro-batch
 
 
-def test_a_stage_caches_and_loads_only_its_layers():
+def test_a_stage_caches_and_loads_only_its_layers(tmp_path):
     kv = PagedKVCache(2, 4, 16, 2, 8, torch.float32, first_layer=2)
     assert kv.layer(2).data_ptr() == kv.pool[0].data_ptr() and kv.layer(3).data_ptr() == kv.pool[1].data_ptr()
     for i in (1, 4):
         with pytest.raises(IndexError, match=f"layer {i} is not cached here: this KV cache holds layers 2..3"):
             kv.layer(i)
-    folder = ensure_preset("default")  # tied embeddings: the last stage's LM head is the embedding matrix
+    # the default preset tied: the last stage's LM head is the embedding matrix
+    folder = ensure_random_model("default-tied", {**PRESETS["default"], "tie_word_embeddings": True}, root=tmp_path)
     _, whole = load_model(folder, torch.float32)
     read = {0: [], 1: []}
     for s in (0, 1):

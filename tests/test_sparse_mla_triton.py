@@ -1,4 +1,4 @@
-"""The Triton sparse MLA attention of DSA models (graphcp/attention/sparse/triton.py)
+"""The Triton sparse MLA attention of DSA models (graphcp/model/dsa/sparse_triton.py)
 against the torch reference (TorchSparseMla): the kernel alone on random paged caches
 and selections, then whole forwards of the tiny DSA checkpoint at CP 1 and 2, and a
 compile-only register/spill check for sm_90a and sm_100a.
@@ -15,11 +15,11 @@ import torch
 from helpers import rel_err
 
 from graphcp.attention.base import AttentionMetadata
-from graphcp.attention.kernels.sparse_mla_configs import SparseTileConfig
-from graphcp.attention.sparse.mla import SparseMlaSpec, TorchSparseMla
-from graphcp.attention.sparse.topk import mask_to_positions, select_topk
-from graphcp.attention.sparse.triton import TritonSparseMla
-from graphcp.kv.mla import MlaKVCache
+from graphcp.attention.kernels.sparse_latent_configs import SparseTileConfig
+from graphcp.model.dsa.cache import MlaKVCache
+from graphcp.model.dsa.sparse import SparseMlaSpec, TorchSparseMla
+from graphcp.model.dsa.sparse_triton import TritonSparseMla
+from graphcp.model.dsa.topk import mask_to_positions, select_topk
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 PAGE = 4
@@ -220,7 +220,7 @@ def test_bad_settings_and_inputs_name_what_is_wrong():
 WRAP = r"""
 import json, sys
 import torch
-from graphcp.attention.kernels import sparse_mla as sk
+from graphcp.attention.kernels import sparse_latent as sk
 
 def case(dtype):
     heads, lora, rope, page, k = 3, 16, 8, 4, 8
@@ -276,8 +276,8 @@ def test_head_offsets_past_int32_read_the_right_rows():
 COMPILE = r"""
 import json, torch
 from dataclasses import asdict
-from graphcp.attention.kernels.sparse_mla_compile_check import compile_sparse_variant
-from graphcp.attention.kernels.sparse_mla_configs import SparseTileConfig
+from graphcp.attention.kernels.sparse_latent_compile_check import compile_sparse_variant
+from graphcp.attention.kernels.sparse_latent_configs import SparseTileConfig
 reports = [asdict(compile_sparse_variant(arch, dt, 512, 64)) for arch in (90, 100)
            for dt in (torch.bfloat16, torch.float32)]
 # FlashMLA's 64 heads a program, in this kernel: it spills (the check can fail)

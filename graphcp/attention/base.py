@@ -328,7 +328,7 @@ class RankInputs:
 class BatchRequests:
     """Every request of the batch (the same on every rank): cached and new tokens, pages.
     What a backend that reads the whole batch in its planning is given (``reads_batch``:
-    DeepSeek V4's pooling)."""
+    one that pools across requests' pages)."""
 
     prefix_lens: np.ndarray  # int64 [R]
     extend_lens: np.ndarray  # int64 [R]

@@ -1,8 +1,8 @@
 """How a forward's layers store their K/V and attend: one exchange per way a cache mode
 moves K/V, named by the cache class's ``exchange`` (graphcp.kv.paged.PagedKVCache).
 
-- ``all-gather`` (the replicated and layer-split caches, and the DSA and DeepSeek V4
-  caches): the body's first step all-gathers the slot mapping once per forward; each
+- ``all-gather`` (the replicated and layer-split caches, and the families' caches that
+  store rows of their own): the body's first step all-gathers the slot mapping once per forward; each
   layer all-gathers every rank's K/V rows (one collective, inside the captured segment)
   and writes them to this rank's cache; attention (in the break) fetches the cached
   prefix a layer-split cache does not hold, then runs the backend over the local cache.
@@ -80,7 +80,7 @@ class KVForward:
 
     def store_rows(self, layer: int, rows: torch.Tensor) -> int:
         """Store one layer's cache rows ``[rows, values]`` (a family whose cache writes rows
-        of its own: MLA's latent, V4's window); the bytes this rank received."""
+        of its own, such as a latent); the bytes this rank received."""
         return self.ops.store_rows(self, layer, rows)
 
     def fetch_prefix(self, layer: int) -> int:

@@ -35,8 +35,8 @@ from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
 from graphcp.model.presets import resolve_model
 from graphcp.pd.errors import TransferError
 from graphcp.pd.files import save_kv
-from graphcp.pd.hf import greedy_continue, to_transformers_cache
-from graphcp.pd.load import load_kv
+from graphcp.pd.hf import greedy_continue
+from graphcp.pd.load import load_kv, to_transformers_cache
 from graphcp.pd.mooncake import PD_EXTRA, mooncake_problem
 from graphcp.pd.receiver import KVReceiver
 from graphcp.pd.sender import KVSender
@@ -106,7 +106,8 @@ def _decode_main(model_dir: str, transport: str, ready, jobs, results, timeout_s
 
 @torch.inference_mode()
 def _reference(model_dir: Path, prompt: np.ndarray, steps: int) -> list[int]:
-    """transformers alone: the greedy continuation of the prompt (first token included)."""
+    """transformers alone: the greedy continuation of the prompt (first token included), an
+    end-of-sequence id taken like any other, as the decode side's argmax takes it."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -114,7 +115,7 @@ def _reference(model_dir: Path, prompt: np.ndarray, steps: int) -> list[int]:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.from_numpy(prompt).view(1, -1)
-    gen = model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False)
+    gen = model.generate(ids, max_new_tokens=steps + 1, do_sample=False, eos_token_id=None)
     return gen[0, ids.shape[1]:].tolist()
 
 

@@ -14,7 +14,11 @@ import torch
 from graphcp.model.config import ModelConfig
 from graphcp.model.eagle3.checkpoint import draft_tensors
 from graphcp.model.eagle3.config import ARCHITECTURE, read_eagle3_config
-from graphcp.model.presets import cache_root, write_model_folder
+from graphcp.model.presets import cache_root, ensure_model_folder
+
+#: the version of random_draft's recipe (bump it when it writes other bytes: cached drafts
+#: are written again)
+RECIPE = 1
 
 
 def draft_config(target: dict) -> dict:
@@ -53,10 +57,11 @@ def random_draft(folder: Path, target: ModelConfig, seed: int) -> dict[str, torc
 
 def ensure_random_draft(target_dir: Path, label: str, seed: int = 0) -> Path:
     """The draft folder for the target checkpoint ``target_dir`` (``label`` names it),
-    written on first use (atomically) under the presets' cache."""
+    written on first use (atomically) under the presets' cache, and again when the
+    target's shapes or the draft's recipe changed."""
     folder = cache_root() / "models" / f"{label}-eagle3-draft"
-    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
-        return folder
     target_json = json.loads((Path(target_dir) / "config.json").read_text())
     target = ModelConfig.from_file(Path(target_dir) / "config.json")
-    return write_model_folder(folder, draft_config(target_json), lambda tmp: random_draft(tmp, target, seed))
+    recipe = {"family": "eagle3 draft", "recipe": RECIPE, "seed": seed}
+    return ensure_model_folder(folder, draft_config(target_json), recipe,
+                               lambda tmp: random_draft(tmp, target, seed))

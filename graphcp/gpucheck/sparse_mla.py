@@ -18,7 +18,7 @@ import time
 import torch
 
 from graphcp.attention.backends.triton import interpreting
-from graphcp.attention.kernels.sparse_mla_configs import sparse_tile_config
+from graphcp.attention.kernels.sparse_latent_configs import sparse_tile_config
 from graphcp.gpucheck.budget import Budget
 from graphcp.gpucheck.common import dtype_rows, fail, free_device_memory, log, skip, sync
 from graphcp.gpucheck.settings import Settings
@@ -69,7 +69,7 @@ def check_sparse_mla(st: Settings, budget: Budget, available: list[str]) -> list
             "q_lat_elements": rows * heads * lora, "past_int32": rows * heads * lora >= 2**31}
     if "triton" not in available:
         return [skip({**base, "dtype": d}, "the triton backend is not available") for d in st.sparse_dtypes]
-    from graphcp.attention.kernels import sparse_mla as kernel
+    from graphcp.attention.kernels import sparse_latent as kernel
 
     dev = torch.device(st.device)
     scale = (lora + rope) ** -0.5

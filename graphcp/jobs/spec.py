@@ -45,7 +45,9 @@ def run_job_on_ranks(fn, spec: JobSpec, *args: Any) -> Any:
     except GraphcpError as e:
         full = user_error(e)
         if isinstance(full, KVCacheFull) and full.setting is not None:
-            raise InputError(full.naming(_given(spec.runtime, full.setting))) from e
+            named = InputError(full.naming(_given(spec.runtime, full.setting)))
+            named.tracebacks = getattr(e, "tracebacks", None)  # --debug still shows the failing rank's
+            raise named from e
         raise
 
 

@@ -5,9 +5,10 @@
 - :mod:`~graphcp.kv.paged`: the paged pool, its page allocator, page tables and handles;
   as it is, the replicated cache (every rank holds every request's KV);
 - :mod:`~graphcp.kv.sharded`: the token-sharded cache (a rank holds its zigzag blocks);
-- :mod:`~graphcp.kv.layer_split`: LayerSplit (a rank holds its layers + one scratch layer);
-- :mod:`~graphcp.kv.mla`, :mod:`~graphcp.kv.mla_layer_split`: DSA models' latent and
-  indexer-key caches, replicated and layer-split.
+- :mod:`~graphcp.kv.layer_split`: LayerSplit (a rank holds its layers + one scratch layer).
+
+A family whose tokens hold something else than K/V heads keeps its caches in its own
+folder (graphcp.model.<family>) and registers them (:func:`graphcp.kv.factory.register_cache`).
 
 Everything here sits below attention: a backend reads a cache, a cache never imports a backend.
 """

@@ -11,10 +11,7 @@ with the options that do not combine (graphcp/combinations.py) before it gets he
 
 from __future__ import annotations
 
-from graphcp.kv.dsv4 import DsV4CacheSpec, DsV4KVCache, LayerSplitDsV4KVCache
 from graphcp.kv.layer_split import LayerSplitKVCache
-from graphcp.kv.mla import MlaGeometry, MlaKVCache
-from graphcp.kv.mla_layer_split import LayerSplitMlaKVCache
 from graphcp.kv.paged import PagedKVCache
 from graphcp.kv.sharded import ShardedKVCache
 from graphcp.kv.spec import KVHeads, PoolSpec
@@ -23,10 +20,6 @@ _CACHES: dict[tuple[type, str], type[PagedKVCache]] = {
     (KVHeads, "replicated"): PagedKVCache,
     (KVHeads, "sharded"): ShardedKVCache,
     (KVHeads, "layer-split"): LayerSplitKVCache,
-    (MlaGeometry, "replicated"): MlaKVCache,
-    (MlaGeometry, "layer-split"): LayerSplitMlaKVCache,
-    (DsV4CacheSpec, "replicated"): DsV4KVCache,
-    (DsV4CacheSpec, "layer-split"): LayerSplitDsV4KVCache,
 }
 
 

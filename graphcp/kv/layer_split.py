@@ -16,7 +16,7 @@ into the scratch: attention then reads the same values as with a replicated cach
 the logits are bitwise those of the replicated engine.
 
 The ownership, the span checks and the prefix fetch live in :class:`LayerOwnership`,
-shared with the DSA models' latent + indexer-key split (graphcp.kv.mla_layer_split).
+shared with the layer splits of the families' own caches (in their folders).
 
 Graphs: breakable graphs capture the exchange and the scratch writes (static shapes);
 the broadcast runs in the attention break. A full graph has no break, so
@@ -43,8 +43,8 @@ def pool_layers(num_layers: int, rank: int, cp_size: int) -> int:
 
 
 class LayerOwnership:
-    """What every layer-split cache shares (the dense one below, MLA's latent + indexer
-    keys in graphcp.kv.mla_layer_split): who owns a layer, which spans a rank can read, and
+    """What every layer-split cache shares (the dense one below, a family's own cache
+    in its folder): who owns a layer, which spans a rank can read, and
     the prefix fetch before a layer's attention. A cache mixes it in ahead of its
     :class:`PagedKVCache` and calls :meth:`_split` before the pool is allocated."""
 

@@ -278,7 +278,7 @@ class PagedKVCache:
         return batch_tokens
 
     def _allocate_pool(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        """The pool (a cache that stores something else per token, MLA's latent, overrides it)."""
+        """The pool (a cache that stores something else per token, a family's own, overrides it)."""
         n, h, d = self.page_size, self.num_kv_heads, self.head_dim
         page = (n, h, d) if self.layout == "NHD" else (h, n, d)
         return torch.zeros((self.num_layers, self.num_pages, 2, *page), dtype=dtype, device=device)
@@ -293,8 +293,8 @@ class PagedKVCache:
         return {"kv_cache": self.pool}
 
     def state_pools(self) -> dict[str, torch.Tensor]:
-        """Every tensor holding per-request state besides the pages (a linear-attention
-        hybrid's recurrent and convolution states, graphcp.model.hybrid.cache): none here."""
+        """Every tensor holding per-request state besides the pages (a family's cache that
+        keeps a recurrence's state per request, in its folder): none here."""
         return {}
 
     # ---- capacity -------------------------------------------------------------

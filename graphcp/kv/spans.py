@@ -12,9 +12,8 @@ A cache mode (:class:`KVSource`) says, identically on every rank,
   cache: every rank; a layer-split cache: the layer's owner; a token-sharded cache:
   the rank that stored those positions);
 - ``read_span(handle, span)``: on a rank that holds it, the span's K and V as
-  ``[num_kv_heads, stop - start, head_dim]`` tensors in the cache dtype (a DSA model's
-  cache: latent, rope key and, in an indexer layer, indexer key, ``[stop - start, ...]``;
-  the export format's ``layer_tensors`` name them, graphcp.pd.layout).
+  ``[num_kv_heads, stop - start, head_dim]`` tensors in the cache dtype (a family's own
+  cache: the tensors its export format's ``layer_tensors`` name, graphcp.pd.layout).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What sizes a cache: the pool (:class:`PoolSpec`: its pages, the layers it serves and
 this rank's place among the CP ranks) and what a token holds in it (a family's
-*geometry*: :class:`KVHeads` for K and V of the KV heads; MLA's and DeepSeek V4's are in
-their modules). :func:`graphcp.kv.factory.make_cache` builds a cache mode from the two."""
+*geometry*: :class:`KVHeads` for K and V of the KV heads; a family whose tokens hold
+something else defines its own in its folder). :func:`graphcp.kv.factory.make_cache`
+builds a cache mode from the two."""
 
 from __future__ import annotations
 

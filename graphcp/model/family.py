@@ -14,7 +14,8 @@ values) it reads, and owns:
   (:meth:`~ModelFamily.cache_geometry`, :meth:`~ModelFamily.make_attention`; the cache
   itself comes from the one factory, :func:`graphcp.kv.factory.make_cache`);
 - its KV export format (:meth:`~ModelFamily.export_meta`, :meth:`~ModelFamily.export_source`);
-- the built-in presets it offers (:attr:`~ModelFamily.presets`, seeded random weights).
+- the built-in presets it offers (:attr:`~ModelFamily.presets`, seeded random weights,
+  :attr:`~ModelFamily.weights_recipe`).
 
 The engine, the loader, pool sizing, the jobs and the command line ask
 ``family_of(cfg)`` and name no family. A new family is a package of its own that
@@ -160,6 +161,11 @@ class ModelFamily:
     def random_weights(self, cfg, seed: int) -> dict[str, Any]:
         """Seeded Hub-named tensors of every shape the table lists (the presets' writer)."""
         raise NotImplementedError
+
+    #: the version of :meth:`random_weights`' recipe: bump it whenever the recipe writes other
+    #: bytes for the same config and seed, so that cached presets are written again
+    #: (graphcp.model.presets)
+    weights_recipe: ClassVar[int] = 1
 
     # ---- the cache and attention ------------------------------------------------
     def cache_geometry(self, cfg, runtime, kv_layout: str = "NHD") -> Any:

@@ -187,7 +187,7 @@ def check_tensors(export, source: str):
 @dataclass
 class LayerTensorsExport:
     """One request's cache in a format whose layers hold named tensors of their own kinds
-    (V4's window and compressor state, a hybrid's K/V or conv and recurrent state):
+    (a family's own format: window rows and compressor state, K/V beside recurrent state):
     ``layers[i]`` maps the layer's tensor names to tensors, as ``meta.layer_tensors(i)``
     names them. ``token_ids`` and ``last_logits`` ride along as in :class:`KVExport`."""
 
@@ -220,8 +220,8 @@ class LayerTensorsExport:
 def assemble(source: KVSource, handle, spans: list[KVSpan], group: CPGroup, meta, dst: int | None,
              device: torch.device) -> list[dict[str, torch.Tensor]] | None:
     """Put one request's KV together from the spans each rank holds, in ``meta``'s format
-    (a :class:`KVMeta` or any :class:`TensorLayout` with ``make_export``: the DSA
-    models' graphcp-mla/1, DeepSeek V4's graphcp-dsv4/1, whose spans are whole layers):
+    (a :class:`KVMeta` or any :class:`TensorLayout` with ``make_export``: a family's
+    own format, graphcp.pd.formats, whose spans may be whole layers):
     its tensors, per layer by name, on the receiving ranks (``meta.make_export`` makes
     the export of them), None on the others. Every rank
     calls it (the same spans everywhere). ``dst``: the rank that receives, or None for
@@ -298,7 +298,7 @@ def gather_stages(out: list[dict[str, torch.Tensor]] | None, meta, stage_layers:
 
 def _as_bytes(tensors) -> torch.Tensor:
     """Tensors flattened into one byte message, in order (each keeps its own dtype's bytes:
-    a format may mix dtypes, V4's float32 overlap gates beside model-dtype rows)."""
+    a format may mix dtypes, float32 gates beside model-dtype rows)."""
     return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
@@ -326,7 +326,7 @@ def _unpack(out: list[dict[str, torch.Tensor]], spans: list[KVSpan], buf: torch.
 
 
 def _place(out: list[dict[str, torch.Tensor]], span: KVSpan, parts, meta) -> None:
-    whole = (span.start, span.num_tokens) == (0, meta.num_tokens)  # (a V4 layer's rows are not one a token)
+    whole = (span.start, span.num_tokens) == (0, meta.num_tokens)  # (a layer's rows need not be one a token)
     for n, t in zip(meta.layer_tensors(span.layer), parts):
         dst = out[span.layer][n]
         (dst if whole else dst.narrow(meta.token_dim, span.start, span.num_tokens)).copy_(t)

@@ -1,13 +1,11 @@
 """The file transport: one safetensors file a request.
 
 Tensors ``<name>.<layer>`` of the export's format: ``k.<layer>`` and ``v.<layer>``
-(graphcp-kv/1, graphcp.pd.export), or ``latent.<layer>``, ``rope_key.<layer>`` and,
-for the indexer layers, ``index_key.<layer>`` (graphcp-mla/1, DSA models:
-graphcp.pd.mla_export), or ``window.<layer>``, ``compressed_kv.<layer>``, ... (graphcp-dsv4/1,
-DeepSeek V4: graphcp.pd.dsv4_export, its overlap gates float32); optionally ``token_ids`` (int64) and ``last_logits``
-(float32); the metadata in the safetensors header, as strings (its ``format`` says
-which). A file is written to a
-temporary name and renamed: a reader never sees half a file.
+(graphcp-kv/1, graphcp.pd.export), or the names a family's own format gives its
+layers (``meta.layer_tensors``, graphcp.pd.formats), each in its dtype; optionally
+``token_ids`` (int64) and ``last_logits`` (float32); the metadata in the safetensors
+header, as strings (its ``format`` says which). A file is written to a temporary name
+and renamed: a reader never sees half a file.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 request's export is assembled per head shard over the CP group, then the shards are
 gathered over attention TP and merged in head order as the format says (``head_shard`` /
 ``merge_heads`` of its metadata: graphcp-kv/1 keeps a KV head replicated over several
-ranks once; graphcp-hybrid/1 also regroups its linear layers' conv channels): to every
+ranks once; a family's format may regroup more, such as a convolution's channels): to every
 rank of the attention-TP group (an all-gather) or to one (point to point: each other
 rank sends its shards of every layer in one message)."""
 

@@ -1,6 +1,10 @@
-"""A transformers cache from a KV export (any format), so a transformers model continues a request
+"""The transformers side of a KV export, so a transformers model continues a request
 graphcp prefilled (the decode side of the file transport, and the reference the
-continuation tests use). transformers is imported here only: graphcp does not need it.
+continuation tests use): the releases whose caches graphcp builds
+(:func:`check_transformers`), graphcp-kv/1's cache (:func:`to_dynamic_cache`), the
+forward's cache argument and the greedy loop. A format of a family's own registers its
+cache's builder with the format (graphcp.pd.formats); ``graphcp.pd.load`` picks it.
+transformers is imported only when a function needs it: graphcp does not need it.
 
 transformers' ``DynamicCache`` holds per layer ``[batch, num_kv_heads, seq, head_dim]``
 keys after RoPE: the export's layout with a batch dimension. The cache is built with
@@ -18,11 +22,7 @@ import re
 import torch
 
 from graphcp.errors import GraphcpError
-from graphcp.kv.dsv4 import CSA, HCA, SLIDING
-from graphcp.pd.dsv4_export import DsV4Export
 from graphcp.pd.export import KVExport
-from graphcp.pd.hybrid_export import FULL, HybridExport
-from graphcp.pd.mla_export import MlaExport, interleaved_to_half_split
 
 #: the transformers releases (major, minor) whose caches this module builds and whose
 #: continuation from them was checked; ``scripts/check_latest.sh`` tells what a newer one moved
@@ -37,7 +37,7 @@ def check_transformers(version: str | None = None) -> None:
     """Raise :class:`UnknownTransformers` unless ``version`` (default: the installed
     transformers') is within :data:`KNOWN_TRANSFORMERS`: a cache built for another
     release may continue at the wrong positions, silently (transformers 5.25 moved where a
-    hybrid's cache counts its tokens)."""
+    linear-attention layer's cache counts its tokens)."""
     if version is None:
         import transformers
 
@@ -61,131 +61,6 @@ def to_dynamic_cache(export: KVExport, device: torch.device | str | None = None,
             k, v = k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)
         cache.update(k.unsqueeze(0), v.unsqueeze(0), i)
     return cache
-
-
-def to_mla_cache(export: MlaExport, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-    """The ``transformers.DynamicCache`` a DeepSeek V3.2 / GLM-5 model (transformers 5)
-    keeps, holding ``export`` (batch of one): per layer a ``DynamicIndexedLayer`` (every
-    layer of these models is ``indexed_attention``) with ``keys [1, 1, T, kv_lora_rank]``
-    (the latent), ``values [1, 1, T, rope_dim]`` (the rope key in transformers' pair
-    order) and, for the indexer layers, ``indexer_keys [1, T, index_dim]`` (GLM's rope
-    dims in transformers' order too). A "shared" layer's indexer keys stay unset, as
-    after transformers' own forward."""
-    from transformers.cache_utils import DynamicCache, DynamicIndexedLayer
-
-    m = export.meta
-    cache = DynamicCache()
-    cache.layers = [DynamicIndexedLayer() for _ in range(m.num_layers)]
-
-    def put(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype) if device is not None or dtype is not None else t
-
-    for i in range(m.num_layers):
-        t = export.layers[i]
-        cache.update(put(t["latent"])[None, None], put(interleaved_to_half_split(t["rope_key"]))[None, None], i)
-        if "index_key" in t:
-            key = interleaved_to_half_split(t["index_key"], m.rope_dim) if m.index_rope_interleaved else t["index_key"]
-            cache.update_indexer(put(key)[None], i)
-    return cache
-
-
-def to_dsv4_cache(export: DsV4Export, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-    """The ``transformers.DynamicCache`` a DeepSeek V4 model keeps, holding ``export``
-    (batch of one): built as transformers builds it (``DynamicCache(config=...)`` of a
-    ``DeepseekV4Config`` with the export's layer kinds, window and compress rates: a
-    ``DynamicSlidingWindowLayer``, ``DeepseekV4CSACache`` or ``DeepseekV4HCACache`` a
-    layer), then filled: the window as ``keys`` = ``values`` ``[1, 1, rows, head_dim]``
-    with ``cumulative_length`` T; per compressor (``"compressor"``, CSA also
-    ``"indexer"``) ``compressed_kv [1, n, width]``, ``entry_count`` n, ``buffer_kv`` /
-    ``buffer_gate [1, r, series x width]`` and (CSA) ``overlap_kv`` / ``overlap_gate
-    [1, m, width]`` (None below m tokens). ``dtype`` casts the model-dtype tensors; the
-    overlap gates stay float32, as transformers keeps them."""
-    import transformers
-    import transformers.models.deepseek_v4.modeling_deepseek_v4  # noqa: F401 (registers V4's cache layers)
-    from transformers import DynamicCache
-
-    m = export.meta
-    names = {SLIDING: "sliding_attention", CSA: "compressed_sparse_attention", HCA: "heavily_compressed_attention"}
-    config = transformers.DeepseekV4Config(
-        num_hidden_layers=m.num_layers, layer_types=[names[k] for k in m.layer_kinds], sliding_window=m.sliding_window,
-        compress_rates={names[CSA]: m.compress_csa, names[HCA]: m.compress_hca})
-    cache = DynamicCache(config=config)
-
-    def put(t: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
-        return t.to(device=device, dtype=None if keep_dtype else dtype)[None]
-
-    for i, layer in enumerate(cache.layers):
-        t = export.layers[i]
-        window = put(t["window"])[None]
-        layer.update(window, window)
-        layer.cumulative_length = m.num_tokens  # the window holds the last rows of T tokens
-        if m.layer_kinds[i] == SLIDING:
-            continue
-        for name, prefix in (("compressor", ""), ("indexer", "index_")):
-            if prefix + "compressed_kv" not in t:
-                continue
-            layer.compressed_kv[name] = put(t[prefix + "compressed_kv"])
-            layer.entry_count[name] = m.entries(i)
-            layer.buffer_kv[name] = put(t[prefix + "buffer_kv"])
-            layer.buffer_gate[name] = put(t[prefix + "buffer_gate"])
-            if m.layer_kinds[i] == CSA:
-                has = prefix + "overlap_kv" in t
-                layer.overlap_kv[name] = put(t[prefix + "overlap_kv"]) if has else None
-                layer.overlap_gate[name] = put(t[prefix + "overlap_gate"], keep_dtype=True) if has else None
-    return cache
-
-
-def to_hybrid_cache(export: HybridExport, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-    """The ``transformers.DynamicCache`` a Qwen3.5 / Qwen3-Next model keeps, holding
-    ``export`` (batch of one): built as transformers builds it (``DynamicCache(config=...)``
-    of the export's layer types: a ``LinearAttentionLayer`` or a ``DynamicLayer`` a layer),
-    then filled: a full layer's keys and values ``[1, heads, T, head_dim]``; a linear
-    layer's conv state ``[1, conv_dim, K]`` and recurrent state ``[1, Hv, d_k, d_v]``
-    (float32, as transformers keeps it; ``dtype`` casts the rest)."""
-    import transformers
-    from transformers import DynamicCache
-
-    m = export.meta
-    names = ["full_attention" if k == FULL else "linear_attention" for k in m.layer_kinds]
-    cache = DynamicCache(config=transformers.Qwen3_5TextConfig(num_hidden_layers=m.num_layers, layer_types=names))
-
-    def put(t: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
-        return t.to(device=device, dtype=None if keep_dtype else dtype)[None]
-
-    for i, layer in enumerate(cache.layers):
-        t = export.layers[i]
-        if m.layer_kinds[i] == FULL:
-            layer.update(put(t["k"]), put(t["v"]))
-            continue
-        layer.update_conv_state(put(t["conv"]), conv_kernel_size=m.conv_kernel)
-        layer.update_recurrent_state(put(t["recurrent"], keep_dtype=True))
-        _count_linear_tokens(layer, m.num_tokens)
-    return cache
-
-
-def _count_linear_tokens(layer, num_tokens: int) -> None:
-    """transformers >= 5.25 counts a linear layer's tokens itself (``cumulative_length_linear``:
-    what ``get_seq_length()`` returns, so the continuation's positions), and
-    ``update_conv_state`` added the conv state's width to it, not the request's length.
-    Earlier releases count the full layers' keys and keep no such counter."""
-    count = getattr(layer, "cumulative_length_linear", None)
-    if count is not None:
-        count.fill_(num_tokens)
-
-
-def to_transformers_cache(export: KVExport | MlaExport | DsV4Export | HybridExport,
-                          device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-    """The transformers cache of any export format (a DSA model's: :func:`to_mla_cache`;
-    a DeepSeek V4 model's: :func:`to_dsv4_cache`; a hybrid's: :func:`to_hybrid_cache`), for a
-    transformers release :func:`check_transformers` knows."""
-    check_transformers()
-    if isinstance(export, MlaExport):
-        return to_mla_cache(export, device, dtype)
-    if isinstance(export, DsV4Export):
-        return to_dsv4_cache(export, device, dtype)
-    if isinstance(export, HybridExport):
-        return to_hybrid_cache(export, device, dtype)
-    return to_dynamic_cache(export, device, dtype)
 
 
 def cache_argument(model) -> str:

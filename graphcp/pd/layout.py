@@ -1,17 +1,16 @@
 """What every export format shares: per layer, named tensors with the tokens along one
 dimension, and their flat layout (the transports' byte offsets).
 
-A format's metadata (``graphcp-kv/1``'s :class:`graphcp.pd.export.KVMeta`, the DSA
-models' ``graphcp-mla/1`` :class:`graphcp.pd.mla_export.MlaMeta`, DeepSeek V4's
-``graphcp-dsv4/1`` :class:`graphcp.pd.dsv4_export.DsV4Meta`) says, for each layer,
-which tensors it has (:meth:`TensorLayout.layer_tensors`, in order: what a cache's
+A format's metadata (``graphcp-kv/1``'s :class:`graphcp.pd.export.KVMeta`, or the one a
+family registers with its format, graphcp.pd.formats) says, for each layer, which
+tensors it has (:meth:`TensorLayout.layer_tensors`, in order: what a cache's
 ``read_span`` returns for that layer), their shapes (:meth:`TensorLayout.tensor_shape`,
 the tokens along :attr:`TensorLayout.token_dim`) and dtypes
-(:meth:`TensorLayout.tensor_dtype`: the model's but for V4's float32 overlap gates). From that alone this mixin derives
-what assembly (``graphcp.pd.export.assemble``), the files and the Mooncake transport
-need: each tensor's byte offset in the flat region (layer 0's tensors in order, then
-layer 1's, ...), the byte runs a span of positions occupies there, and the flat
-region's tensors.
+(:meth:`TensorLayout.tensor_dtype`: the model's unless a format says otherwise). From
+that alone this mixin derives what assembly (``graphcp.pd.export.assemble``), the files
+and the Mooncake transport need: each tensor's byte offset in the flat region (layer
+0's tensors in order, then layer 1's, ...), the byte runs a span of positions occupies
+there, and the flat region's tensors.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ class TensorLayout:
 
     def tensor_dtype(self, layer: int, name: str) -> torch.dtype:
         """Tensor ``name``'s dtype: the model's, unless a format keeps a tensor in another
-        (DeepSeek V4's float32 overlap gates: graphcp.pd.dsv4_export)."""
+        (float32 gates beside model-dtype rows)."""
         return self.torch_dtype
 
     def tensors(self) -> list[tuple[int, str]]:

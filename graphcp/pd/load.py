@@ -1,5 +1,7 @@
 """``graphcp.pd.load_kv``: a KV file as tensors, and as a transformers cache when
-transformers is installed."""
+transformers is installed. It reads the formats registered (graphcp.pd.formats): a
+family's own once its family is imported; ``from graphcp import load_kv`` imports every
+built-in family first."""
 
 from __future__ import annotations
 
@@ -10,21 +12,17 @@ from typing import Any
 
 import torch
 
-from graphcp.pd.dsv4_export import DsV4Export
-from graphcp.pd.export import KVExport
 from graphcp.pd.files import read_kv
-from graphcp.pd.hf import to_transformers_cache
-from graphcp.pd.hybrid_export import HybridExport
-from graphcp.pd.mla_export import MlaExport
+from graphcp.pd.formats import Export, kv_format
+from graphcp.pd.hf import check_transformers
 
 
 @dataclass
 class LoadedKV:
-    #: the tensors and metadata (graphcp-kv/1; graphcp-mla/1 for DSA models, graphcp-dsv4/1 for DeepSeek V4,
-    #: graphcp-hybrid/1 for the linear-attention hybrids)
-    export: KVExport | MlaExport | DsV4Export | HybridExport
-    #: a transformers.DynamicCache (DSA models: of DynamicIndexedLayers; V4: its window / CSA / HCA layers;
-    #: hybrids: linear-attention and full-attention layers), or None without transformers
+    #: the tensors and metadata, in the file's format (graphcp-kv/1, or its family's own)
+    export: Export
+    #: the transformers cache a model of that format keeps (the format's builder:
+    #: a DynamicCache of its kind of layers), or None without transformers
     cache: Any
 
     @property
@@ -32,11 +30,17 @@ class LoadedKV:
         return self.export.meta.num_tokens
 
 
+def to_transformers_cache(export: Export, device: torch.device | str | None = None,
+                          dtype: torch.dtype | None = None):
+    """The transformers cache of an export of any registered format (its format's
+    builder), for a transformers release :func:`graphcp.pd.hf.check_transformers` knows."""
+    check_transformers()
+    return kv_format(export.meta.format).transformers_cache(export, device, dtype)
+
+
 def load_kv(path: str | os.PathLike, device: torch.device | str = "cpu") -> LoadedKV:
-    """Read a file written by ``graphcp prefill --export-kv`` (graphcp.pd.files): a
-    DSA model's (graphcp-mla/1) with the cache transformers' DeepSeek V3.2 / GLM-5 keep, a
-    DeepSeek V4 model's (graphcp-dsv4/1) with the cache transformers' V4 keeps, a hybrid's
-    (graphcp-hybrid/1) with the cache transformers' Qwen3.5 / Qwen3-Next keep."""
+    """Read a file written by ``graphcp prefill --export-kv`` (graphcp.pd.files) with the
+    cache transformers keeps for a model of its format (:func:`to_transformers_cache`)."""
     export = read_kv(path, device)
     cache = None
     if importlib.util.find_spec("transformers") is not None:

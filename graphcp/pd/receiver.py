@@ -4,7 +4,7 @@ It runs a transfer engine, registers one buffer (the arena) and serves the contr
 channel (graphcp.pd.control) on a TCP port: each prefill rank connects, reads the
 ``hello`` (session, buffer, wanted layout), and per request sends ``open``; the first
 ``open`` of a request reserves its region (``meta.nbytes``, in the layout of the
-request's format: graphcp-kv/1, or a DSA model's graphcp-mla/1) and
+request's format: graphcp-kv/1, or a family's own, graphcp.pd.formats) and
 every sender of it gets the same address; each rank writes its part straight into
 the arena and says ``done``. When every rank is done and the bytes add up, the
 request is complete: every sender gets ``ack`` and :meth:`KVReceiver.get` hands it
@@ -27,7 +27,8 @@ import torch
 from graphcp.pd.control import Channel
 from graphcp.pd.errors import SenderDied, TransferError, TransferFailed, TransferTimeout
 from graphcp.pd.export import KVFormatError
-from graphcp.pd.formats import FORMATS, Export, Meta, meta_from_dict
+from graphcp.pd.formats import Export, meta_from_dict, registered
+from graphcp.pd.layout import TensorLayout
 from graphcp.pd.mooncake import MooncakeEngine
 
 ALIGN = 64
@@ -35,7 +36,7 @@ ALIGN = 64
 
 @dataclass
 class _Request:
-    meta: Meta
+    meta: TensorLayout  # the request's format's
     offset: int  # in the arena
     senders: int
     opened: float
@@ -89,7 +90,7 @@ class KVReceiver:
                  fingerprint: str | None = None, dtype: str | None = None, protocol: str = "tcp",
                  device_name: str = "") -> None:
         self.timeout_s = timeout_s
-        self.want = {"format": list(FORMATS), "fingerprint": fingerprint, "dtype": dtype}
+        self.want = {"fingerprint": fingerprint, "dtype": dtype}
         self.engine = MooncakeEngine(host, protocol, device_name)
         self.buffer = torch.zeros(capacity_bytes, dtype=torch.uint8)
         self.base = self.engine.register(self.buffer)
@@ -162,7 +163,8 @@ class KVReceiver:
 
     def _serve(self, ch: Channel) -> None:
         try:
-            ch.send(op="hello", session=self.engine.session, buffer=self.base, size=self.buffer.numel(), **self.want)
+            ch.send(op="hello", session=self.engine.session, buffer=self.base, size=self.buffer.numel(),
+                    format=registered(), **self.want)  # (the formats registered by now)
             while True:
                 msg = ch.recv(None)
                 if msg is None:

@@ -7,8 +7,8 @@ request ids (like ``prefill``), and sends only the spans its cache mode makes it
 owner of (graphcp.kv.spans: a contiguous range of layers for the replicated and the
 layer-split caches), with no collective between the ranks: per request it ``open``s
 the request on the control channel (the receiver answers with the request's region),
-copies its spans into a registered staging buffer in the export layout (either format:
-graphcp-kv/1, or a DSA model's graphcp-mla/1; graphcp.pd.layout gives the runs), writes them
+copies its spans into a registered staging buffer in the export layout (any format:
+graphcp.pd.layout gives the runs), writes them
 with Mooncake writes (one batch a contiguous run) straight into the receiver's memory and says
 ``done``. ``send`` returns when the receiver acknowledged every request; until then,
 and after any error, the request's KV is still in the engine (nothing is released:
@@ -99,7 +99,7 @@ class KVSender:
     def _send_one(self, engine, handle, rid: str) -> None:
         meta = engine.kv_meta(handle)  # either format: the runs come from its layout (graphcp.pd.layout)
         # the spans this rank owns in its CP group (under pipeline stages: of its stage's layers)
-        source = engine.kv_source  # the cache, or what reads a V4 cache's state
+        source = engine.kv_source  # the cache, or what reads a family's cache state
         heads = _heads_written(engine, meta)
         mine = [s for s in source.kv_spans(handle, engine.group.size) if s.owner == engine.rank] \
             if heads != (0, 0) else []
@@ -111,7 +111,7 @@ class KVSender:
         pos = 0
         for span in mine:
             for name, t in zip(meta.layer_tensors(span.layer), source.read_span(handle, span)):
-                dtype = meta.tensor_dtype(span.layer, name)  # bytes: a format may mix dtypes (V4's float32 gates)
+                dtype = meta.tensor_dtype(span.layer, name)  # bytes: a format may mix dtypes (float32 gates)
                 nb = t.numel() * dtype.itemsize
                 staging[pos:pos + nb].copy_(t.to(dtype).contiguous().view(-1).view(torch.uint8))
                 runs = meta.span_runs(span.layer, name, span.start, span.num_tokens)

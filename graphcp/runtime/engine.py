@@ -130,8 +130,8 @@ class PrefillEngine:
 
     def kv_meta(self, handle: KVHandle):
         """The export metadata of one request's KV, in its family's export format
-        (graphcp.pd.export; a DSA model's: graphcp.pd.mla_export; a DeepSeek V4 model's:
-        graphcp.pd.dsv4_export)."""
+        (graphcp.pd.export; a DSA model's: graphcp.model.dsa.export; a DeepSeek V4 model's:
+        graphcp.model.dsv4.export)."""
         return self._exporter.meta(handle)
 
     @torch.inference_mode()
@@ -139,8 +139,8 @@ class PrefillEngine:
         """One request's KV in the transport-neutral layout of its family's export format
         (graphcp.pd.export: every layer's K and V, ``[num_kv_heads, num_tokens,
         head_dim]``, keys after RoPE; a DSA model: latent, rope key and indexer key,
-        graphcp.pd.mla_export; a DeepSeek V4 model: transformers' cache state,
-        graphcp.pd.dsv4_export). Every rank of the run calls it (like prefill); ``dst`` is
+        graphcp.model.dsa.export; a DeepSeek V4 model: transformers' cache state,
+        graphcp.model.dsv4.export). Every rank of the run calls it (like prefill); ``dst`` is
         the rank that gets the export (the others get None), None: every rank. ``dst`` is
         a rank of the whole run (``engine.world``: every stage, CP and attention-TP rank,
         numbered as ``torch.distributed`` numbers them, graphcp.mesh); one outside it is

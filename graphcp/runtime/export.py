@@ -26,7 +26,7 @@ class Exporter:
 
     def meta(self, handle: KVHandle):
         """The export metadata of one request's KV (its family's format: graphcp.pd.export's
-        graphcp-kv/1, graphcp.pd.mla_export, graphcp.pd.dsv4_export). An EAGLE-3 draft's
+        graphcp-kv/1, graphcp.model.dsa.export, graphcp.model.dsv4.export). An EAGLE-3 draft's
         layer follows the target's."""
         p = self.parts
         if self._fingerprint is None:

@@ -1,7 +1,7 @@
 """Compiling a Triton kernel for a CUDA target without a GPU and reading what ptxas
 reports (registers, spills, stack, shared memory): the step both kernels' compile-only
 checks share (:mod:`~graphcp.attention.kernels.paged_prefill_compile_check`,
-:mod:`~graphcp.attention.kernels.sparse_mla_compile_check`), and their flag parsing and
+:mod:`~graphcp.attention.kernels.sparse_latent_compile_check`), and their flag parsing and
 report writing."""
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def compile_kernel(fn, signature: dict[str, str], constexprs: dict[str, object],
     -v``: ``registers``, ``spill_store_bytes``, ``spill_load_bytes``, ``stack_bytes``,
     ``shared_bytes``, ``seconds``; and ``narrow_strides``, those of ``wide`` its TTIR
     multiplies in 32 bits (:func:`narrow_strides`). Any Triton kernel (the dense and the
-    sparse MLA ones)."""
+    sparse latent-attention ones)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("TRITON_INTERPRET is set: the kernel would be interpreted, not compiled; unset it")
     import triton

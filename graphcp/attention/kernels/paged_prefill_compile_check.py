@@ -11,7 +11,7 @@ unset or 0, before Triton is imported)::
         --head-dims 64,128 --json report.json
 
 :func:`~graphcp.attention.kernels.compile.compile_kernel` is the compile + ptxas step
-for any Triton kernel (the sparse MLA kernel's check uses it too).
+for any Triton kernel (the sparse latent-attention kernel's check uses it too).
 ``tests/test_triton_compile.py`` runs it for the bfloat16 variants at head_dim 64
 and 128 on sm_90a and requires zero spills.
 """

@@ -148,26 +148,38 @@ def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     return table.get(".".join(name.split(".")[-2:]), ())
 
 
+#: a layer's matrices: std GAIN / sqrt(fan-in), so each attention and MLP block adds about
+#: half its input's size to the residual stream and the token's own embedding stays a large
+#: part of it (with std 0.02 everywhere the attention's running average of the context,
+#: nearly alike at every position, swamped the token: every position predicted one token,
+#: and greedy text repeated it)
+GAIN = 0.7
+
+
 def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     """HF-named tensors for a config.json of this family (Qwen3-MoE and Mixtral too:
-    router and per-expert tensors in the Hub layout), seeded (std 0.02; norms near 1)."""
+    router and per-expert tensors in the Hub layout), seeded, whose greedy text varies: the
+    layers' matrices std ``GAIN / sqrt(fan-in)``, norms near 1, the embeddings and an untied
+    LM head as :func:`_embedding_std` and :func:`_head_std` say."""
     g = torch.Generator().manual_seed(seed)
     h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     d = config.get("head_dim") or h // heads
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.get("torch_dtype", "float32")]
     qwen3 = config["model_type"] in ("qwen3", "qwen3_moe")
+    tied = config.get("tie_word_embeddings", False)
     moe = moe_from_hf(config, config["model_type"], config["num_hidden_layers"], "preset")
 
-    def rnd(*shape, std=0.02):
-        return (torch.randn(*shape, generator=g) * std).to(dtype)
+    def rnd(rows, cols, std=None):
+        std = GAIN * cols ** -0.5 if std is None else std
+        return (torch.randn(rows, cols, generator=g) * std).to(dtype)
 
     def norm(n):
         return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dtype)
 
-    w = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": norm(h)}
-    if not config.get("tie_word_embeddings", False):
-        w["lm_head.weight"] = rnd(v, h)
+    w = {"model.embed_tokens.weight": rnd(v, h, _embedding_std(h, tied)), "model.norm.weight": norm(h)}
+    if not tied:
+        w["lm_head.weight"] = rnd(v, h, _head_std(h))
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         w[p + "input_layernorm.weight"] = norm(h)
@@ -191,3 +203,15 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
         w[p + "mlp.up_proj.weight"] = rnd(i, h)
         w[p + "mlp.down_proj.weight"] = rnd(h, i)
     return w
+
+
+def _embedding_std(hidden: int, tied: bool) -> float:
+    """1 (a token's own vector, the residual stream's largest part, cheap in bfloat16: it
+    goes through no layer), unless the LM head is the embedding matrix: then a token's own
+    vector would make it predict itself, so the rows are an LM head's size."""
+    return _head_std(hidden) if tied else 1.0
+
+
+def _head_std(hidden: int) -> float:
+    """The LM head's rows: logits of order 1 from the final norm's output."""
+    return hidden ** -0.5

@@ -60,6 +60,8 @@ class DenseFamily(ModelFamily):
     def random_weights(self, config: dict, seed: int):
         return checkpoint.random_weights(config, seed)
 
+    weights_recipe = 2  # 2: matrices GAIN / sqrt(fan-in), embeddings std 1 (1: std 0.02, greedy text repeated)
+
     def cache_geometry(self, cfg, runtime, kv_layout: str = "NHD") -> KVHeads:
         return KVHeads(cfg.num_kv_heads, cfg.head_dim, kv_layout)
 

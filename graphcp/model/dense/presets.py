@@ -3,7 +3,9 @@ on first use, graphcp.model.presets)."""
 
 from __future__ import annotations
 
-#: a small Qwen3-style model: explicit head_dim, q/k norm, GQA, tied embeddings
+#: a small Qwen3-style model: explicit head_dim, q/k norm, GQA; an untied LM head (a tied
+#: one reads the embeddings back, and random ones large enough to carry the token through
+#: the layers would make each token predict itself: checkpoint.random_weights)
 PRESETS: dict[str, dict] = {
     "default": {
         "architectures": ["Qwen3ForCausalLM"],
@@ -19,7 +21,7 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,
         "attention_bias": False,
         "torch_dtype": "float32",
         "bos_token_id": 1,
@@ -40,7 +42,7 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 65536,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,  # (as the default: greedy text varies)
         "attention_bias": False,
         "torch_dtype": "bfloat16",
         "bos_token_id": 1,

@@ -1,23 +1,33 @@
 """The DSA family (DeepSeek V3.2, GLM-5): MLA with the lightning indexer and DeepSeek's
 MoE. Its cache holds each token's latent, rope key and indexer key (replicated, or split
-by layer: graphcp.kv.mla); its export is ``graphcp-mla/1`` (graphcp.pd.mla_export)."""
+by layer: ``cache.py``, ``layer_split.py``); its sparse attention is ``sparse.py`` (+
+``sparse_triton.py``, ``topk.py``); its export is ``graphcp-mla/1`` (``export.py``, its
+transformers cache ``hf_cache.py``). This module registers the caches and the format."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from graphcp.attention.sparse.mla import indexer_report
-from graphcp.kv.mla import MlaGeometry
+from graphcp.kv.factory import register_cache
 from graphcp.model.config import ConfigReader, ModelConfig, decoder_config, read_head
 from graphcp.model.dsa import checkpoint
+from graphcp.model.dsa.cache import MlaGeometry, MlaKVCache
 from graphcp.model.dsa.config import dsa_from_hf
+from graphcp.model.dsa.export import MLA_FORMAT, MlaExport, MlaMeta, mla_meta
+from graphcp.model.dsa.hf_cache import to_mla_cache
+from graphcp.model.dsa.layer_split import LayerSplitMlaKVCache
 from graphcp.model.dsa.model import DsaModel
 from graphcp.model.dsa.presets import PRESETS
 from graphcp.model.dsa.runtime import check_stages, make_attention
+from graphcp.model.dsa.sparse import indexer_report
 from graphcp.model.family import AttentionParts, ModelFamily, register_family
 from graphcp.model.rope import rope_from_hf
 from graphcp.model.tensor_table import is_skipped
-from graphcp.pd.mla_export import MlaMeta, mla_meta
+from graphcp.pd.formats import register_format
+
+register_cache(MlaGeometry, "replicated", MlaKVCache)
+register_cache(MlaGeometry, "layer-split", LayerSplitMlaKVCache)
+register_format(MLA_FORMAT, MlaMeta, MlaExport, to_mla_cache)
 
 
 class DsaFamily(ModelFamily):

@@ -11,7 +11,7 @@ Per layer, as transformers computes it:
 then the exchange (every rank's latent, rope key and indexer key all-gathered and
 written to the cache: one collective a layer, a token's ``kv_lora + rope + D_I``
 values), and the attention break: the indexer's top-k and sparse attention over it
-(``graphcp/attention/sparse/mla.py``) for this rank's rows; ``o_proj`` after it.
+(``graphcp/model/dsa/sparse.py``) for this rank's rows; ``o_proj`` after it.
 
 Why a break: the selection has a static shape (``[rows, index_topk]``) but which keys a
 row may see and how many depend on the live batch (its segments), read on the host,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from graphcp.attention.sparse.mla import SparseMlaBackend, SparseMlaSpec, TorchSparseMla
 from graphcp.config import RuntimeConfig
 from graphcp.errors import ConfigError
 from graphcp.model.config import ModelConfig
+from graphcp.model.dsa.sparse import SparseMlaBackend, SparseMlaSpec, TorchSparseMla
 
 
 def check_stages(cfg: ModelConfig, stages: list[range], flags: bool = False) -> None:
@@ -38,7 +38,7 @@ def make_attention(cfg: ModelConfig, rt: RuntimeConfig, device: torch.device) ->
 
     if (problem := cpu_problem(device)) is not None:
         raise ConfigError(f"RuntimeConfig.attention='triton': {problem}")
-    from graphcp.attention.sparse.triton import TritonSparseMla  # imports triton: only when chosen
+    from graphcp.model.dsa.sparse_triton import TritonSparseMla  # imports triton: only when chosen
 
     try:
         return TritonSparseMla(spec)

@@ -5,7 +5,7 @@ Inside the captured segments (static shapes): the query (``q_a_proj`` -> norm ->
 compressed layer's source rows (its compressor's kv and gate projections, a CSA
 layer's indexer's too) and the indexer's query and head weights; then the exchange:
 every rank's window and source rows all-gathered and written to the cache (one
-collective a layer). The attention break (``graphcp/attention/sparse/dsv4.py``) pools
+collective a layer). The attention break (``graphcp/model/dsv4/sparse.py``) pools
 the entries the batch closes, selects and attends this rank's rows; after it the
 output's RoPE is undone and the grouped low-rank output projection runs.
 """
@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.attention.sparse.dsv4 import PoolWeights
-from graphcp.kv.dsv4 import CSA, HCA
 from graphcp.model.config import ModelConfig
 from graphcp.model.cp_attention import fetch_prefix, store_rows
+from graphcp.model.dsv4.cache import CSA, HCA
 from graphcp.model.dsv4.norms import V4RMSNorm, unweighted_rms
 from graphcp.model.dsv4.rope import V4Rotary
+from graphcp.model.dsv4.sparse import PoolWeights
 from graphcp.model.forward_context import ForwardContext
 from graphcp.model.graph_break import graph_break
 from graphcp.model.heads import HeadShard, head_shard

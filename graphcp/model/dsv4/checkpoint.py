@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from graphcp.config import DTYPES
-from graphcp.kv.dsv4 import CSA, HCA
 from graphcp.model.config import ModelConfig
+from graphcp.model.dsv4.cache import CSA, HCA
 from graphcp.model.heads import HeadShard, head_shard
 from graphcp.model.tensor_table import TensorTarget, expert_targets, sharded_mlp
 from graphcp.options import MoeLayout

@@ -28,7 +28,7 @@ from typing import Any
 
 from graphcp.checks import MAX_TOKENS, check_float, check_int, check_str
 from graphcp.errors import ConfigError
-from graphcp.kv.dsv4 import CSA, HCA, SLIDING, DsV4CacheSpec
+from graphcp.model.dsv4.cache import CSA, HCA, SLIDING, DsV4CacheSpec
 from graphcp.model.moe_config import MoeConfig
 from graphcp.model.rope import RopeConfig, rope_from_hf
 

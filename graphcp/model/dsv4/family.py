@@ -1,26 +1,35 @@
 """The DeepSeek V4 family (docs/dsv4.md): window, CSA and HCA attention layers, mHC
 residual streams, hash- and score-routed MoE. Its cache holds each token's window row,
-compressor source rows and pooled entries (replicated, or split by layer:
-graphcp.kv.dsv4); its export is transformers' cache state, ``graphcp-dsv4/1``
-(graphcp.pd.dsv4_export), read through the compressors' position biases."""
+compressor source rows and pooled entries (replicated, or split by layer: ``cache.py``);
+pooling, the indexer and attention run in the break (``sparse.py``); its export is
+transformers' cache state, ``graphcp-dsv4/1`` (``export.py``, its transformers cache
+``hf_cache.py``), read through the compressors' position biases (``source.py``). This
+module registers the caches and the format."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from graphcp.attention.sparse.dsv4 import work_report
 from graphcp.errors import ConfigError
-from graphcp.kv.dsv4 import DsV4CacheSpec
+from graphcp.kv.factory import register_cache
 from graphcp.model.config import ConfigReader, ModelConfig, decoder_config, read_head
 from graphcp.model.dsv4 import checkpoint
+from graphcp.model.dsv4.cache import DsV4CacheSpec, DsV4KVCache, LayerSplitDsV4KVCache
 from graphcp.model.dsv4.config import dsv4_from_hf
+from graphcp.model.dsv4.export import DSV4_FORMAT, DsV4Export, DsV4Meta, dsv4_meta
+from graphcp.model.dsv4.hf_cache import to_dsv4_cache
 from graphcp.model.dsv4.model import DsV4Model
 from graphcp.model.dsv4.presets import PRESETS
 from graphcp.model.dsv4.runtime import check_page_size, make_attention
+from graphcp.model.dsv4.source import export_source
+from graphcp.model.dsv4.sparse import work_report
 from graphcp.model.family import AttentionParts, ModelFamily, attention_tp_names, register_family
 from graphcp.model.tensor_table import is_skipped
-from graphcp.pd.dsv4_export import DsV4Meta, dsv4_meta
-from graphcp.pd.dsv4_source import export_source
+from graphcp.pd.formats import register_format
+
+register_cache(DsV4CacheSpec, "replicated", DsV4KVCache)
+register_cache(DsV4CacheSpec, "layer-split", LayerSplitDsV4KVCache)
+register_format(DSV4_FORMAT, DsV4Meta, DsV4Export, to_dsv4_cache)
 
 
 class DsV4Family(ModelFamily):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.attention.sparse.dsv4 import rms_weighted
+from graphcp.model.dsv4.sparse import rms_weighted
 
 
 class V4RMSNorm(nn.Module):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.attention.sparse.dsv4 import rope_tail
-from graphcp.kv.dsv4 import SLIDING
+from graphcp.model.dsv4.cache import SLIDING
 from graphcp.model.dsv4.config import DsV4Config
+from graphcp.model.dsv4.sparse import rope_tail
 from graphcp.model.rope import RopeConfig
 
 MAIN, COMPRESS = "main", "compress"

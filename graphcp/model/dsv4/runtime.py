@@ -1,15 +1,15 @@
 """What a PrefillEngine runs a DeepSeek V4 model with: the attention break's backend (the
 torch reference) over its paged cache (window, source rows, compressed entries:
-graphcp/kv/dsv4.py, replicated on every CP rank or split by layer, from
+graphcp/model/dsv4/cache.py, replicated on every CP rank or split by layer, from
 graphcp.kv.factory), and the page sizes it refuses. The options V4 does not combine with
 are refused with the config (graphcp/combinations.py)."""
 
 from __future__ import annotations
 
-from graphcp.attention.sparse.dsv4 import DsV4AttentionSpec, TorchDsV4Attention
-from graphcp.kv.dsv4 import entries_per_page
 from graphcp.model.config import ModelConfig
+from graphcp.model.dsv4.cache import entries_per_page
 from graphcp.model.dsv4.rope import COMPRESS, V4Rotary
+from graphcp.model.dsv4.sparse import DsV4AttentionSpec, TorchDsV4Attention
 
 
 def check_page_size(cfg: ModelConfig, page_size: int, where: str = "RuntimeConfig.page_size") -> None:

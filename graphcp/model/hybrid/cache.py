@@ -153,7 +153,7 @@ class LinearStates:
         self.recurrent[j].index_copy_(0, write, recurrent)
         self.conv[j].index_copy_(0, write, conv.to(self.conv.dtype))
 
-    # ---- export (graphcp.kv.spans.KVSource; graphcp.pd.hybrid_export) ---------------------
+    # ---- export (graphcp.kv.spans.KVSource; graphcp.model.hybrid.export) ------------------
     def kv_spans(self, handle: KVHandle, cp_size: int) -> list[KVSpan]:
         """Every layer whole (a full layer's positions as the mode holds them, :meth:`full_spans`),
         the ranks exporting contiguous layer ranges."""

@@ -26,9 +26,9 @@ from typing import Any
 
 from graphcp.checks import check_float, check_int
 from graphcp.errors import ConfigError
+from graphcp.model.hybrid.export import FULL, LINEAR
 from graphcp.model.moe_config import MAX_EXPERTS, MAX_INTERMEDIATE, MoeConfig
 from graphcp.model.rope import RopeConfig, rope_from_hf
-from graphcp.pd.hybrid_export import FULL, LINEAR
 
 #: transformers' layer_types names -> ours
 LAYER_KINDS = {"linear_attention": LINEAR, "full_attention": FULL}

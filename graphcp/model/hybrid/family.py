@@ -3,7 +3,9 @@ Qwen3.5-MoE (``Qwen3_5MoeForCausalLM``), Qwen3-Next (``Qwen3NextForCausalLM``) a
 text model of the multimodal Qwen3.5 checkpoints (``Qwen3_5ForConditionalGeneration``,
 ``Qwen3_5MoeForConditionalGeneration``; their vision tower skipped). Its cache holds the
 full-attention layers' K/V in any cache mode and each live request's linear-layer states
-(graphcp.model.hybrid.cache); the linear layers run the scan across the CP ranks."""
+(``cache.py``, its exchange ``exchange.py``); the linear layers run the scan across the CP
+ranks. Its export is ``graphcp-hybrid/1`` (``export.py``, its transformers cache
+``hf_cache.py``). This module registers the caches and the format."""
 
 from __future__ import annotations
 
@@ -28,13 +30,16 @@ from graphcp.model.hybrid.cache import (
     ShardedHybridCache,
 )
 from graphcp.model.hybrid.config import hybrid_from_hf, hybrid_moe, hybrid_rope, text_part
+from graphcp.model.hybrid.export import HYBRID_FORMAT, HybridExport, HybridMeta
+from graphcp.model.hybrid.hf_cache import to_hybrid_cache
 from graphcp.model.hybrid.model import HybridModel
 from graphcp.model.hybrid.presets import PRESETS
-from graphcp.pd.hybrid_export import HybridMeta
+from graphcp.pd.formats import register_format
 
 for _mode, _cls in (("replicated", HybridKVCache), ("sharded", ShardedHybridCache),
                     ("layer-split", LayerSplitHybridCache)):
     register_cache(HybridGeometry, _mode, _cls)
+register_format(HYBRID_FORMAT, HybridMeta, HybridExport, to_hybrid_cache)
 
 
 class HybridFamily(ModelFamily):

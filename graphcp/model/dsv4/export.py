@@ -1,7 +1,7 @@
 """DsV4Export: one request's cache of a DeepSeek V4 model, format ``graphcp-dsv4/1``:
 exactly the state transformers' V4 cache layers (``DeepseekV4HCACache`` /
 ``DeepseekV4CSACache`` / ``DynamicSlidingWindowLayer``) hold after the request's ``T``
-tokens, so a decode engine (or transformers, :func:`graphcp.pd.hf.to_dsv4_cache`)
+tokens, so a decode engine (or transformers, :func:`graphcp.model.dsv4.hf_cache.to_dsv4_cache`)
 continues from it.
 
 Per layer ``i`` (``m``: the layer's compress rate, ``n = T // m`` closed windows,
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.config import DTYPES, parse_dtype
-from graphcp.kv.dsv4 import CSA, HCA, SLIDING
+from graphcp.model.dsv4.cache import CSA, HCA, SLIDING
 from graphcp.pd.export import KVFormatError, LayerTensorsExport
 from graphcp.pd.layout import TensorLayout
 

@@ -1,11 +1,11 @@
-"""Tile and warp settings of the Triton sparse MLA kernel
-(:mod:`graphcp.attention.kernels.sparse_mla`), per latent width and dtype: the one home.
+"""Tile and warp settings of the Triton sparse latent-attention kernel
+(:mod:`graphcp.attention.kernels.sparse_latent`), per latent width and dtype: the one home.
 
 A program holds ``BLOCK_H`` heads of one query row: its float32 accumulator is
 ``BLOCK_H x kv_lora`` (padded to a power of two) and each gathered tile ``BLOCK_N x
 (kv_lora + rope)``, so the latent width, not the head count, sets what fits in
 registers. Registers and spills as ptxas reports them for these settings
-(``python -m graphcp.attention.kernels.sparse_mla_compile_check``; Triton 3.9; no GPU needed,
+(``python -m graphcp.attention.kernels.sparse_latent_compile_check``; Triton 3.9; no GPU needed,
 and none has run or timed them):
 
 =========  ============  ====================  ================  ================
@@ -20,7 +20,7 @@ fp32       32:8 (tests)  16 / 32 / 4 / 1       55 regs, 0 B      56 regs, 0 B
 ("0 B": no spill stores or loads; every row and head offset an int64 product.) Triton
 3.6 (the GPU image's) is tighter at 512:64 and still spills nothing: bf16 253 / 254
 registers (sm_90a / sm_100a), fp32 254 / 225; 32:8: 64 / 64 and 40 / 40. At 512:64 a
-bfloat16 program of 64 heads (FlashMLA's tile) spills 1.1-1.4 KB a thread at 8 warps,
+bfloat16 program of 64 heads (the flash kernels' tile) spills 1.1-1.4 KB a thread at 8 warps,
 and 32 heads with 64-token tiles 0.4 KB, so 32 heads x 32 tokens it is: each gathered
 tile is read by 32 heads, DeepSeek V3.2's 128 heads read it four times (from L2 after
 the first). A spill-free choice is the precondition for speed, not proof of it.

@@ -1,11 +1,11 @@
-"""Sparse MLA prefill attention in Triton: each query row over its selected tokens only,
-gathered from the paged latent cache (the weight-absorbed form of FlashMLA's sparse
+"""Sparse latent-attention prefill in Triton: each query row over its selected tokens only,
+gathered from the paged latent cache (the weight-absorbed form of the flash kernels' sparse
 prefill).
 
 Import this module only after deciding to use Triton: ``triton.jit`` picks the
 interpreter or the compiler from ``TRITON_INTERPRET`` when the kernel is defined.
 
-The absorbed form. MLA's keys and values are the latent ``c_t`` (``kv_lora_rank``
+The absorbed form. Latent attention's keys and values are the latent ``c_t`` (``kv_lora_rank``
 values) decompressed per head by ``kv_b_proj`` (``k_nope[h] = W_UK[h] c_t``,
 ``v[h] = W_UV[h] c_t``) plus a rope key ``r_t`` shared by every head. So with
 ``q_lat[h] = q_nope[h] @ W_UK[h]`` (done before the kernel)
@@ -18,7 +18,7 @@ cached rows ``[c_t | r_t]`` as they are, never a decompressed per-head K/V.
 
 Scheduling. A program owns one query row and a tile of ``BLOCK_H`` heads (all heads of
 a row read the same gathered tokens: each gathered tile is loaded once for the heads of
-the tile, as FlashMLA does). It walks the row's selected positions (``SELECTED [rows,
+the tile, as the flash kernels do). It walks the row's selected positions (``SELECTED [rows,
 k]``, ascending, -1 padding at the end; ``COUNTS [rows]`` the valid ones) in tiles of
 ``BLOCK_N``: each position goes through the request's page table row (``ROW_TABLE``
 names it) to its page and slot, the ``[BLOCK_N, kv_lora + rope]`` rows are gathered,
@@ -47,7 +47,7 @@ WIDE_STRIDES = ("stride_lm", "stride_lh", "stride_rm", "stride_rh", "stride_cp",
 
 # the metadata pointers and the page-table stride change with the batch: not specialised
 @triton.jit(do_not_specialize=["stride_ptr", "SELECTED", "COUNTS", "ROW_TABLE", "PAGE_TABLE"])
-def _sparse_mla_kernel(
+def _sparse_latent_kernel(
     Q_LAT, Q_ROPE, CACHE, OUT,
     SELECTED, COUNTS, ROW_TABLE, PAGE_TABLE,
     num_heads,
@@ -143,7 +143,7 @@ def launch(q_lat, q_rope, cache, out, selected, counts, row_table, page_table, *
     grid = (rows, triton.cdiv(heads, block_h))
     # fp32 operands: IEEE products, otherwise the GPU would round them to TF32
     precision = "ieee" if q_lat.dtype.itemsize == 4 or upcast_dot else None
-    _sparse_mla_kernel[grid](
+    _sparse_latent_kernel[grid](
         q_lat, q_rope, cache, out,
         selected, counts, row_table, page_table,
         heads,
@@ -162,4 +162,4 @@ def launch(q_lat, q_rope, cache, out, selected, counts, row_table, page_table, *
 
 def kernel():
     """The jitted kernel (the compile-only check builds it for CUDA targets)."""
-    return _sparse_mla_kernel
+    return _sparse_latent_kernel

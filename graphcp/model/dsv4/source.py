@@ -1,9 +1,9 @@
 """A DeepSeek V4 cache as an export source (graphcp.kv.spans.KVSource): what
 ``PrefillEngine.export_kv`` and the Mooncake sender read a V4 request from.
 
-The cache keeps each token's rows and the pooled entries (graphcp.kv.dsv4); transformers
+The cache keeps each token's rows and the pooled entries (graphcp.model.dsv4.cache); transformers
 keeps a window, the entries, the not-yet-pooled remainder and CSA's overlap state. This
-reads the former into the latter (graphcp.pd.dsv4_export): the last ``sliding_window -
+reads the former into the latter (graphcp.model.dsv4.export): the last ``sliding_window -
 1`` window rows, the entries, and the source rows of the last ``2 m`` tokens at most,
 never the whole request's rows. The overlap gates add the layer's ``position_bias``
 (model weights, not cache), so the source holds each compressed layer's biases.
@@ -20,10 +20,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from graphcp.kv.dsv4 import CSA, DsV4KVCache
 from graphcp.kv.paged import KVHandle
 from graphcp.kv.spans import KVSpan
-from graphcp.pd.dsv4_export import layer_tensor_names
+from graphcp.model.dsv4.cache import CSA, DsV4KVCache
+from graphcp.model.dsv4.export import layer_tensor_names
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class DsV4Source:
         return [state[n] for n in layer_tensor_names(spec.layer_kinds[span.layer], T, spec.compress_csa)]
 
     def layer_state(self, handle: KVHandle, layer: int) -> dict[str, torch.Tensor]:
-        """Layer ``layer``'s tensors by name (graphcp.pd.dsv4_export's module docstring)."""
+        """Layer ``layer``'s tensors by name (graphcp.model.dsv4.export's module docstring)."""
         spec, T = self.cache.cfg, handle.num_tokens
         window_from = T - min(T, self.window_rows)
         m = spec.compress_rate(layer)

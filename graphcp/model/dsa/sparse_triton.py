@@ -1,6 +1,6 @@
 """``triton`` sparse MLA: the torch reference's indexer and top-k, then a Triton kernel
 that gathers each row's selected tokens from the paged latent cache
-(:mod:`graphcp.attention.kernels.sparse_mla`, the weight-absorbed form).
+(:mod:`graphcp.attention.kernels.sparse_latent`, the weight-absorbed form).
 
 Per layer: every block of this rank's rows gets its selection from
 :meth:`SelectingSparseMla.selected_blocks` (the one home of scoring and top-k); rows
@@ -14,7 +14,7 @@ No per-head K/V is ever decompressed.
 
 It reads host metadata (the row groups), like the reference: in graph mode it runs in
 the attention break, eagerly, so the launch needs no registered op. Tile settings per
-latent width and dtype: :mod:`graphcp.attention.kernels.sparse_mla_configs`.
+latent width and dtype: :mod:`graphcp.attention.kernels.sparse_latent_configs`.
 
 Products: on a GPU, bfloat16/float16 operands go to ``tl.dot`` as they are (tensor
 cores, float32 accumulation; the probabilities are rounded to the operand dtype
@@ -32,17 +32,17 @@ import torch
 
 from graphcp.attention.backends.triton import interpreting
 from graphcp.attention.base import AttentionMetadata
-from graphcp.attention.kernels.sparse_mla_configs import SparseTileConfig, sparse_tile_config
-from graphcp.attention.sparse.mla import SelectingSparseMla, SparseMlaSpec
-from graphcp.attention.sparse.topk import Selector, causal_positions, select_topk
+from graphcp.attention.kernels.sparse_latent_configs import SparseTileConfig, sparse_tile_config
 from graphcp.attention.staging import to_device
 from graphcp.errors import ConfigError, InputError
-from graphcp.kv.mla import MlaKVCache
+from graphcp.model.dsa.cache import MlaKVCache
+from graphcp.model.dsa.sparse import SelectingSparseMla, SparseMlaSpec
+from graphcp.model.dsa.topk import Selector, causal_positions, select_topk
 
 
 def _import_kernel() -> ModuleType:
     try:
-        from graphcp.attention.kernels import sparse_mla as sparse_mla_kernel
+        from graphcp.attention.kernels import sparse_latent as sparse_mla_kernel
     except ImportError as e:  # triton missing or broken
         raise ImportError(f"the 'triton' sparse MLA attention needs the triton package ({e}); "
                           "install it with `pip install triton`") from e

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from graphcp.attention.base import AttentionMetadata, BatchRequests
-from graphcp.attention.sparse.mla import RowGroup, row_groups
 from graphcp.attention.staging import to_device_packed
-from graphcp.kv.dsv4 import CSA, HCA, SLIDING, DsV4CacheSpec, DsV4KVCache
+from graphcp.model.dsa.sparse import RowGroup, row_groups
+from graphcp.model.dsv4.cache import CSA, HCA, SLIDING, DsV4CacheSpec, DsV4KVCache
 
 #: ForwardInfo.stats keys (per forward, summed over the layers)
 STAT_INDEX_ROWS = "dsv4_indexer_rows"  # query rows this rank scored (CSA layers)

@@ -5,7 +5,7 @@ compressed latent (``kv_lora_rank`` values, after ``kv_a_layernorm``) and the ro
 key shared by every head (``qk_rope_head_dim`` values, after RoPE). The cache holds
 these ``latent_dim = kv_lora_rank + qk_rope_head_dim`` values a token, not per-head
 K/V (H * (qk_nope + qk_rope + v) values: 71x more for DeepSeek V3.2); attention
-decompresses the keys and values it reads (``graphcp/attention/sparse/mla.py``).
+decompresses the keys and values it reads (``graphcp/model/dsa/sparse.py``).
 The rope key's pairs stay where RoPE rotated them (interleaved, as DeepSeek's own
 inference code and the decode engines cache them; transformers' cache lists the
 rotated pairs' first members, then the second ones: the same values, permuted).
@@ -21,8 +21,8 @@ slots and handles; page 0 is scratch):
 - ``index_pool``: ``[num_indexer_layers, num_pages, page_size, index_head_dim]``.
 
 The forward reads a layer through :meth:`latent` and :meth:`index_keys` only: the
-layer split of these caches (graphcp.kv.mla_layer_split) overrides them. A PD export
-reads :meth:`read_span` (graphcp.pd.mla_export).
+layer split of these caches (graphcp.model.dsa.layer_split) overrides them. A PD export
+reads :meth:`read_span` (graphcp.model.dsa.export).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class MlaKVCache(PagedKVCache):
         """``handle``'s positions ``[span.start, span.stop)`` of one layer (new
         contiguous tensors, tokens along dim 0): ``latent [n, kv_lora_rank]``, ``rope_key
         [n, rope_dim]`` (pairs interleaved, as cached) and, where the layer runs the
-        indexer, ``index_key [n, index_dim]`` (graphcp.pd.mla_export's per-layer tensors)."""
+        indexer, ``index_key [n, index_dim]`` (graphcp.model.dsa.export's per-layer tensors)."""
         self.check_handle(handle)
         ps = self.page_size
         first, last = span.start // ps, self.pages_for(span.stop)

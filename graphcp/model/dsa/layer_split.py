@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 
 from graphcp.kv.layer_split import LayerOwnership, pool_layers
-from graphcp.kv.mla import MlaGeometry, MlaKVCache
 from graphcp.kv.spans import owned_layers
 from graphcp.kv.spec import PoolSpec
+from graphcp.model.dsa.cache import MlaGeometry, MlaKVCache
 
 
 def mla_pool_layers(indexer_layers: tuple[bool, ...], rank: int, cp_size: int) -> tuple[int, int]:

@@ -1,12 +1,12 @@
-"""Compile-only register and spill check of the Triton sparse MLA kernel: no GPU.
+"""Compile-only register and spill check of the Triton sparse latent-attention kernel: no GPU.
 
-Builds :mod:`graphcp.attention.kernels.sparse_mla` for CUDA targets with the settings
-:func:`graphcp.attention.kernels.sparse_mla_configs.sparse_tile_config` picks, through the
+Builds :mod:`graphcp.attention.kernels.sparse_latent` for CUDA targets with the settings
+:func:`graphcp.attention.kernels.sparse_latent_configs.sparse_tile_config` picks, through the
 dense kernel's helper (:func:`graphcp.attention.kernels.paged_prefill_compile_check.compile_kernel`),
 and reports what ptxas says. Run it where the kernel is compiled, not interpreted
 (``TRITON_INTERPRET`` unset or 0)::
 
-    python -m graphcp.attention.kernels.sparse_mla_compile_check --arch 90,100 --dtypes bfloat16,float32 \\
+    python -m graphcp.attention.kernels.sparse_latent_compile_check --arch 90,100 --dtypes bfloat16,float32 \\
         --latent 512:64,32:8
 
 (``kv_lora_rank:qk_rope_head_dim``; 512:64 is DeepSeek V3.2's and GLM-5's). Exit 1
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.attention.kernels.compile import DTYPES, PTR, KernelUsage, compile_kernel, csv_values, finish
-from graphcp.attention.kernels.sparse_mla_configs import SparseTileConfig, sparse_tile_config
+from graphcp.attention.kernels.sparse_latent_configs import SparseTileConfig, sparse_tile_config
 
 
 @dataclass
 class SparseCompileReport(KernelUsage):
-    """One variant of the sparse MLA kernel (built with keywords: the usage fields come first)."""
+    """One variant of the sparse latent-attention kernel (built with keywords: the usage fields come first)."""
 
     arch: str  # "sm_90a"
     dtype: str
@@ -41,8 +41,8 @@ class SparseCompileReport(KernelUsage):
 
 def compile_sparse_variant(arch: int, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int,
                            cfg: SparseTileConfig | None = None, page_size: int = 64) -> SparseCompileReport:
-    """Compile the sparse MLA kernel for ``sm_<arch>a`` and read its resource use."""
-    from graphcp.attention.kernels import sparse_mla as sk  # imports triton: compiled only without TRITON_INTERPRET
+    """Compile the sparse latent-attention kernel for ``sm_<arch>a`` and read its resource use."""
+    from graphcp.attention.kernels import sparse_latent as sk  # imports triton: compiled only without TRITON_INTERPRET
 
     cfg = cfg or sparse_tile_config(kv_lora_rank, dtype)
     fn = sk.kernel()
@@ -68,8 +68,8 @@ def compile_sparse_variant(arch: int, dtype: torch.dtype, kv_lora_rank: int, rop
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Compile the sparse MLA Triton kernel for CUDA targets; report "
-                                            "registers/spills")
+    p = argparse.ArgumentParser(description="Compile the sparse latent-attention Triton kernel for CUDA targets; "
+                                            "report registers/spills")
     p.add_argument("--arch", default="90,100", help="compute capabilities as numbers (default %(default)s)")
     p.add_argument("--dtypes", default="bfloat16,float32", help="operand dtypes (default %(default)s)")
     p.add_argument("--latent", default="512:64", help="kv_lora_rank:rope_dim pairs (default %(default)s)")

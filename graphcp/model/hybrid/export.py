@@ -1,7 +1,7 @@
 """HybridExport: one request's cache of a linear-attention hybrid, format
 ``graphcp-hybrid/1``: exactly what transformers' cache of a Qwen3.5 / Qwen3-Next model
 holds after the request's ``T`` tokens, so a decode engine (or transformers,
-:func:`graphcp.pd.hf.to_hybrid_cache`) continues from it.
+:func:`graphcp.model.hybrid.hf_cache.to_hybrid_cache`) continues from it.
 
 Per layer ``i``:
 

@@ -1,14 +1,14 @@
 """Sparse MLA attention of DSA models: the indexer's top-k and attention restricted to it.
 
 The contract (:class:`SparseMlaBackend`) mirrors :mod:`graphcp.attention.base` for
-models whose cache holds MLA's latent (``graphcp/kv/mla.py``): ``prepare`` once
+models whose cache holds MLA's latent (``graphcp/model/dsa/cache.py``): ``prepare`` once
 per forward (host side, the live metadata), then per layer ``forward``, which, for
 this rank's query rows only,
 
 1. in a layer that runs the indexer: scores each row against the indexer keys of its
    request in the cache (the cached prefix and every rank's new tokens, written by the
    exchange before the break), causal, and selects its top ``index_topk``
-   (:mod:`graphcp.attention.sparse.topk`); a layer that reuses an earlier layer's top-k
+   (:mod:`graphcp.model.dsa.topk`); a layer that reuses an earlier layer's top-k
    (GLM's "shared" layers) takes the selection the last indexer layer made;
 2. attends each row over its selected tokens only.
 
@@ -26,7 +26,7 @@ rows (segments of one request on this rank, in any layout), in row blocks that b
 the float32 score memory; the selection becomes a mask; keys and values are
 decompressed from the latent (``kv_b_proj``) for the tokens the block may see, then
 one SDPA call. :class:`SelectingSparseMla` is the indexer side both share (row groups,
-blocks, scoring, top-k, stats); ``graphcp/attention/sparse/triton.py``'s kernel
+blocks, scoring, top-k, stats); ``graphcp/model/dsa/sparse_triton.py``'s kernel
 backend gathers the selected rows of the paged latent instead (the selection's
 ``[rows, k]`` positions are the index form FlashMLA's sparse prefill takes). Both read
 host metadata: in graph mode they run in the attention break.
@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 
 from graphcp.attention.base import AttentionMetadata
-from graphcp.attention.sparse.topk import Selector, index_scores, positions_to_mask, select_topk
 from graphcp.attention.staging import to_device_packed
-from graphcp.kv.mla import MlaKVCache
+from graphcp.model.dsa.cache import MlaKVCache
+from graphcp.model.dsa.topk import Selector, index_scores, positions_to_mask, select_topk
 
 #: ForwardInfo.stats keys (per forward, summed over the layers that run the indexer)
 STAT_ROWS = "indexer_query_rows"  # query rows this rank scored
