@@ -120,6 +120,9 @@ class PreparedBatch:
     slots: np.ndarray  # [n] and KV cache slots (-1: a row this rank does not store)
     meta: AttentionMetadata
     seg_page_table: np.ndarray | None
+    #: the rows each rank's forward must hold: the largest rank's (a prefill: the plan's
+    #: max_local_rows), every request's new one (a decode step)
+    rows: int
     plan_s: float = 0.0  # host time of prepare()
     #: the cached prefixes' pages, for a cache that fetches them per layer (LayerSplit)
     prefix_pages: np.ndarray | None = None
@@ -131,12 +134,6 @@ class PreparedBatch:
     phase: Phase = PREFILL
     #: a decode step's reservation: where each request's new token lands (None: a prefill)
     decode: DecodeSlots | None = None
-
-    @property
-    def rows(self) -> int:
-        """The rows each rank's forward must hold: the largest rank's (a prefill), every
-        request's new one (a decode step)."""
-        return self.plan.max_local_rows if self.decode is None else self.decode.num_requests
 
 
 class Preparer(Protocol):
@@ -250,7 +247,7 @@ class BatchPreparer:
         with nvtx_range("prepare", category="host"):
             ins = self.planner.rank_inputs(plan, self.kv, seq_ids, self.group.rank, flat, self.device, seq_rows)
             return PreparedBatch(plan, seq_ids, ins.ids, ins.positions, ins.slots, ins.meta, ins.seg_page_table,
-                                 kv_plan=ins.plan)
+                                 plan.max_local_rows, kv_plan=ins.plan)
 
 
 def batch_fingerprint(flat: np.ndarray, extend: Sequence[int], prefix: Sequence[int], prefix_ids: Sequence[int],

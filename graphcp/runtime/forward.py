@@ -69,7 +69,7 @@ class StageForward:
         default this batch's); ``agreed_fallback``: why every rank runs eagerly, agreed
         between them (attention DP), or None."""
         model = self.body.model
-        mine = tuple(i for i in aux if i in model.stage.layers)
+        mine = tuple(i for i in aux if i in model.stage.layers) if aux else ()
         fallback = None
         if self.runner is not None and not force_eager:
             outcome = self.runner.try_replay(prep, hidden_in, rows, agreed_fallback)

@@ -337,8 +337,9 @@ class DecodeGraphs(PhaseGraphs):
         return page_bucket(kv.pages_for(kv.most_held(prep.decode.rows)), self.width)
 
     def select(self, prep: PreparedBatch, rows: int | None = None, fallback: str | None = None) -> Selection:
-        capacity = self.bucket(prep.rows)
-        return Selection(prep.rows, capacity, None if capacity is not None else FALLBACK_TOO_LARGE)
+        rows = prep.rows
+        capacity = self.bucket(rows)
+        return Selection(rows, capacity, None if capacity is not None else FALLBACK_TOO_LARGE)
 
     def key(self, prep: PreparedBatch, capacity: int) -> tuple[int, int]:
         return capacity, self.pages(prep)

@@ -149,7 +149,7 @@ class DecodePlanner:
         except BaseException:
             self.kv.rollback_decode(slots)
             raise
-        return PreparedBatch(None, slots.seq_ids, toks, slots.positions, slots.slots, meta, None,
+        return PreparedBatch(None, slots.seq_ids, toks, slots.positions, slots.slots, meta, None, len(toks),
                              kv_plan=self.plan(len(toks)), phase=DECODE, decode=slots)
 
     def abort(self, prep: PreparedBatch) -> None:
