@@ -17,7 +17,7 @@ _EXPORTS = {
     "ConfigError": "graphcp.errors",
     "ConsistencyError": "graphcp.runtime.batch",
     "Conversation": "graphcp.runtime.decode.generate",
-    "DecodeOutput": "graphcp.runtime.decode.batch",
+    "DecodeOutput": "graphcp.runtime.batch",
     "ForwardInfo": "graphcp.runtime.batch",
     "GenerateOutput": "graphcp.runtime.decode.generate",
     "GraphcpError": "graphcp.errors",
@@ -104,8 +104,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from graphcp.pd.files import read_kv
     from graphcp.pd.load import LoadedKV, load_kv
     from graphcp.pd.receiver import KVReceiver
-    from graphcp.runtime.batch import ConsistencyError, ForwardInfo, PrefillOutput, Request
+    from graphcp.runtime.batch import ConsistencyError, DecodeOutput, ForwardInfo, PrefillOutput, Request
     from graphcp.runtime.capture.buckets import BucketSet
-    from graphcp.runtime.decode.batch import DecodeOutput
     from graphcp.runtime.decode.generate import Conversation, GenerateOutput
     from graphcp.runtime.engine import PrefillEngine

@@ -57,7 +57,7 @@ def _replay_bitwise(eng) -> bool:
     eagerly on the same bucket."""
     prep = eng.preparer.prepare([Request(np.arange(40)), Request(np.arange(3))])
     try:
-        rows = eng.runner.synthetic_input(prep, np.random.default_rng(0))
+        rows = eng.runner.prefill.synthetic_input(prep, np.random.default_rng(0))
         cap = eng.runner.select(prep.plan.max_local_rows).capacity
         if cap not in eng.runner.graphs:
             eng.runner.capture_bucket(cap)

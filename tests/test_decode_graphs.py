@@ -26,11 +26,11 @@ def _same_bucket(engine: PrefillEngine, lens, tokens) -> dict:
     step = dec.preparer.prepare(out.handles, tokens)
     try:
         pool0 = engine.kv.pool.clone()
-        stats: dict = {}
-        hidden, bucket, launches = dec.graphs.try_replay(step, stats)
+        hidden, info = engine.runner.try_replay(step)
+        bucket, launches, stats = info.bucket, info.launches, {"decode_merge": step.kv_plan}
         got = (hidden.clone(), engine.kv.pool.clone())
         engine.kv.pool.copy_(pool0)
-        want = (dec.graphs.eager_on_bucket(step, bucket)[: len(lens)].clone(), engine.kv.pool.clone())
+        want = (engine.runner.eager_on_bucket(step, bucket)[: len(lens)].clone(), engine.kv.pool.clone())
     finally:
         dec.preparer.abort(step)
     for h in out.handles:
@@ -88,7 +88,7 @@ def test_a_step_larger_than_every_bucket_runs_eagerly_and_says_so(folders):
 
 
 def test_the_page_bucket_holds_the_longest_share_within_twice():
-    from graphcp.runtime.decode.graphs import page_bucket
+    from graphcp.runtime.capture.phases import page_bucket
 
     assert [page_bucket(p, 32) for p in (0, 1, 2, 3, 5, 16, 17, 32, 40)] == [1, 1, 2, 4, 8, 16, 32, 32, 32]
 
@@ -96,16 +96,17 @@ def test_the_page_bucket_holds_the_longest_share_within_twice():
 def _corrupt_first_replay(engine: PrefillEngine, rank: int) -> None:
     """Make every bucket captured on ``rank`` replay one value differently from eager
     (what a graph that kept something of its capture batch would do)."""
-    graphs, capture = engine.decoder.graphs, engine.decoder.graphs.capture
+    graphs, capture = engine.decoder.graphs, engine.runner.capture_bucket
 
-    def corrupted(capacity: int, width: int):
-        captured = capture(capacity, width)
+    def corrupted(key, phase):
+        captured = capture(key, phase)
         if engine.world_rank == rank:
-            replay = captured.graph.replay
-            captured.graph.replay = lambda ctx: (replay(ctx), graphs.hidden_out[1, 0].add_(1.0))
+            graph = graphs.graphs[key].graph
+            replay = graph.replay
+            graph.replay = lambda ctx: (replay(ctx), graphs.buffers.hidden_out[1, 0].add_(1.0))
         return captured
 
-    graphs.capture = corrupted
+    engine.runner.capture_bucket = corrupted
 
 
 def _self_check_job(group, folder: str, dtype: str, corrupt_rank: int | None) -> dict:
@@ -159,19 +160,19 @@ def test_a_fill_waits_for_the_previous_fills_uploads_before_rewriting_its_host_b
     step's rows: the second fill waited for the first's uploads before rewriting."""
     from fake_copy_engine import FakeCopyEngine
 
-    from graphcp.runtime.decode.graphs import DecodeGraphs
+    from graphcp.runtime.capture.phases import DecodeGraphs
 
     engine = PrefillEngine(folders["qwen3"], RuntimeConfig(kv_tokens=512, graph="breakable", page_size=16))
     out = engine.prefill([Request(np.arange(n) % 500 + 1) for n in (5, 33, 1)])
     copies = FakeCopyEngine()
-    graphs = DecodeGraphs(engine.decoder.body, (4,), "trace", staging=copies)
+    graphs = DecodeGraphs(engine.body, (4,), staging=copies)
     seen = []
     for tokens in ([7, 8, 9], [10, 11, 12]):
         step = engine.decoder.preparer.prepare(out.handles, tokens)
         try:
-            graphs.fill(step, 4, graphs.pages(step))
-            copies.launch(lambda: seen.append((graphs.ids.tolist(), graphs.kv_lens.tolist(),
-                                               graphs.page_table[:4, :4].clone())))
+            view = graphs.fill(step, (4, graphs.pages(step)))
+            copies.launch(lambda view=view: seen.append((view.input_ids.tolist(), view.kv_lens.tolist(),
+                                                         graphs.buffers.page_table[:4, :4].clone())))
         finally:
             engine.decoder.preparer.abort(step)
     copies.sync()

@@ -73,7 +73,7 @@ def _stage_replay_bitwise(eng) -> bool:
     reqs = [Request(rng.integers(0, eng.cfg.vocab_size, n)) for n in (50, 7, 1)]
     prep = eng.preparer.prepare(reqs)
     try:
-        rows = eng.runner.synthetic_input(prep, rng)
+        rows = eng.runner.prefill.synthetic_input(prep, rng)
         sel = eng.runner.select(prep.plan.max_local_rows)
         if sel.capacity not in eng.runner.graphs:  # capture first: it refills the static buffers
             eng.runner.capture_bucket(sel.capacity)

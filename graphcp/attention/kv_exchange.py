@@ -9,16 +9,18 @@ moves K/V, named by the cache class's ``exchange`` (graphcp.kv.paged.PagedKVCach
 - ``ring`` (the token-sharded cache): a rank writes its own rows to its own pool (no
   collective) and attends by the forward's pass-KV or pass-Q ring, merged by LSE.
 
-A decode step (docs/decode.md) is each exchange's other operation
-(:meth:`KVExchange.decode_step`, graphcp.attention.decode.steps): every rank holds every
-new row, writes the ones its cache keeps, and attends over what it holds; the all-gather's
-caches attend locally, the ring's merge the ranks' partial outputs by their LSE.
+A forward runs one phase (graphcp.attention.phase): an exchange's methods are its prefill
+phase, and :attr:`KVExchange.decode` its decode phase (docs/decode.md,
+graphcp.attention.decode.phases): every rank holds every new row, writes the ones its
+cache keeps, and attends over what it holds; the all-gather's caches attend locally, the
+ring's merge the ranks' partial outputs by their LSE.
 
 An exchange has a host side too, its :attr:`~KVExchange.planner`: the batch preparer
 asks it for this rank's inputs (token ids, positions, cache slots, the attention
 metadata and the exchange's own per-forward plan). A forward's state is one
 :class:`KVForward`: the cache, the exchange, the backend and its metadata, this rank's
-slots and the plan; the layers call its methods and never ask which mode runs.
+slots, the plan and the phase; the layers call its methods and never ask which mode or
+phase runs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionBackend, AttentionMetadata, RankInputs
-from graphcp.attention.decode.steps import DecodeStep, LocalDecode, MergedDecode
+from graphcp.attention.decode.phases import LocalDecode, MergedDecode
+from graphcp.attention.phase import PREFILL, ExchangePhase, Phase
 from graphcp.attention.ring.attention import RINGS, RingAttention
 from graphcp.attention.ring.plan import RingPlan, RingPlanner
 from graphcp.cp import Plan
@@ -45,7 +48,8 @@ from graphcp.nvtx_ranges import nvtx_range
 class KVForward:
     """One forward's KV state: what a layer stores and attends through (the forward
     context's exchange group). ``plan``: the exchange's per-forward plan; ``prefix_pages``:
-    the batch's cached-prefix pages a cache that does not keep every layer fetches."""
+    the batch's cached-prefix pages a cache that does not keep every layer fetches;
+    ``phase``: which of the exchange's phases the layers run (``ops``, set from it)."""
 
     cache: PagedKVCache
     exchange: "KVExchange"
@@ -55,21 +59,30 @@ class KVForward:
     slots: torch.Tensor  # [capacity] int64: this rank's rows' cache slots (-1: padding)
     plan: Any = None
     prefix_pages: torch.Tensor | None = None
+    phase: Phase = PREFILL
     #: every rank's slots, rank-major (the all-gather's first step; None before it)
     gathered_slots: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        #: the phase's operations (the exchange itself in a prefill): chosen once a forward
+        self.ops: ExchangePhase = self.exchange.ops(self.phase)
+
+    def prepare(self) -> None:
+        """Host-side planning of the forward, before the body runs."""
+        self.ops.prepare(self)
+
     def begin(self) -> None:
         """The body's first step (inside the captured segment)."""
-        self.exchange.begin(self)
+        self.ops.begin(self)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Store one layer's K/V rows ``[rows, heads, dim]``; the bytes this rank received."""
-        return self.exchange.store(self, layer, k, v)
+        return self.ops.store(self, layer, k, v)
 
     def store_rows(self, layer: int, rows: torch.Tensor) -> int:
         """Store one layer's cache rows ``[rows, values]`` (a family whose cache writes rows
         of its own, such as a latent); the bytes this rank received."""
-        return self.exchange.store_rows(self, layer, rows)
+        return self.ops.store_rows(self, layer, rows)
 
     def fetch_prefix(self, layer: int) -> int:
         """Before a layer's attention: the cached prefix its cache does not keep (the bytes
@@ -78,16 +91,20 @@ class KVForward:
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
         """Attend this rank's query rows of one layer into ``out``; the bytes received."""
-        return self.exchange.attend(self, layer, q, out)
+        return self.ops.attend(self, layer, q, out)
 
 
-class KVExchange:
-    """How one kind of cache moves K/V (see the module doc)."""
+class KVExchange(ExchangePhase):
+    """How one kind of cache moves K/V (see the module doc): its methods are the prefill
+    phase's operations, :attr:`decode` the decode phase's."""
 
     #: the cache classes' ``exchange`` this implements
     name: ClassVar[str] = ""
     #: the host side: this rank's inputs of a planned batch
     planner: Any
+    #: what a decode step's layers store and attend through over this exchange's cache
+    #: (graphcp.attention.decode.phases); None: none (decode is refused for its caches)
+    decode: ClassVar[ExchangePhase | None] = None
 
     @classmethod
     def build(cls, make_backend: Callable[[], AttentionBackend], group, device: torch.device,
@@ -95,11 +112,13 @@ class KVExchange:
         """The engine's exchange (:func:`make_exchange`'s arguments)."""
         return cls()
 
-    def begin(self, fwd: KVForward) -> None:
-        """The body's first step."""
-
-    def prepare(self, fwd: KVForward) -> None:
-        """Host-side planning of one forward, before the body runs."""
+    def ops(self, phase: Phase) -> ExchangePhase:
+        """The operations of ``phase``: this exchange's own in a prefill, :attr:`decode`'s."""
+        if phase == PREFILL:
+            return self
+        if self.decode is None:
+            raise NotImplementedError(f"the {self.name} exchange has no {phase} phase")
+        return self.decode
 
     def inert_plan(self, group) -> Any:
         """The plan of a batch without rows (what a graph is captured with)."""
@@ -109,14 +128,8 @@ class KVExchange:
                 dtype: torch.dtype) -> None:
         """Before a bucket's capture: what a replay of ``capacity`` rows must not allocate."""
 
-    def store(self, fwd: KVForward, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        raise NotImplementedError
-
     def store_rows(self, fwd: KVForward, layer: int, rows: torch.Tensor) -> int:
         raise NotImplementedError(f"the {self.name} exchange stores K/V heads, not cache rows")
-
-    def attend(self, fwd: KVForward, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
-        raise NotImplementedError
 
     def describe(self, plan: Any) -> dict[str, Any]:
         """A forward's figures (ForwardInfo.stats): the exchange it ran."""
@@ -125,12 +138,6 @@ class KVExchange:
     def setting(self) -> str:
         """The exchange as configured (engine.stats()'s ``exchange``)."""
         return self.name
-
-    def decode_step(self, merge: str = "auto") -> DecodeStep:
-        """What a decode step's layers store and attend through over this exchange's cache
-        (graphcp.attention.decode.steps; ``merge``: RuntimeConfig.decode_merge, for an
-        exchange whose ranks hold parts of each request)."""
-        raise NotImplementedError(f"the {self.name} exchange has no decode step")
 
 
 # ---- all-gather ---------------------------------------------------------------------
@@ -157,6 +164,8 @@ class AllGatherPlanner:
 
 class AllGather(KVExchange):
     name = "all-gather"
+    #: every rank keeps what it attends over (a layer-split layer: its owner)
+    decode = LocalDecode()
 
     def __init__(self) -> None:
         self.planner = AllGatherPlanner()
@@ -198,10 +207,6 @@ class AllGather(KVExchange):
         got = fwd.fetch_prefix(layer)
         fwd.backend.forward(q, fwd.cache.layer(layer), fwd.meta, out)
         return got
-
-    def decode_step(self, merge: str = "auto") -> DecodeStep:
-        """Every rank keeps what it attends over (a layer-split layer: its owner)."""
-        return LocalDecode()
 
 
 def _rank_inputs_np(table: np.ndarray, page_size: int, seq_rows: np.ndarray, seg_request: np.ndarray,
@@ -272,6 +277,8 @@ class Ring(KVExchange):
     forward's ring (pass-KV or pass-Q, chosen per batch by the planner)."""
 
     name = "ring"
+    #: each rank holds a share of every request: partial attention, merged by LSE
+    decode = MergedDecode()
 
     def __init__(self, make_backend: Callable[[], AttentionBackend], group, device: torch.device,
                  planner: RingPlanner) -> None:
@@ -304,10 +311,6 @@ class Ring(KVExchange):
 
     def setting(self) -> str:
         return self.planner.exchange  # auto | pass-kv | pass-q
-
-    def decode_step(self, merge: str = "auto") -> DecodeStep:
-        """Each rank holds a share of every request: partial attention, merged by LSE."""
-        return MergedDecode(merge)
 
     def describe(self, plan: RingPlan) -> dict[str, Any]:
         out: dict[str, Any] = {"exchange": plan.exchange}

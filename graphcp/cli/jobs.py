@@ -126,7 +126,7 @@ def compare_paths(engine: PrefillEngine, batch: list[np.ndarray]) -> dict:
             if sel.capacity not in runner.graphs:
                 runner.capture_bucket(sel.capacity)
             # a later pipeline stage's body: seeded input rows, the same for both runs
-            rows = runner.synthetic_input(prep, np.random.default_rng(0))
+            rows = runner.prefill.synthetic_input(prep, np.random.default_rng(0))
             same_bucket = runner.eager_on_bucket(prep, sel.capacity, rows).clone()
             bitwise = bool(torch.equal(runner.replay(prep, sel.capacity, hidden_in=rows), same_bucket))
             if engine.pipeline is not None:  # every stage's body must be bitwise equal

@@ -1,6 +1,7 @@
-"""One layer's KV store and attention as the model calls them, whatever the cache mode:
-each call goes to the forward's KV exchange (graphcp.attention.kv_exchange) and counts
-the bytes it received into the forward's stats.
+"""One layer's KV store and attention as the model calls them, whatever the cache mode
+and the phase: each call goes to the forward's KV exchange (graphcp.attention.kv_exchange)
+in the forward's phase (graphcp.attention.phase: a prefill's operations, or a decode
+step's), and counts the bytes it received into the forward's stats.
 
 - ``begin_forward`` (the body's first step), ``store_kv`` / ``store_rows`` (inside a
   captured segment): what the mode's exchange does (the all-gather, or a rank's own write);

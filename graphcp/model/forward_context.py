@@ -7,10 +7,14 @@ the attention break at replay through whatever context the replay passes in.
 
 The context is three groups and the forward's helpers: the KV exchange
 (:class:`graphcp.attention.kv_exchange.KVForward`: the cache, how its mode stores and
-attends, the backend and its metadata), the static inputs (:class:`StaticInputs`: the
-rows a captured graph's breaks read and write, the live row count, the ids a layer
-reads) and the stats the forward counts into. The runtime builds it in one place
-(``graphcp.runtime.body.Body.context``).
+attends in the forward's phase, the backend and its metadata), the static inputs
+(:class:`StaticInputs`: the rows a captured graph's breaks read and write, the live row
+count, the ids a layer reads) and the stats the forward counts into. The runtime builds
+it in one place (``graphcp.runtime.body.Body.context``), for either phase
+(graphcp.attention.phase): a prefill's rows split over the CP ranks, or a decode step's
+one new token a request on every rank. The layers see the same context in both; a layer
+with state of its own per request (a linear-attention layer's) reads :attr:`ForwardContext.phase`
+to take its one-token step.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.kv_exchange import KVForward
+from graphcp.attention.phase import Phase
 from graphcp.model.communicator import LayerCommunicator
 
 #: the ForwardInfo.stats key of the bytes the KV exchange delivered to this rank (all layers)
@@ -85,6 +90,11 @@ class ForwardContext:
     def __post_init__(self) -> None:
         if self.comm is None:
             self.comm = LayerCommunicator(self.kv.group)
+
+    @property
+    def phase(self) -> Phase:
+        """The forward's phase: ``prefill`` or ``decode`` (graphcp.attention.phase)."""
+        return self.kv.phase
 
     @property
     def group(self):

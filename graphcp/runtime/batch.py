@@ -1,11 +1,15 @@
 """The batch types, and the per-rank preparation of a batch.
 
-``BatchPreparer.prepare`` turns a list of :class:`Request` into this rank's
-:class:`PreparedBatch`: it validates the batch by the rules of :data:`BATCH_RULES`
-(every refusal is a ``BatchError`` and changes nothing), checks that every rank was
-given the same batch, plans it with the CP layout, reserves its KV pages and builds
-this rank's host inputs (token ids, positions, cache slots, attention metadata).
-``abort`` gives the pages back. All of it is host code: nothing here runs the model.
+A forward runs one phase (graphcp.attention.phase) on a :class:`PreparedBatch`, whichever
+phase: this rank's rows (token ids, positions, cache slots) and attention metadata. A
+phase's planner (:class:`Preparer`, the one preparation protocol) makes it: it checks the
+call's inputs (every refusal a ``BatchError`` that changes nothing), checks that every
+rank was given the same (a fingerprint), reserves the KV where the cache mode puts it and
+builds this rank's inputs; ``abort`` gives the reservation back. The prefill's planner is
+:class:`BatchPreparer` (here: a list of :class:`Request` validated by the rules of
+:data:`BATCH_RULES`, planned with the CP layout); the decode step's is
+graphcp.runtime.decode.plan.DecodePlanner. The outputs and the one :class:`ForwardInfo`
+of both phases are here too. All of it is host code: nothing here runs the model.
 """
 
 from __future__ import annotations
@@ -17,18 +21,20 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, ClassVar, Literal, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.kv_exchange import AllGatherPlanner
+from graphcp.attention.phase import PREFILL, Phase
 from graphcp.checks import check_int
 from graphcp.cp import Layout, Plan
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, GraphcpError
 from graphcp.jit import host_kernel
+from graphcp.kv.decode import DecodeSlots
 from graphcp.kv.handle import KVCacheFull, KVHandle, KVHandleError
 from graphcp.kv.paged import PagedKVCache
 from graphcp.nvtx_ranges import nvtx_range
@@ -48,14 +54,25 @@ class Request:
 
 @dataclass
 class ForwardInfo:
+    """How one forward ran, in either phase: on its bucket's graph or eagerly (and why)."""
+
     path: Literal["eager", "graph"]
-    capacity: int  # local rows the body ran on (bucket capacity, or the unpadded max)
-    required: int  # the largest rank's local rows
+    capacity: int  # rows the body ran on (bucket capacity, or the unpadded max)
+    required: int  # the largest rank's rows (a decode step: its requests)
     fallback: str | None = None  # why a graph-mode forward ran eagerly
     timings: dict[str, float] = field(default_factory=dict)
     #: per-forward figures a stats report lists as they are (JSON-able values keyed by
     #: name: bytes a rank sent or received per kind of exchange, choices made, ...)
     stats: dict[str, Any] = field(default_factory=dict)
+    phase: Phase = PREFILL
+    #: the replay's launches: its graph's segments and breaks (None on the eager path)
+    launches: int | None = None
+
+    @property
+    def bucket(self) -> int | None:
+        """The bucket replayed (its rows: a prefill's local rows, a decode step's requests);
+        None on the eager path."""
+        return self.capacity if self.path == "graph" else None
 
 
 @dataclass
@@ -82,29 +99,62 @@ class PrefillOutput:
     draft: DraftOutput | None = None
 
 
+@dataclass
+class DecodeOutput:
+    """One decode step's outputs (``PrefillEngine.decode``; docs/decode.md)."""
+
+    logits: torch.Tensor  # float32 [B, vocab]: each request's next-token logits, identical on every rank
+    handles: list[KVHandle]  # each request's KV, one token longer: pass them to the next step
+    info: ForwardInfo
+
+
 @dataclass(slots=True)
 class PreparedBatch:
-    """Host-side result of planning one batch on this rank."""
+    """Host-side result of planning one batch on this rank, in its phase: a prefill's new
+    tokens split over the CP ranks by ``plan``, or a decode step's one new token a request,
+    the same rows on every rank (``decode``: where each token lands)."""
 
-    plan: Plan
+    plan: Plan | None  # the CP layout's plan of a prefill (None: a decode step)
     seq_ids: list[int]
     ids: np.ndarray  # [n] this rank's rows: token ids,
     positions: np.ndarray  # [n] absolute positions
-    slots: np.ndarray  # [n] and KV cache slots (the exchange all-gathers them with the rows)
+    slots: np.ndarray  # [n] and KV cache slots (-1: a row this rank does not store)
     meta: AttentionMetadata
-    seg_page_table: np.ndarray
+    seg_page_table: np.ndarray | None
+    #: the rows each rank's forward must hold: the largest rank's (a prefill: the plan's
+    #: max_local_rows), every request's new one (a decode step)
+    rows: int
     plan_s: float = 0.0  # host time of prepare()
     #: the cached prefixes' pages, for a cache that fetches them per layer (LayerSplit)
     prefix_pages: np.ndarray | None = None
-    #: the KV exchange's own plan of this forward (a sharded cache's ring; None: none)
+    #: the KV exchange's own plan of this forward in its phase (a sharded cache's ring, a
+    #: decode step's merge; None: none)
     kv_plan: Any = None
     #: this forward's figures as the body runs it (ForwardInfo.stats): the engine copies them
     stats: dict[str, Any] = field(default_factory=dict)
+    phase: Phase = PREFILL
+    #: a decode step's reservation: where each request's new token lands (None: a prefill)
+    decode: DecodeSlots | None = None
+
+
+class Preparer(Protocol):
+    """A phase's planner: checks a call's inputs (a BatchError changes nothing), that every
+    rank was given the same, reserves their KV and builds this rank's :class:`PreparedBatch`
+    of its phase; :meth:`abort` gives back what it reserved (its forward failed)."""
+
+    phase: ClassVar[Phase]
+
+    def prepare(self, *inputs: Any, call_args: Sequence[int] = ()) -> PreparedBatch: ...
+
+    def abort(self, prep: PreparedBatch) -> None: ...
 
 
 @dataclass
 class BatchPreparer:
-    """Validates, plans and reserves one batch on this rank (see the module doc)."""
+    """The prefill's planner: validates, plans and reserves one batch on this rank (see
+    the module doc)."""
+
+    phase: ClassVar[Phase] = PREFILL
 
     layout: Layout
     kv: PagedKVCache
@@ -198,7 +248,7 @@ class BatchPreparer:
         with nvtx_range("prepare", category="host"):
             ins = self.planner.rank_inputs(plan, self.kv, seq_ids, self.group.rank, flat, self.device, seq_rows)
             return PreparedBatch(plan, seq_ids, ins.ids, ins.positions, ins.slots, ins.meta, ins.seg_page_table,
-                                 kv_plan=ins.plan)
+                                 plan.max_local_rows, kv_plan=ins.plan)
 
 
 def batch_fingerprint(flat: np.ndarray, extend: Sequence[int], prefix: Sequence[int], prefix_ids: Sequence[int],

@@ -1,24 +1,30 @@
-"""The transformer body and what it runs against: the one way to run it.
+"""The transformer body and what it runs against: the one way to run it, in either phase.
 
-Eager forwards, graph capture, graph replay and the same-bucket eager check all
-go through :class:`Body`: ``context`` builds the per-forward context from the prepared
-batch (and runs the attention backend's and the KV exchange's host-side planning),
-``run`` runs the body on it.
+Eager forwards, graph capture, graph replay and the same-bucket eager check of a prefill
+and of a decode step all go through :class:`Body`: ``context`` builds the per-forward
+context from the prepared batch (and runs the attention backend's and the KV exchange's
+host-side planning), ``run`` runs the body on it. The batch's phase
+(graphcp.attention.phase) picks what differs: the exchange's operations its layers store
+and attend through, and how its rows move between the attention and FFN layouts (a
+prefill's split over the CP ranks; a decode step's the same on every rank, so the FFN
+all-reduces its partial sums: ReplicatedRows).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionMetadata, BatchRequests
 from graphcp.attention.kv_exchange import KVExchange, KVForward
+from graphcp.attention.phase import DECODE, PREFILL, Phase
 from graphcp.attention.staging import to_device
 from graphcp.dist import CPGroup
 from graphcp.kv.paged import PagedKVCache
-from graphcp.model.communicator import LayerCommunicator
+from graphcp.model.communicator import LayerCommunicator, ReplicatedRows
 from graphcp.model.forward_context import AuxCapture, ForwardContext, StaticInputs
 from graphcp.model.llama import DecoderModel
 from graphcp.nvtx_ranges import nvtx_range
@@ -34,8 +40,28 @@ class Body:
     device: torch.device
     #: how the cache mode stores and attends (graphcp.attention.kv_exchange)
     exchange: KVExchange
-    #: moves rows between the attention and FFN layouts (None: CP = TP over ``group``)
+    #: moves a prefill's rows between the attention and FFN layouts (None: CP = TP over ``group``)
     comm: LayerCommunicator | None = None
+    #: how a decode step over a cache whose ranks hold parts of each request merges
+    #: (RuntimeConfig.decode_merge)
+    decode_merge: str = "auto"
+
+    def __post_init__(self) -> None:
+        c = LayerCommunicator.of(self.comm or self.group)
+        #: each phase's row layout: a decode step's rows are the same on every rank
+        self.comms: dict[Phase, LayerCommunicator | None] = {
+            PREFILL: self.comm, DECODE: ReplicatedRows(c.cp, c.attn_tp, c.ffn, c.dp)}
+
+    def plan_decode(self, rows: int) -> Any:
+        """The exchange's decode plan of a step of ``rows`` rows (how it merges)."""
+        cfg = self.model.attn_cfg  # this rank's heads
+        return self.exchange.decode.plan(rows, cfg.num_heads, cfg.head_dim, self.group.size, self.model.dtype.itemsize,
+                                         self.decode_merge)
+
+    def inert_plan(self, phase: Phase, rows: int) -> Any:
+        """The exchange's plan of a batch of ``rows`` rows without a live one (what a graph
+        is captured with): a decode graph's merge is fixed by its rows."""
+        return self.exchange.inert_plan(self.group) if phase == PREFILL else self.plan_decode(rows)
 
     def reserve(self, capacity: int) -> None:
         """Before a bucket's capture: what a replay of ``capacity`` local rows must not
@@ -49,35 +75,39 @@ class Body:
         """A pipeline stage after the first: its input is the previous stage's hidden rows."""
         return not self.model.stage.first
 
-    def context(self, prep: PreparedBatch | None, slots: torch.Tensor, static=None, *,
-                meta: AttentionMetadata | None = None, stats: dict | None = None,
+    def context(self, prep: PreparedBatch | None, slots: torch.Tensor, static=None, *, phase: Phase = PREFILL,
+                meta: AttentionMetadata | None = None, attention: Any = None, stats: dict | None = None,
                 aux: AuxCapture | None = None) -> ForwardContext:
-        """The context of one forward of ``prep`` (None: an inert batch, as a capture
-        runs) on this rank's ``slots``, after the attention backend's host-side planning
-        of the batch and the exchange's. ``static``: a bucket's static views, whose rows
-        the breaks then read and write; ``meta``: the metadata the body runs with when it
-        is not the batch's (a full graph's static metadata, or a capture's); ``stats``:
-        this forward's ForwardInfo.stats, given the figures the row count fixes here
-        (breaks add the rest as they run); ``aux``: where the forward copies auxiliary
-        hidden states."""
+        """The context of one forward of ``prep`` (None: an inert batch of ``phase``, as a
+        capture runs) on this rank's ``slots``, after the attention backend's host-side
+        planning of the batch and the exchange's. ``static``: a bucket's static views,
+        whose rows the breaks then read and write; ``meta``: the metadata the body runs
+        with when it is not the batch's (a full graph's static metadata, a decode graph's,
+        or a capture's); ``attention``: the backend when it is not the engine's (a decode
+        graph's, over its static metadata); ``stats``: this forward's ForwardInfo.stats,
+        given the figures a prefill's row count fixes here (breaks add the rest as they
+        run); ``aux``: where the forward copies auxiliary hidden states."""
+        if prep is not None:
+            phase = prep.phase
         live = prep.meta if prep is not None else meta
-        self._plan_attention(live, prep)
-        fwd = KVForward(self.kv, self.exchange, self.group, self.attention, live if meta is None else meta, slots,
-                        prep.kv_plan if prep is not None else self.exchange.inert_plan(self.group),
-                        self._prefix_pages(prep))
-        self.exchange.prepare(fwd)
+        backend = self.attention if attention is None else attention
+        self._plan_attention(backend, live, prep)
+        fwd = KVForward(self.kv, self.exchange, self.group, backend, live if meta is None else meta, slots,
+                        prep.kv_plan if prep is not None else self.inert_plan(phase, slots.shape[0]),
+                        self._prefix_pages(prep), phase)
+        fwd.prepare()
         inputs = StaticInputs(live_rows=live.num_q_rows) if static is None else static.inputs(live.num_q_rows)
-        if stats is not None:
+        if stats is not None and phase == PREFILL:  # (a decode step's replicated rows: none)
             stats.update(self.model.static_stats(slots.shape[0]))
-        return ForwardContext(fwd, inputs, stats, aux, self.comm)
+        return ForwardContext(fwd, inputs, stats, aux, self.comms[phase])
 
-    def _plan_attention(self, live: AttentionMetadata, prep: PreparedBatch | None) -> None:
+    def _plan_attention(self, backend: Any, live: AttentionMetadata, prep: PreparedBatch | None) -> None:
         """The backend's host-side planning of the live batch (a backend that reads every
         request of it, DeepSeek V4's pooling, is given them; an inert batch none)."""
-        if getattr(self.attention, "reads_batch", False):
-            self.attention.prepare(live, None if prep is None else self.requests(prep))
+        if getattr(backend, "reads_batch", False):
+            backend.prepare(live, None if prep is None else self.requests(prep))
         else:
-            self.attention.prepare(live)
+            backend.prepare(live)
 
     def _prefix_pages(self, prep: PreparedBatch | None) -> torch.Tensor | None:
         pages = None if prep is None else prep.prefix_pages

@@ -108,7 +108,7 @@ def build_parts(model: str | Path, rt: RuntimeConfig, group: CPGroup, buckets: B
     kv = _make_cache(family, cfg, net, rt, mesh.cp, device, draft is not None)
     attention, exchange = _make_attention(family, cfg, net, rt, kv, mesh.cp, device, buckets)
     body = Body(net, attention, kv, mesh.cp, device, exchange,
-                LayerCommunicator(mesh.cp, mesh.attn_tp, mesh.ffn, mesh.dp))
+                LayerCommunicator(mesh.cp, mesh.attn_tp, mesh.ffn, mesh.dp), rt.decode_merge)
     preparer = _make_preparer(layout, kv, mesh, pipeline, parallel, rt, cfg, device, attention, exchange)
     runner, drafter = _make_graphs(body, preparer, buckets, rt, cfg, draft)
     return EngineParts(model_dir, rt, parallel, family, cfg, net, mesh, mesh.cp, pipeline, device, layout, buckets, kv,

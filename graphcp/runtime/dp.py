@@ -199,13 +199,13 @@ class DataParallelPrefill:
         batch's fingerprint equal everywhere, a replica's prefix handles within the replica),
         whether every replica prepared its sub-batch (``prep`` None: this one refused), the
         largest replica's rows and whether some replica's batch rules the graphs out
-        (:meth:`GraphRunner.own_fallback`). Every replica then runs the same path at the
+        (:meth:`PrefillGraphs.own_fallback`). Every replica then runs the same path at the
         same rows, so the FFN's collectives have one size."""
         runner = self.parts.stage.runner
         if prep is None:
             mine = [1, 0, 0]
         else:
-            eager = runner is not None and runner.own_fallback(prep) is not None
+            eager = runner is not None and runner.prefill.own_fallback(prep) is not None
             mine = [0, prep.plan.max_local_rows, int(eager)]
         row = to_device(np.array([mine + fingerprint], dtype=np.int64), self.device)
         every = self.stage.all_gather_rows(row).cpu()

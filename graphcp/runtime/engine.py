@@ -33,10 +33,9 @@ from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, ConfigError, InputError
 from graphcp.kv.handle import KVHandle
 from graphcp.nvtx_ranges import nvtx_range
-from graphcp.runtime.batch import PrefillOutput, Request
+from graphcp.runtime.batch import DecodeOutput, PrefillOutput, Request
 from graphcp.runtime.build import build_parts
 from graphcp.runtime.capture.buckets import BucketSet
-from graphcp.runtime.decode.batch import DecodeOutput
 from graphcp.runtime.decode.decoder import Decoder
 from graphcp.runtime.decode.generate import GenerateOutput, generate
 from graphcp.runtime.dp import DataParallelPrefill, ReplicaHandle
@@ -62,7 +61,9 @@ class PrefillEngine:
         self.parts = p = build_parts(model, self.runtime, group or CPGroup(), buckets, parallel)
         self.parallel, self.model_dir = p.parallel, p.model_dir
         self.recorder = Recorder(p.exchange, len(p.model.stage.layers))
-        fw = ForwardParts(p.preparer, p.kv, StageForward(p.body, p.runner), OutputHead(p.model, p.group), self.recorder)
+        #: the one forward of both phases (a prefill's drivers and the decode steps run it)
+        forward = StageForward(p.body, p.runner)
+        fw = ForwardParts(p.preparer, p.kv, forward, OutputHead(p.model, p.group), self.recorder)
         self._single = SingleForward(fw, p.drafter)
         mesh, stage = p.mesh, p.model.stage
         #: attention DP: the batch split over the replicas (None without DP)
@@ -72,7 +73,7 @@ class PrefillEngine:
             fw, stage, p.pipeline, p.parallel.stage_layers(p.cfg.num_layers), p.cfg.hidden_size, p.cfg.vocab_size,
             p.model.dtype, p.device, p.model.handoff_size)
         self._exporter = Exporter(p)
-        self._decoder = Decoder(p, self.recorder)
+        self._decoder = Decoder(p, forward, self.recorder)
 
     # ---- what tools read (the parts) ---------------------------------------------
     cfg = property(lambda self: self.parts.cfg, doc="The model's config.")
@@ -99,7 +100,7 @@ class PrefillEngine:
     rank = property(lambda self: self.parts.group.rank, doc="This rank in its CP group (its stage's, under PP).")
     world = property(lambda self: self.parts.world, doc="Every rank of the run (graphcp.mesh numbers them).")
     world_rank = property(lambda self: self.parts.world.rank, doc="This rank in the run (export_kv's dst).")
-    decoder = property(lambda self: self._decoder, doc="The decode steps: their preparer, body and graphs.")
+    decoder = property(lambda self: self._decoder, doc="The decode steps: their planner (preparer) and graphs.")
 
     # ---- public API -------------------------------------------------------------
     def capture(self, progress: bool = False, up_to: int | None = None):
@@ -210,10 +211,7 @@ class PrefillEngine:
     def capture_decode(self, pages: int | None = None, progress: bool = False) -> list[int]:
         """Capture every decode batch-size bucket's graph for steps whose requests hold at
         most ``pages`` pages on a rank (None: any; graph modes); the batch sizes captured."""
-        graphs = self._decoder.graphs
-        if graphs is None:
-            raise ConfigError("RuntimeConfig.graph='off': there is no decode graph to capture")
-        return graphs.capture_all(pages, progress)
+        return self._decoder.capture(pages, progress)
 
     def _driver(self, call: PrefillCall) -> ForwardDriver:
         """Attention-DP replicas, one forward (a draft runs one), or micro-batches (any

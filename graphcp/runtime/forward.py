@@ -1,11 +1,13 @@
-"""The forward drivers: how one ``prefill`` call runs its batch. Three implement
-:class:`ForwardDriver` over the same parts (:class:`ForwardParts`): one forward
-(:class:`SingleForward`), micro-batches through a pipeline stage
+"""The one forward, and the drivers: how one ``prefill`` call runs its batch.
+
+:class:`StageForward` runs a prepared batch of either phase through this rank's stage:
+the bucket's graph, or eager (a decode step's driver is graphcp.runtime.decode.decoder).
+Three drivers implement :class:`ForwardDriver` over the same parts (:class:`ForwardParts`):
+one forward (:class:`SingleForward`), micro-batches through a pipeline stage
 (``graphcp/runtime/pp/prefill.py``) and attention-DP replicas (``graphcp/runtime/dp.py``).
-Each prepares, runs this rank's rows through :class:`StageForward` (the bucket's graph, or
-eager), makes outputs with the :class:`~graphcp.runtime.outputs.OutputHead`, records the
-forward and assembles one PrefillOutput (graphcp.runtime.outputs.assemble); a failure
-gives every reservation back.
+Each prepares, runs this rank's rows through :class:`StageForward`, makes outputs with
+the :class:`~graphcp.runtime.outputs.OutputHead`, records the forward and assembles one
+PrefillOutput (graphcp.runtime.outputs.assemble); a failure gives every reservation back.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ class StageResult:
 
 @dataclass
 class StageForward:
-    """One prepared batch through this rank's stage: replayed from its bucket's graph, or
-    eager when the graphs do not take it (the Fallback says why)."""
+    """One prepared batch of either phase through this rank's stage: replayed from its
+    bucket's graph, or eager when the graphs do not take it (the Fallback says why)."""
 
     body: Body
     runner: GraphRunner | None
@@ -67,7 +69,7 @@ class StageForward:
         default this batch's); ``agreed_fallback``: why every rank runs eagerly, agreed
         between them (attention DP), or None."""
         model = self.body.model
-        mine = tuple(i for i in aux if i in model.stage.layers)
+        mine = tuple(i for i in aux if i in model.stage.layers) if aux else ()
         fallback = None
         if self.runner is not None and not force_eager:
             outcome = self.runner.try_replay(prep, hidden_in, rows, agreed_fallback)
@@ -76,13 +78,13 @@ class StageForward:
                 info.stats.update(prep.stats)
                 return StageResult(hidden, info, self._replayed_aux(mine, info.capacity))
             fallback = outcome.reason
-        required = rows or prep.plan.max_local_rows
+        required = rows or prep.rows
         capture = None
         if mine:
             out = torch.empty(required, len(mine), model.cfg.hidden_size, dtype=model.dtype, device=self.body.device)
             capture = AuxCapture(mine, out)
         hidden = self.body.eager(prep, required, hidden_in, capture)
-        info = ForwardInfo("eager", required, required, fallback)
+        info = ForwardInfo("eager", required, required, fallback, phase=prep.phase)
         info.stats.update(prep.stats)
         return StageResult(hidden, info, None if capture is None else capture.out)
 

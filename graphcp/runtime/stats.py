@@ -48,6 +48,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from graphcp.attention.phase import DECODE
 from graphcp.model.forward_context import KV_RECEIVED
 from graphcp.runtime.batch import ForwardInfo, PreparedBatch
 
@@ -74,7 +75,11 @@ class Recorder:
         self.decode_seen = 0
 
     def record(self, prep: PreparedBatch, info: ForwardInfo) -> None:
-        """The forward's figures into its ForwardInfo.stats, and the entry into the history."""
+        """The forward's figures into its ForwardInfo.stats, and the entry into its phase's
+        history (``forwards``, or ``decode_steps``)."""
+        if prep.phase == DECODE:
+            self._record_step(prep, info)
+            return
         st = info.stats
         choice = self.exchange.describe(prep.kv_plan)
         st["exchange"] = choice.pop("exchange")
@@ -86,9 +91,15 @@ class Recorder:
         self.forwards.append(forward_entry(info))
         self.seen += 1
 
-    def record_decode(self, info) -> None:
-        """One decode step (graphcp.runtime.decode.batch.StepInfo) into the history."""
-        self.decode_steps.append({"path": info.path, "bucket": info.bucket, "fallback": info.fallback, **info.stats})
+    def _record_step(self, prep: PreparedBatch, info: ForwardInfo) -> None:
+        """A decode step's figures: its rows and cached tokens, the merge it ran and the bytes
+        it received, its launches (graph path), then what the forward counted."""
+        merged = int(info.stats.pop(KV_RECEIVED, 0))
+        figures = {"rows": prep.rows, "cached_tokens": int(prep.decode.positions.sum()),
+                   **self.exchange.decode.describe(prep.kv_plan), "bytes_merged": merged,
+                   "bytes_merged_per_layer": merged // self.num_layers, "launches": info.launches, **info.stats}
+        info.stats = figures
+        self.decode_steps.append({"path": info.path, "bucket": info.bucket, "fallback": info.fallback, **figures})
         self.decode_seen += 1
 
     @property

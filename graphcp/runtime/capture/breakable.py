@@ -6,7 +6,9 @@ call, records the break (its function and the tensors it was given), runs it
 eagerly, and opens the next segment. Replay runs segment 0, break 0, segment 1,
 ..., calling each break with the *live* forward context and the recorded tensors,
 so it reads the live batch's metadata and writes the tensor capture recorded as
-its output.
+its output. A replay moves what the segments' collectives moved at capture without
+running Python, and the breaks count their own as they run again: so the capture
+keeps what its breaks counted apart (:attr:`BreakableGraph.break_stats`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class BreakableGraph:
     segments: list[GraphSegment] = field(default_factory=list)
     breaks: list[RecordedBreak] = field(default_factory=list)
     capacity: int = 0
+    #: what the breaks added to the context's numeric stats while the graph was captured
+    break_stats: dict[str, int] = field(default_factory=dict)
 
     def replay(self, ctx) -> None:
         for i, seg in enumerate(self.segments):
@@ -69,7 +73,12 @@ def capture_breakable(backend: GraphBackend, ctx, body: Callable[[], Any],
         graph.segments.append(seg)
         layer = args[0] if args and isinstance(args[0], int) else len(graph.breaks)
         graph.breaks.append(RecordedBreak(name, fn, args, f"{name}[{layer}]"))
+        stats = getattr(bctx, "stats", None)
+        before = dict(stats) if stats else {}
         fn(bctx, *args)
+        for key, value in (stats or {}).items():
+            if isinstance(value, int) and value != before.get(key, 0):
+                graph.break_stats[key] = graph.break_stats.get(key, 0) + value - before.get(key, 0)
         open_segment()
 
     prev = ctx.break_handler

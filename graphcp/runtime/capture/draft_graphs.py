@@ -54,13 +54,13 @@ class DraftGraphs:
             view.positions.zero_()
             view.kv_slots.fill_(-1)
             with runner.backend.capture_stream():
-                ctx = body.context(None, view.kv_slots, view, meta=runner.static_meta(capacity), stats={})
+                ctx = body.context(None, view.kv_slots, view, meta=runner.prefill.static_meta(capacity), stats={})
                 self._run(ctx, capacity)  # warm-up
                 runner.backend.synchronize()
                 ctx.stats.clear()
                 # a full graph captures the attention too (its static metadata: the target's bucket's)
                 graph = capture_breakable(runner.backend, ctx, lambda: self._run(ctx, capacity),
-                                          breakable=not runner.full)
+                                          breakable=not runner.prefill.full)
             runner.backend.synchronize()
             view.positions.copy_(live[0])
             view.kv_slots.copy_(live[1])
@@ -83,7 +83,7 @@ class DraftGraphs:
         view = self.runner.buffers.view(capacity)
         stats[KV_RECEIVED] = stats.get(KV_RECEIVED, 0) + segment_bytes
         with nvtx_range(f"replay_draft[{capacity}]", category="graph"):
-            meta = self.runner.static_meta(capacity) if self.runner.full else None
+            meta = self.runner.prefill.static_meta(capacity) if self.runner.prefill.full else None
             ctx = self.runner.body.context(prep, view.kv_slots, view, meta=meta, stats=stats)
             graph.replay(ctx)
         return self.normed[:capacity], self.pre[:capacity]

@@ -1,12 +1,17 @@
-"""The CP-local static inputs and outputs of a captured body.
+"""The static inputs and outputs of a captured body, one object a phase.
 
-One object owns every tensor a captured graph reads or writes on a rank,
-allocated once at the largest bucket; a bucket of capacity ``cap`` uses prefix
-views (``[:cap]`` rows). All of it is CP-local, this rank's rows only: the KV
-exchange all-gathers the slot mapping inside the body. ``fill`` copies the live
-batch in and pads the bucket's tail inertly: token 0, position 0, slot -1 (the
-scratch page), rows in no segment, so nothing of an earlier, larger batch
-survives into what a later one reads.
+Each owns every tensor a phase's captured graphs read or write on a rank, allocated
+once at the largest bucket; a bucket uses prefix views (``[:cap]`` rows). ``fill``
+copies the live batch in and pads the bucket's tail inertly: token 0, position 0, slot
+-1 (the scratch page), so nothing of an earlier, larger batch survives into what a
+later one reads.
+
+- :class:`StaticBuffers` (a prefill): CP-local, this rank's rows only (the KV exchange
+  all-gathers the slot mapping inside the body); padding rows are in no attention
+  segment; a full graph's segment metadata.
+- :class:`DecodeBuffers` (a decode step): one row a request, the same on every rank,
+  and the attention's static metadata: each request's length and page-table row (a
+  padding row's length is 0: output 0, LSE -inf, which a merge skips).
 """
 
 from __future__ import annotations
@@ -295,3 +300,95 @@ def _fill_rows(ids, pos, slots, input_ids, positions, kv_slots, end):
         ids[i] = 0
         pos[i] = 0
         slots[i] = -1
+
+
+@dataclass
+class DecodeView:
+    """The prefix views one decode bucket's graph was captured on: ``capacity`` requests
+    over ``width`` pages each."""
+
+    capacity: int
+    width: int
+    input_ids: torch.Tensor  # [cap] int64: each request's new token
+    positions: torch.Tensor  # [cap] int64
+    kv_slots: torch.Tensor  # [cap] int64: this rank's cache slot of the new token (-1: another rank's, padding)
+    kv_lens: torch.Tensor  # [cap] int32: the tokens this rank holds of each request
+    page_table: torch.Tensor  # [cap, width] int32
+    cu_seqlens_q: torch.Tensor  # [cap + 1] int32: one query row a request
+    hidden_out: torch.Tensor  # [cap, hidden]  the body's output rows
+    hidden_in: None = None  # (a decode step's body takes no input rows)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+
+
+class DecodeBuffers:
+    """The static buffers of a decode step's graphs: ``max_requests`` rows, page tables of
+    ``width`` pages (the cache's table width), uploaded from pinned host memory on CUDA
+    without blocking and fenced, as :class:`StaticBuffers` are; plain memory on a CPU."""
+
+    def __init__(self, max_requests: int, width: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device | str, staging: PinnedStaging | None = None) -> None:
+        n, dev = max_requests, torch.device(device)
+        self.width = width
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.input_ids, self.positions = torch.zeros(n, **i64), torch.zeros(n, **i64)
+        self.kv_slots = torch.full((n,), -1, **i64)
+        self.kv_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.page_table = torch.zeros((n, width), dtype=torch.int32, device=dev)
+        self.hidden_out = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
+        self._staging = staging if staging is not None else PinnedStaging(dev) if dev.type == "cuda" else None
+        host = self._staging.host if self._staging is not None else _plain_host
+        self._rows_host = host(3 * n, torch.int64).view(3, n)  # ids, positions, slots
+        self._lens_host = host(n, torch.int32)
+        self._table_host = host(n * width, torch.int32)
+        self._views: dict[tuple[int, int], DecodeView] = {}
+
+    def view(self, capacity: int, width: int) -> DecodeView:
+        """Prefix views of bucket ``(capacity, width)`` (made once)."""
+        got = self._views.get((capacity, width))
+        if got is None:
+            c = capacity
+            got = self._views[c, width] = DecodeView(
+                c, width, self.input_ids[:c], self.positions[:c], self.kv_slots[:c], self.kv_lens[:c],
+                self.page_table[:c, :width], self.cu_seqlens_q[: c + 1], self.hidden_out[:c])
+        return got
+
+    def addresses(self) -> dict[str, int]:
+        """Data pointers of every static tensor (debug mode checks they never move)."""
+        names = ("input_ids", "positions", "kv_slots", "kv_lens", "cu_seqlens_q", "page_table", "hidden_out")
+        return {n: getattr(self, n).data_ptr() for n in names}
+
+    def fill(self, prep, capacity: int, width: int, kv) -> DecodeView:
+        """A decode step's rows (``prep``: its PreparedBatch; None: none) into the bucket's
+        buffers, the rest inert: token 0, position 0, slot -1, length 0 (``kv``: the cache
+        whose page table the rows are read from)."""
+        B = 0 if prep is None else prep.rows
+        if self._staging is not None:
+            self._staging.wait()  # the previous fill's uploads read these buffers when they run
+        rows, lens = self._rows_host[:, :capacity].numpy(), self._lens_host[:capacity].numpy()
+        table_host = self._table_host[: capacity * width].view(capacity, width)
+        table = table_host.numpy()
+        rows[:2], rows[2], lens[:], table[:] = 0, -1, 0, 0
+        if prep is not None:
+            rows[:, :B] = prep.ids, prep.positions, prep.slots
+            lens[:B] = prep.decode.local_lens
+            kv.page_table_rows(prep.decode.rows, width, out=table[:B])
+        for dst, src in ((self.input_ids, self._rows_host[0]), (self.positions, self._rows_host[1]),
+                         (self.kv_slots, self._rows_host[2]), (self.kv_lens, self._lens_host)):
+            self._upload(dst[:capacity], src[:capacity])
+        self._upload(self.page_table[:capacity, :width], table_host)
+        if self._staging is not None:
+            self._staging.mark()  # after every upload of this fill: the next fill waits for them
+        return self.view(capacity, width)
+
+    def _upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._staging is None:
+            dst.copy_(src)
+        else:
+            self._staging.upload(dst, src)
+
+
+def _plain_host(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(n, dtype=dtype)

@@ -1,7 +1,6 @@
-"""The decode step of each KV exchange (graphcp.attention.kv_exchange): what a decode
-step's layers store and attend through, in place of the exchange's prefill operations
-(a :class:`graphcp.attention.kv_exchange.KVForward` calls ``begin``, ``store`` and
-``attend`` whichever it runs).
+"""The decode phase of each KV exchange (graphcp.attention.kv_exchange): what a decode
+step's layers store and attend through (a :class:`~graphcp.attention.kv_exchange.KVForward`
+of the decode phase calls ``begin``, ``store`` and ``attend`` as a prefill's does).
 
 In a decode step every rank computes every request's new row (one a request), so a
 layer's K/V needs no exchange: each rank writes the rows its cache keeps (the slots the
@@ -14,6 +13,8 @@ is where the modes differ:
 - :class:`MergedDecode` (the ring: the token-sharded cache): each rank attends over its
   share of every request, and the partial outputs are merged by their LSE
   (graphcp.attention.decode.merge).
+
+A step's plan (the KVForward's ``plan``) is how it merges: :meth:`DecodePhase.plan`.
 """
 
 from __future__ import annotations
@@ -23,39 +24,33 @@ from typing import Any
 import torch
 
 from graphcp.attention.decode.merge import MERGE_FUNCTIONS, choose_merge
+from graphcp.attention.phase import DECODE, ExchangePhase
 from graphcp.kv.layout import write_kv
 
 
-class DecodeStep:
-    """A decode step's store and attention (see the module doc); ``plan`` is what
-    :meth:`plan` returns for the step's rows (the KVForward's ``plan``)."""
+class DecodePhase(ExchangePhase):
+    """A decode step's store and attention (see the module doc)."""
 
+    phase = DECODE
     name = "decode"
 
-    def plan(self, rows: int, heads: int, head_dim: int, cp_size: int, itemsize: int) -> str:
-        """How a step of ``rows`` rows merges its partial outputs (its stats' ``decode_merge``)."""
+    def plan(self, rows: int, heads: int, head_dim: int, cp_size: int, itemsize: int, setting: str = "auto") -> str:
+        """How a step of ``rows`` rows merges its partial outputs (its stats' ``decode_merge``;
+        ``setting``: RuntimeConfig.decode_merge, for an exchange whose ranks hold parts of
+        each request)."""
         return "none"
-
-    def begin(self, fwd) -> None:
-        """Nothing before the layers: every rank has every row."""
 
     def store(self, fwd, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """The rows this rank's cache keeps, written in place; no collective."""
         write_kv(fwd.cache.layer(layer), k, v, fwd.slots, fwd.cache.layout)
         return 0
 
-    def store_rows(self, fwd, layer: int, rows: torch.Tensor) -> int:
-        raise NotImplementedError("a decode step stores K/V heads, not a family's own cache rows")
-
-    def attend(self, fwd, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
-        raise NotImplementedError
-
     def describe(self, plan: Any) -> dict[str, Any]:
         return {"decode_merge": plan}
 
 
-class LocalDecode(DecodeStep):
-    """The all-gather exchange's decode step: each rank attends over its own cache, or the
+class LocalDecode(DecodePhase):
+    """The all-gather exchange's decode phase: each rank attends over its own cache, or the
     one rank that keeps a layer does and broadcasts the output."""
 
     name = "local"
@@ -69,22 +64,18 @@ class LocalDecode(DecodeStep):
         fwd.group.broadcast_(out, holder)
         return 0 if fwd.group.rank == holder else out.nbytes
 
-    def plan(self, rows: int, heads: int, head_dim: int, cp_size: int, itemsize: int) -> str:
+    def plan(self, rows: int, heads: int, head_dim: int, cp_size: int, itemsize: int, setting: str = "auto") -> str:
         return "local"
 
 
-class MergedDecode(DecodeStep):
-    """The ring's decode step: a partial attention over this rank's share of every
-    request, merged over the CP group (``setting``: ``auto``, ``all-gather`` or
-    ``all-to-all``, RuntimeConfig.decode_merge)."""
+class MergedDecode(DecodePhase):
+    """The ring's decode phase: a partial attention over this rank's share of every
+    request, merged over the CP group (the plan: ``all-gather`` or ``all-to-all``)."""
 
     name = "merged"
 
-    def __init__(self, setting: str = "auto") -> None:
-        self.setting = setting
-
-    def plan(self, rows: int, heads: int, head_dim: int, cp_size: int, itemsize: int) -> str:
-        return choose_merge(self.setting, rows, heads, head_dim, cp_size, itemsize)
+    def plan(self, rows: int, heads: int, head_dim: int, cp_size: int, itemsize: int, setting: str = "auto") -> str:
+        return choose_merge(setting, rows, heads, head_dim, cp_size, itemsize)
 
     def attend(self, fwd, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)

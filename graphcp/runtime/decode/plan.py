@@ -1,62 +1,33 @@
-"""A decode step's batch: its checks, its reservation and host metadata, and its outputs.
+"""The decode phase's planner: a decode step's checks, its reservation and host inputs.
 
-``decode(handles, tokens)`` adds ``tokens[j]`` after the KV of ``handles[j]``. The checks
-refuse (a BatchError naming the request, nothing changed) an empty batch, anything but a
-live, current KV handle of this engine given once, a token that is not an id of the
-vocabulary, and a request whose next position is past the model's context (or the pool);
-then every rank must have been given the same step (the batch's fingerprint), and the
-cache mode reserves each token where it lands (graphcp.kv.decode).
+``decode(handles, tokens)`` adds ``tokens[j]`` after the KV of ``handles[j]``: a prepared
+batch (graphcp.runtime.batch.PreparedBatch) of the decode phase, one row a request, the
+same rows on every rank. The checks refuse (a BatchError naming the request, nothing
+changed) an empty batch, anything but a live, current KV handle of this engine given
+once, a token that is not an id of the vocabulary, and a request whose next position is
+past the model's context (or the pool); then every rank must have been given the same
+step (its fingerprint), the cache mode reserves each token where it lands
+(graphcp.kv.decode), and the step's attention metadata is one segment a request.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.phase import DECODE, Phase
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError
 from graphcp.kv.decode import DecodeSlots
 from graphcp.kv.handle import KVCacheFull, KVHandle, KVHandleError
 from graphcp.kv.paged import PagedKVCache
-from graphcp.runtime.batch import ConsistencyError
-
-
-@dataclass
-class StepInfo:
-    """How one decode step ran: the graph of its bucket or eagerly (and why)."""
-
-    path: Literal["eager", "graph"]
-    bucket: int | None = None  # the decode graph's batch size (graph path)
-    fallback: str | None = None  # why a step of an engine with graphs ran eagerly
-    #: the step's figures (engine.stats()'s ``decode_steps``): rows, the merge and its bytes, launches
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class DecodeOutput:
-    logits: torch.Tensor  # float32 [B, vocab]: each request's next-token logits, identical on every rank
-    handles: list[KVHandle]  # each request's KV, one token longer: pass them to the next step
-    info: StepInfo
-
-
-@dataclass
-class PreparedStep:
-    """One decode step planned and reserved on this rank."""
-
-    slots: DecodeSlots
-    tokens: np.ndarray  # int64 [B]: each request's new token
-    meta: AttentionMetadata  # one segment a request: its query row over this rank's share of its KV
-    merge: str  # how the partial outputs are merged (the exchange's decode step plans it)
-
-    @property
-    def num_requests(self) -> int:
-        return self.slots.num_requests
+from graphcp.runtime.batch import ConsistencyError, PreparedBatch
 
 
 def step_tokens(tokens: Any, n: int, vocab: int) -> np.ndarray:
@@ -149,8 +120,11 @@ def step_metadata(kv: PagedKVCache, slots: DecodeSlots, device: torch.device) ->
 
 
 @dataclass
-class StepPreparer:
-    """Checks, reserves and plans one decode step on this rank (see the module doc)."""
+class DecodePlanner:
+    """The decode phase's planner (graphcp.runtime.batch.Preparer): checks, reserves and
+    plans one decode step on this rank (see the module doc)."""
+
+    phase: ClassVar[Phase] = DECODE
 
     kv: PagedKVCache
     #: the ranks that must be given the same step (the stage's: attention TP ranks too)
@@ -158,26 +132,27 @@ class StepPreparer:
     vocab_size: int
     max_context: int
     device: torch.device
-    #: the merge plan of a step of n rows: (rows) -> the exchange decode step's plan
-    plan: Any
+    #: the exchange's decode plan of a step of n rows (its merge): graphcp.runtime.body.Body.plan_decode
+    plan: Callable[[int], Any]
     check_consistency: bool = True
 
-    def prepare(self, handles: Sequence[KVHandle], tokens: Any, call: Sequence[int] = ()) -> PreparedStep:
-        """Nothing changes when it raises; :meth:`abort` undoes it. ``call``: the call's
-        options as integers (every rank must agree on them)."""
+    def prepare(self, handles: Sequence[KVHandle], tokens: Any, call_args: Sequence[int] = ()) -> PreparedBatch:
+        """Nothing changes when it raises; :meth:`abort` undoes it. ``call_args``: the
+        call's options as integers (every rank must agree on them)."""
         rows = step_rows(handles, self.kv)
         toks = step_tokens(tokens, len(handles), self.vocab_size)
         check_room(handles, self.max_context, self.kv.capacity_tokens)
         if self.check_consistency:
-            check_same_step(self.group, toks, handles, call, self.device)
+            check_same_step(self.group, toks, handles, call_args, self.device)
         slots = self.kv.reserve_decode(list(handles), rows)
         try:
             meta = step_metadata(self.kv, slots, self.device)
         except BaseException:
             self.kv.rollback_decode(slots)
             raise
-        return PreparedStep(slots, toks, meta, self.plan(len(toks)))
+        return PreparedBatch(None, slots.seq_ids, toks, slots.positions, slots.slots, meta, None, len(toks),
+                             kv_plan=self.plan(len(toks)), phase=DECODE, decode=slots)
 
-    def abort(self, step: PreparedStep) -> None:
+    def abort(self, prep: PreparedBatch) -> None:
         """Give back what a prepared step reserved (its forward failed)."""
-        self.kv.rollback_decode(step.slots)
+        self.kv.rollback_decode(prep.decode)
