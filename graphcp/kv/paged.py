@@ -7,8 +7,8 @@
   checks, where a decoded token lands, the prefix fetch before a layer's attention, and
   the spans each rank exports;
 - the **storage** (graphcp.kv.storage, or a family's own in its folder): what a token or
-  a layer holds (K/V heads in a layout, a family's latents or entries, a hybrid's
-  linear-layer states), in pools of the layers this rank keeps.
+  a layer holds (K/V heads in a layout, a family's latents or entries, a recurrent
+  layer's states), in pools of the layers this rank keeps.
 
 :class:`PagedKVCache` is what the runtime, the attention exchange and the exports call.
 Most of its surface is one part's operation, bound to the cache once (no delegation

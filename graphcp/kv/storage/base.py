@@ -29,7 +29,7 @@ ALL_MODES = ("replicated", "sharded", "layer-split")
 
 class RequestStates(Protocol):
     """Per-request state a storage keeps beside its pages, in slots of each request's
-    table row (a hybrid's linear layers): a reservation takes them, a rollback undoes it."""
+    table row (a recurrent layer's states): a reservation takes them, a rollback undoes it."""
 
     def admit(self, rows: np.ndarray) -> KVCacheFull | None:
         """After the pages of a batch in table ``rows`` were reserved: the refusal when a

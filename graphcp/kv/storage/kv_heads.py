@@ -8,8 +8,8 @@ dimension is K/V and ``page`` is
 
 ``layer(i)`` is the ``[num_pages, 2, *page]`` tensor the attention backends take. The
 pool holds the layers this rank keeps (:class:`~graphcp.kv.layers.LayerSlots`: every
-served one, or under the layer split its own and one scratch layer); a hybrid's storage
-keeps one of these over its full-attention layers only.
+served one, or under the layer split its own and one scratch layer); a family whose
+other layers keep states keeps one of these over its attention layers only.
 """
 
 from __future__ import annotations
