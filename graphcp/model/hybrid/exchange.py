@@ -25,10 +25,10 @@ import torch
 from graphcp.attention.kv_exchange import EXCHANGES, KVExchange, KVForward, register_exchange
 from graphcp.attention.phase import DECODE, ExchangePhase
 from graphcp.cp import Plan
-from graphcp.model.hybrid import kernels
+from graphcp.model.hybrid import kernels, step_kernels
 from graphcp.model.hybrid.scan import STAT_LINEAR_SENT, LinearPlan, LinearScan
 from graphcp.model.hybrid.step import LinearStep
-from graphcp.model.hybrid.step_kernels import StepKernels, select_step_kernels
+from graphcp.model.hybrid.step_kernels import StepKernels
 
 
 @dataclass
@@ -69,7 +69,7 @@ class HybridExchange(KVExchange):
         #: the linear layers' local kernels on this device (fla-core and causal-conv1d on CUDA)
         self.kernels = kernels.select_kernels(device)
         #: the decode phase: the inner exchange's, and the linear layers' step kernels
-        self.decode = HybridDecode(inner.decode, select_step_kernels(device))
+        self.decode = HybridDecode(inner.decode, step_kernels.select_step_kernels(device))
 
     @classmethod
     def build(cls, make_backend, group, device: torch.device, planner) -> "HybridExchange":
