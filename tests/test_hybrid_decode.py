@@ -252,3 +252,25 @@ def test_a_replay_whose_state_differs_is_refused_on_every_rank(folders, referenc
     for r in ranks:
         assert r["same"]
         assert rel_err(r["logits"], ref_logits[:, 1]) <= TOL["float32"]
+
+
+def test_generate_and_the_command_match_transformers(folders, reference, hf_model, tmp_path, capsys):
+    """``engine.generate`` (a conversation's first turn and two prompts) at CP 1, and
+    ``graphcp generate --cp 2 --kv-cache sharded`` on the decode graphs: transformers' ids."""
+    from graphcp import Conversation
+    from graphcp.cli.main import main
+
+    ref_tokens, ref_logits = reference["qwen3_5"]
+    prompts = [p.tolist() for p in _prompts()]
+    engine = _engine(folders, CPGroup(), "qwen3_5", "replicated")
+    out = engine.generate([prompts[0], Request(prompts[1]), Conversation([prompts[2]])], NEW, logits=True)
+    for j in range(3):
+        assert out.tokens[j] == [ref_tokens[j].tolist()], j
+        assert rel_err(out.logits[j][0], ref_logits[j]) <= TOL["float32"], j
+    rows = tmp_path / "r.jsonl"
+    rows.write_text("".join(f'{{"tokens": {p}}}\n' for p in prompts))
+    res = tmp_path / "out.pt"
+    argv = ["generate", "--model", str(folders["qwen3_5"]), "--input", str(rows), "--output", str(res), "--cp", "2",
+            "--kv-cache", "sharded", "--graph", "breakable", "--max-new-tokens", str(NEW), "--kv-tokens", "1024"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert torch.load(res)["tokens"] == [[t.tolist()] for t in ref_tokens]

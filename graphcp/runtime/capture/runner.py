@@ -186,11 +186,12 @@ class GraphRunner:
     def check(self, prep: PreparedBatch, key: Hashable, hidden_in: torch.Tensor | None, what: str,
               timings: dict | None = None) -> torch.Tensor:
         """Replay bucket ``key`` on ``prep``, then run the same forward eagerly on the same
-        bucket from the same pages: its rows, the pages it wrote and the phase's other
-        static outputs must equal the replay's bitwise. Any rank's difference is a
-        CaptureError on every rank (``what``: which check, and of what), the pages put back
-        as they were; otherwise the eager forward's rows and pages (the replay's) stay,
-        and its rows are returned."""
+        bucket from the same pages: its rows, the pages it wrote (and the per-request state
+        slots, PhaseGraphs.written_states) and the phase's other static outputs must equal
+        the replay's bitwise. Any rank's difference is a CaptureError on every rank
+        (``what``: which check, and of what), the pages and slots put back as they were;
+        otherwise the eager forward's rows and pages (the replay's) stay, and its rows are
+        returned."""
         ph, kv = self.phases[prep.phase], self.body.kv
         # what the forward writes: pages of the page pools (and a storage's state slots),
         # each pool's entries along dim 1
