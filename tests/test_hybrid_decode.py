@@ -274,3 +274,25 @@ def test_generate_and_the_command_match_transformers(folders, reference, hf_mode
             "--kv-cache", "sharded", "--graph", "breakable", "--max-new-tokens", str(NEW), "--kv-tokens", "1024"]
     assert main(argv) == 0, capsys.readouterr().err
     assert torch.load(res)["tokens"] == [[t.tolist()] for t in ref_tokens]
+
+
+def _tp_job(group, folders: dict, cp: int) -> dict:
+    """Attention TP 2 in each CP partition: both layer kinds' heads split, the linear
+    states a rank's share of the heads; greedy on the graphs, every cache mode at CP 2."""
+    from graphcp import ParallelConfig
+
+    par = ParallelConfig(cp_size=cp, tp_size=2 * cp)
+    out = {}
+    for mode in MODES if cp > 1 else ("replicated",):
+        rt = RuntimeConfig(kv_tokens=1024, kv_cache=mode, graph="breakable", page_size=PAGE)
+        out[mode] = greedy(PrefillEngine(folders["qwen3_5"], rt, group, parallel=par), _prompts(), NEW, False)
+    return out
+
+
+@pytest.mark.parametrize("cp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_attention_tp_decodes_as_transformers(folders, reference, cp):
+    ref_tokens, ref_logits = reference["qwen3_5"]
+    for rank, got in enumerate(launch(_tp_job, 2 * cp, folders, cp)):
+        for mode, (toks, logits, paths) in got.items():
+            assert torch.equal(toks, ref_tokens) and set(paths) == {"graph"}, (rank, mode)
+            assert rel_err(logits, ref_logits) <= TOL["float32"], (rank, mode)
