@@ -296,3 +296,20 @@ def test_attention_tp_decodes_as_transformers(folders, reference, cp):
         for mode, (toks, logits, paths) in got.items():
             assert torch.equal(toks, ref_tokens) and set(paths) == {"graph"}, (rank, mode)
             assert rel_err(logits, ref_logits) <= TOL["float32"], (rank, mode)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_graph_steps_padding_rows_leave_every_read_state_bitwise(folders, dtype):
+    """Three requests replay the bucket of 4: the padding row reads and writes the first
+    request's read slot; every slot the step read holds what it held (a rollback then
+    returns to it), and the step wrote new states to the other slots."""
+    engine = _engine(folders, CPGroup(), "qwen3_5", "replicated", dtype)
+    out = engine.prefill([Request(p) for p in _prompts()])
+    _, read, slots = _states(engine)
+    step = engine.decode(out.handles, out.last_logits.argmax(-1))
+    assert (step.info.path, step.info.bucket) == ("graph", 4)
+    _, after, _ = _states(engine)
+    pools = engine.parts.kv.state_pools()
+    for name, pool in pools.items():
+        assert torch.equal(pool.index_select(1, torch.from_numpy(slots)), read[name]), name
+        assert not torch.equal(after[name], read[name]), name

@@ -11,7 +11,8 @@ rows on every rank, so no scan. Per linear layer, on the ranks that keep its sta
 
 A step runs on a bucket's rows in a decode graph: everything here is device work of fixed
 shape (no host read), so the graph captures it. A padding row reads and writes one slot
-no live row writes, and keeps it as it was (graphcp.kv.decode.state_rows).
+no live row writes, and keeps it as it was (graphcp.kv.decode.state_rows): its decay and
+beta are zero, so the rule leaves its state bitwise, and its conv rows are kept.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ class LinearStep:
         ``beta`` ``[rows, Hv]``) from each request's state; writes both new states (after
         :meth:`convolve`). The outputs ``[rows, Hv, d_v]``."""
         recurrent, conv = self.states.layer_pools(layer)
-        old = recurrent.index_select(0, self.read)
-        out, new = self.kernels.rule(q, k, v, g, beta, old)
-        keep = self.read == self.write  # padding rows: their slot as it was
+        # padding rows keep their slot as it was: no decay and no update leave the state
+        # bitwise (S * exp(0) + k * 0), their conv rows are not shifted
+        keep = (self.read == self.write)[:, None]
+        g, beta = g.masked_fill(keep, 0.0), beta.masked_fill(keep, 0.0)
+        out, new = self.kernels.rule(q, k, v, g, beta, recurrent.index_select(0, self.read))
         old_conv, new_conv = self._conv
-        recurrent.index_copy_(0, self.write, torch.where(keep[:, None, None, None], old, new))
-        conv.index_copy_(0, self.write, torch.where(keep[:, None, None], old_conv, new_conv))
+        recurrent.index_copy_(0, self.write, new)
+        conv.index_copy_(0, self.write, torch.where(keep[..., None], old_conv, new_conv))
         return out
 
     def share(self, layer: int, out: torch.Tensor) -> int:
