@@ -305,11 +305,14 @@ def test_a_graph_steps_padding_rows_leave_every_read_state_bitwise(folders, dtyp
     returns to it), and the step wrote new states to the other slots."""
     engine = _engine(folders, CPGroup(), "qwen3_5", "replicated", dtype)
     out = engine.prefill([Request(p) for p in _prompts()])
+    pools = engine.parts.kv.state_pools()
+    every = {n: p.clone() for n, p in pools.items()}
+    assert engine.capture_decode(pages=4) == [64, 32, 16, 8, 4, 2, 1]  # (inert rows: every state kept)
+    assert all(torch.equal(p, every[n]) for n, p in pools.items())
     _, read, slots = _states(engine)
     step = engine.decode(out.handles, out.last_logits.argmax(-1))
     assert (step.info.path, step.info.bucket) == ("graph", 4)
     _, after, _ = _states(engine)
-    pools = engine.parts.kv.state_pools()
     for name, pool in pools.items():
         assert torch.equal(pool.index_select(1, torch.from_numpy(slots)), read[name]), name
         assert not torch.equal(after[name], read[name]), name
