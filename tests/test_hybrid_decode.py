@@ -6,8 +6,9 @@ and the multimodal Qwen3.5's text model:
   token) gives transformers' greedy ``generate``'s ids for 16 new tokens and every step's
   logits within 1e-4 (float32), eagerly and on the decode graphs (a dense hybrid's step one
   launch: its linear layers' steps inside the graph, each bucket's first replay checked),
-  at CP 1, 2 and 4 on every cache mode (CP 4 and the rest of the matrix: slow); bfloat16
-  within 2e-2 of transformers in bfloat16 on the same sequence;
+  at CP 1, 2 and 4 on every cache mode (CP 4 and the rest of the matrix: slow), and under
+  attention TP 2; bfloat16 within 2e-2 of transformers in bfloat16 on the same sequence
+  (each family at CP 2, the MoE ones' all-experts twins);
 - a three-turn conversation (each turn prefilled after the decoded tokens: the scan starts
   from the decoded state) matches transformers on the whole sequence;
 - a failed step and a refused one leave every state, slot and page as they were, and
@@ -37,6 +38,11 @@ FAMILIES = {"qwen3_5": ("qwen3_5_text", "ep"), "moe-ep": ("qwen3_5_moe_text", "e
             "moe-tp": ("qwen3_5_moe_text", "tp"), "next": ("qwen3_next", "ep"), "multimodal": ("qwen3_5", "ep")}
 #: the fast runs at CP 2 of the families but Qwen3.5 (which runs every mode): one mode each
 ONE_MODE = {"moe-ep": "sharded", "moe-tp": "layer-split", "next": "sharded", "multimodal": "layer-split"}
+#: bfloat16 runs at CP 2: (family, mode); the MoE models' all-experts twins (as
+#: tests/test_moe_parity.py does: a router's near-tie flips an expert under bfloat16 rounding)
+BF16 = (("qwen3_5", "replicated"), ("qwen3_5", "sharded"), ("moe-ep", "sharded"), ("next", "layer-split"),
+        ("multimodal", "sharded"))
+ALL_EXPERTS = {"moe-ep": dict(num_experts_per_tok=8), "next": dict(num_experts_per_tok=8)}
 
 
 def _cases(cp: int, slow: bool) -> list[tuple[str, str]]:
@@ -56,7 +62,8 @@ def _prompts(lens=LENS, seed: int = 3) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def folders(hf_model_dir):
     out = {name: hf_model_dir(family) for name, (family, _) in FAMILIES.items()}
-    out["bfloat16"] = hf_model_dir("qwen3_5_text", False, "bfloat16")
+    for name in {n for n, _ in BF16}:
+        out[name, "bfloat16"] = hf_model_dir(FAMILIES[name][0], False, "bfloat16", **ALL_EXPERTS.get(name, {}))
     return out
 
 
@@ -79,7 +86,7 @@ def reference(folders, hf_model):
 
 
 def _engine(folders, group, name: str, mode: str, dtype: str = "float32", graph: str = "breakable"):
-    folder = folders["bfloat16" if dtype == "bfloat16" else name]
+    folder = folders[(name, "bfloat16") if dtype == "bfloat16" else name]
     return PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=1024, kv_cache=mode, graph=graph,
                                                page_size=PAGE, moe=FAMILIES[name][1]), group)
 
@@ -96,9 +103,9 @@ def _job(group, folders: dict, cases, conversations: bool) -> dict:
         out[name, mode, "stored"] = engine.parts.kv.stored_tokens()
         out[name, mode, "steps"] = engine.stats()["decode_steps"]
     if conversations and group.size == 2:
-        for mode in ("replicated", "sharded"):
-            out["bfloat16", mode] = greedy(_engine(folders, group, "qwen3_5", mode, "bfloat16"), _prompts(), NEW,
-                                           False)
+        for name, mode in BF16:
+            out["bfloat16", name, mode] = greedy(_engine(folders, group, name, mode, "bfloat16"), _prompts(), NEW,
+                                                 False)
     return out
 
 
@@ -164,10 +171,10 @@ def test_a_conversation_at_cp4(folders, hf_model):
     _conversations(_runs(folders, 4, True), folders, hf_model, _cases(4, True))
 
 
-@pytest.mark.parametrize("mode", ["replicated", "sharded"])
-def test_bfloat16_decoding_matches_transformers_on_the_same_sequence(folders, hf_model, mode):
-    model = hf_model(folders["bfloat16"], "bfloat16")
-    toks, logits, _ = _runs(folders, 2, False)[0]["bfloat16", mode]
+@pytest.mark.parametrize("name,mode", BF16)
+def test_bfloat16_decoding_matches_transformers_on_the_same_sequence(folders, hf_model, name, mode):
+    model = hf_model(folders[name, "bfloat16"], "bfloat16")
+    toks, logits, _ = _runs(folders, 2, False)[0]["bfloat16", name, mode]
     for j, p in enumerate(_prompts()):
         seq = torch.cat([torch.from_numpy(p), toks[j, :-1]]).view(1, -1)
         with torch.inference_mode():
