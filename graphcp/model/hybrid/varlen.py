@@ -1,0 +1,123 @@
+"""A rank's linear-layer blocks as one variable-length batch: the layouts the local
+kernels read (graphcp.model.hybrid.kernels), built on the host with the forward's plan
+and uploaded with it in one packed copy (graphcp.model.hybrid.scan).
+
+A rank's blocks are consecutive runs of its live rows (zigzag's segments; on one rank a
+request's two segments are adjacent), so the rows themselves are the flat batch:
+``cu_seqlens`` ``[nb + 1]`` are the blocks' bounds, and nothing is padded to the longest
+block. What each kernel reads besides:
+
+- fla's chunked rule: ``cu_seqlens`` (int64 on the device, and the same on the host:
+  ``cu_seqlens_cpu``) and ``chunk_indices`` ``[chunks, 2]`` (each 64-token chunk's block
+  and its index in the block, what fla would otherwise build from the host copy);
+- the torch rule: :class:`ChunkSlots`, each block cut into 64-token chunks (a block's
+  last one padded with zero rows), the chunks of all blocks in step-major order so that
+  step ``i`` of the recurrence is one contiguous slice;
+- both convolutions: :class:`ConvRows`, each block's ``K - 1`` halo rows followed by its
+  own rows in one extended sequence (``ext``: rows of the convolution's source), the
+  block of each (``seq``: causal-conv1d's ``seq_idx``) and where each live row is in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+def chunk_indices(cu: np.ndarray, chunk: int) -> np.ndarray:
+    """fla's ``chunk_indices`` of blocks ``cu``: ``[chunks, 2]`` (block, chunk of the block)."""
+    counts = -(-np.diff(cu) // chunk)
+    block = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    index = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.stack([block, index], axis=1)
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """The torch rule's chunks of blocks ``cu`` (host side of :class:`ChunkSlots`): the
+    blocks sorted by their chunk count (most first), so that the blocks still running at
+    step ``i`` are the first ``steps[i + 1] - steps[i]`` of them; slot ``steps[i] + j``
+    holds chunk ``i`` of the ``j``-th of them."""
+
+    rows: np.ndarray  # [slots * chunk] the live row of each slot position (n: a zero row)
+    position: np.ndarray  # [n] each live row's slot position
+    order: np.ndarray  # [nb] the blocks, most chunks first
+    inverse: np.ndarray  # [nb] each block's place in order
+    steps: tuple[int, ...]  # [max chunks + 1] where each step's slots start
+
+    @classmethod
+    def build(cls, cu: np.ndarray, chunk: int) -> "SlotPlan":
+        lens = np.diff(cu)
+        nb, n = len(lens), int(cu[-1]) if len(cu) else 0
+        counts = -(-lens // chunk)
+        order = np.argsort(-counts, kind="stable").astype(np.int64)
+        inverse = np.argsort(order, kind="stable").astype(np.int64)
+        running = (counts[None, :] > np.arange(int(counts.max(initial=0)))[:, None]).sum(axis=1)
+        steps = np.concatenate([[0], np.cumsum(running)]).astype(np.int64)
+        step = np.repeat(np.arange(len(running), dtype=np.int64), running)
+        block = order[np.arange(int(steps[-1]), dtype=np.int64) - np.repeat(steps[:-1], running)]
+        row = cu[block][:, None] + step[:, None] * chunk + np.arange(chunk, dtype=np.int64)[None, :]
+        rows = np.where(row < cu[block + 1][:, None], row, n).reshape(-1)
+        of_row = np.repeat(np.arange(nb, dtype=np.int64), lens)
+        offset = np.arange(n, dtype=np.int64) - np.repeat(cu[:-1], lens)
+        position = (steps[offset // chunk] + inverse[of_row]) * chunk + offset % chunk
+        return cls(rows, position, order, inverse, tuple(int(s) for s in steps))
+
+
+@dataclass(frozen=True)
+class ChunkSlots:
+    """The torch rule's chunk layout on the device (:class:`SlotPlan`'s arrays)."""
+
+    rows: torch.Tensor
+    position: torch.Tensor
+    order: torch.Tensor
+    inverse: torch.Tensor
+    steps: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FlaSegments:
+    """fla's variable-length batch: the blocks' bounds on the device and the host, and
+    its chunk indices (so fla reads nothing back from the device)."""
+
+    cu_seqlens: torch.Tensor  # int64 [nb + 1], device
+    cu_seqlens_cpu: torch.Tensor  # int64 [nb + 1], host
+    chunk_indices: torch.Tensor  # int64 [chunks, 2], device
+
+
+def conv_rows(cu: np.ndarray, halo: np.ndarray, live_at: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each block's extended sequence, its halo (``halo`` ``[nb, K - 1]``: rows of the
+    convolution's source) then its own rows (live row ``r`` is source row ``live_at + r``):
+    ``(ext, seq, keep)``: the source row of each extended position, its block, and the
+    position of each live row."""
+    lens = np.diff(cu)
+    nb, width = halo.shape
+    ext_lens = lens + width
+    starts = np.cumsum(ext_lens) - ext_lens
+    own = np.arange(int(ext_lens.sum()), dtype=np.int64) - np.repeat(starts, ext_lens)  # offset in the block
+    seq = np.repeat(np.arange(nb, dtype=np.int64), ext_lens)
+    row = np.clip(own - width, 0, None) + np.repeat(cu[:-1], ext_lens)
+    ext = np.where(own < width, halo[seq, np.minimum(own, width - 1)], live_at + row)
+    keep = np.repeat(starts + width, lens) + np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)
+    return ext, seq, keep
+
+
+@dataclass
+class ConvRows:
+    """:func:`conv_rows` on the device; ``taps`` (the torch convolution's) made once a forward."""
+
+    ext: torch.Tensor
+    seq: torch.Tensor
+    keep: torch.Tensor
+    kernel: int
+    _taps: list[torch.Tensor] | None = field(default=None, repr=False)
+
+    def taps(self) -> list[torch.Tensor]:
+        """``K`` index tensors ``[n]``: the source row of each live row's ``j``-th tap
+        (``j = 0``: ``K - 1`` rows back)."""
+        if self._taps is None:
+            K = self.kernel
+            self._taps = [self.ext.index_select(0, self.keep + (j - K + 1)) for j in range(K)]
+        return self._taps
