@@ -14,7 +14,8 @@ fakes that model the libraries' contracts (fla-core 0.6.0, causal-conv1d 1.7.0):
 A bfloat16 model runs fla on bfloat16 q/k/v with a float32 state and stays within the
 suite's bound of transformers at CP 1 and 2; a float32 model runs the torch rule (fla is
 not called) and causal-conv1d's convolution, equal to the torch path; every call binds to
-the installed functions' signatures where they import.
+the installed functions' signatures where they import; a library that is installed but
+raises at import leaves the engine on the torch kernels with one note.
 """
 
 from __future__ import annotations
@@ -206,6 +207,29 @@ def _installed(module: str, fn: str):
         for k in [k for k in sys.modules if k.split(".")[0] == module.split(".")[0]]:
             del sys.modules[k]
         sys.modules.update(saved)
+
+
+def test_a_broken_library_falls_back_with_one_note(folder, monkeypatch, tmp_path, capsys):
+    """causal-conv1d installed but built for another torch: its import raises ImportError
+    (an undefined symbol). The engine is built on fla and the torch convolution, one note
+    on stderr says why (once, however many engines), and its results are the torch path's."""
+    pkg = tmp_path / "causal_conv1d"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('raise ImportError("/site-packages/causal_conv1d_cuda.cpython-312-x86_64-linux-gnu.so: '
+                                     'undefined symbol: _ZN3c104cuda9SetDeviceEa")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "causal_conv1d", raising=False)
+    _install(monkeypatch, conv=False)
+    monkeypatch.setattr(kernels, "_installed", lambda module: module == "fla" or module == "causal_conv1d")
+    engines = [PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, dtype="bfloat16")) for _ in range(2)]
+    chosen = kernels.choose_kernels()
+    assert (chosen.rule.name, chosen.conv.name) == ("fla", "torch") and len(chosen.notes) == 1
+    notes = [line for line in capsys.readouterr().err.splitlines() if "note" in line]
+    assert len(notes) == 1 and "causal-conv1d" in notes[0] and "ImportError" in notes[0], notes
+    assert "undefined symbol" in notes[0] and "the convolution runs the torch reference" in notes[0]
+    out = engines[1].prefill([Request(t) for t in _tokens()])
+    assert out.info.stats["linear_kernels"] == "fla"
+    kernels.load.cache_clear()
 
 
 def test_causal_conv1d_takes_widths_it_accepts_and_the_torch_convolution_the_others(monkeypatch):

@@ -2,7 +2,9 @@
 blocks as one variable-length batch, graphcp.model.hybrid.varlen): the torch reference
 (graphcp.model.hybrid.gdn, any device), or on CUDA, where the ``linear`` extra is
 installed (``pip install -e ".[linear]"``), fla-core's chunked gated delta rule and
-causal-conv1d's convolution. :func:`select_kernels` takes each library that is installed.
+causal-conv1d's convolution. :func:`select_kernels` imports each library inside the
+choice and takes each one that imports; one that is installed but does not import (a
+build for another torch: an undefined symbol) is left out with a one-line note on stderr.
 
 The calls, bound to the libraries' source (fla-core 0.6.0, causal-conv1d 1.7.0;
 tests/test_hybrid_kernels.py binds them to the installed functions where they import):
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 from dataclasses import dataclass, replace
 from typing import Callable, Literal
 
@@ -147,9 +150,19 @@ def _installed(module: str) -> bool:
 
 @functools.cache
 def load(name: str) -> tuple[RuleKernel | ConvKernel | None, str | None]:
-    """Library ``name``'s kernel (None where it is not installed)."""
-    _, module, build, _ = next(lib for lib in LIBRARIES if lib[0] == name)
-    return (build() if _installed(module) else None), None
+    """Library ``name``'s kernel (None where it is not installed or does not import) and,
+    for one installed but broken, the note said once on stderr."""
+    _, module, build, part = next(lib for lib in LIBRARIES if lib[0] == name)
+    if not _installed(module):
+        return None, None
+    try:
+        return build(), None
+    except Exception as e:  # noqa: BLE001 - any import failure (ImportError, OSError, a torch ABI RuntimeError)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        why = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        note = f"graphcp: note: {name} is installed but does not import ({why}); {part} runs the torch reference"
+        print(note, file=sys.stderr, flush=True)
+        return None, note
 
 
 def choose_kernels() -> LinearKernels:
