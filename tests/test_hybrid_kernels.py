@@ -256,3 +256,37 @@ def test_causal_conv1d_takes_widths_it_accepts_and_the_torch_convolution_the_oth
         assert len(CALLS["conv"]) == calls
         assert rel_err(got, conv_rows(source, rows, weight)) <= 1e-2, channels
     kernels.load.cache_clear()
+
+
+def test_the_gpu_checks_hybrid_rows_judge_the_kernels(monkeypatch):
+    """``graphcp gpu-check``'s hybrid part (graphcp.gpucheck.hybrid) on the varlen batch, its
+    kernels through the fakes: the float32 row names causal-conv1d and equals the torch
+    kernels; the bfloat16 row names fla and causal-conv1d and passes; an fla call whose
+    scale is wrong (1.0, as for q scaled beforehand) fails the bfloat16 row."""
+    from dataclasses import replace
+
+    from graphcp.cli.main import build_parser
+    from graphcp.gpucheck import hybrid
+    from graphcp.gpucheck.settings import settings_from_args
+
+    _install(monkeypatch)
+    st = replace(settings_from_args(build_parser().parse_args(["gpu-check", "--dry-run"])), hybrid_batch=(70, 5, 5))
+    reference: dict = {}
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        row = {"dtype": dtype, "status": "pass"}
+        hybrid._judge_kernels(hybrid._engine(st, dtype), st, row, reference)
+        rows.append(row)
+    f32, bf16 = rows
+    assert f32["linear_kernels"] == "causal-conv1d" and f32["status"] == "pass" and f32["kernels_rel_diff_vs_torch"] <= 1e-5
+    assert bf16["linear_kernels"] == "fla+causal-conv1d" and bf16["status"] == "pass", bf16
+    assert 0 < bf16["kernels_rel_diff_vs_float32"] <= bf16["kernels_bound"] == 1.25 * bf16["torch_rel_diff_vs_float32"]
+
+    monkeypatch.setattr(sys.modules["fla.ops.gated_delta_rule"], "chunk_gated_delta_rule",
+                        lambda *a, **kw: fake_fla_rule(*a, **{**kw, "scale": 1.0}))
+    kernels.load.cache_clear()
+    row = {"dtype": "bfloat16", "status": "pass"}
+    hybrid._judge_kernels(hybrid._engine(st, "bfloat16"), st, row, reference)
+    assert row["status"] == "fail" and row["kernels_rel_diff_vs_float32"] > row["kernels_bound"], row
+    assert row["error"].startswith("fla+causal-conv1d is ")
+    kernels.load.cache_clear()
