@@ -152,15 +152,18 @@ def augmented_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
 def conv_rows(source: torch.Tensor, rows: ConvRows, weight: torch.Tensor) -> torch.Tensor:
     """The depthwise causal convolution and its SiLU of each live row (graphcp.model.hybrid.varlen's
-    :class:`ConvRows`: its window's rows in ``source`` ``[*, channels]``; ``weight``
-    ``[channels, K]``): float32 sums rounded to the source's dtype, then the SiLU in it,
-    the taps summed in :func:`block_conv`'s order (so its results, bit for bit)."""
+    :class:`ConvRows`: every block's halo then its rows, as rows of ``source`` ``[*,
+    channels]``; ``weight`` ``[channels, K]``): :func:`block_conv` over the blocks' extended
+    sequence as one (slices, no gather a tap; a window that straddles two blocks belongs to
+    a halo row and is dropped), then the live rows' outputs: its results bit for bit."""
+    K = weight.shape[1]
+    ext = source.index_select(0, rows.ext).float()
     w = weight.float()
-    out = None
-    for j, tap in enumerate(rows.taps()):
-        x = source.index_select(0, tap).float() * w[:, j]
-        out = x if out is None else out + x
-    return F.silu(out.to(source.dtype))
+    L = ext.shape[0] - (K - 1)
+    out = ext[:L] * w[:, 0]
+    for j in range(1, K):
+        out = out + ext[j:j + L] * w[:, j]
+    return F.silu(out.index_select(0, rows.outputs()).to(source.dtype))
 
 
 def block_conv(x: torch.Tensor, halo: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -106,18 +106,18 @@ def conv_rows(cu: np.ndarray, halo: np.ndarray, live_at: int) -> tuple[np.ndarra
 
 @dataclass
 class ConvRows:
-    """:func:`conv_rows` on the device; ``taps`` (the torch convolution's) made once a forward."""
+    """:func:`conv_rows` on the device (``kernel``: the convolution's ``K``)."""
 
     ext: torch.Tensor
-    seq: torch.Tensor
+    seq: torch.Tensor | None
     keep: torch.Tensor
     kernel: int
-    _taps: list[torch.Tensor] | None = field(default=None, repr=False)
+    _outputs: torch.Tensor | None = field(default=None, repr=False)
 
-    def taps(self) -> list[torch.Tensor]:
-        """``K`` index tensors ``[n]``: the source row of each live row's ``j``-th tap
-        (``j = 0``: ``K - 1`` rows back)."""
-        if self._taps is None:
-            K = self.kernel
-            self._taps = [self.ext.index_select(0, self.keep + (j - K + 1)) for j in range(K)]
-        return self._taps
+    def outputs(self) -> torch.Tensor:
+        """Where each live row's output is among the outputs of every extended position
+        from ``K - 1`` on (the torch convolution's, graphcp.model.hybrid.gdn.conv_rows):
+        made once a forward."""
+        if self._outputs is None:
+            self._outputs = self.keep - (self.kernel - 1)
+        return self._outputs
