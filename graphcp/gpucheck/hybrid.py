@@ -29,7 +29,7 @@ import torch
 
 from graphcp.config import RuntimeConfig
 from graphcp.gpucheck.budget import Budget
-from graphcp.gpucheck.engines import _check_model, _run
+from graphcp.gpucheck.engines import check_model, run_row
 from graphcp.gpucheck.settings import Settings
 from graphcp.jobs.tolerance import RUN_TOLERANCE
 from graphcp.model.hybrid import kernels as linear_kernels
@@ -115,8 +115,8 @@ def check_hybrid(st: Settings, budget: Budget) -> list[dict]:
         rows.append(row)
 
         def check(engine: PrefillEngine, st: Settings, row: dict) -> None:
-            _check_model(engine, st, row)
+            check_model(engine, st, row)
             _judge_kernels(engine, st, row, reference)
 
-        _run(row, budget, device, lambda d=dtype: _engine(st, d), check, st)
+        run_row(row, budget, device, lambda d=dtype: _engine(st, d), check, st)
     return rows
