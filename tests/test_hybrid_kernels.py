@@ -12,7 +12,7 @@ fakes that model the libraries' contracts (fla-core 0.6.0, causal-conv1d 1.7.0):
   the SiLU, rounded to x's dtype.
 
 A bfloat16 model runs fla on bfloat16 q/k/v with a float32 state and stays within the
-suite's bound of transformers at CP 1 and 2; a float32 model runs the torch rule (fla is
+suite's bound of transformers at CP 1 and at CP 2 on breakable graphs; a float32 model runs the torch rule (fla is
 not called) and causal-conv1d's convolution, equal to the torch path; every call binds to
 the installed functions' signatures where they import; a library that is installed but
 raises at import leaves the engine on the torch kernels with one note.
@@ -33,6 +33,7 @@ from helpers import rel_err
 from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import launch
 from graphcp.model.hybrid import kernels
+from graphcp.runtime.capture.buckets import BucketSet
 
 CALLS: dict[str, list] = {"fla": [], "conv": []}
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -126,14 +127,17 @@ def _tokens():
     return [rng.integers(0, 512, n) for n in (3, 70, 150)]
 
 
-def _job(group, folder, dtype):
+def _job(group, folder, dtype, graph="off"):
     """The three requests in one batch, then the 150-token one as a 30-token prefix and its
-    continuation: every token's logits, the kernels' name and the dtypes fla saw."""
-    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, dtype=dtype), group)
+    continuation: every token's logits, the kernels' name and the dtypes fla saw (``graph``:
+    breakable graphs, every forward asserted to replay)."""
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, dtype=dtype, graph=graph), group,
+                        BucketSet((64, 256), padding_factor=64.0))
     toks = _tokens()
     one = eng.prefill([Request(t) for t in toks], all_logits=True)
     head = eng.prefill([Request(toks[2][:30])], all_logits=True)
     tail = eng.prefill([Request(toks[2][30:], head.handles[0])], all_logits=True)
+    assert {o.info.path for o in (one, head, tail)} == {"eager" if graph == "off" else "graph"}
     seen = {(str(a[0].dtype), str(a[1].dtype), str(a[2].dtype), str(kw["initial_state"].dtype))
             for a, kw in CALLS["fla"]}
     logits = [x.float().clone() for x in one.logits] + [torch.cat([head.logits[0], tail.logits[0]]).float()]
@@ -154,12 +158,13 @@ def test_a_bfloat16_model_runs_fla_on_bfloat16_with_a_float32_state(folder, hf_m
     the batch's logits are as close as the bfloat16 torch path's (within 1.25x its error:
     another kernel's bfloat16 rounding moves this tiny model's logits by about the suite's
     2e-2 bound itself, so the bound is relative to the torch path's, in the same run)."""
-    got, name, seen, convs = launch(_job, cp, folder, "bfloat16")[0]
+    graph = "off" if cp == 1 else "breakable"  # at CP 2 the linear layers run in the graphs' breaks
+    got, name, seen, convs = launch(_job, cp, folder, "bfloat16", graph)[0]
     assert name == "fla+causal-conv1d" and convs > 0
     assert seen == {("torch.bfloat16", "torch.bfloat16", "torch.bfloat16", "torch.float32")}, seen
     with pytest.MonkeyPatch.context() as m:
         m.setattr(kernels, "select_kernels", lambda device: kernels.TORCH)
-        want, _, _, _ = launch(_job, cp, folder, "bfloat16")[0]
+        want, _, _, _ = launch(_job, cp, folder, "bfloat16", graph)[0]
     a, b, r = (torch.cat(x) for x in (got, want, _reference(hf_model, folder, "float32")))
     assert rel_err(a, r) <= 1.25 * rel_err(b, r) and rel_err(a, b) <= 2 * TOL["bfloat16"], (rel_err(a, r),
                                                                                            rel_err(b, r))
