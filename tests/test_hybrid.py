@@ -209,3 +209,29 @@ def test_cp_matches_transformers(folder, reference, cp, runs):
         assert paths == {"graph" if graph != "off" else "eager"}, where
         check_logits(one, reference[dtype], dtype, where)
         check_logits(chunked, [reference[dtype][3], reference[dtype][1]], dtype, where)
+
+
+def test_the_varlen_layouts_compiled_equal_their_numpy_twins():
+    """The scan's host layouts (graphcp.model.hybrid.varlen): the compiled kernels write what
+    their numpy twins (what runs without numba) write, over blocks of 0 to 300 rows, one
+    block, none with rows, and halos of 1 to 3 rows."""
+    from graphcp.model.hybrid import varlen
+
+    rng = np.random.default_rng(9)
+    cases = [[0], [5], [0, 0], [64, 0, 1, 300, 63, 65]] + [list(rng.integers(0, 300, rng.integers(1, 12)))
+                                                            for _ in range(20)]
+    for lens in cases:
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        nb, n = len(lens), int(cu[-1])
+        width = int(rng.integers(1, 4))
+        halo = rng.integers(0, 50, (nb, width)).astype(np.int64)
+        got = [np.full(n + nb * width, -7), np.full(n + nb * width, -7), np.full(n, -7)]
+        want = [a.copy() for a in got]
+        varlen._conv_rows(cu, halo, 50, *got)
+        varlen._conv_rows_np(cu, halo, 50, *want)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)), lens
+        sp = SlotPlan.build(cu, 64)
+        rows, position = np.full_like(sp.rows, -7), np.full_like(sp.position, -7)
+        varlen._slot_rows_np(cu, sp.order, sp.inverse, np.array(sp.steps), 64, rows, position)
+        assert np.array_equal(rows, sp.rows) and np.array_equal(position, sp.position), lens
+        assert (np.sort(sp.rows[sp.rows < n]) == np.arange(n)).all() and (sp.rows[sp.position] == np.arange(n)).all()

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from graphcp.jit import host_kernel
+
 
 def chunk_indices(cu: np.ndarray, chunk: int) -> np.ndarray:
     """fla's ``chunk_indices`` of blocks ``cu``: ``[chunks, 2]`` (block, chunk of the block)."""
@@ -49,21 +51,50 @@ class SlotPlan:
 
     @classmethod
     def build(cls, cu: np.ndarray, chunk: int) -> "SlotPlan":
-        lens = np.diff(cu)
-        nb, n = len(lens), int(cu[-1]) if len(cu) else 0
-        counts = -(-lens // chunk)
+        counts = -(-np.diff(cu) // chunk)
         order = np.argsort(-counts, kind="stable").astype(np.int64)
         inverse = np.argsort(order, kind="stable").astype(np.int64)
         running = (counts[None, :] > np.arange(int(counts.max(initial=0)))[:, None]).sum(axis=1)
         steps = np.concatenate([[0], np.cumsum(running)]).astype(np.int64)
-        step = np.repeat(np.arange(len(running), dtype=np.int64), running)
-        block = order[np.arange(int(steps[-1]), dtype=np.int64) - np.repeat(steps[:-1], running)]
-        row = cu[block][:, None] + step[:, None] * chunk + np.arange(chunk, dtype=np.int64)[None, :]
-        rows = np.where(row < cu[block + 1][:, None], row, n).reshape(-1)
-        of_row = np.repeat(np.arange(nb, dtype=np.int64), lens)
-        offset = np.arange(n, dtype=np.int64) - np.repeat(cu[:-1], lens)
-        position = (steps[offset // chunk] + inverse[of_row]) * chunk + offset % chunk
+        rows = np.empty(int(steps[-1]) * chunk, dtype=np.int64)
+        position = np.empty(int(cu[-1]), dtype=np.int64)
+        _slot_rows(cu, order, inverse, steps, chunk, rows, position)
         return cls(rows, position, order, inverse, tuple(int(s) for s in steps))
+
+
+def _slot_rows_np(cu: np.ndarray, order: np.ndarray, inverse: np.ndarray, steps: np.ndarray, chunk: int,
+                  rows: np.ndarray, position: np.ndarray) -> None:
+    """:func:`_slot_rows` vectorised (what runs without numba)."""
+    lens, n = np.diff(cu), int(cu[-1])
+    running = np.diff(steps)
+    step = np.repeat(np.arange(len(running), dtype=np.int64), running)
+    block = order[np.arange(int(steps[-1]), dtype=np.int64) - np.repeat(steps[:-1], running)]
+    row = cu[block][:, None] + step[:, None] * chunk + np.arange(chunk, dtype=np.int64)[None, :]
+    rows[:] = np.where(row < cu[block + 1][:, None], row, n).reshape(-1)
+    of_row = np.repeat(np.arange(len(lens), dtype=np.int64), lens)
+    offset = np.arange(n, dtype=np.int64) - np.repeat(cu[:-1], lens)
+    position[:] = (steps[offset // chunk] + inverse[of_row]) * chunk + offset % chunk
+
+
+@host_kernel(fallback=_slot_rows_np)
+def _slot_rows(cu: np.ndarray, order: np.ndarray, inverse: np.ndarray, steps: np.ndarray, chunk: int,
+               rows: np.ndarray, position: np.ndarray) -> None:
+    """Write ``rows`` ``[slots * chunk]`` (each slot position's live row; ``n``, a zero row,
+    past its block's end) and ``position`` ``[n]`` (each live row's slot position): slot
+    ``steps[i] + j`` holds chunk ``i`` of block ``order[j]``."""
+    n = cu[len(cu) - 1]
+    for i in range(len(steps) - 1):
+        for j in range(steps[i + 1] - steps[i]):
+            b = order[j]
+            base = (steps[i] + j) * chunk
+            start = cu[b] + i * chunk
+            stop = min(start + chunk, cu[b + 1])
+            for t in range(chunk):
+                if start + t < stop:
+                    rows[base + t] = start + t
+                    position[start + t] = base + t
+                else:
+                    rows[base + t] = n
 
 
 @dataclass(frozen=True)
@@ -92,16 +123,43 @@ def conv_rows(cu: np.ndarray, halo: np.ndarray, live_at: int) -> tuple[np.ndarra
     convolution's source) then its own rows (live row ``r`` is source row ``live_at + r``):
     ``(ext, seq, keep)``: the source row of each extended position, its block, and the
     position of each live row."""
+    nb, width = halo.shape
+    n = int(cu[-1])
+    ext, seq = np.empty(n + nb * width, dtype=np.int64), np.empty(n + nb * width, dtype=np.int64)
+    keep = np.empty(n, dtype=np.int64)
+    _conv_rows(cu, np.ascontiguousarray(halo, dtype=np.int64), live_at, ext, seq, keep)
+    return ext, seq, keep
+
+
+def _conv_rows_np(cu: np.ndarray, halo: np.ndarray, live_at: int, ext: np.ndarray, seq: np.ndarray,
+                  keep: np.ndarray) -> None:
+    """:func:`_conv_rows` vectorised (what runs without numba)."""
     lens = np.diff(cu)
     nb, width = halo.shape
     ext_lens = lens + width
     starts = np.cumsum(ext_lens) - ext_lens
     own = np.arange(int(ext_lens.sum()), dtype=np.int64) - np.repeat(starts, ext_lens)  # offset in the block
-    seq = np.repeat(np.arange(nb, dtype=np.int64), ext_lens)
+    seq[:] = np.repeat(np.arange(nb, dtype=np.int64), ext_lens)
     row = np.clip(own - width, 0, None) + np.repeat(cu[:-1], ext_lens)
-    ext = np.where(own < width, halo[seq, np.minimum(own, width - 1)], live_at + row)
-    keep = np.repeat(starts + width, lens) + np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)
-    return ext, seq, keep
+    ext[:] = np.where(own < width, halo[seq, np.minimum(own, width - 1)], live_at + row)
+    keep[:] = np.repeat(starts + width, lens) + np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)
+
+
+@host_kernel(fallback=_conv_rows_np)
+def _conv_rows(cu: np.ndarray, halo: np.ndarray, live_at: int, ext: np.ndarray, seq: np.ndarray,
+               keep: np.ndarray) -> None:
+    """Write :func:`conv_rows`' arrays (``ext``, ``seq`` ``[n + nb (K - 1)]``, ``keep`` ``[n]``)."""
+    p = 0
+    for b in range(halo.shape[0]):
+        for j in range(halo.shape[1]):
+            ext[p] = halo[b, j]
+            seq[p] = b
+            p += 1
+        for r in range(cu[b], cu[b + 1]):
+            ext[p] = live_at + r
+            seq[p] = b
+            keep[r] = p
+            p += 1
 
 
 @dataclass
