@@ -1,11 +1,12 @@
 """A hybrid decode step's GPU kernels' wiring (graphcp.model.hybrid.step_kernels), on the CPU
 through fakes that model what the libraries accept: fla-core's
-``fused_recurrent_gated_delta_rule`` (``[B, T, H, K]`` inputs, ``g`` and ``beta`` by keyword,
-a float32 ``initial_state`` ``[B, H, K, V]`` it does not write, a new final state) and
+``fused_recurrent_gated_delta_rule`` (``[B, T, H, K]`` q/k and ``[B, T, HV, V]`` v in the
+model's dtype, normalised in the kernel, ``g`` and ``beta`` by keyword, a float32
+``initial_state`` it does not write, a new final state) and
 causal-conv1d's ``causal_conv1d_update`` (``x`` ``[B, C]``, a ``conv_state`` ``[B, C,
 state_len]`` of x's dtype that it shifts in place, the library's reference semantics).
 The engine's steps with both at CP 2 (sharded eagerly, layer-split on the decode graphs)
-equal the torch path, and every call binds to the installed functions' signatures where
+equal the torch path, a bfloat16 model's calls see its dtype and a float32 state, and every call binds to the installed functions' signatures where
 the libraries' Python interfaces are installed (their kernels never run here).
 """
 
@@ -25,28 +26,36 @@ from helpers import rel_err
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import launch
-from graphcp.model.hybrid import step_kernels
+from graphcp.model.hybrid import kernels, step_kernels
 
 CALLS: dict[str, list] = {"fla": [], "conv": []}
 
 
 def fake_fused_recurrent(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
                          output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kw):
-    """fla's contract, token by token: ``S = S exp(g) + k (beta (v - S^T k))^T``, ``o = scale S^T q``."""
+    """fla's contract, token by token in float32: q and k l2-normalised in the kernel (when
+    asked), value head ``i`` on key head ``i // (HV / H)``, ``S = S exp(g) + k (beta (v -
+    S^T k))^T``, ``o = scale S^T q`` in v's dtype; the initial state is not written."""
     CALLS["fla"].append(((q, k, v), dict(g=g, beta=beta, scale=scale, initial_state=initial_state,
-                                         output_final_state=output_final_state, **kw)))
+                                         output_final_state=output_final_state,
+                                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kw)))
     B, T, H, K = k.shape
-    assert gk is None and gv is None and cu_seqlens is None and not use_qk_l2norm_in_kernel
-    assert q.shape == k.shape and v.shape[:3] == (B, T, H) and g.shape == beta.shape == (B, T, H)
-    assert initial_state.shape == (B, H, K, v.shape[-1]) and initial_state.dtype == torch.float32
-    assert all(x.is_contiguous() for x in (q, k, v, g, beta, initial_state)) and K <= 256
-    state, out = initial_state.clone(), torch.empty_like(v)  # (the initial state is not written)
+    HV, V = v.shape[2:]
+    assert gk is None and gv is None and cu_seqlens is None and HV % H == 0 and K <= 256
+    assert q.shape == k.shape and v.shape[:2] == (B, T) and g.shape == beta.shape == (B, T, HV)
+    assert q.dtype == k.dtype == v.dtype == beta.dtype and g.dtype == torch.float32
+    assert initial_state.shape == (B, HV, K, V) and initial_state.dtype == torch.float32
+    qf, kf = q.float(), k.float()
+    if use_qk_l2norm_in_kernel:
+        qf, kf = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (qf, kf))
+    qf, kf = (x.repeat_interleave(HV // H, dim=2) for x in (qf, kf))
+    state, out = initial_state.clone(), torch.empty_like(v)
     for t in range(T):
         state = state * g[:, t].exp()[..., None, None]
-        kt = k[:, t]
-        delta = (v[:, t] - (state * kt[..., None]).sum(-2)) * beta[:, t][..., None]
+        kt = kf[:, t]
+        delta = (v[:, t].float() - (state * kt[..., None]).sum(-2)) * beta[:, t].float()[..., None]
         state = state + kt[..., None] * delta[..., None, :]
-        out[:, t] = scale * (state * q[:, t][..., None]).sum(-2)
+        out[:, t] = (scale * (state * qf[:, t][..., None]).sum(-2)).to(v.dtype)
     return out, state if output_final_state else None
 
 
@@ -65,20 +74,38 @@ def fake_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None,
 
 
 @pytest.fixture
-def fake_kernels(monkeypatch):
-    """The fake modules installed, and select_step_kernels giving the CUDA choice on this CPU."""
+def fake_modules(monkeypatch):
+    """The fake modules installed."""
     fla, ops, gdr = (types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.gated_delta_rule"))
     gdr.fused_recurrent_gated_delta_rule = fake_fused_recurrent
     conv = types.ModuleType("causal_conv1d")
     conv.causal_conv1d_update = fake_causal_conv1d_update
     for name, mod in (("fla", fla), ("fla.ops", ops), ("fla.ops.gated_delta_rule", gdr), ("causal_conv1d", conv)):
         monkeypatch.setitem(sys.modules, name, mod)
+    for calls in CALLS.values():
+        calls.clear()
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch, fake_modules):
+    """select_step_kernels giving the CUDA choice (the fakes) on this CPU."""
     chosen = step_kernels.StepKernels("fla+causal-conv1d", step_kernels.fla_step_rule(),
                                       step_kernels.causal_conv1d_step())
     monkeypatch.setattr(step_kernels, "select_step_kernels", lambda device: chosen)
-    for calls in CALLS.values():
-        calls.clear()
     return chosen
+
+
+@pytest.mark.parametrize("fla,conv,name", [(True, True, "fla+causal-conv1d"), (False, True, "causal-conv1d"),
+                                           (True, False, "fla"), (False, False, "torch")])
+def test_the_step_takes_each_library_the_prefills_choice_imports(monkeypatch, fake_modules, fla, conv, name):
+    """On CUDA each library whose kernel the prefill's choice loads (a broken one is left
+    out there, with its note); the torch reference on any other device."""
+    ok = {"fla-core": fla, "causal-conv1d": conv}
+    monkeypatch.setattr(kernels, "load", lambda lib: (object() if ok[lib] else None, None))
+    got = step_kernels.select_step_kernels(torch.device("cuda"))
+    assert got.name == name
+    assert (got.rule is step_kernels.recurrent_step) != fla and (got.conv is step_kernels.conv_step) != conv
+    assert step_kernels.select_step_kernels(torch.device("cpu")) is step_kernels.TORCH_STEP
 
 
 def _greedy(eng: PrefillEngine, steps: int = 4) -> tuple[list[torch.Tensor], set]:
@@ -100,16 +127,38 @@ def _job(group, folder):
     return out
 
 
+def _torch_path(fn, *args):
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(step_kernels, "select_step_kernels", lambda device: step_kernels.TORCH_STEP)
+        return fn(*args)
+
+
 def test_the_cuda_step_kernels_wiring_equals_the_torch_path(hf_model_dir, fake_kernels):
     folder = hf_model_dir("qwen3_5_text")
     got = launch(_job, 2, folder)[0]
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(step_kernels, "select_step_kernels", lambda device: step_kernels.TORCH_STEP)
-        want = launch(_job, 2, folder)[0]
+    want = _torch_path(launch, _job, 2, folder)[0]
     for mode in got:
         assert got[mode][1] == {"fla+causal-conv1d"} and want[mode][1] == {"torch"}, mode
         for a, b in zip(got[mode][0], want[mode][0], strict=True):
             assert rel_err(a, b) <= 1e-5, mode
+
+
+def test_a_bfloat16_step_gives_fla_the_models_dtype_and_a_float32_state(hf_model_dir, fake_kernels):
+    """As transformers calls it: bfloat16 q/k/v and beta, float32 decays and state; the
+    steps as close to the torch path as bfloat16 allows."""
+    folder = hf_model_dir("qwen3_5_text", False, "bfloat16")
+
+    def run():
+        return _greedy(PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, dtype="bfloat16")))[0]
+
+    got = run()
+    (q, k, v), kw = CALLS["fla"][0]
+    assert q.dtype == k.dtype == v.dtype == kw["beta"].dtype == torch.bfloat16
+    assert kw["g"].dtype == kw["initial_state"].dtype == torch.float32 and kw["use_qk_l2norm_in_kernel"]
+    x, state, _, _ = CALLS["conv"][0][0]
+    assert x.dtype == state.dtype == torch.bfloat16
+    for a, b in zip(got, _torch_path(run), strict=True):
+        assert rel_err(a, b) <= 2e-2
 
 
 def test_the_step_calls_bind_to_the_installed_signatures(hf_model_dir, fake_kernels):

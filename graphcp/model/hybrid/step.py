@@ -51,9 +51,10 @@ class LinearStep:
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor) -> torch.Tensor:
-        """One token of the rule (float32 ``q``, ``k``, ``v`` ``[rows, Hv, d]``, ``g``,
-        ``beta`` ``[rows, Hv]``) from each request's state; writes both new states (after
-        :meth:`convolve`). The outputs ``[rows, Hv, d_v]``."""
+        """One token of the rule (the convolution's ``q``, ``k`` ``[rows, Hk, d_k]`` and ``v``
+        ``[rows, Hv, d_v]``, float32 ``g``, ``beta`` ``[rows, Hv]``) from each request's
+        state; writes both new states (after :meth:`convolve`). The outputs ``[rows, Hv,
+        d_v]`` (float32, or v's dtype from fla)."""
         recurrent, conv = self.states.layer_pools(layer)
         # padding rows keep their slot as it was: no decay and no update leave the state
         # bitwise (S * exp(0) + k * 0), their conv rows are not shifted

@@ -2,36 +2,41 @@
 request): the torch reference (any device: transformers' ``torch_recurrent_gated_delta_rule``
 and ``causal_conv1d_update`` for one token), or on CUDA, where the ``linear`` extra is
 installed (``pip install -e ".[linear]"``), fla-core's fused recurrent rule and
-causal-conv1d's update. Each library is imported only when its kernel is built;
-:func:`select_step_kernels` takes each one that is there.
+causal-conv1d's update. A library is used where graphcp.model.hybrid.kernels's choice
+imports it (one that is installed but broken is left out there, with its one note).
 
 Both take the step's states gathered from the request's read slot and return the new
 ones (the step writes them to the other slot: graphcp.model.hybrid.cache), so no kernel
-writes the cache in place. The calls, bound to the libraries' source (fla-core 0.6,
-causal-conv1d 1.7; tests/test_hybrid_decode_kernels.py binds them to the installed
+writes the cache in place. The calls, bound to the libraries' source (fla-core 0.6.0,
+causal-conv1d 1.7.0; tests/test_hybrid_decode_kernels.py binds them to the installed
 functions where they import):
 
 - ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule(q, k, v, g=..., beta=...,
-  scale=1.0, initial_state=..., output_final_state=True)``: ``q``, ``k`` ``[B, 1, H, K]``
-  (already l2-normalised, q scaled), ``v`` ``[B, 1, H, V]``, ``g`` (log decays) and ``beta``
-  ``[B, 1, H]`` by keyword (the fourth to sixth parameters are ``g``, ``gk``, ``gv``),
-  ``initial_state`` ``[B, H, K, V]`` float32; returns ``(o [B, 1, H, V], final [B, H, K,
-  V] float32)``, a new final state. Contiguous inputs; no ``cu_seqlens`` (equal lengths).
+  scale=d_k**-0.5, initial_state=..., output_final_state=True, use_qk_l2norm_in_kernel=True)``,
+  as transformers calls it: ``q``, ``k`` ``[B, 1, Hk, d_k]`` and ``v`` ``[B, 1, Hv, V]`` in
+  the model's dtype (the convolution's output; fla normalises q and k and maps value head
+  ``i`` to key head ``i // (Hv / Hk)``), ``g`` (float32 log decays) and ``beta`` ``[B, 1,
+  Hv]`` by keyword (the fourth to sixth parameters are ``g``, ``gk``, ``gv``),
+  ``initial_state`` ``[B, Hv, d_k, V]`` float32 (read, not written); returns ``(o [B, 1,
+  Hv, V]`` in v's dtype, ``final [B, Hv, d_k, V]`` float32, a new tensor). Its float32 sums
+  are elementwise (no ``tl.dot``, so no TF32): a float32 model runs it too. No
+  ``cu_seqlens``: one token a request.
 - ``causal_conv1d.causal_conv1d_update(x, conv_state, weight, None, activation="silu")``:
-  ``x`` ``[B, C]``, ``conv_state`` ``[B, C, state_len]`` (state_len >= K - 1; the request's
-  last ``K`` rows here, the x dtype), ``weight`` ``[C, K]``; returns ``[B, C]`` and shifts
-  ``x`` into ``conv_state`` in place (a copy of the gathered state, here).
+  ``x`` ``[B, C]``, ``conv_state`` ``[B, C, state_len]`` of x's dtype (state_len >= K - 1;
+  the request's last ``K`` rows here, any strides), ``weight`` ``[C, K]`` (K of 2 to 4);
+  returns ``[B, C]`` and shifts ``x`` into ``conv_state`` in place (a copy of the
+  gathered state, here).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from graphcp.model.hybrid.gdn import causal_conv
+from graphcp.model.hybrid import kernels
+from graphcp.model.hybrid.gdn import causal_conv, query_key
 
 StepRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 StepConv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -42,8 +47,9 @@ class StepKernels:
     """The two kernels of a linear layer's decode step."""
 
     name: str
-    #: ``rule(q, k, v, g, beta, state)``: float32 ``[B, H, d]`` rows, ``g``, ``beta`` ``[B, H]``,
-    #: ``state`` ``[B, H, d_k, d_v]`` -> ``(out [B, H, d_v], new state)``
+    #: ``rule(q, k, v, g, beta, state)``: the convolution's ``q``, ``k`` ``[B, Hk, d_k]`` and
+    #: ``v`` ``[B, Hv, d_v]`` (the model's dtype), float32 ``g``, ``beta`` ``[B, Hv]`` and
+    #: ``state`` ``[B, Hv, d_k, d_v]`` -> ``(out [B, Hv, d_v], new float32 state)``
     rule: StepRule
     #: ``conv(x [B, C], state [B, K, C], weight [C, K])`` -> ``(out [B, C] (SiLU applied), new state)``
     conv: StepConv
@@ -51,11 +57,12 @@ class StepKernels:
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of the gated delta rule per request and value head (transformers'
-    recurrence, step for step): ``S = exp(g) S``, ``S += k (beta (v - S^T k))^T``,
-    ``o = S^T q``."""
+    """One token of the gated delta rule per request and value head, in float32, as
+    transformers' recurrence (q and k normalised, q scaled, each key head serving its value
+    heads): ``S = exp(g) S``, ``S += k (beta (v - S^T k))^T``, ``o = S^T q``."""
+    q, k = query_key(q, k, v.shape[1] // k.shape[1])
     state = state * g.exp()[..., None, None]
-    delta = (v - (state * k[..., None]).sum(dim=-2)) * beta[..., None]
+    delta = (v.float() - (state * k[..., None]).sum(dim=-2)) * beta[..., None]
     state = state + k[..., None] * delta[..., None, :]
     return (state * q[..., None]).sum(dim=-2), state
 
@@ -68,13 +75,13 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tup
 
 
 def fla_step_rule() -> StepRule:
-    """fla-core's fused recurrent rule on one token a request."""
+    """fla-core's fused recurrent rule on one token a request (the call in the module doc)."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla
 
     def rule(q, k, v, g, beta, state):
-        o, final = fla(q[:, None].contiguous(), k[:, None].contiguous(), v[:, None].contiguous(),
-                       g=g[:, None].contiguous(), beta=beta[:, None].contiguous(), scale=1.0,
-                       initial_state=state.contiguous(), output_final_state=True)
+        o, final = fla(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g=g.unsqueeze(1),
+                       beta=beta.to(v.dtype).unsqueeze(1), scale=q.shape[-1] ** -0.5, initial_state=state,
+                       output_final_state=True, use_qk_l2norm_in_kernel=True)
         return o[:, 0], final
 
     return rule
@@ -95,21 +102,13 @@ def causal_conv1d_step() -> StepConv:
 TORCH_STEP = StepKernels("torch", recurrent_step, conv_step)
 
 
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def select_step_kernels(device: torch.device) -> StepKernels:
-    """On CUDA: fla-core's rule and causal-conv1d's update where installed (each on its
-    own), else the torch reference; the torch reference elsewhere."""
+    """On CUDA, fla-core's rule and causal-conv1d's update where the prefill's choice
+    imports each library (graphcp.model.hybrid.kernels.load), else the torch reference's;
+    the torch reference elsewhere."""
     if torch.device(device).type != "cuda":
         return TORCH_STEP
-    fla, conv = _importable("fla"), _importable("causal_conv1d")
-    if not (fla or conv):
-        return TORCH_STEP
+    fla, conv = (kernels.load(name)[0] is not None for name in ("fla-core", "causal-conv1d"))
     names = [n for n, ok in (("fla", fla), ("causal-conv1d", conv)) if ok]
-    return StepKernels("+".join(names), fla_step_rule() if fla else TORCH_STEP.rule,
+    return StepKernels("+".join(names) or "torch", fla_step_rule() if fla else TORCH_STEP.rule,
                        causal_conv1d_step() if conv else TORCH_STEP.conv)
