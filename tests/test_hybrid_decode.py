@@ -323,3 +323,45 @@ def test_a_graph_steps_padding_rows_leave_every_read_state_bitwise(folders, dtyp
     for name, pool in pools.items():
         assert torch.equal(pool.index_select(1, torch.from_numpy(slots)), read[name]), name
         assert not torch.equal(after[name], read[name]), name
+
+
+def _export_job(group, folders: dict) -> dict:
+    """A prompt, 5 decode steps, its KV exported (the decoded tokens' states and K/V), then 4
+    more steps: the tokens fed and the later steps' logits, per cache mode."""
+    out = {}
+    for mode in MODES:
+        engine = _engine(folders, group, "qwen3_5", mode, graph="off")
+        first = engine.prefill([Request(_prompts()[1])])
+        handle, tok, fed = first.handles[0], int(first.last_logits.argmax()), []
+        for i in range(9):
+            if i == 5:
+                out[mode, "export"] = engine.export_kv(handle)
+            step = engine.decode([handle], [tok])
+            fed.append(tok)
+            handle, tok = step.handles[0], int(step.logits[0].argmax())
+            if i >= 5:
+                out.setdefault((mode, "after"), []).append(step.logits[0])
+        out[mode, "fed"] = fed
+        engine.release(handle)
+    return out
+
+
+def test_the_export_after_decoding_continues_in_transformers(folders, hf_model, tmp_path):
+    """The export after decode steps holds each linear layer's decoded state (the slot the
+    last step wrote) and the decoded tokens' K/V: transformers continues from it as the
+    engine's next steps do (CP 2, every cache mode)."""
+    from graphcp.pd.files import save_kv
+    from graphcp.pd.hf import cache_argument
+    from graphcp.pd.load import load_kv
+
+    model = hf_model(folders["qwen3_5"], "float32")
+    got = launch(_export_job, 2, folders)[0]
+    for mode in MODES:
+        fed, after = got[mode, "fed"], torch.stack(got[mode, "after"])
+        loaded = load_kv(save_kv(got[mode, "export"].check(), tmp_path / f"{mode}.safetensors"))
+        assert loaded.num_tokens == len(_prompts()[1]) + 5, mode
+        with torch.inference_mode():
+            steps = torch.stack([model(input_ids=torch.tensor([[t]]), use_cache=True,
+                                       **{cache_argument(model): loaded.cache}).logits[0, -1].float()
+                                 for t in fed[5:]])
+        assert rel_err(steps, after) <= TOL["float32"], mode
