@@ -10,11 +10,13 @@ Run: ``python -m pytest benchmarks/bench_decode.py --benchmark-only -s`` (prints
     collective delivers, which must equal the formula (``merge_bytes``), and the merged
     output must equal the merge of every rank's partials. The table shows which one
     ``auto`` takes.
-(b) ``test_decode_step_time``: the default preset (a small Qwen3-style model) on the
-    token-sharded cache, 8 requests of 2048 cached tokens, at CP 1, 2 and 4 in the same
-    run: the median time of a decode step eagerly and on the decode graphs (the trace
-    stand-in on a CPU: it counts launches; the launch overhead it saves shows on a GPU),
-    the launches of a graph step (segments and breaks), the bytes merged a layer.
+(b) ``test_decode_step_time``: the default preset (a small Qwen3-style model) and the
+    ``default-hybrid`` one (Qwen3.5-style: six Gated DeltaNet layers, each step advancing
+    every request's states, and two full-attention ones) on the token-sharded cache, 8
+    requests of 2048 cached tokens, at CP 1, 2 and 4 in the same run: the median time of a
+    decode step eagerly and on the decode graphs (the trace stand-in on a CPU: it counts
+    launches; the launch overhead it saves shows on a GPU), the launches of a graph step
+    (segments and breaks), the bytes merged a layer.
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def test_merge_bytes_per_layer(benchmark, cp, rows):
 
 
 CONTEXT, REQUESTS, STEPS = 2048, 8, 8
-STEP_ROWS: list[str] = []
+STEP_MODELS = ("default", "default-hybrid")
+STEP_ROWS: dict[str, list[str]] = {m: [] for m in STEP_MODELS}
 
 
 def _step_job(group: CPGroup, model: str) -> dict:
@@ -117,17 +120,19 @@ def _step_job(group: CPGroup, model: str) -> dict:
             "launches": last["launches"], "merged": last["bytes_merged_per_layer"], "merge": last["decode_merge"]}
 
 
+@pytest.mark.parametrize("preset", STEP_MODELS)
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_decode_step_time(benchmark, cp):
-    model = str(ensure_preset("default"))
+def test_decode_step_time(benchmark, cp, preset):
+    model = str(ensure_preset(preset))
     res = benchmark.pedantic(launch, args=(_step_job, cp, model), rounds=1, iterations=1)[0]
-    assert res["launches"] == 1  # a dense model's step: one captured segment
+    assert res["launches"] == 1  # a dense model's step, a dense hybrid's (its linear steps inside): one segment
     assert (res["merged"] > 0) == (cp > 1)
     benchmark.extra_info.update(res)
-    STEP_ROWS.append(f"| {cp} | {res['eager_ms']:.1f} | {res['graph_ms']:.1f} | {res['launches']} | "
-                     f"{res['merge']} | {res['merged'] / 1024:.1f} |")
-    if len(STEP_ROWS) == 3:
-        print(f"\n{REQUESTS} requests x {CONTEXT} cached tokens, the default preset, token-sharded cache (CPU):\n"
+    rows = STEP_ROWS[preset]
+    rows.append(f"| {cp} | {res['eager_ms']:.1f} | {res['graph_ms']:.1f} | {res['launches']} | "
+                f"{res['merge']} | {res['merged'] / 1024:.1f} |")
+    if len(rows) == 3:
+        print(f"\n{REQUESTS} requests x {CONTEXT} cached tokens, the {preset} preset, token-sharded cache (CPU):\n"
               "| C | eager ms/step | graph ms/step | launches/step | merge | merged KiB/layer |\n"
               "|---|---|---|---|---|---|")
-        print("\n".join(STEP_ROWS))
+        print("\n".join(rows))

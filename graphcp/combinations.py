@@ -170,9 +170,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("hybrid",)), ("draft", ("on",)),
             "an EAGLE-3 draft for a linear-attention hybrid is not built (the draft's K/V layer would follow "
             "layers that keep states, not K/V)", (("model", "dense"), ("model", "moe")), "not built yet"),
-    Refusal(("model", ("hybrid",)), ("decode", ("on",)),
-            "a decode step of a linear-attention hybrid (each linear layer's state advanced a token) is not "
-            "built yet", (("model", "dense"), ("model", "moe")), "not built yet"),
     Refusal(("dp", (">1",)), ("pp", (">1",)),
             "attention data parallelism under pipeline stages is not built yet", (("dp", "1"), ("pp", "1")),
             "not built yet"),

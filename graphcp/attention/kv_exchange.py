@@ -65,6 +65,9 @@ class KVForward:
     phase: Phase = PREFILL
     #: every rank's slots, rank-major (the all-gather's first step; None before it)
     gathered_slots: torch.Tensor | None = None
+    #: a decode step's per-request state slots ``[2, capacity]`` int64 (each row's read and write
+    #: slot, graphcp.kv.decode.state_rows), on a storage with states; None otherwise
+    state_slots: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         #: the phase's operations (the exchange itself in a prefill): chosen once a forward

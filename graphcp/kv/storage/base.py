@@ -38,6 +38,10 @@ class RequestStates(Protocol):
     def undo(self, rows: np.ndarray) -> None:
         """Give back what :meth:`admit` took for these rows (a rolled-back batch)."""
 
+    def step_slots(self, rows: np.ndarray) -> np.ndarray:
+        """int64 ``[2, B]``: the slot each request in table ``rows`` reads (its last
+        forward's) and the one it writes, after :meth:`admit` took them for a decode step."""
+
 
 class Storage:
     """One rank's tensors of a cache (module doc). A subclass builds them from a

@@ -108,6 +108,18 @@ class LinearStates:
         read = np.where(prefixed, 2 * rows + 1 - self._phase[rows], -1)
         return read, write
 
+    def step_slots(self, rows: np.ndarray) -> np.ndarray:
+        """int64 ``[2, B]``: a decode step's (read, write) slots of the requests in table
+        ``rows`` (after :meth:`admit`; every one extends its prefix)."""
+        read, write = self.slots_of(rows, np.ones(len(rows), dtype=bool))
+        return np.stack([read, write])
+
+    def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A held linear layer's ``(recurrent [2S, Hv, d_k, d_v], conv [2S, K, conv_dim])``
+        pools (None: this rank does not keep it)."""
+        j = self.linear_index.get(layer)
+        return None if j is None else (self.recurrent[j], self.conv[j])
+
     def committed_slot(self, row: int) -> int:
         """The slot holding the state of the sequence in ``row`` (what its last forward
         wrote: what an export reads)."""

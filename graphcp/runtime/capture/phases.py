@@ -140,6 +140,11 @@ class PhaseGraphs:
         """The pages the self-check compares: those the forward of ``prep`` may write here."""
         raise NotImplementedError
 
+    def written_states(self, prep: PreparedBatch) -> torch.Tensor | None:
+        """The per-request state slots the self-check compares (a storage's with states:
+        those the forward of ``prep`` writes), or None: none."""
+        return None
+
     def range_name(self, what: str, key: Hashable) -> str:
         """The NVTX range of a capture or replay of bucket ``key``."""
         return f"{what}[{key}]"
@@ -316,6 +321,8 @@ class DecodeGraphs(PhaseGraphs):
         self.buffers = DecodeBuffers(self.buckets[-1], self.width, cfg.hidden_size, body.model.dtype, body.device,
                                      staging)
         self.attention = PagedDecodeAttention(body.attention.spec)
+        #: whether the cache keeps per-request state (a recurrent layer's): its step's slots are static rows too
+        self.states = bool(body.kv.state_pools())
         self._metas: dict[tuple[int, int], AttentionMetadata] = {}
         self._plans: dict[int, Any] = {}
         self._replays: dict[tuple[int, int], ForwardContext] = {}
@@ -394,7 +401,8 @@ class DecodeGraphs(PhaseGraphs):
     def _context(self, prep: PreparedBatch | None, key: tuple[int, int], view: DecodeView,
                  stats: dict | None) -> ForwardContext:
         return self.body.context(prep, view.kv_slots, phase=DECODE, meta=self.static_meta(key),
-                                 attention=self.attention, stats=stats)
+                                 attention=self.attention, stats=stats,
+                                 state_slots=view.state_slots if self.states else None)
 
     def output(self, view: DecodeView, prep: PreparedBatch) -> torch.Tensor:
         return view.hidden_out[: prep.rows]
@@ -402,6 +410,11 @@ class DecodeGraphs(PhaseGraphs):
     def written_pages(self, prep: PreparedBatch) -> torch.Tensor:
         slots = prep.slots  # this rank's slot of each new token (-1: another rank stores it)
         return torch.from_numpy(np.unique(slots[slots >= 0] // self.body.kv.page_size)).to(self.body.device)
+
+    def written_states(self, prep: PreparedBatch) -> torch.Tensor | None:
+        if not self.states:
+            return None
+        return torch.from_numpy(prep.decode.states[1].copy()).to(self.body.device)
 
     def range_name(self, what: str, key: tuple[int, int]) -> str:
         return f"decode_{what}[{key[0]},{key[1]}]"

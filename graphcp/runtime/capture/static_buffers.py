@@ -24,6 +24,7 @@ import torch
 
 from graphcp.attention.staging import PinnedStaging
 from graphcp.jit import host_kernel
+from graphcp.kv.decode import state_rows
 from graphcp.model.forward_context import StaticInputs
 
 
@@ -316,6 +317,9 @@ class DecodeView:
     page_table: torch.Tensor  # [cap, width] int32
     cu_seqlens_q: torch.Tensor  # [cap + 1] int32: one query row a request
     hidden_out: torch.Tensor  # [cap, hidden]  the body's output rows
+    #: [2, cap] int64: each row's state slot read and written (a storage with per-request
+    #: state: graphcp.kv.decode.state_rows; zeros otherwise)
+    state_slots: torch.Tensor
     hidden_in: None = None  # (a decode step's body takes no input rows)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -338,9 +342,10 @@ class DecodeBuffers:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros((n, width), dtype=torch.int32, device=dev)
         self.hidden_out = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
+        self.state_slots = torch.zeros((2, n), **i64)
         self._staging = staging if staging is not None else PinnedStaging(dev) if dev.type == "cuda" else None
         host = self._staging.host if self._staging is not None else _plain_host
-        self._rows_host = host(3 * n, torch.int64).view(3, n)  # ids, positions, slots
+        self._rows_host = host(5 * n, torch.int64).view(5, n)  # ids, positions, slots, state slots (read, write)
         self._lens_host = host(n, torch.int32)
         self._table_host = host(n * width, torch.int32)
         self._views: dict[tuple[int, int], DecodeView] = {}
@@ -352,12 +357,13 @@ class DecodeBuffers:
             c = capacity
             got = self._views[c, width] = DecodeView(
                 c, width, self.input_ids[:c], self.positions[:c], self.kv_slots[:c], self.kv_lens[:c],
-                self.page_table[:c, :width], self.cu_seqlens_q[: c + 1], self.hidden_out[:c])
+                self.page_table[:c, :width], self.cu_seqlens_q[: c + 1], self.hidden_out[:c], self.state_slots[:, :c])
         return got
 
     def addresses(self) -> dict[str, int]:
         """Data pointers of every static tensor (debug mode checks they never move)."""
-        names = ("input_ids", "positions", "kv_slots", "kv_lens", "cu_seqlens_q", "page_table", "hidden_out")
+        names = ("input_ids", "positions", "kv_slots", "kv_lens", "cu_seqlens_q", "page_table", "hidden_out",
+                 "state_slots")
         return {n: getattr(self, n).data_ptr() for n in names}
 
     def fill(self, prep, capacity: int, width: int, kv) -> DecodeView:
@@ -372,12 +378,14 @@ class DecodeBuffers:
         table = table_host.numpy()
         rows[:2], rows[2], lens[:], table[:] = 0, -1, 0, 0
         if prep is not None:
-            rows[:, :B] = prep.ids, prep.positions, prep.slots
+            rows[:3, :B] = prep.ids, prep.positions, prep.slots
             lens[:B] = prep.decode.local_lens
             kv.page_table_rows(prep.decode.rows, width, out=table[:B])
+        state_rows(None if prep is None else prep.decode.states, capacity, rows[3:])
         for dst, src in ((self.input_ids, self._rows_host[0]), (self.positions, self._rows_host[1]),
                          (self.kv_slots, self._rows_host[2]), (self.kv_lens, self._lens_host)):
             self._upload(dst[:capacity], src[:capacity])
+        self._upload(self.state_slots[:, :capacity], self._rows_host[3:, :capacity])
         self._upload(self.page_table[:capacity, :width], table_host)
         if self._staging is not None:
             self._staging.mark()  # after every upload of this fill: the next fill waits for them
