@@ -19,6 +19,8 @@ that changes nothing.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -27,6 +29,7 @@ from helpers import rel_err
 from test_decode import conversation, greedy
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
+from graphcp.cli.main import main
 from graphcp.dist import CPGroup, launch
 from graphcp.errors import BatchError
 
@@ -279,3 +282,16 @@ def test_a_step_at_the_context_limit_is_one_line_and_changes_nothing(runs):
                 msg = got["refused", mode]
                 assert "\n" not in msg and msg == ("decode: request 0 holds 40 tokens, the model's context of 40: no "
                                                     "position is left for another")
+
+
+def test_graphcp_generate_matches_transformers(tmp_path, capsys, folders, references):
+    """``graphcp generate --cp 2 --kv-cache layer-split``: transformers' greedy ids."""
+    case = "glm_moe_dsa-shared-moe"
+    rows = tmp_path / "r.jsonl"
+    rows.write_text("".join(json.dumps({"tokens": p.tolist()}) + "\n" for p in _prompts()))
+    out = tmp_path / "out.pt"
+    argv = ["generate", "--model", str(folders[case]), "--input", str(rows), "--output", str(out), "--max-new-tokens",
+            str(NEW), "--cp", "2", "--kv-cache", "layer-split", "--kv-tokens", "2048", "--page-size", str(PAGE)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "layer-split KV cache, decode path graph" in capsys.readouterr().out
+    assert torch.load(out)["tokens"] == [[t.tolist()] for t in references[case][0]]

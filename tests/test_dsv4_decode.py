@@ -19,6 +19,8 @@ nothing.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -27,6 +29,7 @@ from helpers import rel_err
 from test_decode import conversation, greedy
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
+from graphcp.cli.main import main
 from graphcp.dist import CPGroup, launch
 from graphcp.errors import BatchError
 
@@ -183,3 +186,16 @@ def test_a_step_at_the_context_limit_is_one_line_and_changes_nothing(runs):
             for got in runs[cp]:
                 assert got["refused", mode] == ("decode: request 0 holds 40 tokens, the model's context of 40: no "
                                                 "position is left for another")
+
+
+def test_graphcp_generate_matches_transformers(tmp_path, capsys, folders, reference):
+    """``graphcp generate --cp 2 --kv-cache layer-split``: transformers' greedy ids."""
+    case = "v4"
+    rows = tmp_path / "r.jsonl"
+    rows.write_text("".join(json.dumps({"tokens": p.tolist()}) + "\n" for p in _prompts()))
+    out = tmp_path / "out.pt"
+    argv = ["generate", "--model", str(folders[case]), "--input", str(rows), "--output", str(out), "--max-new-tokens",
+            str(NEW), "--cp", "2", "--kv-cache", "layer-split", "--kv-tokens", "2048", "--page-size", str(PAGE)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "layer-split KV cache, decode path graph" in capsys.readouterr().out
+    assert torch.load(out)["tokens"] == [[t.tolist()] for t in reference[0]]
