@@ -295,3 +295,22 @@ def test_graphcp_generate_matches_transformers(tmp_path, capsys, folders, refere
     assert main(argv) == 0, capsys.readouterr().err
     assert "layer-split KV cache, decode path graph" in capsys.readouterr().out
     assert torch.load(out)["tokens"] == [[t.tolist()] for t in references[case][0]]
+
+
+def test_the_triton_sparse_attention_decodes_as_the_reference(folders):
+    """``attention="triton"`` (its kernel under the interpreter): an eager decode step
+    runs it on the step's metadata, equal to the torch reference within 1e-5 (a decode
+    graph captures the same static form for either backend)."""
+    logits = {}
+    for att in ("torch", "triton"):
+        eng = PrefillEngine(folders["glm_moe_dsa-shared-moe"], RuntimeConfig(kv_tokens=1024, attention=att,
+                                                                               page_size=PAGE, graph="off"))
+        o = eng.prefill([Request(p) for p in _prompts()[:2]])
+        handles, tok, got = o.handles, o.last_logits.argmax(-1), []
+        for _ in range(2):
+            o = eng.decode(handles, tok)
+            assert o.info.path == "eager"
+            handles, tok = o.handles, o.logits.argmax(-1)
+            got.append(o.logits)
+        logits[att] = torch.stack(got)
+    assert rel_err(logits["triton"], logits["torch"]) <= 1e-5
