@@ -199,3 +199,28 @@ def test_graphcp_generate_matches_transformers(tmp_path, capsys, folders, refere
     assert main(argv) == 0, capsys.readouterr().err
     assert "layer-split KV cache, decode path graph" in capsys.readouterr().out
     assert torch.load(out)["tokens"] == [[t.tolist()] for t in reference[0]]
+
+
+def test_short_requests_on_pages_smaller_than_a_block(folders, hf_model):
+    """Pages of 4 tokens (an HCA block of 8 spans two), requests of 2 and 3 tokens: the
+    first decode buckets hold fewer tokens than a block (their pooling reads and writes
+    nothing it should not); eager and on the graphs, transformers' ids and logits."""
+    model = hf_model(folders["v4"], "float32")
+    # (prompts whose greedy continuation never picks token 1, the EOS min_new_tokens keeps transformers from)
+    prompts = [np.array([7, 300]), np.array([11, 5, 402])]
+    steps = 12
+    want = []
+    for p in prompts:
+        with torch.inference_mode():
+            g = model.generate(torch.from_numpy(p).view(1, -1), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               do_sample=False, max_new_tokens=steps, min_new_tokens=steps, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=0)
+        want.append((g.sequences[0, len(p):], torch.stack([x[0].float() for x in g.logits])))
+    eng = PrefillEngine(folders["v4"], RuntimeConfig(kv_tokens=512, graph="breakable", page_size=4))
+    for path in ("eager", "graph"):
+        toks, logits, paths = greedy(eng, prompts, steps, path == "eager")
+        assert set(paths) == {path}
+        for j, (t, lg) in enumerate(want):
+            assert torch.equal(toks[j], t) and rel_err(logits[j], lg) <= TOL["float32"], (path, j)
+    pages = {s["pages"] for s in eng.stats()["decode_steps"] if s["path"] == "graph"}
+    assert 1 in pages and max(pages) >= 4  # a bucket of one page (4 tokens) and wider ones

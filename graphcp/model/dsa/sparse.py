@@ -268,7 +268,7 @@ class SelectingSparseMla(SparseMlaBackend):
         that runs the indexer (``index_q`` given), else the last indexer layer's."""
         sp = self.spec
         heads = max(sp.num_heads, sp.index_heads)
-        for gi, (g, (pages, positions)) in enumerate(zip(self._groups, self._on_device)):
+        for g, (pages, positions) in zip(self._groups, self._on_device):
             ik = None
             if index_q is not None:
                 extent = int(g.positions[-1]) + 1

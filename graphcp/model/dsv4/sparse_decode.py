@@ -60,12 +60,12 @@ class PagedDsV4Decode(Attention):
         win = sp.sliding_window
         key_pos = lens.unsqueeze(1) - win + torch.arange(win, device=lens.device).unsqueeze(0)  # (p - win, p]
         visible = key_pos >= 0
-        keys = cache.window(layer).flatten(0, 1).index_select(0, _token_slots(table, key_pos, cache.page_size)
-                                                              .reshape(-1)).view(B, win, -1)
+        slots = cache.token_slots(table, key_pos.clamp(min=0)).reshape(-1)
+        keys = cache.window(layer).flatten(0, 1).index_select(0, slots).view(B, win, -1)
         entries = W * cache.page_size // m if m else 0  # the most a request of the bucket holds
         if entries:
             e = torch.arange(entries, device=lens.device).unsqueeze(0).expand(B, -1)
-            slots = _entry_slots(table, e, m, cache.page_size, cache.epp[kind]).reshape(-1)
+            slots = cache.entry_slots(layer, table, e).reshape(-1)
             seen = e < (lens // m).unsqueeze(1)
             if kind == CSA:
                 ik = cache.index_entries(layer).flatten(0, 1).index_select(0, slots).view(B, entries, -1)
@@ -91,17 +91,19 @@ class PagedDsV4Decode(Attention):
         cs, ps = self.spec.cache, cache.page_size
         kind, m = cs.layer_kinds[layer], cs.compress_rate(layer)
         overlap, hd = kind == CSA, cs.head_dim
+        tokens = table.shape[1] * ps  # the bucket's
         e = (lens // m - 1).clamp(min=0)
         closes = (lens > 0) & (lens % m == 0)
         span = 2 * m if overlap else m
         start = (e - 1) * m if overlap else e * m
-        src_pos = (start.unsqueeze(1) + torch.arange(span, device=lens.device).unsqueeze(0)).clamp(min=0)
-        src = cache.sources(layer).flatten(0, 1).index_select(0, _token_slots(table, src_pos, ps).reshape(-1))
+        # (a padding row's positions may pass the bucket's pages: read anywhere, written to scratch)
+        src_pos = (start.unsqueeze(1) + torch.arange(span, device=lens.device).unsqueeze(0)).clamp(0, tokens - 1)
+        src = cache.sources(layer).flatten(0, 1).index_select(0, cache.token_slots(table, src_pos).reshape(-1))
         src = src.view(lens.shape[0], span, cs.raw_width(layer))
         width = 4 * hd if overlap else 2 * hd
         first = (e == 0) if overlap else None
-        dest = torch.where(closes, _entry_slots(table, e.unsqueeze(1), m, ps, cache.epp[kind])[:, 0],
-                           torch.full_like(e, SCRATCH_PAGE * cache.epp[kind]))
+        slot = cache.entry_slots(layer, table, e.clamp(max=max(tokens // m - 1, 0)).unsqueeze(1))[:, 0]
+        dest = torch.where(closes, slot, torch.full_like(e, SCRATCH_PAGE * cache.epp[kind]))
         positions = e * m
         entries = pool(src[..., :width], w.bias, w.norm, self.spec.norm_eps, hd, overlap, first)
         cache.entries(layer).flatten(0, 1).index_copy_(0, dest, rope_at(entries, self.cos, self.sin, positions))
@@ -109,16 +111,3 @@ class PagedDsV4Decode(Attention):
             idx = pool(src[..., width:], w.index_bias, w.index_norm, self.spec.norm_eps, cs.index_head_dim, True, first)
             cache.index_entries(layer).flatten(0, 1).index_copy_(0, dest, rope_at(idx, self.cos, self.sin, positions))
 
-
-def _token_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """``[B, n]`` token slots of each row's ``positions`` in its pages (a position past the
-    bucket's pages, or before 0, reads a slot of no matter: it is masked or not written)."""
-    pos = positions.clamp(min=0)
-    page = table.gather(1, torch.div(pos, page_size, rounding_mode="floor").clamp(max=table.shape[1] - 1))
-    return page * page_size + pos % page_size
-
-
-def _entry_slots(table: torch.Tensor, entries: torch.Tensor, rate: int, page_size: int, epp: int) -> torch.Tensor:
-    """``[B, n]`` entry-pool slots of each row's ``entries`` (each in the page of its first token)."""
-    page_index = torch.div(entries * rate, page_size, rounding_mode="floor").clamp(max=table.shape[1] - 1)
-    return table.gather(1, page_index) * epp + entries % epp
