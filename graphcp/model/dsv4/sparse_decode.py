@@ -12,10 +12,12 @@ position ``p`` (its length ``p + 1``):
    entry ``e = (p + 1) / m - 1`` is pooled from its source rows
    (:func:`~graphcp.model.dsv4.sparse.pool`, CSA's overlap and entry 0 included) and
    written to its slot when ``(p + 1) % m == 0``, else to the scratch page;
-2. **select** (CSA): the row's indexer scores over its entries so far, the top
-   ``index_topk`` past ``index_topk`` of them (every one before);
+2. **select** (CSA): the row's indexer scores over its entries so far (a block of
+   :data:`BLOCK_ENTRIES` at a time), the top ``index_topk`` past ``index_topk`` of them
+   (every one before);
 3. **attend**: the window's ``sliding_window`` rows up to ``p`` and the row's entries
-   (HCA: all; CSA: the selected), one sink a head
+   (HCA: all; CSA: the ``index_topk`` selected, gathered: a CSA step reads ``window +
+   index_topk`` keys whatever the context), one sink a head
    (:func:`~graphcp.model.dsv4.sparse.attend_keys`). A padding row (length 0) sees
    nothing and gets zeros.
 
@@ -31,6 +33,9 @@ from graphcp.attention.base import Attention, AttentionMetadata, BatchRequests
 from graphcp.kv.page_table import SCRATCH_PAGE
 from graphcp.model.dsv4.cache import CSA, SLIDING, DsV4Storage
 from graphcp.model.dsv4.sparse import PoolWeights, TorchDsV4Attention, attend_keys, index_scores, pool, rope_at
+
+#: entries of every request scored at once (bounds the indexer's [B, H_I, entries] float32 scores)
+BLOCK_ENTRIES = 4096
 
 
 class PagedDsV4Decode(Attention):
@@ -64,27 +69,31 @@ class PagedDsV4Decode(Attention):
         keys = cache.window(layer).flatten(0, 1).index_select(0, slots).view(B, win, -1)
         entries = W * cache.page_size // m if m else 0  # the most a request of the bucket holds
         if entries:
+            counts = lens // m  # the entries each row sees
             e = torch.arange(entries, device=lens.device).unsqueeze(0).expand(B, -1)
+            if kind == CSA and entries > sp.index_topk:  # attend the selected entries only
+                e = self._select(layer, index_q[:B], index_w[:B], cache, table, e, counts)
             slots = cache.entry_slots(layer, table, e).reshape(-1)
-            seen = e < (lens // m).unsqueeze(1)
-            if kind == CSA:
-                ik = cache.index_entries(layer).flatten(0, 1).index_select(0, slots).view(B, entries, -1)
-                seen = self._select(index_q[:B], index_w[:B], ik, seen, lens // m)
-            keys = torch.cat([keys, cache.entries(layer).flatten(0, 1).index_select(0, slots).view(B, entries, -1)],
-                             dim=1)
-            visible = torch.cat([visible, seen], dim=1)
+            picked = cache.entries(layer).flatten(0, 1).index_select(0, slots).view(B, -1, keys.shape[2])
+            keys = torch.cat([keys, picked], dim=1)
+            visible = torch.cat([visible, e < counts.unsqueeze(1)], dim=1)
         out[:B] = attend_keys(q[:B], keys, visible, sinks, sp.head_dim ** -0.5).to(out.dtype)
 
-    def _select(self, iq: torch.Tensor, iw: torch.Tensor, ik: torch.Tensor, seen: torch.Tensor,
-                counts: torch.Tensor) -> torch.Tensor:
-        """``[B, E]``: the entries each row keeps: the indexer's top ``index_topk`` of those
-        it sees where it sees more, else all of them."""
-        topk, E = self.spec.index_topk, ik.shape[1]
-        if E <= topk:
-            return seen
-        scores = index_scores(iq, iw, ik, self.spec.cache.index_head_dim ** -0.5).masked_fill(~seen, float("-inf"))
-        chosen = torch.zeros_like(seen).scatter_(1, scores.topk(topk, dim=-1).indices, True) & seen
-        return torch.where((counts > topk).unsqueeze(1), chosen, seen)
+    def _select(self, layer: int, iq: torch.Tensor, iw: torch.Tensor, cache: DsV4Storage, table: torch.Tensor,
+                e: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``[B, index_topk]``: the entries each row attends: the indexer's top
+        ``index_topk`` of those it sees where it sees more, else its first ``index_topk``
+        (all it sees, and some it does not: masked). The scores in blocks of
+        :data:`BLOCK_ENTRIES` entries (each row's index entries gathered a block at a time)."""
+        topk, B, E = self.spec.index_topk, e.shape[0], e.shape[1]
+        index_entries = cache.index_entries(layer).flatten(0, 1)
+        scores = []
+        for e0 in range(0, E, BLOCK_ENTRIES):
+            block = e[:, e0: e0 + BLOCK_ENTRIES]
+            ik = index_entries.index_select(0, cache.entry_slots(layer, table, block).reshape(-1))
+            scores.append(index_scores(iq, iw, ik.view(B, block.shape[1], -1), self.spec.cache.index_head_dim ** -0.5))
+        scores = torch.cat(scores, dim=1).masked_fill(e >= counts.unsqueeze(1), float("-inf"))
+        return torch.where((counts > topk).unsqueeze(1), scores.topk(topk, dim=-1).indices, e[:, :topk])
 
     def _pool(self, layer: int, cache: DsV4Storage, w: PoolWeights, table: torch.Tensor, lens: torch.Tensor) -> None:
         """Each row's entry that its token completes, pooled and written (the others to scratch)."""
