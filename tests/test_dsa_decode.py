@@ -110,6 +110,7 @@ def _job(group, folders: dict, cp: int, bf16_folder) -> dict:
                 out[case, mode, "conversation"] = conversation(eng, 512)
             out[case, mode, "steps"] = eng.stats()["decode_steps"]
             out[case, mode, "stored"] = eng.parts.kv.stored_tokens()
+            out[case, mode, "verified"] = set(eng.parts.decoder.graphs.verified)  # buckets whose first replay passed
     if cp <= 2:
         for mode in _modes(cp):
             out["refused", mode] = _refuse_at_context(_engine(folders["glm_moe_dsa-short"], group, mode))
@@ -193,8 +194,10 @@ def _check_parity(per_rank: list[dict], references: dict, cp: int) -> None:
                 moved = sum(s["bytes_merged"] for s in steps)
                 assert (moved > 0) == (mode == "layer-split"), (case, mode, moved)
                 assert got[case, mode, "stored"] == 0
-    # (graph steps replay the bucket of 4 requests; the first replay of each bucket is self-checked:
-    # RuntimeConfig.verify_capture is on by default on the CPU stand-in)
+                # each bucket's first replay was self-checked (RuntimeConfig.verify_capture: on by default
+                # on the CPU stand-in): the 4-request buckets of every page width replayed
+                replayed = {(s["bucket"], s["pages"]) for s in steps if s["path"] == "graph"}
+                assert replayed and got[case, mode, "verified"] == replayed, (case, mode)
 
 
 def _check_ties(per_rank: list[dict], single: dict, cp: int) -> None:

@@ -93,6 +93,7 @@ def _job(group, folders: dict, cp: int) -> dict:
                 out[mode, "conversation"] = conversation(eng, 512)
             out[mode, moe, "steps"] = eng.stats()["decode_steps"]
             out[mode, moe, "stored"] = eng.parts.kv.stored_tokens()
+            out[mode, moe, "verified"] = set(eng.parts.decoder.graphs.verified)  # buckets whose first replay passed
         if cp <= 2:
             out["refused", mode] = _refuse_at_context(_engine(folders["v4-short"], group, mode))
             bf16 = _engine(folders["v4-unscored"], group, mode, "tp", "bfloat16")
@@ -136,8 +137,10 @@ def _check(per_rank: list[dict], reference, cp: int) -> None:
                 moved = sum(s["bytes_merged"] for s in steps)
                 assert (moved > 0) == (mode == "layer-split"), (mode, moe, moved)  # the owner's output broadcast
                 assert got[mode, moe, "stored"] == 0
-    # (graph steps replay bucket 4; each bucket's first replay is self-checked: RuntimeConfig.verify_capture
-    # is on by default on the CPU stand-in)
+                # each bucket's first replay was self-checked (RuntimeConfig.verify_capture: on by default
+                # on the CPU stand-in)
+                replayed = {(s["bucket"], s["pages"]) for s in steps if s["path"] == "graph"}
+                assert replayed and got[mode, moe, "verified"] == replayed, (mode, moe)
 
 
 def test_v4_decoding_matches_transformers_at_cp_1(runs, reference):
