@@ -32,6 +32,9 @@ from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.cli.main import main
 from graphcp.dist import CPGroup, launch
 from graphcp.errors import BatchError
+from graphcp.pd.files import save_kv
+from graphcp.pd.hf import cache_argument
+from graphcp.pd.load import load_kv
 
 NEW = 16
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -227,3 +230,37 @@ def test_short_requests_on_pages_smaller_than_a_block(folders, hf_model):
             assert torch.equal(toks[j], t) and rel_err(logits[j], lg) <= TOL["float32"], (path, j)
     pages = {s["pages"] for s in eng.stats()["decode_steps"] if s["path"] == "graph"}
     assert 1 in pages and max(pages) >= 4  # a bucket of one page (4 tokens) and wider ones
+
+
+def _export_after_decoding(group, folder, path: str, prompt: np.ndarray, steps: int) -> list[int]:
+    """A prefill, ``steps`` greedy decode steps on the decode graphs (layer-split cache),
+    then the request's KV exported to rank 0 and written to ``path``: the sequence cached."""
+    eng = _engine(folder, group, "layer-split")
+    o = eng.prefill([Request(prompt)])
+    handles, tok, seq = o.handles, o.last_logits.argmax(-1), prompt.tolist()
+    for _ in range(steps):
+        seq.append(int(tok[0]))
+        o = eng.decode(handles, tok)
+        assert o.info.path == "graph"
+        handles, tok = o.handles, o.logits.argmax(-1)
+    export = eng.export_kv(handles[0], dst=0)
+    if export is not None:
+        export.token_ids = torch.tensor(seq)
+        save_kv(export, path)
+    eng.release(handles[0])
+    return seq
+
+
+def test_transformers_continues_from_the_kv_exported_after_decoding(folders, hf_model, tmp_path):
+    """The cache the decode steps wrote (CP 2, layer-split, graphs), exported and loaded as
+    transformers' cache: its logits for more tokens equal transformers' on the whole sequence."""
+    path = str(tmp_path / "kv.safetensors")
+    seq = launch(_export_after_decoding, 2, folders["v4"], path, _prompts()[1], 9)[0]
+    loaded = load_kv(path)
+    assert loaded.num_tokens == len(seq) == len(_prompts()[1]) + 9
+    model = hf_model(folders["v4"], "float32")
+    more = torch.tensor([[3, 77, 410, 9, 250]])
+    with torch.inference_mode():
+        full = model(input_ids=torch.cat([torch.tensor([seq]), more], dim=1)).logits[0, -more.shape[1]:]
+        cont = model(input_ids=more, use_cache=True, **{cache_argument(model): loaded.cache}).logits[0]
+    assert rel_err(cont, full) < TOL["float32"]
