@@ -354,3 +354,57 @@ def test_transformers_continues_from_the_kv_exported_after_decoding(folders, hf_
         full = model(input_ids=torch.cat([torch.tensor([seq]), more], dim=1)).logits[0, -more.shape[1]:]
         cont = model(input_ids=more, use_cache=True, **{cache_argument(model): loaded.cache}).logits[0]
     assert rel_err(cont, full) < TOL["float32"]
+
+
+@pytest.mark.parametrize("lens,padding", [((3, 16, 17, 40, 70), 2), ((3, 5), 1)], ids=["wide", "narrower-than-topk"])
+def test_the_decode_graph_form_equals_the_reference_on_random_caches(lens, padding):
+    """PagedSparseMlaDecode (what a decode graph captures) against TorchSparseMla (the
+    eager step) on one decode step's metadata over random paged caches (pages out of
+    order): requests below, at and past index_topk, a GLM 'shared' layer reusing layer 0's
+    selection, the bucket's padding rows (zeros), and a bucket narrower than index_topk
+    (its selection -1 padded): float32 within 1e-5."""
+    from graphcp.attention.base import AttentionMetadata
+    from graphcp.kv.layers import HeldLayers
+    from graphcp.kv.spec import PoolSpec
+    from graphcp.model.dsa.cache import MlaGeometry, MlaStorage
+    from graphcp.model.dsa.sparse import SparseMlaSpec, TorchSparseMla
+    from graphcp.model.dsa.sparse_decode import PagedSparseMlaDecode
+
+    sp = SparseMlaSpec(num_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, kv_lora_rank=32,
+                       index_heads=16, index_head_dim=16, index_topk=8, softmax_scale=0.3, num_indexer_layers=1,
+                       carries=frozenset({0}))
+    page, g, rng = 4, torch.Generator().manual_seed(1), np.random.default_rng(1)
+    need = sum(-(-n // page) for n in lens)
+    cache = MlaStorage(MlaGeometry(sp.kv_lora_rank, sp.qk_rope_head_dim, sp.index_head_dim, (True, False)),
+                       PoolSpec(range(2), need + 1, page, torch.float32), HeldLayers(range(2), range(2)))
+    cache.pool.copy_(torch.randn(cache.pool.shape, generator=g))
+    cache.index_pool.copy_(torch.randn(cache.index_pool.shape, generator=g))
+    free, width, table = rng.permutation(np.arange(1, need + 1)), max(-(-n // page) for n in lens), []
+    for n in lens:
+        pages, free = free[: -(-n // page)], free[-(-n // page):]
+        table.append(np.pad(pages, (0, width - pages.size)))
+    R, B = len(lens), len(lens) + padding  # the bucket's rows: the step's and padding
+    live = AttentionMetadata.from_host(np.arange(R + 1), np.array(lens), np.stack(table), page)
+    bucket = np.zeros((B, width), dtype=np.int32)
+    bucket[:R] = np.stack(table)
+    host = (np.arange(B + 1, dtype=np.int32), np.r_[lens, [0] * padding].astype(np.int32), bucket)
+    static = AttentionMetadata(*host, page, 1, width * page, "cpu", device_tensors=tuple(map(torch.from_numpy, host)))
+    q = torch.randn(B, sp.num_heads, sp.qk_head_dim, generator=g)
+    index_q, index_w = torch.randn(B, sp.index_heads, sp.index_head_dim, generator=g), torch.randn(B, sp.index_heads)
+    kv_b = torch.randn(sp.num_heads * (sp.qk_nope_head_dim + sp.v_head_dim), sp.kv_lora_rank, generator=g) * 0.2
+    reference, graph_form = TorchSparseMla(sp), PagedSparseMlaDecode(sp, static)
+    reference.prepare(live)
+    graph_form.prepare(live)  # (ignored: it reads its bucket's static metadata)
+    for layer, (iq, iw) in enumerate(((index_q, index_w), (None, None))):
+        want = torch.full((R, sp.num_heads, sp.v_head_dim), float("nan"))
+        reference.forward(layer, q[:R], None if iq is None else iq[:R], None if iw is None else iw[:R], kv_b, cache,
+                          want)
+        got = torch.full((B, sp.num_heads, sp.v_head_dim), float("nan"))
+        graph_form.forward(layer, q, iq, iw, kv_b, cache, got)
+        assert rel_err(got[:R], want) <= 1e-5, layer
+        assert torch.equal(got[R:], torch.zeros_like(got[R:])), layer  # padding rows
+    # the selection a shared layer reuses (and a layer-split holder broadcasts): the reference's for scored rows
+    scored = [j for j, n in enumerate(lens) if n > sp.index_topk]
+    sel = graph_form.selection_rows(B, torch.device("cpu"))
+    assert torch.equal(sel[scored], reference.selection_rows(R, torch.device("cpu"))[scored])
+    assert (sel[R:] == -1).all()
