@@ -17,6 +17,7 @@ Run: ``python -m pytest benchmarks/bench_decode.py --benchmark-only -s`` (prints
     decode step eagerly and on the decode graphs (the trace stand-in on a CPU: it counts
     launches; the launch overhead it saves shows on a GPU), the launches of a graph step
     (segments and breaks), the bytes merged a layer.
+(c) ``test_dsa_decode_step_time``: the same for a DSA model on the layer-split cache.
 """
 
 from __future__ import annotations
@@ -102,11 +103,12 @@ STEP_MODELS = ("default", "default-hybrid")
 STEP_ROWS: dict[str, list[str]] = {m: [] for m in STEP_MODELS}
 
 
-def _step_job(group: CPGroup, model: str) -> dict:
-    rt = RuntimeConfig(kv_tokens=CONTEXT * REQUESTS // group.size + 2048, kv_cache="sharded", graph="breakable")
+def _step_job(group: CPGroup, model: str, kv_cache: str = "sharded", context: int = CONTEXT) -> dict:
+    tokens = context * REQUESTS // (group.size if kv_cache == "sharded" else 1) + 2048
+    rt = RuntimeConfig(kv_tokens=tokens, kv_cache=kv_cache, graph="breakable")
     engine = PrefillEngine(model, rt, group)
     rng = np.random.default_rng(0)
-    out = engine.prefill([Request(rng.integers(0, 8192, CONTEXT)) for _ in range(REQUESTS)], force_eager=True)
+    out = engine.prefill([Request(rng.integers(0, 8192, context)) for _ in range(REQUESTS)], force_eager=True)
     handles, times = out.handles, {"eager": [], "graph": []}
     for i in range(2 * STEPS + 1):
         path = "eager" if i % 2 else "graph"
@@ -136,3 +138,27 @@ def test_decode_step_time(benchmark, cp, preset):
               "| C | eager ms/step | graph ms/step | launches/step | merge | merged KiB/layer |\n"
               "|---|---|---|---|---|---|")
         print("\n".join(rows))
+
+
+DSA_CONTEXT = 1024
+DSA_ROWS: list[str] = []
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_dsa_decode_step_time(benchmark, cp):
+    """(c) The DSA preset (``default-dsa``: a small DeepSeek V3.2, index_topk 256, MoE
+    ``ep``) on the layer-split cache (the memory answer for these models: docs/dsa.md), 8
+    requests of 1024 cached tokens: a step's median time eagerly and on the decode graphs,
+    the launches of a graph step (the MoE exchange stays a break), the bytes a rank
+    receives a layer (each layer's owner broadcasts its output)."""
+    model = str(ensure_preset("default-dsa"))
+    res = benchmark.pedantic(launch, args=(_step_job, cp, model, "layer-split" if cp > 1 else "replicated",
+                                           DSA_CONTEXT), rounds=1, iterations=1)[0]
+    assert (res["merged"] > 0) == (cp > 1)
+    benchmark.extra_info.update(res)
+    DSA_ROWS.append(f"| {cp} | {res['eager_ms']:.1f} | {res['graph_ms']:.1f} | {res['launches']} | "
+                    f"{res['merged'] / 1024:.1f} |")
+    if len(DSA_ROWS) == 3:
+        print(f"\n{REQUESTS} requests x {DSA_CONTEXT} cached tokens, default-dsa, layer-split cache (CPU):\n"
+              "| C | eager ms/step | graph ms/step | launches/step | received KiB/layer |\n|---|---|---|---|---|")
+        print("\n".join(DSA_ROWS))

@@ -319,6 +319,13 @@ class Attention(ABC):
         """Figures of the last forward for ForwardInfo.stats (given the batch's lengths): none by default."""
         return {}
 
+    def decode_graph_attention(self, meta: AttentionMetadata) -> "Attention | None":
+        """What a decode graph over the static metadata ``meta`` of its bucket captures in
+        place of this attention (one that reads no host value); None: the paged decode
+        attention over K/V heads (graphcp.attention.decode.paged). A family's own
+        attention gives its own form."""
+        return None
+
     @abstractmethod
     def forward(self, *args: Any, **kwargs: Any) -> None:
         """One layer's attention of this rank's query rows: the kind's call (the class doc):

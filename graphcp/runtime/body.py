@@ -118,8 +118,12 @@ class Body:
         return None if pages is None else to_device(pages, self.device)
 
     def requests(self, batch: PreparedBatch) -> BatchRequests:
-        """Every request of a prepared batch: lengths and pages (the same on every rank)."""
-        return BatchRequests(batch.plan.prefix_lens, batch.plan.extend_lens, self.kv.page_table(batch.seq_ids))
+        """Every request of a prepared batch: lengths and pages (the same on every rank); a
+        decode step's: one new token after each request's ``positions``."""
+        pages = self.kv.page_table(batch.seq_ids)
+        if batch.phase == DECODE:
+            return BatchRequests(batch.positions, np.ones_like(batch.positions), pages)
+        return BatchRequests(batch.plan.prefix_lens, batch.plan.extend_lens, pages)
 
     def run(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor,
             hidden_in: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,8 +15,10 @@ every phase's buckets the same way, keyed by (phase, bucket).
   requests hold. Attention and merge are inside the graph: the attention is
   :class:`~graphcp.attention.decode.paged.PagedDecodeAttention` (plain torch operations
   over the bucket's static page table and lengths), the merge's collectives have the
-  bucket's shapes (the bucket's merge: a step on it runs that plan); a layer that sizes
-  work on the host (the MoE ``ep`` exchange) stays a break. A step larger than every
+  bucket's shapes (the bucket's merge: a step on it runs that plan); a family's own
+  attention captures its decode graph form (``Attention.decode_graph_attention``: DSA's
+  sparse attention over the bucket's pages); a layer that sizes work on the host (the
+  MoE ``ep`` exchange) stays a break. A step larger than every
   bucket runs eagerly and says so. Each bucket is checked on its first live replay: its
   requests' KV is the cache's, so no synthetic batch is needed.
 """
@@ -32,7 +34,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.base import Attention, AttentionMetadata
 from graphcp.attention.decode.paged import PagedDecodeAttention
 from graphcp.attention.phase import DECODE, PREFILL, Phase
 from graphcp.config import RuntimeConfig
@@ -320,9 +322,9 @@ class DecodeGraphs(PhaseGraphs):
         cfg = body.model.cfg
         self.buffers = DecodeBuffers(self.buckets[-1], self.width, cfg.hidden_size, body.model.dtype, body.device,
                                      staging)
-        self.attention = PagedDecodeAttention(body.attention.spec)
         #: whether the cache keeps per-request state (a recurrent layer's): its step's slots are static rows too
         self.states = bool(body.kv.state_pools())
+        self._attentions: dict[tuple[int, int], Attention] = {}
         self._metas: dict[tuple[int, int], AttentionMetadata] = {}
         self._plans: dict[int, Any] = {}
         self._replays: dict[tuple[int, int], ForwardContext] = {}
@@ -378,6 +380,18 @@ class DecodeGraphs(PhaseGraphs):
                 device_tensors=(view.cu_seqlens_q, view.kv_lens, view.page_table))
         return meta
 
+    def attention(self, key: tuple[int, int]) -> Attention:
+        """The bucket's attention over its static metadata: the paged decode attention over
+        K/V heads, or a family's own attention's decode graph form (made once a bucket)."""
+        got = self._attentions.get(key)
+        if got is None:
+            engine = self.body.attention
+            got = engine.decode_graph_attention(self.static_meta(key))
+            if got is None:
+                got = PagedDecodeAttention(engine.spec)
+            self._attentions[key] = got
+        return got
+
     def fill(self, prep: PreparedBatch | None, key: tuple[int, int], hidden_in: torch.Tensor | None = None
              ) -> DecodeView:
         """The step's rows into the bucket's buffers, and its plan the bucket's (a step on
@@ -401,7 +415,7 @@ class DecodeGraphs(PhaseGraphs):
     def _context(self, prep: PreparedBatch | None, key: tuple[int, int], view: DecodeView,
                  stats: dict | None) -> ForwardContext:
         return self.body.context(prep, view.kv_slots, phase=DECODE, meta=self.static_meta(key),
-                                 attention=self.attention, stats=stats,
+                                 attention=self.attention(key), stats=stats,
                                  state_slots=view.state_slots if self.states else None)
 
     def output(self, view: DecodeView, prep: PreparedBatch) -> torch.Tensor:
