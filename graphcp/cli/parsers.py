@@ -42,11 +42,14 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
 
 def add_generate_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="greedy generation of a JSONL file's requests and conversations",
-                       usage=f"graphcp generate --input REQUESTS.jsonl --output OUT.pt --max-new-tokens N [options] "
-                             f"{RUNTIME_FLAGS}")
-    p.add_argument("--input", required=True,
+                       usage=f"graphcp generate (--input REQUESTS.jsonl | --import-kv DIR) --output OUT.pt "
+                             f"--max-new-tokens N [options] {RUNTIME_FLAGS}")
+    p.add_argument("--input", default=None,
                    help='REQUESTS.jsonl: {"tokens": [...], "prefix": K} or {"turns": [[...], ...], '
                         '"max_new_tokens": N} a line')
+    p.add_argument("--import-kv", default=None, metavar="DIR",
+                   help="instead of --input: continue the requests whose KV `graphcp prefill --export-kv DIR` wrote "
+                        "(DIR/<i>.safetensors, any prefill shape), from their first tokens (docs/pd.md)")
     p.add_argument("--output", required=True, help="OUT.pt (torch.save dict: tokens, finish, logits)")
     p.add_argument("--max-new-tokens", type=bounded(int, 1), required=True, metavar="N",
                    help="tokens generated a turn, at most")
