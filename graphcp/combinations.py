@@ -165,7 +165,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("dsv4",)), ("import", ("on",)),
             "a DeepSeek V4 export holds transformers' state (the last window rows, the pooled entries, the "
             "compressors' remainders), not the per-token window and source rows V4's pools keep, so it cannot be "
-            "placed back", (("model", "dense"), ("model", "moe")), "export holds pooled state"),
+            "placed back", (("model", "dense"), ("model", "moe")), "pooled state"),
     Refusal(("model", ("hybrid",)), ("layout", ("interleave",)),
             "a linear-attention hybrid's recurrence is scanned over each rank's contiguous blocks; interleave's "
             "one-token blocks would exchange a state map per token", (("layout", "zigzag"),),
@@ -235,7 +235,7 @@ REFUSALS: tuple[Refusal, ...] = (
             (("dp", "1"),), "not built yet"),
     Refusal(("draft", ("on",)), ("import", ("on",)),
             "an EAGLE-3 draft's next step reads the target's hidden states of the request's last tokens, which no KV "
-            "export carries", (("draft", "off"),), "draft reads hidden states"),
+            "export carries", (("draft", "off"),), "reads hidden states"),
     Refusal(("draft", ("on",)), ("decode", ("on",)),
             "EAGLE-3 verification (a draft's tokens checked in one step) is not built yet; decode runs without a "
             "draft", (("draft", "off"),), "not built yet"),
