@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from graphcp.jobs.args import add_decode_args, add_draft_arg, add_runtime_args, bounded, int_list
+from graphcp.options import KV_CACHE_MODES
 
 #: what ``--help`` shows in place of the runtime flags in a command's usage line (they
 #: are listed, each with its default, under "options")
@@ -67,10 +68,15 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
 
 def add_pd_demo_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("pd-demo",
-                       help="prefill at CP N, hand the KV to a decode process, continue it with transformers",
-                       usage=f"graphcp pd-demo [--transport mooncake|file] [options] {RUNTIME_FLAGS}")
+                       help="prefill at one shape, hand the KV to a graphcp decode engine of another, check the tokens",
+                       usage=f"graphcp pd-demo [--transport mooncake|file] [--decode-cp 2] [options] {RUNTIME_FLAGS}")
     add_runtime_args(p, "breakable")
-    p.set_defaults(cp=2, func="graphcp.cli.pd_demo:cmd_pd_demo")
+    p.set_defaults(cp=4, kv_cache="sharded", func="graphcp.cli.pd_demo:cmd_pd_demo")
+    p.add_argument("--decode-cp", type=bounded(int, 1), default=2,
+                   help="the decode engine's CP ranks (the runtime flags' --cp, --tp, --pp, --dp are the prefill's; "
+                        "default: %(default)s)")
+    p.add_argument("--decode-kv-cache", default="sharded", choices=KV_CACHE_MODES,
+                   help="the decode engine's cache mode (default: %(default)s)")
     p.add_argument("--transport", default=None, choices=("mooncake", "file"),
                    help="mooncake: the transfer engine on loopback TCP (the .[pd] extra); file: a safetensors file "
                         "(default: mooncake where it imports, else file)")
