@@ -140,3 +140,25 @@ def test_generate_import_kv_continues_another_shapes_files(default_model_dir, tm
 
 def test_import_error_is_an_input_error():
     assert issubclass(KVImportError, InputError)
+
+
+def _different_payloads(group, folder, payloads):
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, page_size=16, kv_cache="sharded"), group)
+    before = eng.parts.kv.snapshot()
+    try:
+        eng.import_kv(payloads[group.rank])
+        return None
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return type(e).__name__, str(e), eng.parts.kv.snapshot() == before
+
+
+def test_ranks_given_different_payloads_refuse_on_every_rank(dense, export):
+    """SPMD: every rank must be given the same payload; a rank given another refuses on
+    every rank, one line, nothing reserved (the ledger every rank keeps stays the same)."""
+    from graphcp.dist import launch
+
+    other = _export(dense)
+    other.token_ids = other.token_ids.flip(0)  # another request's tokens, the same length
+    for name, msg, unchanged in launch(_different_payloads, 2, dense, [export, other]):
+        assert name == "ConsistencyError" and "another payload to import_kv" in msg and "\n" not in msg, msg
+        assert unchanged

@@ -28,7 +28,7 @@ from graphcp.errors import BatchError
 from graphcp.kv.handle import KVCacheFull, KVHandle
 from graphcp.pd.errors import KVImportError
 from graphcp.pd.files import read_kv
-from graphcp.runtime.batch import check_fingerprints
+from graphcp.runtime.batch import ConsistencyError
 from graphcp.runtime.build import EngineParts
 from graphcp.runtime.dp import ReplicaHandle
 from graphcp.runtime.export import Exporter
@@ -99,7 +99,10 @@ class Importer:
         fp = [meta.num_tokens, zlib.crc32(repr(sorted(meta.to_dict().items())).encode()),
               -1 if ids is None else zlib.crc32(ids.detach().cpu().numpy().astype(np.int64).tobytes())]
         every = world.all_gather_rows(torch.tensor([fp], dtype=torch.int64, device=self.parts.device)).cpu()
-        check_fingerprints(every, world.rank)
+        differ = [r for r in range(world.size) if not torch.equal(every[r], every[world.rank])]
+        if differ:
+            raise ConsistencyError(f"rank {world.rank}: ranks {differ} were given another payload to import_kv "
+                                   f"({meta.num_tokens} tokens here); every rank imports the same KV")
 
     # ---- the placement ----------------------------------------------------------------
     def _place(self, exported) -> KVHandle:
