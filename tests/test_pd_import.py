@@ -1,6 +1,6 @@
 """PD between any two shapes (issue 49, docs/pd.md "Import"): a request prefilled by one
 graphcp engine (one CP size, cache mode, attention TP, pipeline split or attention DP),
-exported, and imported by another of another shape with ``engine.import_kv``, continues
+exported to a file, and imported by another of another shape with ``engine.import_kv``, continues
 exactly: its greedy ids over 16 tokens equal transformers' ``generate``, every step's
 logits within 1e-4 (float32; bfloat16 within the suite's 2e-2 of transformers in bfloat16 on
 the same sequence), for a dense and a MoE model. A second turn after the import
@@ -13,6 +13,8 @@ tokens none) differs from the one the import derives (one chunk at the target's 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from helpers import rel_err
 
 from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import CPGroup, launch
+from graphcp.pd.files import read_kv, save_kv
 
 PAGE = 16
 LENS = ((20, 25), (0, 13))  # (cached prefix, rest): request 0 in two chunks
@@ -52,11 +55,11 @@ def _turn(vocab: int) -> np.ndarray:
     return np.random.default_rng(9).integers(0, vocab, TURN)
 
 
-def _source_job(group, folders: dict, s: dict, dtype: str):
+def _source_job(group, folders: dict, s: dict, dtype: str, out: Path):
     """Prefill both prompts (request 0 after a cached prefix of its first tokens) at shape
-    ``s`` and export each with its tokens and first-token logits: model -> exports, on the
-    run's rank 0 (None elsewhere)."""
-    out = {}
+    ``s`` and export each with its tokens and first-token logits to a file in ``out`` (the
+    file transport): model -> the files, on the run's rank 0 (None elsewhere)."""
+    files = {}
     for model, folder in folders.items():
         eng = _engine(folder, group, s, dtype)
         prompts = _prompts(eng.cfg.vocab_size)
@@ -65,16 +68,17 @@ def _source_job(group, folders: dict, s: dict, dtype: str):
         dst = None if s["cp"] == 4 else 0  # to every rank, or to rank 0 alone
         exports = eng.export_kv_batch(res.handles, dst=dst)
         if eng.world_rank == 0:
-            for e, p, logits in zip(exports, prompts, res.last_logits):
+            files[model] = []
+            for i, (e, p, logits) in enumerate(zip(exports, prompts, res.last_logits)):
                 e.token_ids, e.last_logits = torch.from_numpy(p), logits.clone()
-            out[model] = exports
+                files[model].append(save_kv(e, out / f"{model}-{dtype}-{i}.safetensors"))
         for h in res.handles:
             eng.release(h)
-    return out if group.rank == 0 else None
+    return files if group.rank == 0 else None
 
 
-def _target_job(group, folders: dict, s: dict, dtype: str, exports: dict):
-    """Import each model's exports at shape ``s``; decode NEW - 1 steps from their first
+def _target_job(group, folders: dict, s: dict, dtype: str, files: dict):
+    """Import each model's files at shape ``s`` (every rank reads them: import_kv(path)); decode NEW - 1 steps from their first
     tokens (no recompute: the export's last_logits give it), release; import request 0
     again and prefill a second turn after it; for the dense model also ``generate`` from
     an imported handle. The pool's state before and after each."""
@@ -83,8 +87,8 @@ def _target_job(group, folders: dict, s: dict, dtype: str, exports: dict):
         eng = _engine(folder, group, s, dtype)
         kv = eng.parts.kv
         before = kv.snapshot()
-        got = exports[model]
-        handles = [eng.import_kv(e) for e in got]
+        got = [read_kv(f) for f in files[model]]  # (their first tokens' logits)
+        handles = [eng.import_kv(f) for f in files[model]]
         tok = torch.stack([e.last_logits for e in got]).argmax(-1)
         toks, logits = [tok], [torch.stack([e.last_logits for e in got])]
         can_decode = s["pp"] == 1 and s["dp"] == 1
@@ -96,27 +100,27 @@ def _target_job(group, folders: dict, s: dict, dtype: str, exports: dict):
         for h in handles:
             eng.release(h)
         after_decode = kv.snapshot()
-        h = eng.import_kv(got[0])
+        h = eng.import_kv(files[model][0])
         first = int(got[0].last_logits.argmax())
         turn = np.concatenate([[first], _turn(eng.cfg.vocab_size)])
         second = eng.prefill([Request(turn, prefix=h)], all_logits=True)
         eng.release(second.handles[0])
         gen = None
         if model == "dense" and can_decode:
-            h = eng.import_kv(got[0])
+            h = eng.import_kv(files[model][0])
             gen = eng.generate([Request([first], prefix=h)], NEW - 1).tokens[0][0]
         out[model] = {"tokens": torch.stack(toks, 1), "logits": torch.stack(logits, 1), "second": second.logits[0],
                       "generate": gen, "before": before, "after_decode": after_decode, "after": kv.snapshot()}
     return out
 
 
-def run_pair(folders: dict, src: dict, dst: dict, dtype: str = "float32") -> list[dict]:
-    """Every target rank's results of importing what ``src`` exported."""
-    exports = (launch(_source_job, ranks(src), folders, src, dtype)[0] if ranks(src) > 1
-               else _source_job(CPGroup(), folders, src, dtype))
+def run_pair(folders: dict, src: dict, dst: dict, via: Path, dtype: str = "float32") -> list[dict]:
+    """Every target rank's results of importing what ``src`` exported, through files in ``via``."""
+    files = (launch(_source_job, ranks(src), folders, src, dtype, via)[0] if ranks(src) > 1
+             else _source_job(CPGroup(), folders, src, dtype, via))
     if ranks(dst) == 1:
-        return [_target_job(CPGroup(), folders, dst, dtype, exports)]
-    return launch(_target_job, ranks(dst), folders, dst, dtype, exports)
+        return [_target_job(CPGroup(), folders, dst, dtype, files)]
+    return launch(_target_job, ranks(dst), folders, dst, dtype, files)
 
 
 @pytest.fixture(scope="module")
@@ -185,18 +189,18 @@ PAIRS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pair", list(PAIRS))
-def test_prefill_at_one_shape_decodes_at_another(folders, reference, pair):
+def test_prefill_at_one_shape_decodes_at_another(folders, reference, pair, tmp_path):
     src, dst = PAIRS[pair]
-    check_pair(run_pair(folders["float32"], src, dst), reference)
+    check_pair(run_pair(folders["float32"], src, dst, tmp_path), reference)
 
 
 @pytest.mark.slow
-def test_bfloat16_import_decodes_within_the_suites_bound(folders, hf_model):
+def test_bfloat16_import_decodes_within_the_suites_bound(folders, hf_model, tmp_path):
     """The first pair in bfloat16: every step's logits within 2e-2 of transformers in
     bfloat16 on the same sequence (the dense model)."""
     dense = {"dense": folders["bfloat16"]["dense"]}
     src, dst = PAIRS["cp4-sharded->cp2-sharded"]
-    got = run_pair(dense, src, dst, "bfloat16")[0]["dense"]
+    got = run_pair(dense, src, dst, tmp_path, "bfloat16")[0]["dense"]
     hf = hf_model(folders["bfloat16"]["dense"], "bfloat16")
     for j, p in enumerate(_prompts(hf.config.vocab_size)):
         seq = torch.cat([torch.from_numpy(p), got["tokens"][j, :-1]]).view(1, -1)
@@ -216,15 +220,16 @@ FAST = {
 
 
 @pytest.mark.parametrize("pair", list(FAST))
-def test_import_across_cp_sizes_and_modes(folders, reference, pair):
+def test_import_across_cp_sizes_and_modes(folders, reference, pair, tmp_path):
     src, dst = FAST[pair]
-    check_pair(run_pair(folders["float32"], src, dst), reference)
+    check_pair(run_pair(folders["float32"], src, dst, tmp_path), reference)
 
 
-def test_import_into_pipeline_stages_extends_exactly(folders, reference):
+def test_import_into_pipeline_stages_extends_exactly(folders, reference, tmp_path):
     """Each stage places its own layers; a next turn's prefill after the imported handle
     matches transformers (decode under stages is refused: the second turn is the check)."""
-    check_pair(run_pair(folders["float32"], shape(1, "layer-split"), shape(1, pp=2)), reference, decodes=False)
+    check_pair(run_pair(folders["float32"], shape(1, "layer-split"), shape(1, pp=2), tmp_path), reference,
+               decodes=False)
 
 
 # ---- the other families' formats: placed at another shape --------------------------------
