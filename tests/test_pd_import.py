@@ -55,16 +55,28 @@ def _turn(vocab: int) -> np.ndarray:
     return np.random.default_rng(9).integers(0, vocab, TURN)
 
 
-def _source_job(group, folders: dict, s: dict, dtype: str, out: Path):
+def _source_job(group, folders: dict, s: dict, dtype: str, out: Path, mooncake: str | None = None):
     """Prefill both prompts (request 0 after a cached prefix of its first tokens) at shape
     ``s`` and export each with its tokens and first-token logits to a file in ``out`` (the
-    file transport): model -> the files, on the run's rank 0 (None elsewhere)."""
+    file transport): model -> the files, on the run's rank 0 (None elsewhere). With
+    ``mooncake`` (a receiver's address) every rank sends its part there instead, and rank 0
+    returns each request's tokens and first-token logits (which the region does not carry)."""
     files = {}
     for model, folder in folders.items():
         eng = _engine(folder, group, s, dtype)
         prompts = _prompts(eng.cfg.vocab_size)
         first = eng.prefill([Request(prompts[0][:LENS[0][0]])]).handles[0]
         res = eng.prefill([Request(prompts[0][LENS[0][0]:], prefix=first), Request(prompts[1])])
+        if mooncake is not None:
+            from graphcp.pd.sender import KVSender
+
+            sender = KVSender(mooncake, eng.world_rank, eng.world.size, timeout_s=60)
+            sender.send(eng, res.handles, [f"{model}-{i}" for i in range(len(res.handles))])
+            sender.close()
+            files[model] = [(torch.from_numpy(p), logits.clone()) for p, logits in zip(prompts, res.last_logits)]
+            for h in res.handles:
+                eng.release(h)
+            continue
         dst = None if s["cp"] == 4 else 0  # to every rank, or to rank 0 alone
         exports = eng.export_kv_batch(res.handles, dst=dst)
         if eng.world_rank == 0:
@@ -207,6 +219,30 @@ def test_bfloat16_import_decodes_within_the_suites_bound(folders, hf_model, tmp_
         with torch.inference_mode():
             ref = hf(input_ids=seq).logits[0, len(p) - 1:].float()
         assert rel_err(got["logits"][j], ref) <= TOL["bfloat16"], j
+
+
+@pytest.mark.slow
+def test_the_first_pair_through_mooncake(folders, reference, tmp_path):
+    """CP 4 sharded -> CP 2 sharded with the KV written by every prefill rank into a
+    Mooncake receiver on loopback (what it hands out is imported as received)."""
+    from test_pd_mooncake import PROBLEM, Receiver
+
+    if PROBLEM is not None:
+        pytest.skip(f"Mooncake transport unavailable: {PROBLEM}")
+    src, dst = PAIRS["cp4-sharded->cp2-sharded"]
+    ids = [f"{m}-{i}" for m in MODELS for i in range(len(LENS))]
+    rx = Receiver("good", tmp_path, ids, timeout_s=120)
+    sent = launch(_source_job, ranks(src), folders["float32"], src, "float32", tmp_path, rx.address)[0]
+    got = rx.results()
+    assert all(got[i] == ("ok", "") for i in ids), got
+    files = {}
+    for m in MODELS:  # the received KV, with the tokens and first logits the prefill side returned
+        files[m] = []
+        for i, (ids_, logits) in enumerate(sent[m]):
+            e = read_kv(tmp_path / f"{m}-{i}.safetensors")
+            e.token_ids, e.last_logits = ids_, logits
+            files[m].append(save_kv(e, tmp_path / f"{m}-{i}-with-logits.safetensors"))
+    check_pair(launch(_target_job, ranks(dst), folders["float32"], dst, "float32", files), reference)
 
 
 # ---- 2 ranks: across CP sizes and modes, into attention TP and pipeline stages -------------

@@ -151,7 +151,9 @@ class PrefillEngine:
         Under attention TP each head shard is assembled over its CP group, then the heads
         are gathered over attention TP (graphcp.pd.heads); under pipeline stages each
         stage assembles its own layers, then each stage's layers travel to the receivers
-        in one message (graphcp.pd.export.gather_stages)."""
+        in one message (graphcp.pd.export.gather_stages); under attention DP (a ReplicaHandle)
+        the replica that holds the request assembles it, then sends it to ``dst`` or
+        broadcasts it in one message (graphcp.pd.export.send_export)."""
         return self._exporter.export(handle, dst)
 
     def export_kv_batch(self, handles: Sequence[KVHandle], dst: int | None = None) -> list:
