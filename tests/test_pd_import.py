@@ -261,11 +261,19 @@ def test_import_across_cp_sizes_and_modes(folders, reference, pair, tmp_path):
     check_pair(run_pair(folders["float32"], src, dst, tmp_path), reference)
 
 
-def test_import_into_pipeline_stages_extends_exactly(folders, reference, tmp_path):
-    """Each stage places its own layers; a next turn's prefill after the imported handle
-    matches transformers (decode under stages is refused: the second turn is the check)."""
-    check_pair(run_pair(folders["float32"], shape(1, "layer-split"), shape(1, pp=2), tmp_path), reference,
-               decodes=False)
+@pytest.mark.parametrize("dst", [shape(1, pp=2), shape(1, "sharded", dp=2)], ids=["pp2", "dp2"])
+def test_import_into_stages_or_replicas_extends_exactly(folders, reference, tmp_path, dst):
+    """Pipeline stages: each stage places its own layers; attention DP: the replica with the
+    most free pages takes the request (a ReplicaHandle). A next turn's prefill after the
+    imported handle matches transformers (decode under stages and DP is refused: the second
+    turn is the check)."""
+    check_pair(run_pair(folders["float32"], shape(1, "layer-split"), dst, tmp_path), reference, decodes=False)
+
+
+@pytest.mark.slow
+def test_import_into_attention_tp_4_with_replicated_kv_heads(folders, reference, tmp_path):
+    """2 KV heads over attention TP 4: each head placed on the two ranks that read it."""
+    check_pair(run_pair(folders["float32"], shape(2, "sharded"), shape(1, attn_tp=4), tmp_path), reference)
 
 
 # ---- the other families' formats: placed at another shape --------------------------------
