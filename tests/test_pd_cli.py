@@ -95,3 +95,15 @@ def test_pd_demo_reference_takes_an_end_of_sequence_id_like_the_decode_side(tmp_
     # the same weights, the greedy first token now the end-of-sequence id
     folder = ensure_random_model("default-eos", {**PRESETS["default"], "eos_token_id": first}, root=tmp_path)
     assert _reference(folder, prompt, 2)[0] == first
+
+
+def test_pd_demo_continues_with_transformers_a_model_graphcp_does_not_decode(hf_model_dir, capsys):
+    """A DSA model (graphcp's decode of it is not built here): the decode side is
+    transformers, from the graphcp-mla/1 export, and the demo says so on stderr."""
+    folder = hf_model_dir("deepseek_v32", False, "float32")
+    proc = _graphcp(capsys, "pd-demo", "--model", folder, "--graph", "off", "--kv-tokens", 512, "--prompt-tokens", 40,
+                    "--prefix-tokens", 12, "--steps", 2, "--transfer-timeout", 30, "--cp", 2, "--kv-cache",
+                    "layer-split", "--transport", "file")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "the decode side continues with transformers" in proc.stderr
+    assert "| decode             | transformers:" in proc.stdout and "yes |" in proc.stdout

@@ -30,7 +30,7 @@ from graphcp.cli.generate import check_decode
 from graphcp.cli.imported import check_import
 from graphcp.cli.table import print_table
 from graphcp.combinations import check as check_combination
-from graphcp.combinations import parallel_settings
+from graphcp.combinations import parallel_settings, refusal
 from graphcp.dist import die_with_parent, ignore_sigint, sigint_deferred
 from graphcp.errors import ConfigError
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
@@ -39,6 +39,8 @@ from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
 from graphcp.model.presets import resolve_model
 from graphcp.pd.errors import TransferError
 from graphcp.pd.files import read_kv, save_kv
+from graphcp.pd.hf import greedy_continue
+from graphcp.pd.load import to_transformers_cache
 from graphcp.pd.mooncake import PD_EXTRA, mooncake_problem
 from graphcp.pd.receiver import KVReceiver
 from graphcp.pd.sender import KVSender
@@ -125,6 +127,23 @@ def _import_and_decode(group, spec: JobSpec, export, first: int, steps: int) -> 
 
 
 @torch.inference_mode()
+def _transformers_decode(model_dir: Path, export, first: int, steps: int) -> dict:
+    """The decode side for a model graphcp does not decode yet: transformers continues
+    from the export's cache (the format's builder, graphcp.pd.load)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    t0 = time.perf_counter()
+    cache = to_transformers_cache(export, dtype=torch.float32)
+    built = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tokens, _ = greedy_continue(model, cache, first, steps)
+    return {"tokens": [first] + tokens, "import_s": built, "tokens_per_s": steps / (time.perf_counter() - t0)}
+
+
+@torch.inference_mode()
 def _reference(model_dir: Path, prompt: np.ndarray, steps: int) -> list[int]:
     """transformers alone: the greedy continuation of the prompt (first token included), an
     end-of-sequence id taken like any other, as the decode side's argmax takes it."""
@@ -166,13 +185,21 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     spec, dspec = job_spec(args), decode_spec(args)
     model = preflight(spec, args.moe, "graphcp pd-demo")
-    preflight(dspec, args.moe, "graphcp pd-demo")
     check_combination({**parallel_settings(spec.parallel), "export": "on"}, flags=True)
-    check_import(dspec, model)
-    check_decode(dspec, model)
+    # a model graphcp does not decode (or import) yet: the decode side is transformers, and says so
+    rule = refusal({"model": model.kind, "decode": "on"}) or refusal({"model": model.kind, "import": "on"})
+    instead = None if rule is None else rule.reason
+    if instead is not None:
+        print(f"graphcp pd-demo: note: graphcp does not decode this model ({instead}): the decode side continues "
+              "with transformers", file=sys.stderr)
+    else:
+        preflight(dspec, args.moe, "graphcp pd-demo")
+        check_import(dspec, model)
+        check_decode(dspec, model)
     if args.memory_check:
         check_local_ranks_fit(spec, job_memory(spec, [args.prefix_tokens, args.prompt_tokens - args.prefix_tokens]))
-        check_local_ranks_fit(dspec, job_memory(dspec, [args.prompt_tokens]))
+        if instead is None:
+            check_local_ranks_fit(dspec, job_memory(dspec, [args.prompt_tokens]))
     model_dir = resolve_model(spec.model)
     prompt = _prompt(model.vocab_size, args.prompt_tokens)
     ctx = mp.get_context("fork")
@@ -199,7 +226,10 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
             rx.kill()
     if "error" in got:
         raise TransferError(f"the decode side's receiver failed: {got['error']}")
-    dec = run_job_on_ranks(_import_and_decode, dspec, got["export"], res["next_token"], args.steps)
+    if instead is None:
+        dec = run_job_on_ranks(_import_and_decode, dspec, got["export"], res["next_token"], args.steps)
+    else:
+        dec = _transformers_decode(model_dir, got["export"], res["next_token"], args.steps)
     want = _reference(model_dir, prompt, args.steps)
     mine = dec["tokens"]
     ms = 1e3
@@ -210,7 +240,9 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
                     f"{res['ttft_s'] * ms:.1f} ms (warm)"),
         ("KV handed over", f"{res['bytes'] / 2**20:.2f} MiB via {args.transport} in {res['transfer_s'] * ms:.1f} ms "
                            f"({res['bytes'] / max(res['transfer_s'], 1e-9) / 2**30:.2f} GiB/s)"),
-        ("decode", f"{ranks_of(dspec)}, {dspec.runtime.kv_cache} cache: imported in {dec['import_s'] * ms:.1f} ms "
+        ("decode", f"transformers: its cache built in {dec['import_s'] * ms:.1f} ms; {args.steps} steps at "
+                   f"{dec['tokens_per_s']:.1f} tokens/s" if instead is not None else
+                   f"{ranks_of(dspec)}, {dspec.runtime.kv_cache} cache: imported in {dec['import_s'] * ms:.1f} ms "
                    f"(tokens a rank: {'/'.join(map(str, dec['held']))}); {args.steps} steps: the first "
                    f"{dec['first_step_s'] * ms:.1f} ms, then {dec['tokens_per_s']:.1f} tokens/s"),
         ("graphcp tokens", " ".join(map(str, mine))),
