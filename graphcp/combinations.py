@@ -53,7 +53,7 @@ class Axis:
             if value == ">1":
                 return f"{self.flag} >1" if flags else f"{self.api} > 1"
             return f"{self.flag} {value}" if flags else f"{self.api}={value}"
-        if self.key in ("aux", "export", "draft", "decode"):
+        if self.key in ("aux", "export", "draft", "decode", "import"):
             return self.flag if flags else self.api
         if self.key == "model":
             kind = {"dsa": "DSA", "moe": "MoE", "dsv4": "DeepSeek V4", "hybrid": "linear-attention hybrid"}.get(
@@ -80,6 +80,8 @@ AXES: dict[str, Axis] = {a.key: a for a in (
     Axis("draft", ("off", "on"), "RuntimeConfig.draft", "--draft"),  # an EAGLE-3 draft (docs/speculative.md)
     # decode steps after the prefill: PrefillEngine.decode / generate, `graphcp generate` (docs/decode.md)
     Axis("decode", ("off", "on"), "PrefillEngine.decode", "graphcp generate"),
+    # a request's KV prefilled elsewhere, placed in this engine's cache (docs/pd.md, "Import")
+    Axis("import", ("off", "on"), "PrefillEngine.import_kv", "--import-kv"),
 )}
 
 #: values that run only on a GPU (the matrix test runs the others on a CPU; the
@@ -160,6 +162,10 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("dsv4",)), ("draft", ("on",)),
             "an EAGLE-3 draft reads one hidden row a layer and caches per-head K/V; V4 has hc_mult streams and "
             "one shared KV head", (("model", "dense"), ("model", "moe")), "residual is hc_mult streams"),
+    Refusal(("model", ("dsv4",)), ("import", ("on",)),
+            "a DeepSeek V4 export holds transformers' state (the last window rows, the pooled entries, the "
+            "compressors' remainders), not the per-token window and source rows V4's pools keep, so it cannot be "
+            "placed back", (("model", "dense"), ("model", "moe")), "pooled state"),
     Refusal(("model", ("hybrid",)), ("layout", ("interleave",)),
             "a linear-attention hybrid's recurrence is scanned over each rank's contiguous blocks; interleave's "
             "one-token blocks would exchange a state map per token", (("layout", "zigzag"),),
@@ -173,8 +179,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("dp", (">1",)), ("pp", (">1",)),
             "attention data parallelism under pipeline stages is not built yet", (("dp", "1"), ("pp", "1")),
             "not built yet"),
-    Refusal(("dp", (">1",)), ("export", ("on",)),
-            "the KV export under attention DP is not built yet", (("dp", "1"),), "not built yet"),
     Refusal(("model", ("dsa",)), ("draft", ("on",)),
             "an EAGLE-3 draft's K/V are per head, one more layer of the target's cache, and MLA caches latents",
             (("model", "dense"), ("model", "moe")), "MLA caches latents"),
@@ -220,6 +224,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("dp", (">1",)), ("decode", ("on",)),
             "decode under attention DP (each replica decoding its own requests) is not built yet",
             (("dp", "1"),), "not built yet"),
+    Refusal(("draft", ("on",)), ("import", ("on",)),
+            "an EAGLE-3 draft's next step reads the target's hidden states of the request's last tokens, which no KV "
+            "export carries", (("draft", "off"),), "reads hidden states"),
     Refusal(("draft", ("on",)), ("decode", ("on",)),
             "EAGLE-3 verification (a draft's tokens checked in one step) is not built yet; decode runs without a "
             "draft", (("draft", "off"),), "not built yet"),
@@ -429,7 +436,7 @@ def _flag_text(key: str, values: tuple[str, ...]) -> str:
         return f"{'/'.join(names.get(v, v) for v in values)} models"
     if key == "attn_tp":  # (--tp over --cp x --dp: docs/parallel.md)
         return " or ".join(f"attention TP {'> 1' if v == '>1' else v}" for v in values)
-    if key in ("aux", "export", "draft", "decode", "pp", "dp"):
+    if key in ("aux", "export", "draft", "decode", "import", "pp", "dp"):
         return " or ".join(f"no `{a.flag}`" if _off(key, v) else f"`{a.say(v, True)}`" for v in values)
     return f"`{a.flag} {'/'.join(values)}`"
 

@@ -219,3 +219,18 @@ class PagedKVCache:
             return self.storage.read_state(int(self.table_rows([handle.seq_id])[0]), span.layer)
         start = self.local_index(handle, span.start)
         return self.storage.read_span(handle.pages, span.layer, start, start + span.num_tokens)
+
+    # ---- import (PrefillEngine.import_kv: the export's reads, inverted) --------------
+    def write_import(self, handle: KVHandle, layer: int, values: tuple[torch.Tensor, ...]) -> None:
+        """Store an imported request's ``layer`` (one this rank keeps: ``storage.held``):
+        ``values`` are the export format's tensors of the positions this rank holds
+        (``handle.positions(rank)``, in local order), or of a per-request state layer
+        whole; the request was just reserved (``handle`` is live)."""
+        row = int(self.table_rows([handle.seq_id])[0])
+        if layer in self.storage.state_layers:
+            self.storage.write_state(row, layer, values)
+            return
+        n = handle.local_tokens(self.rank)
+        slots = self.run_slots(np.array([row], dtype=np.int64), np.arange(n, dtype=np.int64),
+                               np.array([n], dtype=np.int64))
+        self.storage.write_span(layer, values, torch.from_numpy(slots).to(self.pool.device))

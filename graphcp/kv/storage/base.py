@@ -112,6 +112,18 @@ class Storage:
         :attr:`state_layers` (new tensors)."""
         raise ValueError(f"layer {layer} keeps no per-request state")
 
+    # ---- an import (PrefillEngine.import_kv): the inverse of the export's reads ----------
+    def write_span(self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor) -> None:
+        """Store ``values`` (the export format's tensors of ``layer``, as :meth:`read_span`
+        returns them: this rank's heads, ``n`` tokens) at cache ``slots [n]`` (int64, on
+        the pools' device): the positions of a request this rank holds."""
+        raise NotImplementedError(f"{type(self).__name__} does not place an import")
+
+    def write_state(self, row: int, layer: int, values: tuple[torch.Tensor, ...]) -> None:
+        """Store a layer of :attr:`state_layers`' state (as :meth:`read_state` returns it)
+        as the committed state of the request in table ``row`` (just reserved)."""
+        raise ValueError(f"layer {layer} keeps no per-request state")
+
 
 def itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()

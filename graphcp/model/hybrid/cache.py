@@ -188,6 +188,7 @@ class HybridStorage(Storage):
         self.state_layers = frozenset(geometry.of_kind(held.served, LINEAR))
         self.layer, self.layer_pools, self.write = self.kv.layer, self.kv.layer_pools, self.kv.write
         self.token_values, self.page_pools, self.read_span = self.kv.token_values, self.kv.page_pools, self.kv.read_span
+        self.write_span = self.kv.write_span
 
     @classmethod
     def create(cls, geometry: HybridGeometry, pool: PoolSpec, held: HeldLayers) -> "HybridStorage":
@@ -215,6 +216,17 @@ class HybridStorage(Storage):
         slot = s.committed_slot(row)
         j = s.linear_index[layer]
         return s.conv[j, slot].t().contiguous(), s.recurrent[j, slot].clone()
+
+
+    def write_state(self, row: int, layer: int, values: tuple[torch.Tensor, ...]) -> None:
+        """A linear layer's ``conv`` ``[conv_dim, K]`` and ``recurrent`` (as :meth:`read_state`
+        returns them) as the request's committed state (a layer this rank keeps)."""
+        conv, recurrent = values
+        s = self.states
+        slot = s.committed_slot(row)
+        j = s.linear_index[layer]
+        s.conv[j, slot] = conv.t().to(s.conv.dtype)
+        s.recurrent[j, slot] = recurrent.to(torch.float32)
 
 
 _NO_KV = "is a linear-attention layer: it has no K/V"
