@@ -4,8 +4,8 @@ Attention TP 2 inside CP 2 (4 ranks): each rank attends and merges its own heads
 share of the KV, and the steps match the single-rank engine, on the token-sharded and
 the replicated cache. (The other compositions, MoE ep and tp, both prefill layouts,
 full and breakable graphs, aux, export after decoding, are runs of the combination
-matrix: tests/test_combinations.py.) What decode does not combine with (pipeline stages,
-attention DP, an EAGLE-3 draft) is one ConfigError line from
+matrix: tests/test_combinations.py; pipeline stages: tests/test_decode_pp.py.) What decode
+does not combine with (attention DP, an EAGLE-3 draft) is one ConfigError line from
 ``decode`` and ``generate``, before anything runs."""
 
 from __future__ import annotations
@@ -73,13 +73,12 @@ def _refused(engine: PrefillEngine, pair: tuple[str, str]) -> None:
 
 
 def _mesh_refusals(group, folder) -> bool:
-    for par, pair in ((ParallelConfig(cp_size=1, pp_size=2), ("pp", ">1")),
-                      (ParallelConfig(cp_size=1, dp_size=2), ("dp", ">1"))):
+    for par, pair in ((ParallelConfig(cp_size=1, dp_size=2), ("dp", ">1")),):
         _refused(PrefillEngine(folder, RuntimeConfig(kv_tokens=256), group, parallel=par), pair)
     return True
 
 
-def test_pipeline_stages_and_attention_dp_refuse_decode(folder):
+def test_attention_dp_refuses_decode(folder):
     assert all(launch(_mesh_refusals, 2, folder))
 
 

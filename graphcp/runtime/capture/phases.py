@@ -319,9 +319,9 @@ class DecodeGraphs(PhaseGraphs):
         super().__init__(body)
         self.buckets = tuple(buckets)
         self.width = body.kv.table_width
-        cfg = body.model.cfg
-        self.buffers = DecodeBuffers(self.buckets[-1], self.width, cfg.hidden_size, body.model.dtype, body.device,
-                                     staging)
+        cfg, model = body.model.cfg, body.model
+        self.buffers = DecodeBuffers(self.buckets[-1], self.width, cfg.hidden_size, model.dtype, body.device,
+                                     staging, model.handoff_size if body.takes_hidden else None, model.output_size)
         #: whether the cache keeps per-request state (a recurrent layer's): its step's slots are static rows too
         self.states = bool(body.kv.state_pools())
         self._attentions: dict[tuple[int, int], Attention] = {}
@@ -398,7 +398,7 @@ class DecodeGraphs(PhaseGraphs):
         a decode graph merges as its bucket was captured to)."""
         if prep is not None:
             prep.kv_plan = self.plan(key[0])
-        return self.buffers.fill(prep, *key, self.body.kv)
+        return self.buffers.fill(prep, *key, self.body.kv, hidden_in)
 
     def context(self, prep: PreparedBatch | None, key: tuple[int, int], view: DecodeView, stats: dict | None = None,
                 aux: AuxCapture | None = None, eager: bool = False) -> ForwardContext:

@@ -320,7 +320,8 @@ class DecodeView:
     #: [2, cap] int64: each row's state slot read and written (a storage with per-request
     #: state: graphcp.kv.decode.state_rows; zeros otherwise)
     state_slots: torch.Tensor
-    hidden_in: None = None  # (a decode step's body takes no input rows)
+    #: [cap, handoff] a later pipeline stage's input rows (None: the first stage embeds the tokens)
+    hidden_in: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
@@ -332,7 +333,11 @@ class DecodeBuffers:
     without blocking and fenced, as :class:`StaticBuffers` are; plain memory on a CPU."""
 
     def __init__(self, max_requests: int, width: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device | str, staging: PinnedStaging | None = None) -> None:
+                 device: torch.device | str, staging: PinnedStaging | None = None, hidden_in_size: int | None = None,
+                 hidden_out_size: int | None = None) -> None:
+        """``hidden_in_size``: the input rows' width of a pipeline stage after the first (None:
+        the first stage, no input rows); ``hidden_out_size``: the output rows' width (default
+        ``hidden_size``; a stage before the last hands on its residual: ``handoff_size``)."""
         n, dev = max_requests, torch.device(device)
         self.width = width
         i64 = dict(dtype=torch.int64, device=dev)
@@ -341,7 +346,8 @@ class DecodeBuffers:
         self.kv_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros((n, width), dtype=torch.int32, device=dev)
-        self.hidden_out = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
+        self.hidden_out = torch.zeros(n, hidden_out_size or hidden_size, dtype=dtype, device=dev)
+        self.hidden_in = None if hidden_in_size is None else torch.zeros(n, hidden_in_size, dtype=dtype, device=dev)
         self.state_slots = torch.zeros((2, n), **i64)
         self._staging = staging if staging is not None else PinnedStaging(dev) if dev.type == "cuda" else None
         host = self._staging.host if self._staging is not None else _plain_host
@@ -357,19 +363,21 @@ class DecodeBuffers:
             c = capacity
             got = self._views[c, width] = DecodeView(
                 c, width, self.input_ids[:c], self.positions[:c], self.kv_slots[:c], self.kv_lens[:c],
-                self.page_table[:c, :width], self.cu_seqlens_q[: c + 1], self.hidden_out[:c], self.state_slots[:, :c])
+                self.page_table[:c, :width], self.cu_seqlens_q[: c + 1], self.hidden_out[:c], self.state_slots[:, :c],
+                None if self.hidden_in is None else self.hidden_in[:c])
         return got
 
     def addresses(self) -> dict[str, int]:
         """Data pointers of every static tensor (debug mode checks they never move)."""
         names = ("input_ids", "positions", "kv_slots", "kv_lens", "cu_seqlens_q", "page_table", "hidden_out",
-                 "state_slots")
+                 "state_slots") + (() if self.hidden_in is None else ("hidden_in",))
         return {n: getattr(self, n).data_ptr() for n in names}
 
-    def fill(self, prep, capacity: int, width: int, kv) -> DecodeView:
+    def fill(self, prep, capacity: int, width: int, kv, hidden_in: torch.Tensor | None = None) -> DecodeView:
         """A decode step's rows (``prep``: its PreparedBatch; None: none) into the bucket's
-        buffers, the rest inert: token 0, position 0, slot -1, length 0 (``kv``: the cache
-        whose page table the rows are read from)."""
+        buffers, the rest inert: token 0, position 0, slot -1, length 0, input row 0
+        (``kv``: the cache whose page table the rows are read from; ``hidden_in``: a later
+        pipeline stage's input rows, the previous stage's output)."""
         B = 0 if prep is None else prep.rows
         if self._staging is not None:
             self._staging.wait()  # the previous fill's uploads read these buffers when they run
@@ -387,6 +395,13 @@ class DecodeBuffers:
             self._upload(dst[:capacity], src[:capacity])
         self._upload(self.state_slots[:, :capacity], self._rows_host[3:, :capacity])
         self._upload(self.page_table[:capacity, :width], table_host)
+        if self.hidden_in is not None:
+            if B and (hidden_in is None or hidden_in.shape[0] < B):
+                raise ValueError(f"this stage's decode step takes input rows: expected hidden_in with >= {B} rows, "
+                                 f"got {None if hidden_in is None else tuple(hidden_in.shape)}")
+            if B:
+                self.hidden_in[:B].copy_(hidden_in[:B])
+            self.hidden_in[B:capacity].zero_()
         if self._staging is not None:
             self._staging.mark()  # after every upload of this fill: the next fill waits for them
         return self.view(capacity, width)

@@ -2,12 +2,21 @@
 step checked, reserved and planned by the decode planner (``plan``), run through the one
 forward (graphcp.runtime.forward.StageForward: its bucket's decode graph, or eager), the
 logits from the LM head (every rank holds every row: no gather), the handles one token
-longer, the step recorded; on any failure the reservation is given back."""
+longer, the step recorded; on any failure the reservation is given back.
+
+Under pipeline stages the step's rows go through the stages as a prefill's micro-batch
+does (graphcp.runtime.pp.schedule.run_stage over the same links: rank (s, r) hands its
+rows, the same on every rank of a stage, to (s + 1, r)); every stage reserves the step in
+its own cache (their allocators stay in step), and the last stage's logits are broadcast
+to every rank of the pipeline, as a prefill's are. A step is one micro-batch: its rows
+are a few per request, and splitting them would add a forward's fixed cost per piece."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Sequence
+
+import torch
 
 from graphcp.attention.phase import DECODE
 from graphcp.combinations import check as check_combination
@@ -19,12 +28,14 @@ from graphcp.kv.handle import KVHandle
 from graphcp.kv.paged import PagedKVCache
 from graphcp.model.llama import DecoderModel
 from graphcp.nvtx_ranges import nvtx_range
-from graphcp.runtime.batch import DecodeOutput
+from graphcp.runtime.batch import DecodeOutput, ForwardInfo, PreparedBatch
 from graphcp.runtime.body import Body
 from graphcp.runtime.capture.phases import DecodeGraphs
 from graphcp.runtime.capture.runner import GraphRunner
 from graphcp.runtime.decode.plan import DecodePlanner
 from graphcp.runtime.forward import StageForward
+from graphcp.runtime.pp.groups import PipelineGroups
+from graphcp.runtime.pp.schedule import run_stage
 from graphcp.runtime.stats import Recorder
 
 
@@ -34,13 +45,15 @@ class Decoder:
 
     def __init__(self, model: DecoderModel, kv: PagedKVCache, body: Body, runner: GraphRunner | None,
                  group: CPGroup, runtime: RuntimeConfig, parallel: ParallelConfig, kind: str,
-                 stage: StageForward, recorder: Recorder) -> None:
+                 stage: StageForward, recorder: Recorder, pipeline: PipelineGroups | None = None) -> None:
         """``group``: the ranks that must be given the same step (the stage's: attention TP
-        ranks too); ``kind``: the model's value of the combinations' model axis
-        (ModelFamily.kind); ``stage``: the one forward; ``recorder``: the engine's stats."""
+        ranks too; every stage's under pipeline stages); ``kind``: the model's value of the
+        combinations' model axis (ModelFamily.kind); ``stage``: the one forward;
+        ``recorder``: the engine's stats; ``pipeline``: the stages' groups and links (None:
+        one stage)."""
         self.model, self.kv, self.body, self.runner, self.group = model, kv, body, runner, group
         self.runtime, self.parallel, self.kind = runtime, parallel, kind
-        self.stage, self.recorder = stage, recorder
+        self.stage, self.recorder, self.pipeline = stage, recorder, pipeline
         self._preparer: DecodePlanner | None = None
         self._combines = False
 
@@ -87,12 +100,42 @@ class Decoder:
         t0 = time.perf_counter()
         prep = self.preparer.prepare(handles, tokens, (int(bool(force_eager)),))
         try:
-            res = self.stage.run(prep, None, force_eager, ())
-            with nvtx_range("lm_head", category="output"):
-                logits = self.model.logits(res.hidden).cpu()
+            logits, info = self.forward(prep, force_eager)
         except BaseException:
             self.preparer.abort(prep)
             raise
-        res.info.stats["time_s"] = time.perf_counter() - t0
-        self.recorder.record(prep, res.info)
-        return DecodeOutput(logits, [self.kv.handle(s) for s in prep.seq_ids], res.info)
+        info.stats["time_s"] = time.perf_counter() - t0
+        self.recorder.record(prep, info)
+        return DecodeOutput(logits, [self.kv.handle(s) for s in prep.seq_ids], info)
+
+    def forward(self, prep: PreparedBatch, force_eager: bool, rows: int | None = None,
+                fallback: str | None = None) -> tuple[torch.Tensor, ForwardInfo]:
+        """A prepared step through this rank's stage (and the stages before and after it):
+        float32 [B, vocab] logits of its B requests on the host, the same on every rank of
+        the pipeline, and the forward's info. ``rows``, ``fallback``: the rows every rank's
+        forward holds and why they all run eagerly, as the ranks agreed (attention DP)."""
+        pp, B = self.pipeline, len(prep.seq_ids)
+        if pp is None:
+            res = self.stage.run(prep, None, force_eager, (), rows, fallback)
+            return self._logits(res.hidden, B), res.info
+        got: list = []
+
+        def forward(_: int, hidden_in: torch.Tensor | None) -> torch.Tensor:
+            res = self.stage.run(prep, hidden_in, force_eager, (), rows, fallback)
+            # now: a replay's rows are static, which the next stage's send copies first
+            got.append((res.info, self._logits(res.hidden, B) if self.model.stage.last else None))
+            return res.hidden
+
+        model = self.model
+        times = run_stage([prep.ids.shape[0]], forward, lambda n: torch.empty(
+            n, model.handoff_size, dtype=model.dtype, device=self.body.device), pp.prev, pp.next)
+        info, logits = got[0]
+        logits = pp.broadcast(logits if logits is not None else torch.empty(B, model.cfg.vocab_size),
+                              pp.num_stages - 1, self.body.device)
+        info.timings.update(compute_s=times.compute_s, wait_s=times.wait_s, drain_s=times.drain_s)
+        info.stats["pipeline"] = {"stage": pp.stage, "stages": pp.num_stages, "sent_bytes": times.sent_bytes}
+        return logits, info
+
+    def _logits(self, hidden: torch.Tensor, rows: int) -> torch.Tensor:
+        with nvtx_range("lm_head", category="output"):
+            return self.model.logits(hidden[:rows]).cpu()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from graphcp.config import ParallelConfig
 from graphcp.dist import CPGroup, PeerLink, new_subgroups
 from graphcp.errors import ConfigError
@@ -25,6 +27,11 @@ class PipelineGroups:
     def stage_root(self, stage: int) -> int:
         """The global rank of rank 0 of ``stage`` (the source of its broadcasts)."""
         return stage * self.cp.size
+
+    def broadcast(self, x: torch.Tensor, stage: int, device: torch.device) -> torch.Tensor:
+        """A host tensor from rank 0 of ``stage`` to every rank of the pipeline (through the
+        device: NCCL moves device memory only); on the host."""
+        return self.world.broadcast_(x.to(device), self.stage_root(stage)).cpu()
 
 
 def pipeline_groups(world: CPGroup, parallel: ParallelConfig) -> PipelineGroups:

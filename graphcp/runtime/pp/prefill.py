@@ -116,11 +116,11 @@ class MicrobatchedPrefill:
                 else torch.empty(num_requests, self.vocab_size)
             flat_logits = torch.cat(logits) if stage.last and all_logits else None
             if pp is not None:  # from the last stage to every rank of the pipeline
-                root = pp.stage_root(pp.num_stages - 1)
-                last_logits = self._broadcast(last_logits, root)
+                last_logits = pp.broadcast(last_logits, pp.num_stages - 1, self.device)
                 if all_logits:
-                    flat_logits = self._broadcast(
-                        flat_logits if flat_logits is not None else torch.empty(tokens, self.vocab_size), root)
+                    flat_logits = pp.broadcast(
+                        flat_logits if flat_logits is not None else torch.empty(tokens, self.vocab_size),
+                        pp.num_stages - 1, self.device)
             aux_hidden = self._aux(call.aux, aux_rows, tokens) if call.aux else None
         ext = extend.tolist()
         out = RequestOutputs(last_logits, None if flat_logits is None else list(torch.split(flat_logits, ext)),
@@ -139,14 +139,9 @@ class MicrobatchedPrefill:
                 continue
             block = torch.cat(mine) if s == self.stage.index else torch.empty(tokens, len(held), self.hidden_size)
             if pp is not None:
-                block = self._broadcast(block, pp.stage_root(s))
+                block = pp.broadcast(block, s, self.device)
             out[:, [aux.index(i) for i in held]] = block
         return out
-
-    def _broadcast(self, x: Rows, root: int) -> Rows:
-        """A host tensor from global rank ``root`` to every rank of the pipeline (through
-        the device: NCCL moves device memory only)."""
-        return self.pipeline.world.broadcast_(x.to(self.device), root).cpu()
 
 
 def _final_seq_ids(preps: list[PreparedBatch], mbs: list[list[Piece]], num_requests: int) -> list[int]:
