@@ -218,9 +218,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("dp", (">1",)), ("draft", ("on",)),
             "the draft under attention DP (each replica drafting its own requests) is not built yet",
             (("dp", "1"),), "not built yet"),
-    Refusal(("dp", (">1",)), ("decode", ("on",)),
-            "decode under attention DP (each replica decoding its own requests) is not built yet",
-            (("dp", "1"),), "not built yet"),
     Refusal(("draft", ("on",)), ("import", ("on",)),
             "an EAGLE-3 draft's next step reads the target's hidden states of the request's last tokens, which no KV "
             "export carries", (("draft", "off"),), "reads hidden states"),

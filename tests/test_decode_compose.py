@@ -4,8 +4,9 @@ Attention TP 2 inside CP 2 (4 ranks): each rank attends and merges its own heads
 share of the KV, and the steps match the single-rank engine, on the token-sharded and
 the replicated cache. (The other compositions, MoE ep and tp, both prefill layouts,
 full and breakable graphs, aux, export after decoding, are runs of the combination
-matrix: tests/test_combinations.py; pipeline stages: tests/test_decode_pp.py.) What decode
-does not combine with (attention DP, an EAGLE-3 draft) is one ConfigError line from
+matrix: tests/test_combinations.py; pipeline stages and attention DP: tests/test_decode_pp.py,
+tests/test_decode_dp.py.) What decode does not combine with (an EAGLE-3 draft) is one
+ConfigError line from
 ``decode`` and ``generate``, before anything runs."""
 
 from __future__ import annotations
@@ -70,16 +71,6 @@ def _refused(engine: PrefillEngine, pair: tuple[str, str]) -> None:
         msg = str(e.value)
         assert "\n" not in msg and name in msg and rule.reason in msg, msg
         assert engine.parts.kv.snapshot() == snap
-
-
-def _mesh_refusals(group, folder) -> bool:
-    for par, pair in ((ParallelConfig(cp_size=1, dp_size=2), ("dp", ">1")),):
-        _refused(PrefillEngine(folder, RuntimeConfig(kv_tokens=256), group, parallel=par), pair)
-    return True
-
-
-def test_attention_dp_refuses_decode(folder):
-    assert all(launch(_mesh_refusals, 2, folder))
 
 
 def test_a_draft_refuses_decode(folder, tmp_path):

@@ -150,7 +150,8 @@ def test_the_command_writes_tokens_logits_and_stats(tmp_path, capsys, folder, en
     ([{"turns": [[1]], "temperature": 1}], [], r"unknown keys \['temperature'\]"),
     ([{"turns": [[1] * 4000, [2]]}], ["--max-new-tokens", "100"], r"line 1: 4001 prompt tokens and up to 2 x 100"),
     ([{"tokens": [1]}], ["--max-new-tokens", "0"], r"argument --max-new-tokens: expected an integer >= 1"),
-    ([{"tokens": [1]}], ["--cp", "1", "--dp", "2"], r"--dp >1 with graphcp generate: .* not built yet; use --dp 1"),
+    ([{"tokens": [1]}], ["--cp", "2", "--kv-cache", "sharded", "--graph", "full"],
+     r"--kv-cache sharded with --graph full: .*; use --graph breakable"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, folder, rows, extra, match):
     out = tmp_path / "out.pt"

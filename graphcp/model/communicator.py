@@ -83,29 +83,46 @@ class LayerCommunicator:
 
 @dataclass
 class ReplicatedRows(LayerCommunicator):
-    """A decode step's layout (docs/decode.md): every rank of the stage holds the same rows
-    (each request's one new token), so the FFN needs no gather: each rank multiplies every
-    row by its weight shard and the partial sums are all-reduced over the FFN group (the
-    same sum on every rank); MoE ``ep`` dispatches a disjoint slice of the rows from each
-    rank of the FFN group and all-reduces the slices back (zero outside each: exact)."""
+    """A decode step's layout (docs/decode.md): every rank of a replica holds the same rows
+    (each of its requests' one new token). Without attention DP the FFN needs no gather:
+    each rank multiplies every row by its weight shard and the partial sums are
+    all-reduced over the FFN group (the same sum on every rank); MoE ``ep`` dispatches a
+    disjoint slice of the rows from each rank of the FFN group and all-reduces the slices
+    back (zero outside each: exact). Under attention DP (every replica's step at the same
+    rows, the largest replica's) the FFN takes every replica's rows as in prefill: an
+    all-gather over DP in, a reduce-scatter over DP out, then the sum over the replica's
+    own ranks (CP, then attention TP); ``ep`` slices over the replica's ranks."""
 
     def enter_ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        return self.dp.all_gather_rows(x)
 
     def leave_ffn(self, partial: torch.Tensor) -> torch.Tensor:
-        return self.ffn.all_reduce_(partial)
+        if self.dp.size == 1:
+            return self.ffn.all_reduce_(partial)
+        return self._replica_sum(self.dp.reduce_scatter_rows(partial))
+
+    def _replica_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of this rank's replica (its CP and attention-TP ranks)."""
+        return self.attn_tp.all_reduce_(self.cp.all_reduce_(x))
+
+    def _replica_rank(self) -> tuple[int, int]:
+        """(this rank's index, the ranks) among the ranks holding its rows: the FFN group's
+        without DP, the replica's under DP."""
+        if self.dp.size == 1:
+            return self.ffn.rank, self.ffn.size
+        return self.cp.rank * self.attn_tp.size + self.attn_tp.rank, self.cp.size * self.attn_tp.size
 
     def ep_slice(self, live: int) -> tuple[int, int]:
-        T, t = self.ffn.size, self.ffn.rank
+        t, T = self._replica_rank()
         return live * t // T, live * (t + 1) // T
 
     def ep_gather(self, routed: torch.Tensor, live: int) -> torch.Tensor:
-        if self.ffn.size == 1:
+        if self._replica_rank()[1] == 1:
             return routed
         start, stop = self.ep_slice(live)
         out = routed.new_zeros((live, routed.shape[1]))
         out[start:stop] = routed
-        return self.ffn.all_reduce_(out)
+        return self.ffn.all_reduce_(out) if self.dp.size == 1 else self._replica_sum(out)
 
 
 def ffn_bytes(rows: int, row_bytes: int, cp_size: int, attn_tp_size: int = 1, dp_size: int = 1) -> int:

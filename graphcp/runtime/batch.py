@@ -135,6 +135,9 @@ class PreparedBatch:
     phase: Phase = PREFILL
     #: a decode step's reservation: where each request's new token lands (None: a prefill)
     decode: DecodeSlots | None = None
+    #: a decode step's longest share of a request on a rank, when the ranks agreed on it
+    #: (attention DP: every replica's; None: this step's, as the cache says)
+    held: int | None = None
 
 
 class Preparer(Protocol):

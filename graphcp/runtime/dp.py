@@ -206,9 +206,7 @@ class DataParallelPrefill:
         return h.local
 
     def _agree(self, prep: PreparedBatch | None, fingerprint: list[int]) -> tuple[int, str | None]:
-        """One all-gather a forward over every rank of the stage (one host sync), right after
-        preparing: every rank learns whether every rank was given its batch (the whole
-        batch's fingerprint equal everywhere, a replica's prefix handles within the replica),
+        """:func:`agree` right after preparing: whether every rank was given its batch,
         whether every replica prepared its sub-batch (``prep`` None: this one refused), the
         largest replica's rows and whether some replica's batch rules the graphs out
         (:meth:`PrefillGraphs.own_fallback`). Every replica then runs the same path at the
@@ -219,19 +217,33 @@ class DataParallelPrefill:
         else:
             eager = runner is not None and runner.prefill.own_fallback(prep) is not None
             mine = [0, prep.plan.max_local_rows, int(eager)]
-        row = to_device(np.array([mine + fingerprint], dtype=np.int64), self.device)
-        every = self.stage.all_gather_rows(row).cpu()
         try:
-            me, per = self.stage.rank, self.stage.size // self.replicas  # a replica's ranks are consecutive
-            check_fingerprints(every[:, 3:6], me)
-            check_fingerprints(every[:, 6:], me, range(me // per * per, (me // per + 1) * per))
+            refused, rows, eager = agree(self.stage, self.replicas, self.device, mine, fingerprint)
         except BaseException:
             if prep is not None:
                 self.parts.preparer.abort(prep)
             raise
-        refused, rows, eager = every[:, :3].max(dim=0).values.tolist()
         if refused and prep is not None:
             self.parts.preparer.abort(prep)
-            raise BatchError("another attention-DP replica refused its share of the batch (its ranks name the "
-                             "request); nothing was changed")
+            raise BatchError(REFUSED_ELSEWHERE)
         return rows, FALLBACK_REQUESTS if eager else None
+
+
+#: what a rank raises when another replica refused its share of a forward (that replica's ranks name the request)
+REFUSED_ELSEWHERE = ("another attention-DP replica refused its share of the batch (its ranks name the request); "
+                     "nothing was changed")
+
+
+def agree(stage: CPGroup, replicas: int, device: torch.device, mine: list[int], fingerprint: list[int]) -> list[int]:
+    """The replicas' one agreement of a forward, of either phase: one all-gather over every
+    rank of the stage (one host sync) of this rank's figures ``mine`` and ``fingerprint``:
+    the whole call's (3 values, every rank's the same) then this replica's own (every rank
+    of the replica the same). ConsistencyError on every rank where one differs; else the
+    largest of each of ``mine`` over the ranks (a refusal, the rows, an eager fallback)."""
+    row = to_device(np.array([mine + fingerprint], dtype=np.int64), device)
+    every = stage.all_gather_rows(row).cpu()
+    n = len(mine)
+    me, per = stage.rank, stage.size // replicas  # a replica's ranks are consecutive
+    check_fingerprints(every[:, n:n + 3], me)
+    check_fingerprints(every[:, n + 3:], me, range(me // per * per, (me // per + 1) * per))
+    return every[:, :n].max(dim=0).values.tolist()

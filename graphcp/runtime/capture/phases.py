@@ -343,10 +343,13 @@ class DecodeGraphs(PhaseGraphs):
         """The step's page bucket: its longest request share on any rank (every rank's the
         same: the ledger's largest; a replicated cache's, its own)."""
         kv = self.body.kv
-        return page_bucket(kv.pages_for(kv.most_held(prep.decode.rows)), self.width)
+        held = prep.held if prep.held is not None else kv.most_held(prep.decode.rows)
+        return page_bucket(kv.pages_for(held), self.width)
 
     def select(self, prep: PreparedBatch, rows: int | None = None, fallback: str | None = None) -> Selection:
-        rows = prep.rows
+        """``rows``: the rows every rank's step holds (attention DP: the largest replica's;
+        default this step's requests)."""
+        rows = rows or prep.rows
         capacity = self.bucket(rows)
         return Selection(rows, capacity, None if capacity is not None else FALLBACK_TOO_LARGE)
 

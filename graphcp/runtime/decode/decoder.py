@@ -1,4 +1,5 @@
-"""A decode step end to end (``PrefillEngine.decode``), the decode phase's driver: the
+"""A decode step end to end (``PrefillEngine.decode``), the decode phase's driver (under
+attention DP each replica's step: graphcp.runtime.decode.dp): the
 step checked, reserved and planned by the decode planner (``plan``), run through the one
 forward (graphcp.runtime.forward.StageForward: its bucket's decode graph, or eager), the
 logits from the LM head (every rank holds every row: no gather), the handles one token
@@ -26,12 +27,14 @@ from graphcp.dist import CPGroup
 from graphcp.errors import ConfigError
 from graphcp.kv.handle import KVHandle
 from graphcp.kv.paged import PagedKVCache
+from graphcp.mesh import MeshGroups
 from graphcp.model.llama import DecoderModel
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.batch import DecodeOutput, ForwardInfo, PreparedBatch
 from graphcp.runtime.body import Body
 from graphcp.runtime.capture.phases import DecodeGraphs
 from graphcp.runtime.capture.runner import GraphRunner
+from graphcp.runtime.decode.dp import DataParallelDecode
 from graphcp.runtime.decode.plan import DecodePlanner
 from graphcp.runtime.forward import StageForward
 from graphcp.runtime.pp.groups import PipelineGroups
@@ -45,16 +48,18 @@ class Decoder:
 
     def __init__(self, model: DecoderModel, kv: PagedKVCache, body: Body, runner: GraphRunner | None,
                  group: CPGroup, runtime: RuntimeConfig, parallel: ParallelConfig, kind: str,
-                 stage: StageForward, recorder: Recorder, pipeline: PipelineGroups | None = None) -> None:
+                 stage: StageForward, recorder: Recorder, pipeline: PipelineGroups | None = None,
+                 mesh: MeshGroups | None = None) -> None:
         """``group``: the ranks that must be given the same step (the stage's: attention TP
         ranks too; every stage's under pipeline stages); ``kind``: the model's value of the
         combinations' model axis (ModelFamily.kind); ``stage``: the one forward;
         ``recorder``: the engine's stats; ``pipeline``: the stages' groups and links (None:
-        one stage)."""
+        one stage); ``mesh``: the stage's groups (attention DP's replicas)."""
         self.model, self.kv, self.body, self.runner, self.group = model, kv, body, runner, group
         self.runtime, self.parallel, self.kind = runtime, parallel, kind
-        self.stage, self.recorder, self.pipeline = stage, recorder, pipeline
+        self.stage, self.recorder, self.pipeline, self.mesh = stage, recorder, pipeline, mesh
         self._preparer: DecodePlanner | None = None
+        self._replicas: DataParallelDecode | None = None
         self._combines = False
 
     @property
@@ -67,6 +72,15 @@ class Decoder:
             self._preparer = DecodePlanner(self.kv, self.group, cfg.vocab_size, cfg.max_position_embeddings,
                                            self.body.device, self.body.plan_decode, self.runtime.check_consistency)
         return self._preparer
+
+    @property
+    def replicas(self) -> DataParallelDecode | None:
+        """Attention DP's decode steps (None without DP), made on first use."""
+        if self._replicas is None and self.parallel.dp_size > 1:
+            m = self.mesh
+            self._replicas = DataParallelDecode(m.coords.dp, self.parallel.dp_size, m.dp, m.ffn, self.body.device,
+                                                self.model.cfg.vocab_size, self.preparer, self.forward, self.recorder)
+        return self._replicas
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -97,6 +111,8 @@ class Decoder:
 
     def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False) -> DecodeOutput:
         self.check_combination()
+        if self.parallel.dp_size > 1:  # each replica its own requests (under DP: ReplicaHandles)
+            return self.replicas.decode(handles, tokens, force_eager)
         t0 = time.perf_counter()
         prep = self.preparer.prepare(handles, tokens, (int(bool(force_eager)),))
         try:

@@ -106,16 +106,20 @@ def check_same_step(group: CPGroup, tokens: np.ndarray, handles: Sequence[KVHand
                                "must call decode with the same handles and tokens")
 
 
-def step_metadata(kv: PagedKVCache, slots: DecodeSlots, device: torch.device) -> AttentionMetadata:
+def step_metadata(kv: PagedKVCache, slots: DecodeSlots, device: torch.device,
+                  rows: int | None = None) -> AttentionMetadata:
     """One segment a request: its new row over the ``local_lens[j]`` tokens this rank holds
     of it, in its pages (non-causal: every held token is before the new one, and a rank may
-    hold none of a request, whose row then gets output 0 and LSE -inf)."""
+    hold none of a request, whose row then gets output 0 and LSE -inf). ``rows``: the
+    segments when the forward holds more rows than requests (attention DP: the largest
+    replica's), the others empty, as a decode graph's padding rows are."""
     B, lens = slots.num_requests, slots.local_lens
-    most = int(lens.max())
-    buf, cu, kv_lens, table = AttentionMetadata.host_buffers(B, max(1, kv.pages_for(most)))
-    cu[:] = np.arange(B + 1)
-    kv_lens[:] = lens
-    kv.page_table_rows(slots.rows, table.shape[1], out=table)
+    S = B if rows is None else max(rows, B)
+    most = int(lens.max()) if B else 0
+    buf, cu, kv_lens, table = AttentionMetadata.host_buffers(S, max(1, kv.pages_for(most)))
+    cu[:] = np.arange(S + 1)
+    kv_lens[:B], kv_lens[B:], table[B:] = lens, 0, 0
+    kv.page_table_rows(slots.rows, table.shape[1], out=table[:B])
     return AttentionMetadata._live(cu, kv_lens, table, kv.page_size, 1, most, device, buf, False)
 
 
@@ -136,13 +140,15 @@ class DecodePlanner:
     plan: Callable[[int], Any]
     check_consistency: bool = True
 
-    def prepare(self, handles: Sequence[KVHandle], tokens: Any, call_args: Sequence[int] = ()) -> PreparedBatch:
+    def prepare(self, handles: Sequence[KVHandle], tokens: Any, call_args: Sequence[int] = (),
+                verified: bool = False) -> PreparedBatch:
         """Nothing changes when it raises; :meth:`abort` undoes it. ``call_args``: the
-        call's options as integers (every rank must agree on them)."""
+        call's options as integers (every rank must agree on them); ``verified``: the
+        caller checks that every rank was given the same (attention DP's agreement)."""
         rows = step_rows(handles, self.kv)
         toks = step_tokens(tokens, len(handles), self.vocab_size)
         check_room(handles, self.max_context, self.kv.capacity_tokens)
-        if self.check_consistency:
+        if self.check_consistency and not verified:
             check_same_step(self.group, toks, handles, call_args, self.device)
         slots = self.kv.reserve_decode(list(handles), rows)
         try:
@@ -155,4 +161,22 @@ class DecodePlanner:
 
     def abort(self, prep: PreparedBatch) -> None:
         """Give back what a prepared step reserved (its forward failed)."""
-        self.kv.rollback_decode(prep.decode)
+        if prep.decode.num_requests:
+            self.kv.rollback_decode(prep.decode)
+
+    def idle(self) -> PreparedBatch:
+        """A step of no request (an attention-DP replica with none this step: it joins the
+        FFN's collectives on padding rows), reserving nothing."""
+        none = np.zeros(0, dtype=np.int64)
+        states = np.zeros((2, 0), dtype=np.int64) if self.kv.state_pools() else None
+        slots = DecodeSlots([], none, none, none, none, none, states)
+        return PreparedBatch(None, [], none, none, none, step_metadata(self.kv, slots, self.device), None, 0,
+                             kv_plan=self.plan(0), phase=DECODE, decode=slots)
+
+    def pad(self, prep: PreparedBatch, rows: int, held: int) -> None:
+        """A prepared step run on ``rows`` rows (>= its requests): its metadata and merge
+        of that many, the padding rows' segments empty; ``held``: the most tokens a rank
+        holds of a request of any replica (every replica's decode graph takes one page
+        bucket)."""
+        prep.meta = step_metadata(self.kv, prep.decode, self.device, rows)
+        prep.kv_plan, prep.held = self.plan(rows), held

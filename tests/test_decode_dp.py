@@ -1,0 +1,119 @@
+"""Decode under attention DP (issue 47, docs/parallel.md "Decode under attention DP"): each
+replica decodes the requests it prefilled, the MLP and MoE layers over every replica's rows.
+Greedy decoding of a batch of mixed lengths over 16 new tokens equals the single-rank engine
+(the same ids; every step's logits within 1e-4 in float32; in bfloat16, where a near-tie
+may round either way, within the suite's 2e-2 on the reference's sequence), at DP 2 x CP 1
+and DP 2 x CP 2, eagerly and on decode graphs (each bucket's first replay self-checked),
+with a replica idle (a step of one request) and with replicas of different row counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import rel_err
+
+from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
+from graphcp.dist import launch
+from graphcp.errors import BatchError
+
+LENS = (7, 29, 1)
+NEW = 16
+TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def greedy(engine: PrefillEngine, force_eager: bool, lens=LENS, forced: torch.Tensor | None = None):
+    """A prefill of ``lens``, then NEW - 1 decode steps of the greedy token (``forced``: these
+    tokens instead): tokens [R, NEW], logits [R, NEW, V], each step's path; the KV released."""
+    rng = np.random.default_rng(3)
+    out = engine.prefill([Request(rng.integers(0, engine.cfg.vocab_size, n)) for n in lens], force_eager=True)
+    handles, logits, toks, paths = out.handles, [out.last_logits], [out.last_logits.argmax(-1)], []
+    for _ in range(NEW - 1):
+        o = engine.decode(handles, toks[-1], force_eager=force_eager)
+        handles, paths = o.handles, paths + [o.info.path]
+        logits.append(o.logits)
+        toks.append(o.logits.argmax(-1) if forced is None else forced[:, len(toks)])
+    for h in handles:
+        engine.release(h)
+    return torch.stack(toks, 1), torch.stack(logits, 1), paths
+
+
+def _job(group, folder, dtype, par, modes, batches, forced) -> dict:
+    """``modes``: the cache modes, or RuntimeConfig settings by name."""
+    out = {}
+    for given in modes:
+        mode, kw = (given, dict(kv_cache=given)) if isinstance(given, str) else given
+        for graph in ("off", "breakable"):
+            rt = RuntimeConfig(kv_tokens=512, dtype=dtype, graph=graph, **kw)
+            engine = PrefillEngine(folder, rt, group, parallel=par)
+            for lens in batches:
+                toks, logits, paths = greedy(engine, graph == "off", lens, forced.get(lens))
+                checked = [] if engine.parts.runner is None else sorted(engine.parts.decoder.graphs.verified)
+                out[mode, graph, lens] = (toks, logits, paths, checked, engine.parts.kv.num_free_pages)
+    return out
+
+
+def _check(folder, dtype, par, modes, batches=(LENS, (13,)), ref_folder=None) -> None:
+    ref = {lens: greedy(PrefillEngine(ref_folder or folder, RuntimeConfig(kv_tokens=512, dtype=dtype)), True, lens)
+           for lens in batches}
+    forced = {} if dtype == "float32" else {lens: r[0] for lens, r in ref.items()}
+    free = {}
+    for rank, got in enumerate(launch(_job, par.world_size, folder, dtype, par, modes, batches, forced)):
+        for (mode, graph, lens), (toks, logits, paths, checked, pages) in got.items():
+            where, (want_t, want_l, _) = (rank, mode, graph, lens), ref[lens]
+            assert torch.equal(toks, want_t), where  # (bfloat16: fed the reference's)
+            assert rel_err(logits, want_l) <= TOL[dtype], (where, rel_err(logits, want_l))
+            assert set(paths) == ({"eager"} if graph == "off" else {"graph"}), where
+            assert graph == "off" or checked, where  # each bucket's first replay self-checked
+            assert free.setdefault((rank, mode, graph), pages) == pages, where  # every page given back
+
+
+@pytest.fixture(scope="module")
+def folders(hf_model_dir):
+    return {dtype: hf_model_dir("qwen3", False, dtype) for dtype in ("float32", "bfloat16")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dp2_cp1_decode_equals_one_rank(folders, dtype):
+    _check(folders[dtype], dtype, ParallelConfig(tp_size=2, dp_size=2, cp_size=1), ("replicated",))
+
+
+def test_dp2_cp2_decode_equals_one_rank(folders):
+    """``--tp 4 --dp 2 --cp 2``: each replica's step merged over its own CP group."""
+    _check(folders["float32"], "float32", ParallelConfig(tp_size=4, dp_size=2, cp_size=2), ("sharded", "layer-split"))
+
+
+def test_moe_dp2_decode_equals_one_rank(hf_model_dir):
+    """A MoE model's experts over both replicas' rows: ``ep`` (each rank dispatches a slice
+    of its replica's rows) and ``tp`` (every replica's rows gathered over DP)."""
+    folder = hf_model_dir("qwen3_moe")
+    _check(folder, "float32", ParallelConfig(tp_size=2, dp_size=2, cp_size=1),
+           (("ep", {"moe": "ep"}), ("tp", {"moe": "tp"})))
+
+
+def _refusals(group, folder) -> list[str]:
+    engine = PrefillEngine(folder, RuntimeConfig(kv_tokens=512), group,
+                           parallel=ParallelConfig(tp_size=2, dp_size=2, cp_size=1))
+    out = engine.prefill([Request([1, 2, 3, 4]), Request([5, 6])])
+    assert sorted(h.replica for h in out.handles) == [0, 1]
+    errors = []
+    for tokens in ([7, 512], [7, 8]):  # a token outside the vocabulary; then a handle released on its replica
+        if tokens == [7, 8]:
+            engine.release(out.handles[0])
+        snap = engine.parts.kv.snapshot()
+        with pytest.raises(BatchError) as e:
+            engine.decode(out.handles, tokens)
+        assert engine.parts.kv.snapshot() == snap and "\n" not in str(e.value)
+        errors.append(str(e.value))
+    engine.release(out.handles[1])
+    return errors
+
+
+def test_a_refusal_on_one_replica_is_raised_on_every_rank(folders):
+    """Bad input is one line on every rank, nothing changed: a refusal every rank sees, and
+    one only the replica holding the request sees (the other says another replica refused)."""
+    errors = launch(_refusals, 2, folders["float32"])
+    for errs in errors:
+        assert "token id 512 is outside the vocabulary" in errs[0]
+    released = sorted(errs[1] for errs in errors)
+    assert "another attention-DP replica refused" in released[0] and "request 0" in released[1], released
