@@ -117,3 +117,10 @@ def test_a_refusal_on_one_replica_is_raised_on_every_rank(folders):
         assert "token id 512 is outside the vocabulary" in errs[0]
     released = sorted(errs[1] for errs in errors)
     assert "another attention-DP replica refused" in released[0] and "request 0" in released[1], released
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "deepseek_v4"])
+def test_a_hybrid_and_deepseek_v4_decode_under_attention_dp(hf_model_dir, family):
+    """A hybrid's states and V4's window and entries on the replica holding the request
+    (V4's own attention plans only its replica's requests), a replica idle in the second batch."""
+    _check(hf_model_dir(family), "float32", ParallelConfig(tp_size=2, dp_size=2, cp_size=1), ("replicated",))

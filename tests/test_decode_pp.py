@@ -76,3 +76,10 @@ def test_pp2_cp1_decode_equals_one_rank(folders, dtype):
 
 def test_pp2_cp2_decode_equals_one_rank(folders):
     _check(folders["float32"], "float32", 2, ("sharded", "layer-split"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "deepseek_v4"])
+def test_a_hybrid_and_deepseek_v4_decode_through_stages(hf_model_dir, family):
+    """A hybrid's linear layers step their states on the stage holding them; V4 hands its
+    hc_mult residual streams on."""
+    _check(hf_model_dir(family), "float32", 1, ("replicated",))

@@ -100,9 +100,7 @@ class Body:
                         prep.kv_plan if prep is not None else self.inert_plan(phase, slots.shape[0]),
                         self._prefix_pages(prep), phase, state_slots=state_slots)
         fwd.prepare()
-        # a decode step's live rows are its requests' (attention DP runs more segments: padding)
-        rows = live.num_q_rows if prep is None or phase == PREFILL else prep.rows
-        inputs = StaticInputs(live_rows=rows) if static is None else static.inputs(rows)
+        inputs = StaticInputs(live_rows=live.num_q_rows) if static is None else static.inputs(live.num_q_rows)
         if stats is not None and phase == PREFILL:  # (a decode step's replicated rows: none)
             stats.update(self.model.static_stats(slots.shape[0]))
         return ForwardContext(fwd, inputs, stats, aux, self.comms[phase])

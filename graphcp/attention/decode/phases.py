@@ -102,6 +102,7 @@ class MergedDecode(DecodePhase):
         return choose_merge(setting, rows, heads, head_dim, cp_size, itemsize)
 
     def attend(self, fwd, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        # -inf: a padding row in no segment (attention DP runs the largest replica's rows) merges to 0
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         fwd.backend.forward(q, fwd.cache.layer(layer), fwd.meta, out, lse)
         return MERGE_FUNCTIONS[fwd.plan](fwd.group, out, lse)

@@ -106,20 +106,17 @@ def check_same_step(group: CPGroup, tokens: np.ndarray, handles: Sequence[KVHand
                                "must call decode with the same handles and tokens")
 
 
-def step_metadata(kv: PagedKVCache, slots: DecodeSlots, device: torch.device,
-                  rows: int | None = None) -> AttentionMetadata:
+def step_metadata(kv: PagedKVCache, slots: DecodeSlots, device: torch.device) -> AttentionMetadata:
     """One segment a request: its new row over the ``local_lens[j]`` tokens this rank holds
     of it, in its pages (non-causal: every held token is before the new one, and a rank may
-    hold none of a request, whose row then gets output 0 and LSE -inf). ``rows``: the
-    segments when the forward holds more rows than requests (attention DP: the largest
-    replica's), the others empty, as a decode graph's padding rows are."""
+    hold none of a request, whose row then gets output 0 and LSE -inf); none for a step of
+    no request (an idle attention-DP replica's)."""
     B, lens = slots.num_requests, slots.local_lens
-    S = B if rows is None else max(rows, B)
     most = int(lens.max()) if B else 0
-    buf, cu, kv_lens, table = AttentionMetadata.host_buffers(S, max(1, kv.pages_for(most)))
-    cu[:] = np.arange(S + 1)
-    kv_lens[:B], kv_lens[B:], table[B:] = lens, 0, 0
-    kv.page_table_rows(slots.rows, table.shape[1], out=table[:B])
+    buf, cu, kv_lens, table = AttentionMetadata.host_buffers(B, max(1, kv.pages_for(most)))
+    cu[:] = np.arange(B + 1)
+    kv_lens[:] = lens
+    kv.page_table_rows(slots.rows, table.shape[1], out=table)
     return AttentionMetadata._live(cu, kv_lens, table, kv.page_size, 1, most, device, buf, False)
 
 
@@ -174,9 +171,8 @@ class DecodePlanner:
                              kv_plan=self.plan(0), phase=DECODE, decode=slots)
 
     def pad(self, prep: PreparedBatch, rows: int, held: int) -> None:
-        """A prepared step run on ``rows`` rows (>= its requests): its metadata and merge
-        of that many, the padding rows' segments empty; ``held``: the most tokens a rank
-        holds of a request of any replica (every replica's decode graph takes one page
-        bucket)."""
-        prep.meta = step_metadata(self.kv, prep.decode, self.device, rows)
+        """A prepared step run on ``rows`` rows (>= its requests; the rows past them are
+        padding in no segment: output 0, as a decode graph's): its merge of that many;
+        ``held``: the most tokens a rank holds of a request of any replica (every
+        replica's decode graph takes one page bucket)."""
         prep.kv_plan, prep.held = self.plan(rows), held
