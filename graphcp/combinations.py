@@ -147,8 +147,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("dsa",)), ("attn_tp", (">1",)),
             "a DSA (MLA) model runs attention TP 1 under CP, as SGLang does (its latent KV is one head)",
             (("attn_tp", "1"),), "MLA: one KV head"),
-    Refusal(("model", ("dsa",)), ("dp", (">1",)),
-            "attention DP is not built yet for DSA (MLA) models", (("dp", "1"),), "not built yet"),
     Refusal(("model", ("dsv4",)), ("kv_cache", ("sharded",)),
             "a DeepSeek V4 model's compressors pool the whole sequence on every rank; a token-sharded ring of its "
             "window, source rows and entries is not built",

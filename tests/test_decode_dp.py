@@ -91,6 +91,19 @@ def test_moe_dp2_decode_equals_one_rank(hf_model_dir):
            (("ep", {"moe": "ep"}), ("tp", {"moe": "tp"})))
 
 
+@pytest.mark.parametrize("family,dtype,cp,mode", [
+    ("deepseek_v32", "float32", 1, "replicated"), ("deepseek_v32", "float32", 2, "layer-split"),
+    ("glm_moe_dsa", "float32", 2, "layer-split"), ("deepseek_v32", "bfloat16", 2, "layer-split")])
+def test_dsa_prefill_and_decode_under_attention_dp(hf_model_dir, family, dtype, cp, mode):
+    """A DSA model's replicas each prefill and decode their requests over their own latent and
+    indexer-key caches (the first logits are the prefill's); GLM-5's shared indexer layer too.
+    bfloat16 on the twin whose indexer selects every token (a top-k near-tie would flip with
+    the FFN's summation order over the replicas)."""
+    twin = {} if dtype == "float32" else dict(index_topk=64)
+    _check(hf_model_dir(family, False, dtype, **twin), dtype, ParallelConfig(tp_size=2 * cp, dp_size=2, cp_size=cp),
+           (mode,))
+
+
 def _refusals(group, folder) -> list[str]:
     engine = PrefillEngine(folder, RuntimeConfig(kv_tokens=512), group,
                            parallel=ParallelConfig(tp_size=2, dp_size=2, cp_size=1))
