@@ -119,16 +119,16 @@ def _self_check_job(group, folder: str, dtype: str, corrupt_rank: int | None) ->
         _corrupt_first_replay(engine, corrupt_rank)
     pool0 = engine.kv.pool.clone()
     try:
-        step = engine.decode(out.handles, [7, 8, 9])
+        step = engine.decode(out.handles, [7, 8, 9], logits=True)
     except CaptureError as e:
         # refused whole: the cache as before, and the same step then runs eagerly
         same_pool = torch.equal(engine.kv.pool, pool0)
-        eager = engine.decode(out.handles, [7, 8, 9], force_eager=True)
+        eager = engine.decode(out.handles, [7, 8, 9], force_eager=True, logits=True)
         return {"error": str(e), "same_pool": same_pool, "eager": eager.logits}
     eager_engine = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, graph="off", page_size=16, dtype=dtype,
                                                        kv_cache="sharded" if group.size > 1 else "replicated"), group)
     ref = eager_engine.decode(eager_engine.prefill([Request(np.arange(n) % 500 + 1) for n in (5, 33, 1)]).handles,
-                              [7, 8, 9])
+                              [7, 8, 9], logits=True)
     return {"path": step.info.path, "verified": sorted(engine.decoder.graphs.verified), "logits": step.logits,
             "eager": ref.logits}
 
