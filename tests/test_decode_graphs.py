@@ -65,6 +65,46 @@ def test_a_replay_equals_the_same_bucket_eager_step_bitwise(folders):
             assert r["merge"] == ("all-to-all" if mode == "sharded" else "local"), where
 
 
+def _triton_job(group, folder: str, dtype: str, modes: tuple[str, ...]) -> list[dict]:
+    from graphcp.attention.backends.triton_decode import TritonDecodeAttention
+
+    res = []
+    for mode in modes:
+        rt = RuntimeConfig(kv_tokens=512, kv_cache=mode, graph="breakable", page_size=16, attention="triton",
+                           dtype=dtype)
+        engine = PrefillEngine(folder, rt, group)
+        assert isinstance(engine.decoder.graphs.attention, TritonDecodeAttention)
+        r = _same_bucket(engine, [5, 33, 1], [7, 8, 9])
+        ref = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, kv_cache=mode, graph="off", page_size=16,
+                                                  dtype=dtype), group)
+        lens = [5, 33, 1]
+        want = ref.decode(ref.prefill([Request(np.arange(n) % 500 + 1) for n in lens]).handles, [7, 8, 9],
+                          logits=True)
+        got = engine.decode(engine.prefill([Request(np.arange(n) % 500 + 1) for n in lens]).handles, [7, 8, 9],
+                            logits=True)
+        res.append(dict(r, path=got.info.path, err=rel_err(got.logits, want.logits)))
+    return res
+
+
+@pytest.mark.parametrize("dtype,modes", [
+    ("float32", ("sharded",)),
+    pytest.param("float32", ("replicated",), marks=pytest.mark.slow),
+    pytest.param("bfloat16", ("replicated", "sharded"), marks=pytest.mark.slow),
+])
+def test_the_triton_decode_kernel_replays_bitwise_against_the_same_bucket_eager_step(folders, hf_model_dir, dtype,
+                                                                                       modes):
+    """The engine's ``triton`` backend: its decode graphs capture the Triton decode kernel
+    (interpreted here); at CP 2 over a token-sharded cache (whose ranks merge by the
+    kernel's LSE) and a replicated one, a replay equals the same-bucket eager step
+    bitwise, and a graph step equals the torch backend's eager engine within the dtype's
+    tolerance (the interpreter makes each run a minute: the default run has one)."""
+    folder = folders["qwen3"] if dtype == "float32" else hf_model_dir("qwen3", False, dtype)
+    for rank, results in enumerate(launch(_triton_job, 2, folder, dtype, modes)):
+        for mode, r in zip(modes, results):
+            assert r["bitwise"] and r["bucket"] == 4 and r["path"] == "graph", (rank, mode)
+            assert r["err"] <= TOL[dtype], (rank, mode, r["err"])
+
+
 def test_a_step_larger_than_every_bucket_runs_eagerly_and_says_so(folders):
     rt = RuntimeConfig(kv_tokens=512, graph="breakable", decode_buckets=(1, 2))
     engine = PrefillEngine(folders["qwen3"], rt)

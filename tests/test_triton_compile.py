@@ -54,6 +54,37 @@ def test_bf16_kernel_does_not_spill_on_sm90():
     assert res["old"]["spill_store_bytes"] > 0 and res["old"]["registers"] == 255
 
 
+DECODE_PROGRAM = r"""
+import json
+import torch
+from dataclasses import asdict
+from graphcp.attention.kernels import paged_decode_compile_check as cc
+from graphcp.attention.kernels.paged_decode_configs import DecodeTile
+reports = [asdict(r) for d in (64, 128) for s in (1, 8) for lse in (True, False)
+           for r in cc.compile_variant(90, torch.bfloat16, d, 8, lse, s)]
+cc.decode_tile = lambda d, dtype: DecodeTile(64, 4, 2)  # the first setting at head_dim 128: it spilled
+old = asdict(cc.compile_variant(90, torch.bfloat16, 128, 8, True, 1)[0])
+print(json.dumps({"reports": reports, "old": old}))
+"""
+
+
+def test_bf16_decode_kernel_and_its_merge_do_not_spill_on_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", DECODE_PROGRAM], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = set()
+    for r in res["reports"]:
+        assert r["arch"] == "sm_90a" and 0 < r["registers"] <= 255
+        assert r["spill_store_bytes"] == r["spill_load_bytes"] == 0 and r["narrow_strides"] == [], r
+        seen.add((r["kernel"], r["head_dim"], r["splits"], r["has_lse"]))
+    assert seen == {("decode", d, s, lse) for d in (64, 128) for s in (1, 8) for lse in (True, False)} | {
+        ("merge", d, 8, lse) for d in (64, 128) for lse in (True, False)}
+    assert res["old"]["spill_store_bytes"] > 0 and res["old"]["registers"] == 255  # the check can fail
+
+
 WARMUP_COVERS = r"""
 import json
 import numpy as np

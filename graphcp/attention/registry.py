@@ -24,11 +24,18 @@ from collections.abc import Callable
 
 import torch
 
-import graphcp.attention.backends  # noqa: F401 - registers every built-in backend
+import graphcp.attention.backends  # noqa: F401 - registers every built-in backend (and their decode kernels)
+import graphcp.attention.decode.paged  # noqa: F401 - registers the torch reference decode kernel
 from graphcp.attention.backends.triton import interpreting
 from graphcp.attention.backends.trtllm import SUPPORTED_CAPABILITIES
 from graphcp.attention.base import AttentionBackend, AttentionSpec
-from graphcp.attention.catalog import AttentionLimits, BackendInfo, register_backend, registered_backends
+from graphcp.attention.catalog import (
+    AttentionLimits,
+    BackendInfo,
+    register_backend,
+    registered_backends,
+    registered_decode_backends,
+)
 from graphcp.kv.layout import KVLayout
 from graphcp.options import ATTENTION_BACKENDS
 
@@ -42,6 +49,7 @@ Capability = Callable[[torch.device], tuple[int, int]]
 __all__ = [
     "NAMES", "BACKENDS", "AttentionLimits", "BackendInfo", "register_backend", "backend_info",
     "preallocates_per_request", "resolve", "available_backends", "preferred_kv_layout", "make_attention",
+    "decode_kernel_info", "make_decode_attention",
 ]
 
 
@@ -149,6 +157,26 @@ def make_attention(
     if (problem := info.cls.device_problem(device)) is not None:
         raise ValueError(problem)  # e.g. Triton on a CPU without its interpreter, in one line
     return info.cls(spec, **_constructor_args(info, limits, device, workspace))
+
+
+def decode_kernel_info(name: str) -> BackendInfo:
+    """The decode kernel registered for attention backend ``name`` (resolved, not ``auto``):
+    the torch reference's for a backend that registered none (a family's own)."""
+    kernels = registered_decode_backends()
+    return kernels.get(name) or kernels["torch"]
+
+
+def make_decode_attention(name: str, spec: AttentionSpec, device: torch.device | str,
+                          limits: AttentionLimits | None = None) -> AttentionBackend:
+    """Build the decode kernel of attention backend ``name`` for ``spec`` on ``device``
+    (graphcp.attention.base.DecodeKernel): what a decode graph captures. ``limits``: the
+    largest bucket's rows (``max_segments``, ``max_q_rows``), the page table's width
+    (``max_pages_per_segment``) and the dtype, each kernel taking the ones it names."""
+    info = decode_kernel_info(name)
+    limits = AttentionLimits.of(limits)
+    if (problem := info.cls.device_problem(device)) is not None:
+        raise ValueError(problem)
+    return info.cls(spec, **_constructor_args(info, limits, device, None))
 
 
 def _constructor_args(info: BackendInfo, limits: AttentionLimits, device: torch.device | str,

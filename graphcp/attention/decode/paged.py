@@ -1,21 +1,24 @@
-"""Paged decode attention over static device metadata, in plain torch operations.
+"""Paged decode attention over static device metadata, in plain torch operations: the
+reference decode kernel (the ``torch`` attention backend's, and a family's own backend's).
 
 One query row a segment (a decode step's request), over ``kv_lens[s]`` keys in the pages
 ``page_table[s]`` of one layer's cache, with its natural-log LSE (the contract of
-graphcp.attention.base; a row with no key: output 0, LSE -inf). It reads only device
-tensors whose shapes a decode bucket fixes (the page table ``[B, W]``, the lengths
-``[B]``) and never the host, so a graph captures it on any device: what a decode graph
-runs on the CPU stand-in, and anywhere no decode kernel is wired. The keys are read a
+graphcp.attention.base.DecodeKernel; a row with no key: output 0, LSE -inf). It reads only
+device tensors whose shapes a decode bucket fixes (the page table ``[B, W]``, the lengths
+``[B]``) and never the host, so a graph captures it on any device. The keys are read a
 block of pages at a time and the blocks merged by their LSE (split-KV, as flash-decoding
-does), so its memory is bounded by a block, not by the table's width; its work is the
-table's width, whatever the lengths (a GPU kernel reads only each request's pages).
+does), so its memory is bounded by a block, not by the table's width; but its work is the
+table's width for every row, whatever the lengths: plain torch operations cannot skip a
+row's pages past its length without reading the lengths on the host. The kernels
+registered for the GPU backends read only each row's own pages (docs/decode.md).
 """
 
 from __future__ import annotations
 
 import torch
 
-from graphcp.attention.base import AttentionBackend, AttentionMetadata
+from graphcp.attention.base import AttentionMetadata, DecodeKernel
+from graphcp.attention.catalog import register_decode_backend
 from graphcp.attention.ring.merge import merge_states
 from graphcp.kv.layout import kv_cache_views
 
@@ -23,11 +26,11 @@ from graphcp.kv.layout import kv_cache_views
 BLOCK_PAGES = 64
 
 
-class PagedDecodeAttention(AttentionBackend):
+@register_decode_backend("torch")
+class PagedDecodeAttention(DecodeKernel):
     """One query row a segment over static metadata (see the module doc)."""
 
     name = "paged-decode"
-    supports_full_graph = True
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor,
                 lse: torch.Tensor | None = None) -> None:

@@ -12,11 +12,13 @@ every phase's buckets the same way, keyed by (phase, bucket).
   2, 4, ..., 64 by default) and a page width: the smallest power of two of pages, at most
   the cache's, that holds the step's longest share of a request on any rank (every
   rank's the same: the ledger's largest), so a step reads at most twice the pages its
-  requests hold. Attention and merge are inside the graph: the attention is
-  :class:`~graphcp.attention.decode.paged.PagedDecodeAttention` (plain torch operations
-  over the bucket's static page table and lengths), the merge's collectives have the
-  bucket's shapes (the bucket's merge: a step on it runs that plan); a layer that sizes
-  work on the host (the MoE ``ep`` exchange) stays a break. A step larger than every
+  requests hold. Attention and merge are inside the graph: the attention is the engine's
+  backend's decode kernel (graphcp.attention.base.DecodeKernel, chosen by the registry:
+  Triton's, FlashInfer's decode wrapper, trtllm-gen's decode, or the torch reference
+  :class:`~graphcp.attention.decode.paged.PagedDecodeAttention`) over the bucket's static
+  page table and lengths, the merge's collectives have the bucket's shapes (the bucket's
+  merge: a step on it runs that plan); a layer that sizes work on the host (the MoE
+  ``ep`` exchange) stays a break. A step larger than every
   bucket runs eagerly and says so. Each bucket is checked on its first live replay: its
   requests' KV is the cache's, so no synthetic batch is needed.
 """
@@ -33,8 +35,8 @@ import numpy as np
 import torch
 
 from graphcp.attention.base import AttentionMetadata
-from graphcp.attention.decode.paged import PagedDecodeAttention
 from graphcp.attention.phase import DECODE, PREFILL, Phase
+from graphcp.attention.registry import AttentionLimits, make_decode_attention
 from graphcp.config import RuntimeConfig
 from graphcp.model.forward_context import AuxCapture, ForwardContext
 from graphcp.runtime.batch import BatchPreparer, PreparedBatch, Request
@@ -315,7 +317,11 @@ class DecodeGraphs(PhaseGraphs):
         cfg = body.model.cfg
         self.buffers = DecodeBuffers(self.buckets[-1], self.width, cfg.hidden_size, body.model.dtype, body.device,
                                      staging)
-        self.attention = PagedDecodeAttention(body.attention.spec)
+        largest = self.buckets[-1]
+        self.attention = make_decode_attention(
+            body.attention.name, body.attention.spec, body.device,
+            AttentionLimits(max_segments=largest, max_q_rows=largest, max_pages_per_segment=self.width,
+                            dtype=body.model.dtype))
         self._metas: dict[tuple[int, int], AttentionMetadata] = {}
         self._plans: dict[int, Any] = {}
         self._replays: dict[tuple[int, int], ForwardContext] = {}
@@ -381,13 +387,17 @@ class DecodeGraphs(PhaseGraphs):
 
     def context(self, prep: PreparedBatch | None, key: tuple[int, int], view: DecodeView, stats: dict | None = None,
                 aux: AuxCapture | None = None, eager: bool = False) -> ForwardContext:
+        self.attention.bucket(key[0])
         if prep is None or eager:
             return self._context(prep, key, view, stats)
         # a replay's: everything in it is the bucket's but the live rows and the figures,
-        # so it is made once a bucket (no per-step Python on the replay path)
+        # so it is made once a bucket (no per-step Python on the replay path); a kernel
+        # that plans on the host (FlashInfer's decode wrapper) plans every step
         ctx = self._replays.get(key)
         if ctx is None:
             ctx = self._replays[key] = self._context(prep, key, view, stats)
+        elif self.attention.plans_steps:
+            self.attention.prepare(prep.meta)
         ctx.stats, ctx.inputs.live_rows = stats, prep.rows
         return ctx
 
