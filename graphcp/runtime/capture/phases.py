@@ -37,6 +37,7 @@ import torch
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.phase import DECODE, PREFILL, Phase
 from graphcp.attention.registry import AttentionLimits, make_decode_attention
+from graphcp.attention.staging import to_device
 from graphcp.config import RuntimeConfig
 from graphcp.model.forward_context import AuxCapture, ForwardContext
 from graphcp.runtime.batch import BatchPreparer, PreparedBatch, Request
@@ -252,7 +253,8 @@ class PrefillGraphs(PhaseGraphs):
 
     def written_pages(self, prep: PreparedBatch) -> torch.Tensor:
         kv = self.body.kv
-        return torch.tensor([p for s in prep.seq_ids for p in kv.handle(s).pages], device=self.body.device)
+        pages = [p for s in prep.seq_ids for p in kv.handle(s).pages]
+        return to_device(np.array(pages, dtype=np.int64), self.body.device)
 
     # ---- the self-check's input: a synthetic batch (graphcp.runtime.capture.selfcheck) ----
     def synthetic_spec(self, capacity: int) -> SyntheticBatch | None:
@@ -411,7 +413,7 @@ class DecodeGraphs(PhaseGraphs):
 
     def written_pages(self, prep: PreparedBatch) -> torch.Tensor:
         slots = prep.slots  # this rank's slot of each new token (-1: another rank stores it)
-        return torch.from_numpy(np.unique(slots[slots >= 0] // self.body.kv.page_size)).to(self.body.device)
+        return to_device(np.unique(slots[slots >= 0] // self.body.kv.page_size), self.body.device)
 
     def range_name(self, what: str, key: tuple[int, int]) -> str:
         return f"decode_{what}[{key[0]},{key[1]}]"
