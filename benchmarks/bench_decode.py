@@ -15,16 +15,25 @@ Run: ``python -m pytest benchmarks/bench_decode.py --benchmark-only -s`` (prints
     run: the median time of a decode step eagerly and on the decode graphs (the trace
     stand-in on a CPU: it counts launches; the launch overhead it saves shows on a GPU),
     the launches of a graph step (segments and breaks), the bytes merged a layer.
+(c) ``test_eager_decode_vs_transformers``: an eager decode step of the default preset at
+    CP 1 (float32) against transformers' own cached decode on the same checkpoint, at
+    1 x 512, 8 x 1,024 and 32 x 256 (requests x cached tokens), in the same run, one
+    torch thread: the paired ratio of their CPU times (benchmarks/vs_transformers.py) must
+    be at most 1.2 (``GRAPHCP_BENCH_MAX_DECODE_RATIO``); the paired wall-time ratio is
+    recorded beside it. On a shared 2-core machine two OpenMP threads spin while the other
+    work runs, and wall times swing with the load, so neither measures the step.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
+from vs_transformers import DecodeSteps, paired_ratio
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.attention.decode.merge import MERGE_FUNCTIONS, MERGES, choose_merge, merge_bytes
@@ -131,3 +140,32 @@ def test_decode_step_time(benchmark, cp):
               "| C | eager ms/step | graph ms/step | launches/step | merge | merged KiB/layer |\n"
               "|---|---|---|---|---|---|")
         print("\n".join(STEP_ROWS))
+
+
+DECODE_SHAPES = [(1, 512), (8, 1024), (32, 256)]
+MAX_DECODE_RATIO = float(os.environ.get("GRAPHCP_BENCH_MAX_DECODE_RATIO", "1.2"))
+DECODE_ROUNDS = 15
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("requests,context", DECODE_SHAPES, ids=[f"{b}x{n}" for b, n in DECODE_SHAPES])
+def test_eager_decode_vs_transformers(benchmark, one_thread, requests, context):
+    steps = DecodeSteps(str(ensure_preset("default")), requests, context)
+    steps.graphcp(), steps.transformers()  # warm-up
+    benchmark.group = f"decode-{requests}x{context}"
+    benchmark.pedantic(steps.graphcp, rounds=DECODE_ROUNDS, iterations=1)
+    cpu = paired_ratio(steps.graphcp, steps.transformers, DECODE_ROUNDS, time.process_time)
+    wall = paired_ratio(steps.graphcp, steps.transformers, DECODE_ROUNDS)
+    benchmark.extra_info.update(requests=requests, context=context, graphcp_over_transformers_cpu=round(cpu, 3),
+                                graphcp_over_transformers_wall=round(wall, 3))
+    print(f"\n{requests} x {context}: graphcp's eager decode step {cpu:.2f}x transformers' CPU time "
+          f"({wall:.2f}x wall), paired")
+    assert cpu <= MAX_DECODE_RATIO, (f"{requests} x {context}: graphcp's eager decode step takes {cpu:.2f}x "
+                                     f"transformers' CPU time (target <= {MAX_DECODE_RATIO}x)")

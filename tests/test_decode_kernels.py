@@ -21,7 +21,7 @@ from graphcp.attention.base import AttentionSpec
 from graphcp.attention.decode.paged import PagedDecodeAttention
 from graphcp.attention.kernels.paged_decode import split_plan
 from graphcp.attention.reference_cases import TOLERANCE, decode_case, run_decode_case
-from graphcp.attention.registry import AttentionLimits, decode_kernel_info, make_decode_attention
+from graphcp.attention.registry import AttentionLimits, decode_kernel_info, make_attention, make_decode_attention
 
 DTYPES = [torch.float32, torch.bfloat16]
 #: the acceptance bound of the Triton kernel against the reference in float32 (issue 50)
@@ -200,11 +200,23 @@ def test_trtllm_decode_needs_blackwell_an_hnd_cache_and_a_supported_page():
 
 # ---- the registry --------------------------------------------------------------------------
 def test_each_backend_has_its_decode_kernel_and_a_familys_own_gets_the_reference():
+    from graphcp.attention.backends.torch_ref import TorchAttention
+    from graphcp.attention.registry import registered_decode_kernel
+
     assert {n: decode_kernel_info(n).cls for n in ("torch", "triton", "flashinfer", "trtllm")} == {
         "torch": PagedDecodeAttention, "triton": TritonDecodeAttention, "flashinfer": FlashInferDecodeAttention,
         "trtllm": TrtllmDecodeAttention}
-    assert decode_kernel_info("a-familys-own").cls is PagedDecodeAttention
+    assert [n for n in ("torch", "triton", "flashinfer", "trtllm") if decode_kernel_info(n).cls.any_batch] == [
+        "torch", "triton"]  # the kernels an eager decode step runs too
+
+    class FamilysOwn(TorchAttention):  # a family's backend, named as a registered one
+        name = "triton"
+
     spec = _spec("NHD")
+    assert registered_decode_kernel(FamilysOwn(spec)) is None
+    assert decode_kernel_info(FamilysOwn(spec)).cls is PagedDecodeAttention
     limits = AttentionLimits(max_segments=8, max_q_rows=8, max_pages_per_segment=16, dtype=torch.float32)
-    assert isinstance(make_decode_attention("triton", spec, "cpu", limits), TritonDecodeAttention)
-    assert isinstance(make_decode_attention("torch", spec, "cpu", limits), PagedDecodeAttention)
+    assert isinstance(make_decode_attention(TorchAttention(spec), "cpu", limits), PagedDecodeAttention)
+    assert isinstance(make_decode_attention(FamilysOwn(spec), "cpu", limits), PagedDecodeAttention)
+    assert isinstance(make_decode_attention(make_attention("triton", spec, "cpu"), "cpu", limits),
+                      TritonDecodeAttention)

@@ -212,14 +212,14 @@ def test_a_decode_step_on_its_graph_neither_uploads_nor_reads_the_device(dense, 
 
 
 def test_an_eager_decode_step_stages_its_uploads_and_copies_logits_only_when_asked(dense):
-    """Eager: the rows in one staged upload and the torch reference's page lists in one,
-    nothing direct, no device read but the next tokens; with ``logits=True`` the one
-    ``[B, vocab]`` copy, and none without."""
+    """Eager: the rows in one staged upload and the step's lengths and page table (what
+    the decode kernel reads) in one, nothing direct, no device read but the next tokens;
+    with ``logits=True`` the one ``[B, vocab]`` copy, and none without."""
     from graphcp.dist import CPGroup
 
     for logits in (False, True):
         for s in _decode_steps(CPGroup(), dense, "off", logits):
-            assert s["path"] == "eager" and s["direct"] == [] and s["staged"] == {"eager": 1, "_runs": 1}, s
+            assert s["path"] == "eager" and s["direct"] == [] and s["staged"] == {"eager": 1, "_device_tensors": 1}, s
             assert [(site.split(":")[0], shape) for site, shape in s["reads"]] == (
                 [("runtime/decode/decoder.py", (3, s["vocab"]))] if logits else []), s
             assert s["host_memory"] == [("next tokens", (1, 3))], s

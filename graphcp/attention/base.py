@@ -325,6 +325,9 @@ class DecodeKernel(AttentionBackend):
     #: its host planning (``prepare``) must run before every step, not only before the
     #: capture: FlashInfer's wrapper plans its schedule on the host
     plans_steps: bool = False
+    #: it keeps nothing sized by a batch (no per-bucket buffers or limits), so an eager
+    #: decode step of any size runs it too, not only a decode graph
+    any_batch: bool = True
 
     def bucket(self, rows: int) -> None:  # noqa: B027 - optional
         """The batch-size bucket (rows) the next ``prepare`` and ``forward`` are for: a

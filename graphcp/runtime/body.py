@@ -45,6 +45,10 @@ class Body:
     #: how a decode step over a cache whose ranks hold parts of each request merges
     #: (RuntimeConfig.decode_merge)
     decode_merge: str = "auto"
+    #: what an eager decode step attends with: the attention backend's decode kernel when
+    #: it takes a batch of any size (graphcp.attention.base.DecodeKernel; decode graphs
+    #: capture the same one), else None: the attention backend
+    decode_attention: Any = None
 
     def __post_init__(self) -> None:
         c = LayerCommunicator.of(self.comm or self.group)
@@ -90,7 +94,11 @@ class Body:
         if prep is not None:
             phase = prep.phase
         live = prep.meta if prep is not None else meta
-        backend = self.attention if attention is None else attention
+        if attention is not None:
+            backend = attention
+        else:
+            backend = self.decode_attention if phase == DECODE and self.decode_attention is not None \
+                else self.attention
         self._plan_attention(backend, live, prep)
         fwd = KVForward(self.kv, self.exchange, self.group, backend, live if meta is None else meta, slots,
                         prep.kv_plan if prep is not None else self.inert_plan(phase, slots.shape[0]),

@@ -78,6 +78,7 @@ class FlashInferDecodeAttention(DecodeKernel):
     name = "flashinfer-decode"
     gpu_kernels = True
     plans_steps = True
+    any_batch = False  # one wrapper a batch size, fixed at its first plan
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str = "cuda", *, max_pages_per_segment: int,
                  dtype: torch.dtype = torch.bfloat16, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,

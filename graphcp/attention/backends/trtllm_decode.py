@@ -49,6 +49,7 @@ class TrtllmDecodeAttention(DecodeKernel):
 
     name = "trtllm-decode"
     gpu_kernels = True
+    any_batch = False  # buffers sized for the largest bucket
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str = "cuda", *, max_segments: int,
                  max_pages_per_segment: int, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,

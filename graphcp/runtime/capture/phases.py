@@ -320,10 +320,9 @@ class DecodeGraphs(PhaseGraphs):
         self.buffers = DecodeBuffers(self.buckets[-1], self.width, cfg.hidden_size, body.model.dtype, body.device,
                                      staging)
         largest = self.buckets[-1]
-        self.attention = make_decode_attention(
-            body.attention.name, body.attention.spec, body.device,
-            AttentionLimits(max_segments=largest, max_q_rows=largest, max_pages_per_segment=self.width,
-                            dtype=body.model.dtype))
+        self.attention = body.decode_attention or make_decode_attention(
+            body.attention, body.device, AttentionLimits(max_segments=largest, max_q_rows=largest,
+                                                         max_pages_per_segment=self.width, dtype=body.model.dtype))
         self._metas: dict[tuple[int, int], AttentionMetadata] = {}
         self._plans: dict[int, Any] = {}
         self._replays: dict[tuple[int, int], ForwardContext] = {}
