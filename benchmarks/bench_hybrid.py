@@ -1,7 +1,8 @@
 """A linear-attention hybrid's linear layers under CP, on the CPU (torch reference): one
 8192-token request through one Gated DeltaNet layer of the ``default-hybrid`` preset's
 shape (4 key heads serving 8 value heads of 32, a convolution of 4), at CP 1, 2 and 4,
-in one run.
+in one run; and at CP 1 that request beside fifteen of 100 tokens, its blocks padded to
+the longest (what the scan ran before issue 50) and as one varlen batch (what it runs).
 
 Run: ``python -m pytest benchmarks/bench_hybrid.py --benchmark-only -q``
 
@@ -24,8 +25,11 @@ import pytest
 import torch
 
 from graphcp.cp import make_layout
-from graphcp.model.hybrid.gdn import augmented_rule, block_conv, chunk_gated_delta_rule, query_key
-from graphcp.model.hybrid.scan import LinearPlan, _blocks, compose
+from graphcp.model.hybrid.gdn import CHUNK, augmented_rule, block_conv, chunk_gated_delta_rule, conv_rows, query_key
+from graphcp.model.hybrid.kernels import torch_rule
+from graphcp.model.hybrid.scan import LinearPlan, compose
+from graphcp.model.hybrid.varlen import ChunkSlots, ConvRows, SlotPlan
+from graphcp.model.hybrid.varlen import conv_rows as conv_layout
 
 TOKENS = 8192
 HK, HV, DK, DV, K = 4, 8, 32, 32, 4
@@ -34,27 +38,38 @@ ROUNDS = 3
 _per_rank: dict[int, float] = {}
 
 
-def _inputs():
+def _inputs(tokens: int = TOKENS):
     g = torch.Generator().manual_seed(0)
-    return {"qkv": torch.randn(TOKENS, CONV, generator=g), "weight": 0.5 * torch.randn(CONV, K, generator=g),
-            "g": -0.05 * torch.rand(TOKENS, HV, generator=g), "beta": torch.rand(TOKENS, HV, generator=g)}
+    return {"qkv": torch.randn(tokens, CONV, generator=g), "weight": 0.5 * torch.randn(CONV, K, generator=g),
+            "g": -0.05 * torch.rand(tokens, HV, generator=g), "beta": torch.rand(tokens, HV, generator=g)}
 
 
-def _rank_pass(lp: LinearPlan, rows: dict, maps: bool):
-    """One rank's local work: the convolution of its blocks (a zero halo here) and the
-    rule over them; its blocks' maps."""
-    T = lp.gather.shape[1]
-    gather = torch.from_numpy(lp.gather.reshape(-1))
-    x = _blocks(rows["qkv"], gather, lp.num_local, T).movedim(1, 2)  # [nb, T, conv]
-    x = block_conv(x, torch.zeros(lp.num_local, K - 1, CONV), rows["weight"])
+def _layouts(cu: np.ndarray) -> tuple[ConvRows, ChunkSlots]:
+    """The scan's varlen layouts of blocks ``cu`` (graphcp.model.hybrid.varlen), each block's
+    halo the zero row 0 of the convolution's source (its live rows from row 1)."""
+    nb = len(cu) - 1
+    conv = ConvRows(*(torch.from_numpy(a) for a in conv_layout(cu, np.zeros((nb, K - 1), np.int64), 1)), K)
+    sp = SlotPlan.build(cu, CHUNK)
+    return conv, ChunkSlots(*(torch.from_numpy(a) for a in (sp.rows, sp.position, sp.order, sp.inverse)), sp.steps)
+
+
+def _rank_pass(lp: LinearPlan, rows: dict, maps: bool, layouts: tuple[ConvRows, ChunkSlots]):
+    """One rank's local work, as the scan runs it: the convolution of its blocks (a zero halo
+    here) and the rule over them as one varlen batch; its blocks' maps."""
+    conv, slots = layouts
+    source = torch.cat([rows["qkv"].new_zeros(1, CONV), rows["qkv"]])
+    x = conv_rows(source, conv, rows["weight"])
     q, k, v = x.split([HK * DK, HK * DK, HV * DV], dim=-1)
-    q, k = query_key(q.unflatten(-1, (HK, DK)), k.unflatten(-1, (HK, DK)), HV // HK)
-    blocks = [q.movedim(1, 2), k.movedim(1, 2), v.unflatten(-1, (HV, DV)).movedim(1, 2)]
-    blocks += [_blocks(rows[name], gather, lp.num_local, T) for name in ("g", "beta")]
+    q, k, v = q.unflatten(-1, (HK, DK)), k.unflatten(-1, (HK, DK)), v.unflatten(-1, (HV, DV))
     initial = torch.zeros(lp.num_local, HV, DK, DV)
+
+    def rule(*args):
+        return torch_rule(*args, slots)
+
     if not maps:
-        return chunk_gated_delta_rule(*blocks, initial)[1], None
-    _, _, x_map, y_map = augmented_rule(*blocks, initial, torch.from_numpy(lp.block_index == 0))
+        return rule(q, k, v, rows["g"], rows["beta"], initial)[1], None
+    _, _, x_map, y_map = augmented_rule(q, k, v, rows["g"], rows["beta"], initial,
+                                        torch.from_numpy(lp.block_index == 0), rule)
     return x_map, y_map
 
 
@@ -68,6 +83,7 @@ def test_linear_layer_per_rank(benchmark, cp):
     rows = [{"qkv": data["qkv"][torch.from_numpy(plan.rank(r).rows.copy())], "weight": data["weight"],
              "g": data["g"][torch.from_numpy(plan.rank(r).rows.copy())],
              "beta": data["beta"][torch.from_numpy(plan.rank(r).rows.copy())]} for r in range(cp)]
+    layouts = [_layouts(lp.cu) for lp in plans]
     times = np.zeros((ROUNDS, cp))
 
     def run():
@@ -75,7 +91,7 @@ def test_linear_layer_per_rank(benchmark, cp):
             outs = []
             for r in range(cp):
                 t0 = time.perf_counter()
-                outs.append(_rank_pass(plans[r], rows[r], cp > 1))
+                outs.append(_rank_pass(plans[r], rows[r], cp > 1, layouts[r]))
                 times[i, r] = time.perf_counter() - t0
             if cp > 1:  # every rank composes the gathered maps
                 t0 = time.perf_counter()
@@ -97,6 +113,66 @@ def test_linear_layer_per_rank(benchmark, cp):
     info["bytes_sent_per_linear_layer"] = sent
     info["bytes_formula"] = formula
     assert sent == formula
+
+
+#: the issue's mixed batch at CP 1: one long request beside fifteen short ones
+MIXED = (TOKENS,) + (100,) * 15
+
+
+def _padded_pass(cu: np.ndarray, rows: dict) -> torch.Tensor:
+    """What the scan ran before (issue 50 item 6): every block padded to the longest one's
+    whole chunks, the convolution and the rule over ``[nb, T]``; the final states."""
+    lens, n = np.diff(cu), int(cu[-1])
+    nb, T = len(lens), CHUNK * -(-int(lens.max()) // CHUNK)
+    pos = np.arange(T)[None, :]
+    gather = torch.from_numpy(np.where(pos < lens[:, None], cu[:-1, None] + pos, n))
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # rows -> [nb, T, ...], zero past each block
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[gather]
+
+    x = block_conv(blocks(rows["qkv"]), torch.zeros(nb, K - 1, CONV), rows["weight"])
+    x = x.masked_fill((gather >= n)[..., None], 0)
+    q, k, v = x.split([HK * DK, HK * DK, HV * DV], dim=-1)
+    q, k = query_key(q.unflatten(-1, (HK, DK)), k.unflatten(-1, (HK, DK)), HV // HK)
+    ins = [q, k, v.unflatten(-1, (HV, DV)), blocks(rows["g"]), blocks(rows["beta"])]
+    return chunk_gated_delta_rule(*(t.movedim(1, 2) for t in ins), torch.zeros(nb, HV, DK, DV))[1]
+
+
+@pytest.mark.benchmark(group="hybrid-varlen")
+def test_a_long_request_beside_short_ones_is_not_padded_to_it(benchmark):
+    """One linear layer over MIXED at CP 1, both forms in one run: the blocks padded to the
+    longest (before) and as one varlen batch (the scan's now). ``extra_info``: each form's
+    median seconds, their ratio and the rows of kernel work each computes; the final
+    states agree."""
+    torch.set_num_threads(1)
+    cu = np.concatenate([[0], np.cumsum(MIXED)]).astype(np.int64)
+    rows = _inputs(int(cu[-1]))
+    plan = make_layout("zigzag", 1).plan(list(MIXED))
+    lp = LinearPlan.build(plan, 0, np.full(len(MIXED), -1), np.arange(len(MIXED)), K)
+    assert (lp.cu == cu).all()
+    layouts = _layouts(lp.cu)
+    times = np.zeros((ROUNDS, 2))
+    finals = []
+
+    def run():
+        for i in range(ROUNDS):
+            for j, form in enumerate((lambda: _padded_pass(cu, rows), lambda: _rank_pass(lp, rows, False, layouts)[0])):
+                t0 = time.perf_counter()
+                out = form()
+                times[i, j] = time.perf_counter() - t0
+                if i == 0:
+                    finals.append(out)
+
+    benchmark.pedantic(run, rounds=1, warmup_rounds=0)
+    padded, varlen = np.median(times, axis=0)
+    lens = np.diff(cu)
+    info = benchmark.extra_info
+    info.update(padded_s=round(float(padded), 4), varlen_s=round(float(varlen), 4),
+                padded_over_varlen=round(float(padded / varlen), 2),
+                rows_padded=int(len(lens) * CHUNK * -(-lens.max() // CHUNK)),
+                rows_varlen=int(CHUNK * (-(-lens // CHUNK)).sum()))
+    a, b = finals
+    assert float((a - b).norm() / b.norm()) < 1e-5
 
 
 def _bytes_job(group, model_dir, lengths):

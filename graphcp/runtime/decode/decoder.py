@@ -23,12 +23,17 @@ from graphcp.attention.phase import DECODE
 from graphcp.attention.staging import PinnedDownload, to_device
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
+from graphcp.config import ParallelConfig, RuntimeConfig
+from graphcp.dist import CPGroup
 from graphcp.errors import ConfigError
 from graphcp.kv.handle import KVHandle
+from graphcp.kv.paged import PagedKVCache
+from graphcp.model.llama import DecoderModel
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.batch import DecodeOutput
-from graphcp.runtime.build import EngineParts
+from graphcp.runtime.body import Body
 from graphcp.runtime.capture.phases import DecodeGraphs
+from graphcp.runtime.capture.runner import GraphRunner
 from graphcp.runtime.capture.watchdog import stream_done, wait_for
 from graphcp.runtime.decode.plan import DecodePlanner
 from graphcp.runtime.forward import StageForward
@@ -36,10 +41,18 @@ from graphcp.runtime.stats import Recorder
 
 
 class Decoder:
-    """The engine's decode steps (see the module doc)."""
+    """The engine's decode steps (see the module doc): one of the engine's parts
+    (``engine.parts.decoder``, wired by graphcp.runtime.build)."""
 
-    def __init__(self, parts: EngineParts, stage: StageForward, recorder: Recorder) -> None:
-        self.parts, self.stage, self.recorder = parts, stage, recorder
+    def __init__(self, model: DecoderModel, kv: PagedKVCache, body: Body, runner: GraphRunner | None,
+                 group: CPGroup, runtime: RuntimeConfig, parallel: ParallelConfig, kind: str,
+                 stage: StageForward, recorder: Recorder) -> None:
+        """``group``: the ranks that must be given the same step (the stage's: attention TP
+        ranks too); ``kind``: the model's value of the combinations' model axis
+        (ModelFamily.kind); ``stage``: the one forward; ``recorder``: the engine's stats."""
+        self.model, self.kv, self.body, self.runner, self.group = model, kv, body, runner, group
+        self.runtime, self.parallel, self.kind = runtime, parallel, kind
+        self.stage, self.recorder = stage, recorder
         self._preparer: DecodePlanner | None = None
         self._combines = False
         self._download = PinnedDownload()
@@ -51,18 +64,18 @@ class Decoder:
         never decodes, or whose options decode refuses, builds none)."""
         if self._preparer is None:
             self.check_combination()
-            p = self.parts
-            self._preparer = DecodePlanner(p.kv, p.mesh.ffn, p.cfg.vocab_size, p.cfg.max_position_embeddings,
-                                           p.device, p.body.plan_decode, p.runtime.check_consistency)
+            cfg = self.model.cfg
+            self._preparer = DecodePlanner(self.kv, self.group, cfg.vocab_size, cfg.max_position_embeddings,
+                                           self.body.device, self.body.plan_decode, self.runtime.check_consistency)
         return self._preparer
 
     @property
     def graphs(self) -> DecodeGraphs | None:
         """The decode phase's graphs (None: RuntimeConfig.graph='off'), made on first use."""
-        if self.parts.runner is None:
+        if self.runner is None:
             return None
         self.check_combination()
-        return self.parts.runner.phase(DECODE)
+        return self.runner.phase(DECODE)
 
     def capture(self, pages: int | None = None, progress: bool = False) -> list[int]:
         """Capture every batch-size bucket's decode graph for the page bucket that holds
@@ -70,8 +83,7 @@ class Decoder:
         graphs = self.graphs
         if graphs is None:
             raise ConfigError("RuntimeConfig.graph='off': there is no decode graph to capture")
-        stats = self.parts.runner.capture_keys(DECODE, graphs.capture_order(pages), progress,
-                                               "capturing decode buckets")
+        stats = self.runner.capture_keys(DECODE, graphs.capture_order(pages), progress, "capturing decode buckets")
         return [s.capacity for s in stats]
 
     def check_combination(self, call: str = "PrefillEngine.decode") -> None:
@@ -79,9 +91,9 @@ class Decoder:
         (graphcp/combinations.py), naming ``call``: what the caller called."""
         if self._combines:
             return
-        p, rt = self.parts, self.parts.runtime
-        check_combination({**runtime_settings(rt), **parallel_settings(p.parallel), "model": p.family.kind(p.cfg),
-                           "moe": rt.moe, "decode": "on"}, family=p.cfg.family, names={"decode": call})
+        rt = self.runtime
+        check_combination({**runtime_settings(rt), **parallel_settings(self.parallel), "model": self.kind,
+                           "moe": rt.moe, "decode": "on"}, family=self.model.cfg.family, names={"decode": call})
         self._combines = True  # (the options are fixed: checked once)
 
     def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False, logits: bool = False,
@@ -93,7 +105,7 @@ class Decoder:
         try:
             res = self.stage.run(prep, None, force_eager, ())
             with nvtx_range("lm_head", category="output"):
-                rows = self.parts.model.logits(res.hidden)
+                rows = self.model.logits(res.hidden)
             with nvtx_range("next_tokens", category="output"):
                 nxt = self._next_tokens(rows, stop, res.info)
             kept = rows.cpu() if logits else None  # the [B, vocab] copy, asked for (the step has run: no wait)
@@ -102,7 +114,7 @@ class Decoder:
             raise
         res.info.stats["time_s"] = time.perf_counter() - t0
         self.recorder.record(prep, res.info)
-        return DecodeOutput(nxt[0].copy(), [self.parts.kv.handle(s) for s in prep.seq_ids], res.info, kept,
+        return DecodeOutput(nxt[0].copy(), [self.kv.handle(s) for s in prep.seq_ids], res.info, kept,
                             None if stop is None else nxt[1].astype(bool))
 
     def _next_tokens(self, rows: torch.Tensor, stop: frozenset[int] | None, info) -> np.ndarray:
@@ -112,16 +124,15 @@ class Decoder:
         ids = rows.argmax(-1)
         dev = ids[None] if stop is None else torch.stack([ids, torch.isin(ids, self._stop_tensor(stop)).long()])
         host = self._download.start(dev)
-        runner = self.parts.runner
-        done = runner.backend.completion() if runner is not None and info.path == "graph" else \
+        done = self.runner.backend.completion() if self.runner is not None and info.path == "graph" else \
             stream_done(rows.device)
         where = f"decode step ({info.path}{'' if info.path != 'graph' else f', bucket {info.bucket}'})"
-        wait_for(done, self.parts.mesh.ffn, where)
+        wait_for(done, self.group, where)
         return host.numpy()
 
     def _stop_tensor(self, stop: frozenset[int]) -> torch.Tensor:
         """The stop tokens on the device (uploaded once for a generate call's steps)."""
         if self._stops is None or self._stops[0] != stop:
             ids = np.array(sorted(stop), dtype=np.int64)
-            self._stops = (stop, to_device(ids, self.parts.device))
+            self._stops = (stop, to_device(ids, self.body.device))
         return self._stops[1]

@@ -160,7 +160,7 @@ def _decode_turn(engine, live: list[_State], stop: frozenset, keep_logits: bool,
     next tokens and stop tests come from the device (the logits only when kept)."""
     steps = 0
     while live:
-        out = engine.decoder.decode([s.handle for s in live], [s.pending for s in live], logits=keep_logits,
+        out = engine.parts.decoder.decode([s.handle for s in live], [s.pending for s in live], logits=keep_logits,
                                     stop=stop or None)
         nxt = out.tokens.tolist()
         hit = out.stopped.tolist() if out.stopped is not None else [False] * len(nxt)
@@ -182,7 +182,7 @@ def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | N
              logits: bool = False, release: bool = True, progress: bool = False) -> GenerateOutput:
     """See the module doc (``engine``: a PrefillEngine)."""
     # before the first prefill: nothing runs that decode would refuse
-    engine.decoder.check_combination("PrefillEngine.generate")
+    engine.parts.decoder.check_combination("PrefillEngine.generate")
     most = check_int(max_new_tokens, "max_new_tokens", lo=1, where="generate", err=BatchError)
     stops = stop_tokens(stop, engine.cfg.vocab_size)
     states = conversations(requests, most, engine.cfg.vocab_size, engine.max_context)
