@@ -224,7 +224,9 @@ def _replay_blocked_by_a_dead_peer(group):
     if group.rank != 0:
         eng.decode(first.handles, [5, 6])
         return first.info.path, "finished"
-    eng.parts.runner.backend.completion = lambda: (lambda: False)  # the replayed work never completes
+    from graphcp.runtime.decode import decoder
+
+    decoder.stream_done = lambda device: (lambda: False)  # the replayed work never completes (this rank's process)
     eng.parts.mesh.ffn.timeout_s = WATCHDOG_S
     t0 = time.monotonic()
     try:

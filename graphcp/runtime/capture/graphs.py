@@ -23,7 +23,6 @@ modes paused (:func:`graphcp.dist.wait_work`) and the log holds the collective a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,17 +69,8 @@ class GraphBackend(ABC):
     def synchronize(self) -> None:
         pass
 
-    def completion(self) -> Callable[[], bool]:
-        """Whether the work queued so far (a replay and what follows it) has run, asked
-        without blocking (graphcp.runtime.capture.watchdog): on the CPU stand-in, always."""
-        return _always
-
     def pool_bytes(self) -> int:
         return 0
-
-
-def _always() -> bool:
-    return True
 
 
 class _null:
@@ -248,11 +238,6 @@ class CudaBackend(GraphBackend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
-
-    def completion(self) -> Callable[[], bool]:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event.query
 
     def pool_bytes(self) -> int:
         """Bytes of the graphs' own memory pool: the caching allocator's segments owned by

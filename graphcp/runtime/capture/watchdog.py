@@ -6,9 +6,8 @@ is not queued for NCCL's watchdog (``ProcessGroupNCCL.cpp`` enqueues no work whi
 capturing), so a replay whose peer died never finishes and a blocking read of its
 result (``.cpu()``, an event's ``synchronize``) waits forever. The host therefore never
 blocks on a step's result: it polls an event recorded after the step's last copy
-(:func:`stream_done`, a graph backend's ``completion``) and gives up after the group's
-collective timeout with the one-line :class:`~graphcp.dist.CollectiveError` an eager
-collective gives.
+(:func:`stream_done`) and gives up after the group's collective timeout with the one-line
+:class:`~graphcp.dist.CollectiveError` an eager collective gives.
 """
 
 from __future__ import annotations

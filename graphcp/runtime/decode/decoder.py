@@ -124,8 +124,7 @@ class Decoder:
         ids = rows.argmax(-1)
         dev = ids[None] if stop is None else torch.stack([ids, torch.isin(ids, self._stop_tensor(stop)).long()])
         host = self._download.start(dev)
-        done = self.runner.backend.completion() if self.runner is not None and info.path == "graph" else \
-            stream_done(rows.device)
+        done = stream_done(rows.device)  # after the copy: the step's replay (or eager work) and the download
         where = f"decode step ({info.path}{'' if info.path != 'graph' else f', bucket {info.bucket}'})"
         wait_for(done, self.group, where)
         return host.numpy()
