@@ -196,8 +196,10 @@ def test_a_replay_that_differs_stops_the_step_on_every_rank_and_changes_nothing(
 def test_a_fill_waits_for_the_previous_fills_uploads_before_rewriting_its_host_buffers(folders):
     """On a GPU the step's rows reach the static buffers by non-blocking uploads from
     pinned memory, read when the stream runs them. With a copy engine that runs them late
-    (tests/fake_copy_engine.py), a replay queued after each of two fills reads its own
-    step's rows: the second fill waited for the first's uploads before rewriting."""
+    (tests/fake_copy_engine.py, which refuses a strided host source: torch would copy it
+    to pageable memory first), a replay queued after each fill reads its own step's rows:
+    each fill waited for the previous one's uploads before rewriting, on the largest
+    bucket and on a smaller one (whose rows are a prefix of the buffers)."""
     from fake_copy_engine import FakeCopyEngine
 
     from graphcp.runtime.capture.phases import DecodeGraphs
@@ -205,17 +207,20 @@ def test_a_fill_waits_for_the_previous_fills_uploads_before_rewriting_its_host_b
     engine = PrefillEngine(folders["qwen3"], RuntimeConfig(kv_tokens=512, graph="breakable", page_size=16))
     out = engine.prefill([Request(np.arange(n) % 500 + 1) for n in (5, 33, 1)])
     copies = FakeCopyEngine()
-    graphs = DecodeGraphs(engine.parts.body, (4,), staging=copies)
+    graphs = DecodeGraphs(engine.parts.body, (2, 4), staging=copies)
     seen = []
-    for tokens in ([7, 8, 9], [10, 11, 12]):
-        step = engine.parts.decoder.preparer.prepare(out.handles, tokens)
+    for tokens in ([7, 8, 9], [10, 11, 12], [13, 14]):
+        cap = 2 if len(tokens) == 2 else 4
+        step = engine.parts.decoder.preparer.prepare(out.handles[: len(tokens)], tokens)
         try:
-            view = graphs.fill(step, (4, graphs.pages(step)))
+            view = graphs.fill(step, (cap, graphs.pages(step)))
             copies.launch(lambda view=view: seen.append((view.input_ids.tolist(), view.kv_lens.tolist(),
-                                                         graphs.buffers.page_table[:4, :4].clone())))
+                                                         view.positions.tolist(), view.kv_slots.tolist())))
         finally:
             engine.parts.decoder.preparer.abort(step)
     copies.sync()
-    assert [ids for ids, _, _ in seen] == [[7, 8, 9, 0], [10, 11, 12, 0]]
+    assert [ids for ids, *_ in seen] == [[7, 8, 9, 0], [10, 11, 12, 0], [13, 14]]
     assert seen[0][1] == seen[1][1] and seen[0][1][3] == 0 and min(seen[0][1][:3]) > 0  # lengths; inert row 0
-    assert copies.waits == 1
+    assert seen[2][1] == seen[0][1][:2] and seen[2][2] == seen[0][2][:2] == [5, 33]  # positions: the lengths
+    assert seen[0][3][3] == -1 and min(seen[2][3]) >= 0  # an inert row's slot: -1
+    assert copies.waits == 2
