@@ -125,7 +125,7 @@ def build_parts(model: str | Path, rt: RuntimeConfig, group: CPGroup, buckets: B
     attention, exchange = _make_attention(family, cfg, net, rt, kv, mesh.cp, device, buckets)
     body = Body(net, attention, kv, mesh.cp, device, exchange,
                 LayerCommunicator(mesh.cp, mesh.attn_tp, mesh.ffn, mesh.dp), rt.decode_merge,
-                _eager_decode_attention(attention, device))
+                lambda: _eager_decode_attention(attention, device))
     preparer = _make_preparer(layout, kv, mesh, pipeline, parallel, rt, cfg, device, attention, exchange)
     runner, drafter = _make_graphs(body, preparer, buckets, rt, cfg, draft)
     recorder = Recorder(exchange, len(net.stage.layers))
