@@ -356,8 +356,9 @@ def decode_case(lens: list[int], spec: AttentionSpec, dtype: torch.dtype, device
 
 
 def compare_decode(out: torch.Tensor, lse: torch.Tensor | None, case: DecodeCase) -> Comparison:
-    """Every row of the bucket against the reference: rows with no key must be exactly
-    output 0 and LSE -inf; the others within the dtype's tolerance."""
+    """Every row of the bucket against the reference: rows with no key (the bucket's
+    padding rows among them) must be exactly output 0 and LSE -inf, what the Comparison's
+    ``padding_untouched`` reports here; the others within the dtype's tolerance."""
     empty = torch.from_numpy(case.live.kv_lens_host == 0).to(out.device)
     exact = bool((out[empty] == 0).all())
     lse_err = None
