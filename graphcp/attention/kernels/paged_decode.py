@@ -15,8 +15,10 @@ LSE itself; with several, each writes a float32 partial (output and base-2 LSE) 
 
 The grid is ``(rows, kv_heads, splits)``, every size a static shape (``q``'s rows, the
 page table's width): the lengths and pages are read on the device, so a captured launch
-replays for any step its bucket holds. A row with no key (a rank that holds none of a
-request, a padding row) gets output 0 and LSE -inf.
+replays for any step its bucket holds. No size is a constexpr, so steps of any batch and
+width share four compiled variants (with or without LSE, one split or several) and the
+merge's two. A row with no key (a rank that holds none of a request, a padding row) gets
+output 0 and LSE -inf.
 
 Scores are in the log2 domain (``exp2``); the stored LSE is natural-log.
 """
@@ -38,13 +40,14 @@ LOG2E = 1.4426950408889634
 #: the least lanes a tile has (tl.dot's smallest M)
 MIN_LANES = 16
 #: programs a launch aims for (two waves of an H100's 132 SMs), and the fewest keys a split takes
+#: (MAX_SPLITS: a power of two, the merge's lanes)
 TARGET_PROGRAMS, MIN_SPLIT_KEYS, MAX_SPLITS = 264, 256, 64
 #: the stride arguments multiplied in int64
 WIDE_STRIDES = ("stride_qm", "stride_qh", "stride_om", "stride_oh", "stride_lm", "stride_lh", "stride_kp",
                 "stride_kt", "stride_kh", "stride_vp", "stride_vt", "stride_vh", "stride_pts")
 
 
-@triton.jit(do_not_specialize=["chunk", "stride_pts", "KV_LENS", "PAGE_TABLE"])
+@triton.jit(do_not_specialize=["chunk", "stride_pts", "stride_lm", "stride_lh", "KV_LENS", "PAGE_TABLE"])
 def _paged_decode_kernel(
     Q, K_CACHE, V_CACHE, OUT, LSE,
     KV_LENS, PAGE_TABLE,
@@ -60,13 +63,15 @@ def _paged_decode_kernel(
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr,
+    PARTIAL: tl.constexpr,
     HAS_LSE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # OUT/LSE: the output and LSE (SPLITS == 1), or the float32 partials [rows, heads, SPLITS, D]
-    # and [rows, heads, SPLITS] (base 2) the merge reads (the strides then step a head's splits)
+    # OUT/LSE: the output and LSE (one split), or (PARTIAL: several) the float32 partials
+    # [rows, heads, splits, D] and [rows, heads, splits] (base 2) the merge reads (the strides
+    # then step a head's splits). The split count is no constexpr: an eager step's table width
+    # varies, and each value would compile a variant.
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -113,7 +118,7 @@ def _paged_decode_kernel(
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]  # 0 where no key was seen
     lse2 = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
-    if SPLITS == 1:
+    if not PARTIAL:
         tl.store(OUT + row * stride_om + heads[:, None] * stride_oh + dims[None, :] * stride_od,
                  o.to(OUT.dtype.element_ty), mask=lane_ok[:, None])
         if HAS_LSE:
@@ -124,22 +129,22 @@ def _paged_decode_kernel(
         tl.store(LSE + row * stride_lm + heads * stride_lh + split, lse2, mask=lane_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pm", "stride_ph", "stride_lpm", "stride_lph", "splits"])
 def _merge_splits_kernel(
     O_PART, L_PART, OUT, LSE,
     stride_pm, stride_ph, stride_lpm, stride_lph,
     stride_om, stride_oh, stride_od,
-    stride_lm, stride_lh,
+    stride_lm, stride_lh, splits,
     HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
-    """One (row, head): its splits' partials merged by their base-2 LSEs."""
+    """One (row, head): its ``splits`` partials merged by their base-2 LSEs (``SPLITS_P``:
+    :data:`MAX_SPLITS` lanes, whatever the count: one variant)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, SPLITS_P)
-    ok = s < SPLITS
+    ok = s < splits
     dims = tl.arange(0, HEAD_DIM)
     lse2 = tl.load(L_PART + row * stride_lpm + head * stride_lph + s, mask=ok, other=float("-inf"))
     top = tl.max(lse2, 0)
@@ -186,7 +191,7 @@ def launch(q, k_cache, v_cache, out, lse, kv_lens, page_table, *, group: int, pa
     n_splits, chunk = split_plan(rows, kv_heads, page_table.shape[1] * page_size, block_n, splits)
     precision = "ieee" if q.dtype.itemsize == 4 or upcast_dot else None
     consts = dict(GROUP=group, GROUP_P=group_lanes(group), PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_N=block_n,
-                  SPLITS=n_splits, HAS_LSE=lse is not None, UPCAST_DOT=upcast_dot, DOT_PRECISION=precision,
+                  PARTIAL=n_splits > 1, HAS_LSE=lse is not None, UPCAST_DOT=upcast_dot, DOT_PRECISION=precision,
                   num_warps=num_warps, num_stages=num_stages)
     grid = (rows, kv_heads, n_splits)
     tables = (kv_lens, page_table, scale * LOG2E, chunk)
@@ -207,5 +212,5 @@ def launch(q, k_cache, v_cache, out, lse, kv_lens, page_table, *, group: int, pa
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     _merge_splits_kernel[(rows, num_q_heads)](
         o_part, l_part, out, lse_arg, o_part.stride(0), o_part.stride(1), l_part.stride(0), l_part.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), *lse_strides, HEAD_DIM=head_dim, SPLITS=n_splits,
-        SPLITS_P=1 << (n_splits - 1).bit_length(), HAS_LSE=lse is not None, num_warps=num_warps)
+        out.stride(0), out.stride(1), out.stride(2), *lse_strides, n_splits, HEAD_DIM=head_dim,
+        SPLITS_P=MAX_SPLITS, HAS_LSE=lse is not None, num_warps=num_warps)

@@ -69,7 +69,7 @@ def compile_variant(arch: int, dtype: torch.dtype, head_dim: int, group: int, ha
     sig = _signature(tk._paged_decode_kernel, dict(Q=data, K_CACHE=data, V_CACHE=data, OUT=part, LSE="*fp32",
                                                     KV_LENS="*i32", PAGE_TABLE="*i32"))
     consts = dict(GROUP=group, GROUP_P=tk.group_lanes(group), PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-                  BLOCK_N=tile.block_n, SPLITS=splits, HAS_LSE=has_lse, UPCAST_DOT=False,
+                  BLOCK_N=tile.block_n, PARTIAL=splits > 1, HAS_LSE=has_lse, UPCAST_DOT=False,
                   DOT_PRECISION="ieee" if dtype == torch.float32 else None)
     common = dict(arch=f"sm_{arch}a", dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, group=group,
                   splits=splits, has_lse=has_lse, block_n=tile.block_n, num_warps=tile.num_warps)
@@ -78,7 +78,7 @@ def compile_variant(arch: int, dtype: torch.dtype, head_dim: int, group: int, ha
     reports = [DecodeCompileReport(kernel="decode", num_stages=tile.num_stages, **common, **usage)]
     if splits > 1:
         sig = _signature(tk._merge_splits_kernel, dict(O_PART="*fp32", L_PART="*fp32", OUT=data, LSE="*fp32"))
-        consts = dict(HEAD_DIM=head_dim, SPLITS=splits, SPLITS_P=1 << (splits - 1).bit_length(), HAS_LSE=has_lse)
+        consts = dict(HEAD_DIM=head_dim, SPLITS_P=tk.MAX_SPLITS, HAS_LSE=has_lse)
         usage = compile_kernel(tk._merge_splits_kernel, sig, consts, arch, tile.num_warps, 1)
         reports.append(DecodeCompileReport(kernel="merge", num_stages=1, **common, **usage))
     return reports
