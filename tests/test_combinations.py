@@ -156,7 +156,7 @@ def _outputs(engine, export: bool, decode: bool, imports: bool = False) -> dict:
     o = prefill_after_prefixes(engine, _batch(engine.cfg.vocab_size), all_logits=True)
     handles, steps = o.handles, []
     for tokens in DECODE_TOKENS if decode else ():  # the export after them holds the decoded tokens
-        step = engine.decode(handles, tokens)
+        step = engine.decode(handles, tokens, logits=True)
         handles = step.handles
         steps.append((step.info.path, step.logits))
     out = {"path": o.info.path, "last": o.last_logits, "logits": o.logits, "aux": o.aux_hidden,

@@ -117,7 +117,7 @@ def _import_and_decode(group, spec: JobSpec, export, first: int, steps: int) -> 
         step = engine.decode([handle], [tokens[-1]])
         times.append(time.perf_counter() - t0)
         handle = step.handles[0]
-        tokens.append(int(step.logits[0].argmax()))
+        tokens.append(int(step.tokens[0]))  # the greedy next token, computed on the device
     engine.release(handle)
     if engine.world_rank != 0:
         return None
