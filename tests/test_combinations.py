@@ -198,7 +198,7 @@ def _references(folders) -> tuple[dict, dict]:
     runs use, and the float32 engine's on the same checkpoint (the truth a bfloat16 run
     is measured against when it differs from the bfloat16 reference)."""
     refs, truths = {}, {}
-    for kind, dtype, draft, decode in sorted({(r["model"], r["dtype"], r["draft"], r["decode"]) for r in CPU_RUNS}):
+    for kind, dtype, draft, decode in sorted({(r["model"], r["dtype"], r["draft"], r["decode"]) for r in CPU_RUNS + DST_RUNS}):
         aux = AUX if refusal({"model": kind, "aux": "on"}) is None else ()  # (V4 refuses aux)
         for key, out, run_dtype in [(dtype, refs, dtype), ("float32", truths, "float32")]:
             rt = RuntimeConfig(dtype=run_dtype, aux_hidden_layers=aux, kv_tokens=512,
