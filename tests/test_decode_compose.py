@@ -30,7 +30,7 @@ def _greedy(engine: PrefillEngine) -> tuple[list, list]:
     out = engine.prefill([Request(rng.integers(0, 512, 19)), Request(rng.integers(0, 512, 3))])
     handles, logits = out.handles, [out.last_logits]
     for i in range(STEPS):
-        step = engine.decode(handles, [i + 1, 2 * i + 5])
+        step = engine.decode(handles, [i + 1, 2 * i + 5], logits=True)
         handles = step.handles
         logits.append(step.logits)
     merges = {s["decode_merge"] for s in engine.stats()["decode_steps"]}

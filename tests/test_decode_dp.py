@@ -29,7 +29,8 @@ def greedy(engine: PrefillEngine, force_eager: bool, lens=LENS, forced: torch.Te
     out = engine.prefill([Request(rng.integers(0, engine.cfg.vocab_size, n)) for n in lens], force_eager=True)
     handles, logits, toks, paths = out.handles, [out.last_logits], [out.last_logits.argmax(-1)], []
     for _ in range(NEW - 1):
-        o = engine.decode(handles, toks[-1], force_eager=force_eager)
+        o = engine.decode(handles, toks[-1], force_eager=force_eager, logits=True)
+        assert np.array_equal(o.tokens, o.logits.argmax(-1).numpy())
         handles, paths = o.handles, paths + [o.info.path]
         logits.append(o.logits)
         toks.append(o.logits.argmax(-1) if forced is None else forced[:, len(toks)])

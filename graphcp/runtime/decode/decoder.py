@@ -1,25 +1,35 @@
-"""A decode step end to end (``PrefillEngine.decode``), the decode phase's driver (under
-attention DP each replica's step: graphcp.runtime.decode.dp): the
+"""A decode step end to end (``PrefillEngine.decode``), the decode phase's driver: the
 step checked, reserved and planned by the decode planner (``plan``), run through the one
 forward (graphcp.runtime.forward.StageForward: its bucket's decode graph, or eager), the
 logits from the LM head (every rank holds every row: no gather), the handles one token
 longer, the step recorded; on any failure the reservation is given back.
 
+What reaches the host is small: the next tokens are chosen on the device (greedy argmax,
+and the stop-token test when stop tokens are given) and copied through pinned memory
+(graphcp.attention.staging.PinnedDownload); the host waits for them by polling, under the
+collective timeout (graphcp.runtime.capture.watchdog: a replay whose peer died ends in a
+CollectiveError instead of a hang). The ``[B, vocab]`` logits are copied only when asked
+(``logits=True``).
+
 Under pipeline stages the step's rows go through the stages as a prefill's micro-batch
 does (graphcp.runtime.pp.schedule.run_stage over the same links: rank (s, r) hands its
 rows, the same on every rank of a stage, to (s + 1, r)); every stage reserves the step in
-its own cache (their allocators stay in step), and the last stage's logits are broadcast
-to every rank of the pipeline, as a prefill's are. A step is one micro-batch: its rows
-are a few per request, and splitting them would add a forward's fixed cost per piece."""
+its own cache (their allocators stay in step), and the last stage's next tokens (and
+logits, when asked) are broadcast to every rank of the pipeline, as a prefill's logits
+are. A step is one micro-batch: its rows are one a request, and cutting them would add a
+forward's fixed cost per piece. Under attention DP each replica runs its own step
+(graphcp.runtime.decode.dp) through :meth:`Decoder.step`."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from graphcp.attention.phase import DECODE
+from graphcp.attention.staging import PinnedDownload, to_device
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
 from graphcp.config import ParallelConfig, RuntimeConfig
@@ -34,6 +44,7 @@ from graphcp.runtime.batch import DecodeOutput, ForwardInfo, PreparedBatch
 from graphcp.runtime.body import Body
 from graphcp.runtime.capture.phases import DecodeGraphs
 from graphcp.runtime.capture.runner import GraphRunner
+from graphcp.runtime.capture.watchdog import stream_done, wait_for
 from graphcp.runtime.decode.dp import DataParallelDecode
 from graphcp.runtime.decode.plan import DecodePlanner
 from graphcp.runtime.forward import StageForward
@@ -61,6 +72,8 @@ class Decoder:
         self._preparer: DecodePlanner | None = None
         self._replicas: DataParallelDecode | None = None
         self._combines = False
+        self._download = PinnedDownload()
+        self._stops: tuple[frozenset, torch.Tensor] | None = None  # the stop tokens last given, on the device
 
     @property
     def preparer(self) -> DecodePlanner:
@@ -79,7 +92,7 @@ class Decoder:
         if self._replicas is None and self.parallel.dp_size > 1:
             m = self.mesh
             self._replicas = DataParallelDecode(m.coords.dp, self.parallel.dp_size, m.dp, m.ffn, self.body.device,
-                                                self.model.cfg.vocab_size, self.preparer, self.forward, self.recorder)
+                                                self.model.cfg.vocab_size, self.preparer, self.step, self.recorder)
         return self._replicas
 
     @property
@@ -109,49 +122,81 @@ class Decoder:
                            "moe": rt.moe, "decode": "on"}, family=self.model.cfg.family, names={"decode": call})
         self._combines = True  # (the options are fixed: checked once)
 
-    def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False) -> DecodeOutput:
+    def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False, logits: bool = False,
+               stop: frozenset[int] | None = None) -> DecodeOutput:
+        """``stop``: token ids (checked by the caller) whose test runs on the device."""
         self.check_combination()
         if self.parallel.dp_size > 1:  # each replica its own requests (under DP: ReplicaHandles)
-            return self.replicas.decode(handles, tokens, force_eager)
+            return self.replicas.decode(handles, tokens, force_eager, logits, stop)
         t0 = time.perf_counter()
         prep = self.preparer.prepare(handles, tokens, (int(bool(force_eager)),))
         try:
-            logits, info = self.forward(prep, force_eager)
+            nxt, kept, info = self.step(prep, force_eager, logits, stop)
         except BaseException:
             self.preparer.abort(prep)
             raise
         info.stats["time_s"] = time.perf_counter() - t0
         self.recorder.record(prep, info)
-        return DecodeOutput(logits, [self.kv.handle(s) for s in prep.seq_ids], info)
+        return DecodeOutput(nxt[0].copy(), [self.kv.handle(s) for s in prep.seq_ids], info, kept,
+                            None if stop is None else nxt[1].astype(bool))
 
-    def forward(self, prep: PreparedBatch, force_eager: bool, rows: int | None = None,
-                fallback: str | None = None) -> tuple[torch.Tensor, ForwardInfo]:
+    def step(self, prep: PreparedBatch, force_eager: bool, logits: bool, stop: frozenset[int] | None,
+             rows: int | None = None, fallback: str | None = None
+             ) -> tuple[np.ndarray, torch.Tensor | None, ForwardInfo]:
         """A prepared step through this rank's stage (and the stages before and after it):
-        float32 [B, vocab] logits of its B requests on the host, the same on every rank of
-        the pipeline, and the forward's info. ``rows``, ``fallback``: the rows every rank's
-        forward holds and why they all run eagerly, as the ranks agreed (attention DP)."""
+        its B requests' next tokens (int64 [1 or 2, B] on the host, :meth:`_next_tokens`),
+        their logits when asked, the same on every rank of the pipeline, and the forward's
+        info. ``rows``, ``fallback``: the rows every rank's forward holds and why they all
+        run eagerly, as the ranks agreed (attention DP)."""
         pp, B = self.pipeline, len(prep.seq_ids)
         if pp is None:
             res = self.stage.run(prep, None, force_eager, (), rows, fallback)
-            return self._logits(res.hidden, B), res.info
+            return (*self._outputs(res.hidden[:B], logits, stop, res.info), res.info)
         got: list = []
 
         def forward(_: int, hidden_in: torch.Tensor | None) -> torch.Tensor:
             res = self.stage.run(prep, hidden_in, force_eager, (), rows, fallback)
-            # now: a replay's rows are static, which the next stage's send copies first
-            got.append((res.info, self._logits(res.hidden, B) if self.model.stage.last else None))
+            # now: a replay's rows are static (the send copies them first)
+            got.append((res.info, self._outputs(res.hidden[:B], logits, stop, res.info) if pp.next is None else None))
             return res.hidden
 
-        model = self.model
+        model, dev = self.model, self.body.device
         times = run_stage([prep.ids.shape[0]], forward, lambda n: torch.empty(
-            n, model.handoff_size, dtype=model.dtype, device=self.body.device), pp.prev, pp.next)
-        info, logits = got[0]
-        logits = pp.broadcast(logits if logits is not None else torch.empty(B, model.cfg.vocab_size),
-                              pp.num_stages - 1, self.body.device)
+            n, model.handoff_size, dtype=model.dtype, device=dev), pp.prev, pp.next)
+        info, out = got[0]
+        nxt, kept = out or (np.zeros((1 if stop is None else 2, B), dtype=np.int64),
+                            torch.empty(B, model.cfg.vocab_size) if logits else None)
+        last = pp.num_stages - 1  # from the last stage to every rank of the pipeline
+        nxt = pp.broadcast(torch.from_numpy(np.ascontiguousarray(nxt)), last, dev).numpy()
+        kept = None if kept is None else pp.broadcast(kept, last, dev)
         info.timings.update(compute_s=times.compute_s, wait_s=times.wait_s, drain_s=times.drain_s)
         info.stats["pipeline"] = {"stage": pp.stage, "stages": pp.num_stages, "sent_bytes": times.sent_bytes}
-        return logits, info
+        return nxt, kept, info
 
-    def _logits(self, hidden: torch.Tensor, rows: int) -> torch.Tensor:
+    def _outputs(self, hidden: torch.Tensor, logits: bool, stop: frozenset[int] | None,
+                 info: ForwardInfo) -> tuple[np.ndarray, torch.Tensor | None]:
+        """The next tokens of the step's rows ``hidden`` (and their logits, when asked)."""
         with nvtx_range("lm_head", category="output"):
-            return self.model.logits(hidden[:rows]).cpu()
+            rows = self.model.logits(hidden)
+        with nvtx_range("next_tokens", category="output"):
+            nxt = self._next_tokens(rows, stop, info)
+        return nxt, rows.cpu() if logits else None  # the [B, vocab] copy, asked for (the step has run: no wait)
+
+    def _next_tokens(self, rows: torch.Tensor, stop: frozenset[int] | None, info) -> np.ndarray:
+        """int64 [1 or 2, B] on the host: the greedy next tokens (and with ``stop``, whether
+        each is a stop token), chosen on the device and copied through pinned memory once
+        the step ran, waited for under the collective timeout."""
+        ids = rows.argmax(-1)
+        dev = ids[None] if stop is None else torch.stack([ids, torch.isin(ids, self._stop_tensor(stop)).long()])
+        host = self._download.start(dev)
+        done = stream_done(rows.device)  # after the copy: the step's replay (or eager work) and the download
+        where = f"decode step ({info.path}{'' if info.path != 'graph' else f', bucket {info.bucket}'})"
+        wait_for(done, self.group, where)
+        return host.numpy()
+
+    def _stop_tensor(self, stop: frozenset[int]) -> torch.Tensor:
+        """The stop tokens on the device (uploaded once for a generate call's steps)."""
+        if self._stops is None or self._stops[0] != stop:
+            ids = np.array(sorted(stop), dtype=np.int64)
+            self._stops = (stop, to_device(ids, self.body.device))
+        return self._stops[1]

@@ -47,11 +47,13 @@ class DataParallelDecode:
     device: torch.device
     vocab_size: int
     planner: DecodePlanner
-    #: the decoder's forward of a prepared step: (prep, force_eager, rows, fallback) -> (logits, info)
-    forward: Callable[..., tuple[torch.Tensor, ForwardInfo]]
+    #: the decoder's step of a prepared batch (graphcp.runtime.decode.decoder.Decoder.step):
+    #: (prep, force_eager, logits, stop, rows) -> (next tokens [1 or 2, B], logits or None, info)
+    step: Callable[..., tuple[np.ndarray, torch.Tensor | None, ForwardInfo]]
     recorder: Recorder
 
-    def decode(self, handles: Sequence[ReplicaHandle], tokens: Any, force_eager: bool = False) -> DecodeOutput:
+    def decode(self, handles: Sequence[ReplicaHandle], tokens: Any, force_eager: bool = False, logits: bool = False,
+               stop: frozenset[int] | None = None) -> DecodeOutput:
         t0 = time.perf_counter()
         handles = self._handles(handles)
         toks = step_tokens(tokens, len(handles), self.vocab_size)
@@ -67,7 +69,7 @@ class DataParallelDecode:
             raise error
         self.planner.pad(prep, rows, held)
         try:
-            logits, info = self.forward(prep, force_eager, rows)
+            nxt, kept, info = self.step(prep, force_eager, logits, stop, rows)
         except BaseException:
             self.planner.abort(prep)
             raise
@@ -75,17 +77,23 @@ class DataParallelDecode:
         if mine:
             self.recorder.record(prep, info)
         local = [self.planner.kv.handle(s) for s in prep.seq_ids]
-        parts = [p for p in gather_object(self.dp, (mine, logits, [h.num_tokens for h in local]) if mine else None)
-                 if p is not None]
-        out_logits = torch.empty(len(handles), self.vocab_size)
-        out: list = [None] * len(handles)
+        mine_out = (mine, nxt, kept, [h.num_tokens for h in local]) if mine else None
+        parts = [p for p in gather_object(self.dp, mine_out) if p is not None]
+        B = len(handles)
+        ids, flags = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=bool)
+        out_logits = torch.empty(B, self.vocab_size) if logits else None
+        out: list = [None] * B
         own = dict(zip(mine, local))
-        for idx, lg, counts in parts:
-            out_logits[idx] = lg
+        for idx, n, lg, counts in parts:
+            ids[idx] = n[0]
+            if stop is not None:
+                flags[idx] = n[1].astype(bool)
+            if logits:
+                out_logits[idx] = lg
             for k, j in enumerate(idx):
                 out[j] = ReplicaHandle(handles[j].replica, counts[k], own.get(j))
         info.stats["dp_assignment"] = [h.replica for h in handles]
-        return DecodeOutput(out_logits, out, info)
+        return DecodeOutput(ids, out, info, out_logits, None if stop is None else flags)
 
     def _handles(self, handles: Any) -> list[ReplicaHandle]:
         """The step's handles, each a ReplicaHandle of this engine's replicas carrying this
