@@ -215,9 +215,11 @@ class PrefillEngine:
         cache mode holds and the partial outputs are merged exactly; the new token's K/V is
         stored where the mode puts it (the token-sharded cache: on one rank, evenly over a
         request's ranks). With graphs, the step replays its batch-size bucket's decode graph
-        (``force_eager`` skips it). BatchError (nothing changed) for an empty batch, a handle
-        that is not live here, a token outside the vocabulary, a request at the model's
-        context."""
+        (``force_eager`` skips it). Under attention DP the handles are the ReplicaHandles a
+        prefill returned (each replica decodes its own requests) and so are the step's; under
+        pipeline stages the rows go stage to stage. BatchError (nothing changed) for an empty
+        batch, a handle that is not live here, a token outside the vocabulary, a request at
+        the model's context."""
         stops = None if stop is None else stop_tokens(stop, self.cfg.vocab_size, "decode: stop")
         return self._decode(handles, tokens, force_eager, logits, stops)
 
