@@ -13,8 +13,8 @@ import pytest
 import torch
 from helpers import rel_err
 
-from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
-from graphcp.dist import launch
+from graphcp import Conversation, ParallelConfig, PrefillEngine, Request, RuntimeConfig
+from graphcp.dist import CPGroup, launch
 from graphcp.errors import BatchError
 
 LENS = (7, 29, 1)
@@ -138,3 +138,25 @@ def test_a_hybrid_and_deepseek_v4_decode_under_attention_dp(hf_model_dir, family
     """A hybrid's states and V4's window and entries on the replica holding the request
     (V4's own attention plans only its replica's requests), a replica idle in the second batch."""
     _check(hf_model_dir(family), "float32", ParallelConfig(tp_size=2, dp_size=2, cp_size=1), ("replicated",))
+
+
+def _generate(group, folder, stop):
+    engine = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, graph="breakable"), group,
+                           parallel=None if group.size == 1 else ParallelConfig(tp_size=2, dp_size=2, cp_size=1))
+    free = engine.parts.kv.num_free_pages
+    got = engine.generate([[5, 9, 200, 7], Conversation([[3, 4], [7, 8, 9]], max_new_tokens=5), [11] * 9],
+                          max_new_tokens=8, stop=stop)
+    assert engine.parts.kv.num_free_pages == free  # every page given back
+    return got.tokens, got.finish
+
+
+def test_generate_under_attention_dp_equals_one_rank(folders):
+    """Conversations and a stop token: requests finish at different steps, a replica
+    sometimes idle; the same tokens as one rank."""
+    folder = folders["float32"]
+    want = _generate(CPGroup(), folder, None)
+    stop = [want[0][0][0][3]]  # the first request stops at its fourth token
+    want = _generate(CPGroup(), folder, stop)
+    assert want[1][0] == ["stop"] and len(want[0][0][0]) == 4, want
+    for got in launch(_generate, 2, folder, stop):
+        assert got == want

@@ -203,8 +203,8 @@ class PrefillEngine:
             return out
 
     @torch.inference_mode()
-    def decode(self, handles: Sequence[KVHandle], tokens, force_eager: bool = False, logits: bool = False,
-               stop: Sequence[int] | None = None) -> DecodeOutput:
+    def decode(self, handles: Sequence[KVHandle | ReplicaHandle], tokens, force_eager: bool = False,
+               logits: bool = False, stop: Sequence[int] | None = None) -> DecodeOutput:
         """One decode step (docs/decode.md): ``tokens[j]`` (one token id a request) after
         the KV of ``handles[j]`` (live handles of this engine, each once), on every rank
         with the same arguments (SPMD, like ``prefill``). Returns each request's greedy next
