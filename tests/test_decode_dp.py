@@ -16,6 +16,7 @@ from helpers import rel_err
 from graphcp import Conversation, ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import CPGroup, launch
 from graphcp.errors import BatchError
+from graphcp.runtime.batch import ConsistencyError
 
 LENS = (7, 29, 1)
 NEW = 16
@@ -160,3 +161,19 @@ def test_generate_under_attention_dp_equals_one_rank(folders):
     assert want[1][0] == ["stop"] and len(want[0][0][0]) == 4, want
     for got in launch(_generate, 2, folder, stop):
         assert got == want
+
+
+def _different_steps(group, folder) -> str:
+    engine = PrefillEngine(folder, RuntimeConfig(kv_tokens=512), group,
+                           parallel=ParallelConfig(tp_size=2, dp_size=2, cp_size=1))
+    out = engine.prefill([Request([1, 2, 3, 4]), Request([5, 6])])
+    snap = engine.parts.kv.snapshot()
+    with pytest.raises(ConsistencyError) as e:  # the replicas given different tokens
+        engine.decode(out.handles, [7, 8 + group.rank])
+    assert engine.parts.kv.snapshot() == snap
+    return str(e.value)
+
+
+def test_replicas_given_different_steps_raise_on_every_rank(folders):
+    for msg in launch(_different_steps, 2, folders["float32"]):
+        assert "every rank must call decode with the same" in msg and "\n" not in msg, msg

@@ -270,16 +270,17 @@ def batch_fingerprint(flat: np.ndarray, extend: Sequence[int], prefix: Sequence[
     return [zlib.crc32(np.ascontiguousarray(flat).data), zlib.crc32(shape.tobytes()), int(shape.sum())]
 
 
-def check_fingerprints(every: torch.Tensor, rank: int, peers: Sequence[int] | None = None) -> None:
+def check_fingerprints(every: torch.Tensor, rank: int, peers: Sequence[int] | None = None,
+                       call: str = "prefill") -> None:
     """ConsistencyError on this ``rank`` (one line) unless every rank's fingerprint (a
     row of ``every``, gathered over the group) equals its own; ``peers``: the ranks
-    whose rows must equal (default: all)."""
+    whose rows must equal (default: all); ``call``: what every rank must call alike."""
     peers = range(every.shape[0]) if peers is None else peers
     differ = [r for r in peers if not torch.equal(every[r], every[rank])]
     if differ:
         raise ConsistencyError(
             f"rank {rank}: ranks {differ} were given a different batch (fingerprint {every[rank].tolist()} "
-            f"vs {[every[r].tolist() for r in differ]}); every rank must call prefill with the same requests"
+            f"vs {[every[r].tolist() for r in differ]}); every rank must call {call} with the same requests"
         )
 
 

@@ -234,16 +234,18 @@ REFUSED_ELSEWHERE = ("another attention-DP replica refused its share of the batc
                      "nothing was changed")
 
 
-def agree(stage: CPGroup, replicas: int, device: torch.device, mine: list[int], fingerprint: list[int]) -> list[int]:
+def agree(stage: CPGroup, replicas: int, device: torch.device, mine: list[int], fingerprint: list[int],
+          call: str = "prefill") -> list[int]:
     """The replicas' one agreement of a forward, of either phase: one all-gather over every
     rank of the stage (one host sync) of this rank's figures ``mine`` and ``fingerprint``:
     the whole call's (3 values, every rank's the same) then this replica's own (every rank
     of the replica the same). ConsistencyError on every rank where one differs; else the
-    largest of each of ``mine`` over the ranks (a refusal, the rows, an eager fallback)."""
+    largest of each of ``mine`` over the ranks (a refusal, the rows, an eager fallback);
+    ``call``: what every rank must call alike (the error names it)."""
     row = to_device(np.array([mine + fingerprint], dtype=np.int64), device)
     every = stage.all_gather_rows(row).cpu()
     n = len(mine)
     me, per = stage.rank, stage.size // replicas  # a replica's ranks are consecutive
-    check_fingerprints(every[:, n:n + 3], me)
-    check_fingerprints(every[:, n + 3:], me, range(me // per * per, (me // per + 1) * per))
+    check_fingerprints(every[:, n:n + 3], me, call=call)
+    check_fingerprints(every[:, n + 3:], me, range(me // per * per, (me // per + 1) * per), call)
     return every[:, :n].max(dim=0).values.tolist()

@@ -129,7 +129,7 @@ class DataParallelDecode:
         fingerprint = ([zlib.crc32(toks.tobytes()), zlib.crc32(shape.tobytes()), int(shape.sum()),
                         zlib.crc32(local.tobytes())] if self.planner.check_consistency else [0, 0, 0, 0])
         try:
-            refused, rows, held = agree(self.stage, self.replicas, self.device, mine, fingerprint)
+            refused, rows, held = agree(self.stage, self.replicas, self.device, mine, fingerprint, "decode")
         except BaseException:
             if prep is not None:
                 self.planner.abort(prep)
