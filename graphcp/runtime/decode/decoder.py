@@ -9,6 +9,9 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+import numpy as np
+import torch
+
 from graphcp.attention.phase import DECODE
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
@@ -19,11 +22,12 @@ from graphcp.kv.handle import KVHandle
 from graphcp.kv.paged import PagedKVCache
 from graphcp.model.llama import DecoderModel
 from graphcp.nvtx_ranges import nvtx_range
-from graphcp.runtime.batch import DecodeOutput
+from graphcp.runtime.batch import DecodeOutput, PreparedBatch
 from graphcp.runtime.body import Body
 from graphcp.runtime.capture.phases import DecodeGraphs
 from graphcp.runtime.capture.runner import GraphRunner
 from graphcp.runtime.decode.plan import DecodePlanner
+from graphcp.runtime.draft import DraftRunner
 from graphcp.runtime.forward import StageForward
 from graphcp.runtime.stats import Recorder
 
@@ -34,13 +38,16 @@ class Decoder:
 
     def __init__(self, model: DecoderModel, kv: PagedKVCache, body: Body, runner: GraphRunner | None,
                  group: CPGroup, runtime: RuntimeConfig, parallel: ParallelConfig, kind: str,
-                 stage: StageForward, recorder: Recorder) -> None:
+                 stage: StageForward, recorder: Recorder, drafter: DraftRunner | None = None) -> None:
         """``group``: the ranks that must be given the same step (the stage's: attention TP
         ranks too); ``kind``: the model's value of the combinations' model axis
-        (ModelFamily.kind); ``stage``: the one forward; ``recorder``: the engine's stats."""
+        (ModelFamily.kind); ``stage``: the one forward; ``recorder``: the engine's stats;
+        ``drafter``: an EAGLE-3 draft's phase (a plain step does not run it: the draft's
+        K/V of the tokens it adds stay unwritten, and the draft no longer holds a next
+        token for them)."""
         self.model, self.kv, self.body, self.runner, self.group = model, kv, body, runner, group
         self.runtime, self.parallel, self.kind = runtime, parallel, kind
-        self.stage, self.recorder = stage, recorder
+        self.stage, self.recorder, self.drafter = stage, recorder, drafter
         self._preparer: DecodePlanner | None = None
         self._combines = False
 
@@ -52,7 +59,8 @@ class Decoder:
             self.check_combination()
             cfg = self.model.cfg
             self._preparer = DecodePlanner(self.kv, self.group, cfg.vocab_size, cfg.max_position_embeddings,
-                                           self.body.device, self.body.plan_decode, self.runtime.check_consistency)
+                                           self.body.device, self.body.plan_decode, self.runtime.check_consistency,
+                                           self.most_rows)
         return self._preparer
 
     @property
@@ -82,17 +90,38 @@ class Decoder:
                            "moe": rt.moe, "decode": "on"}, family=self.model.cfg.family, names={"decode": call})
         self._combines = True  # (the options are fixed: checked once)
 
+    @property
+    def most_rows(self) -> int:
+        """The most rows a request may give one step (a verify step's pending token and
+        draft tokens): the largest decode bucket, so one request's step fits a graph."""
+        return max(self.runtime.decode_buckets)
+
     def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False) -> DecodeOutput:
+        """``tokens``: one a request, or ``[requests, n]``: n tokens a request in one step
+        (its rows causal among them), every one kept; logits ``[requests, n, vocab]`` then."""
         self.check_combination()
         t0 = time.perf_counter()
         prep = self.preparer.prepare(handles, tokens, (int(bool(force_eager)),))
+        logits, res = self.run(prep, force_eager)
+        res.info.stats["time_s"] = time.perf_counter() - t0
+        self.recorder.record(prep, res.info)
+        n = prep.decode.rows_per_request
+        if self.drafter is not None:
+            for s in prep.seq_ids[::n]:
+                self.drafter.forget(s)
+        if n > 1 or np.ndim(tokens) == 2:
+            logits = logits.view(-1, n, logits.shape[-1])
+        return DecodeOutput(logits, [self.kv.handle(s) for s in prep.seq_ids[::n]], res.info)
+
+    def run(self, prep: PreparedBatch, force_eager: bool, aux: tuple[int, ...] = ()) -> tuple[torch.Tensor, Any]:
+        """A prepared step through the one forward: every row's logits (float32 [rows,
+        vocab], on the host) and the StageResult (its auxiliary rows of ``aux``); on any
+        failure its reservation is given back."""
         try:
-            res = self.stage.run(prep, None, force_eager, ())
+            res = self.stage.run(prep, None, force_eager, aux)
             with nvtx_range("lm_head", category="output"):
-                logits = self.model.logits(res.hidden).cpu()
+                logits = self.model.logits(res.hidden[: prep.rows]).cpu()
         except BaseException:
             self.preparer.abort(prep)
             raise
-        res.info.stats["time_s"] = time.perf_counter() - t0
-        self.recorder.record(prep, res.info)
-        return DecodeOutput(logits, [self.kv.handle(s) for s in prep.seq_ids], res.info)
+        return logits, res
