@@ -183,7 +183,7 @@ def agreeing_draft_tensors(alpha: float = 2.0) -> dict[str, torch.Tensor]:
     values subtract what the row read (``fc`` gives 0; a proposal after the first reads its
     own previous row, which the values cancel), the MLP adds nothing, and the LM head over
     the full vocabulary picks the embedding's own token, which ``d2t`` moves on by one."""
-    h, q, kv, V = 64, 64, 32, TARGET["vocab_size"]
+    h, q, kv = 64, 64, 32
     m = "midlayer."
     z = torch.zeros
     qw, kw, vw, ow = z(q, 2 * h), z(kv, 2 * h), z(kv, 2 * h), z(h, q)
@@ -206,9 +206,11 @@ def agreeing_draft_tensors(alpha: float = 2.0) -> dict[str, torch.Tensor]:
     return t
 
 
-def write_agreeing_draft(folder: Path, target: Path) -> Path:
+def write_agreeing_draft(folder: Path, target: Path, swap: bool = False) -> Path:
     """:func:`agreeing_draft_tensors` with the LM head the target's normed embedding (dims
-    0..31) and ``d2t`` one on (the last id back to 0), over the full vocabulary."""
+    0..31) and ``d2t`` one on (the last id back to 0), over the full vocabulary. ``swap``:
+    proposals of ``4m`` and ``4m + 1`` swapped (it agrees on half the tokens: runs of
+    accepted proposals of every length)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -221,7 +223,9 @@ def write_agreeing_draft(folder: Path, target: Path) -> Path:
     head = torch.zeros(V, 64)
     head[:, :32] = normed[:, :32]
     t["lm_head.weight"] = head
-    d2t = torch.ones(V, dtype=torch.int64)
-    d2t[-1] = -(V - 1)
+    to = (torch.arange(V) + 1) % V
+    if swap:
+        to = torch.where(to % 4 == 0, to + 1, torch.where(to % 4 == 1, to - 1, to))
+    d2t = to - torch.arange(V)
     t["d2t"], t["t2d"] = d2t, torch.ones(V, dtype=torch.bool)
     return write_draft(folder, t, draft_config(draft_vocab_size=V))
