@@ -13,6 +13,13 @@ cache unchanged.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +27,7 @@ from eagle3_ref import draft_config, write_agreeing_draft, write_counting_target
 from helpers import rel_err
 
 from graphcp import Conversation, PrefillEngine, Request, RuntimeConfig
+from graphcp.cli.main import main
 from graphcp.dist import CPGroup, launch
 from graphcp.errors import BatchError, ConfigError
 
@@ -27,6 +35,7 @@ LENS = (7, 29, 1)
 NEW = 12
 K = 3
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +170,39 @@ def test_several_rows_a_request_equal_one_at_a_time(models):
     for h in handles:
         eng.release(h)
     assert rel_err(many.logits, torch.stack(rows, 1)) < 1e-5
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "graphcp", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+
+
+def test_the_command_generates_the_plain_tokens_in_fewer_steps(models, tmp_path, capsys):
+    """``graphcp generate --draft DIR --draft-tokens K`` at CP 2 on the sharded cache: the
+    tokens of the same command without a draft, the acceptance in OUT.pt and on stdout;
+    ``--draft-tokens 0``, over the bucket limit, or without ``--draft``: exit 2, one line."""
+    target, draft = models["partial"]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps({"tokens": p}) + "\n" for p in _prompts()))
+    common = ["--input", str(tmp_path / "r.jsonl"), "--model", target, "--cp", "2", "--kv-cache", "sharded",
+              "--kv-tokens", "1024", "--max-new-tokens", "10", "--no-memory-check"]
+    plain = _cli("generate", *common, "--output", str(tmp_path / "plain.pt"))
+    assert plain.returncode == 0, plain.stderr
+    spec = _cli("generate", *common, "--output", str(tmp_path / "spec.pt"), "--draft", draft, "--draft-tokens", "3")
+    assert spec.returncode == 0, spec.stderr
+    want, got = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "spec.pt")
+    assert got["tokens"] == want["tokens"]
+    s = got["speculative"]
+    assert s["draft_tokens"] == 3 and 0 < s["acceptance_rate"] < 1 and s["steps_saved"] > 0
+    assert "speculative: 3 draft tokens a step, acceptance rate" in spec.stdout
+    for extra, match in ((["--draft", draft, "--draft-tokens", "0"], r"--draft-tokens: expected an integer >= 1"),
+                         (["--draft", draft, "--draft-tokens", "64"], r"--draft-tokens 64 is over the largest"),
+                         (["--draft-tokens", "2"], r"--draft-tokens 2 needs --draft DIR")):
+        try:
+            rc = main(["generate", *common, "--output", str(tmp_path / "bad.pt"), *extra])
+        except SystemExit as e:  # (argparse's refusal of a flag's value)
+            rc = e.code
+        assert rc == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and re.search(match, err), err
+        assert not (tmp_path / "bad.pt").exists()
