@@ -123,6 +123,30 @@ def test_speculative_equals_plain_greedy_cp4(models):
         _acceptance(_check(r, f"CP 4 rank {i}"))
 
 
+def _modes_job(group, models: dict) -> dict:
+    """The half-agreeing draft on the replicated and layer-split caches (graphs on: a plain
+    step replays its graph, a verify step runs eagerly): plain and speculative tokens, free pages."""
+    target, draft = models["partial"]
+    out = {}
+    for kv in ("replicated", "layer-split"):
+        eng = _engine(group, target, draft, "float32", kv=kv, graph="breakable")
+        free = eng.parts.kv.num_free_pages
+        plain = eng.generate(_prompts(), NEW, logits=True)
+        spec = eng.generate(_prompts(), NEW, logits=True, draft_tokens=K)
+        out[kv] = (plain, spec, free, eng.parts.kv.num_free_pages, eng.parts.kv.stored_tokens())
+    return out
+
+
+def test_every_cache_mode_gives_the_rejected_rows_back(models):
+    for rank, res in enumerate(launch(_modes_job, 2, models)):
+        for kv, (plain, spec, free, after, stored) in res.items():
+            at = f"CP 2 rank {rank} {kv}"
+            assert spec.tokens == plain.tokens and free == after and stored == 0, at
+            worst = max(rel_err(a, b) for x, y in zip(plain.logits, spec.logits) for a, b in zip(x, y))
+            assert worst < TOL["float32"], (at, worst)
+            assert 0 < spec.speculative["acceptance_rate"] < 1, at
+
+
 def test_bad_speculative_input_is_one_line_and_changes_nothing(models, tmp_path):
     target, draft = models["random"]
     eng = _engine(CPGroup(), target, draft, "float32", kv="replicated", kv_tokens=4608)
