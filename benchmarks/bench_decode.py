@@ -18,12 +18,16 @@ Run: ``python -m pytest benchmarks/bench_decode.py --benchmark-only -s`` (prints
     launches; the launch overhead it saves shows on a GPU), the launches of a graph step
     (segments and breaks), the bytes merged a layer.
 (c) ``test_dsa_decode_step_time``: the same for a DSA model on the layer-split cache.
+(d) ``test_speculative_tokens_per_step``: speculative decoding's tokens a step with three
+    EAGLE-3 drafts (docs/speculative.md, "Decoding").
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,3 +166,52 @@ def test_dsa_decode_step_time(benchmark, cp):
         print(f"\n{REQUESTS} requests x {DSA_CONTEXT} cached tokens, default-dsa, layer-split cache (CPU):\n"
               "| C | eager ms/step | graph ms/step | launches/step | received KiB/layer |\n|---|---|---|---|---|")
         print("\n".join(DSA_ROWS))
+
+
+SPEC_DRAFTS = ("random", "partial", "agreeing")
+SPEC_ROWS: list[str] = []
+
+
+def _spec_models(root: Path) -> dict[str, tuple[str, str]]:
+    """The tiny target and drafts of tests/test_speculative.py (tests/eagle3_ref.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from eagle3_ref import write_agreeing_draft, write_counting_target, write_draft, write_target
+
+    counting = write_counting_target(root / "counting")
+    return {"random": (str(write_target(root / "target")), str(write_draft(root / "draft"))),
+            "partial": (str(counting), str(write_agreeing_draft(root / "partial", counting, swap=True))),
+            "agreeing": (str(counting), str(write_agreeing_draft(root / "agreeing", counting)))}
+
+
+def _spec_job(group: CPGroup, target: str, draft: str, k: int) -> dict:
+    rt = RuntimeConfig(kv_tokens=4096, kv_cache="sharded", graph="breakable", draft=draft)
+    engine = PrefillEngine(target, rt, group)
+    prompts = [np.random.default_rng(j).integers(0, 512, 64).tolist() for j in range(REQUESTS)]
+    engine.generate(prompts, 4, draft_tokens=k)  # (captures the buckets)
+    t0 = time.perf_counter()
+    plain = engine.generate(prompts, 32)
+    t1 = time.perf_counter()
+    spec = engine.generate(prompts, 32, draft_tokens=k)
+    t2 = time.perf_counter()
+    assert spec.tokens == plain.tokens
+    return {**spec.speculative, "plain_ms": 1e3 * (t1 - t0), "spec_ms": 1e3 * (t2 - t1)}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("draft", SPEC_DRAFTS)
+def test_speculative_tokens_per_step(benchmark, tmp_path_factory, draft, k):
+    """(d) Speculative decoding at CP 2 on the token-sharded cache: 8 requests of 64 tokens,
+    32 new tokens each, k draft tokens a step, with a random draft, one agreeing on half
+    the tokens and one agreeing on all (the counting target of tests/test_speculative.py):
+    tokens a request and step, the acceptance rate, the verify steps against plain
+    decoding's, and the wall time of the whole generation either way (CPU, graphs on)."""
+    target, dr = _spec_models(tmp_path_factory.getbasetemp() / "spec")[draft]
+    res = benchmark.pedantic(launch, args=(_spec_job, 2, target, dr, k), rounds=1, iterations=1)[0]
+    benchmark.extra_info.update(res)
+    SPEC_ROWS.append(f"| {draft} | {k} | {res['acceptance_rate']:.2f} | {res['tokens_per_step']:.2f} | "
+                     f"{res['steps']} | {res['plain_steps']} | {res['plain_ms']:.0f} | {res['spec_ms']:.0f} |")
+    if len(SPEC_ROWS) == 2 * len(SPEC_DRAFTS):
+        print(f"\n{REQUESTS} requests x 64 tokens, 32 new, CP 2, token-sharded cache (CPU):\n"
+              "| draft | k | acceptance | tokens/step | verify steps | plain steps | plain ms | speculative ms |\n"
+              "|---|---|---|---|---|---|---|---|")
+        print("\n".join(SPEC_ROWS))

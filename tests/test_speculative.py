@@ -124,24 +124,27 @@ def test_speculative_equals_plain_greedy_cp4(models):
 
 
 def _modes_job(group, models: dict) -> dict:
-    """The half-agreeing draft on the replicated and layer-split caches (graphs on: a plain
-    step replays its graph, a verify step runs eagerly): plain and speculative tokens, free pages."""
+    """The half-agreeing draft on every cache mode, graphs on (a verify
+    step replays the decode graph of its rows' bucket, copying the draft's inputs out):
+    plain and speculative tokens, free pages, the verify steps' paths."""
     target, draft = models["partial"]
     out = {}
-    for kv in ("replicated", "layer-split"):
+    for kv in ("sharded", "replicated", "layer-split"):
         eng = _engine(group, target, draft, "float32", kv=kv, graph="breakable")
         free = eng.parts.kv.num_free_pages
         plain = eng.generate(_prompts(), NEW, logits=True)
         spec = eng.generate(_prompts(), NEW, logits=True, draft_tokens=K)
-        out[kv] = (plain, spec, free, eng.parts.kv.num_free_pages, eng.parts.kv.stored_tokens())
+        paths = {s["path"] for s in eng.stats()["decode_steps"] if s.get("rows_per_request", 1) > 1}
+        out[kv] = (plain, spec, free, eng.parts.kv.num_free_pages, eng.parts.kv.stored_tokens(), paths)
     return out
 
 
 def test_every_cache_mode_gives_the_rejected_rows_back(models):
     for rank, res in enumerate(launch(_modes_job, 2, models)):
-        for kv, (plain, spec, free, after, stored) in res.items():
+        for kv, (plain, spec, free, after, stored, paths) in res.items():
             at = f"CP 2 rank {rank} {kv}"
             assert spec.tokens == plain.tokens and free == after and stored == 0, at
+            assert paths == {"graph"}, (at, paths)  # the verify steps replayed their rows' decode graphs
             worst = max(rel_err(a, b) for x, y in zip(plain.logits, spec.logits) for a, b in zip(x, y))
             assert worst < TOL["float32"], (at, worst)
             assert 0 < spec.speculative["acceptance_rate"] < 1, at
@@ -178,18 +181,20 @@ def test_bad_speculative_input_is_one_line_and_changes_nothing(models, tmp_path)
 
 
 def test_several_rows_a_request_equal_one_at_a_time(models):
-    """A step of n rows a request (every row kept) equals n one-row steps: logits and K/V."""
+    """A step of n rows a request (every row kept), replayed from the decode graph of its
+    rows' bucket, equals n one-row eager steps."""
     target, draft = models["random"]
-    eng = _engine(CPGroup(), target, draft, "float32", kv="replicated")
+    eng = _engine(CPGroup(), target, draft, "float32", kv="replicated", graph="breakable")
     toks = np.array([[3, 4, 5], [6, 7, 8]])
     out = eng.prefill([Request(p) for p in _prompts()[:2]])
     many = eng.decode(out.handles, toks)
+    assert many.info.path == "graph" and many.info.bucket == 8  # 6 rows
     for h in many.handles:
         eng.release(h)
     out = eng.prefill([Request(p) for p in _prompts()[:2]])
     handles, rows = out.handles, []
     for i in range(3):
-        o = eng.decode(handles, toks[:, i])
+        o = eng.decode(handles, toks[:, i], force_eager=True)
         handles, rows = o.handles, rows + [o.logits]
     for h in handles:
         eng.release(h)

@@ -121,7 +121,8 @@ def speculative_round(engine, live: list, proposals: list[Proposal], k: int, bud
     except BaseException:
         planner.abort(prep)
         raise
-    logits, res = dec.run(prep, True, drafter.draft.aux_layer_ids)
+    # the decode graph of the step's rows where one holds them (it copies the draft's inputs out)
+    logits, res = dec.run(prep, False, drafter.draft.aux_layer_ids)
     target = logits.argmax(dim=-1).view(B, n).numpy()
     run = _accepted(toks, target)
     take = np.minimum(run + 1, budget)
