@@ -25,7 +25,8 @@ proposes; a good draft only takes fewer steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,7 +45,6 @@ class SpeculativeStats:
     tokens: int = 0  # tokens the decode steps generated, summed over requests
     request_steps: int = 0  # (request, step) pairs
     plain_steps: int = 0  # the decode steps plain greedy decoding runs for the same tokens
-    per_step: list[dict] = field(default_factory=list)
 
     def summary(self) -> dict:
         rs = max(self.request_steps, 1)
@@ -105,6 +105,7 @@ def speculative_round(engine, live: list, proposals: list[Proposal], k: int, bud
     plain step through the same path)."""
     dec, drafter = engine.parts.decoder, engine.parts.drafter
     planner, device = dec.preparer, engine.parts.body.device
+    t0 = time.perf_counter()
     B, n = len(live), k + 1
     toks = np.empty((B, n), dtype=np.int64)
     toks[:, 0] = [s.pending for s in live]
@@ -147,12 +148,12 @@ def speculative_round(engine, live: list, proposals: list[Proposal], k: int, bud
         proposals[j] = Proposal(int(nxt[last[j]]), pre[last[j]])
         drafter.next_token[s.handle.seq_id] = s.pending  # its last draft row took the pending token
     accepted = int((take - 1).sum())
-    res.info.stats.update(draft_tokens=k, accepted_tokens=accepted, rows_per_request=n)
+    res.info.stats.update(draft_tokens=k, accepted_tokens=accepted, rows_per_request=n,
+                          time_s=time.perf_counter() - t0)  # (the round: draft steps, verify, re-draft)
     engine.parts.recorder.record(prep, res.info)
     stats.steps += 1
     stats.proposed += k * B
     stats.accepted += accepted
     stats.tokens += int(take.sum())
     stats.request_steps += B
-    stats.per_step.append({"requests": B, "draft_tokens": k, "accepted": take.tolist()})
     return out
