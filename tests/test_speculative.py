@@ -235,3 +235,38 @@ def test_the_command_generates_the_plain_tokens_in_fewer_steps(models, tmp_path,
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and re.search(match, err), err
         assert not (tmp_path / "bad.pt").exists()
+
+
+def _redraft_job(group, models: dict) -> list:
+    """Three rounds with the half-agreeing draft (runs of every length), then
+    each request's draft state against a prefill of the whole sequence with the draft: the
+    re-run over the kept rows must leave the draft's K/V a prefill writes."""
+    from types import SimpleNamespace
+
+    from graphcp.runtime.decode.speculative import SpeculativeStats, first_proposals, speculative_round
+
+    target, draft = models["partial"]
+    eng = _engine(group, target, draft, "float32")
+    prompts = _prompts()
+    out = eng.prefill([Request(p) for p in prompts])
+    live = [SimpleNamespace(handle=h, pending=int(t), logits=[[]]) for h, t in
+            zip(out.handles, out.last_logits.argmax(-1).tolist())]
+    seqs = [list(p) + [s.pending] for p, s in zip(prompts, live)]
+    props = first_proposals(out)
+    for _ in range(3):
+        got = speculative_round(eng, live, props, K, np.full(len(live), 100), frozenset(), SpeculativeStats(K), False)
+        for seq, g in zip(seqs, got):
+            seq += g
+    for s in live:
+        eng.release(s.handle)
+    fresh = _engine(group, target, draft, "float32")
+    ref = fresh.prefill([Request(seq[:-1]) for seq in seqs], draft_next=[seq[-1] for seq in seqs])
+    return [(p.first, p.hidden.float().cpu()) for p in props], first_proposals(ref), ref.draft.hidden
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_the_redraft_leaves_the_drafts_kv_a_prefill_writes(models, cp):
+    res = [_redraft_job(CPGroup(), models)] if cp == 1 else launch(_redraft_job, cp, models)
+    for mine, ref, hidden in res:
+        assert [m[0] for m in mine] == [r.first for r in ref]
+        assert rel_err(torch.stack([m[1] for m in mine]), hidden) < 1e-4
