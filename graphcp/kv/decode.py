@@ -48,7 +48,8 @@ class DecodeSlots:
         return max(1, len(self.steps))
 
     def subset(self, sel: np.ndarray) -> "DecodeSlots":
-        """The rows ``sel`` (an index or mask array) of a one-row-a-request step."""
+        """The rows ``sel`` (an index or mask array) as a step of their own (one-row-a-request
+        fields: a verify step's rows, or one-token reservations of some of its requests)."""
         idx = np.flatnonzero(sel) if sel.dtype == bool else sel
         return DecodeSlots([self.seq_ids[i] for i in idx.tolist()], self.rows[idx], self.positions[idx],
                            self.holder[idx], self.local_lens[idx], self.slots[idx],

@@ -180,10 +180,7 @@ class DecodePlanner:
     def rows(self, prep: PreparedBatch, index: np.ndarray, ids: np.ndarray) -> PreparedBatch:
         """Rows ``index`` of a prepared verify step (still reserved) as a batch of their own,
         taking ``ids``: the draft layer's steps over the step's positions."""
-        d = prep.decode
-        sub = DecodeSlots([d.seq_ids[i] for i in index.tolist()], d.rows[index], d.positions[index], d.holder[index],
-                          d.local_lens[index], d.slots[index])
-        return self.batch(sub, np.asarray(ids, dtype=np.int64))
+        return self.batch(prep.decode.subset(index), np.asarray(ids, dtype=np.int64))
 
     def accept(self, prep: PreparedBatch, keep: np.ndarray) -> None:
         """After a verify step: request j keeps its first ``keep[j]`` rows' tokens, the rest
