@@ -18,12 +18,26 @@ Run: ``python -m pytest benchmarks/bench_decode.py --benchmark-only -s`` (prints
     launches; the launch overhead it saves shows on a GPU), the launches of a graph step
     (segments and breaks), the bytes merged a layer.
 (c) ``test_dsa_decode_step_time``: the same for a DSA model on the layer-split cache.
-(d) ``test_speculative_tokens_per_step``: speculative decoding's tokens a step with three
+(d) ``test_eager_decode_vs_transformers``: an eager decode step of the default preset at
+    CP 1 (float32) against transformers' own cached decode on the same checkpoint, at
+    1 x 512, 8 x 1,024 and 32 x 256 (requests x cached tokens), in the same run, one
+    torch thread: the paired ratio of their CPU times (benchmarks/vs_transformers.py) must
+    be at most 1.2 (``GRAPHCP_BENCH_MAX_DECODE_RATIO``); the paired wall-time ratio is
+    recorded beside it. On a shared 2-core machine two OpenMP threads spin while the other
+    work runs, and wall times swing with the load, so neither measures the step.
+(e) ``test_decode_host_time``: a decode step's host time (benchmarks/host_stack.py: the
+    planner's preparation, the page bucket and the buffers' fill, the handles and the
+    record after the replay) at 1, 8 and 64 requests of 2K and 32K cached tokens, in µs
+    (median CPU time, one thread), against the prefill's whole host preparation of the
+    same requests (``HostStack.prepare_fill_abort``) in the same run: at most 1.5x
+    (``GRAPHCP_BENCH_MAX_HOST_RATIO``). The prefill of 2K-token requests is shown too.
+(f) ``test_speculative_tokens_per_step``: speculative decoding's tokens a step with three
     EAGLE-3 drafts (docs/speculative.md, "Decoding").
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +46,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from host_stack import batch_of, decode_host_stack, host_stack
+from vs_transformers import DecodeSteps, paired_ratio
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.attention.decode.merge import MERGE_FUNCTIONS, MERGES, choose_merge, merge_bytes
@@ -168,6 +184,73 @@ def test_dsa_decode_step_time(benchmark, cp):
         print("\n".join(DSA_ROWS))
 
 
+DECODE_SHAPES = [(1, 512), (8, 1024), (32, 256)]
+MAX_DECODE_RATIO = float(os.environ.get("GRAPHCP_BENCH_MAX_DECODE_RATIO", "1.2"))
+DECODE_ROUNDS = 15
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("requests,context", DECODE_SHAPES, ids=[f"{b}x{n}" for b, n in DECODE_SHAPES])
+def test_eager_decode_vs_transformers(benchmark, one_thread, requests, context):
+    steps = DecodeSteps(str(ensure_preset("default")), requests, context)
+    steps.graphcp(), steps.transformers()  # warm-up
+    benchmark.group = f"decode-{requests}x{context}"
+    benchmark.pedantic(steps.graphcp, rounds=DECODE_ROUNDS, iterations=1)
+    cpu = paired_ratio(steps.graphcp, steps.transformers, DECODE_ROUNDS, time.process_time)
+    wall = paired_ratio(steps.graphcp, steps.transformers, DECODE_ROUNDS)
+    benchmark.extra_info.update(requests=requests, context=context, graphcp_over_transformers_cpu=round(cpu, 3),
+                                graphcp_over_transformers_wall=round(wall, 3))
+    print(f"\n{requests} x {context}: graphcp's eager decode step {cpu:.2f}x transformers' CPU time "
+          f"({wall:.2f}x wall), paired")
+    assert cpu <= MAX_DECODE_RATIO, (f"{requests} x {context}: graphcp's eager decode step takes {cpu:.2f}x "
+                                     f"transformers' CPU time (target <= {MAX_DECODE_RATIO}x)")
+
+
+HOST_CASES = [(b, n) for b in (1, 8, 64) for n in (2048, 32768)]
+MAX_HOST_RATIO = float(os.environ.get("GRAPHCP_BENCH_MAX_HOST_RATIO", "1.5"))
+HOST_ROWS: list[str] = []
+
+
+def _median_cpu_us(fn, rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return 1e6 * float(np.median(times))
+
+
+@pytest.mark.parametrize("requests,context", HOST_CASES, ids=[f"{b}x{n}" for b, n in HOST_CASES])
+def test_decode_host_time(benchmark, one_thread, requests, context):
+    stack = decode_host_stack(requests, context)
+    tokens = np.arange(requests) % 1000
+    benchmark.pedantic(stack.step, args=(tokens,), rounds=20, iterations=1)
+    decode = _median_cpu_us(lambda: stack.step(tokens), 30)
+    prefill = {}
+    for n in {context, 2048}:
+        pre, batch = host_stack(1, False, requests, n), batch_of(requests, n)
+        prefill[n] = _median_cpu_us(lambda: pre.prepare_fill_abort(batch), 5 if n > 2048 else 15)
+    ratio = decode / prefill[context]
+    benchmark.extra_info.update(decode_us=round(decode, 1), prefill_us=round(prefill[context], 1),
+                                prefill_2k_us=round(prefill[2048], 1), ratio=round(ratio, 3))
+    HOST_ROWS.append(f"| {requests} | {context} | {decode:.0f} | {prefill[context]:.0f} | {ratio:.2f} | "
+                     f"{prefill[2048]:.0f} | {decode / prefill[2048]:.2f} |")
+    if len(HOST_ROWS) == len(HOST_CASES):
+        print("\n| B | context | decode step host µs | prefill host prep µs | ratio | prefill of 2K µs | ratio |\n"
+              "|---|---|---|---|---|---|---|")
+        print("\n".join(HOST_ROWS))
+    assert ratio <= MAX_HOST_RATIO, (f"{requests} x {context}: a decode step's host time {decode:.0f} µs is "
+                                     f"{ratio:.2f}x the prefill's host preparation (target <= {MAX_HOST_RATIO}x)")
+
+
 SPEC_DRAFTS = ("random", "partial", "agreeing")
 SPEC_ROWS: list[str] = []
 
@@ -200,7 +283,7 @@ def _spec_job(group: CPGroup, target: str, draft: str, k: int) -> dict:
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("draft", SPEC_DRAFTS)
 def test_speculative_tokens_per_step(benchmark, tmp_path_factory, draft, k):
-    """(d) Speculative decoding at CP 2 on the token-sharded cache: 8 requests of 64 tokens,
+    """(f) Speculative decoding at CP 2 on the token-sharded cache: 8 requests of 64 tokens,
     32 new tokens each, k draft tokens a step, with a random draft, one agreeing on half
     the tokens and one agreeing on all (the counting target of tests/test_speculative.py):
     tokens a request and step, the acceptance rate, the verify steps against plain

@@ -156,7 +156,7 @@ def _outputs(engine, export: bool, decode: bool, imports: bool = False) -> dict:
     o = prefill_after_prefixes(engine, _batch(engine.cfg.vocab_size), all_logits=True)
     handles, steps = o.handles, []
     for tokens in DECODE_TOKENS if decode else ():  # the export after them holds the decoded tokens
-        step = engine.decode(handles, tokens)
+        step = engine.decode(handles, tokens, logits=True)
         handles = step.handles
         steps.append((step.info.path, step.logits))
     out = {"path": o.info.path, "last": o.last_logits, "logits": o.logits, "aux": o.aux_hidden,
@@ -198,7 +198,7 @@ def _references(folders) -> tuple[dict, dict]:
     runs use, and the float32 engine's on the same checkpoint (the truth a bfloat16 run
     is measured against when it differs from the bfloat16 reference)."""
     refs, truths = {}, {}
-    for kind, dtype, draft, decode in sorted({(r["model"], r["dtype"], r["draft"], r["decode"]) for r in CPU_RUNS}):
+    for kind, dtype, draft, decode in sorted({(r["model"], r["dtype"], r["draft"], r["decode"]) for r in CPU_RUNS + DST_RUNS}):
         aux = AUX if refusal({"model": kind, "aux": "on"}) is None else ()  # (V4 refuses aux)
         for key, out, run_dtype in [(dtype, refs, dtype), ("float32", truths, "float32")]:
             rt = RuntimeConfig(dtype=run_dtype, aux_hidden_layers=aux, kv_tokens=512,

@@ -30,7 +30,7 @@ def _greedy(engine: PrefillEngine) -> tuple[list, list]:
     out = engine.prefill([Request(rng.integers(0, 512, 19)), Request(rng.integers(0, 512, 3))])
     handles, logits = out.handles, [out.last_logits]
     for i in range(STEPS):
-        step = engine.decode(handles, [i + 1, 2 * i + 5])
+        step = engine.decode(handles, [i + 1, 2 * i + 5], logits=True)
         handles = step.handles
         logits.append(step.logits)
     merges = {s["decode_merge"] for s in engine.stats()["decode_steps"]}
@@ -94,7 +94,7 @@ def test_an_engine_with_a_draft_decodes_as_one_without(folder, tmp_path):
     for d in (str(draft), None):
         eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=256, graph="off", draft=d))
         out = eng.prefill([Request([5, 9, 200, 7])])
-        step = eng.decode(out.handles, [11])
+        step = eng.decode(out.handles, [11], logits=True)
         nxt = eng.prefill([Request([12, 13], step.handles[0])])
         got.append((step.logits, nxt.last_logits))
         eng.release(nxt.handles[0])

@@ -136,7 +136,7 @@ def _greedy_recording(eng: PrefillEngine, prompts, steps: int, eager: bool):
     handles, tok = o.handles, o.last_logits.argmax(-1)
     toks, logits, selections = [tok], [o.last_logits], []
     for _ in range(steps - 1):
-        o = eng.decode(handles, tok, force_eager=eager)
+        o = eng.decode(handles, tok, force_eager=eager, logits=True)
         graphs = eng.parts.decoder.graphs
         att = eng.parts.body.attention if eager else graphs.attention((o.info.capacity, o.info.stats["pages"]))
         selections.append(att.selection_rows(len(handles), torch.device("cpu"))[: len(handles)].clone())
@@ -314,7 +314,7 @@ def test_the_triton_sparse_attention_decodes_as_the_reference(folders):
         o = eng.prefill([Request(p) for p in _prompts()[:2]])
         handles, tok, got = o.handles, o.last_logits.argmax(-1), []
         for _ in range(2):
-            o = eng.decode(handles, tok)
+            o = eng.decode(handles, tok, logits=True)
             assert o.info.path == "eager"
             handles, tok = o.handles, o.logits.argmax(-1)
             got.append(o.logits)
@@ -330,7 +330,7 @@ def _export_after_decoding(group, folder, path: str, prompt: np.ndarray, steps: 
     handles, tok, seq = o.handles, o.last_logits.argmax(-1), prompt.tolist()
     for _ in range(steps):
         seq.append(int(tok[0]))
-        o = eng.decode(handles, tok)
+        o = eng.decode(handles, tok, logits=True)
         assert o.info.path == "graph"
         handles, tok = o.handles, o.logits.argmax(-1)
     export = eng.export_kv(handles[0], dst=0)

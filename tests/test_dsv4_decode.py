@@ -240,7 +240,7 @@ def _export_after_decoding(group, folder, path: str, prompt: np.ndarray, steps: 
     handles, tok, seq = o.handles, o.last_logits.argmax(-1), prompt.tolist()
     for _ in range(steps):
         seq.append(int(tok[0]))
-        o = eng.decode(handles, tok)
+        o = eng.decode(handles, tok, logits=True)
         assert o.info.path == "graph"
         handles, tok = o.handles, o.logits.argmax(-1)
     export = eng.export_kv(handles[0], dst=0)

@@ -290,7 +290,8 @@ def test_item11_docs_say_what_they_mean():
     readme = (ROOT / "README.md").read_text()
     assert "2 for the others" not in readme and "`tune` needs it" in readme  # tune has no --cp default
     pd = (ROOT / "docs" / "pd.md").read_text()
-    snippet = pd.split("```python\n", 1)[1].split("```", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in pd.split("```python\n")[1:]]
+    snippet = next(b for b in blocks if "load_kv(" in b)  # the load_kv example
     assert "torch.tensor" in snippet and snippet.startswith("import torch\n")
     from graphcp.gpucheck.cli import default_out
 

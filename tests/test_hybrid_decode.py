@@ -216,7 +216,7 @@ def test_a_failed_or_refused_step_leaves_the_states_and_decoding_goes_on(folders
             with pytest.raises(BatchError, match="2 rows a request on a cache with per-request states"):
                 engine.decode(handles, [[1, 2]] * 3)
             assert _same(_states(engine), before) and engine.parts.kv.snapshot() == snap
-        o = engine.decode(handles, tok)
+        o = engine.decode(handles, tok, logits=True)
         handles, tok = o.handles, o.logits.argmax(-1)
         logits.append(o.logits)
     ref_tokens, ref_logits = reference["qwen3_5"]
@@ -250,7 +250,7 @@ def _corrupt_state_job(group, folders: dict) -> dict:
         engine.decode(out.handles, tok)
     except CaptureError as e:
         same = _same(_states(engine), before)
-        eager = engine.decode(out.handles, tok, force_eager=True)
+        eager = engine.decode(out.handles, tok, force_eager=True, logits=True)
         return {"error": str(e), "same": same, "logits": eager.logits, "first": out.last_logits}
     return {"error": None}
 
@@ -321,7 +321,7 @@ def test_a_graph_steps_padding_rows_leave_every_read_state_bitwise(folders, dtyp
     assert engine.capture_decode(pages=4) == [64, 32, 16, 8, 4, 2, 1]  # (inert rows: every state kept)
     assert all(torch.equal(p, every[n]) for n, p in pools.items())
     _, read, slots = _states(engine)
-    step = engine.decode(out.handles, out.last_logits.argmax(-1))
+    step = engine.decode(out.handles, out.last_logits.argmax(-1), logits=True)
     assert (step.info.path, step.info.bucket) == ("graph", 4)
     _, after, _ = _states(engine)
     for name, pool in pools.items():
@@ -340,7 +340,7 @@ def _export_job(group, folders: dict) -> dict:
         for i in range(9):
             if i == 5:
                 out[mode, "export"] = engine.export_kv(handle)
-            step = engine.decode([handle], [tok])
+            step = engine.decode([handle], [tok], logits=True)
             fed.append(tok)
             handle, tok = step.handles[0], int(step.logits[0].argmax())
             if i >= 5:

@@ -113,7 +113,7 @@ def _greedy(eng: PrefillEngine, steps: int = 4) -> tuple[list[torch.Tensor], set
     out = eng.prefill([Request(rng.integers(0, 512, n)) for n in (3, 40)])
     handles, tok, logits = out.handles, out.last_logits.argmax(-1), []
     for _ in range(steps):
-        o = eng.decode(handles, tok)
+        o = eng.decode(handles, tok, logits=True)
         handles, tok = o.handles, o.logits.argmax(-1)
         logits.append(o.logits)
     return logits, {s["linear_kernels"] for s in eng.stats()["decode_steps"]}

@@ -105,7 +105,7 @@ def _target_job(group, folders: dict, s: dict, dtype: str, files: dict):
         toks, logits = [tok], [torch.stack([e.last_logits for e in got])]
         can_decode = s["pp"] == 1 and s["dp"] == 1
         for _ in range(NEW - 1 if can_decode else 0):
-            step = eng.decode(handles, tok)
+            step = eng.decode(handles, tok, logits=True)
             handles, tok = step.handles, step.logits.argmax(-1)
             toks.append(tok)
             logits.append(step.logits)

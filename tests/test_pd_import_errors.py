@@ -162,3 +162,18 @@ def test_ranks_given_different_payloads_refuse_on_every_rank(dense, export):
     for name, msg, unchanged in launch(_different_payloads, 2, dense, [export, other]):
         assert name == "ConsistencyError" and "another payload to import_kv" in msg and "\n" not in msg, msg
         assert unchanged
+
+
+def test_a_kv_file_is_read_in_parts(export, tmp_path):
+    """What an import by path reads: the header's metadata and shapes (no tensor), then each
+    rank's runs of positions, equal to the whole file's slices."""
+    from graphcp.pd.files import KVFile, read_kv
+
+    path = save_kv(export, tmp_path / "0.safetensors")
+    whole, part = read_kv(path), KVFile(path).check()
+    assert part.meta == whole.meta and torch.equal(part.token_ids, whole.token_ids)
+    runs = [(0, 3), (17, 29), (44, 45)]
+    for i, n in whole.meta.tensors():
+        want = torch.cat([whole.tensor(i, n)[:, a:b] for a, b in runs], dim=1)
+        assert torch.equal(part.read_runs(i, n, runs), want)
+        assert part.read_runs(i, n, []).shape == whole.meta.tensor_shape(i, n, 0)

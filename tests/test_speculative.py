@@ -164,9 +164,9 @@ def test_bad_speculative_input_is_one_line_and_changes_nothing(models, tmp_path)
     h = eng.prefill([Request(np.arange(ctx - 2) % 512)]).handles[0]
     snap = kv.snapshot()
     with pytest.raises(BatchError, match=r"model's context of .*no position is left for 3 more") as e:
-        eng.decode([h], [[1, 2, 3]])
+        eng.decode([h], [[1, 2, 3]], logits=True)
     assert "\n" not in str(e.value) and kv.snapshot() == snap
-    two = eng.decode([h], [[1, 2]])  # the last two positions: fits
+    two = eng.decode([h], [[1, 2]], logits=True)  # the last two positions: fits
     assert two.logits.shape == (1, 2, 512) and two.handles[0].num_tokens == ctx
     eng.release(two.handles[0])
     # a draft for another vocabulary
@@ -187,14 +187,14 @@ def test_several_rows_a_request_equal_one_at_a_time(models):
     eng = _engine(CPGroup(), target, draft, "float32", kv="replicated", graph="breakable")
     toks = np.array([[3, 4, 5], [6, 7, 8]])
     out = eng.prefill([Request(p) for p in _prompts()[:2]])
-    many = eng.decode(out.handles, toks)
+    many = eng.decode(out.handles, toks, logits=True)
     assert many.info.path == "graph" and many.info.bucket == 8  # 6 rows
     for h in many.handles:
         eng.release(h)
     out = eng.prefill([Request(p) for p in _prompts()[:2]])
     handles, rows = out.handles, []
     for i in range(3):
-        o = eng.decode(handles, toks[:, i], force_eager=True)
+        o = eng.decode(handles, toks[:, i], force_eager=True, logits=True)
         handles, rows = o.handles, rows + [o.logits]
     for h in handles:
         eng.release(h)

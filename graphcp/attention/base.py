@@ -356,6 +356,28 @@ class AttentionBackend(Attention):
         ``lse`` [rows, Hq] float32 (base e) for the rows of every segment."""
 
 
+class DecodeKernel(AttentionBackend):
+    """A paged decode kernel: one query row a segment (a decode step's request) over the
+    keys this rank holds of it, reading only that request's pages, with the natural-log
+    LSE a merge needs (a row with no key: output 0, LSE -inf). What a decode graph
+    captures (graphcp.runtime.capture.phases.DecodeGraphs, docs/decode.md): its metadata
+    is the bucket's static device buffers (the page table ``[rows, width]``, the lengths
+    ``[rows]``), so ``q`` has the bucket's rows and nothing is read on the host. Registered
+    for an attention backend with ``register_decode_backend`` (graphcp.attention.catalog)."""
+
+    supports_full_graph = True
+    #: its host planning (``prepare``) must run before every step, not only before the
+    #: capture: FlashInfer's wrapper plans its schedule on the host
+    plans_steps: bool = False
+    #: it keeps nothing sized by a batch (no per-bucket buffers or limits), so an eager
+    #: decode step of any size runs it too, not only a decode graph
+    any_batch: bool = True
+
+    def bucket(self, rows: int) -> None:  # noqa: B027 - optional
+        """The batch-size bucket (rows) the next ``prepare`` and ``forward`` are for: a
+        kernel whose device buffers are fixed per batch size keeps one set a bucket."""
+
+
 @dataclass(slots=True)
 class RankInputs:
     """This rank's host inputs for one planned batch (what a planner writes)."""

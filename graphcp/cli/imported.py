@@ -20,7 +20,7 @@ from graphcp.jobs.spec import JobSpec, make_engine
 from graphcp.model.config import ModelConfig
 from graphcp.model.fingerprint import model_fingerprint
 from graphcp.pd.errors import KVImportError
-from graphcp.pd.files import read_kv
+from graphcp.pd.files import KVFile
 from graphcp.runtime.batch import Request
 
 
@@ -34,12 +34,12 @@ def check_import(spec: JobSpec, model: ModelConfig | None = None) -> None:
 
 
 def check_files(files: list[Path], model_dir: Path) -> list[int]:
-    """Each file read whole and checked (KVFormatError naming it), of this model
-    (KVImportError), with its first token's logits; each request's tokens."""
+    """Each file's header and tensors' shapes checked (KVFormatError naming it), of this
+    model (KVImportError), with its first token's logits; each request's tokens."""
     mine = model_fingerprint(model_dir)
     lengths = []
     for f in files:
-        export = read_kv(f)
+        export = KVFile(f).check()
         if export.meta.fingerprint != mine:
             raise KVImportError(f"{f}: the KV is of another model (fingerprint {export.meta.fingerprint!r}; "
                                 f"{model_dir} is {mine!r})")
@@ -52,9 +52,10 @@ def check_files(files: list[Path], model_dir: Path) -> list[int]:
 
 def imported_generate_job(group: CPGroup, spec: JobSpec, files: list[Path], max_new: int, stop: tuple[int, ...],
                           logits: bool, with_stats: bool) -> dict | None:
-    """Every rank: import each file's request, then generate after its first token."""
+    """Every rank: import each file's request (reading the positions it keeps), then
+    generate after its first token."""
     engine = make_engine(group, spec)
-    exports = [read_kv(f) for f in files]
+    exports = [KVFile(f) for f in files]
     handles = [engine.import_kv(e) for e in exports]
     first = [int(e.last_logits.argmax()) for e in exports]
     tokens = [[[t]] for t in first]

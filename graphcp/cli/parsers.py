@@ -78,8 +78,9 @@ def add_pd_demo_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--decode-cp", type=bounded(int, 1), default=2,
                    help="the decode engine's CP ranks (the runtime flags' --cp, --tp, --pp, --dp are the prefill's; "
                         "default: %(default)s)")
-    p.add_argument("--decode-kv-cache", default="sharded", choices=KV_CACHE_MODES,
-                   help="the decode engine's cache mode (default: %(default)s)")
+    p.add_argument("--decode-kv-cache", default=None, choices=KV_CACHE_MODES,
+                   help="the decode engine's cache mode (default: sharded, or the first of layer-split, replicated "
+                        "the model decodes on)")
     p.add_argument("--transport", default=None, choices=("mooncake", "file"),
                    help="mooncake: the transfer engine on loopback TCP (the .[pd] extra); file: a safetensors file "
                         "(default: mooncake where it imports, else file)")

@@ -117,7 +117,7 @@ def _import_and_decode(group, spec: JobSpec, export, first: int, steps: int) -> 
         step = engine.decode([handle], [tokens[-1]])
         times.append(time.perf_counter() - t0)
         handle = step.handles[0]
-        tokens.append(int(step.logits[0].argmax()))
+        tokens.append(int(step.tokens[0]))  # the greedy next token, computed on the device
     engine.release(handle)
     if engine.world_rank != 0:
         return None
@@ -158,6 +158,16 @@ def _reference(model_dir: Path, prompt: np.ndarray, steps: int) -> list[int]:
     return gen[0, ids.shape[1]:].tolist()
 
 
+#: the decode side's cache modes, most preferred first (the ranks share every request's KV)
+DECODE_CACHES = ("sharded", "layer-split", "replicated")
+
+
+def decode_cache(kind: str) -> str:
+    """The first of :data:`DECODE_CACHES` a model of ``kind`` decodes on (the last if none)."""
+    return next((m for m in DECODE_CACHES if refusal({"model": kind, "kv_cache": m, "decode": "on"}) is None),
+                DECODE_CACHES[-1])
+
+
 def decode_spec(args: argparse.Namespace) -> JobSpec:
     """The decode side's run: ``--decode-cp`` ranks, ``--decode-kv-cache``, the other
     runtime flags as given (no stages, attention TP or DP; no bucket file: it is the
@@ -183,8 +193,14 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
                           f"got {args.prefix_tokens}")
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    spec, dspec = job_spec(args), decode_spec(args)
+    spec = job_spec(args)
     model = preflight(spec, args.moe, "graphcp pd-demo")
+    if args.decode_kv_cache is None:  # the default: the first cache mode the model decodes on
+        args.decode_kv_cache = decode_cache(model.kind)
+        if args.decode_kv_cache != DECODE_CACHES[0]:
+            print(f"graphcp pd-demo: note: a {model.kind} model does not decode on a {DECODE_CACHES[0]} cache: the "
+                  f"decode side uses --decode-kv-cache {args.decode_kv_cache}", file=sys.stderr)
+    dspec = decode_spec(args)
     check_combination({**parallel_settings(spec.parallel), "export": "on"}, flags=True)
     # a model graphcp does not decode (or import) yet: the decode side is transformers, and says so
     rule = refusal({"model": model.kind, "decode": "on"}) or refusal({"model": model.kind, "import": "on"})

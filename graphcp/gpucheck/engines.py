@@ -151,7 +151,7 @@ def decode_steps(engine: PrefillEngine, toks: tuple, tokens: np.ndarray, eager: 
     try:
         for step_tokens in tokens:
             t0 = time.perf_counter()
-            step = engine.decode(handles, step_tokens, force_eager=eager)
+            step = engine.decode(handles, step_tokens, force_eager=eager, logits=True)  # compared below
             times.append(time.perf_counter() - t0)
             handles = step.handles
             logits.append(step.logits)

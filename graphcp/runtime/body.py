@@ -12,6 +12,7 @@ all-reduces its partial sums: ReplicatedRows).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +49,25 @@ class Body:
     #: how a decode step over a cache whose ranks hold parts of each request merges
     #: (RuntimeConfig.decode_merge)
     decode_merge: str = "auto"
+    #: makes what an eager decode step attends with, on the first decode step (an engine
+    #: that never decodes builds none): the attention backend's decode kernel when it takes
+    #: a batch of any size (graphcp.attention.base.DecodeKernel; decode graphs capture the
+    #: same one), else None: the attention backend
+    make_decode_attention: Callable[[], Attention | None] | None = None
 
     def __post_init__(self) -> None:
         c = LayerCommunicator.of(self.comm or self.group)
         #: each phase's row layout: a decode step's rows are the same on every rank
         self.comms: dict[Phase, LayerCommunicator | None] = {
             PREFILL: self.comm, DECODE: ReplicatedRows(c.cp, c.attn_tp, c.ffn, c.dp)}
+        self._decode_attention: Attention | None = None
+
+    @property
+    def decode_attention(self) -> Attention | None:
+        """What an eager decode step attends with (see ``make_decode_attention``), made once."""
+        if self.make_decode_attention is not None:
+            self._decode_attention, self.make_decode_attention = self.make_decode_attention(), None
+        return self._decode_attention
 
     def plan_decode(self, rows: int) -> Any:
         """The exchange's decode plan of a step of ``rows`` rows (how it merges)."""
@@ -94,7 +108,11 @@ class Body:
         if prep is not None:
             phase = prep.phase
         live = prep.meta if prep is not None else meta
-        backend = self.attention if attention is None else attention
+        if attention is not None:
+            backend = attention
+        else:
+            eager = self.decode_attention if phase == DECODE else None
+            backend = self.attention if eager is None else eager
         self._plan_attention(backend, live, prep)
         fwd = KVForward(self.kv, self.exchange, self.group, backend, live if meta is None else meta, slots,
                         prep.kv_plan if prep is not None else self.inert_plan(phase, slots.shape[0]),

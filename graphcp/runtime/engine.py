@@ -37,7 +37,7 @@ from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.batch import DecodeOutput, PrefillOutput, Request
 from graphcp.runtime.build import EngineParts, build_parts
 from graphcp.runtime.capture.buckets import BucketSet
-from graphcp.runtime.decode.generate import GenerateOutput, generate
+from graphcp.runtime.decode.generate import GenerateOutput, generate, stop_tokens
 from graphcp.runtime.dp import DataParallelPrefill, ReplicaHandle
 from graphcp.runtime.draft import draft_next_tokens
 from graphcp.runtime.export import Exporter
@@ -203,18 +203,24 @@ class PrefillEngine:
             return out
 
     @torch.inference_mode()
-    def decode(self, handles: Sequence[KVHandle], tokens, force_eager: bool = False) -> DecodeOutput:
+    def decode(self, handles: Sequence[KVHandle], tokens, force_eager: bool = False, logits: bool = False,
+               stop: Sequence[int] | None = None) -> DecodeOutput:
         """One decode step (docs/decode.md): ``tokens[j]`` (one token id a request) after
         the KV of ``handles[j]`` (live handles of this engine, each once), on every rank
-        with the same arguments (SPMD, like ``prefill``). Returns each request's next-token
-        logits (float32 ``[B, vocab]``, the same on every rank) and its handles, one token
-        longer. Each rank attends over the KV its cache mode holds and the partial outputs
-        are merged exactly; the new token's K/V is stored where the mode puts it (the
-        token-sharded cache: on one rank, evenly over a request's ranks). With graphs, the
-        step replays its batch-size bucket's decode graph (``force_eager`` skips it).
-        BatchError (nothing changed) for an empty batch, a handle that is not live here,
-        a token outside the vocabulary, a request at the model's context."""
-        return self._decode(handles, tokens, force_eager)
+        with the same arguments (SPMD, like ``prefill``). Returns each request's greedy next
+        token (``tokens``, chosen on the device, the same on every rank) and its handles,
+        one token longer; with ``logits=True`` also the next-token logits (float32 ``[B,
+        vocab]``, copied to the host only then); with ``stop`` (token ids) whether each next
+        token is one (``stopped``, tested on the device). Each rank attends over the KV its
+        cache mode holds and the partial outputs are merged exactly; the new token's K/V is
+        stored where the mode puts it (the token-sharded cache: on one rank, evenly over a
+        request's ranks). With graphs, the step replays its batch-size bucket's decode graph
+        (``force_eager`` skips it). BatchError (nothing changed) for an empty batch, a handle
+        that is not live here, a token outside the vocabulary, a request at the model's
+        context. ``tokens [requests, n]``: n tokens a request in one step, causal among them
+        (every one kept; outputs ``[requests, n]``: docs/speculative.md)."""
+        stops = None if stop is None else stop_tokens(stop, self.cfg.vocab_size, "decode: stop")
+        return self._decode(handles, tokens, force_eager, logits, stops)
 
     @torch.inference_mode()
     def generate(self, requests, max_new_tokens: int, stop: Sequence[int] | None = None, logits: bool = False,

@@ -26,8 +26,9 @@ from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
 from graphcp.errors import BatchError
 from graphcp.kv.handle import KVCacheFull, KVHandle
+from graphcp.kv.spans import position_runs
 from graphcp.pd.errors import KVImportError
-from graphcp.pd.files import read_kv
+from graphcp.pd.files import KVFile
 from graphcp.runtime.batch import ConsistencyError
 from graphcp.runtime.build import EngineParts
 from graphcp.runtime.dp import ReplicaHandle
@@ -47,7 +48,7 @@ class Importer:
                     "moe": p.runtime.moe, "import": "on"}
         check_combination(settings, family=p.cfg.family, names={"import": "PrefillEngine.import_kv"})
         if isinstance(exported, (str, os.PathLike)):
-            exported = read_kv(exported)
+            exported = KVFile(exported)  # (each rank reads only the positions it keeps)
         self.check(exported)
         if p.runtime.check_consistency:
             self._same_payload(exported)
@@ -123,7 +124,9 @@ class Importer:
         per-request state whole, each in this rank's heads under attention TP."""
         p, kv = self.parts, self.parts.kv
         meta, device = exported.meta, p.device
-        positions = torch.from_numpy(handle.positions(kv.rank))
+        held = handle.positions(kv.rank)
+        positions, runs = torch.from_numpy(held), position_runs(held)
+        partial = hasattr(exported, "read_runs")  # a file: read only these positions
         tp = p.mesh.attn_tp
         split = tp.size > 1 and p.family.export_splits_heads
         state_layers = kv.storage.state_layers
@@ -131,8 +134,12 @@ class Importer:
             whole = layer in state_layers
             values = []
             for name in meta.layer_tensors(layer):
-                t = exported.tensor(layer, name)
-                if not whole:
+                if whole:
+                    t = exported.tensor(layer, name)
+                elif partial:
+                    t = exported.read_runs(layer, name, runs)
+                else:
+                    t = exported.tensor(layer, name)
                     t = t.index_select(meta.token_dim, positions.to(t.device))
                 if split:
                     t = meta.take_heads(layer, name, t, tp.size, tp.rank)

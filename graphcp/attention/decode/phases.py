@@ -46,7 +46,7 @@ class DecodePhase(ExchangePhase):
         return 0
 
     def store_rows(self, fwd, layer: int, rows: torch.Tensor) -> int:
-        """A family's own cache rows (MLA's latent and keys, V4's window and sources) this
+        """A family's own cache rows (a latent row and its indexer keys, a window's rows) this
         rank's cache keeps, written in place (the cache's ``write``); no collective."""
         fwd.cache.write(layer, rows, fwd.slots)
         return 0

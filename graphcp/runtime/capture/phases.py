@@ -12,13 +12,15 @@ every phase's buckets the same way, keyed by (phase, bucket).
   2, 4, ..., 64 by default) and a page width: the smallest power of two of pages, at most
   the cache's, that holds the step's longest share of a request on any rank (every
   rank's the same: the ledger's largest), so a step reads at most twice the pages its
-  requests hold. Attention and merge are inside the graph: the attention is
-  :class:`~graphcp.attention.decode.paged.PagedDecodeAttention` (plain torch operations
-  over the bucket's static page table and lengths), the merge's collectives have the
-  bucket's shapes (the bucket's merge: a step on it runs that plan); a family's own
-  attention captures its decode graph form (``Attention.decode_graph_attention``: DSA's
-  sparse attention over the bucket's pages); a layer that sizes work on the host (the
-  MoE ``ep`` exchange) stays a break. A step larger than every
+  requests hold. Attention and merge are inside the graph: the attention is the engine's
+  backend's decode kernel (graphcp.attention.base.DecodeKernel, chosen by the registry:
+  Triton's, FlashInfer's decode wrapper, trtllm-gen's decode, or the torch reference
+  :class:`~graphcp.attention.decode.paged.PagedDecodeAttention`) over the bucket's static
+  page table and lengths, or a family's own attention's decode graph form
+  (``Attention.decode_graph_attention``: DSA's and V4's sparse attention over the
+  bucket's pages); the merge's collectives have the bucket's shapes (the bucket's merge:
+  a step on it runs that plan); a layer that sizes work on the host (the MoE ``ep``
+  exchange) stays a break. A step larger than every
   bucket runs eagerly and says so. Each bucket is checked on its first live replay: its
   requests' KV is the cache's, so no synthetic batch is needed.
 """
@@ -34,9 +36,11 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from graphcp.attention.base import Attention, AttentionMetadata
+from graphcp.attention.base import Attention, AttentionMetadata, DecodeKernel
 from graphcp.attention.decode.paged import PagedDecodeAttention
 from graphcp.attention.phase import DECODE, PREFILL, Phase
+from graphcp.attention.registry import AttentionLimits, make_decode_attention, registered_decode_kernel
+from graphcp.attention.staging import to_device
 from graphcp.config import RuntimeConfig
 from graphcp.model.forward_context import AuxCapture, ForwardContext
 from graphcp.runtime.batch import BatchPreparer, PreparedBatch, Request
@@ -257,7 +261,8 @@ class PrefillGraphs(PhaseGraphs):
 
     def written_pages(self, prep: PreparedBatch) -> torch.Tensor:
         kv = self.body.kv
-        return torch.tensor([p for s in prep.seq_ids for p in kv.handle(s).pages], device=self.body.device)
+        pages = [p for s in prep.seq_ids for p in kv.handle(s).pages]
+        return to_device(np.array(pages, dtype=np.int64), self.body.device)
 
     # ---- the self-check's input: a synthetic batch (graphcp.runtime.capture.selfcheck) ----
     def synthetic_spec(self, capacity: int) -> SyntheticBatch | None:
@@ -327,6 +332,13 @@ class DecodeGraphs(PhaseGraphs):
                                      staging, len(self.aux_layers))
         #: whether the cache keeps per-request state (a recurrent layer's): its step's slots are static rows too
         self.states = bool(body.kv.state_pools())
+        largest = self.buckets[-1]
+        #: the decode kernel of the engine's backend over K/V heads, one for every bucket (None
+        #: for a family's own attention, whose decode graph form each bucket makes: attention())
+        self.kernel: Attention | None = body.decode_attention or (make_decode_attention(
+            body.attention, body.device, AttentionLimits(max_segments=largest, max_q_rows=largest,
+                                                         max_pages_per_segment=self.width, dtype=body.model.dtype))
+            if registered_decode_kernel(body.attention) is not None else None)
         self._attentions: dict[tuple[int, int], Attention] = {}
         self._metas: dict[tuple[int, int], AttentionMetadata] = {}
         self._plans: dict[int, Any] = {}
@@ -385,11 +397,12 @@ class DecodeGraphs(PhaseGraphs):
 
     def attention(self, key: tuple[int, int]) -> Attention:
         """The bucket's attention over its static metadata: the paged decode attention over
-        K/V heads, or a family's own attention's decode graph form (made once a bucket)."""
+        K/V heads (the engine's decode kernel), or a family's own attention's decode graph
+        form (made once a bucket)."""
         got = self._attentions.get(key)
         if got is None:
             engine = self.body.attention
-            got = engine.decode_graph_attention(self.static_meta(key))
+            got = engine.decode_graph_attention(self.static_meta(key)) or self.kernel
             if got is None:
                 got = PagedDecodeAttention(engine.spec)
             self._attentions[key] = got
@@ -413,13 +426,19 @@ class DecodeGraphs(PhaseGraphs):
 
     def context(self, prep: PreparedBatch | None, key: tuple[int, int], view: DecodeView, stats: dict | None = None,
                 aux: AuxCapture | None = None, eager: bool = False) -> ForwardContext:
+        attention = self.attention(key)
+        if isinstance(attention, DecodeKernel):
+            attention.bucket(key[0])
         if prep is None or eager:
             return self._context(prep, key, view, stats, aux)
         # a replay's: everything in it is the bucket's but the live rows and the figures,
-        # so it is made once a bucket (no per-step Python on the replay path)
+        # so it is made once a bucket (no per-step Python on the replay path); a kernel
+        # that plans on the host (FlashInfer's decode wrapper) plans every step
         ctx = self._replays.get(key)
         if ctx is None:
             ctx = self._replays[key] = self._context(prep, key, view, stats)
+        elif isinstance(attention, DecodeKernel) and attention.plans_steps:
+            attention.prepare(prep.meta)
         ctx.stats, ctx.inputs.live_rows = stats, prep.rows
         return ctx
 
@@ -434,7 +453,7 @@ class DecodeGraphs(PhaseGraphs):
 
     def written_pages(self, prep: PreparedBatch) -> torch.Tensor:
         slots = prep.slots  # this rank's slot of each new token (-1: another rank stores it)
-        return torch.from_numpy(np.unique(slots[slots >= 0] // self.body.kv.page_size)).to(self.body.device)
+        return to_device(np.unique(slots[slots >= 0] // self.body.kv.page_size), self.body.device)
 
     def written_states(self, prep: PreparedBatch) -> torch.Tensor | None:
         if not self.states:

@@ -337,21 +337,25 @@ class DecodeBuffers:
                  device: torch.device | str, staging: PinnedStaging | None = None, aux_layers: int = 0) -> None:
         n, dev = max_requests, torch.device(device)
         self.width = width
-        i64 = dict(dtype=torch.int64, device=dev)
-        self.input_ids, self.positions = torch.zeros(n, **i64), torch.zeros(n, **i64)
-        self.kv_slots = torch.full((n,), -1, **i64)
+        # ids, positions, slots, state slots (read, write): one buffer, so a fill uploads them in one copy
+        self._rows = torch.zeros(5, n, dtype=torch.int64, device=dev)
+        self.input_ids, self.positions, self.kv_slots = self._rows[:3].unbind(0)
+        self.state_slots = self._rows[3:]
+        self.kv_slots.fill_(-1)
         self.kv_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros((n, width), dtype=torch.int32, device=dev)
         self.hidden_out = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
-        self.state_slots = torch.zeros((2, n), **i64)
         #: the auxiliary hidden states a step copies out (an EAGLE-3 draft's inputs of a verify step)
         self.aux_out = torch.zeros(n, aux_layers, hidden_size, dtype=dtype, device=dev) if aux_layers else None
         self._staging = staging if staging is not None else PinnedStaging(dev) if dev.type == "cuda" else None
         host = self._staging.host if self._staging is not None else _plain_host
-        self._rows_host = host(5 * n, torch.int64).view(5, n)  # ids, positions, slots, state slots (read, write)
+        self._rows_host = host(5 * n, torch.int64)  # the five rows: [5, capacity] packed in front
         self._lens_host = host(n, torch.int32)
         self._table_host = host(n * width, torch.int32)
+        # their numpy views, made once (the host buffers never move)
+        self._rows_np, self._lens_np, self._table_np = (t.numpy() for t in (self._rows_host, self._lens_host,
+                                                                             self._table_host))
         self._views: dict[tuple[int, int], DecodeView] = {}
 
     def view(self, capacity: int, width: int) -> DecodeView:
@@ -378,20 +382,18 @@ class DecodeBuffers:
         B = 0 if prep is None else prep.rows
         if self._staging is not None:
             self._staging.wait()  # the previous fill's uploads read these buffers when they run
-        rows, lens = self._rows_host[:, :capacity].numpy(), self._lens_host[:capacity].numpy()
-        table_host = self._table_host[: capacity * width].view(capacity, width)
-        table = table_host.numpy()
-        rows[:2], rows[2], lens[:], table[:] = 0, -1, 0, 0
+        rows, lens = self._rows_np[: 5 * capacity].reshape(5, capacity), self._lens_np[:capacity]
+        table = self._table_np[: capacity * width].reshape(capacity, width)
+        rows[:2, B:], rows[2, B:], lens[B:], table[B:] = 0, -1, 0, 0
         if prep is not None:
             rows[:3, :B] = prep.ids, prep.positions, prep.slots
             lens[:B] = prep.decode.local_lens
             kv.page_table_rows(prep.decode.rows, width, out=table[:B])
         state_rows(None if prep is None else prep.decode.states, capacity, rows[3:])
-        for dst, src in ((self.input_ids, self._rows_host[0]), (self.positions, self._rows_host[1]),
-                         (self.kv_slots, self._rows_host[2]), (self.kv_lens, self._lens_host)):
-            self._upload(dst[:capacity], src[:capacity])
-        self._upload(self.state_slots[:, :capacity], self._rows_host[3:, :capacity])
-        self._upload(self.page_table[:capacity, :width], table_host)
+        # contiguous host sources: a strided one would be copied to pageable memory first
+        self._upload(self._rows[:, :capacity], self._rows_host[: 5 * capacity].view(5, capacity))
+        self._upload(self.kv_lens[:capacity], self._lens_host[:capacity])
+        self._upload(self.page_table[:capacity, :width], self._table_host[: capacity * width].view(capacity, width))
         if self._staging is not None:
             self._staging.mark()  # after every upload of this fill: the next fill waits for them
         return self.view(capacity, width)

@@ -124,7 +124,8 @@ def speculative_round(engine, live: list, proposals: list[Proposal], k: int, bud
         raise
     # the decode graph of the step's rows where one holds them (it copies the draft's inputs out)
     logits, res = dec.run(prep, False, drafter.draft.aux_layer_ids)
-    target = logits.argmax(dim=-1).view(B, n).numpy()
+    target = logits.argmax(dim=-1).view(B, n).cpu().numpy()  # (the [rows, vocab] logits stay on the device)
+    kept_logits = logits.view(B, n, -1).cpu() if keep_logits else None
     run = _accepted(toks, target)
     take = np.minimum(run + 1, budget)
     for j in range(B):  # a stop token ends the request there
@@ -138,7 +139,7 @@ def speculative_round(engine, live: list, proposals: list[Proposal], k: int, bud
         out.append(got)
         s.handle, s.pending = engine.parts.kv.handle(s.handle.seq_id), got[-1]
         if keep_logits:
-            s.logits[-1].extend(logits.view(B, n, -1)[j, : take[j]])
+            s.logits[-1].extend(kept_logits[j, : take[j]])
     kept = np.concatenate([base[j] + np.arange(take[j]) for j in range(B)])
     ids = target.reshape(-1)[kept]  # each kept row's next token: the draft's input there
     aux = res.aux_rows[: prep.rows].flatten(1).index_select(0, torch.from_numpy(kept).to(device))
