@@ -212,6 +212,10 @@ def test_a_failed_or_refused_step_leaves_the_states_and_decoding_goes_on(folders
             with pytest.raises(BatchError, match="outside the vocabulary"):
                 engine.decode(handles, [1, 2, 512])
             assert _same(_states(engine), before)
+            snap = engine.parts.kv.snapshot()  # several rows a request: the states take one token a step
+            with pytest.raises(BatchError, match="2 rows a request on a cache with per-request states"):
+                engine.decode(handles, [[1, 2]] * 3)
+            assert _same(_states(engine), before) and engine.parts.kv.snapshot() == snap
         o = engine.decode(handles, tok, logits=True)
         handles, tok = o.handles, o.logits.argmax(-1)
         logits.append(o.logits)
