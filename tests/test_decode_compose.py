@@ -1,25 +1,23 @@
-"""Decode composed with the mesh, and what it refuses (issue 40, docs/decode.md).
+"""Decode composed with the mesh (issue 40, docs/decode.md).
 
 Attention TP 2 inside CP 2 (4 ranks): each rank attends and merges its own heads over its
 share of the KV, and the steps match the single-rank engine, on the token-sharded and
 the replicated cache. (The other compositions, MoE ep and tp, both prefill layouts,
 full and breakable graphs, aux, export after decoding, are runs of the combination
 matrix: tests/test_combinations.py; pipeline stages and attention DP: tests/test_decode_pp.py,
-tests/test_decode_dp.py.) What decode does not combine with (an EAGLE-3 draft) is one
-ConfigError line from
-``decode`` and ``generate``, before anything runs."""
+tests/test_decode_dp.py.) An engine with an EAGLE-3 draft decodes as one without
+(speculative decoding: tests/test_speculative.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from eagle3_ref import draft_config, draft_tensors, write_draft
 from helpers import rel_err
 
 from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
-from graphcp.combinations import REFUSALS
 from graphcp.dist import launch
-from graphcp.errors import ConfigError
 
 STEPS = 4
 
@@ -60,21 +58,19 @@ def test_attention_tp_ranks_merge_their_own_heads(folder):
                 assert rel_err(a, b) <= 1e-5, (rank, mode, i)
 
 
-def _refused(engine: PrefillEngine, pair: tuple[str, str]) -> None:
-    rule = next(r for r in REFUSALS if {r.a[0], r.b[0]} == {pair[0], "decode"} and pair[1] in r.a[1] + r.b[1])
-    out = engine.prefill([Request([1, 2, 3])])
-    for name, call in (("PrefillEngine.decode", lambda: engine.decode(out.handles, [4])),
-                       ("PrefillEngine.generate", lambda: engine.generate([[1, 2]], 3))):
-        snap = engine.parts.kv.snapshot()
-        with pytest.raises(ConfigError) as e:
-            call()
-        msg = str(e.value)
-        assert "\n" not in msg and name in msg and rule.reason in msg, msg
-        assert engine.parts.kv.snapshot() == snap
-
-
-def test_a_draft_refuses_decode(folder, tmp_path):
+def test_an_engine_with_a_draft_decodes_as_one_without(folder, tmp_path):
+    """A plain step on an engine with a draft (speculative decoding: tests/test_speculative.py)
+    gives the same logits, and a next turn extends the decoded tokens (the draft's K/V of a
+    plain step's token stays unwritten: the draft no longer holds a next token for it)."""
     draft = write_draft(tmp_path / "draft", draft_tensors(head_dim=32),
                         draft_config(head_dim=32, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 0, 1]}))
-    _refused(PrefillEngine(folder, RuntimeConfig(kv_tokens=256, draft=str(draft))), ("draft", "on"))
+    got = []
+    for d in (str(draft), None):
+        eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=256, graph="off", draft=d))
+        out = eng.prefill([Request([5, 9, 200, 7])])
+        step = eng.decode(out.handles, [11], logits=True)
+        nxt = eng.prefill([Request([12, 13], step.handles[0])])
+        got.append((step.logits, nxt.last_logits))
+        eng.release(nxt.handles[0])
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
     # (DSA and DeepSeek V4 models decode: tests/test_dsa_decode.py, tests/test_dsv4_decode.py)

@@ -132,7 +132,7 @@ def build_parts(model: str | Path, rt: RuntimeConfig, group: CPGroup, buckets: B
     forward = StageForward(body, runner)
     # every rank of the pipeline (every stage) must be given the same decode step
     decoder = Decoder(net, kv, body, runner, mesh.ffn if pipeline is None else pipeline.world, rt, parallel,
-                      family.kind(cfg), forward, recorder, pipeline, mesh)
+                      family.kind(cfg), forward, recorder, pipeline, mesh, drafter)
     return EngineParts(model_dir, rt, parallel, family, cfg, net, mesh, mesh.cp, pipeline, device, layout, buckets, kv,
                        family.export_source(kv, net), exchange, body, preparer, runner, drafter, forward, recorder,
                        decoder)

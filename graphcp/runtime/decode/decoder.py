@@ -47,6 +47,7 @@ from graphcp.runtime.capture.runner import GraphRunner
 from graphcp.runtime.capture.watchdog import stream_done, wait_for
 from graphcp.runtime.decode.dp import DataParallelDecode
 from graphcp.runtime.decode.plan import DecodePlanner
+from graphcp.runtime.draft import DraftRunner
 from graphcp.runtime.forward import StageForward
 from graphcp.runtime.pp.groups import PipelineGroups
 from graphcp.runtime.pp.schedule import run_stage
@@ -60,15 +61,19 @@ class Decoder:
     def __init__(self, model: DecoderModel, kv: PagedKVCache, body: Body, runner: GraphRunner | None,
                  group: CPGroup, runtime: RuntimeConfig, parallel: ParallelConfig, kind: str,
                  stage: StageForward, recorder: Recorder, pipeline: PipelineGroups | None = None,
-                 mesh: MeshGroups | None = None) -> None:
+                 mesh: MeshGroups | None = None, drafter: DraftRunner | None = None) -> None:
         """``group``: the ranks that must be given the same step (the stage's: attention TP
         ranks too; every stage's under pipeline stages); ``kind``: the model's value of the
         combinations' model axis (ModelFamily.kind); ``stage``: the one forward;
         ``recorder``: the engine's stats; ``pipeline``: the stages' groups and links (None:
-        one stage); ``mesh``: the stage's groups (attention DP's replicas)."""
+        one stage); ``mesh``: the stage's groups (attention DP's replicas); ``drafter``: an
+        EAGLE-3 draft's phase (a plain step does not run it: the draft's K/V of the tokens
+        it adds stay unwritten, and the draft no longer holds a next token for them;
+        speculative decoding runs it: graphcp.runtime.decode.speculative)."""
         self.model, self.kv, self.body, self.runner, self.group = model, kv, body, runner, group
         self.runtime, self.parallel, self.kind = runtime, parallel, kind
         self.stage, self.recorder, self.pipeline, self.mesh = stage, recorder, pipeline, mesh
+        self.drafter = drafter
         self._preparer: DecodePlanner | None = None
         self._replicas: DataParallelDecode | None = None
         self._combines = False
@@ -83,7 +88,8 @@ class Decoder:
             self.check_combination()
             cfg = self.model.cfg
             self._preparer = DecodePlanner(self.kv, self.group, cfg.vocab_size, cfg.max_position_embeddings,
-                                           self.body.device, self.body.plan_decode, self.runtime.check_consistency)
+                                           self.body.device, self.body.plan_decode, self.runtime.check_consistency,
+                                           self.most_rows)
         return self._preparer
 
     @property
@@ -94,6 +100,12 @@ class Decoder:
             self._replicas = DataParallelDecode(m.coords.dp, self.parallel.dp_size, m.dp, m.ffn, self.body.device,
                                                 self.model.cfg.vocab_size, self.preparer, self.step, self.recorder)
         return self._replicas
+
+    @property
+    def most_rows(self) -> int:
+        """The most rows a request may give one step (a verify step's pending token and
+        draft tokens): the largest decode bucket, so one request's step fits a graph."""
+        return max(self.runtime.decode_buckets)
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -124,7 +136,10 @@ class Decoder:
 
     def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False, logits: bool = False,
                stop: frozenset[int] | None = None) -> DecodeOutput:
-        """``stop``: token ids (checked by the caller) whose test runs on the device."""
+        """``stop``: token ids (checked by the caller) whose test runs on the device.
+        ``tokens``: one a request, or ``[requests, n]``: n tokens a request in one step (its
+        rows causal among them), every one kept; the outputs are ``[requests, n]`` then
+        (logits ``[requests, n, vocab]``)."""
         self.check_combination()
         if self.parallel.dp_size > 1:  # each replica its own requests (under DP: ReplicaHandles)
             return self.replicas.decode(handles, tokens, force_eager, logits, stop)
@@ -137,14 +152,33 @@ class Decoder:
             raise
         info.stats["time_s"] = time.perf_counter() - t0
         self.recorder.record(prep, info)
-        return DecodeOutput(nxt[0].copy(), [self.kv.handle(s) for s in prep.seq_ids], info, kept,
-                            None if stop is None else nxt[1].astype(bool))
+        n = prep.decode.rows_per_request
+        if self.drafter is not None:  # (the draft's K/V of these tokens: unwritten)
+            for s in prep.seq_ids[::n]:
+                self.drafter.forget(s)
+        ids, hit = nxt[0].copy(), None if stop is None else nxt[1].astype(bool)
+        if n > 1 or np.ndim(tokens) == 2:
+            ids, hit = ids.reshape(-1, n), None if hit is None else hit.reshape(-1, n)
+            kept = None if kept is None else kept.view(-1, n, kept.shape[-1])
+        return DecodeOutput(ids, [self.kv.handle(s) for s in prep.seq_ids[::n]], info, kept, hit)
+
+    def run(self, prep: PreparedBatch, force_eager: bool, aux: tuple[int, ...] = ()) -> tuple[torch.Tensor, Any]:
+        """A prepared step through the one forward: every row's logits (float32 [rows,
+        vocab], on the device) and the StageResult (its auxiliary rows of ``aux``); on any
+        failure its reservation is given back."""
+        try:
+            res = self.stage.run(prep, None, force_eager, aux)
+            with nvtx_range("lm_head", category="output"):
+                return self.model.logits(res.hidden[: prep.rows]), res
+        except BaseException:
+            self.preparer.abort(prep)
+            raise
 
     def step(self, prep: PreparedBatch, force_eager: bool, logits: bool, stop: frozenset[int] | None,
              rows: int | None = None, fallback: str | None = None
              ) -> tuple[np.ndarray, torch.Tensor | None, ForwardInfo]:
         """A prepared step through this rank's stage (and the stages before and after it):
-        its B requests' next tokens (int64 [1 or 2, B] on the host, :meth:`_next_tokens`),
+        its B rows' next tokens (int64 [1 or 2, B] on the host, :meth:`_next_tokens`),
         their logits when asked, the same on every rank of the pipeline, and the forward's
         info. ``rows``, ``fallback``: the rows every rank's forward holds and why they all
         run eagerly, as the ranks agreed (attention DP)."""
