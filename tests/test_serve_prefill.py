@@ -1,0 +1,165 @@
+"""``graphcp serve-prefill`` (issue 49, docs/pd.md "serve-prefill"): a prefill worker at CP 2
+(sharded cache, the default preset, file transport) that stays up. Its requests are
+continued by a decode engine of another shape (CP 1, replicated cache, in another
+process) through ``engine.import_kv``: greedy ids equal transformers'. Bad lines are
+refused with one line each while it keeps serving; SIGTERM stops it with a reply to
+every request it admitted, no rank left and every page given back. The load test
+(slow): 200 requests from 4 concurrent clients, the decode process killed mid-run, then
+SIGTERM; memory flat.
+
+The worker's numerics are the engine's (prefill, export_kv; float32 and bfloat16 are
+checked by tests/test_pd_import.py): these tests run float32 and check what the worker adds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import hf_greedy
+from serve_helpers import (
+    Worker,
+    alive,
+    continue_file,
+    decode_engine,
+    request,
+)
+
+from graphcp.model.presets import resolve_model
+from graphcp.pd.files import KVFile
+from graphcp.runtime.capture.buckets import BucketSet
+
+STEPS = 4  # greedy tokens checked a request: the prefill's first, then 3 decode steps
+BUCKETS = (64, 256)  # local rows: a request of at most 512 tokens at CP 2
+MOST = 512
+#: bytes of one token's KV in the default preset (graphcp-kv/1, float32): K and V of 4 layers x 2 heads x 64
+TOKEN_BYTES = 2 * 4 * 2 * 64 * 4
+
+
+def worker_args(buckets: Path) -> list[str]:
+    return ["--cp", "2", "--kv-cache", "sharded", "--transport", "file", "--graph", "off", "--kv-tokens", "4096",
+            "--buckets", str(buckets), "--batch-wait-ms", "30"]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return resolve_model("default")
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    buckets = tmp_path_factory.mktemp("serve") / "buckets.json"
+    BucketSet(BUCKETS).save(buckets)
+    w = Worker(*worker_args(buckets))
+    yield w
+    w.kill()
+
+
+def test_requests_continue_exactly_at_another_shape(worker, model_dir, hf, tmp_path):
+    """Four requests sent at once (batched under the buckets: the 512-token one alone),
+    each continued by a CP 1 decode engine from its file: ids equal transformers greedy;
+    the reply's first token, bytes and times; both pools as before."""
+    assert worker.ready["max_tokens"] == MOST and len(worker.ranks) == 2
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    vocab = hf.config.vocab_size
+    rng = np.random.default_rng(0)
+    ps = [rng.integers(0, vocab, n) for n in (5, 37, 300, MOST)]
+    conn = worker.connect()
+    conn.send(b"".join((json.dumps(request(f"r{i}", inbox, p)) + "\n").encode() for i, p in enumerate(ps)))
+    replies = {r["id"]: r for r in (conn.recv() for _ in ps)}
+    want, _ = hf_greedy(hf, ps, STEPS)
+    engine = decode_engine(model_dir)
+    free = engine.parts.kv.num_free_pages
+    for i, p in enumerate(ps):
+        r = replies[f"r{i}"]
+        assert r["ok"] and r["tokens"] == len(p) and r["bytes"] == TOKEN_BYTES * len(p), r
+        assert min(r["queue_ms"], r["prefill_ms"], r["transfer_ms"]) >= 0
+        got = continue_file(engine, inbox / f"r{i}.safetensors", STEPS)
+        assert got == want[i].tolist(), (i, got, want[i].tolist())
+        assert r["next_token"] == got[0]
+    assert max(r["batch"] for r in replies.values()) > 1  # requests shared a batch
+    assert replies[f"r{len(ps) - 1}"]["batch"] == 1  # the largest fills a bucket alone
+    assert engine.parts.kv.num_free_pages == free
+    status = conn.ask({"op": "status"})
+    assert status["free_pages"] == status["start_free_pages"] == worker.ready["free_pages"], status
+    conn.close()
+
+
+def test_bad_lines_are_refused_one_line_each(worker, tmp_path):
+    """Each bad line gets one reply (refused: nothing reserved) and the worker serves the
+    next good request; the pool's pages are what they were."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    conn = worker.connect()
+    before = conn.ask({"op": "status"})
+    bad = {
+        "malformed": b'{"id": "x", "tokens": [1, 2\n',
+        "not an object": b"[1, 2, 3]\n",
+        "oversized": request("big", inbox, [1] * (MOST + 1)),
+        "unreachable decode side": request("gone", tmp_path / "no-such-folder", [1, 2, 3]),
+        "relative decode folder": request("rel", "inbox", [1, 2, 3]),
+        "token outside the vocabulary": request("vocab", inbox, [1, 8192]),
+        "unknown field": {**request("typo", inbox, [1, 2]), "prefix": 1},
+        "bad id": request("../escape", inbox, [1, 2]),
+    }
+    for what, line in bad.items():
+        r = conn.ask(line)
+        assert r["ok"] is False and r["stage"] == "refused" and "\n" not in r["error"], (what, r)
+    assert "oversized: 513 tokens" in conn.ask(bad["oversized"])["error"]
+    assert "no such folder" in conn.ask(bad["unreachable decode side"])["error"]
+    ok = conn.ask(request("fine", inbox, [3, 1, 4, 1, 5]))
+    assert ok["ok"] and (inbox / "fine.safetensors").exists(), ok
+    after = conn.ask({"op": "status"})
+    assert after["refused"] - before["refused"] == len(bad) + 2
+    assert after["free_pages"] == before["free_pages"] == after["start_free_pages"]
+    assert not list(tmp_path.rglob("big*")) and not list(tmp_path.rglob("vocab*"))
+    conn.close()
+
+
+def test_sigterm_finishes_or_refuses_what_it_holds(worker, tmp_path):
+    """(Last: it stops the module's worker.) Requests from two clients, then SIGTERM:
+    every request gets one reply, sent (its file whole) or stopped; exit 0, the report's
+    pages as at the start, no rank process left."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    rng = np.random.default_rng(1)
+    conns = [worker.connect(), worker.connect()]
+    sent = {}
+    for c, conn in enumerate(conns):
+        for i in range(6):
+            rid = f"t{c}-{i}"
+            sent[rid] = c
+            conn.send(request(rid, inbox, rng.integers(0, 8192, 400)))
+    first = conns[0].recv()  # a batch ran: the rest are queued or running
+    rc, report = worker.terminate()
+    got = {first["id"]: first}
+    for c, conn in enumerate(conns):
+        for _ in range(6 - (c == 0)):
+            r = conn.recv()
+            got[r["id"]] = r
+    assert sorted(got) == sorted(sent)
+    stopped = [rid for rid, r in got.items() if not r["ok"]]
+    assert stopped, "SIGTERM came with requests queued: some must be refused"
+    assert all(got[rid]["stage"] == "stopped" for rid in stopped), got
+    for rid in set(got) - set(stopped):
+        assert KVFile(inbox / f"{rid}.safetensors").check().meta.num_tokens == 400
+    assert not [f for rid in stopped for f in inbox.glob(f"{rid}.*")]
+    assert rc == 0, worker.errors()
+    assert report["event"] == "stopped" and report["leaked_pages"] == 0, report
+    assert report["free_pages"] == report["start_free_pages"] == worker.ready["free_pages"]
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in worker.ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in worker.ranks), "a rank outlived the worker"
