@@ -62,12 +62,14 @@ class Worker:
     """``graphcp serve-prefill ARGS --listen 127.0.0.1:0`` in a process of its own; its
     first stdout line (the address) read."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, session: bool = False) -> None:
+        """``session``: in a process group of its own (:meth:`terminate` then signals the group)."""
         self.stderr = tempfile.TemporaryFile()
+        self.session = session
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen([sys.executable, "-m", "graphcp", "serve-prefill", *args,
                                       "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=self.stderr,
-                                     env=env, cwd=ROOT)
+                                     env=env, cwd=ROOT, start_new_session=session)
         self.ready = self._line(START_S)
         assert self.ready.get("event") == "listening", self.ready
         host, port = self.ready["address"].rsplit(":", 1)
@@ -95,8 +97,12 @@ class Worker:
         return rss_kib([self.proc.pid, *self.ranks])
 
     def terminate(self) -> tuple[int, dict]:
-        """SIGTERM; the exit code and the exit report (its last stdout line)."""
-        self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM (to its process group, ranks included, when it has its own); the exit
+        code and the exit report (its last stdout line)."""
+        if self.session:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        else:
+            self.proc.send_signal(signal.SIGTERM)
         out, _ = self.proc.communicate(timeout=START_S)
         lines = [json.loads(x) for x in out.decode().splitlines() if x.strip()]
         return self.proc.returncode, lines[-1] if lines else {}

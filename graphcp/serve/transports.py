@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from safetensors import SafetensorError
 
+from graphcp.errors import one_line
 from graphcp.pd.control import Channel, connect
-from graphcp.pd.errors import ReceiverDied, ReceiverUnreachable, TransferError
+from graphcp.pd.errors import ReceiverDied, ReceiverUnreachable, TransferError, TransferFailed
 from graphcp.pd.files import save_kv
 from graphcp.pd.sender import KVSender
 from graphcp.runtime.engine import PrefillEngine
@@ -65,7 +67,12 @@ class FileTransport:
         if export is None:
             return 0
         export.token_ids, export.last_logits = tokens, last_logits
-        save_kv(export, Path(address) / f"{request_id}.safetensors")
+        path = Path(address) / f"{request_id}.safetensors"
+        try:
+            save_kv(export, path)
+        except (OSError, SafetensorError) as e:  # (safetensors words an I/O error its own way)
+            raise TransferFailed(f"decode side {address}: cannot write {path.name} ({one_line(e)}): the decode side "
+                                 "is gone?") from None
         return export.meta.nbytes
 
     def close(self) -> None:
