@@ -146,12 +146,13 @@ def decode_engine(model_dir: Path, kv_tokens: int = 8192) -> PrefillEngine:
     return PrefillEngine(model_dir, RuntimeConfig(kv_cache="replicated", kv_tokens=kv_tokens, graph="off"))
 
 
-def continue_file(engine: PrefillEngine, path: Path, steps: int) -> list[int]:
-    """Import the request's KV from its file and greedy-decode: its first token (the
-    file's last_logits) and ``steps - 1`` more; the handle released."""
-    kv = KVFile(path)
+def continue_file(engine: PrefillEngine, path, steps: int, first: int | None = None) -> list[int]:
+    """Import the request's KV (a file's path, or an export) and greedy-decode: its first
+    token (``first``, or the payload's last_logits) and ``steps - 1`` more; the handle
+    released."""
+    kv = KVFile(path) if isinstance(path, Path) else path
     handle = engine.import_kv(kv)
-    tokens = [int(kv.last_logits.argmax())]
+    tokens = [int(kv.last_logits.argmax()) if first is None else first]
     for _ in range(steps - 1):
         step = engine.decode([handle], [tokens[-1]])
         handle = step.handles[0]
@@ -183,3 +184,44 @@ def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[np.ndarray]
     rng = np.random.default_rng(seed)
     lengths = np.exp(rng.uniform(np.log(lo), np.log(hi), n)).astype(int)
     return [rng.integers(0, vocab, int(length)) for length in lengths]
+
+
+def _receiver_main(ready, results, dies: bool) -> None:
+    """A Mooncake decode side: a KVReceiver whose requests go to ``results`` as they
+    complete (``(id, export)``); ``dies``: the process ends after its first ``open``."""
+    torch.set_num_threads(1)
+    from graphcp.pd.receiver import KVReceiver
+
+    class DiesAfterOpen(KVReceiver):
+        def _handle(self, ch, msg):
+            super()._handle(ch, msg)
+            if msg.get("op") == "open":
+                os._exit(3)
+
+    rx = (DiesAfterOpen if dies else KVReceiver)(64 << 20, timeout_s=30)
+    ready.put(rx.address)
+    while True:
+        for rid in rx.completed():
+            results.put((rid, rx.get(rid)))
+        time.sleep(0.02)
+
+
+class Receiver:
+    """A Mooncake receiver in a process of its own (:func:`_receiver_main`)."""
+
+    def __init__(self, dies: bool = False) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")
+        ready, self.results = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_receiver_main, args=(ready, self.results, dies), daemon=True)
+        self.proc.start()
+        self.address = ready.get(timeout=START_S)
+
+    def get(self) -> tuple[str, object]:
+        return self.results.get(timeout=REPLY_S)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()

@@ -24,6 +24,7 @@ import pytest
 import torch
 from helpers import hf_greedy
 from serve_helpers import (
+    Receiver,
     Worker,
     alive,
     continue_file,
@@ -287,3 +288,38 @@ def test_load_from_four_clients_survives_the_decode_side_dying_then_sigterm(mode
         worker.kill()
     print(f"worker RSS (ranks and launcher): {min(rss) / 1024:.0f}-{max(rss) / 1024:.0f} MiB over {len(rss)} samples; "
           f"late requests failed: {len(failed)} of 40")
+
+
+@pytest.mark.slow
+def test_mooncake_decode_sides_come_and_go(model_dir, hf, tmp_path):
+    """The Mooncake transport, a CP 2 worker on the layer-split cache: each rank writes its
+    layers into a receiver process; a CP 1 engine continues each request from the reply's
+    first token, as transformers does. A receiver that was killed is refused when a request
+    names it; one that dies mid-transfer fails its request (``transfer``); the worker serves
+    a next receiver, and SIGTERM leaves every page given back."""
+    worker = Worker("--cp", "2", "--kv-cache", "layer-split", "--transport", "mooncake", "--graph", "off",
+                    "--kv-tokens", "4096", "--batch-wait-ms", "20")
+    rxs = [Receiver(), Receiver(dies=True), Receiver()]
+    try:
+        conn = worker.connect()
+        ps = prompts(2, 16, 300, hf.config.vocab_size, seed=7)
+        replies = [conn.ask(request(f"m{i}", rxs[0].address, p)) for i, p in enumerate(ps)]
+        assert all(r["ok"] and r["bytes"] == TOKEN_BYTES * len(p) for r, p in zip(replies, ps)), replies
+        want, _ = hf_greedy(hf, ps, STEPS)
+        engine = decode_engine(model_dir)
+        got = dict(rxs[0].get() for _ in ps)
+        for i, r in enumerate(replies):
+            assert continue_file(engine, got[f"m{i}"], STEPS, r["next_token"]) == want[i].tolist(), i
+        rxs[0].kill()
+        gone = conn.ask(request("to-the-dead", rxs[0].address, ps[0]))
+        assert gone["stage"] == "refused" and "unreachable" in gone["error"], gone
+        dying = conn.ask(request("mid-transfer", rxs[1].address, ps[0]))
+        assert not dying["ok"] and dying["stage"] == "transfer", dying
+        after = conn.ask(request("next", rxs[2].address, ps[1]))
+        assert after["ok"] and rxs[2].get()[0] == "next", after
+        rc, report = worker.terminate()
+        assert rc == 0 and report["leaked_pages"] == 0 and report["free_pages"] == worker.ready["free_pages"], report
+    finally:
+        for rx in rxs:
+            rx.kill()
+        worker.kill()
