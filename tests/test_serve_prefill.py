@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import hf_greedy
+from helpers import hf_greedy, rel_err
 from serve_helpers import (
     Receiver,
     Worker,
@@ -34,15 +34,21 @@ from serve_helpers import (
     request,
 )
 
+from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
+from graphcp.dist import host_group, launch
 from graphcp.model.presets import resolve_model
-from graphcp.pd.files import KVFile
+from graphcp.pd.files import KVFile, read_kv
 from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.serve.protocol import ServeRequest
+from graphcp.serve.transports import FileTransport
+from graphcp.serve.worker import run_batch
 
 STEPS = 4  # greedy tokens checked a request: the prefill's first, then 3 decode steps
 BUCKETS = (64, 256)  # local rows: a request of at most 512 tokens at CP 2
 MOST = 512
 #: bytes of one token's KV in the default preset (graphcp-kv/1, float32): K and V of 4 layers x 2 heads x 64
 TOKEN_BYTES = 2 * 4 * 2 * 64 * 4
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def worker_args(buckets: Path) -> list[str]:
@@ -134,7 +140,7 @@ def test_bad_lines_are_refused_one_line_each(worker, tmp_path):
 
 
 def test_sigterm_finishes_or_refuses_what_it_holds(worker, tmp_path):
-    """(Last: it stops the module's worker.) Requests from two clients, then SIGTERM:
+    """(The last test of the module's worker: it stops it.) Requests from two clients, then SIGTERM:
     every request gets one reply, sent (its file whole) or stopped; exit 0, the report's
     pages as at the start, no rank process left."""
     inbox = tmp_path / "inbox"
@@ -323,3 +329,56 @@ def test_mooncake_decode_sides_come_and_go(model_dir, hf, tmp_path):
         for rx in rxs:
             rx.kill()
         worker.kill()
+
+
+def _batch_job(group, folder: Path, par: dict, kv: str, dtype: str, lengths: list[int], out: Path, kv_tokens: int):
+    """Every rank: one batch through the worker's loop body (run_batch: prefill, the file
+    transport, release); rank 0's replies, and on every rank whether its pool is as before."""
+    engine = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_cache=kv, kv_tokens=kv_tokens, graph="off"), group,
+                           parallel=ParallelConfig(**par))
+    rng = np.random.default_rng(2)
+    reqs = [ServeRequest(f"b{i}", str(out), rng.integers(0, engine.cfg.vocab_size, n)) for i, n in enumerate(lengths)]
+    free = engine.parts.kv.num_free_pages
+    replies = run_batch(engine, host_group(engine.world), FileTransport(), reqs)
+    return replies, [r.tokens for r in reqs], engine.parts.kv.num_free_pages == free
+
+
+SHAPES = {
+    "PP 2": {"cp_size": 1, "pp_size": 2},
+    "CP 2": {"cp_size": 2},
+    "attention TP 2": {"cp_size": 1, "tp_size": 2},
+    "DP 2": {"cp_size": 1, "dp_size": 2, "tp_size": 2},
+}
+
+
+@pytest.mark.parametrize("family,shape,kv,dtype", [
+    ("qwen3", "PP 2", "replicated", "float32"),
+    ("qwen3", "DP 2", "replicated", "bfloat16"),
+    ("qwen3_5_text", "CP 2", "layer-split", "float32"),  # a hybrid's linear states
+    ("deepseek_v32", "CP 2", "layer-split", "float32"),  # MLA latents (no sharded cache)
+    ("qwen3", "attention TP 2", "replicated", "float32"),
+])
+def test_a_batch_at_other_shapes_and_families(hf_model_dir, tmp_path, family, shape, kv, dtype):
+    """The worker's batch on every rank of other shapes, cache modes and export formats:
+    a batch the pool cannot hold is prefilled in halves (a request it cannot hold alone
+    gets its KVCacheFull line), each file equals a one-rank engine's export of the same
+    prompt, and every rank's pool is as before."""
+    folder = hf_model_dir(family, False, dtype)
+    lengths = [40, 40, 100]  # a pool of 64 tokens: two of 40 do not fit together, 100 never
+    results = launch(_batch_job, 2, folder, SHAPES[shape], kv, dtype, lengths, tmp_path, 64)
+    replies, tokens, _ = results[0]
+    assert all(same_pool for _, _, same_pool in results)
+    assert [r["ok"] for r in replies] == [True, True, False], [r.get("error") for r in replies]
+    assert replies[2]["stage"] == "prefill" and "exceed the KV pool" in replies[2]["error"], replies[2]
+    ref = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=256, graph="off"))
+    for i in (0, 1):
+        h = ref.prefill([Request(tokens[i])]).handles[0]
+        want = ref.export_kv(h)
+        ref.release(h)
+        got = read_kv(tmp_path / f"b{i}.safetensors")
+        assert {**got.meta.to_dict(), "page_size": 0} == {**want.meta.to_dict(), "page_size": 0}
+        assert torch.equal(got.token_ids, torch.from_numpy(tokens[i]))
+        for layer, name in want.meta.tensors():
+            assert rel_err(got.tensor(layer, name).float(), want.tensor(layer, name).float()) <= TOL[dtype], \
+                (layer, name)
+        assert replies[i]["bytes"] == want.meta.nbytes

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,30 +99,29 @@ def serve_job(group: CPGroup, spec: JobSpec, opts: ServeOptions, stop: Any) -> d
 
 
 def run_batch(engine: PrefillEngine, ctl: CPGroup, transport, reqs: list[ServeRequest]) -> list[dict]:
-    """Every rank: prefill ``reqs``, send each request's KV, release it. Each request's
-    reply (rank 0's are the ones sent)."""
+    """Every rank: prefill ``reqs``, send each request's KV, release it (a part at a time:
+    :func:`prefill_parts`). Each request's reply (rank 0's are the ones sent)."""
     started = time.monotonic()
-    outcome = prefill_parts(engine, reqs, list(range(len(reqs))))
-    prefill_s = time.monotonic() - started
     replies: list[dict] = [{} for _ in reqs]
     failed: dict[int, str] = {}  # this rank's transfer errors
-    for j, got in outcome.items():
+    for idx, got, prefill_s in prefill_parts(engine, ctl, reqs, list(range(len(reqs)))):
         if isinstance(got, str):
-            replies[j] = error_reply(reqs[j].id, PREFILL, got)
+            for j in idx:
+                replies[j] = error_reply(reqs[j].id, PREFILL, got)
             continue
-        handle, logits = got
-        t0 = time.monotonic()
-        try:
-            nbytes = transport.deliver(engine, handle, reqs[j].id, reqs[j].decode, torch.from_numpy(reqs[j].tokens),
-                                       logits)
-        except (TransferError, OSError) as e:  # the decode side's (gone, full, refusing): the worker goes on
-            failed[j], nbytes = one_line(e), 0
-        finally:
-            engine.release(handle)
-        replies[j] = {"id": reqs[j].id, "ok": True, "tokens": int(reqs[j].tokens.shape[0]),
-                      "next_token": int(logits.argmax()), "bytes": nbytes, "batch": len(reqs),
-                      "queue_ms": _ms(started - reqs[j].arrived), "prefill_ms": _ms(prefill_s),
-                      "transfer_ms": _ms(time.monotonic() - t0)}
+        for j, handle, logits in zip(idx, got.handles, got.last_logits.float()):
+            t0 = time.monotonic()
+            try:
+                nbytes = transport.deliver(engine, handle, reqs[j].id, reqs[j].decode,
+                                           torch.from_numpy(reqs[j].tokens), logits)
+            except (TransferError, OSError) as e:  # the decode side's (gone, full, refusing): the worker goes on
+                failed[j], nbytes = one_line(e), 0
+            finally:
+                engine.release(handle)
+            replies[j] = {"id": reqs[j].id, "ok": True, "tokens": int(reqs[j].tokens.shape[0]),
+                          "next_token": int(logits.argmax()), "bytes": nbytes, "batch": len(idx),
+                          "queue_ms": _ms(started - reqs[j].arrived), "prefill_ms": _ms(prefill_s),
+                          "transfer_ms": _ms(time.monotonic() - t0)}
     for rank_failed in gather_object(ctl, failed):  # a request is sent once every rank sent its part
         for j, error in rank_failed.items():
             if replies[j].get("ok"):
@@ -129,20 +129,25 @@ def run_batch(engine: PrefillEngine, ctl: CPGroup, transport, reqs: list[ServeRe
     return replies
 
 
-def prefill_parts(engine: PrefillEngine, reqs: list[ServeRequest], idx: list[int]) -> dict[int, Any]:
-    """Prefill requests ``idx`` of ``reqs`` in one forward: each one's (handle, first-token
-    logits), or its error. A batch the pool cannot hold (KVCacheFull, the same on every
-    rank, nothing reserved) is prefilled in halves; a request it refuses alone gets the error."""
+def prefill_parts(engine: PrefillEngine, ctl: CPGroup, reqs: list[ServeRequest], idx: list[int]) -> Iterator[tuple]:
+    """Prefill requests ``idx`` of ``reqs`` in one forward: ``(idx, PrefillOutput, seconds)``,
+    or ``(idx, error, 0)``. A batch the pool cannot hold (KVCacheFull on some rank: under
+    attention DP the other replicas' ranks see "another replica refused", so the ranks
+    agree on it; nothing reserved) is prefilled in halves, each yielded (and released by
+    the caller) before the next; a request refused alone gets the error."""
+    t0 = time.monotonic()
     try:
         out = engine.prefill([Request(reqs[j].tokens) for j in idx])
-    except KVCacheFull as e:
-        if len(idx) == 1:
-            return {idx[0]: one_line(e)}
-        half = len(idx) // 2
-        return {**prefill_parts(engine, reqs, idx[:half]), **prefill_parts(engine, reqs, idx[half:])}
-    except BatchError as e:  # (refused alike on every rank, nothing changed)
-        return {j: one_line(e) for j in idx}
-    return {j: (h, out.last_logits[i].float()) for i, (j, h) in enumerate(zip(idx, out.handles))}
+    except BatchError as e:  # (raised on every rank, nothing changed)
+        seen = gather_object(ctl, (isinstance(e, KVCacheFull), one_line(e)))
+        full = [message for is_full, message in seen if is_full]
+        if full and len(idx) > 1:
+            half = len(idx) // 2
+            yield from prefill_parts(engine, ctl, reqs, idx[:half])
+            yield from prefill_parts(engine, ctl, reqs, idx[half:])
+            return
+        out = full[0] if full else seen[0][1]
+    yield idx, out, time.monotonic() - t0
 
 
 def _ms(seconds: float) -> float:
