@@ -6,7 +6,8 @@
   part is assembled (``engine.export_kv(handle, dst=0)``).
 - ``mooncake``: the address is a :class:`graphcp.pd.receiver.KVReceiver`'s ``host:port``;
   every rank writes its own spans into the receiver's memory (graphcp.pd.sender: one
-  ``KVSender`` a rank and decode side, kept while the side answers).
+  ``KVSender`` a rank and decode side, kept while the side answers, over the rank's one
+  transfer engine).
 
 :meth:`probe` (rank 0, before a request is queued) says why an address cannot be
 reached; :meth:`deliver` (every rank, the same requests in the same order) sends one
@@ -27,6 +28,7 @@ from graphcp.errors import one_line
 from graphcp.pd.control import Channel, connect
 from graphcp.pd.errors import ReceiverDied, ReceiverUnreachable, TransferError, TransferFailed
 from graphcp.pd.files import save_kv
+from graphcp.pd.mooncake import MooncakeEngine
 from graphcp.pd.sender import KVSender
 from graphcp.runtime.engine import PrefillEngine
 
@@ -86,7 +88,8 @@ class MooncakeTransport:
     name = "mooncake"
 
     def __init__(self, rank: int, world_size: int, host: str, timeout_s: float) -> None:
-        self.rank, self.world_size, self.host, self.timeout_s = rank, world_size, host, timeout_s
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.engine = MooncakeEngine(host)  # this rank's one transfer engine, whichever sides it sends to
         self._senders: dict[str, KVSender] = {}
 
     def probe(self, address: str) -> str | None:
@@ -112,8 +115,8 @@ class MooncakeTransport:
                 last_logits: torch.Tensor) -> int:
         sender = self._senders.get(address)
         if sender is None:
-            sender = self._senders[address] = KVSender(address, self.rank, self.world_size, self.host,
-                                                       self.timeout_s)
+            sender = self._senders[address] = KVSender(address, self.rank, self.world_size, timeout_s=self.timeout_s,
+                                                       transfer_engine=self.engine)
         try:
             sender.send(engine, [handle], [request_id])
         except (ReceiverDied, ReceiverUnreachable):

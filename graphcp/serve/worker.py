@@ -84,6 +84,9 @@ def serve_job(group: CPGroup, spec: JobSpec, opts: ServeOptions, stop: Any) -> d
                 if first:
                     for req, reply in zip(cmd.requests, replies):
                         front.reply(req.id, reply)
+    except KeyboardInterrupt:
+        why = "the worker was interrupted (Ctrl-C)"
+        raise
     except BaseException as e:
         why = f"the worker failed: {one_line(e)}"
         raise
