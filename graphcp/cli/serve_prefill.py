@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import signal
-import socket
 import sys
 
 from graphcp.combinations import check as check_combination
@@ -21,6 +20,7 @@ from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import run_job_on_ranks
 from graphcp.pd.mooncake import mooncake_problem
 from graphcp.runtime.capture.buckets import BucketSet
+from graphcp.serve.frontend import listen
 from graphcp.serve.worker import ServeOptions, serve_job
 
 
@@ -28,7 +28,7 @@ def check_listen(host: str, port: int) -> None:
     """``--listen``: an address this machine can bind now (ConfigError, exit 2, before any
     rank starts; rank 0 binds it again)."""
     try:
-        with socket.create_server((host, port)):
+        with listen(host, port):
             pass
     except OSError as e:
         raise ConfigError(f"--listen {host}:{port}: cannot listen there ({type(e).__name__}: {e})") from None

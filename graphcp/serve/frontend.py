@@ -87,8 +87,8 @@ class Frontend:
 
     def __init__(self, host: str, port: int, limits: Limits, probe: Callable[[str], str | None]) -> None:
         self.limits, self.probe = limits, probe
-        self.server = socket.create_server((host, port))
-        self.address = f"{host}:{self.server.getsockname()[1]}"
+        self.server = listen(host, port)
+        self.address = f"{f'[{host}]' if ':' in host else host}:{self.server.getsockname()[1]}"
         self._cond = threading.Condition()
         self._queue: deque[ServeRequest] = deque()
         self._held: dict[str, Client] = {}  # every admitted request not yet replied to
@@ -250,3 +250,8 @@ class Frontend:
         for s in (self.server, self._wake_r, self._wake_w):
             s.close()
         self._sel.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket at ``host:port`` (an IPv6 host, such as ``::1``, too)."""
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
