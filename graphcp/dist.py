@@ -549,6 +549,14 @@ def _others(others: dict[int, str]) -> str:
     return ""
 
 
+def rank_start_method(device: str) -> str:
+    """How :func:`launch` starts ranks on ``device``: ``fork`` on CPU (fast; never after
+    CUDA is initialised), ``spawn`` otherwise. A synchronisation object a command hands
+    its ranks (an ``Event``) comes from this method's context."""
+    cuda_live = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return "fork" if device == "cpu" and not cuda_live else "spawn"
+
+
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
@@ -560,17 +568,15 @@ def launch(
     """Run ``fn(group, *args)`` on ``nprocs`` local ranks; return each rank's result.
 
     Uses ``fork`` on CPU (fast; never after CUDA is initialised) and ``spawn``
-    otherwise. If a rank dies or raises, the others are stopped and
-    :class:`RankFailure` names the first rank that failed and why. Ctrl-C (or anything
+    otherwise (:func:`rank_start_method`). If a rank dies or raises, the others are
+    stopped and :class:`RankFailure` names the first rank that failed and why. Ctrl-C (or anything
     else that stops this process) stops every rank at once, and a killed launcher
     takes its ranks with it.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     check_devices(device, nprocs)
-    if start_method is None:
-        cuda_live = torch.cuda.is_available() and torch.cuda.is_initialized()
-        start_method = "fork" if device == "cpu" and not cuda_live else "spawn"
+    start_method = start_method or rank_start_method(device)
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     # the launcher hosts the ranks' rendezvous store on a port the OS picks as it binds
@@ -690,3 +696,17 @@ def gather_object(group: CPGroup, obj: Any) -> list[Any]:
     except Exception as e:  # noqa: BLE001
         raise group._fail("all_gather_object", e) from e
     return out
+
+
+def broadcast_object(group: CPGroup, obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` (picklable) on every rank of ``group``; the others pass
+    anything (None). ``group`` a host group (gloo: :func:`host_group`): the object travels
+    as host bytes."""
+    if not group.distributed:
+        return obj
+    box = [obj]
+    try:
+        dist.broadcast_object_list(box, src=group._global(src), group=group.pg)
+    except Exception as e:  # noqa: BLE001
+        raise group._fail("broadcast_object", e) from e
+    return box[0]

@@ -38,7 +38,7 @@ LAYERS = [
     "runtime",     # batch, body, capture, pipeline stages, engine, stats
     "graphcp",     # the public API (graphcp/__init__.py)
     # applications
-    "jobs", "tune", "profile", "gpucheck", "cli", "__main__",
+    "jobs", "serve", "tune", "profile", "gpucheck", "cli", "__main__",
 ]
 MAX_TOP_LEVEL_MODULES = 12
 

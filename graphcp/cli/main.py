@@ -1,8 +1,8 @@
 """The ``graphcp`` command: ``run`` (the main job on the built-in model), ``prefill``
 (a request file, logits saved), ``generate`` (greedy generation and conversations),
 ``tune`` (bucket capacities for a workload), ``profile`` (per-rank traces and a range
-summary), ``pd-demo`` (a prefill/decode round trip)
-and ``gpu-check`` (the one-shot GPU check). ``graphcp CMD --help`` for each.
+summary), ``pd-demo`` (a prefill/decode round trip), ``serve-prefill`` (a prefill
+worker that stays up) and ``gpu-check`` (the one-shot GPU check). ``graphcp CMD --help`` for each.
 
 Exit codes: 0 done; 2 bad input (one ``graphcp CMD: error: ...`` line on stderr,
 nothing written or changed); 1 a failed run (one line) or a bug (a traceback);
@@ -36,6 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("profile a workload: per-rank traces and a range summary", "graphcp.cli.parsers:add_profile_parser"),
     "pd-demo": ("prefill at one shape, hand the KV to a graphcp decode engine of another, check the tokens",
                 "graphcp.cli.parsers:add_pd_demo_parser"),
+    "serve-prefill": ("a prefill worker that stays up: requests on a socket, each KV sent to its decode side",
+                      "graphcp.cli.parsers:add_serve_prefill_parser"),
     "gpu-check": ("the one-shot GPU check (kernels, graphs, timing, launches)",
                   "graphcp.gpucheck.cli:add_gpu_check_parser"),
 }

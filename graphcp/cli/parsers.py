@@ -1,4 +1,4 @@
-"""The flags of ``graphcp prefill``, ``run``, ``generate`` and ``pd-demo``. No torch here: each
+"""The flags of ``graphcp prefill``, ``run``, ``generate``, ``pd-demo`` and ``serve-prefill``. No torch here: each
 command's work (``func``, a ``module:function`` name) is imported once its flags are
 parsed (:mod:`graphcp.cli.main`)."""
 
@@ -92,6 +92,35 @@ def add_pd_demo_parser(sub) -> argparse.ArgumentParser:
                    help="greedy tokens the decode side generates (default: %(default)s)")
     p.add_argument("--transfer-timeout", type=bounded(float, 0, lo_open=True), default=60.0,
                    help="seconds for each transfer step (default: %(default)s)")
+    return p
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """An argparse type: ``HOST:PORT`` (port 0: one the OS picks)."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT such as 127.0.0.1:7300 (port 0-65535), got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def add_serve_prefill_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve-prefill",
+                       help="a prefill worker that stays up: requests on a socket, each KV sent to its decode side",
+                       usage=f"graphcp serve-prefill --transport mooncake|file [--listen HOST:PORT] "
+                             f"[--batch-wait-ms MS] [options] {RUNTIME_FLAGS}")
+    p.add_argument("--transport", required=True, choices=("mooncake", "file"),
+                   help="how each request's KV reaches its decode side: file (its decode address is a folder: "
+                        "DIR/<id>.safetensors) or mooncake (a KVReceiver's host:port; the .[pd] extra)")
+    p.add_argument("--listen", type=listen_address, default=("127.0.0.1", 7300), metavar="HOST:PORT",
+                   help="where the worker reads requests, JSON lines (default: 127.0.0.1:7300, loopback; port 0: one "
+                        "the OS picks, printed on the first stdout line; docs/pd.md)")
+    p.add_argument("--batch-wait-ms", type=bounded(float, 0), default=5.0, metavar="MS",
+                   help="how long a request waits for others to share its batch, at most (default: %(default)s)")
+    p.add_argument("--transfer-timeout", type=bounded(float, 0, lo_open=True), default=30.0,
+                   help="seconds for each connection, write and acknowledgement of a transfer (default: "
+                        "%(default)s)")
+    add_runtime_args(p, None)
+    p.set_defaults(func="graphcp.cli.serve_prefill:cmd_serve_prefill")
     return p
 
 

@@ -31,12 +31,15 @@ from graphcp.pd.mooncake import MooncakeEngine
 class KVSender:
     """One prefill rank's connection to a :class:`graphcp.pd.receiver.KVReceiver` at
     ``receiver`` (its control ``host:port``). ``timeout_s`` bounds the connection, each
-    write and each acknowledgement."""
+    write and each acknowledgement. ``transfer_engine``: this process's Mooncake engine,
+    shared by its senders to several receivers (None: one of its own, from ``host``,
+    ``protocol``, ``device_name``)."""
 
     def __init__(self, receiver: str, rank: int = 0, cp_size: int = 1, host: str = "127.0.0.1",
-                 timeout_s: float = 30.0, protocol: str = "tcp", device_name: str = "") -> None:
+                 timeout_s: float = 30.0, protocol: str = "tcp", device_name: str = "",
+                 transfer_engine: MooncakeEngine | None = None) -> None:
         self.rank, self.cp_size, self.timeout_s = rank, cp_size, timeout_s
-        self.engine = MooncakeEngine(host, protocol, device_name)
+        self.engine = transfer_engine or MooncakeEngine(host, protocol, device_name)
         try:
             sock = connect(receiver, timeout_s)
         except (OSError, ValueError) as e:
