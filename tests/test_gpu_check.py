@@ -273,6 +273,24 @@ def test_trace_counts_cuda_events_and_ranges():
     assert range_counts(ev) == {"attention": 2, "replay": 1}
 
 
+def test_an_image_without_safetensors_gets_a_report(tmp_path):
+    """safetensors hidden (its import fails, as on an image without it): the check imports,
+    says so first (before any part), runs, and the parts that build a model error in the
+    report, naming the package; the run fails, a report is written."""
+    program = PYTHON_M.replace("sys.modules.update(dict.fromkeys(", "sys.modules.update(dict.fromkeys(('safetensors', "
+                                                                  "'safetensors.torch') + ")
+    skip = ",".join(p for p in PHASES if p != "host")
+    proc = _device_like(program, "gpu-check", "--dry-run", "--out", str(tmp_path), "--budget-s", NO_LIMIT,
+                        "--skip", skip)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert res["env"]["safetensors_problem"].startswith("the safetensors package cannot be imported")
+    note = next(n for n in res["notes"] if "safetensors" in n)
+    assert proc.stderr.index(note[:60]) < proc.stderr.index("host preparation")  # the preflight says it first
+    assert res["failures"] and all("host" in f and "safetensors" in f for f in res["failures"])
+    assert (tmp_path / "gpu_check.md").exists()
+
+
 def test_python_m_graphcp_without_cuda_exits_2_and_says_so(tmp_path):
     """``python -m graphcp gpu-check`` from the tree, the device's missing packages hidden:
     it imports, and with no CUDA device refuses in one line (exit 2), writing nothing."""

@@ -20,6 +20,9 @@ from graphcp.gpucheck.settings import DRY_RESERVE_S, RESERVE_S, Settings, model_
 
 def _notes(env: dict) -> list[str]:
     notes = [] if env["flashinfer_importable"] else [FLASHINFER_ABSENT]
+    if env["safetensors_problem"]:
+        notes.append(f"{env['safetensors_problem']}. Every part that builds a model (graphs, engines, hybrid, "
+                     "host, timing, launches) errors here; the kernel parts run")
     if not env["nvtx"]:
         notes.append("the nvtx package is missing: graphcp's ranges reach torch.profiler (the traces here) but "
                      "not NVTX/nsys")
