@@ -45,7 +45,7 @@ def _device_like(program: str, *args: str) -> subprocess.CompletedProcess:
     """``program`` in a fresh interpreter at the repository root, graphcp from this
     tree on PYTHONPATH (as on the device: nothing installed)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", program, *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-c", program, *args], capture_output=True, text=True, timeout=480,
                           cwd=ROOT, env=env)
 
 
@@ -76,17 +76,46 @@ def test_dry_run_environment_and_notes(dry_run):
 def test_dry_run_triton_warmup_and_kernel_checks(dry_run):
     _, res, _ = dry_run
     w = res["triton_warmup"]
-    assert w["status"] == "ok" and w["launched"] == w["variants"] >= 8 and w["compiles"] is None  # interpreted
+    assert w["status"] == "ok" and w["launched"] == w["variants"] >= 32 and w["compiles"] is None  # interpreted
+    # every variant the run launches: the prefill kernel causal and not, the decode kernel with
+    # one split and several; each with and without LSE in both dtypes (2 head shapes: 8 each)
+    assert {k: n >= 8 for k, n in w["by_kernel"].items()} == dict.fromkeys(
+        ("decode", "decode-splits", "prefill", "prefill-noncausal"), True)
     checks = res["backends"]["checks"]
     assert {c["backend"] for c in checks} == {"torch", "triton"}
     for c in checks:
         assert c["status"] == "pass", c
-        assert c["plans"] >= 3
+        assert c["plans"] >= (3 if c["causal"] else len(res["settings"]["decode_cases"]))
         assert max(c["max_rel_err_out"], c["max_rel_err_out_nolse"], c["max_rel_err_lse"]) <= c["tol"]
-        assert c["padding_untouched"] is True
-    seen = {(c["backend"], c["dtype"], c["head_dim"]) for c in checks}
-    assert {(b, d, h) for b in ("torch", "triton") for d in ("float32", "bfloat16") for h in (64, 128)} == seen
+        assert c["padding_untouched"] is True  # non-causal: a row with no key is output 0, LSE -inf
+    seen = {(c["backend"], c["causal"], c["dtype"], c["head_dim"]) for c in checks}
+    assert {(b, causal, d, h) for b in ("torch", "triton") for causal in (True, False) for d in ("float32", "bfloat16")
+            for h in (64, 128)} == seen
     assert all(c["num_q_heads"] > c["num_kv_heads"] for c in checks)  # GQA
+
+
+def test_dry_run_decode_kernels_and_a_speculative_step(dry_run):
+    """The decode part: every decode kernel here (the torch reference's, Triton's with its own
+    split, one and several) against the reference in both dtypes, rows with no key exact;
+    then speculative decoding with a random draft on the decode graphs gives plain greedy's
+    tokens, every verify step replayed."""
+    _, res, proc = dry_run
+    rows = res["decode_kernels"]
+    assert {(r["kernel"], r["splits"]) for r in rows} == {("torch", None), ("triton", None), ("triton", 1),
+                                                         ("triton", 3)}
+    assert {(r["dtype"], r["head_dim"]) for r in rows} == {(d, h) for d in ("float32", "bfloat16") for h in (64, 128)}
+    for r in rows:
+        assert r["status"] == "pass" and r["keyless_rows_exact"] is True, r
+        assert r["cases"] == len(res["settings"]["decode_cases"]) and max(r["max_rel_err_out"],
+                                                                          r["max_rel_err_lse"]) <= r["tol"]
+    (spec,) = res["speculative"]
+    assert spec["status"] == "pass" and spec["same_tokens_as_plain"] and spec["verify_paths"] == ["graph"], spec
+    assert spec["verify_steps"] >= 1 and spec["steps"] <= spec["plain_steps"]
+    assert "## Paged decode kernels vs the torch reference" in proc.stdout and "## Speculative decoding" in proc.stdout
+    # the host kernels compiled (or loaded) before the budget started, not inside a part's share
+    hk = res["host_kernels"]
+    assert hk["numba"] and hk["errors"] == [] and hk["ready"] >= 15 and hk["defined"] >= 18
+    assert proc.stderr.index("host kernels:") < proc.stderr.index("triton warm-up")
 
 
 def test_dry_run_sparse_mla_and_moe_graph(dry_run):
@@ -208,6 +237,9 @@ def test_rows_the_budget_leaves_out_fail_the_run(tmp_path, capsys):
     assert res["timing"] and all(r["status"] == "skipped" for r in res["timing"])
     assert res["engines"] and all(r["status"] == "skipped" for r in res["engines"])
     assert res["hybrid"] and all(r["status"] == "skipped" for r in res["hybrid"])
+    assert res["decode_kernels"] and all(r["status"] == "skipped" for r in res["decode_kernels"])
+    assert res["speculative"] and all(r["status"] == "skipped" for r in res["speculative"])
+    assert "decode: torch decode splits=None float32 2/1x64 did not run (time budget)" in res["failures"]
     assert "graphs: skipped, the triton backend is not available" in res["errors"]  # --no-triton: chosen
     assert "kernels: torch float32 2/1x64 did not run (time budget)" in res["failures"]
     assert "timing: default torch eager 32 did not run (time budget)" in res["failures"]
@@ -219,8 +251,8 @@ def test_rows_the_budget_leaves_out_fail_the_run(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags,expected", [
     (["--sizes", "1k"], "--sizes: expected comma-separated int values, got '1k'"),
-    (["--skip", "timing,graph"], "--skip: expected one or more of warmup, kernels, sparse_mla, graphs, engines, hybrid, host, timing, launches, "
-                                  "moe_graph"),
+    (["--skip", "timing,graph"], "--skip: expected one or more of warmup, kernels, sparse_mla, graphs, engines, decode, hybrid, host, "
+                                  "timing, launches, moe_graph"),
     (["--backends", "flash"], "--backends: expected one or more of torch, triton, flashinfer, trtllm"),
     (["--models", "llama-70b"], "--models: expected one or more of default, qwen3-1b-like"),
     (["--repeats", "0"], "--repeats: expected int >= 1, got '0'"),
@@ -315,6 +347,28 @@ def test_gpu_settings_fit_the_lent_machine():
     full = settings_from_args(build_parser().parse_args(["gpu-check", "--full"]))
     assert full.full and full.sizes == (1024, 8192, 32768) and full.models == ("default", "qwen3-1b-like")
     assert full.phases == FULL_PHASES and default_budget_s(full) > PLANNED_LIMIT_S
+    # the decode part (decode kernels, a speculative step) after the engines, in every plan
+    assert list(PHASES).index("decode") == list(PHASES).index("engines") + 1 and set(FULL_PHASES) == set(PHASES)
+    # its decode steps: mixed lengths, a request with no key, padding rows, a table wider than needed
+    for lens, rows, width in st.decode_cases:
+        assert len(lens) <= rows and max(-(-n // st.page_size) for n in lens) <= width
+    assert any(0 in lens for lens, _, _ in st.decode_cases) and any(len(lens) < rows for lens, rows, _ in
+                                                                     st.decode_cases)
+
+
+def test_the_warmup_covers_every_triton_variant_the_run_launches():
+    """Causal and non-causal prefill, one split and several of the decode kernel, with and
+    without LSE, on the check's shapes; the engines' decode steps (the model's heads, no
+    LSE at CP 1) in the dtypes they run."""
+    from graphcp.gpucheck.kernels import triton_variants
+
+    st = settings_from_args(build_parser().parse_args(["gpu-check"]))
+    model = (8, 2, 64)
+    got = triton_variants(st, [model], [model])
+    for kind in ("prefill", "prefill-noncausal", "decode", "decode-splits"):
+        assert {(d, h, lse) for k, d, h, lse in got if k == kind} >= {
+            (d, h, lse) for d in st.check_dtypes for h in st.check_heads for lse in (True, False)}, kind
+    assert {("decode", st.timing_dtype, model, False), ("decode-splits", st.timing_dtype, model, False)} <= got
 
 
 def test_doc_gives_the_device_commands_and_the_part_budgets():
