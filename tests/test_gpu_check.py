@@ -356,6 +356,52 @@ def test_gpu_settings_fit_the_lent_machine():
                                                                      st.decode_cases)
 
 
+def test_decode_rows_of_flashinfer_and_trtllm_through_fakes():
+    """Where flashinfer imports, the decode part checks its two decode kernels, bfloat16
+    only (their float32 rows say so and fail nothing); here through the fakes of the real
+    kernels (tests/fake_flashinfer.py: what they bake in at plan time, trtllm's base-2 LSE),
+    in the layout each prefers, on the dry run's decode steps."""
+    import dataclasses
+
+    from fake_flashinfer import SM_COUNT, Recorder, fake_flashinfer
+
+    from graphcp.attention.backends.flashinfer_decode import FlashInferDecodeAttention
+    from graphcp.attention.backends.trtllm_decode import TrtllmDecodeAttention
+    from graphcp.attention.registry import preferred_kv_layout
+    from graphcp.gpucheck.budget import Budget
+    from graphcp.gpucheck.decode import check_decode_kernels, decode_kernel
+    from graphcp.gpucheck.report import failures
+
+    made = []
+
+    def make(name, splits, spec, device, limits):
+        spec = dataclasses.replace(spec, kv_layout=preferred_kv_layout(name, device))
+        made.append((name, spec.kv_layout))
+        if name == "flashinfer":
+            return FlashInferDecodeAttention(spec, "cpu", max_pages_per_segment=limits.max_pages_per_segment,
+                                             dtype=limits.dtype, flashinfer=fake_flashinfer(Recorder()),
+                                             workspace_bytes=1 << 20)
+        if name == "trtllm":
+            return TrtllmDecodeAttention(spec, "cpu", max_segments=limits.max_segments,
+                                         max_pages_per_segment=limits.max_pages_per_segment,
+                                         capability=lambda: (10, 0), sm_count=SM_COUNT,
+                                         flashinfer=fake_flashinfer(Recorder()), workspace_bytes=1 << 20)
+        return decode_kernel(name, splits, spec, device, limits)
+
+    st = settings_from_args(build_parser().parse_args(["gpu-check", "--dry-run"]))
+    rows = check_decode_kernels(st, Budget(1e9, {"decode": 1.0}, 0.0), ["torch", "flashinfer", "trtllm"], make)
+    by = {(r["kernel"], r["dtype"], r["head_dim"]): r for r in rows}
+    assert set(by) == {(k, d, h) for k in ("torch", "flashinfer", "trtllm") for d in ("float32", "bfloat16")
+                       for h in (64, 128)}
+    for (kernel, dtype, _), r in by.items():
+        if kernel != "torch" and dtype == "float32":
+            assert r["status"] == "skipped" and r["error"] == f"{kernel} does not take float32", r
+        else:
+            assert r["status"] == "pass" and r["keyless_rows_exact"] and r["cases"] == len(st.decode_cases), r
+    assert ("trtllm", "HND") in made and ("flashinfer", "NHD") in made
+    assert failures({"backends": {"checks": []}, "decode_kernels": rows}) == []
+
+
 def test_the_warmup_covers_every_triton_variant_the_run_launches():
     """Causal and non-causal prefill, one split and several of the decode kernel, with and
     without LSE, on the check's shapes; the engines' decode steps (the model's heads, no

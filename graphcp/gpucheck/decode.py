@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -42,15 +43,18 @@ KERNELS = ("torch", "triton", "flashinfer", "trtllm")
 TRITON_SPLITS = (None, 1, FORCED_SPLITS)
 
 
-def _kernel(name: str, splits: int | None, spec: AttentionSpec, device: torch.device, limits: AttentionLimits):
-    """The decode kernel of attention backend ``name`` (Triton's with ``splits``)."""
+def decode_kernel(name: str, splits: int | None, spec: AttentionSpec, device: torch.device,
+                  limits: AttentionLimits):
+    """The decode kernel of attention backend ``name`` (Triton's with ``splits``), for
+    ``spec`` in the layout the backend prefers."""
     spec = dataclasses.replace(spec, kv_layout=preferred_kv_layout(name, device))
     if name == "triton":
         return TritonDecodeAttention(spec, splits)
     return make_decode_attention(make_attention(name, spec, device, limits), device, limits)
 
 
-def _check_kernel(row: dict, cases: list, spec: AttentionSpec, device: torch.device, dtype: torch.dtype) -> None:
+def _check_kernel(row: dict, cases: list, spec: AttentionSpec, device: torch.device, dtype: torch.dtype,
+                  make: Callable) -> None:
     t0 = time.perf_counter()
     limits = AttentionLimits(max_segments=max(c.rows for c in cases), max_q_rows=max(c.rows for c in cases),
                              max_pages_per_segment=max(c.static.page_table.shape[1] for c in cases),
@@ -59,7 +63,7 @@ def _check_kernel(row: dict, cases: list, spec: AttentionSpec, device: torch.dev
     exact = True
     for case in cases:
         for with_lse in (True, False):
-            kernel = _kernel(row["kernel"], row["splits"], spec, device, limits)
+            kernel = make(row["kernel"], row["splits"], spec, device, limits)
             got = run_decode_case(kernel, case, with_lse)
             out_err, lse_err = max(out_err, got.out), max(lse_err, got.lse or 0.0)
             exact &= got.padding_untouched
@@ -69,8 +73,11 @@ def _check_kernel(row: dict, cases: list, spec: AttentionSpec, device: torch.dev
                status="pass" if ok else "fail", seconds=round(time.perf_counter() - t0, 3))
 
 
-def check_decode_kernels(st: Settings, budget: Budget, available: list[str]) -> list[dict]:
-    """One row per (decode kernel, its splits, dtype, head config); see the module doc."""
+def check_decode_kernels(st: Settings, budget: Budget, available: list[str],
+                         make: Callable = decode_kernel) -> list[dict]:
+    """One row per (decode kernel, its splits, dtype, head config); see the module doc.
+    ``make``: builds a kernel as :func:`decode_kernel` does (the tests pass fakes of
+    FlashInfer's and trtllm's)."""
     device = torch.device(st.device)
     names = [n for n in KERNELS if n in available]
     rows: list[dict] = []
@@ -94,7 +101,7 @@ def check_decode_kernels(st: Settings, budget: Budget, available: list[str]) -> 
                     where = f"decode kernel {name} splits={splits} {dtype_name} heads={hq}/{hkv}x{d}"
                     try:
                         cases = cases or decode_cases(st, spec, dtype, st.seed + d + 2)
-                        _check_kernel(row, cases, spec, device, dtype)
+                        _check_kernel(row, cases, spec, device, dtype, make)
                     except Exception as e:  # noqa: BLE001 - recorded, the run goes on
                         fail(row, where, e)
                         continue
