@@ -89,7 +89,7 @@ class DecodeHostStack:
         kv = self.planner.kv
         width = page_bucket(kv.pages_for(kv.most_held(prep.decode.rows)), kv.table_width)
         self.buffers.fill(prep, self.capacity, width, kv)
-        handles = [kv.handle(s) for s in prep.seq_ids]
+        handles = kv.handles_after(self.handles)  # (the decoder's)
         self.recorder.record(prep, ForwardInfo("graph", self.capacity, prep.rows, phase=DECODE, launches=1))
         self.planner.abort(prep)
         return handles

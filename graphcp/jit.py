@@ -40,6 +40,17 @@ if not COMPILED:
                   "pip install numba", RuntimeWarning, stacklevel=2)
 
 
+#: every compiled host kernel defined so far (numba dispatchers; empty without numba): what
+#: a caller that must not compile later (graphcp gpu-check) counts after warming them
+KERNELS: list = []
+
+
+def compiled_count() -> tuple[int, int, list[str]]:
+    """(kernels compiled or loaded so far, kernels defined, the names of those not yet)."""
+    left = [k.__name__ for k in KERNELS if not k.signatures]
+    return len(KERNELS) - len(left), len(KERNELS), left
+
+
 def host_kernel(fn: F | None = None, *, fallback: Callable | None = None):
     """Compile ``fn`` for the host path (see the module doc). Without numba: ``fallback``
     where given (a vectorised numpy form taking the same arguments and writing the same
@@ -48,6 +59,8 @@ def host_kernel(fn: F | None = None, *, fallback: Callable | None = None):
     def wrap(f: F) -> F:
         if njit is None:
             return fallback if fallback is not None else f
-        return njit(cache=True, nogil=True, boundscheck=False)(f)
+        kernel = njit(cache=True, nogil=True, boundscheck=False)(f)
+        KERNELS.append(kernel)
+        return kernel
 
     return wrap if fn is None else wrap(fn)

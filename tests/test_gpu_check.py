@@ -45,7 +45,7 @@ def _device_like(program: str, *args: str) -> subprocess.CompletedProcess:
     """``program`` in a fresh interpreter at the repository root, graphcp from this
     tree on PYTHONPATH (as on the device: nothing installed)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", program, *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-c", program, *args], capture_output=True, text=True, timeout=480,
                           cwd=ROOT, env=env)
 
 
@@ -76,17 +76,46 @@ def test_dry_run_environment_and_notes(dry_run):
 def test_dry_run_triton_warmup_and_kernel_checks(dry_run):
     _, res, _ = dry_run
     w = res["triton_warmup"]
-    assert w["status"] == "ok" and w["launched"] == w["variants"] >= 8 and w["compiles"] is None  # interpreted
+    assert w["status"] == "ok" and w["launched"] == w["variants"] >= 32 and w["compiles"] is None  # interpreted
+    # every variant the run launches: the prefill kernel causal and not, the decode kernel with
+    # one split and several; each with and without LSE in both dtypes (2 head shapes: 8 each)
+    assert {k: n >= 8 for k, n in w["by_kernel"].items()} == dict.fromkeys(
+        ("decode", "decode-splits", "prefill", "prefill-noncausal"), True)
     checks = res["backends"]["checks"]
     assert {c["backend"] for c in checks} == {"torch", "triton"}
     for c in checks:
         assert c["status"] == "pass", c
-        assert c["plans"] >= 3
+        assert c["plans"] >= (3 if c["causal"] else len(res["settings"]["decode_cases"]))
         assert max(c["max_rel_err_out"], c["max_rel_err_out_nolse"], c["max_rel_err_lse"]) <= c["tol"]
-        assert c["padding_untouched"] is True
-    seen = {(c["backend"], c["dtype"], c["head_dim"]) for c in checks}
-    assert {(b, d, h) for b in ("torch", "triton") for d in ("float32", "bfloat16") for h in (64, 128)} == seen
+        assert c["padding_untouched"] is True  # non-causal: a row with no key is output 0, LSE -inf
+    seen = {(c["backend"], c["causal"], c["dtype"], c["head_dim"]) for c in checks}
+    assert {(b, causal, d, h) for b in ("torch", "triton") for causal in (True, False) for d in ("float32", "bfloat16")
+            for h in (64, 128)} == seen
     assert all(c["num_q_heads"] > c["num_kv_heads"] for c in checks)  # GQA
+
+
+def test_dry_run_decode_kernels_and_a_speculative_step(dry_run):
+    """The decode part: every decode kernel here (the torch reference's, Triton's with its own
+    split, one and several) against the reference in both dtypes, rows with no key exact;
+    then speculative decoding with a random draft on the decode graphs gives plain greedy's
+    tokens, every verify step replayed."""
+    _, res, proc = dry_run
+    rows = res["decode_kernels"]
+    assert {(r["kernel"], r["splits"]) for r in rows} == {("torch", None), ("triton", None), ("triton", 1),
+                                                         ("triton", 3)}
+    assert {(r["dtype"], r["head_dim"]) for r in rows} == {(d, h) for d in ("float32", "bfloat16") for h in (64, 128)}
+    for r in rows:
+        assert r["status"] == "pass" and r["keyless_rows_exact"] is True, r
+        assert r["cases"] == len(res["settings"]["decode_cases"]) and max(r["max_rel_err_out"],
+                                                                          r["max_rel_err_lse"]) <= r["tol"]
+    (spec,) = res["speculative"]
+    assert spec["status"] == "pass" and spec["same_tokens_as_plain"] and spec["verify_paths"] == ["graph"], spec
+    assert spec["verify_steps"] >= 1 and spec["steps"] <= spec["plain_steps"]
+    assert "## Paged decode kernels vs the torch reference" in proc.stdout and "## Speculative decoding" in proc.stdout
+    # the host kernels compiled (or loaded) before the budget started, not inside a part's share
+    hk = res["host_kernels"]
+    assert hk["numba"] and hk["errors"] == [] and hk["ready"] >= 15 and hk["defined"] >= 18
+    assert proc.stderr.index("host kernels:") < proc.stderr.index("triton warm-up")
 
 
 def test_dry_run_sparse_mla_and_moe_graph(dry_run):
@@ -208,6 +237,9 @@ def test_rows_the_budget_leaves_out_fail_the_run(tmp_path, capsys):
     assert res["timing"] and all(r["status"] == "skipped" for r in res["timing"])
     assert res["engines"] and all(r["status"] == "skipped" for r in res["engines"])
     assert res["hybrid"] and all(r["status"] == "skipped" for r in res["hybrid"])
+    assert res["decode_kernels"] and all(r["status"] == "skipped" for r in res["decode_kernels"])
+    assert res["speculative"] and all(r["status"] == "skipped" for r in res["speculative"])
+    assert "decode: torch decode splits=None float32 2/1x64 did not run (time budget)" in res["failures"]
     assert "graphs: skipped, the triton backend is not available" in res["errors"]  # --no-triton: chosen
     assert "kernels: torch float32 2/1x64 did not run (time budget)" in res["failures"]
     assert "timing: default torch eager 32 did not run (time budget)" in res["failures"]
@@ -219,8 +251,8 @@ def test_rows_the_budget_leaves_out_fail_the_run(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags,expected", [
     (["--sizes", "1k"], "--sizes: expected comma-separated int values, got '1k'"),
-    (["--skip", "timing,graph"], "--skip: expected one or more of warmup, kernels, sparse_mla, graphs, engines, hybrid, host, timing, launches, "
-                                  "moe_graph"),
+    (["--skip", "timing,graph"], "--skip: expected one or more of warmup, kernels, sparse_mla, graphs, engines, decode, hybrid, host, "
+                                  "timing, launches, moe_graph"),
     (["--backends", "flash"], "--backends: expected one or more of torch, triton, flashinfer, trtllm"),
     (["--models", "llama-70b"], "--models: expected one or more of default, qwen3-1b-like"),
     (["--repeats", "0"], "--repeats: expected int >= 1, got '0'"),
@@ -273,6 +305,24 @@ def test_trace_counts_cuda_events_and_ranges():
     assert range_counts(ev) == {"attention": 2, "replay": 1}
 
 
+def test_an_image_without_safetensors_gets_a_report(tmp_path):
+    """safetensors hidden (its import fails, as on an image without it): the check imports,
+    says so first (before any part), runs, and the parts that build a model error in the
+    report, naming the package; the run fails, a report is written."""
+    program = PYTHON_M.replace("sys.modules.update(dict.fromkeys(", "sys.modules.update(dict.fromkeys(('safetensors', "
+                                                                  "'safetensors.torch') + ")
+    skip = ",".join(p for p in PHASES if p != "host")
+    proc = _device_like(program, "gpu-check", "--dry-run", "--out", str(tmp_path), "--budget-s", NO_LIMIT,
+                        "--skip", skip)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert res["env"]["safetensors_problem"].startswith("the safetensors package cannot be imported")
+    note = next(n for n in res["notes"] if "safetensors" in n)
+    assert proc.stderr.index(note[:60]) < proc.stderr.index("host preparation")  # the preflight says it first
+    assert res["failures"] and all("host" in f and "safetensors" in f for f in res["failures"])
+    assert (tmp_path / "gpu_check.md").exists()
+
+
 def test_python_m_graphcp_without_cuda_exits_2_and_says_so(tmp_path):
     """``python -m graphcp gpu-check`` from the tree, the device's missing packages hidden:
     it imports, and with no CUDA device refuses in one line (exit 2), writing nothing."""
@@ -297,6 +347,74 @@ def test_gpu_settings_fit_the_lent_machine():
     full = settings_from_args(build_parser().parse_args(["gpu-check", "--full"]))
     assert full.full and full.sizes == (1024, 8192, 32768) and full.models == ("default", "qwen3-1b-like")
     assert full.phases == FULL_PHASES and default_budget_s(full) > PLANNED_LIMIT_S
+    # the decode part (decode kernels, a speculative step) after the engines, in every plan
+    assert list(PHASES).index("decode") == list(PHASES).index("engines") + 1 and set(FULL_PHASES) == set(PHASES)
+    # its decode steps: mixed lengths, a request with no key, padding rows, a table wider than needed
+    for lens, rows, width in st.decode_cases:
+        assert len(lens) <= rows and max(-(-n // st.page_size) for n in lens) <= width
+    assert any(0 in lens for lens, _, _ in st.decode_cases) and any(len(lens) < rows for lens, rows, _ in
+                                                                     st.decode_cases)
+
+
+def test_decode_rows_of_flashinfer_and_trtllm_through_fakes():
+    """Where flashinfer imports, the decode part checks its two decode kernels, bfloat16
+    only (their float32 rows say so and fail nothing); here through the fakes of the real
+    kernels (tests/fake_flashinfer.py: what they bake in at plan time, trtllm's base-2 LSE),
+    in the layout each prefers, on the dry run's decode steps."""
+    import dataclasses
+
+    from fake_flashinfer import SM_COUNT, Recorder, fake_flashinfer
+
+    from graphcp.attention.backends.flashinfer_decode import FlashInferDecodeAttention
+    from graphcp.attention.backends.trtllm_decode import TrtllmDecodeAttention
+    from graphcp.attention.registry import preferred_kv_layout
+    from graphcp.gpucheck.budget import Budget
+    from graphcp.gpucheck.decode import check_decode_kernels, decode_kernel
+    from graphcp.gpucheck.report import failures
+
+    made = []
+
+    def make(name, splits, spec, device, limits):
+        spec = dataclasses.replace(spec, kv_layout=preferred_kv_layout(name, device))
+        made.append((name, spec.kv_layout))
+        if name == "flashinfer":
+            return FlashInferDecodeAttention(spec, "cpu", max_pages_per_segment=limits.max_pages_per_segment,
+                                             dtype=limits.dtype, flashinfer=fake_flashinfer(Recorder()),
+                                             workspace_bytes=1 << 20)
+        if name == "trtllm":
+            return TrtllmDecodeAttention(spec, "cpu", max_segments=limits.max_segments,
+                                         max_pages_per_segment=limits.max_pages_per_segment,
+                                         capability=lambda: (10, 0), sm_count=SM_COUNT,
+                                         flashinfer=fake_flashinfer(Recorder()), workspace_bytes=1 << 20)
+        return decode_kernel(name, splits, spec, device, limits)
+
+    st = settings_from_args(build_parser().parse_args(["gpu-check", "--dry-run"]))
+    rows = check_decode_kernels(st, Budget(1e9, {"decode": 1.0}, 0.0), ["torch", "flashinfer", "trtllm"], make)
+    by = {(r["kernel"], r["dtype"], r["head_dim"]): r for r in rows}
+    assert set(by) == {(k, d, h) for k in ("torch", "flashinfer", "trtllm") for d in ("float32", "bfloat16")
+                       for h in (64, 128)}
+    for (kernel, dtype, _), r in by.items():
+        if kernel != "torch" and dtype == "float32":
+            assert r["status"] == "skipped" and r["error"] == f"{kernel} does not take float32", r
+        else:
+            assert r["status"] == "pass" and r["keyless_rows_exact"] and r["cases"] == len(st.decode_cases), r
+    assert ("trtllm", "HND") in made and ("flashinfer", "NHD") in made
+    assert failures({"backends": {"checks": []}, "decode_kernels": rows}) == []
+
+
+def test_the_warmup_covers_every_triton_variant_the_run_launches():
+    """Causal and non-causal prefill, one split and several of the decode kernel, with and
+    without LSE, on the check's shapes; the engines' decode steps (the model's heads, no
+    LSE at CP 1) in the dtypes they run."""
+    from graphcp.gpucheck.kernels import triton_variants
+
+    st = settings_from_args(build_parser().parse_args(["gpu-check"]))
+    model = (8, 2, 64)
+    got = triton_variants(st, [model], [model])
+    for kind in ("prefill", "prefill-noncausal", "decode", "decode-splits"):
+        assert {(d, h, lse) for k, d, h, lse in got if k == kind} >= {
+            (d, h, lse) for d in st.check_dtypes for h in st.check_heads for lse in (True, False)}, kind
+    assert {("decode", st.timing_dtype, model, False), ("decode-splits", st.timing_dtype, model, False)} <= got
 
 
 def test_doc_gives_the_device_commands_and_the_part_budgets():

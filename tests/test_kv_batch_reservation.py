@@ -165,3 +165,45 @@ def test_undoing_the_last_extend_equals_undoing_it_the_long_way():
         assert kv.snapshot() != before[0]
     assert states[0][0] == states[1][0]
     np.testing.assert_array_equal(states[0][1], states[1][1])
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_a_decode_steps_reservation_equals_the_batch_reservation_of_ones(page_size):
+    """``PageAllocator.reserve_next`` (a decode step's: one compiled call that also writes
+    each token's position and slot) takes the pages ``reserve`` of ones takes, in the same
+    order, writes the slots ``run_slots`` gives, and its undo puts the allocator back; a
+    step over the pool or past a row's width is refused with nothing changed; a handle made
+    from the previous one (its pages reused) equals one made from scratch."""
+    rng = random.Random(page_size)
+    fast, slow = (kv_cache("replicated", 1, 40, page_size, 1, 2, max_pages_per_seq=12) for _ in range(2))
+    handles = {}
+    for kv in (fast, slow):
+        handles[id(kv)] = [kv.handle(s) for s in kv.extend([None] * 4, [rng.randrange(1, 5 * page_size)
+                                                                        for _ in range(4)])]
+        rng.seed(page_size)
+    for step in range(3 * page_size + 2):
+        hf, hs = handles[id(fast)], handles[id(slow)]
+        before = fast.snapshot()
+        rows_f, rows_s = fast.prefix_rows(hf), slow.prefix_rows(hs)
+        try:
+            got = fast.reserve_decode(hf, rows_f)
+        except KVCacheFull as e:
+            assert fast.snapshot() == before
+            with pytest.raises(KVCacheFull) as want:
+                slow.allocator.reserve(hs, rows_s, np.ones(len(hs), dtype=np.int64))
+            assert str(e) == str(want.value)
+            break
+        if step % 4 == 3:  # the undo
+            fast.rollback_decode(got)
+            assert fast.snapshot() == before
+            continue
+        positions = np.array([h.num_tokens for h in hs])
+        _, taken = slow.allocator.reserve(hs, rows_s, np.ones(len(hs), dtype=np.int64))
+        assert fast.snapshot() == slow.snapshot() and np.array_equal(got.rows, taken)
+        assert np.array_equal(got.positions, positions) and np.array_equal(got.local_lens, positions + 1)
+        assert np.array_equal(got.slots, slow.run_slots(taken, positions, np.ones(len(hs), dtype=np.int64)))
+        handles[id(fast)] = fast.handles_after(hf)
+        handles[id(slow)] = [slow.handle(h.seq_id) for h in hs]
+        assert handles[id(fast)] == [fast.handle(h.seq_id) for h in hf]
+        assert [(h.seq_id, h.num_tokens, h.pages) for h in handles[id(fast)]] == \
+            [(h.seq_id, h.num_tokens, h.pages) for h in handles[id(slow)]]

@@ -7,17 +7,20 @@ repository root, with graphcp taken from the working tree (no install needed)::
     PYTHONPATH=. python scripts/gpu_check.py --out "$OUT"      # or: python -m graphcp gpu-check --out "$OUT"
     PYTHONPATH=. python scripts/gpu_check.py --dry-run          # the same flow on a CPU
 
+The host kernels compile before the budget starts (graphcp.gpucheck.host_kernels).
 Parts, each with a share of the time budget (``settings.PHASES``; time a part leaves
 passes on): ``warmup`` (every Triton variant the run launches, compiled first),
-``kernels`` (every available attention backend against the torch reference),
-``sparse_mla`` (the DSA models' sparse MLA Triton kernel past 32-bit offsets),
+``kernels`` (every available attention backend against the torch reference, causal and
+not), ``sparse_mla`` (the DSA models' sparse MLA Triton kernel past 32-bit offsets),
 ``graphs`` (breakable and full ``cuda`` graphs at CP = 1: every replay equals the
 same-bucket eager body bitwise), ``engines`` (DeepSeek V4, MoE tp and ep, an EAGLE-3
-draft's graphs), ``hybrid`` (a linear-attention hybrid on the machine's linear kernels,
-graphs and a varlen batch), ``host`` (one rank's host preparation, timed), ``timing`` (eager vs
-breakable vs full prefill), ``launches`` (kernels and launches per forward, with
-``torch.profiler`` traces), ``moe_graph`` (a MoE layer's grouped matmuls captured and
-replayed with changing routing; last).
+draft's graphs, decode steps), ``decode`` (the paged decode kernels against the torch
+reference, a speculative run's verify steps on the decode graphs), ``hybrid`` (a
+linear-attention hybrid on the machine's linear kernels, graphs and a varlen batch),
+``host`` (one rank's host preparation, timed), ``timing`` (eager vs breakable vs full
+prefill), ``launches`` (kernels and launches per forward, with ``torch.profiler``
+traces), ``moe_graph`` (a MoE layer's grouped matmuls captured and replayed with
+changing routing; last).
 
 The command exits 1 when a part raised or did not run, a checked row failed or errored,
 a graph path ran eagerly, or the budget left a row out; it names each. Writes

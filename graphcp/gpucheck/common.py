@@ -18,6 +18,7 @@ import torch
 from graphcp import jit
 from graphcp import nvtx_ranges as ranges
 from graphcp.gpucheck.report import TIME_BUDGET  # noqa: F401 - the parts' skip reason, re-exported for them
+from graphcp.pd import safetensors_lib
 
 FLASHINFER_ABSENT = ("flashinfer is not installed: the flashinfer and trtllm attention backends were not checked "
                      "(they need a GPU and pip install -e \".[flashinfer]\")")
@@ -97,5 +98,6 @@ def env_info() -> dict:
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": _version("triton"),
             "flashinfer": _version("flashinfer-python") or _version("flashinfer"),
             "flashinfer_importable": importlib.util.find_spec("flashinfer") is not None,
+            "safetensors_problem": safetensors_lib.problem(),
             "nvtx": ranges.NVTX_AVAILABLE, "host_kernels_compiled": jit.COMPILED, "python": platform.python_version(),
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}

@@ -52,7 +52,9 @@ DRAFT_MODES = ("breakable", "full")
 DECODE_STEPS = 4
 
 
-def _engine(st: Settings, model, dtype: str, graph: str, attention: str, verify: bool, **extra) -> PrefillEngine:
+def engine_at_cp1(st: Settings, model, dtype: str, graph: str, attention: str, verify: bool,
+                  **extra) -> PrefillEngine:
+    """An engine of ``model`` at CP 1 with one prefill bucket (``st.engine_bucket``)."""
     rt = RuntimeConfig(device=st.device, dtype=dtype, graph=graph, attention=attention, page_size=st.page_size,
                        kv_tokens=8 * st.engine_bucket + 8 * st.page_size, graph_backend=st.graph_backend,
                        max_requests=4, verify_capture=verify, **extra)
@@ -221,8 +223,8 @@ def check_engines(st: Settings, budget: Budget, available: list[str]) -> list[di
         rows.append(row)
 
         def model(p: str = preset, x: dict = extra) -> PrefillEngine:  # V4 attends with its own reference
-            return _engine(st, ensure_preset(p), "float32", "breakable", "torch" if p == "default-v4" else attention,
-                           True, **x)
+            return engine_at_cp1(st, ensure_preset(p), "float32", "breakable",
+                                 "torch" if p == "default-v4" else attention, True, **x)
 
         run_row(row, budget, device, model, check_model, st)
     target = ensure_preset("default")
@@ -238,12 +240,12 @@ def check_engines(st: Settings, budget: Budget, available: list[str]) -> list[di
         draft = draft or ensure_random_draft(target, "default", st.seed)
 
         def build(m: str = mode, b: str = backend) -> PrefillEngine:  # (the graphs part self-checks the target)
-            return _engine(st, target, st.timing_dtype, m, b, False, draft=str(draft))
+            return engine_at_cp1(st, target, st.timing_dtype, m, b, False, draft=str(draft))
 
         run_row(row, budget, device, build, _check_draft, st)
     row = {"engine": "default decode", "dtype": st.timing_dtype, "graph": "breakable", "status": "pending",
            "batches": []}
     rows.append(row)
-    run_row(row, budget, device, lambda: _engine(st, target, st.timing_dtype, "breakable", attention, True),
-            check_decode, st)
+    run_row(row, budget, device,
+            lambda: engine_at_cp1(st, target, st.timing_dtype, "breakable", attention, True), check_decode, st)
     return rows

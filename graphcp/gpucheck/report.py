@@ -47,13 +47,19 @@ def _status(r: dict, ok: tuple[str, ...] = ("ok", "pass"), n: int = 60) -> str:
 def _checked_rows(res: dict):
     """(part, label, row) of every checked row of the report."""
     for c in res["backends"]["checks"]:
-        yield "kernels", f"{c['backend']} {c['dtype']} {c['num_q_heads']}/{c['num_kv_heads']}x{c['head_dim']}", c
+        yield "kernels", (f"{c['backend']}{'' if c.get('causal', True) else ' non-causal'} {c['dtype']} "
+                          f"{c['num_q_heads']}/{c['num_kv_heads']}x{c['head_dim']}"), c
     for r in res.get("sparse_mla", []):
         yield "sparse_mla", f"{r['dtype']} {r.get('rows')} rows", r
     for g in res.get("graphs", []):
         yield "graphs", f"{g['dtype']} {g['graph']}", g
     for r in res.get("engines", []):
         yield "engines", f"{r['engine']} {r['dtype']} {r['graph']}", r
+    for r in res.get("decode_kernels", []):
+        yield "decode", (f"{r['kernel']} decode splits={r['splits']} {r['dtype']} "
+                         f"{r['num_q_heads']}/{r['num_kv_heads']}x{r['head_dim']}"), r
+    for r in res.get("speculative", []):
+        yield "decode", f"{r['engine']} {r['dtype']} {r['graph']}", r
     for r in res.get("hybrid", []):
         yield "hybrid", f"{r['engine']} {r['dtype']} {r['graph']}", r
     for r in res.get("host", []):
@@ -102,6 +108,12 @@ def _head(res: dict) -> list[str]:
                + (f" (left out on request: {', '.join(skipped)})" if skipped else " (every part ran)"))
     out += [verdict, ""] if "failures" in res else []
     out += [f"- {n}" for n in res.get("notes", [])] + ([""] if res.get("notes") else [])
+    hk = res.get("host_kernels")
+    if hk:
+        out += [f"Host kernels at start-up: {hk['ready']}/{hk['defined']} compiled or loaded in {hk['seconds']} s"
+                + (f" (not ready, compiled on first use or inside another kernel: {', '.join(hk['not_ready'])})"
+                   if hk["not_ready"] else "") + (f"; errors: {'; '.join(hk['errors'])}" if hk["errors"] else "")
+                + ".", ""]
     out += ["## Parts (seconds used of the share)", ""]
     return out + _table(["part", "share s", "used s"], [[k, _fmt(v, ".0f"), _fmt(res["phases"]["used"].get(k), ".1f")]
                                                        for k, v in res["phases"]["shares"].items()])
@@ -111,7 +123,8 @@ def _warmup(res: dict) -> list[str]:
     w = res.get("triton_warmup")
     if not w:
         return []
-    out = ["## Triton warm-up", "", f"{w['launched']}/{w['variants']} variants launched, "
+    kinds = ", ".join(f"{k} {n}" for k, n in (w.get("by_kernel") or {}).items())
+    out = ["## Triton warm-up", "", f"{w['launched']}/{w['variants']} variants launched ({kinds or '-'}), "
            f"{w['compiles'] if w['compiles'] is not None else 'no (interpreter)'} compiles, {w['seconds']} s; "
            f"status {w['status']}.", ""]
     if w.get("kernels"):
@@ -126,12 +139,15 @@ def _kernels(res: dict) -> list[str]:
     if not checks:
         return []
     out = [f"## Attention kernels vs the torch reference ({', '.join(res['backends']['checked'])})", "",
-           "max |x - ref| / max |ref| over zigzag plans with prefixes and empty segments (LSE, base e: "
-           "/ max(|ref|, 1)); padding rows must keep their sentinel.", ""]
+           "max |x - ref| / max |ref| over zigzag plans with prefixes and empty segments (causal), or decode steps "
+           "(non-causal: one row a request over every key held; mixed lengths, requests with no key, padding rows) "
+           "(LSE, base e: / max(|ref|, 1)); padding rows must keep their sentinel (a row with no key: output 0, LSE "
+           "-inf).", ""]
     return out + _table(
-        ["backend", "dtype", "heads q/kv", "head_dim", "plans", "out err", "out err (no lse)", "lse err",
+        ["backend", "causal", "dtype", "heads q/kv", "head_dim", "plans", "out err", "out err (no lse)", "lse err",
          "padding untouched", "tol", "status"],
-        [[c["backend"], c["dtype"], f"{c['num_q_heads']}/{c['num_kv_heads']}", str(c["head_dim"]), str(c["plans"]),
+        [[c["backend"], _fmt(c.get("causal", True)), c["dtype"], f"{c['num_q_heads']}/{c['num_kv_heads']}",
+          str(c["head_dim"]), str(c["plans"]),
           _fmt(c["max_rel_err_out"], ".2e"), _fmt(c["max_rel_err_out_nolse"], ".2e"), _fmt(c["max_rel_err_lse"], ".2e"),
           _fmt(c["padding_untouched"]), _fmt(c["tol"], ".0e"), _status(c, ("pass",))] for c in checks])
 
@@ -163,6 +179,32 @@ def _engines(res: dict) -> list[str]:
             for r in res["engines"]]
     return out + _table(["engine", "dtype", "graph", "bitwise", "segments, breaks", "experts in break", "ran",
                          "logits rel diff", "tol", "status"], rows)
+
+
+def _decode(res: dict) -> list[str]:
+    out = []
+    if res.get("decode_kernels"):
+        out += ["## Paged decode kernels vs the torch reference", "",
+                "decode steps on a bucket (mixed lengths, requests with no key, padding rows, a wide page table), "
+                "run on its static buffers as a graph does, with and without LSE; keyless rows: exactly output 0 "
+                "and LSE -inf.", ""]
+        out += _table(["kernel", "splits", "dtype", "heads q/kv", "head_dim", "steps", "out err", "lse err",
+                       "keyless rows", "tol", "status"],
+                      [[r["kernel"], _fmt(r["splits"] or "own"), r["dtype"], f"{r['num_q_heads']}/{r['num_kv_heads']}",
+                        str(r["head_dim"]), str(r["cases"]), _fmt(r.get("max_rel_err_out"), ".2e"),
+                        _fmt(r.get("max_rel_err_lse"), ".2e"), _fmt(r.get("keyless_rows_exact")),
+                        _fmt(r["tol"], ".0e"), _status(r, ("pass",))] for r in res["decode_kernels"]])
+    if res.get("speculative"):
+        out += ["## Speculative decoding (verify steps on the decode graphs)", "",
+                "the tokens of greedy generation with k draft tokens a step must be plain greedy's; every verify "
+                "step on its graph (each bucket's first replay self-checked).", ""]
+        out += _table(["engine", "dtype", "attention", "batch", "same tokens", "verify steps", "paths", "acceptance",
+                       "tokens/step", "status"],
+                      [[r["engine"], r["dtype"], r["attention"], _fmt(r.get("batch")),
+                        _fmt(r.get("same_tokens_as_plain")), _fmt(r.get("verify_steps")),
+                        _fmt(", ".join(r.get("verify_paths") or []) or None), _fmt(r.get("acceptance_rate"), ".2f"),
+                        _fmt(r.get("tokens_per_step"), ".2f"), _status(r, ("pass",))] for r in res["speculative"]])
+    return out
 
 
 def _hybrid(res: dict) -> list[str]:
@@ -292,8 +334,8 @@ def _timing(res: dict) -> list[str]:
                          "bucket", "logits rel diff", "tol", "peak MiB", "status"], rows)
 
 
-SECTIONS = (_head, _warmup, _kernels, _graphs, _engines, _hybrid, _captures, _host, _launches, _sparse, _moe_graph,
-            _coverage, _problems, _timing)
+SECTIONS = (_head, _warmup, _kernels, _graphs, _engines, _decode, _hybrid, _captures, _host, _launches, _sparse,
+            _moe_graph, _coverage, _problems, _timing)
 
 
 def render_markdown(res: dict) -> str:

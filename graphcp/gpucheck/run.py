@@ -11,15 +11,19 @@ from typing import Any, Callable
 import torch
 
 from graphcp.attention.registry import available_backends
-from graphcp.gpucheck import engines, graphs, host, hybrid, kernels, launches, moe_graph, sparse_mla, timing
+from graphcp.gpucheck import decode, engines, graphs, host, hybrid, kernels, launches, moe_graph, sparse_mla, timing
 from graphcp.gpucheck.budget import Budget
 from graphcp.gpucheck.common import FLASHINFER_ABSENT, device_info, env_info, err, log
+from graphcp.gpucheck.host_kernels import precompile
 from graphcp.gpucheck.report import JSON_NAME, MD_NAME, SCHEMA_VERSION, failures, write_report
 from graphcp.gpucheck.settings import DRY_RESERVE_S, RESERVE_S, Settings, model_heads
 
 
 def _notes(env: dict) -> list[str]:
     notes = [] if env["flashinfer_importable"] else [FLASHINFER_ABSENT]
+    if env["safetensors_problem"]:
+        notes.append(f"{env['safetensors_problem']}. Every part that builds a model (graphs, engines, hybrid, "
+                     "host, timing, launches) errors here; the kernel parts run")
     if not env["nvtx"]:
         notes.append("the nvtx package is missing: graphcp's ranges reach torch.profiler (the traces here) but "
                      "not NVTX/nsys")
@@ -29,7 +33,8 @@ def _notes(env: dict) -> list[str]:
     return notes
 
 
-def _results(st: Settings, budget: Budget, budget_s: float, available: list[str], options: dict) -> dict[str, Any]:
+def _results(st: Settings, budget: Budget, budget_s: float, available: list[str], options: dict,
+             host_kernels: dict | None) -> dict[str, Any]:
     env = env_info()
     return {
         "schema": SCHEMA_VERSION, "dry_run": st.dry_run,
@@ -37,8 +42,10 @@ def _results(st: Settings, budget: Budget, budget_s: float, available: list[str]
         "elapsed_s": 0.0, "budget_s": budget_s, "device": device_info(torch.device(st.device)), "env": env,
         "notes": _notes(env), "settings": dict(vars(st)), "options": options,
         "phases": {"shares": {k: round(v, 1) for k, v in budget.phases.items()}, "used": budget.used},
+        "host_kernels": host_kernels,
         "triton_warmup": None, "backends": {"available": available, "checked": available, "checks": []},
-        "graphs": [], "engines": [], "hybrid": [], "host": [], "models": {}, "timing": [], "launches": [],
+        "graphs": [], "engines": [], "decode_kernels": [], "speculative": [], "hybrid": [], "host": [],
+        "models": {}, "timing": [], "launches": [],
         "captures": [], "sparse_mla": [], "moe_graph": [], "errors": [], "failed_parts": [], "not_run": [],
     }
 
@@ -48,12 +55,14 @@ def run_check(st: Settings, out_dir: Path, budget_s: float, skip: set[str], opti
     """Run every part not in ``skip``; write ``gpu_check.json`` and ``gpu_check.md``
     into ``out_dir``; return the Markdown and what failed (:func:`failures`: empty when
     every part ran clean). ``no_triton``: leave Triton out (dry run); ``budget``: the
-    clock's budget (tests pass one with a fake clock)."""
+    clock's budget (tests pass one with a fake clock). The host kernels compile first,
+    before the budget starts (start-up: graphcp.gpucheck.host_kernels)."""
+    warm = precompile() if budget is None else None
     budget = budget or Budget(budget_s, st.phases, reserve_s=DRY_RESERVE_S if st.dry_run else RESERVE_S)
     available = available_backends(torch.device(st.device))
     if no_triton and "triton" in available:
         available.remove("triton")
-    res = _results(st, budget, budget_s, available, options)
+    res = _results(st, budget, budget_s, available, options, warm)
     for n in res["notes"]:
         log(n)
 
@@ -101,6 +110,8 @@ def _parts(st: Settings, budget: Budget, res: dict, available: list[str], skip: 
     part("sparse_mla", lambda: res.update(sparse_mla=sparse_mla.check_sparse_mla(st, budget, available)), "triton")
     part("graphs", lambda: res.update(graphs=graphs.check_graphs(st, budget)), "triton")
     part("engines", lambda: res.update(engines=engines.check_engines(st, budget, available)))
+    part("decode", lambda: res.update(decode_kernels=decode.check_decode_kernels(st, budget, available),
+                                      speculative=decode.check_speculative(st, budget, available)))
     part("hybrid", lambda: res.update(hybrid=hybrid.check_hybrid(st, budget)))
     part("host", lambda: res.update(host=host.time_host(st, budget)))
     timed = [b for b in st.timing_backends if b in available]

@@ -13,20 +13,21 @@ LARGE_MODEL = "qwen3-1b-like"
 #: the default run, which fits a lent machine's lease with room for a rerun; time a part
 #: leaves unused passes to the next. moe_graph is last: an illegal memory access at replay
 #: (what it looks for) ends the CUDA context
-PHASES = {"warmup": 25.0, "kernels": 15.0, "sparse_mla": 10.0, "graphs": 25.0, "engines": 30.0, "hybrid": 8.0,
-          "host": 5.0, "timing": 25.0, "launches": 12.0, "moe_graph": 8.0}
+PHASES = {"warmup": 36.0, "kernels": 14.0, "sparse_mla": 8.0, "graphs": 21.0, "engines": 25.0, "decode": 10.0,
+          "hybrid": 8.0, "host": 5.0, "timing": 18.0, "launches": 9.0, "moe_graph": 6.0}
 #: ``--full``: the larger model, 32K tokens, more kernel plans
-FULL_PHASES = {"warmup": 45.0, "kernels": 45.0, "sparse_mla": 30.0, "graphs": 60.0, "engines": 45.0, "hybrid": 15.0,
-               "host": 5.0, "timing": 160.0, "launches": 40.0, "moe_graph": 30.0}
+FULL_PHASES = {"warmup": 60.0, "kernels": 45.0, "sparse_mla": 30.0, "graphs": 60.0, "engines": 45.0, "decode": 20.0,
+               "hybrid": 15.0, "host": 5.0, "timing": 150.0, "launches": 40.0, "moe_graph": 25.0}
 #: a dry run's shares are generous: it proves the flow on a shared CPU, where a share that
 #: runs out would fail the run (a skipped part fails it) for the machine's load alone
 DRY_PHASES = {"warmup": 120.0, "kernels": 120.0, "sparse_mla": 60.0, "graphs": 180.0, "engines": 240.0,
-              "hybrid": 120.0, "host": 30.0, "timing": 120.0, "launches": 60.0, "moe_graph": 60.0}
+              "decode": 120.0, "hybrid": 120.0, "host": 30.0, "timing": 120.0, "launches": 60.0, "moe_graph": 60.0}
 PARTS = tuple(PHASES)
-#: seconds kept for the report after the parts; Python, torch and the CUDA context before
-#: the budget starts (outside it, inside the command's limit)
+#: seconds kept for the report after the parts; before the budget starts (outside it, inside
+#: the command's limit): Python, torch and the CUDA context (~20 s), then the host kernels
+#: compiled (graphcp.gpucheck.host_kernels: ~10 s on a fresh machine)
 RESERVE_S, DRY_RESERVE_S = 10.0, 2.0
-STARTUP_S = 20.0
+STARTUP_S = 30.0
 #: the whole run's budget: the parts' shares and the report's reserve (start-up comes on top)
 BUDGET_S = sum(PHASES.values()) + RESERVE_S
 FULL_BUDGET_S = sum(FULL_PHASES.values()) + RESERVE_S
@@ -76,6 +77,14 @@ class Settings:
     # the linear-attention hybrid (graphcp.gpucheck.hybrid): float32 first (the reference)
     hybrid_dtypes: tuple[str, ...]
     hybrid_batch: tuple[int, ...]  # new tokens per request of the varlen batch: one long, the rest short
+    # decode kernels (graphcp.gpucheck.decode): (lengths on this rank, bucket rows, page-table
+    # width) of each step: mixed lengths, a request the rank holds none of, padding rows, a
+    # table wider than the longest request needs
+    decode_cases: tuple[tuple[tuple[int, ...], int, int], ...]
+    # a speculative run: requests of these prompt lengths, new tokens each, draft tokens a step
+    spec_prompts: tuple[int, ...]
+    spec_new_tokens: int
+    spec_draft_tokens: int
     # host preparation: one rank of a CP group, requests a batch, timed repeats
     host_cp: int
     host_requests: int
@@ -132,6 +141,12 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         hybrid_dtypes=("float32", "bfloat16"),
         # the issue's case: one long request beside fifteen short ones (they were padded to it)
         hybrid_batch=(70, 5, 5, 5) if dry else (2000,) + (100,) * 15,
+        decode_cases=((((37, 0, 5), 4, 8),) if dry else
+                      (((37, 0, 5, 130), 8, 24), ((1, 3000, 0), 4, 256), ((0, 0), 2, 4),
+                       ((16, 17, 15, 1, 64, 4000, 0, 900), 8, 512))),
+        spec_prompts=(12, 5) if dry else (40, 9, 23),
+        spec_new_tokens=6 if dry else 16,
+        spec_draft_tokens=2 if dry else 3,
         host_cp=8,
         host_requests=16,
         host_repeats=20 if dry else 200,

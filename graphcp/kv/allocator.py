@@ -16,6 +16,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from itertools import compress
+from operator import attrgetter
 
 import numpy as np
 
@@ -154,6 +155,33 @@ class PageAllocator:
             t.pending = (last.ids, taken)
         return ids, taken
 
+    def reserve_next(self, handles: list, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> list[int]:
+        """A decode step's :meth:`reserve`: one more token in each live row ``rows[i]``
+        (``handles[i]``'s; distinct rows), all or nothing, as :meth:`reserve` of ones
+        would take it (the same pages, in the same order; undone the same way). One
+        compiled call (:func:`_reserve_next`) also writes each token's position (the
+        row's tokens before) into ``positions`` and its cache slot into ``slots``.
+        Returns the sequence ids."""
+        num = rows.shape[0]
+        before = np.empty((2, num), dtype=np.int64)
+        t = self.table
+        need, wide, done = _reserve_next(rows, self.page_size, t.row_tokens, t.row_pages, t.cells, self._free,
+                                         self._num_free, before, positions, slots)
+        ones = ones_of(num)
+        if wide >= 0:
+            self._refuse_width(handles, rows, ones, self.pages(before[0] + ones))
+        if not done:
+            raise KVCacheFull(
+                f"KV cache full: the batch needs {need} more pages of {self.page_size} tokens, "
+                f"{self._num_free} are free (pool of {self.num_pages - 1} usable pages)", "kv_tokens"
+            )
+        self._num_free -= need
+        t.live()  # (the previous reservation's deferred entries, written now)
+        ids = list(map(_seq_id_of, handles))
+        taken = rows if not rows.flags.writeable else _frozen_copy(rows)
+        self.last = Reservation(ids[:], ones, taken, need, before, [False] * num)
+        return ids
+
     def _refuse_width(self, prefixes: list, rows: np.ndarray | None, new: np.ndarray,
                       total_pages: np.ndarray) -> None:
         """KVCacheFull naming the first request that needs more pages than a table row holds."""
@@ -219,6 +247,54 @@ class PageAllocator:
 
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)  # the rows argument of an all-new batch (not read)
+_ONES: dict[int, np.ndarray] = {}
+_seq_id_of = attrgetter("seq_id")
+
+
+def ones_of(n: int) -> np.ndarray:
+    """A read-only int64 array of ``n`` ones, the same object for every call with ``n``:
+    a decode step's new tokens, which its undo passes back (:meth:`PageAllocator.rollback`
+    then knows it by identity, without comparing)."""
+    got = _ONES.get(n)
+    if got is None:
+        got = _ONES[n] = np.ones(n, dtype=np.int64)
+        got.setflags(write=False)
+    return got
+
+
+@host_kernel
+def _reserve_next(rows, page_size, row_tokens, row_pages, table, free, num_free, before, positions, slots):
+    """:func:`_reserve_pages` of one new token in each of the live, distinct ``rows``:
+    counts first (``before`` [2, R]: each row's tokens and pages before), returns
+    ``(pages needed, first request wider than a table row or -1, done)``; only when all
+    fit it takes the pages (request 0's first, off the top of ``free[:num_free]``) and
+    writes each token's position (its row's tokens before) and cache slot."""
+    width = table.shape[1]
+    need = 0
+    wide = -1
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        tokens, pages = row_tokens[row], row_pages[row]
+        before[0, i], before[1, i] = tokens, pages
+        after = (tokens + page_size) // page_size
+        need += after - pages
+        if wide < 0 and after > width:
+            wide = i
+    if wide >= 0 or need > num_free:
+        return need, wide, False
+    top = num_free
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        tokens, pages = before[0, i], before[1, i]
+        after = (tokens + page_size) // page_size
+        if after > pages:
+            top -= 1
+            table[row, pages] = free[top]
+            row_pages[row] = after
+        row_tokens[row] = tokens + 1
+        positions[i] = tokens
+        slots[i] = table[row, tokens // page_size] * page_size + tokens % page_size
+    return need, wide, True
 
 
 @host_kernel

@@ -50,15 +50,18 @@ class HandleCheck:
         sequence); None when every entry is None. KVHandleError (as :meth:`check_handle`
         words it, or naming a handle given twice) unless every handle is live, current,
         this cache's and given once."""
-        if prefixes.count(None) == len(prefixes):
+        nones = prefixes.count(None)
+        if nones == len(prefixes):
             return None
-        given = list(map(is_not, prefixes, repeat(None)))  # True where a handle is given
-        handles = list(compress(prefixes, given))
+        given = list(map(is_not, prefixes, repeat(None))) if nones else None  # True where a handle is given
+        handles = list(compress(prefixes, given)) if nones else prefixes
         rows = self._handle_rows(handles)
         if rows is None:
             self._check_each(handles)  # raises, naming what is wrong
             live = self.allocator.table.live()
             rows = np.fromiter(map(live.__getitem__, map(_seq_id_of, handles)), np.int64, len(handles))
+        if not nones:  # every entry a handle (a decode step's)
+            return rows
         out = np.full(len(prefixes), -1, dtype=np.int64)
         out[np.fromiter(given, bool, len(given))] = rows
         return out
@@ -71,11 +74,11 @@ class HandleCheck:
         ids = list(map(_seq_id_of, handles))
         if len(set(ids)) != len(ids):
             return None
-        rows = np.fromiter(map(self.allocator.table.live().get, ids, repeat(-1)), np.int64, len(ids))
-        if (rows < 0).any():
+        found = list(map(self.allocator.table.live().get, ids, repeat(-1)))  # (plain ints: cheaper than arrays)
+        if -1 in found:
             return None
-        held = np.fromiter(map(_num_tokens_of, handles), np.int64, len(ids))
-        if not np.array_equal(self.request_tokens(rows), held):
+        rows = np.array(found, dtype=np.int64)
+        if self.request_tokens(rows).tolist() != list(map(_num_tokens_of, handles)):
             return None
         return rows
 

@@ -117,8 +117,14 @@ class PageTable:
         self.free_rows[self.num_free_rows] = row
         self.num_free_rows += 1
 
-    def pages_of_row(self, row: int) -> tuple[int, ...]:
-        return tuple(self.cells[row, : self.row_pages[row]].tolist())
+    def pages_of_row(self, row: int, known: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """The row's pages. ``known``: its first pages as read earlier (a current handle's
+        of the sequence, which a decode step only extends): reused, only the pages past
+        them read (a handle of a long request is thousands of pages, a step adds one)."""
+        n, k = int(self.row_pages[row]), len(known)
+        if k and k <= n and self.cells[row, k - 1] == known[-1]:
+            return known if n == k else known + tuple(self.cells[row, k:n].tolist())
+        return tuple(self.cells[row, :n].tolist())
 
     # ---- the per-forward gathers ----------------------------------------------------
     def rows_of(self, seq_ids: list[int]) -> np.ndarray:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 from itertools import groupby
 from operator import attrgetter
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ class PagedKVCache:
     # the placement: handles, decode steps, what a rank keeps of a forward
     check_handle: Callable[[KVHandle], None]
     prefix_rows: Callable[[list], "np.ndarray | None"]
-    handle: Callable[[int], KVHandle]
+    handle: Callable[..., KVHandle]
     release: Callable[[KVHandle], None]
     snapshot: Callable[[], tuple]
     most_held: Callable[[np.ndarray], int]
@@ -185,6 +185,12 @@ class PagedKVCache:
             if gone.any():
                 s = step.steps[i]
                 self.placement.rollback_decode(s if gone.all() else s.subset(gone))
+
+    def handles_after(self, handles: "Sequence[KVHandle]") -> list[KVHandle]:
+        """Each of ``handles``' sequences' handle after a step that extended them (a decode
+        step's): their pages reused, only a page the step added read."""
+        handle = self.handle
+        return [handle(h.seq_id, h) for h in handles]
 
     @property
     def num_free_pages(self) -> int:

@@ -12,9 +12,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from safetensors import safe_open
-
 from graphcp.model.loader import CheckpointError, checkpoint_files
+from graphcp.pd.safetensors_lib import safe_open
 
 
 def model_fingerprint(model_dir: str | Path) -> str:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from graphcp.config import DTYPES, ParallelConfig
 from graphcp.errors import InputError
@@ -29,6 +28,7 @@ from graphcp.model.heads import head_shard
 from graphcp.model.llama import DecoderModel
 from graphcp.model.tensor_table import TensorTarget
 from graphcp.options import MoeLayout
+from graphcp.pd.safetensors_lib import read_errors, safe_open
 
 # checkpoint tensors that carry no weights (older exports keep RoPE tables)
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -44,7 +44,7 @@ def _reading(path: Path, what: str = "") -> Iterator[None]:
     garbage, a bad header) into a CheckpointError naming the file."""
     try:
         yield
-    except (SafetensorError, OSError) as e:
+    except read_errors() as e:
         raise CheckpointError(f"{path}: not a readable safetensors file{what} ({e})") from None
 
 

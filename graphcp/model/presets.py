@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from graphcp.errors import ConfigError
 from graphcp.model.config import model_type_of
 from graphcp.model.family import all_presets, family_named
+from graphcp.pd.safetensors_lib import save_file
 
 
 class _Presets(Mapping):

@@ -14,11 +14,10 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from graphcp.pd.export import KVFormatError
 from graphcp.pd.formats import Export, meta_from_dict
+from graphcp.pd.safetensors_lib import read_errors, safe_open, save_file
 
 
 def _umask() -> int:
@@ -65,7 +64,7 @@ def read_kv(path: str | os.PathLike, device: torch.device | str = "cpu") -> Expo
             logits = f.get_tensor("last_logits") if "last_logits" in names else None
     except FileNotFoundError:
         raise KVFormatError(f"{path}: no such KV file") from None
-    except (SafetensorError, OSError) as e:
+    except read_errors() as e:
         raise KVFormatError(f"{path}: not a readable safetensors file ({e})") from None
     return meta.make_export(layers, token_ids=ids, last_logits=logits).check(str(path))
 
@@ -93,7 +92,7 @@ class KVFile:
             self.last_logits = self._file.get_tensor("last_logits") if "last_logits" in names else None
         except FileNotFoundError:
             raise KVFormatError(f"{self.path}: no such KV file") from None
-        except (SafetensorError, OSError) as e:
+        except read_errors() as e:
             raise KVFormatError(f"{self.path}: not a readable safetensors file ({e})") from None
 
     def check(self, source: str | None = None) -> "KVFile":

@@ -214,3 +214,11 @@ def launch(q, k_cache, v_cache, out, lse, kv_lens, page_table, *, group: int, pa
         o_part, l_part, out, lse_arg, o_part.stride(0), o_part.stride(1), l_part.stride(0), l_part.stride(1),
         out.stride(0), out.stride(1), out.stride(2), *lse_strides, n_splits, HEAD_DIM=head_dim,
         SPLITS_P=MAX_SPLITS, HAS_LSE=lse is not None, num_warps=num_warps)
+
+
+def compiled_kernels() -> list | None:
+    """The decode and merge kernels' compiled variants so far (None under the interpreter)."""
+    from graphcp.attention.kernels.paged_prefill import compiled_variants
+
+    got = [compiled_variants(k) for k in (_paged_decode_kernel, _merge_splits_kernel)]
+    return None if got[0] is None else got[0] + (got[1] or [])

@@ -238,7 +238,12 @@ def compiled_kernels() -> list | None:
     """The kernel's compiled variants so far (None under the interpreter, which
     compiles nothing); each carries what the driver reported (``n_regs``,
     ``n_spills``, ``metadata``)."""
-    caches = getattr(_paged_prefill_kernel, "device_caches", None)
+    return compiled_variants(_paged_prefill_kernel)
+
+
+def compiled_variants(kernel) -> list | None:
+    """A ``triton.jit`` kernel's compiled variants so far (None when interpreted)."""
+    caches = getattr(kernel, "device_caches", None)
     if caches is None:
         return None
     out = []

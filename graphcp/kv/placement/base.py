@@ -20,7 +20,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from graphcp.kv.allocator import PageAllocator
+from graphcp.kv.allocator import PageAllocator, ones_of
 from graphcp.kv.decode import EVERY_RANK, DecodeSlots
 from graphcp.kv.handle import KVHandle, KVHandleError
 from graphcp.kv.handle_check import HandleCheck
@@ -74,10 +74,13 @@ class Placement:
         handles' num_tokens say): here every one is stored on this rank."""
         return self.table.row_tokens[rows]
 
-    def handle(self, seq_id: int) -> KVHandle:
+    def handle(self, seq_id: int, prev: KVHandle | None = None) -> KVHandle:
+        """The sequence's handle now. ``prev``: its handle before a step that only extended
+        it (its pages are reused: PageTable.pages_of_row)."""
         t = self.table
         row = t.live()[seq_id]
-        return KVHandle(seq_id, int(t.row_tokens[row]), t.pages_of_row(row), self.allocator.cache_id)
+        return KVHandle(seq_id, int(t.row_tokens[row]), t.pages_of_row(row, () if prev is None else prev.pages),
+                        self.allocator.cache_id)
 
     def reserve(self, prefixes: "list[KVHandle | None]", rows: np.ndarray | None,
                 new: np.ndarray) -> tuple[list[int], np.ndarray]:
@@ -105,16 +108,16 @@ class Placement:
         """Reserve one more token of each live request (``rows``: their prefix rows), all
         or nothing (KVCacheFull, nothing changed). Here every rank stores it, at its own
         position."""
-        positions = self.request_tokens(rows)
-        one = np.ones(len(handles), dtype=np.int64)
-        ids, taken = self.allocator.reserve(handles, rows, one)
-        slots = self.table.run_slots(taken, positions, one)
-        return DecodeSlots(ids, taken, positions, np.full(len(ids), EVERY_RANK, dtype=np.int64), positions + 1,
-                           slots)
+        out = np.empty((4, len(handles)), dtype=np.int64)  # positions, holders, local lengths, slots
+        positions, holder, local, slots = out
+        ids = self.allocator.reserve_next(handles, rows, positions, slots)
+        holder.fill(EVERY_RANK)
+        np.add(positions, 1, out=local)
+        return DecodeSlots(ids, self.allocator.last.rows, positions, holder, local, slots)
 
     def rollback_decode(self, step: DecodeSlots) -> None:
         """Undo :meth:`reserve_decode` (the step's forward failed): each request one token shorter."""
-        self.rollback(step.seq_ids, np.ones(step.num_requests, dtype=np.int64))
+        self.rollback(step.seq_ids, ones_of(step.num_requests))
 
     def most_held(self, rows: np.ndarray) -> int:
         """The most tokens any rank holds of one of the live requests in table ``rows``

@@ -186,11 +186,12 @@ class ShardedPlacement(Placement):
         super().release(handle)  # checks the handle, frees this rank's pages
         self.ledger.release(row, handle.seq_id)
 
-    def handle(self, seq_id: int) -> KVHandle:
+    def handle(self, seq_id: int, prev: KVHandle | None = None) -> KVHandle:
         t, L = self.table, self.ledger
         row = t.live()[seq_id]
         held = L.held[row].tolist()
-        return KVHandle(seq_id, sum(held), t.pages_of_row(row), self.allocator.cache_id,
+        return KVHandle(seq_id, sum(held), t.pages_of_row(row, () if prev is None else prev.pages),
+                        self.allocator.cache_id,
                         ShardedHolding(self.cp_size, L.chunks()[seq_id], tuple(held), L.decoded.get(seq_id, ())))
 
     def snapshot(self) -> tuple:

@@ -19,7 +19,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from graphcp.model.config import ModelConfig
@@ -27,6 +26,7 @@ from graphcp.model.eagle3.config import Eagle3Config, read_eagle3_config
 from graphcp.model.eagle3.layer import Eagle3Draft
 from graphcp.model.layers import Rotary
 from graphcp.model.loader import CheckpointError, checkpoint_files
+from graphcp.pd.safetensors_lib import read_errors, safe_open
 
 
 def draft_tensors(cfg: Eagle3Config) -> dict[str, tuple[str | None, tuple[int, ...]]]:
@@ -123,7 +123,7 @@ def _read(path: Path, name: str) -> torch.Tensor:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             return f.get_tensor(name)
-    except (SafetensorError, OSError) as e:
+    except read_errors() as e:
         raise CheckpointError(f"{path}: not a readable safetensors file at tensor {name!r} ({e})") from None
 
 

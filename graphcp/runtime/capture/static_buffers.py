@@ -329,6 +329,18 @@ class DecodeView:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
 
 
+@dataclass
+class _FillViews:
+    """One decode bucket's host arrays (numpy views of the pinned buffers), its uploads
+    (device view, host source) and its :class:`DecodeView`."""
+
+    rows: np.ndarray  # [5, capacity] int64
+    lens: np.ndarray  # [capacity] int32
+    table: np.ndarray  # [capacity, width] int32
+    copies: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    view: DecodeView
+
+
 class DecodeBuffers:
     """The static buffers of a decode step's graphs: ``max_requests`` rows, page tables of
     ``width`` pages (the cache's table width), uploaded from pinned host memory on CUDA
@@ -364,6 +376,7 @@ class DecodeBuffers:
         self._rows_np, self._lens_np, self._table_np = (t.numpy() for t in (self._rows_host, self._lens_host,
                                                                              self._table_host))
         self._views: dict[tuple[int, int], DecodeView] = {}
+        self._fills: dict[tuple[int, int], _FillViews] = {}
 
     def view(self, capacity: int, width: int) -> DecodeView:
         """Prefix views of bucket ``(capacity, width)`` (made once)."""
@@ -391,18 +404,19 @@ class DecodeBuffers:
         B = 0 if prep is None else prep.rows
         if self._staging is not None:
             self._staging.wait()  # the previous fill's uploads read these buffers when they run
-        rows, lens = self._rows_np[: 5 * capacity].reshape(5, capacity), self._lens_np[:capacity]
-        table = self._table_np[: capacity * width].reshape(capacity, width)
-        rows[:2, B:], rows[2, B:], lens[B:], table[B:] = 0, -1, 0, 0
+        f = self._fills.get((capacity, width))
+        if f is None:
+            f = self._fills[capacity, width] = self._fill_views(capacity, width)
+        rows, lens, table = f.rows, f.lens, f.table
+        if B < capacity:
+            rows[:2, B:], rows[2, B:], lens[B:], table[B:] = 0, -1, 0, 0
         if prep is not None:
-            rows[:3, :B] = prep.ids, prep.positions, prep.slots
+            rows[0, :B], rows[1, :B], rows[2, :B] = prep.ids, prep.positions, prep.slots
             lens[:B] = prep.decode.local_lens
             kv.page_table_rows(prep.decode.rows, width, out=table[:B])
         state_rows(None if prep is None else prep.decode.states, capacity, rows[3:])
-        # contiguous host sources: a strided one would be copied to pageable memory first
-        self._upload(self._rows[:, :capacity], self._rows_host[: 5 * capacity].view(5, capacity))
-        self._upload(self.kv_lens[:capacity], self._lens_host[:capacity])
-        self._upload(self.page_table[:capacity, :width], self._table_host[: capacity * width].view(capacity, width))
+        for dst, src in f.copies:
+            self._upload(dst, src)
         if self.hidden_in is not None:
             if B and (hidden_in is None or hidden_in.shape[0] < B):
                 raise ValueError(f"this stage's decode step takes input rows: expected hidden_in with >= {B} rows, "
@@ -412,7 +426,18 @@ class DecodeBuffers:
             self.hidden_in[B:capacity].zero_()
         if self._staging is not None:
             self._staging.mark()  # after every upload of this fill: the next fill waits for them
-        return self.view(capacity, width)
+        return f.view
+
+    def _fill_views(self, capacity: int, width: int) -> "_FillViews":
+        """Bucket ``(capacity, width)``'s host views and uploads, made once (a tensor slice
+        costs a microsecond: a step makes none)."""
+        c = capacity
+        table_host = self._table_host[: c * width].view(c, width)
+        # contiguous host sources: a strided one would be copied to pageable memory first
+        copies = ((self._rows[:, :c], self._rows_host[: 5 * c].view(5, c)), (self.kv_lens[:c], self._lens_host[:c]),
+                  (self.page_table[:c, :width], table_host))
+        return _FillViews(self._rows_np[: 5 * c].reshape(5, c), self._lens_np[:c],
+                          self._table_np[: c * width].reshape(c, width), copies, self.view(c, width))
 
     def _upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._staging is None:

@@ -160,7 +160,7 @@ class Decoder:
         if n > 1 or np.ndim(tokens) == 2:
             ids, hit = ids.reshape(-1, n), None if hit is None else hit.reshape(-1, n)
             kept = None if kept is None else kept.view(-1, n, kept.shape[-1])
-        return DecodeOutput(ids, [self.kv.handle(s) for s in prep.seq_ids[::n]], info, kept, hit)
+        return DecodeOutput(ids, self.kv.handles_after(handles), info, kept, hit)
 
     def run(self, prep: PreparedBatch, force_eager: bool, aux: tuple[int, ...] = ()) -> tuple[torch.Tensor, Any]:
         """A prepared step through the one forward: every row's logits (float32 [rows,

@@ -29,6 +29,8 @@ from graphcp.kv.handle import KVCacheFull, KVHandle, KVHandleError
 from graphcp.kv.paged import PagedKVCache
 from graphcp.runtime.batch import ConsistencyError, PreparedBatch
 
+_FEW = 256  # up to this many token ids, the range check runs on Python ints
+
 
 def step_tokens(tokens: Any, n: int, vocab: int, most_rows: int | None = None) -> np.ndarray:
     """int64 [n, rows]: each request's token ids, one (``[n]``) or the same count of them
@@ -50,11 +52,18 @@ def step_tokens(tokens: Any, n: int, vocab: int, most_rows: int | None = None) -
     t = t.reshape(n, -1)
     if most_rows is not None and t.shape[1] > most_rows:
         raise BatchError(f"decode: {t.shape[1]} rows a request is over the most a step takes ({most_rows})")
-    bad = np.argwhere((t < 0) | (t >= vocab)) if t.size else []
-    if len(bad):
+    if not t.size:
+        inside = True
+    elif t.size <= _FEW:  # a short batch: its extremes as plain ints (two numpy reductions cost more)
+        flat = t.reshape(-1).tolist()
+        inside = min(flat) >= 0 and max(flat) < vocab
+    else:
+        inside = bool(t.min() >= 0) and bool(t.max() < vocab)
+    if not inside:
+        bad = np.argwhere((t < 0) | (t >= vocab))
         j, i = (int(x) for x in bad[0])
         raise BatchError(f"decode: request {j}: token id {int(t[j, i])} is outside the vocabulary [0, {vocab})")
-    return t.astype(np.int64)
+    return t.astype(np.int64)  # (a copy: the caller may reuse its array)
 
 
 def step_rows(handles: Any, kv: PagedKVCache) -> np.ndarray:
@@ -123,7 +132,7 @@ def step_metadata(kv: PagedKVCache, slots: DecodeSlots, device: torch.device) ->
     are causal among them by their lengths: each row's stops at the tokens this rank holds
     up to its own position (graphcp.kv.decode.stack_steps)."""
     B, lens = slots.num_requests, slots.local_lens
-    most = int(lens.max()) if B else 0
+    most = (max(lens.tolist()) if B <= _FEW else int(lens.max())) if B else 0
     buf, cu, kv_lens, table = AttentionMetadata.host_buffers(B, max(1, kv.pages_for(most)))
     cu[:] = np.arange(B + 1)
     kv_lens[:] = lens

@@ -137,7 +137,7 @@ def speculative_round(engine, live: list, proposals: list[Proposal], k: int, bud
     for j, s in enumerate(live):
         got = target[j, : take[j]].tolist()
         out.append(got)
-        s.handle, s.pending = engine.parts.kv.handle(s.handle.seq_id), got[-1]
+        s.handle, s.pending = engine.parts.kv.handle(s.handle.seq_id, s.handle), got[-1]
         if keep_logits:
             s.logits[-1].extend(kept_logits[j, : take[j]])
     kept = np.concatenate([base[j] + np.arange(take[j]) for j in range(B)])
