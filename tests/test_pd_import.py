@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import rel_err
+from helpers import hf_greedy, rel_err
 
 from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import CPGroup, launch
@@ -93,7 +93,7 @@ def _target_job(group, folders: dict, s: dict, dtype: str, files: dict):
     """Import each model's files at shape ``s`` (every rank reads them: import_kv(path)); decode NEW - 1 steps from their first
     tokens (no recompute: the export's last_logits give it), release; import request 0
     again and prefill a second turn after it; for the dense model also ``generate`` from
-    an imported handle. The pool's state before and after each."""
+    an imported handle (the first model). The pool's state before and after each."""
     out = {}
     for model, folder in folders.items():
         eng = _engine(folder, group, s, dtype)
@@ -118,7 +118,7 @@ def _target_job(group, folders: dict, s: dict, dtype: str, files: dict):
         second = eng.prefill([Request(turn, prefix=h)], all_logits=True)
         eng.release(second.handles[0])
         gen = None
-        if model == "dense" and can_decode:
+        if model == next(iter(folders)) and can_decode:
             h = eng.import_kv(files[model][0])
             gen = eng.generate([Request([first], prefix=h)], NEW - 1).tokens[0][0]
         out[model] = {"tokens": torch.stack(toks, 1), "logits": torch.stack(logits, 1), "second": second.logits[0],
@@ -141,27 +141,30 @@ def folders(hf_model_dir):
             for dtype in ("float32", "bfloat16")}
 
 
+def hf_reference(hf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' greedy ids [R, NEW] of both prompts, their logits [R, NEW, V], and the
+    second turn's logits over the whole sequence of request 0 (float32)."""
+    prompts = _prompts(hf.config.vocab_size)
+    toks, logits = hf_greedy(hf, prompts, NEW)
+    seq = np.concatenate([prompts[0], [int(toks[0][0])], _turn(hf.config.vocab_size)])
+    with torch.inference_mode():
+        whole = hf(input_ids=torch.from_numpy(seq).view(1, -1)).logits[0, len(prompts[0]):].float()
+    return toks, logits, whole
+
+
+def check_bf16(got: dict, hf) -> None:
+    """Every step's logits within 2e-2 of transformers in bfloat16 on the same sequence."""
+    for j, p in enumerate(_prompts(hf.config.vocab_size)):
+        seq = torch.cat([torch.from_numpy(p), got["tokens"][j, :-1]]).view(1, -1)
+        with torch.inference_mode():
+            ref = hf(input_ids=seq).logits[0, len(p) - 1:].float()
+        assert rel_err(got["logits"][j], ref) <= TOL["bfloat16"], j
+
+
 @pytest.fixture(scope="module")
 def reference(folders, hf_model):
-    """model -> (transformers' greedy ids [R, NEW], their logits [R, NEW, V], the second
-    turn's logits over the whole sequence of request 0), float32."""
-    out = {}
-    for m, folder in folders["float32"].items():
-        hf = hf_model(folder, "float32")
-        toks, logits = [], []
-        prompts = _prompts(hf.config.vocab_size)
-        for p in prompts:
-            with torch.inference_mode():
-                g = hf.generate(torch.from_numpy(p).view(1, -1), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, output_logits=True,
-                                return_dict_in_generate=True, pad_token_id=0)
-            toks.append(g.sequences[0, len(p):])
-            logits.append(torch.stack([x[0].float() for x in g.logits]))
-        seq = np.concatenate([prompts[0], [int(toks[0][0])], _turn(hf.config.vocab_size)])
-        with torch.inference_mode():
-            whole = hf(input_ids=torch.from_numpy(seq).view(1, -1)).logits[0, len(prompts[0]):].float()
-        out[m] = (torch.stack(toks), torch.stack(logits), whole)
-    return out
+    """model -> :func:`hf_reference` of its float32 checkpoint."""
+    return {m: hf_reference(hf_model(folder, "float32")) for m, folder in folders["float32"].items()}
 
 
 def pool(snapshot: tuple) -> tuple:
@@ -213,12 +216,7 @@ def test_bfloat16_import_decodes_within_the_suites_bound(folders, hf_model, tmp_
     dense = {"dense": folders["bfloat16"]["dense"]}
     src, dst = PAIRS["cp4-sharded->cp2-sharded"]
     got = run_pair(dense, src, dst, tmp_path, "bfloat16")[0]["dense"]
-    hf = hf_model(folders["bfloat16"]["dense"], "bfloat16")
-    for j, p in enumerate(_prompts(hf.config.vocab_size)):
-        seq = torch.cat([torch.from_numpy(p), got["tokens"][j, :-1]]).view(1, -1)
-        with torch.inference_mode():
-            ref = hf(input_ids=seq).logits[0, len(p) - 1:].float()
-        assert rel_err(got["logits"][j], ref) <= TOL["bfloat16"], j
+    check_bf16(got, hf_model(folders["bfloat16"]["dense"], "bfloat16"))
 
 
 @pytest.mark.slow
