@@ -162,10 +162,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("dsv4",)), ("draft", ("on",)),
             "an EAGLE-3 draft reads one hidden row a layer and caches per-head K/V; V4 has hc_mult streams and "
             "one shared KV head", (("model", "dense"), ("model", "moe")), "residual is hc_mult streams"),
-    Refusal(("model", ("dsv4",)), ("import", ("on",)),
-            "a DeepSeek V4 export holds transformers' state (the last window rows, the pooled entries, the "
-            "compressors' remainders), not the per-token window and source rows V4's pools keep, so it cannot be "
-            "placed back", (("model", "dense"), ("model", "moe")), "pooled state"),
     Refusal(("model", ("hybrid",)), ("layout", ("interleave",)),
             "a linear-attention hybrid's recurrence is scanned over each rank's contiguous blocks; interleave's "
             "one-token blocks would exchange a state map per token", (("layout", "zigzag"),),
