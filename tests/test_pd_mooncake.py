@@ -342,3 +342,60 @@ def test_sender_dies_mid_request(hf_model_dir, tmp_path):
     assert got["a"][0] == "SenderDied" and "closed before it finished" in got["a"][1], got
     assert got["completed"] == [] and not (tmp_path / "a.safetensors").exists()  # nothing partial handed out
     assert time.monotonic() - t0 < TIMEOUT + 5
+
+
+def _holding_main(ready, out, rid):
+    torch.set_num_threads(1)
+    from graphcp.pd.receiver import KVReceiver
+
+    rx = KVReceiver(8 << 20, timeout_s=60, shared=True)
+    ready.put(rx.address)
+    with rx.hold(rid) as held:
+        k = held.export.k[0]
+        base, size = rx.buffer.data_ptr(), rx.buffer.numel()
+        in_place = all(base <= t.data_ptr() < base + size for t in held.export.k + held.export.v)
+        opened = held.ref.open()  # as a decode rank maps it
+        same = all(torch.equal(a, b) for a, b in zip(opened.k + opened.v, held.export.k + held.export.v))
+        k.add_(1)  # a write to the arena is seen through the other mapping: no copy between them
+        shared = torch.equal(opened.k[0], k)
+        free_held = rx.free_bytes
+        values = [(a.clone(), b.clone()) for a, b in zip(opened.k, opened.v)]
+    out.put(pickle.dumps({"in_place": in_place, "same": same, "shared": shared, "held": free_held < 8 << 20,
+                          "released": rx.free_bytes == 8 << 20, "values": values}))
+    rx.close()
+    out.put(os.path.exists(rx.path))
+
+
+def _send_one(group, folder, address):
+    from graphcp.pd.sender import KVSender
+
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache="sharded"), group)
+    h = eng.prefill(_requests(eng.cfg.vocab_size)[2:3]).handles[0]
+    sender = KVSender(address, group.rank, group.size, timeout_s=60)
+    sender.send(eng, [h], ["held-0"])
+    sender.close()
+    e = eng.export_kv(h, dst=0)
+    return None if e is None else list(zip(e.k, e.v))
+
+
+def test_a_held_request_is_lent_in_place_from_a_shared_arena(hf_model_dir):
+    """KVReceiver.hold: the request as views of the registered arena (no copy out), which
+    another process maps (RegionRef.open) and sees the same bytes; the region back on
+    release, the arena's file removed on close; the KV equal to the export."""
+    folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=4)
+    ctx = mp.get_context("fork")
+    ready, out = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_holding_main, args=(ready, out, "held-0"))
+    proc.start()
+    try:
+        sent = launch(_send_one, 2, folder, ready.get(timeout=120))[0]
+        got = pickle.loads(out.get(timeout=120))
+        assert got["in_place"] and got["same"] and got["shared"] and got["held"] and got["released"], got
+        assert out.get(timeout=60) is False  # the file removed
+        (k0, v0), *rest = got["values"]
+        assert torch.equal(k0, sent[0][0] + 1) and torch.equal(v0, sent[0][1])  # (the write seen above)
+        assert all(torch.equal(a, x) and torch.equal(b, y) for (a, b), (x, y) in zip(rest, sent[1:]))
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
