@@ -21,6 +21,8 @@ Plain Python: no torch (the command line checks flags before anything loads).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import combinations
@@ -43,23 +45,40 @@ class Axis:
     applies: tuple[str, tuple[str, ...]] | None = None
 
     def say(self, value: str, flags: bool, family: str | None = None) -> str:
-        """The option set to ``value`` as the API or (``flags``) the command line names it;
+        """The option set to ``value`` as the API or (``flags``) the command line names it
+        (a command's own name for the flag where it renames it: :func:`flags_named`);
         ``family``: the model's (the model axis)."""
+        flag = _FLAG_NAMES.get().get(self.key, self.flag)
         if self.key == "attn_tp":  # tp_size / (cp_size x dp_size)
             what, rel = ("attention TP > 1", ">") if value == ">1" else ("attention TP 1", "=")
-            tp, split = ("--tp", "--cp x --dp") if flags else ("ParallelConfig.tp_size", "cp_size x dp_size")
+            tp, split = (flag, "--cp x --dp") if flags else ("ParallelConfig.tp_size", "cp_size x dp_size")
             return f"{what} ({tp} {rel} {split})"
         if self.key in ("pp", "dp"):
             if value == ">1":
-                return f"{self.flag} >1" if flags else f"{self.api} > 1"
-            return f"{self.flag} {value}" if flags else f"{self.api}={value}"
+                return f"{flag} >1" if flags else f"{self.api} > 1"
+            return f"{flag} {value}" if flags else f"{self.api}={value}"
         if self.key in ("aux", "export", "draft", "decode", "import"):
-            return self.flag if flags else self.api
+            return flag if flags else self.api
         if self.key == "model":
             kind = {"dsa": "DSA", "moe": "MoE", "dsv4": "DeepSeek V4", "hybrid": "linear-attention hybrid"}.get(
                 value, "dense")
             return f"a {family} model ({kind})" if family else f"a {kind} model"
-        return f"{self.flag} {value}" if flags else f"{self.api}={value!r}"
+        return f"{flag} {value}" if flags else f"{self.api}={value!r}"
+
+
+#: axis -> the flag a command names it by where it is not the axis's own (flags_named)
+_FLAG_NAMES: ContextVar[Mapping[str, str]] = ContextVar("graphcp_flag_names", default={})
+
+
+@contextmanager
+def flags_named(names: Mapping[str, str]):
+    """Within it, refusals name axis ``k`` by ``names[k]`` on the command line: a command
+    that sets an axis under another flag (pd-demo's decode side: ``--decode-kv-cache``)."""
+    token = _FLAG_NAMES.set({**_FLAG_NAMES.get(), **names})
+    try:
+        yield
+    finally:
+        _FLAG_NAMES.reset(token)
 
 
 AXES: dict[str, Axis] = {a.key: a for a in (

@@ -32,7 +32,7 @@ from graphcp.cli.generate import check_decode
 from graphcp.cli.imported import check_import
 from graphcp.cli.table import print_table
 from graphcp.combinations import check as check_combination
-from graphcp.combinations import parallel_settings, refusal
+from graphcp.combinations import flags_named, parallel_settings, refusal
 from graphcp.dist import die_with_parent, ignore_sigint, sigint_deferred
 from graphcp.errors import ConfigError
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
@@ -182,6 +182,8 @@ def _reference(model_dir: Path, prompt: np.ndarray, steps: int) -> list[int]:
     return gen[0, ids.shape[1]:].tolist()
 
 
+#: the decode side's flags for the axes it sets under its own name
+DECODE_FLAGS = {"kv_cache": "--decode-kv-cache"}
 #: the decode side's cache modes, most preferred first (the ranks share every request's KV)
 DECODE_CACHES = ("sharded", "layer-split", "replicated")
 
@@ -233,9 +235,10 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
         print(f"graphcp pd-demo: note: graphcp does not decode this model ({instead}): the decode side continues "
               "with transformers", file=sys.stderr)
     else:
-        preflight(dspec, args.moe, "graphcp pd-demo")
-        check_import(dspec, model)
-        check_decode(dspec, model)
+        with flags_named(DECODE_FLAGS):  # the decode side's refusals name its own flags
+            preflight(dspec, args.moe, "graphcp pd-demo")
+            check_import(dspec, model)
+            check_decode(dspec, model)
     if args.memory_check:
         check_local_ranks_fit(spec, job_memory(spec, [args.prefix_tokens, args.prompt_tokens - args.prefix_tokens]))
         if instead is None:
