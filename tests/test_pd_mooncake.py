@@ -247,22 +247,31 @@ def test_attention_dp_replicas_send_their_own_requests(hf_model_dir, tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), i
 
 
-def test_which_heads_an_attention_tp_rank_writes():
-    """Its shard's heads; a head replicated over ranks by its first holder only; a format
-    every rank holds whole (DeepSeek V4's one shared KV head) by attention-TP rank 0 only."""
+def test_which_rows_an_attention_tp_rank_writes():
+    """Its shard's heads (each to the whole tensor's row of that head); a head replicated
+    over ranks by its first holder only; a format every rank holds whole (DeepSeek V4's one
+    shared KV head) by attention-TP rank 0 only. (A hybrid's conv channels and recurrent
+    heads: test_pd_import_hybrid.py's CP 2 x attention TP 2 pair through Mooncake.)"""
     from types import SimpleNamespace as NS
 
-    from graphcp.pd.sender import _heads_written
+    from graphcp.pd.export import take_kv_heads
+    from graphcp.pd.sender import _shard, shard_runs
 
-    def written(a, A, H, splits=True):
-        parts = NS(mesh=NS(attn_tp=NS(rank=a, size=A)), family=NS(export_splits_heads=splits),
-                   attn_cfg=NS(num_kv_heads=max(1, H // A)))
-        return _heads_written(NS(parts=parts), NS(num_kv_heads=H))
+    def rows(H, A, a):
+        meta = NS(take_heads=lambda layer, name, whole, size, rank: take_kv_heads(whole, H, size, rank),
+                  tensor_shape=lambda layer, name: (H, 5, 4))
+        runs = [(o * 10, 100 + o * 10, 10) for o in range(H)]  # a span's run of each head
+        return [(s, d) for s, d, _ in shard_runs(meta, 0, "k", runs, A, a)]
 
-    assert written(0, 1, 8) is None
-    assert [written(a, 2, 8) for a in range(2)] == [(0, 4), (4, 4)]
-    assert [written(a, 4, 2) for a in range(4)] == [(0, 1), (0, 0), (1, 1), (0, 0)]
-    assert [written(a, 2, 1, splits=False) for a in range(2)] == [None, (0, 0)]
+    assert [rows(8, 2, a) for a in range(2)] == [[(0, 100), (10, 110), (20, 120), (30, 130)],
+                                                 [(0, 140), (10, 150), (20, 160), (30, 170)]]
+    assert [rows(2, 4, a) for a in range(4)] == [[(0, 100)], [], [(0, 110)], []]
+
+    def shard(a, A, splits=True):
+        return _shard(NS(parts=NS(mesh=NS(attn_tp=NS(rank=a, size=A)), family=NS(export_splits_heads=splits))))
+
+    assert shard(0, 1) is None and [shard(a, 2) for a in range(2)] == [(2, 0), (2, 1)]
+    assert [shard(a, 2, splits=False) for a in range(2)] == [None, (0, 0)]
 
 
 def _faulty_send(group, folder, address, ids, die_before_done=False):
