@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_pd_import import TOL, _engine, check_bf16, check_pair, hf_reference, run_pair, shape
+from test_pd_import import LENS, NEW, TOL, _engine, _prompts, check_bf16, check_pair, hf_reference, run_pair, shape
 
 from graphcp import Request
 from graphcp.dist import CPGroup
@@ -89,3 +89,22 @@ def test_v4_import_reexports_the_payload(folders, length):
     ref = a.prefill([Request(turn, prefix=res.handles[0])], all_logits=True).logits[0]
     got = b.prefill([Request(turn, prefix=h)], all_logits=True).logits[0]
     assert (got - ref).abs().max() <= TOL["float32"] * ref.abs().max()
+
+
+def test_v4_bfloat16_import_continues_bitwise_like_the_engines_own(folders, tmp_path):
+    """In bfloat16 an import continues exactly as the engine's own prefill of the same chunks
+    (every step's logits bit for bit, fed the same tokens): the overlap gates' bias round
+    trip included. (Across shapes a bfloat16 V4 prefill itself differs: the first pair's
+    check is against transformers within 2e-2.)"""
+    folder = folders["bfloat16"]["v4"]
+    got = run_pair({"v4": folder}, shape(1), shape(1), tmp_path, "bfloat16", mooncake=False)[0]["v4"]
+    eng = _engine(folder, CPGroup(), shape(1), "bfloat16")
+    prompts = _prompts(eng.cfg.vocab_size)
+    first = eng.prefill([Request(prompts[0][:LENS[0][0]])]).handles[0]
+    res = eng.prefill([Request(prompts[0][LENS[0][0]:], prefix=first), Request(prompts[1])])
+    handles, own = res.handles, [res.last_logits]
+    for i in range(1, NEW):
+        step = eng.decode(handles, got["tokens"][:, i - 1], logits=True)
+        handles = step.handles
+        own.append(step.logits)
+    assert torch.equal(got["logits"], torch.stack(own, 1))
