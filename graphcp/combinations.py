@@ -21,6 +21,8 @@ Plain Python: no torch (the command line checks flags before anything loads).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import combinations
@@ -43,23 +45,40 @@ class Axis:
     applies: tuple[str, tuple[str, ...]] | None = None
 
     def say(self, value: str, flags: bool, family: str | None = None) -> str:
-        """The option set to ``value`` as the API or (``flags``) the command line names it;
+        """The option set to ``value`` as the API or (``flags``) the command line names it
+        (a command's own name for the flag where it renames it: :func:`flags_named`);
         ``family``: the model's (the model axis)."""
+        flag = _FLAG_NAMES.get().get(self.key, self.flag)
         if self.key == "attn_tp":  # tp_size / (cp_size x dp_size)
             what, rel = ("attention TP > 1", ">") if value == ">1" else ("attention TP 1", "=")
-            tp, split = ("--tp", "--cp x --dp") if flags else ("ParallelConfig.tp_size", "cp_size x dp_size")
+            tp, split = (flag, "--cp x --dp") if flags else ("ParallelConfig.tp_size", "cp_size x dp_size")
             return f"{what} ({tp} {rel} {split})"
         if self.key in ("pp", "dp"):
             if value == ">1":
-                return f"{self.flag} >1" if flags else f"{self.api} > 1"
-            return f"{self.flag} {value}" if flags else f"{self.api}={value}"
+                return f"{flag} >1" if flags else f"{self.api} > 1"
+            return f"{flag} {value}" if flags else f"{self.api}={value}"
         if self.key in ("aux", "export", "draft", "decode", "import"):
-            return self.flag if flags else self.api
+            return flag if flags else self.api
         if self.key == "model":
             kind = {"dsa": "DSA", "moe": "MoE", "dsv4": "DeepSeek V4", "hybrid": "linear-attention hybrid"}.get(
                 value, "dense")
             return f"a {family} model ({kind})" if family else f"a {kind} model"
-        return f"{self.flag} {value}" if flags else f"{self.api}={value!r}"
+        return f"{flag} {value}" if flags else f"{self.api}={value!r}"
+
+
+#: axis -> the flag a command names it by where it is not the axis's own (flags_named)
+_FLAG_NAMES: ContextVar[Mapping[str, str]] = ContextVar("graphcp_flag_names", default={})
+
+
+@contextmanager
+def flags_named(names: Mapping[str, str]):
+    """Within it, refusals name axis ``k`` by ``names[k]`` on the command line: a command
+    that sets an axis under another flag (pd-demo's decode side: ``--decode-kv-cache``)."""
+    token = _FLAG_NAMES.set({**_FLAG_NAMES.get(), **names})
+    try:
+        yield
+    finally:
+        _FLAG_NAMES.reset(token)
 
 
 AXES: dict[str, Axis] = {a.key: a for a in (
@@ -160,10 +179,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("dsv4",)), ("draft", ("on",)),
             "an EAGLE-3 draft reads one hidden row a layer and caches per-head K/V; V4 has hc_mult streams and "
             "one shared KV head", (("model", "dense"), ("model", "moe")), "residual is hc_mult streams"),
-    Refusal(("model", ("dsv4",)), ("import", ("on",)),
-            "a DeepSeek V4 export holds transformers' state (the last window rows, the pooled entries, the "
-            "compressors' remainders), not the per-token window and source rows V4's pools keep, so it cannot be "
-            "placed back", (("model", "dense"), ("model", "moe")), "pooled state"),
     Refusal(("model", ("hybrid",)), ("layout", ("interleave",)),
             "a linear-attention hybrid's recurrence is scanned over each rank's contiguous blocks; interleave's "
             "one-token blocks would exchange a state map per token", (("layout", "zigzag"),),

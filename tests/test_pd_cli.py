@@ -97,17 +97,17 @@ def test_pd_demo_reference_takes_an_end_of_sequence_id_like_the_decode_side(tmp_
     assert _reference(folder, prompt, 2)[0] == first
 
 
-def test_pd_demo_continues_with_transformers_a_model_graphcp_does_not_import(hf_model_dir, capsys):
-    """A DeepSeek V4 model (its export holds transformers' pooled state, which graphcp's
-    cache cannot take back): the decode side is transformers, from the graphcp-dsv4/1
-    export, and the demo says so on stderr."""
+def test_pd_demo_imports_and_decodes_a_deepseek_v4_model(hf_model_dir, capsys):
+    """A DeepSeek V4 model: graphcp's decode side imports the graphcp-dsv4/1 export (its
+    state written back into V4's pools) on the layer-split cache and continues it equal to
+    transformers, and the demo says which cache."""
     folder = hf_model_dir("deepseek_v4", False, "float32")
     proc = _graphcp(capsys, "pd-demo", "--model", folder, "--graph", "off", "--kv-tokens", 512, "--prompt-tokens", 40,
                     "--prefix-tokens", 12, "--steps", 2, "--transfer-timeout", 30, "--cp", 2, "--kv-cache",
                     "layer-split", "--transport", "file")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert "the decode side continues with transformers" in proc.stderr
-    assert "| decode             | transformers:" in proc.stdout and "yes |" in proc.stdout
+    assert "the decode side uses --decode-kv-cache layer-split" in proc.stderr
+    assert "continues with transformers" not in proc.stderr and "yes |" in proc.stdout
 
 
 def test_pd_demo_decodes_a_dsa_model_on_the_nearest_cache_it_decodes_on(hf_model_dir, capsys):

@@ -3,7 +3,9 @@ graphcp engine (one CP size, cache mode, attention TP, pipeline split or attenti
 exported to a file, and imported by another of another shape with ``engine.import_kv``, continues
 exactly: its greedy ids over 16 tokens equal transformers' ``generate``, every step's
 logits within 1e-4 (float32; bfloat16 within the suite's 2e-2 of transformers in bfloat16 on
-the same sequence), for a dense and a MoE model. A second turn after the import
+the same sequence), for a dense and a MoE model. Every pair runs through files and through
+Mooncake on loopback (a receiver process holds each request in its shared arena; the decode
+ranks import from it in place; the arena whole again after the release). A second turn after the import
 (``prefill(prefix=imported handle)``) matches transformers on the whole sequence;
 ``generate`` continues from the imported handle; the receiver's pool after release equals
 the pool before. Each request is prefilled in two chunks at the source (a cached prefix,
@@ -13,22 +15,30 @@ tokens none) differs from the one the import derives (one chunk at the target's 
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import pickle
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import rel_err
+from helpers import hf_greedy, rel_err
 
 from graphcp import ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import CPGroup, launch
-from graphcp.pd.files import read_kv, save_kv
+from graphcp.pd.files import KVFile, save_kv
+from graphcp.pd.mooncake import mooncake_problem
+from graphcp.pd.receiver import RegionRef
 
 PAGE = 16
 LENS = ((20, 25), (0, 13))  # (cached prefix, rest): request 0 in two chunks
 NEW = 16  # greedy tokens: the prefill's (the export's last_logits), then 15 decode steps
 TURN = 9  # a second turn's new prompt tokens
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+#: why the Mooncake transport cannot run here (None: it can; every pair then runs through it too)
+MOONCAKE = mooncake_problem()
 MODELS = {"dense": ("qwen3", {}), "moe": ("qwen3_moe", {})}
 
 
@@ -59,8 +69,8 @@ def _source_job(group, folders: dict, s: dict, dtype: str, out: Path, mooncake: 
     """Prefill both prompts (request 0 after a cached prefix of its first tokens) at shape
     ``s`` and export each with its tokens and first-token logits to a file in ``out`` (the
     file transport): model -> the files, on the run's rank 0 (None elsewhere). With
-    ``mooncake`` (a receiver's address) every rank sends its part there instead, and rank 0
-    returns each request's tokens and first-token logits (which the region does not carry)."""
+    ``mooncake`` (a receiver's address) every rank also sends its part there first (ids
+    ``<model>-<i>``)."""
     files = {}
     for model, folder in folders.items():
         eng = _engine(folder, group, s, dtype)
@@ -73,10 +83,6 @@ def _source_job(group, folders: dict, s: dict, dtype: str, out: Path, mooncake: 
             sender = KVSender(mooncake, eng.world_rank, eng.world.size, timeout_s=60)
             sender.send(eng, res.handles, [f"{model}-{i}" for i in range(len(res.handles))])
             sender.close()
-            files[model] = [(torch.from_numpy(p), logits.clone()) for p, logits in zip(prompts, res.last_logits)]
-            for h in res.handles:
-                eng.release(h)
-            continue
         dst = None if s["cp"] == 4 else 0  # to every rank, or to rank 0 alone
         exports = eng.export_kv_batch(res.handles, dst=dst)
         if eng.world_rank == 0:
@@ -89,50 +95,139 @@ def _source_job(group, folders: dict, s: dict, dtype: str, out: Path, mooncake: 
     return files if group.rank == 0 else None
 
 
-def _target_job(group, folders: dict, s: dict, dtype: str, files: dict):
-    """Import each model's files at shape ``s`` (every rank reads them: import_kv(path)); decode NEW - 1 steps from their first
-    tokens (no recompute: the export's last_logits give it), release; import request 0
-    again and prefill a second turn after it; for the dense model also ``generate`` from
-    an imported handle. The pool's state before and after each."""
+@dataclass(frozen=True)
+class Held:
+    """A request held in a Mooncake receiver's shared arena (``KVReceiver.hold``), with the
+    tokens and first-token logits the prefill side returned (the region carries the KV)."""
+
+    ref: RegionRef
+    token_ids: torch.Tensor
+    last_logits: torch.Tensor
+
+    def open(self):
+        e = self.ref.open()  # views of the bytes Mooncake wrote: the import reads its share from them
+        e.token_ids, e.last_logits = self.token_ids, self.last_logits
+        return e
+
+
+def _payload(x):
+    return x.open() if isinstance(x, Held) else x  # (a file: import_kv reads its path)
+
+
+def _last_logits(x) -> torch.Tensor:
+    return x.last_logits if isinstance(x, Held) else KVFile(x).last_logits
+
+
+def _continue(eng, payloads: list, generate: bool) -> dict:
+    """Import ``payloads`` (files: every rank reads its share by path; Held: every rank maps
+    the receiver's region); decode NEW - 1 steps from their first tokens (no recompute: the
+    export's last_logits give it), release; import request 0 again and prefill a second
+    turn after it; with ``generate`` also ``generate`` from an imported handle. The pool's
+    state before and after each."""
+    s = eng.parallel
+    kv = eng.parts.kv
+    before = kv.snapshot()
+    lasts = torch.stack([_last_logits(f) for f in payloads])
+    handles = [eng.import_kv(_payload(f)) for f in payloads]
+    tok = lasts.argmax(-1)
+    toks, logits = [tok], [lasts]
+    can_decode = s.pp_size == 1 and s.dp_size == 1
+    for _ in range(NEW - 1 if can_decode else 0):
+        step = eng.decode(handles, tok, logits=True)
+        handles, tok = step.handles, step.logits.argmax(-1)
+        toks.append(tok)
+        logits.append(step.logits)
+    for h in handles:
+        eng.release(h)
+    after_decode = kv.snapshot()
+    h = eng.import_kv(_payload(payloads[0]))
+    first = int(lasts[0].argmax())
+    turn = np.concatenate([[first], _turn(eng.cfg.vocab_size)])
+    second = eng.prefill([Request(turn, prefix=h)], all_logits=True)
+    eng.release(second.handles[0])
+    gen = None
+    if generate and can_decode:
+        h = eng.import_kv(_payload(payloads[0]))
+        gen = eng.generate([Request([first], prefix=h)], NEW - 1).tokens[0][0]
+    return {"tokens": torch.stack(toks, 1), "logits": torch.stack(logits, 1), "second": second.logits[0],
+            "generate": gen, "before": before, "after_decode": after_decode, "after": kv.snapshot()}
+
+
+def _target_job(group, folders: dict, s: dict, dtype: str, by_transport: dict):
+    """Each model's engine at shape ``s`` continues each transport's payloads in turn
+    (:func:`_continue`; ``generate`` for the first model's files): results by ``<model>``
+    (files) and ``<model>/<transport>``."""
     out = {}
     for model, folder in folders.items():
         eng = _engine(folder, group, s, dtype)
-        kv = eng.parts.kv
-        before = kv.snapshot()
-        got = [read_kv(f) for f in files[model]]  # (their first tokens' logits)
-        handles = [eng.import_kv(f) for f in files[model]]
-        tok = torch.stack([e.last_logits for e in got]).argmax(-1)
-        toks, logits = [tok], [torch.stack([e.last_logits for e in got])]
-        can_decode = s["pp"] == 1 and s["dp"] == 1
-        for _ in range(NEW - 1 if can_decode else 0):
-            step = eng.decode(handles, tok, logits=True)
-            handles, tok = step.handles, step.logits.argmax(-1)
-            toks.append(tok)
-            logits.append(step.logits)
-        for h in handles:
-            eng.release(h)
-        after_decode = kv.snapshot()
-        h = eng.import_kv(files[model][0])
-        first = int(got[0].last_logits.argmax())
-        turn = np.concatenate([[first], _turn(eng.cfg.vocab_size)])
-        second = eng.prefill([Request(turn, prefix=h)], all_logits=True)
-        eng.release(second.handles[0])
-        gen = None
-        if model == "dense" and can_decode:
-            h = eng.import_kv(files[model][0])
-            gen = eng.generate([Request([first], prefix=h)], NEW - 1).tokens[0][0]
-        out[model] = {"tokens": torch.stack(toks, 1), "logits": torch.stack(logits, 1), "second": second.logits[0],
-                      "generate": gen, "before": before, "after_decode": after_decode, "after": kv.snapshot()}
+        for transport, payloads in by_transport.items():
+            key = model if transport == "file" else f"{model}/{transport}"
+            out[key] = _continue(eng, payloads[model], model == next(iter(folders)) and transport == "file")
     return out
 
 
-def run_pair(folders: dict, src: dict, dst: dict, via: Path, dtype: str = "float32") -> list[dict]:
-    """Every target rank's results of importing what ``src`` exported, through files in ``via``."""
-    files = (launch(_source_job, ranks(src), folders, src, dtype, via)[0] if ranks(src) > 1
-             else _source_job(CPGroup(), folders, src, dtype, via))
-    if ranks(dst) == 1:
-        return [_target_job(CPGroup(), folders, dst, dtype, files)]
-    return launch(_target_job, ranks(dst), folders, dst, dtype, files)
+ARENA = 64 << 20
+
+
+def _holding_receiver(ready, refs, release, done, ids, timeout_s):
+    """A decode side's receiver (a process of its own: Mooncake's threads are not forked
+    into the ranks): a shared arena, each request held in place until ``release``; then
+    whether the arena is whole again and its file gone after close."""
+    torch.set_num_threads(1)
+    from graphcp.pd.errors import TransferError
+    from graphcp.pd.receiver import KVReceiver
+
+    rx = KVReceiver(ARENA, timeout_s=timeout_s, shared=True)
+    ready.put(rx.address)
+    held = []
+    try:
+        held = [rx.hold(rid, timeout_s=timeout_s) for rid in ids]
+        refs.put(pickle.dumps([h.ref for h in held]))
+    except TransferError as e:
+        refs.put(pickle.dumps(f"{type(e).__name__}: {e}"))
+    release.wait(600)
+    for h in held:
+        h.release()
+    whole = rx.free_bytes == ARENA
+    rx.close()
+    done.put((whole, os.path.exists(rx.path)))
+
+
+def run_pair(folders: dict, src: dict, dst: dict, via: Path, dtype: str = "float32",
+             mooncake: bool = MOONCAKE is None) -> list[dict]:
+    """Every target rank's results of importing what ``src`` exported, through files in
+    ``via`` (``<model>``) and, with ``mooncake``, through a Mooncake receiver on loopback
+    whose shared arena the target ranks import from in place (``<model>/mooncake``); the
+    receiver's arena is whole again after the release."""
+    ids = [f"{m}-{i}" for m in folders for i in range(len(LENS))]
+    rx = None
+    if mooncake:
+        ctx = mp.get_context("fork")
+        queues, release = [ctx.Queue() for _ in range(3)], ctx.Event()
+        rx = ctx.Process(target=_holding_receiver, args=(*queues[:2], release, queues[2], ids, 120))
+        rx.start()
+    try:
+        address = None if rx is None else queues[0].get(timeout=120)
+        files = (launch(_source_job, ranks(src), folders, src, dtype, via, address)[0] if ranks(src) > 1
+                 else _source_job(CPGroup(), folders, src, dtype, via, address))
+        by_transport = {"file": files}
+        if rx is not None:
+            refs = pickle.loads(queues[1].get(timeout=180))
+            assert not isinstance(refs, str), refs
+            by_ref = dict(zip(ids, refs))
+            by_transport["mooncake"] = {m: [Held(by_ref[f"{m}-{i}"], KVFile(f).token_ids, KVFile(f).last_logits)
+                                            for i, f in enumerate(fs)] for m, fs in files.items()}
+        if ranks(dst) == 1:
+            results = [_target_job(CPGroup(), folders, dst, dtype, by_transport)]
+        else:
+            results = launch(_target_job, ranks(dst), folders, dst, dtype, by_transport)
+    finally:
+        if rx is not None:
+            release.set()
+    if rx is not None:
+        assert queues[2].get(timeout=60) == (True, False)  # the arena whole again, its file removed
+        rx.join(timeout=30)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -141,27 +236,30 @@ def folders(hf_model_dir):
             for dtype in ("float32", "bfloat16")}
 
 
+def hf_reference(hf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' greedy ids [R, NEW] of both prompts, their logits [R, NEW, V], and the
+    second turn's logits over the whole sequence of request 0 (float32)."""
+    prompts = _prompts(hf.config.vocab_size)
+    toks, logits = hf_greedy(hf, prompts, NEW)
+    seq = np.concatenate([prompts[0], [int(toks[0][0])], _turn(hf.config.vocab_size)])
+    with torch.inference_mode():
+        whole = hf(input_ids=torch.from_numpy(seq).view(1, -1)).logits[0, len(prompts[0]):].float()
+    return toks, logits, whole
+
+
+def check_bf16(got: dict, hf) -> None:
+    """Every step's logits within 2e-2 of transformers in bfloat16 on the same sequence."""
+    for j, p in enumerate(_prompts(hf.config.vocab_size)):
+        seq = torch.cat([torch.from_numpy(p), got["tokens"][j, :-1]]).view(1, -1)
+        with torch.inference_mode():
+            ref = hf(input_ids=seq).logits[0, len(p) - 1:].float()
+        assert rel_err(got["logits"][j], ref) <= TOL["bfloat16"], j
+
+
 @pytest.fixture(scope="module")
 def reference(folders, hf_model):
-    """model -> (transformers' greedy ids [R, NEW], their logits [R, NEW, V], the second
-    turn's logits over the whole sequence of request 0), float32."""
-    out = {}
-    for m, folder in folders["float32"].items():
-        hf = hf_model(folder, "float32")
-        toks, logits = [], []
-        prompts = _prompts(hf.config.vocab_size)
-        for p in prompts:
-            with torch.inference_mode():
-                g = hf.generate(torch.from_numpy(p).view(1, -1), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, output_logits=True,
-                                return_dict_in_generate=True, pad_token_id=0)
-            toks.append(g.sequences[0, len(p):])
-            logits.append(torch.stack([x[0].float() for x in g.logits]))
-        seq = np.concatenate([prompts[0], [int(toks[0][0])], _turn(hf.config.vocab_size)])
-        with torch.inference_mode():
-            whole = hf(input_ids=torch.from_numpy(seq).view(1, -1)).logits[0, len(prompts[0]):].float()
-        out[m] = (torch.stack(toks), torch.stack(logits), whole)
-    return out
+    """model -> :func:`hf_reference` of its float32 checkpoint."""
+    return {m: hf_reference(hf_model(folder, "float32")) for m, folder in folders["float32"].items()}
 
 
 def pool(snapshot: tuple) -> tuple:
@@ -172,9 +270,12 @@ def pool(snapshot: tuple) -> tuple:
 
 
 def check_pair(results: list[dict], reference: dict, decodes: bool = True) -> None:
+    """Each rank's results of each model (and each model through Mooncake, where it runs)."""
     for rank, per_model in enumerate(results):
+        models = {m.split("/")[0] for m in per_model}
+        assert MOONCAKE is not None or all(f"{m}/mooncake" in per_model for m in models), sorted(per_model)
         for m, got in per_model.items():
-            ref_toks, ref_logits, whole = reference[m]
+            ref_toks, ref_logits, whole = reference[m.split("/")[0]]
             where = (m, rank)
             if decodes:
                 assert torch.equal(got["tokens"], ref_toks), (where, got["tokens"], ref_toks)
@@ -212,37 +313,8 @@ def test_bfloat16_import_decodes_within_the_suites_bound(folders, hf_model, tmp_
     bfloat16 on the same sequence (the dense model)."""
     dense = {"dense": folders["bfloat16"]["dense"]}
     src, dst = PAIRS["cp4-sharded->cp2-sharded"]
-    got = run_pair(dense, src, dst, tmp_path, "bfloat16")[0]["dense"]
-    hf = hf_model(folders["bfloat16"]["dense"], "bfloat16")
-    for j, p in enumerate(_prompts(hf.config.vocab_size)):
-        seq = torch.cat([torch.from_numpy(p), got["tokens"][j, :-1]]).view(1, -1)
-        with torch.inference_mode():
-            ref = hf(input_ids=seq).logits[0, len(p) - 1:].float()
-        assert rel_err(got["logits"][j], ref) <= TOL["bfloat16"], j
-
-
-@pytest.mark.slow
-def test_the_first_pair_through_mooncake(folders, reference, tmp_path):
-    """CP 4 sharded -> CP 2 sharded with the KV written by every prefill rank into a
-    Mooncake receiver on loopback (what it hands out is imported as received)."""
-    from test_pd_mooncake import PROBLEM, Receiver
-
-    if PROBLEM is not None:
-        pytest.skip(f"Mooncake transport unavailable: {PROBLEM}")
-    src, dst = PAIRS["cp4-sharded->cp2-sharded"]
-    ids = [f"{m}-{i}" for m in MODELS for i in range(len(LENS))]
-    rx = Receiver("good", tmp_path, ids, timeout_s=120)
-    sent = launch(_source_job, ranks(src), folders["float32"], src, "float32", tmp_path, rx.address)[0]
-    got = rx.results()
-    assert all(got[i] == ("ok", "") for i in ids), got
-    files = {}
-    for m in MODELS:  # the received KV, with the tokens and first logits the prefill side returned
-        files[m] = []
-        for i, (ids_, logits) in enumerate(sent[m]):
-            e = read_kv(tmp_path / f"{m}-{i}.safetensors")
-            e.token_ids, e.last_logits = ids_, logits
-            files[m].append(save_kv(e, tmp_path / f"{m}-{i}-with-logits.safetensors"))
-    check_pair(launch(_target_job, ranks(dst), folders["float32"], dst, "float32", files), reference)
+    got = run_pair(dense, src, dst, tmp_path, "bfloat16", mooncake=False)[0]["dense"]
+    check_bf16(got, hf_model(folders["bfloat16"]["dense"], "bfloat16"))
 
 
 # ---- 2 ranks: across CP sizes and modes, into attention TP and pipeline stages -------------

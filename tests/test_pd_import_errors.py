@@ -1,8 +1,7 @@
 """What ``engine.import_kv`` and ``graphcp generate --import-kv`` refuse (docs/pd.md,
 "Import: what can go wrong"): a truncated file, a payload of another model, a format
 version from the future, another dtype, an import into a full pool, each one line with
-the cache unchanged; the pairs combinations.py declares refused (DeepSeek V4, an
-EAGLE-3 draft); the command line end to end (prefill at CP 2 layer-split, its files
+the cache unchanged; the pair combinations.py declares refused (an EAGLE-3 draft); the command line end to end (prefill at CP 2 layer-split, its files
 continued at CP 2 sharded equal to graphcp's own generate), and its bad folders."""
 
 from __future__ import annotations
@@ -97,14 +96,20 @@ def test_an_import_into_a_full_pool_is_kv_cache_full_with_nothing_changed(dense,
     assert "KV cache full" in msg and "kv_tokens" in msg
 
 
-def test_refused_pairs_name_their_reason(dense, hf_model_dir, export):
-    """combinations.py's import refusals, from a live engine (before the payload is read)."""
-    v4 = PrefillEngine(hf_model_dir("deepseek_v4", False, "float32"), RuntimeConfig(kv_tokens=256))
-    rule = next(r for r in REFUSALS if r.a == ("model", ("dsv4",)) and r.b[0] == "import")
+def test_refused_pairs_name_their_reason(tmp_path):
+    """combinations.py's import refusal (an EAGLE-3 draft), from a live engine before the
+    payload is read; none is "not built yet" (DeepSeek V4 imports: test_pd_import_dsv4.py)."""
+    from eagle3_ref import write_draft, write_target
+
+    rules = [r for r in REFUSALS if "import" in (r.a[0], r.b[0])]
+    assert [(r.a[0], r.b[0]) for r in rules] == [("draft", "import")]
+    assert not any(r.reason.endswith("not built yet") for r in rules)
+    eng = PrefillEngine(str(write_target(tmp_path / "t")), RuntimeConfig(kv_tokens=256, page_size=16,
+                                                                       draft=str(write_draft(tmp_path / "d"))))
     with pytest.raises(ConfigError) as e:
-        v4.import_kv(export)
-    assert rule.reason in str(e.value) and "PrefillEngine.import_kv" in str(e.value) and "\n" not in str(e.value)
-    assert not any(r.reason.endswith("not built yet") for r in REFUSALS if "import" in (r.a[0], r.b[0]))
+        eng.import_kv(None)
+    msg = str(e.value)
+    assert rules[0].reason in msg and "PrefillEngine.import_kv" in msg and "\n" not in msg, msg
 
 
 def test_generate_import_kv_continues_another_shapes_files(default_model_dir, tmp_path, capsys):
@@ -177,3 +182,65 @@ def test_a_kv_file_is_read_in_parts(export, tmp_path):
         want = torch.cat([whole.tensor(i, n)[:, a:b] for a, b in runs], dim=1)
         assert torch.equal(part.read_runs(i, n, runs), want)
         assert part.read_runs(i, n, []).shape == whole.meta.tensor_shape(i, n, 0)
+
+
+# ---- the other families' formats: the same refusals ----------------------------------------
+
+FAMILIES = {  # family -> (checkpoint, config overrides, the format's name)
+    "hybrid": ("qwen3_5_text", {}, "graphcp-hybrid/1"),
+    "dsa": ("glm_moe_dsa", {}, "graphcp-mla/1"),
+    "dsv4": ("deepseek_v4", {}, "graphcp-dsv4/1"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_familys_bad_payloads_are_one_line_and_change_nothing(hf_model_dir, family, tmp_path):
+    """A truncated file, a format version from the future, another model's payload and an
+    import into a full pool, for the hybrid, DSA and V4 formats: one line each, the cache
+    (its pages, ledger, and a hybrid's state slots) unchanged, a live import intact."""
+    ckpt, over, fmt = FAMILIES[family]
+    folder = hf_model_dir(ckpt, False, "float32", **over)
+    payload = _export(folder)
+    assert payload.meta.format == fmt
+    eng = _engine(folder, kv_tokens=64)  # 4 pages of 16: one 45-token request
+    kept = eng.import_kv(payload)
+    path = save_kv(payload, tmp_path / "0.safetensors")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size * 2 // 3])
+    assert str(cut) in _refused(eng, cut, KVFormatError)
+    with safe_open(str(path), framework="pt") as f:
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    future = tmp_path / "future.safetensors"
+    newer = fmt[:-1] + "2"
+    save_file(tensors, str(future), metadata={**header, "format": newer})
+    assert newer in _refused(eng, future, KVFormatError)
+    other = _export(hf_model_dir(ckpt, False, "float32", **over, rms_norm_eps=1e-5))
+    assert "another model" in _refused(eng, other, KVImportError)
+    msg = _refused(eng, payload, KVCacheFull)
+    assert "KV cache full" in msg and "kv_tokens" in msg
+    again = eng.export_kv(kept)
+    assert all(torch.equal(again.tensor(i, n), payload.tensor(i, n)) for i, n in payload.meta.tensors())
+
+
+def test_decode_side_refusals_name_the_commands_own_cache_flag(hf_model_dir, tmp_path, capsys):
+    """A DSA model decodes on no token-sharded cache: ``generate --import-kv`` names its
+    ``--kv-cache``, pd-demo's decode side its ``--decode-kv-cache`` (one line, exit 2,
+    before any rank starts)."""
+    folder = hf_model_dir("glm_moe_dsa", False, "float32")
+    req = tmp_path / "req.jsonl"
+    req.write_text(json.dumps({"tokens": list(range(1, 30))}) + "\n")
+    common = ["--model", str(folder), "--kv-tokens", "512", "--graph", "off"]
+    assert main(["prefill", "--input", str(req), "--output", str(tmp_path / "p.pt"), "--kv-cache", "layer-split",
+                 "--export-kv", str(tmp_path / "kv"), *common]) == 0
+    capsys.readouterr()
+    code = main(["generate", "--import-kv", str(tmp_path / "kv"), "--output", str(tmp_path / "g.pt"),
+                 "--max-new-tokens", "2", "--cp", "2", "--kv-cache", "sharded", *common])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "with --kv-cache sharded" in err and "use --kv-cache layer-split" in err, err
+    code = main(["pd-demo", "--cp", "2", "--kv-cache", "layer-split", "--decode-kv-cache", "sharded",
+                 "--transport", "file", "--prompt-tokens", "40", "--prefix-tokens", "12", *common])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "with --decode-kv-cache sharded" in err and "use --decode-kv-cache layer-split" in err, err
+    assert not (tmp_path / "g.pt").exists()

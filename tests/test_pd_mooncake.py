@@ -247,22 +247,31 @@ def test_attention_dp_replicas_send_their_own_requests(hf_model_dir, tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), i
 
 
-def test_which_heads_an_attention_tp_rank_writes():
-    """Its shard's heads; a head replicated over ranks by its first holder only; a format
-    every rank holds whole (DeepSeek V4's one shared KV head) by attention-TP rank 0 only."""
+def test_which_rows_an_attention_tp_rank_writes():
+    """Its shard's heads (each to the whole tensor's row of that head); a head replicated
+    over ranks by its first holder only; a format every rank holds whole (DeepSeek V4's one
+    shared KV head) by attention-TP rank 0 only. (A hybrid's conv channels and recurrent
+    heads: test_pd_import_hybrid.py's CP 2 x attention TP 2 pair through Mooncake.)"""
     from types import SimpleNamespace as NS
 
-    from graphcp.pd.sender import _heads_written
+    from graphcp.pd.export import take_kv_heads
+    from graphcp.pd.sender import _shard, shard_runs
 
-    def written(a, A, H, splits=True):
-        parts = NS(mesh=NS(attn_tp=NS(rank=a, size=A)), family=NS(export_splits_heads=splits),
-                   attn_cfg=NS(num_kv_heads=max(1, H // A)))
-        return _heads_written(NS(parts=parts), NS(num_kv_heads=H))
+    def rows(H, A, a):
+        meta = NS(take_heads=lambda layer, name, whole, size, rank: take_kv_heads(whole, H, size, rank),
+                  tensor_shape=lambda layer, name: (H, 5, 4))
+        runs = [(o * 10, 100 + o * 10, 10) for o in range(H)]  # a span's run of each head
+        return [(s, d) for s, d, _ in shard_runs(meta, 0, "k", runs, A, a)]
 
-    assert written(0, 1, 8) is None
-    assert [written(a, 2, 8) for a in range(2)] == [(0, 4), (4, 4)]
-    assert [written(a, 4, 2) for a in range(4)] == [(0, 1), (0, 0), (1, 1), (0, 0)]
-    assert [written(a, 2, 1, splits=False) for a in range(2)] == [None, (0, 0)]
+    assert [rows(8, 2, a) for a in range(2)] == [[(0, 100), (10, 110), (20, 120), (30, 130)],
+                                                 [(0, 140), (10, 150), (20, 160), (30, 170)]]
+    assert [rows(2, 4, a) for a in range(4)] == [[(0, 100)], [], [(0, 110)], []]
+
+    def shard(a, A, splits=True):
+        return _shard(NS(parts=NS(mesh=NS(attn_tp=NS(rank=a, size=A)), family=NS(export_splits_heads=splits))))
+
+    assert shard(0, 1) is None and [shard(a, 2) for a in range(2)] == [(2, 0), (2, 1)]
+    assert [shard(a, 2, splits=False) for a in range(2)] == [None, (0, 0)]
 
 
 def _faulty_send(group, folder, address, ids, die_before_done=False):
@@ -342,3 +351,60 @@ def test_sender_dies_mid_request(hf_model_dir, tmp_path):
     assert got["a"][0] == "SenderDied" and "closed before it finished" in got["a"][1], got
     assert got["completed"] == [] and not (tmp_path / "a.safetensors").exists()  # nothing partial handed out
     assert time.monotonic() - t0 < TIMEOUT + 5
+
+
+def _holding_main(ready, out, rid):
+    torch.set_num_threads(1)
+    from graphcp.pd.receiver import KVReceiver
+
+    rx = KVReceiver(8 << 20, timeout_s=60, shared=True)
+    ready.put(rx.address)
+    with rx.hold(rid) as held:
+        k = held.export.k[0]
+        base, size = rx.buffer.data_ptr(), rx.buffer.numel()
+        in_place = all(base <= t.data_ptr() < base + size for t in held.export.k + held.export.v)
+        opened = held.ref.open()  # as a decode rank maps it
+        same = all(torch.equal(a, b) for a, b in zip(opened.k + opened.v, held.export.k + held.export.v))
+        k.add_(1)  # a write to the arena is seen through the other mapping: no copy between them
+        shared = torch.equal(opened.k[0], k)
+        free_held = rx.free_bytes
+        values = [(a.clone(), b.clone()) for a, b in zip(opened.k, opened.v)]
+    out.put(pickle.dumps({"in_place": in_place, "same": same, "shared": shared, "held": free_held < 8 << 20,
+                          "released": rx.free_bytes == 8 << 20, "values": values}))
+    rx.close()
+    out.put(os.path.exists(rx.path))
+
+
+def _send_one(group, folder, address):
+    from graphcp.pd.sender import KVSender
+
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache="sharded"), group)
+    h = eng.prefill(_requests(eng.cfg.vocab_size)[2:3]).handles[0]
+    sender = KVSender(address, group.rank, group.size, timeout_s=60)
+    sender.send(eng, [h], ["held-0"])
+    sender.close()
+    e = eng.export_kv(h, dst=0)
+    return None if e is None else list(zip(e.k, e.v))
+
+
+def test_a_held_request_is_lent_in_place_from_a_shared_arena(hf_model_dir):
+    """KVReceiver.hold: the request as views of the registered arena (no copy out), which
+    another process maps (RegionRef.open) and sees the same bytes; the region back on
+    release, the arena's file removed on close; the KV equal to the export."""
+    folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=4)
+    ctx = mp.get_context("fork")
+    ready, out = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_holding_main, args=(ready, out, "held-0"))
+    proc.start()
+    try:
+        sent = launch(_send_one, 2, folder, ready.get(timeout=120))[0]
+        got = pickle.loads(out.get(timeout=120))
+        assert got["in_place"] and got["same"] and got["shared"] and got["held"] and got["released"], got
+        assert out.get(timeout=60) is False  # the file removed
+        (k0, v0), *rest = got["values"]
+        assert torch.equal(k0, sent[0][0] + 1) and torch.equal(v0, sent[0][1])  # (the write seen above)
+        assert all(torch.equal(a, x) and torch.equal(b, y) for (a, b), (x, y) in zip(rest, sent[1:]))
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()

@@ -6,7 +6,8 @@ then the rest extending it), and every rank sends its part of the request's KV s
 into the receiver's memory through the Mooncake transfer engine on loopback TCP
 (``--transport file``: one safetensors file instead). A graphcp decode engine of another
 shape (``--decode-cp 2 --decode-kv-cache sharded``) imports the received request
-(``engine.import_kv``: each rank places its share) and decodes it greedily from the
+(``engine.import_kv``: each rank places its share, read in place from the receiver's
+shared arena, or from the file) and decodes it greedily from the
 prefill's first token. The demo prints the TTFT, the transfer's bytes and time, the decode
 tokens per second, and whether the tokens match transformers run alone.
 """
@@ -18,6 +19,7 @@ import importlib.util
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 import time
@@ -30,7 +32,7 @@ from graphcp.cli.generate import check_decode
 from graphcp.cli.imported import check_import
 from graphcp.cli.table import print_table
 from graphcp.combinations import check as check_combination
-from graphcp.combinations import parallel_settings, refusal
+from graphcp.combinations import flags_named, parallel_settings, refusal
 from graphcp.dist import die_with_parent, ignore_sigint, sigint_deferred
 from graphcp.errors import ConfigError
 from graphcp.jobs.memory import check_local_ranks_fit, job_memory
@@ -42,7 +44,7 @@ from graphcp.pd.files import read_kv, save_kv
 from graphcp.pd.hf import greedy_continue
 from graphcp.pd.load import to_transformers_cache
 from graphcp.pd.mooncake import PD_EXTRA, mooncake_problem
-from graphcp.pd.receiver import KVReceiver
+from graphcp.pd.receiver import KVReceiver, RegionRef, shared_path
 from graphcp.pd.sender import KVSender
 from graphcp.runtime.engine import prefill_after_prefixes
 
@@ -83,29 +85,51 @@ def _prefill_and_send(group, spec: JobSpec, prompt: np.ndarray, prefix: int, tra
             "ttft_s": ttft, "path": out.info.path}
 
 
-def _receive_main(transport: str, ready, jobs, results, timeout_s: float, parent_pid: int) -> None:
-    """The decode side's receiver: the request's KV from Mooncake (or the file), handed
-    to the decode engine's ranks."""
+def _receive_main(transport: str, shm: str, ready, jobs, results, timeout_s: float, parent_pid: int) -> None:
+    """The decode side's receiver: the request's KV from Mooncake, held in place in a shared
+    arena (file ``shm``) that every decode rank maps and imports from, or the file's path
+    (each rank reads its share); released once the decode side says so."""
     die_with_parent(parent_pid)  # as the ranks: a killed pd-demo takes it with it
     ignore_sigint()  # Ctrl-C is the command's to handle: it kills this process
     torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool
+    receiver = held = folder = None
     try:
-        receiver = KVReceiver(256 << 20, timeout_s=timeout_s) if transport == "mooncake" else None
-        folder = tempfile.mkdtemp(prefix="graphcp-pd-") if receiver is None else None
+        if transport == "mooncake":
+            receiver = KVReceiver(256 << 20, timeout_s=timeout_s, shared=shm)
+        else:
+            folder = tempfile.mkdtemp(prefix="graphcp-pd-")
         ready.put(receiver.address if receiver is not None else folder)
         if jobs.get() is None:
             return
-        export = receiver.get(REQUEST_ID) if receiver is not None else \
-            read_kv(Path(folder) / f"{REQUEST_ID}.safetensors")
-        results.put(pickle.dumps({"export": export.to("cpu")}))
+        if receiver is not None:
+            held = receiver.hold(REQUEST_ID)
+            payload = held.ref
+        else:
+            payload = str(Path(folder) / f"{REQUEST_ID}.safetensors")
+        results.put(pickle.dumps({"payload": payload}))
+        jobs.get()  # the decode side is done with it
     except BaseException as e:  # noqa: BLE001 - reported to the demo, which prints one line
         results.put(pickle.dumps({"error": f"{type(e).__name__}: {e}"}))
+    finally:
+        if held is not None:
+            held.release()
+        if receiver is not None:
+            receiver.close()  # (removes the arena's file)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
-def _import_and_decode(group, spec: JobSpec, export, first: int, steps: int) -> dict | None:
-    """Every rank of the decode engine: import the request, then ``steps`` greedy decode
-    steps from the prefill's first token (no recompute of the prompt)."""
+def _opened(payload):
+    """The export a receiver's payload names: a held region's views, or a file read whole."""
+    return payload.open() if isinstance(payload, RegionRef) else read_kv(payload)
+
+
+def _import_and_decode(group, spec: JobSpec, payload, first: int, steps: int) -> dict | None:
+    """Every rank of the decode engine: import the request (from the receiver's shared
+    arena in place, or its share of the file), then ``steps`` greedy decode steps from the
+    prefill's first token (no recompute of the prompt)."""
     engine = make_engine(group, spec)
+    export = payload.open() if isinstance(payload, RegionRef) else payload
     engine.release(engine.import_kv(export))  # warm: the model's fingerprint read once
     t0 = time.perf_counter()
     handle = engine.import_kv(export)
@@ -158,6 +182,8 @@ def _reference(model_dir: Path, prompt: np.ndarray, steps: int) -> list[int]:
     return gen[0, ids.shape[1]:].tolist()
 
 
+#: the decode side's flags for the axes it sets under its own name
+DECODE_FLAGS = {"kv_cache": "--decode-kv-cache"}
 #: the decode side's cache modes, most preferred first (the ranks share every request's KV)
 DECODE_CACHES = ("sharded", "layer-split", "replicated")
 
@@ -209,9 +235,10 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
         print(f"graphcp pd-demo: note: graphcp does not decode this model ({instead}): the decode side continues "
               "with transformers", file=sys.stderr)
     else:
-        preflight(dspec, args.moe, "graphcp pd-demo")
-        check_import(dspec, model)
-        check_decode(dspec, model)
+        with flags_named(DECODE_FLAGS):  # the decode side's refusals name its own flags
+            preflight(dspec, args.moe, "graphcp pd-demo")
+            check_import(dspec, model)
+            check_decode(dspec, model)
     if args.memory_check:
         check_local_ranks_fit(spec, job_memory(spec, [args.prefix_tokens, args.prompt_tokens - args.prefix_tokens]))
         if instead is None:
@@ -220,7 +247,8 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
     prompt = _prompt(model.vocab_size, args.prompt_tokens)
     ctx = mp.get_context("fork")
     ready, jobs, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    rx = ctx.Process(target=_receive_main, args=(args.transport, ready, jobs, results, args.transfer_timeout,
+    shm = shared_path()
+    rx = ctx.Process(target=_receive_main, args=(args.transport, shm, ready, jobs, results, args.transfer_timeout,
                                                  os.getpid()), daemon=True)
     with sigint_deferred():  # a Ctrl-C as it forks is raised after (a daemon: it goes at exit)
         rx.start()
@@ -230,22 +258,22 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
                                args.transfer_timeout)
         jobs.put(True)
         got = pickle.loads(results.get(timeout=args.transfer_timeout + 120))
+        if "error" in got:
+            raise TransferError(f"the decode side's receiver failed: {got['error']}")
+        if instead is None:
+            dec = run_job_on_ranks(_import_and_decode, dspec, got["payload"], res["next_token"], args.steps)
+        else:
+            dec = _transformers_decode(model_dir, _opened(got["payload"]), res["next_token"], args.steps)
     except KeyboardInterrupt:
         rx.kill()  # Ctrl-C: at once, not after the receiver's wait
         raise
-    except BaseException:
-        jobs.put(None)
-        raise
     finally:
+        jobs.put(None)  # the receiver releases what it holds and exits
         rx.join(timeout=30)
         if rx.is_alive():
             rx.kill()
-    if "error" in got:
-        raise TransferError(f"the decode side's receiver failed: {got['error']}")
-    if instead is None:
-        dec = run_job_on_ranks(_import_and_decode, dspec, got["export"], res["next_token"], args.steps)
-    else:
-        dec = _transformers_decode(model_dir, got["export"], res["next_token"], args.steps)
+        if os.path.exists(shm):  # (a receiver killed before it removed its arena)
+            os.unlink(shm)
     want = _reference(model_dir, prompt, args.steps)
     mine = dec["tokens"]
     ms = 1e3

@@ -260,6 +260,11 @@ class PagedKVCache:
         return self.storage.read_span(handle.pages, span.layer, start, start + span.num_tokens)
 
     # ---- import (PrefillEngine.import_kv: the export's reads, inverted) --------------
+    def imports_whole(self, layer: int) -> bool:
+        """Whether an import hands :meth:`write_import` ``layer``'s tensors whole (a
+        per-request state layer) rather than the positions this rank holds."""
+        return layer in self.storage.state_layers
+
     def write_import(self, handle: KVHandle, layer: int, values: tuple[torch.Tensor, ...]) -> None:
         """Store an imported request's ``layer`` (one this rank keeps: ``storage.held``):
         ``values`` are the export format's tensors of the positions this rank holds

@@ -49,6 +49,17 @@ class KVSource(Protocol):
         """K and V (a family's own cache: the tensors its export format names)."""
         ...
 
+    # ---- an import (PrefillEngine.import_kv): the inverse of the reads ---------------------
+    def imports_whole(self, layer: int) -> bool:
+        """Whether :meth:`write_import` takes ``layer``'s tensors whole (else: the positions
+        this rank holds, in local order)."""
+        ...
+
+    def write_import(self, handle, layer: int, values: Sequence[torch.Tensor]) -> None:
+        """Store an imported request's ``layer`` (one this rank keeps), given in the
+        export format's tensors."""
+        ...
+
 
 def layers_per_rank(num_layers: int, cp_size: int) -> int:
     """ceil(L / C): the contiguous layers each rank owns under a layer split."""

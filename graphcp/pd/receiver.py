@@ -8,7 +8,12 @@ request's format: graphcp-kv/1, or a family's own, graphcp.pd.formats) and
 every sender of it gets the same address; each rank writes its part straight into
 the arena and says ``done``. When every rank is done and the bytes add up, the
 request is complete: every sender gets ``ack`` and :meth:`KVReceiver.get` hands it
-out (a copy; its region is freed). A request that a sender aborts, whose sender's
+out (a copy; its region is freed), or :meth:`KVReceiver.hold` lends it in place (views
+of the arena, the region kept until :meth:`HeldKV.release`). With ``shared=True`` the
+arena is a file in ``/dev/shm`` that the decode engine's ranks (other processes) map:
+:meth:`HeldKV.ref` names the region, :meth:`RegionRef.open` gives a rank the export as
+views of it, and ``engine.import_kv`` reads each rank's share straight from the bytes
+Mooncake wrote (docs/pd.md, "Mooncake into the import"). A request that a sender aborts, whose sender's
 connection closes first, or that is not complete within ``timeout_s`` fails: its
 senders get ``failed``, ``get`` raises, nothing of it is handed out, and its region
 is reused only once each of its senders has reported or disconnected (a slow
@@ -17,9 +22,11 @@ write can still land in it until then).
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -79,20 +86,71 @@ class _Arena:
         return sum(e - s for s, e in self.free)
 
 
+def shared_path() -> str:
+    """A new name for a shared arena's file (memory, not disk: ``/dev/shm``)."""
+    return f"/dev/shm/graphcp-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True)
+class RegionRef:
+    """A held request's region in a shared arena, as another process opens it (picklable):
+    the arena's file, the region's byte offset and the request's metadata."""
+
+    path: str
+    offset: int
+    meta: dict
+
+    def open(self) -> Export:
+        """The request as views of the mapped arena (no copy: a tensor whose offset is not a
+        multiple of its item size, after tensors of a smaller dtype, is the exception). The
+        views stay valid while this process holds them, after the region is released
+        (the receiver may then reuse it: import before releasing)."""
+        m = meta_from_dict(self.meta, source=f"the held region of {self.path}")
+        arena = torch.from_file(self.path, shared=True, size=self.offset + m.nbytes, dtype=torch.uint8)
+        return m.make_export(m.unflatten(arena[self.offset:self.offset + m.nbytes]))
+
+
+@dataclass
+class HeldKV:
+    """A complete request lent in place by :meth:`KVReceiver.hold`: ``export`` is views of
+    the arena; its region is the receiver's again once :meth:`release` is called (a
+    context manager releases on exit)."""
+
+    export: Export
+    #: the region as another process opens it (None unless the arena is shared)
+    ref: RegionRef | None
+    _release: object
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+    def __enter__(self) -> "HeldKV":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class KVReceiver:
     """Receives requests' KV from the prefill ranks (module docstring).
 
     ``capacity_bytes``: the arena (the most KV in flight or waiting for :meth:`get`);
     ``fingerprint`` / ``dtype``: the model and dtype this decode side wants (None: any);
-    ``timeout_s``: how long an opened request may take to complete."""
+    ``timeout_s``: how long an opened request may take to complete; ``shared``: the
+    arena in a file other processes map (:class:`RegionRef`): True for a new name under
+    ``/dev/shm``, or the file's path (a caller that removes it if this process dies)."""
 
     def __init__(self, capacity_bytes: int, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
                  fingerprint: str | None = None, dtype: str | None = None, protocol: str = "tcp",
-                 device_name: str = "") -> None:
+                 device_name: str = "", shared: bool | str = False) -> None:
         self.timeout_s = timeout_s
         self.want = {"fingerprint": fingerprint, "dtype": dtype}
         self.engine = MooncakeEngine(host, protocol, device_name)
-        self.buffer = torch.zeros(capacity_bytes, dtype=torch.uint8)
+        self.path = shared if isinstance(shared, str) else shared_path() if shared else None
+        self.buffer = (torch.from_file(self.path, shared=True, size=capacity_bytes, dtype=torch.uint8) if shared
+                       else torch.zeros(capacity_bytes, dtype=torch.uint8))
         self.base = self.engine.register(self.buffer)
         self._arena = _Arena(capacity_bytes)
         self._requests: dict[str, _Request] = {}
@@ -109,6 +167,16 @@ class KVReceiver:
         error (SenderDied, TransferFailed, TransferTimeout) if it failed, and
         TransferTimeout if it is not complete within ``timeout_s`` (default: the
         receiver's)."""
+        with self.hold(request_id, timeout_s) as held:
+            m = held.export.meta
+            layers: list[dict[str, torch.Tensor]] = [{} for _ in range(m.num_layers)]
+            for i, n in m.tensors():
+                layers[i][n] = held.export.tensor(i, n).clone()
+            return m.make_export(layers)
+
+    def hold(self, request_id: str, timeout_s: float | None = None) -> HeldKV:
+        """The request once complete, lent in place: views of the arena (no copy), its region
+        kept until :meth:`HeldKV.release` (then reused). Errors as :meth:`get`."""
         wait = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait
         with self._cond:
@@ -119,15 +187,23 @@ class KVReceiver:
                         del self._requests[request_id]
                     raise req.error_type(f"request {request_id!r}: {req.error}")
                 if req is not None and req.complete:
-                    export = self._copy_out(req)
                     del self._requests[request_id]
-                    self._arena.give(req.offset, req.meta.nbytes)
-                    return export
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     state = "never opened" if req is None else f"{len(req.done)} of {req.senders} parts arrived"
                     raise TransferTimeout(f"request {request_id!r} not complete within {wait:g}s ({state})")
                 self._cond.wait(left)
+        m = req.meta
+        export = m.make_export(m.unflatten(self.buffer[req.offset:req.offset + m.nbytes]))
+        ref = None if self.path is None else RegionRef(self.path, req.offset, m.to_dict())
+
+        def release() -> None:
+            with self._cond:
+                self._arena.give(req.offset, m.nbytes)
+                self._cond.notify_all()
+
+        return HeldKV(export, ref, release)
 
     def completed(self) -> list[str]:
         """Ids of the requests ready for :meth:`get`."""
@@ -140,18 +216,17 @@ class KVReceiver:
             return self._arena.free_bytes
 
     def close(self) -> None:
+        """Stop accepting; a shared arena's file is removed (a process that mapped it keeps
+        its mapping)."""
         self._closed = True
         try:
             self._server.close()
         except OSError:
             pass
+        if self.path is not None and os.path.exists(self.path):
+            os.unlink(self.path)
 
     # ---- serving -----------------------------------------------------------------------
-    def _copy_out(self, req: _Request) -> Export:
-        m = req.meta
-        views = m.unflatten(self.buffer[req.offset:req.offset + m.nbytes])
-        return m.make_export([{n: t.clone() for n, t in ts.items()} for ts in views])
-
     def _accept(self) -> None:
         while not self._closed:
             try:

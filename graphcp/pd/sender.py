@@ -24,7 +24,6 @@ import torch
 from graphcp.errors import ConfigError
 from graphcp.pd.control import Channel, connect
 from graphcp.pd.errors import ReceiverDied, ReceiverUnreachable, TransferFailed, TransferTimeout
-from graphcp.pd.heads import head_owners
 from graphcp.pd.mooncake import MooncakeEngine
 
 
@@ -105,10 +104,10 @@ class KVSender:
         meta = engine.kv_meta(handle)  # either format: the runs come from its layout (graphcp.pd.layout)
         # the spans this rank owns in its CP group (under pipeline stages: of its stage's layers)
         source = engine.parts.kv_source  # the cache, or what reads a family's cache state
-        heads = _heads_written(engine, meta)
+        shard = _shard(engine)
         local = _local(handle)  # (under attention DP: None on the ranks of the replicas that do not hold it)
         mine = [s for s in source.kv_spans(local, engine.parts.group.size) if s.owner == engine.rank] \
-            if heads != (0, 0) and local is not None else []
+            if shard != (0, 0) and local is not None else []
         self.channel.send(op="open", id=rid, rank=self.rank, senders=self.cp_size, meta=meta.to_dict())
         base = int(self._reply(rid, ("region", "refused", "failed"), "region")["addr"])
         staging = self._stage(sum(meta.nbytes_of(s.layer, n, s.num_tokens) for s in mine
@@ -121,9 +120,8 @@ class KVSender:
                 nb = t.numel() * dtype.itemsize
                 staging[pos:pos + nb].copy_(t.to(dtype).contiguous().view(-1).view(torch.uint8))
                 runs = meta.span_runs(span.layer, name, span.start, span.num_tokens)
-                if heads is not None:  # this rank's KV heads: their runs (graphcp-kv/1: one run a head)
-                    first, count = heads
-                    runs = [(s_off - first * n, d_off, n) for s_off, d_off, n in runs[first:first + count]]
+                if shard is not None:  # this attention-TP rank's rows of the tensor
+                    runs = shard_runs(meta, span.layer, name, runs, *shard)
                 for s_off, d_off, n in runs:
                     src.append(self._staging_addr + pos + s_off)
                     dst.append(base + d_off)
@@ -140,7 +138,7 @@ class KVSender:
             except ReceiverDied:
                 pass
             raise type(e)(f"{e}; the KV is still in the prefill engine") from None
-        self.channel.send(op="done", id=rid, rank=self.rank, bytes=pos)
+        self.channel.send(op="done", id=rid, rank=self.rank, bytes=sum(lengths))
 
     def _wait_ack(self, rid: str) -> None:
         self._reply(rid, ("ack", "failed"), "acknowledgement")
@@ -161,19 +159,34 @@ def _local(handle):
     return getattr(handle, "local", handle)
 
 
-def _heads_written(engine, meta) -> tuple[int, int] | None:
-    """Under attention TP, which of the model's KV heads this rank writes of its spans:
-    ``(first, count)`` of its head shard; ``(0, 0)``: none (another attention-TP rank
-    writes the same: a KV head replicated over ranks, or a format every rank holds
-    whole, which attention-TP rank 0 writes); None: whole tensors (no attention TP)."""
+def _shard(engine) -> tuple[int, int] | None:
+    """Under attention TP, ``(size, rank)`` of this rank's attention-TP group when the
+    format splits its tensors by head (:func:`shard_runs` says which rows it writes);
+    ``(0, 0)``: nothing (a format every rank holds whole, which attention-TP rank 0
+    writes); None: whole tensors (no attention TP, or rank 0 of a whole format)."""
     p = engine.parts
     a, A = p.mesh.attn_tp.rank, p.mesh.attn_tp.size
     if A == 1:
         return None
     if not p.family.export_splits_heads:
         return None if a == 0 else (0, 0)
-    H = meta.num_kv_heads  # (a format whose heads split: graphcp-kv/1)
-    if a not in head_owners(A, H):
-        return (0, 0)
-    local = p.attn_cfg.num_kv_heads
-    return (a * local, local) if H >= A else (a * H // A, 1)
+    return A, a
+
+
+def shard_runs(meta, layer: int, name: str, runs: list[tuple[int, int, int]], size: int,
+               rank: int) -> list[tuple[int, int, int]]:
+    """The runs of attention-TP rank ``rank``'s share of tensor ``name`` (``runs``: the whole
+    tensor's span, one a row along dim 0, before the token dimension, or a state's one run,
+    cut into its rows here): its local row ``j``
+    is the whole tensor's row the format's ``take_heads`` gives it (K/V heads, a hybrid's
+    conv channels and recurrent heads), written unless a lower rank holds the same row
+    (a KV head replicated over ranks: its first holder writes it)."""
+    count = meta.tensor_shape(layer, name)[0]
+    if len(runs) == 1 and count > 1:  # a whole tensor (a state) in one run: a run a row
+        (s, d, n), = runs
+        runs = [(o * (n // count), d + o * (n // count), n // count) for o in range(count)]
+    rows = torch.arange(len(runs)).view(-1, 1)
+    mine = meta.take_heads(layer, name, rows, size, rank).view(-1).tolist()
+    earlier = {r for b in range(rank) for r in meta.take_heads(layer, name, rows, size, b).view(-1).tolist()}
+    n = runs[0][2] if runs else 0
+    return [(j * n, runs[r][1], n) for j, r in enumerate(mine) if r not in earlier]

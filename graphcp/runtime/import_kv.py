@@ -121,17 +121,18 @@ class Importer:
 
     def _write(self, exported, handle: KVHandle) -> None:
         """Every layer this rank keeps: its positions (the placement's) of a token layer, a
-        per-request state whole, each in this rank's heads under attention TP."""
+        layer the source takes whole (a per-request state, a DeepSeek V4 layer's state)
+        whole, each in this rank's heads under attention TP."""
         p, kv = self.parts, self.parts.kv
+        sink = p.kv_source  # the cache, or its family's reader and writer of it
         meta, device = exported.meta, p.device
         held = handle.positions(kv.rank)
         positions, runs = torch.from_numpy(held), position_runs(held)
         partial = hasattr(exported, "read_runs")  # a file: read only these positions
         tp = p.mesh.attn_tp
         split = tp.size > 1 and p.family.export_splits_heads
-        state_layers = kv.storage.state_layers
         for layer in kv.storage.held.held:
-            whole = layer in state_layers
+            whole = sink.imports_whole(layer)
             values = []
             for name in meta.layer_tensors(layer):
                 if whole:
@@ -144,7 +145,7 @@ class Importer:
                 if split:
                     t = meta.take_heads(layer, name, t, tp.size, tp.rank)
                 values.append(t.to(device))
-            kv.write_import(handle, layer, tuple(values))
+            sink.write_import(handle, layer, tuple(values))
 
     def _replica_import(self, exported) -> ReplicaHandle:
         """Under attention DP: the request lands on one replica, the one with the most free

@@ -229,3 +229,23 @@ class DsV4Storage(Storage):
             if kind == CSA:
                 out["index_entries"] = self.index_entries(layer).flatten(0, 1).index_select(0, es)
         return out
+
+    def write_tokens(self, handle: KVHandle, layer: int, rows: dict[str, torch.Tensor], window_from: int,
+                     sources_from: int) -> None:
+        """The inverse of :meth:`read_tokens` (an import): ``rows["window"]`` to positions
+        ``[window_from, T)``, and in a compressed layer ``rows["sources"]`` to positions
+        ``[sources_from, T)`` and ``rows["entries"]`` (and CSA ``rows["index_entries"]``) to
+        entries ``0..T // m``; a live handle of this cache's, just reserved."""
+        dev = self.pool.device
+        T = handle.num_tokens
+        pages = torch.tensor(handle.pages, dtype=torch.long, device=dev)
+        slots = self.token_slots(pages, torch.arange(window_from, T, device=dev))
+        self.window(layer).flatten(0, 1).index_copy_(0, slots, rows["window"])
+        kind = self.kind(layer)
+        if kind in (CSA, HCA):
+            slots = self.token_slots(pages, torch.arange(sources_from, T, device=dev))
+            self.sources(layer).flatten(0, 1).index_copy_(0, slots, rows["sources"])
+            es = self.entry_slots(layer, pages, torch.arange(T // self.cfg.compress_rate(layer), device=dev))
+            self.entries(layer).flatten(0, 1).index_copy_(0, es, rows["entries"])
+            if kind == CSA:
+                self.index_entries(layer).flatten(0, 1).index_copy_(0, es, rows["index_entries"])

@@ -10,12 +10,19 @@ never the whole request's rows. The overlap gates add the layer's ``position_bia
 
 Each layer is one span of the whole request: read on any rank of a replicated cache,
 on the layer's owner under LayerSplit (and sent from there, as any other span).
+
+An import (``engine.import_kv``) is the inverse (:meth:`DsV4Source.write_import`): the
+window rows, the entries and the source rows the next poolings read are written where
+a prefill of the request would have written them. The overlap gates travel with the
+bias added in float32 (transformers' state); subtracting it back rounds once, so the
+pooled gate of the first window closing after an import is within one float32 rounding
+of the prefilled engine's (every other row is written bit for bit).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -93,6 +100,51 @@ class DsV4Source:
                 out[prefix + "overlap_kv"] = kv[:m, :width].contiguous()
                 out[prefix + "overlap_gate"] = gate[:m, :width].float() + bias[:, :width].float()
         return out
+
+    # ---- an import (PrefillEngine.import_kv): transformers' state back into the pools -----
+    def imports_whole(self, layer: int) -> bool:
+        return True  # a layer's state is not one row a token
+
+    def write_import(self, handle: KVHandle, layer: int, values: Sequence[torch.Tensor]) -> None:
+        """Layer ``layer``'s tensors (:meth:`read_span`'s, of the whole request) into the
+        pools, as if this engine had prefilled the request: the window rows of the last
+        ``sliding_window - 1`` positions, the entries, and the source rows the next
+        poolings read (the remainder's both series; CSA: the last closed window's first
+        series, its gate less the ``position_bias`` the export added). What no later read
+        needs is not written: older window rows, older source rows and the second series
+        of the last closed window (a CSA entry pools the previous window's first series
+        and its own window's second)."""
+        spec, T = self.storage.cfg, handle.num_tokens
+        kind = spec.layer_kinds[layer]
+        state = dict(zip(layer_tensor_names(kind, T, spec.compress_csa), values, strict=True))
+        window = state["window"]
+        rows = {"window": window}
+        m = spec.compress_rate(layer)
+        first = T
+        if m:
+            n = T // m
+            overlap = kind == CSA and n >= 1
+            first = (n - 1) * m if overlap else n * m
+            series = 2 if kind == CSA else 1
+            b = self.biases[layer]
+            parts = [("", spec.head_dim, b.compressor)]
+            if kind == CSA:
+                parts.append(("index_", spec.index_head_dim, b.indexer))
+            blocks = []
+            for prefix, width, bias in parts:
+                kv = window.new_zeros(T - first, series * width)
+                gate = torch.zeros_like(kv)
+                kv[n * m - first:] = state[prefix + "buffer_kv"]
+                gate[n * m - first:] = state[prefix + "buffer_gate"]
+                if overlap:
+                    kv[:m, :width] = state[prefix + "overlap_kv"]
+                    gate[:m, :width] = (state[prefix + "overlap_gate"].float() - bias[:, :width].float()).to(gate.dtype)
+                blocks += [kv, gate]
+            rows["sources"] = torch.cat(blocks, dim=1)
+            rows["entries"] = state["compressed_kv"]
+            if kind == CSA:
+                rows["index_entries"] = state["index_compressed_kv"]
+        self.storage.write_tokens(handle, layer, rows, T - window.shape[0], first)
 
 
 def export_source(cache: PagedKVCache, layers: Iterable[tuple[int, nn.Module]], sliding_window: int) -> DsV4Source:
