@@ -11,7 +11,11 @@ A request's new tokens are cut into *blocks* by the layout: zigzag's ``2C`` (ran
 2. **local pass**: each rank runs its blocks through the chunked gated delta rule
    with the augmented state (graphcp.model.hybrid.gdn): a block's map ``S_out = X S_in
    + Y`` and every token's output as a function of ``S_in``; a request's first block
-   from its known incoming state (the prefix's, or zero).
+   from its known incoming state (the prefix's, or zero). The decay is a per-head
+   scalar (Gated DeltaNet: ``g`` rows ``[rows, Hv]``) or per key channel (Kimi Delta
+   Attention: ``[rows, Hv, d_k]``, its rule graphcp.model.kimi_linear.kda): either way
+   the update is affine in the incoming state, so the scan is the same; the rule is the
+   kernels' (:class:`~graphcp.model.hybrid.kernels.LinearKernels`).
 3. **scan**: the maps are all-gathered (``C x 2R`` of ``[Hv, d_k, d_k + d_v]``, no
    matter how long the requests are) and every rank composes, per request in block
    order, each block's incoming state; its tokens' outputs are ``p S_in + o0``.
@@ -202,10 +206,11 @@ class LinearScan:
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The gated delta rule over this rank's blocks (float32 ``q``, ``k`` ``[nb, Hv, T,
-        d_k]`` and ``v`` ``[nb, Hv, T, d_v]``, zero past each block; ``g``, ``beta`` rows
-        ``[rows, Hv]``), the blocks' states composed across ranks; stores every request's
-        final state (after :meth:`convolve`). The outputs ``[rows, Hv, d_v]`` and the bytes
-        received."""
+        d_k]`` and ``v`` ``[nb, Hv, T, d_v]``, zero past each block; ``beta`` rows ``[rows,
+        Hv]``, the log decays ``g`` rows ``[rows, Hv]`` or, per key channel, ``[rows, Hv,
+        d_k]``: the kernels' rule takes them as blocks ``[nb, Hv, T(, d_k)]``), the blocks'
+        states composed across ranks; stores every request's final state (after
+        :meth:`convolve`). The outputs ``[rows, Hv, d_v]`` and the bytes received."""
         p = self.plan
         T = p.gather.shape[1]
         g, beta = (_blocks(x, self.gather, p.num_local, T) for x in (g, beta))
@@ -250,7 +255,8 @@ def compose(xs: torch.Tensor, ys: torch.Tensor, order: torch.Tensor,
 
 
 def _blocks(x: torch.Tensor, gather: torch.Tensor, num_blocks: int, length: int) -> torch.Tensor:
-    """Rows ``[rows, H, ...]`` as padded blocks ``[nb, H, T, ...]`` (padding rows zero)."""
+    """Rows ``[rows, H, ...]`` as padded blocks ``[nb, H, T, ...]`` (padding rows zero: a
+    zero log decay, per head or per channel, leaves the state as it is)."""
     rows = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
     out = rows.index_select(0, gather).view(num_blocks, length, *x.shape[1:])
     return out.movedim(1, 2)
