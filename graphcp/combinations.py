@@ -56,14 +56,14 @@ class Axis:
         if self.key in ("aux", "export", "draft", "decode"):
             return self.flag if flags else self.api
         if self.key == "model":
-            kind = {"dsa": "DSA", "moe": "MoE", "dsv4": "DeepSeek V4", "hybrid": "linear-attention hybrid"}.get(
-                value, "dense")
+            kind = {"dsa": "DSA", "moe": "MoE", "dsv4": "DeepSeek V4", "hybrid": "linear-attention hybrid",
+                    "kda": "KDA hybrid"}.get(value, "dense")
             return f"a {family} model ({kind})" if family else f"a {kind} model"
         return f"{self.flag} {value}" if flags else f"{self.api}={value!r}"
 
 
 AXES: dict[str, Axis] = {a.key: a for a in (
-    Axis("model", ("dense", "moe", "dsa", "dsv4", "hybrid"), "the model", "--model"),
+    Axis("model", ("dense", "moe", "dsa", "dsv4", "hybrid", "kda"), "the model", "--model"),
     Axis("dtype", ("float32", "bfloat16"), "RuntimeConfig.dtype", "--dtype"),
     Axis("layout", LAYOUTS, "RuntimeConfig.layout", "--layout"),
     Axis("graph", GRAPH_MODES, "RuntimeConfig.graph", "--graph"),
@@ -71,7 +71,8 @@ AXES: dict[str, Axis] = {a.key: a for a in (
          "--attention"),
     Axis("kv_cache", KV_CACHE_MODES, "RuntimeConfig.kv_cache", "--kv-cache"),
     Axis("exchange", EXCHANGES, "RuntimeConfig.exchange", "--exchange"),
-    Axis("moe", MOE_LAYOUTS, "RuntimeConfig.moe", "--moe", applies=("model", ("moe", "dsa", "dsv4", "hybrid"))),
+    Axis("moe", MOE_LAYOUTS, "RuntimeConfig.moe", "--moe",
+         applies=("model", ("moe", "dsa", "dsv4", "hybrid", "kda"))),
     Axis("pp", ("1", ">1"), "ParallelConfig.pp_size", "--pp"),
     Axis("attn_tp", ("1", ">1"), "attention TP", "--tp"),
     Axis("dp", ("1", ">1"), "ParallelConfig.dp_size", "--dp"),
@@ -129,6 +130,8 @@ def _off(key: str, value: str) -> bool:
 
 
 _RINGS = ("pass-kv", "pass-q")
+#: the KDA hybrids (Kimi Linear: KDA layers and MLA full layers)
+_KDA = ("kda",)
 _ALL_GATHER_CACHES = ("replicated", "layer-split")
 
 #: in the order a run's refusal is reported (the model's first: it names what cannot change)
@@ -173,6 +176,27 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("hybrid",)), ("decode", ("on",)),
             "a decode step of a linear-attention hybrid (each linear layer's state advanced a token) is not "
             "built yet", (("model", "dense"), ("model", "moe")), "not built yet"),
+    Refusal(("model", _KDA), ("kv_cache", ("sharded",)),
+            "MLA caches one latent row a token, not per-head K/V: a ring would move the all-gather's volume "
+            "(docs/dsa.md); LayerSplit cuts the pool instead",
+            (("kv_cache", "layer-split"), ("kv_cache", "replicated")), "LayerSplit serves instead"),
+    Refusal(("model", _KDA), ("attention", ("flashinfer", "trtllm", "triton")),
+            "a KDA hybrid's MLA layers (no indexer) attend on the torch latent-attention reference; the Triton "
+            "sparse-MLA kernel takes an indexer's selection and the other backends per-head K/V",
+            (("attention", "torch"),), "torch MLA only"),
+    Refusal(("model", _KDA), ("attn_tp", (">1",)),
+            "a KDA hybrid's MLA layers cache one latent head a token, so it runs attention TP 1 under CP, as the "
+            "DSA models do", (("attn_tp", "1"),), "MLA: one KV head"),
+    Refusal(("model", _KDA), ("layout", ("interleave",)),
+            "a KDA layer's recurrence is scanned over each rank's contiguous blocks; interleave's one-token blocks "
+            "would exchange a state map per token", (("layout", "zigzag"),), "a map per token"),
+    Refusal(("model", _KDA), ("draft", ("on",)),
+            "an EAGLE-3 draft caches per-head K/V as one more layer of the target's cache, which holds MLA latents "
+            "and KDA states", (("model", "dense"), ("model", "moe")), "MLA caches latents"),
+    Refusal(("model", _KDA), ("decode", ("on",)),
+            "a KDA hybrid's decode step (each KDA layer's state advanced a token, MLA over its latent cache) is "
+            "the hybrids' decode phase, issue 47's", (("model", "dense"), ("model", "moe")),
+            "issue 47"),
     Refusal(("dp", (">1",)), ("pp", (">1",)),
             "attention data parallelism under pipeline stages is not built yet", (("dp", "1"), ("pp", "1")),
             "not built yet"),
@@ -434,7 +458,7 @@ def _flag_text(key: str, values: tuple[str, ...]) -> str:
     """An axis's values as the command line says them, in a table cell."""
     a = AXES[key]
     if key == "model":
-        names = {"dsa": "DSA", "dsv4": "DeepSeek V4"}
+        names = {"dsa": "DSA", "dsv4": "DeepSeek V4", "kda": "KDA"}
         return f"{'/'.join(names.get(v, v) for v in values)} models"
     if key == "attn_tp":  # (--tp over --cp x --dp: docs/parallel.md)
         return " or ".join(f"attention TP {'> 1' if v == '>1' else v}" for v in values)
