@@ -15,20 +15,12 @@ from graphcp.model.kimi_linear import kernels
 
 
 class KdaExchange(HybridExchange):
-    """The hybrid's exchange with KDA's kernels, chosen for the cache's dtype on the first
-    forward (fla's kernels take the model's dtype for q/k/v, a float32 state), and MLA's
-    row store passed to the inner exchange."""
+    """The hybrid's exchange with KDA's kernels, and MLA's row store passed to the inner
+    exchange."""
 
     def __init__(self, inner, device: torch.device) -> None:
         super().__init__(inner, device)
-        self.kernels = kernels.select_kernels(device, None)
-        self._dtype: torch.dtype | None = None
-
-    def prepare(self, fwd: KVForward) -> None:
-        dtype = fwd.cache.pool.dtype
-        if dtype != self._dtype:
-            self.kernels, self._dtype = kernels.select_kernels(self.device, dtype), dtype
-        super().prepare(fwd)
+        self.kernels = kernels.select_kernels(device)
 
     def reserve(self, capacity: int, cache, layer: int, heads: int, dim: int, dtype: torch.dtype) -> None:
         self.inner.reserve(capacity, cache, layer, heads, dim, dtype)

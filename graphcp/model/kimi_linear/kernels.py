@@ -2,9 +2,8 @@
 reference (graphcp.model.kimi_linear.kda, any device), or on CUDA, where the ``linear``
 extra is installed (``pip install -e ".[linear]"``), fla-core's ``chunk_kda`` and
 causal-conv1d's ``causal_conv1d_fn`` (the hybrid family's binding,
-graphcp.model.hybrid.kernels: it dispatches on the input's and the weight's dtypes, so
-GLM-5-Next's float32 weight takes model-dtype rows). Each library is imported only
-when its kernel is built; :func:`select_kernels` takes each one that is there.
+graphcp.model.hybrid.kernels). Each library is imported only when its kernel is built;
+:func:`select_kernels` takes each one that is there.
 
 The calls, bound to fla-core 0.6's source (``fla/ops/kda/chunk.py``,
 ``fused_recurrent.py``; tests/test_kda_kernels.py binds them to the installed functions
@@ -12,14 +11,20 @@ where they import):
 
 - ``fla.ops.kda.chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=...,
   output_final_state=True)``: ``q``, ``k`` ``[B, T, H, K]`` (already l2-normalised, q
-  scaled: ``scale=1.0``) and ``v`` ``[B, T, H, V]`` in the model's dtype, ``g`` ``[B, T,
-  H, K]`` float32 log decays (``use_gate_in_kernel=False``: precomputed), ``beta`` ``[B,
-  T, H]`` float32, ``initial_state`` ``[B, H, K, V]`` float32 (fla asserts it); returns
-  ``(o [B, T, H, V], final [B, H, K, V] float32)``. The blocks are a batch of equal
-  (padded) length: no ``cu_seqlens``. ``K <= 256``; the augmented state's ``V = d_k + d_v``.
+  scaled: ``scale=1.0``) and ``v`` ``[B, T, H, V]``, ``g`` ``[B, T, H, K]`` log decays
+  (``use_gate_in_kernel=False``: precomputed), ``beta`` ``[B, T, H]``, ``initial_state``
+  ``[B, H, K, V]`` float32 (fla asserts it); returns ``(o [B, T, H, V]`` in v's dtype,
+  ``final [B, H, K, V]`` float32). The blocks are a batch of equal (padded) length: no
+  ``cu_seqlens``. ``K <= 256``; the augmented state's ``V = d_k + d_v``.
 - ``fla.ops.kda.fused_recurrent_kda(q, k, v, g, beta, scale=1.0, initial_state=...,
   output_final_state=True)``: the same layouts for one token ``T = 1`` (a decode step's
   state step, :attr:`KdaKernels.step`).
+
+Everything goes in float32, as the Gated DeltaNet path's does: the scan's augmented pass
+returns each token's output as ``p S_in + o0``, and with the model's bfloat16 q/k/v (and
+so a bfloat16 ``o``) those two terms round before they combine. Through fakes of fla's
+contract at CP 2 that was 3.7e-2 from the torch path on the tests' tiny model (the
+suite's bound: 2e-2); in float32 the kernels agree with it within 1e-5.
 """
 
 from __future__ import annotations
@@ -46,29 +51,27 @@ class KdaKernels(LinearKernels):
 TORCH = KdaKernels("torch", chunk_kda, kda_conv, recurrent_kda)
 
 
-def fla_rule(dtype: torch.dtype):
-    """fla-core's ``chunk_kda`` on graphcp's ``[B, H, T, d]`` float32 blocks: q/k/v in the
-    model's ``dtype``, the decays, betas and state float32; outputs back in float32."""
+def fla_rule():
+    """fla-core's ``chunk_kda`` on graphcp's ``[B, H, T, d]`` float32 blocks (transposed to
+    fla's ``[B, T, H, d]`` and back)."""
     from fla.ops.kda import chunk_kda as fla
 
     def rule(q, k, v, g, beta, initial):
-        q, k, v = (x.transpose(1, 2).to(dtype).contiguous() for x in (q, k, v))
-        o, final = fla(q, k, v, g.transpose(1, 2).contiguous(), beta.transpose(1, 2).contiguous(), scale=1.0,
+        o, final = fla(*(x.transpose(1, 2).contiguous() for x in (q, k, v, g, beta)), scale=1.0,
                        initial_state=initial.contiguous(), output_final_state=True)
-        return o.transpose(1, 2).float(), final
+        return o.transpose(1, 2), final
 
     return rule
 
 
-def fla_step(dtype: torch.dtype) -> Step:
-    """fla-core's ``fused_recurrent_kda`` for one token ``[B, H, d]`` (a decode step)."""
+def fla_step() -> Step:
+    """fla-core's ``fused_recurrent_kda`` for one float32 token ``[B, H, d]`` (a decode step)."""
     from fla.ops.kda import fused_recurrent_kda as fla
 
     def step(q, k, v, g, beta, state):
-        q, k, v = (x[:, None].to(dtype).contiguous() for x in (q, k, v))
-        o, final = fla(q, k, v, g[:, None].contiguous(), beta[:, None].contiguous(), scale=1.0,
+        o, final = fla(*(x[:, None].contiguous() for x in (q, k, v, g, beta)), scale=1.0,
                        initial_state=state.contiguous(), output_final_state=True)
-        return o[:, 0].float(), final
+        return o[:, 0], final
 
     return step
 
@@ -81,15 +84,15 @@ def _built(build: Callable[[], Callable], fallback: Callable) -> tuple[Callable,
         return fallback, False
 
 
-def select_kernels(device: torch.device, dtype: torch.dtype | None) -> KdaKernels:
+def select_kernels(device: torch.device) -> KdaKernels:
     """On CUDA: fla-core's ``chunk_kda`` (and its recurrent step) and causal-conv1d's
     convolution where they import (each on its own), else the torch reference; the torch
-    reference elsewhere. ``dtype``: the model's (fla's q/k/v); None: not known yet."""
-    if torch.device(device).type != "cuda" or dtype is None:
+    reference elsewhere."""
+    if torch.device(device).type != "cuda":
         return TORCH
-    rule, fla = _built(lambda: fla_rule(dtype), TORCH.rule)
+    rule, fla = _built(fla_rule, TORCH.rule)
     conv, c1d = _built(causal_conv1d_conv, TORCH.conv)
     if not (fla or c1d):
         return TORCH
     names = [n for n, ok in (("fla", fla), ("causal-conv1d", c1d)) if ok]
-    return KdaKernels("+".join(names), rule, conv, fla_step(dtype) if fla else TORCH.step)
+    return KdaKernels("+".join(names), rule, conv, fla_step() if fla else TORCH.step)
