@@ -29,7 +29,15 @@ from graphcp.cp import make_layout
 from graphcp.dist import launch
 from graphcp.model.hybrid.gdn import augmented_rule
 from graphcp.model.hybrid.scan import LinearPlan, _blocks, compose
-from graphcp.model.kimi_linear.kda import chunk_kda, forget_gate, gated_norm, query_key, recurrent_kda
+from graphcp.model.kimi_linear.kda import (
+    chunk_kda,
+    conv_step,
+    forget_gate,
+    gated_norm,
+    kda_conv,
+    query_key,
+    recurrent_kda,
+)
 from graphcp.runtime.capture.buckets import BucketSet
 
 LENS = [1, 7, 45, 600]
@@ -120,6 +128,41 @@ def test_the_kda_math_is_transformers():
         norm.weight.copy_(1 + 0.2 * torch.randn(dk, generator=g))
         core, z = torch.randn(5, H, dk, generator=g).bfloat16(), torch.randn(5, H, dk, generator=g).bfloat16()
         assert torch.equal(gated_norm(core, z, norm.weight, 1e-5), norm(core, z))
+
+
+@pytest.mark.parametrize("dtype,weight_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                                ("bfloat16", "float32")])
+def test_the_convolution_its_step_and_the_bounded_gate_are_transformers(dtype, weight_dtype):
+    """The short convolution over a block after its halo and the one-token step a decode
+    step runs (a float32 weight over bfloat16 rows: GLM-5-Next keeps its convolution so),
+    and the forget gate with GLM-5-Next's ``linear_lower_bound``."""
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextForgetGate
+    from transformers.models.kimi_linear.modeling_kimi_linear import causal_conv1d_fn, causal_conv1d_update
+
+    g = torch.Generator().manual_seed(2)
+    C, K, T = 12, 4, 9
+    x = torch.randn(1, C, T, generator=g).to(getattr(torch, dtype))
+    w = (torch.randn(C, K, generator=g) * K ** -0.5).to(getattr(torch, weight_dtype))
+    want = causal_conv1d_fn(x, w, activation="silu")
+    rows = x.transpose(1, 2)
+    got = kda_conv(rows[:, 3:], rows[:, :3], w)  # a block after its 3-row halo
+    # (float32: F.conv1d sums the taps in its own order; bfloat16 rounds to the same values)
+    assert rel_err(got.float(), want.transpose(1, 2)[:, 3:].float()) <= 1e-6
+    state = x[:, :, T - K:T - 1].clone()  # the conv state before the last token (oldest first)
+    step = causal_conv1d_update(x[:, :, -1:], state, w, activation="silu")
+    window = torch.cat([x[:, :, T - K:T - 1], x[:, :, -1:]], -1).transpose(1, 2)
+    assert rel_err(conv_step(window, w).float(), step[:, :, 0].float()) <= 1e-6
+
+    from transformers import Glm5NextTextConfig
+
+    cfg = Glm5NextTextConfig(hidden_size=32, linear_head_dim=8, linear_num_heads=2, linear_lower_bound=-5.0)
+    gate = Glm5NextTextForgetGate(cfg)
+    with torch.no_grad():
+        for p in gate.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        h = torch.randn(1, 5, 32, generator=g)
+        got = forget_gate(gate.f_b_proj(gate.f_a_proj(h[0])), gate.dt_bias, gate.A_log, 2, lower_bound=-5.0)
+        assert torch.equal(got, gate(h)[0])
 
 
 def test_the_scan_composes_every_block_with_per_channel_decays():
