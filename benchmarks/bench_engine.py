@@ -79,7 +79,7 @@ def test_eager_prefill_baseline(benchmark, engine):
     benchmark.extra_info.update(tokens=1024, requests=4, model="default", dtype="float32")
     last = benchmark.pedantic(_graphcp_fn(engine, toks), rounds=7, warmup_rounds=1, iterations=1)
     assert last.shape == (4, engine.cfg.vocab_size) and torch.isfinite(last).all()
-    assert engine.kv.num_free_pages == engine.kv.num_pages - 1
+    assert engine.parts.kv.num_free_pages == engine.parts.kv.num_pages - 1
 
 
 @pytest.mark.parametrize(

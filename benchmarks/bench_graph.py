@@ -53,25 +53,25 @@ def test_plan_and_fill_16_requests_cp8(benchmark, host_engine, kind):
     batches = []
     for seed in (1, 2):
         lens = _lens(kind, seed)
-        flat, _ = eng.preparer.validate(_requests(lens, seed))
+        flat, _ = eng.parts.preparer.validate(_requests(lens, seed))
         extend = np.asarray(lens, dtype=np.int64)
         prefix = np.random.default_rng(seed).integers(0, 65, 16)
-        seq_ids = eng.kv.extend([None] * 16, (prefix + extend).tolist())  # prefix + new tokens reserved
+        seq_ids = eng.parts.kv.extend([None] * 16, (prefix + extend).tolist())  # prefix + new tokens reserved
         batches.append((extend, prefix, seq_ids, flat))
     turn = itertools.cycle(batches)
 
     def plan_and_fill():
         extend, prefix, seq_ids, flat = next(turn)
-        plan = eng.layout.plan(extend_lens=extend, prefix_lens=prefix)
-        prep = eng.preparer.rank_inputs(plan, seq_ids, flat)
-        eng.runner.fill(prep, eng.runner.select(plan.max_local_rows).capacity)
+        plan = eng.parts.layout.plan(extend_lens=extend, prefix_lens=prefix)
+        prep = eng.parts.preparer.rank_inputs(plan, seq_ids, flat)
+        eng.parts.runner.fill(prep, eng.parts.runner.select(plan.max_local_rows).capacity)
 
     benchmark.group = "host preparation"
     for _ in batches:  # the compiled kernels load (or compile) on first use: not what is timed
         plan_and_fill()
     benchmark(plan_and_fill)
     for extend, prefix, seq_ids, _ in reversed(batches):
-        eng.kv.rollback(seq_ids, (prefix + extend).tolist())
+        eng.parts.kv.rollback(seq_ids, (prefix + extend).tolist())
     benchmark.extra_info.update(tokens=[int(b[0].sum()) for b in batches], target_us=100)
 
 
@@ -85,9 +85,9 @@ def test_whole_host_preparation_16_requests_cp8(benchmark, host_engine, kind):
     eng = host_engine
 
     def prepare_and_fill():
-        prep = eng.preparer.prepare(reqs)
-        eng.runner.fill(prep, eng.runner.select(prep.plan.max_local_rows).capacity)
-        eng.preparer.abort(prep)
+        prep = eng.parts.preparer.prepare(reqs)
+        eng.parts.runner.fill(prep, eng.parts.runner.select(prep.plan.max_local_rows).capacity)
+        eng.parts.preparer.abort(prep)
 
     benchmark.group = "host preparation"
     prepare_and_fill()  # the compiled kernels load (or compile) on first use: not what is timed
@@ -122,7 +122,7 @@ def test_forward_default_model(benchmark, engines, path, shape):
         forward()
     info = {"host_ops_per_forward": c.count, "path": out.info.path}
     if out.info.path == "graph":
-        g = eng.runner.graphs[out.info.capacity].graph
+        g = eng.parts.runner.graphs[out.info.capacity].graph
         units = len(g.segments) + len(g.breaks)
         info.update(graph_segments=len(g.segments), graph_breaks=len(g.breaks), units=units)
         assert units <= 2 * eng.cfg.num_layers + 1  # one segment + one break per layer, plus the last segment

@@ -37,7 +37,7 @@ def _time_chunks(group, mode):
         # the next chunk extends the same prefix again: drop the new tokens (a fresh request)
         eng.release(prefix)
         prefix = eng.prefill([Request(rng.integers(0, eng.cfg.vocab_size, PREFIX))]).handles[0]
-    kv = eng.kv
+    kv = eng.parts.kv
     page_bytes = kv.pool[0, 0].numel() * kv.pool.element_size()
     fetch = []
     fetches = kv.prefix_pages([prefix]) is not None  # a cache that keeps only some layers

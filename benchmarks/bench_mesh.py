@@ -49,7 +49,7 @@ def _kv_job(group, tp: int):
     out = eng.prefill([Request(rng.integers(0, 8192, n)) for n in (1024, 640, 384)])
     st = eng.stats()
     f = st["forwards"][-1]
-    per_layer_stored = eng.kv.stored_tokens() * eng.kv.token_values(0) * eng.dtype.itemsize
+    per_layer_stored = eng.parts.kv.stored_tokens() * eng.parts.kv.token_values(0) * eng.dtype.itemsize
     return {"received": f["bytes_received_per_layer"], "capacity": out.info.capacity, "kv_heads": st["kv_heads"],
             "stored": per_layer_stored}
 

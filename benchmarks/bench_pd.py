@@ -48,12 +48,12 @@ def engine(tmp_path_factory):
     # the neighbours hold (scheduler quanta of ~100 ms per op), which is noise, not transport
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    eng.kv.pool.normal_()
+    eng.parts.kv.pool.normal_()
     return eng
 
 
 def _request(engine, n):
-    return engine.kv.handle(engine.kv.extend([None], [n])[0])
+    return engine.parts.kv.handle(engine.parts.kv.extend([None], [n])[0])
 
 
 def _record(benchmark, nbytes):

@@ -65,7 +65,7 @@ def _job(group, folders, cases):
         eng = mesh_engine(group, folders, BUCKETS, ParallelConfig(tp_size=tp, cp_size=cp, dp_size=dp), *case, AUX)
         out, one = _run(eng)
         assert all(isinstance(h, ReplicaHandle) for h in out.handles)
-        assert eng.kv.stored_tokens() == 0  # every handle released, the padding request's pages given back
+        assert eng.parts.kv.stored_tokens() == 0  # every handle released, the padding request's pages given back
         res.append((out.last_logits, out.logits, out.aux_hidden, out.info.path, out.info.stats["dp_assignment"],
                     [h.replica for h in out.handles], one.last_logits, one.logits, eng.stats()["mesh"]))
     return res
@@ -160,7 +160,7 @@ def _refusals(group, folder):
         except (ConfigError, BatchError, ConsistencyError) as e:
             errors.append(f"{type(e).__name__}: {e}")
     after = eng.prefill([Request([7, 8])])  # the refusals changed nothing; the engine still runs
-    return errors, eng.kv.stored_tokens(), after.last_logits
+    return errors, eng.parts.kv.stored_tokens(), after.last_logits
 
 
 def test_dp_refuses_what_is_not_built_and_agrees_on_a_refused_batch(hf_model_dir):
@@ -199,7 +199,7 @@ def _full_graph_fallback(group, folder):
         eng = PrefillEngine(folder, rt, group, BucketSet((16, 32), padding_factor=64.0),
                             ParallelConfig(tp_size=2, cp_size=1, dp_size=2))
         eng.capture()
-        stage, agreements = eng.dp.stage, []
+        stage, agreements = eng.parts.mesh.ffn, []  # the object the replicas agree over
         reduce, gather = stage.all_reduce_, stage.all_gather_rows
         # the stage's agreements
         stage.all_reduce_ = lambda x, op="sum": (agreements.append(f"all_reduce {op}"), reduce(x, op))[1]

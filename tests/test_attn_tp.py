@@ -96,7 +96,7 @@ def _job(group, folders, cases):
         st = eng.stats()
         last = st["forwards"][-1]
         res.append((out.last_logits, out.logits, out.aux_hidden, out.info.path,
-                    {k: st[k] for k in ("mesh", "kv_heads", "attn_tp_size")}, eng.kv.pool_bytes,
+                    {k: st[k] for k in ("mesh", "kv_heads", "attn_tp_size")}, eng.parts.kv.pool_bytes,
                     (last["bytes_received_per_layer"], out.info.capacity), export.k + export.v))
     return res
 

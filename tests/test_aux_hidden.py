@@ -55,18 +55,18 @@ def _job(group, cases):
 def _replay_bitwise(eng) -> bool:
     """The auxiliary rows a replay copied equal, bitwise, those of the same body run
     eagerly on the same bucket."""
-    prep = eng.preparer.prepare([Request(np.arange(40)), Request(np.arange(3))])
+    prep = eng.parts.preparer.prepare([Request(np.arange(40)), Request(np.arange(3))])
     try:
-        rows = eng.runner.prefill.synthetic_input(prep, np.random.default_rng(0))
-        cap = eng.runner.select(prep.plan.max_local_rows).capacity
-        if cap not in eng.runner.graphs:
-            eng.runner.capture_bucket(cap)
-        eng.runner.eager_on_bucket(prep, cap, rows)
-        want = eng.runner.aux_rows(cap).clone()
-        eng.runner.try_replay(prep, rows)
-        return bool(torch.equal(eng.runner.aux_rows(cap), want))
+        rows = eng.parts.runner.prefill.synthetic_input(prep, np.random.default_rng(0))
+        cap = eng.parts.runner.select(prep.plan.max_local_rows).capacity
+        if cap not in eng.parts.runner.graphs:
+            eng.parts.runner.capture_bucket(cap)
+        eng.parts.runner.eager_on_bucket(prep, cap, rows)
+        want = eng.parts.runner.aux_rows(cap).clone()
+        eng.parts.runner.try_replay(prep, rows)
+        return bool(torch.equal(eng.parts.runner.aux_rows(cap), want))
     finally:
-        eng.preparer.abort(prep)
+        eng.parts.preparer.abort(prep)
 
 
 @pytest.fixture(scope="module")
@@ -115,18 +115,18 @@ def test_a_subset_or_none_per_call_and_the_errors(reference):
     hidden = 256
     out = prefill_after_prefixes(eng, _batch(), aux_hidden_layers=[2])  # a subset of the captured layers
     assert out.info.path == "graph"
-    for captured in eng.runner.graphs.values():  # the copies add no break: one per layer (attention), as without
+    for captured in eng.parts.runner.graphs.values():  # the copies add no break: one per layer (attention), as without
         assert (len(captured.graph.segments), len(captured.graph.breaks)) == (5, 4)
     for got, want in zip(out.aux_hidden, reference["float32"]):
         assert rel_err(got, want[:, 2 * hidden:]) <= TOL["float32"]
     assert prefill_after_prefixes(eng, _batch(), aux_hidden_layers=[]).aux_hidden is None
-    before = eng.kv.snapshot()
+    before = eng.parts.kv.snapshot()
     for layers, msg in (([1], "layer 1, which the graphs do not copy"),
                         ([4], r"aux_hidden_layers\[0\] must be a decoder layer index in \[0, 4\), got 4"),
                         ([0, 0], "lists layer 0 twice"), ([-1], r"in \[0, 4\), got -1")):
         with pytest.raises(BatchError, match=msg):
             eng.prefill([Request(np.arange(5))], aux_hidden_layers=layers)
-    assert eng.kv.snapshot() == before  # refused before anything changed
+    assert eng.parts.kv.snapshot() == before  # refused before anything changed
     # graph off: any layer per call
     eager = PrefillEngine("default", RuntimeConfig(kv_tokens=2048))
     out = eager.prefill([Request(np.arange(5))], aux_hidden_layers=[1])

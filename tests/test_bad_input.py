@@ -44,9 +44,9 @@ def engine(model_dir) -> PrefillEngine:
 def clean(engine):
     """Fails the test if it leaves sequences behind; releases them either way."""
     yield engine
-    live = engine.kv.snapshot()[1]
+    live = engine.parts.kv.snapshot()[1]
     for sid, n, pages in live:
-        engine.kv.release(KVHandle(sid, n, pages, engine.kv.cache_id))
+        engine.parts.kv.release(KVHandle(sid, n, pages, engine.parts.kv.cache_id))
     assert not live, f"the test left live sequences: {live}"
 
 
@@ -58,7 +58,7 @@ class Unchanged:
     """Context manager: the allocator state and the pool contents are the same on exit."""
 
     def __init__(self, engine):
-        self.kv = engine.kv
+        self.kv = engine.parts.kv
 
     def __enter__(self):
         self.snap = self.kv.snapshot()
@@ -137,7 +137,7 @@ def test_request_longer_than_the_context(hf_model_dir):
     short = hf_model_dir("qwen2", False, "float32", max_position_embeddings=256)
     big = PrefillEngine(short, RuntimeConfig(page_size=PAGE))  # the default pool: 4 x the context
     ctx = big.max_context
-    assert ctx == 256 and big.kv.capacity_tokens > ctx
+    assert ctx == 256 and big.parts.kv.capacity_tokens > ctx
     _rejects(big, [Request(toks(3)), Request(toks(ctx + 1))], BatchError,
              rf"request 1: 0 cached \+ {ctx + 1} new tokens exceed the model's context of {ctx}")
     # counting a cached prefix too
@@ -148,7 +148,7 @@ def test_request_longer_than_the_context(hf_model_dir):
 
 
 def test_request_larger_than_the_pool(clean):
-    assert clean.kv.capacity_tokens == SMALL_POOL
+    assert clean.parts.kv.capacity_tokens == SMALL_POOL
     _rejects(clean, [Request(toks(SMALL_POOL + 1))], BatchError,
              rf"request 0: {SMALL_POOL + 1} tokens exceed the KV pool of {SMALL_POOL}")
 
@@ -160,7 +160,7 @@ def test_kv_cache_full_is_all_or_nothing(clean):
     held = clean.prefill([Request(toks(100))]).handles[0]  # pages_for(100) = 7 -> 9 free
     out = None
     try:
-        assert clean.kv.num_free_pages == 9
+        assert clean.parts.kv.num_free_pages == 9
         # 50 -> 4 pages, 65 -> 5, 100 + 13 = 113 -> 8 (1 more): 10 needed
         msg = _rejects(clean, [Request(toks(50)), Request(toks(65)), Request(toks(13), prefix=held)], KVCacheFull,
                        r"needs 10 more pages of 16 tokens, 9 are free")
@@ -168,14 +168,14 @@ def test_kv_cache_full_is_all_or_nothing(clean):
         # 50 -> 4, 80 -> 5, 100 + 12 = 112 -> 7 (0 more): exactly the 9 free pages
         out = clean.prefill([Request(toks(50)), Request(toks(80)), Request(toks(12), prefix=held)])
         held = out.handles[2]
-        assert clean.kv.num_free_pages == 0 and held.num_tokens == 112 and len(held.pages) == 7
+        assert clean.parts.kv.num_free_pages == 0 and held.num_tokens == 112 and len(held.pages) == 7
         _rejects(clean, [Request(toks(1), prefix=held)], KVCacheFull, r"needs 1 more pages of 16 tokens, 0 are free")
         _rejects(clean, [Request(toks(1))], KVCacheFull, r"0 are free")
     finally:
         for h in (out.handles[:2] if out is not None else []):
             clean.release(h)
         clean.release(held)
-    assert clean.kv.num_free_pages == 16
+    assert clean.parts.kv.num_free_pages == 16
 
 
 def _seq_kv(kv: PagedKVCache, h: KVHandle) -> torch.Tensor:
@@ -194,8 +194,8 @@ def test_failure_inside_the_forward_rolls_back(clean, monkeypatch):
     ref = clean.prefill([Request(full)], all_logits=True)
     clean.release(ref.handles[0])
     a = clean.prefill([Request(full[:30])]).handles[0]
-    snap = clean.kv.snapshot()
-    cached = _seq_kv(clean.kv, a).clone()
+    snap = clean.parts.kv.snapshot()
+    cached = _seq_kv(clean.parts.kv, a).clone()
 
     def boom(*args, **kw):
         raise RuntimeError("injected failure after the body")
@@ -204,8 +204,8 @@ def test_failure_inside_the_forward_rolls_back(clean, monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         clean.prefill([Request(toks(40)), Request(full[30:], prefix=a)], all_logits=True)
     monkeypatch.undo()
-    assert clean.kv.snapshot() == snap
-    assert torch.equal(_seq_kv(clean.kv, a), cached)
+    assert clean.parts.kv.snapshot() == snap
+    assert torch.equal(_seq_kv(clean.parts.kv, a), cached)
     b = clean.prefill([Request(full[30:], prefix=a)], all_logits=True)
     try:
         assert rel_err(b.logits[0], ref.logits[0][30:]) < 1e-5

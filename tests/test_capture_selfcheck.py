@@ -39,24 +39,24 @@ def _engine(model, group=None, dtype="float32", verify=None, kv_tokens=2048):
 def _baked_scalar(eng):
     """The body reads a Python number from the live metadata: capture bakes in the
     capture batch's (no rows), a CUDA graph would too."""
-    body = eng.model.body
+    body = eng.parts.model.body
 
     def patched(ids, pos, ctx, *stage_input):
         return body(ids, pos, ctx, *stage_input) + 0.01 * int(ctx.attn_meta.cu_seqlens_q_host[-1])  # the live row count
 
-    eng.model.body = patched
+    eng.parts.model.body = patched
 
 
 def _stale_buffer(eng):
     """The body builds a tensor from host data: made outside the recorded ops, so a
     replay reuses the capture-time one."""
-    body = eng.model.body
+    body = eng.parts.model.body
 
     def patched(ids, pos, ctx, *stage_input):
         lens = torch.tensor(ctx.attn_meta.kv_lens_host.astype(np.float32))
         return body(ids, pos, ctx, *stage_input) + lens.sum().to(ids.device) * 1e-2
 
-    eng.model.body = patched
+    eng.parts.model.body = patched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -64,10 +64,10 @@ def _stale_buffer(eng):
 def test_an_injected_capture_bug_is_a_capture_error(inject, dtype, model):
     eng = _engine(model, dtype=dtype)
     inject(eng)
-    free = eng.kv.snapshot()
+    free = eng.parts.kv.snapshot()
     with pytest.raises(CaptureError, match=r"self-check of bucket 64: .*hidden_out rows \[0, 1, 2"):
         eng.capture()
-    assert eng.kv.snapshot() == free  # the synthetic batch gave its pages back
+    assert eng.parts.kv.snapshot() == free  # the synthetic batch gave its pages back
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -86,12 +86,12 @@ def test_without_the_check_the_same_bug_returns_wrong_logits(dtype, model):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_correct_capture_passes_and_reports_its_cost(dtype, model):
     eng = _engine(model, dtype=dtype)
-    free = eng.kv.snapshot()
+    free = eng.parts.kv.snapshot()
     stats = eng.capture()
     assert [s.capacity for s in stats] == [64, 32]
     for s in stats:
         assert s.verify_skipped is None and s.verify_s is not None and s.verify_s > 0
-    assert eng.kv.snapshot() == free
+    assert eng.parts.kv.snapshot() == free
     # on by default for the trace backend only; the flag turns it off
     assert all(s.verify_s is None for s in _engine(model, verify=False).capture())
 
@@ -115,7 +115,7 @@ def test_lazy_capture_is_checked_too(model):
     _baked_scalar(eng)
     with pytest.raises(CaptureError, match="bucket 64"):
         eng.prefill([Request(np.arange(50))])
-    assert eng.kv.num_free_pages == eng.kv.num_pages - 1  # the user batch was rolled back too
+    assert eng.parts.kv.num_free_pages == eng.parts.kv.num_pages - 1  # the user batch was rolled back too
 
 
 def test_a_full_pool_skips_the_check_and_says_why(model):

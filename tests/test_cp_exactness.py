@@ -50,7 +50,7 @@ def _batches(vocab: int):
 def _job(group, model: str, layout: str, dtype: str):
     eng = PrefillEngine(model, RuntimeConfig(dtype=dtype, layout=layout, kv_tokens=4096), group)
     outs = [run_batch(eng, b) for b in _batches(eng.cfg.vocab_size)]
-    snapshot = eng.kv.snapshot()
+    snapshot = eng.parts.kv.snapshot()
     return [(o.last_logits, o.logits) for o in outs], snapshot
 
 

@@ -98,7 +98,7 @@ def conversation(engine: PrefillEngine, vocab: int):
                 logits[j].append(o.logits[j : j + 1])
             handles, tok = o.handles, o.logits.argmax(-1)
         last = tok.tolist()
-        held.append([tuple(h.local_tokens(r) for r in range(engine.kv.cp_size)) for h in handles])
+        held.append([tuple(h.local_tokens(r) for r in range(engine.parts.kv.cp_size)) for h in handles])
     for h in handles:
         engine.release(h)
     return seqs, [torch.cat(x) for x in logits], held, [h.num_tokens for h in handles]
@@ -123,7 +123,7 @@ def _job(group, folders: dict, cp: int) -> dict:
         if cp == 2 and mode != "layer-split":
             bf16 = _engine(folders["bfloat16"], group, mode, "bfloat16")
             out[mode, "bfloat16"] = greedy(bf16, _prompts(vocab), NEW, False)
-        out[mode, "stored"] = engine.kv.stored_tokens()
+        out[mode, "stored"] = engine.parts.kv.stored_tokens()
         out[mode, "steps"] = engine.stats()["decode_steps"]
     return out
 

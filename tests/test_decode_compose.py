@@ -64,12 +64,12 @@ def _refused(engine: PrefillEngine, pair: tuple[str, str]) -> None:
     out = engine.prefill([Request([1, 2, 3])])
     for name, call in (("PrefillEngine.decode", lambda: engine.decode(out.handles, [4])),
                        ("PrefillEngine.generate", lambda: engine.generate([[1, 2]], 3))):
-        snap = engine.kv.snapshot()
+        snap = engine.parts.kv.snapshot()
         with pytest.raises(ConfigError) as e:
             call()
         msg = str(e.value)
         assert "\n" not in msg and name in msg and rule.reason in msg, msg
-        assert engine.kv.snapshot() == snap
+        assert engine.parts.kv.snapshot() == snap
 
 
 def _mesh_refusals(group, folder) -> bool:

@@ -22,15 +22,15 @@ def _same_bucket(engine: PrefillEngine, lens, tokens) -> dict:
     """A prepared step replayed on its bucket, then the same step run eagerly on the same
     bucket from the same cache: the hidden rows and the pool after each, the launches."""
     out = engine.prefill([Request(np.arange(n) % 500 + 1) for n in lens])
-    dec = engine.decoder
+    dec = engine.parts.decoder
     step = dec.preparer.prepare(out.handles, tokens)
     try:
-        pool0 = engine.kv.pool.clone()
-        hidden, info = engine.runner.try_replay(step)
+        pool0 = engine.parts.kv.pool.clone()
+        hidden, info = engine.parts.runner.try_replay(step)
         bucket, launches, stats = info.bucket, info.launches, {"decode_merge": step.kv_plan}
-        got = (hidden.clone(), engine.kv.pool.clone())
-        engine.kv.pool.copy_(pool0)
-        want = (engine.runner.eager_on_bucket(step, bucket)[: len(lens)].clone(), engine.kv.pool.clone())
+        got = (hidden.clone(), engine.parts.kv.pool.clone())
+        engine.parts.kv.pool.copy_(pool0)
+        want = (engine.parts.runner.eager_on_bucket(step, bucket)[: len(lens)].clone(), engine.parts.kv.pool.clone())
     finally:
         dec.preparer.abort(step)
     for h in out.handles:
@@ -78,7 +78,7 @@ def test_a_step_larger_than_every_bucket_runs_eagerly_and_says_so(folders):
         assert (eager.info.path, eager.info.fallback) == ("eager", None)
         steps = engine.stats()["decode_steps"][-3:]
         assert [s["fallback"] for s in steps] == [None, "larger_than_every_bucket", None]
-        assert engine.decoder.graphs.fallbacks["larger_than_every_bucket"] == 1
+        assert engine.parts.decoder.graphs.fallbacks["larger_than_every_bucket"] == 1
         assert small.info.stats["pages"] == 1  # the requests' one page: the smallest page bucket
         assert engine.capture_decode(pages=1) == [1]  # the batch sizes not captured yet for one page
         assert engine.capture_decode() == [2, 1]  # nor for the widest
@@ -96,7 +96,7 @@ def test_the_page_bucket_holds_the_longest_share_within_twice():
 def _corrupt_first_replay(engine: PrefillEngine, rank: int) -> None:
     """Make every bucket captured on ``rank`` replay one value differently from eager
     (what a graph that kept something of its capture batch would do)."""
-    graphs, capture = engine.decoder.graphs, engine.runner.capture_bucket
+    graphs, capture = engine.parts.decoder.graphs, engine.parts.runner.capture_bucket
 
     def corrupted(key, phase):
         captured = capture(key, phase)
@@ -106,7 +106,7 @@ def _corrupt_first_replay(engine: PrefillEngine, rank: int) -> None:
             graph.replay = lambda ctx: (replay(ctx), graphs.buffers.hidden_out[1, 0].add_(1.0))
         return captured
 
-    engine.runner.capture_bucket = corrupted
+    engine.parts.runner.capture_bucket = corrupted
 
 
 def _self_check_job(group, folder: str, dtype: str, corrupt_rank: int | None) -> dict:
@@ -117,19 +117,19 @@ def _self_check_job(group, folder: str, dtype: str, corrupt_rank: int | None) ->
     out = engine.prefill([Request(np.arange(n) % 500 + 1) for n in (5, 33, 1)])
     if corrupt_rank is not None:
         _corrupt_first_replay(engine, corrupt_rank)
-    pool0 = engine.kv.pool.clone()
+    pool0 = engine.parts.kv.pool.clone()
     try:
         step = engine.decode(out.handles, [7, 8, 9])
     except CaptureError as e:
         # refused whole: the cache as before, and the same step then runs eagerly
-        same_pool = torch.equal(engine.kv.pool, pool0)
+        same_pool = torch.equal(engine.parts.kv.pool, pool0)
         eager = engine.decode(out.handles, [7, 8, 9], force_eager=True)
         return {"error": str(e), "same_pool": same_pool, "eager": eager.logits}
     eager_engine = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, graph="off", page_size=16, dtype=dtype,
                                                        kv_cache="sharded" if group.size > 1 else "replicated"), group)
     ref = eager_engine.decode(eager_engine.prefill([Request(np.arange(n) % 500 + 1) for n in (5, 33, 1)]).handles,
                               [7, 8, 9])
-    return {"path": step.info.path, "verified": sorted(engine.decoder.graphs.verified), "logits": step.logits,
+    return {"path": step.info.path, "verified": sorted(engine.parts.decoder.graphs.verified), "logits": step.logits,
             "eager": ref.logits}
 
 
@@ -165,16 +165,16 @@ def test_a_fill_waits_for_the_previous_fills_uploads_before_rewriting_its_host_b
     engine = PrefillEngine(folders["qwen3"], RuntimeConfig(kv_tokens=512, graph="breakable", page_size=16))
     out = engine.prefill([Request(np.arange(n) % 500 + 1) for n in (5, 33, 1)])
     copies = FakeCopyEngine()
-    graphs = DecodeGraphs(engine.body, (4,), staging=copies)
+    graphs = DecodeGraphs(engine.parts.body, (4,), staging=copies)
     seen = []
     for tokens in ([7, 8, 9], [10, 11, 12]):
-        step = engine.decoder.preparer.prepare(out.handles, tokens)
+        step = engine.parts.decoder.preparer.prepare(out.handles, tokens)
         try:
             view = graphs.fill(step, (4, graphs.pages(step)))
             copies.launch(lambda view=view: seen.append((view.input_ids.tolist(), view.kv_lens.tolist(),
                                                          graphs.buffers.page_table[:4, :4].clone())))
         finally:
-            engine.decoder.preparer.abort(step)
+            engine.parts.decoder.preparer.abort(step)
     copies.sync()
     assert [ids for ids, _, _ in seen] == [[7, 8, 9, 0], [10, 11, 12, 0]]
     assert seen[0][1] == seen[1][1] and seen[0][1][3] == 0 and min(seen[0][1][:3]) > 0  # lengths; inert row 0

@@ -124,10 +124,10 @@ def engines(hf_model_dir):
 
 
 def _refused(engine, handles, tokens, exc, match):
-    snap = engine.kv.snapshot()
+    snap = engine.parts.kv.snapshot()
     with pytest.raises(exc, match=match) as e:
         engine.decode(handles, tokens)
-    assert "\n" not in str(e.value) and engine.kv.snapshot() == snap
+    assert "\n" not in str(e.value) and engine.parts.kv.snapshot() == snap
 
 
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])
@@ -152,11 +152,11 @@ def test_bad_decode_steps_are_one_line_and_change_nothing(engines, mode):
         eng.release(b)
         _refused(eng, [a, b], [1, 2], KVHandleError, r"request 1: .*not live")
         assert eng.decode([a], [9]).handles[0].num_tokens == 5  # the refusals left it usable
-        a = eng.kv.handle(a.seq_id)
+        a = eng.parts.kv.handle(a.seq_id)
     finally:
         eng.release(a)
         other.release(foreign)
-    assert eng.kv.stored_tokens() == 0
+    assert eng.parts.kv.stored_tokens() == 0
 
 
 def test_a_request_at_the_models_context_is_refused(engines):
@@ -174,14 +174,14 @@ def test_a_request_at_the_models_context_is_refused(engines):
 def test_a_failure_inside_the_step_gives_the_token_back(engines, monkeypatch):
     eng = engines["sharded"]
     h = eng.prefill([Request([1, 2, 3, 4, 5])]).handles[0]
-    snap = eng.kv.snapshot()
+    snap = eng.parts.kv.snapshot()
 
     def boom(*a, **k):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(eng.model, "logits", boom)
+    monkeypatch.setattr(eng.parts.model, "logits", boom)
     with pytest.raises(RuntimeError, match="injected"):
         eng.decode([h], [3])
-    assert eng.kv.snapshot() == snap
+    assert eng.parts.kv.snapshot() == snap
     monkeypatch.undo()
     eng.release(eng.decode([h], [3]).handles[0])

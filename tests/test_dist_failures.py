@@ -26,7 +26,7 @@ def _killed_mid_forward(group, victim: int, layer: int, parallel: ParallelConfig
         def forward(*args, **kwargs):  # the victim is killed inside this layer of the forward
             os.kill(os.getpid(), signal.SIGKILL)
 
-        eng.model.layers[layer].forward = forward
+        eng.parts.model.layers[layer].forward = forward
     eng.prefill([Request(np.arange(100))], microbatches=microbatches)
     return "finished"
 
@@ -86,11 +86,11 @@ def test_a_dead_rank_of_stage_1_stops_every_other_rank_of_the_pipeline():
 def _different_batches(group):
     eng = PrefillEngine("default", RuntimeConfig(kv_tokens=2048), group)
     toks = np.arange(50) + group.rank  # rank 1's tokens differ
-    before = eng.kv.snapshot()
+    before = eng.parts.kv.snapshot()
     try:
         eng.prefill([Request(toks)])
     except ConsistencyError as e:
-        return str(e), eng.kv.snapshot() == before
+        return str(e), eng.parts.kv.snapshot() == before
     return None, None
 
 

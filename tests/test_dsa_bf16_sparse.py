@@ -63,7 +63,7 @@ def _tokens():
 def _record(eng: PrefillEngine) -> dict:
     """Wrap the backend's selected_blocks: every selection an indexer layer makes, by
     (layer, the request's first page, position)."""
-    att = eng.body.attention
+    att = eng.parts.body.attention
     inner, records = att.selected_blocks, {}
 
     def selected_blocks(layer, index_q, index_w, cache, device):

@@ -58,7 +58,7 @@ def _both_caches(group, runs):
         for mode in ("replicated", "layer-split"):
             eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=1024, kv_cache=mode), group)
             o = prefill_after_prefixes(eng, _batch(), all_logits=True)
-            res[mode] = (o.last_logits, o.logits, eng.stats()["kv_pool_bytes"], _pools(eng.kv.storage),
+            res[mode] = (o.last_logits, o.logits, eng.stats()["kv_pool_bytes"], _pools(eng.parts.kv.storage),
                          o.info.stats["bytes_received"])
         out.append(res)
     return out
@@ -93,11 +93,11 @@ def _graph_vs_eager(group, folder):
                         BUCKETS)
     eng.capture()  # each bucket self-checked (hidden rows and both pools) on a synthetic batch
     handles = [None if p is None else eng.prefill([Request(p)]).handles[0] for p, _ in _batch()]
-    prep = eng.preparer.prepare([Request(n, h) for (_, n), h in zip(_batch(), handles)])
-    sel = eng.runner.select(prep.plan.max_local_rows)
-    same_bucket = eng.runner.eager_on_bucket(prep, sel.capacity).clone()
-    hidden, info = eng.runner.try_replay(prep)
-    eng.preparer.abort(prep)
+    prep = eng.parts.preparer.prepare([Request(n, h) for (_, n), h in zip(_batch(), handles)])
+    sel = eng.parts.runner.select(prep.plan.max_local_rows)
+    same_bucket = eng.parts.runner.eager_on_bucket(prep, sel.capacity).clone()
+    hidden, info = eng.parts.runner.try_replay(prep)
+    eng.parts.preparer.abort(prep)
     graph = prefill_after_prefixes(eng, _batch())
     ref = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, graph="breakable"), group, BUCKETS)
     rg = prefill_after_prefixes(ref, _batch())

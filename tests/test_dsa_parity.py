@@ -188,7 +188,7 @@ def test_topk_matters_and_ties_occur(folders):
     folder = folders["deepseek_v32-yarn"]
     eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=2048, moe="tp"))
     refs = _reference(folder, "float32")
-    eng.body.attention.selector = _last_k
+    eng.parts.body.attention.selector = _last_k
     logits, stats, _ = _prefill(eng, "float32")
     errs = [rel_err(g, r) for g, r in zip(logits, refs)]
     assert min(errs[0], errs[2]) > 1e-2, errs  # the sparse requests are wrong
@@ -196,7 +196,7 @@ def test_topk_matters_and_ties_occur(folders):
     assert stats[STAT_ROWS] > 0
 
     eng = PrefillEngine(folders["deepseek_v32-ties"], RuntimeConfig(kv_tokens=2048, moe="tp"))
-    eng.body.attention.selector = rec = _Recording()
+    eng.parts.body.attention.selector = rec = _Recording()
     _prefill(eng, "float32")
     assert rec.tied_rows > 10, rec.tied_rows
 
@@ -245,7 +245,7 @@ def test_cache_holds_the_latent_rope_key_and_indexer_key_of_transformers(case, f
     cache = model(input_ids=full, use_cache=True).past_key_values
     indexer = eng.cfg.dsa.indexer_layers
     for layer in range(eng.cfg.num_layers):
-        got, ref = eng.kv.storage.read_tokens(h, layer), cache.layers[layer]
+        got, ref = eng.parts.kv.storage.read_tokens(h, layer), cache.layers[layer]
         assert got["latent"].shape == (full.shape[1], eng.cfg.dsa.kv_lora_rank)
         assert rel_err(got["latent"], ref.keys[0, 0]) < 1e-5, (case, layer)
         # transformers lists the rotated pairs' first members, then the second ones
@@ -301,21 +301,21 @@ def test_replay_equals_the_same_bucket_eager_body_bitwise(folders, dtype, moe):
     assert all(s.breaks == eng.cfg.num_layers for s in stats), [vars(s) for s in stats]
     toks, prefix, ext = _tokens("float32")
     h = eng.prefill([Request(prefix)]).handles[0]
-    prep = eng.preparer.prepare([Request(ext, h)] + [Request(t) for t in toks])
-    sel = eng.runner.select(prep.plan.max_local_rows)
-    pools = eng.kv.page_pools()
+    prep = eng.parts.preparer.prepare([Request(ext, h)] + [Request(t) for t in toks])
+    sel = eng.parts.runner.select(prep.plan.max_local_rows)
+    pools = eng.parts.kv.page_pools()
     before = {n: p.clone() for n, p in pools.items()}
-    want = eng.runner.eager_on_bucket(prep, sel.capacity).clone()
+    want = eng.parts.runner.eager_on_bucket(prep, sel.capacity).clone()
     want_pools = {n: p.clone() for n, p in pools.items()}
     for n, p in pools.items():
         p.copy_(before[n])
-    got, info = eng.runner.try_replay(prep)
+    got, info = eng.parts.runner.try_replay(prep)
     assert info.path == "graph" and sel.capacity == 256
     assert torch.equal(got, want)
     assert set(pools) == {"latent_cache", "index_key_cache"}
     assert all(torch.equal(pools[n], want_pools[n]) for n in pools)
     assert any(not torch.equal(pools[n], before[n]) for n in pools)  # the batch wrote the caches
-    eng.preparer.abort(prep)
+    eng.parts.preparer.abort(prep)
 
 
 @torch.inference_mode()

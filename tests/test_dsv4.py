@@ -69,7 +69,7 @@ def _tokens():
 
 def _record(eng: PrefillEngine) -> dict:
     """Every selection the indexer makes: (layer, the request's first page, position) -> entries."""
-    att, records = eng.body.attention, {}
+    att, records = eng.parts.body.attention, {}
     inner = att.select
 
     def select(layer, group, on_device, block, pos, seen, iq, iw, ik):
@@ -218,10 +218,10 @@ def test_routing_and_selection_matter(folders):
     for wrong in ("tid2eid", "topk"):
         eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=2048, page_size=8))
         if wrong == "tid2eid":
-            table = eng.model.layers[0].mlp.router.tid2eid
+            table = eng.parts.model.layers[0].mlp.router.tid2eid
             table.copy_(table.roll(1, dims=0))
         else:  # each row's first index_topk entries instead of the indexer's choice
-            att = eng.body.attention
+            att = eng.parts.body.attention
             inner = att.select
 
             def first_k(*args, inner=inner, topk=att.spec.index_topk):
@@ -324,8 +324,8 @@ def _mesh_job(group, folder, parallel, dtype: str, graph: str, moe: str, kv_cach
     o = prefill_after_prefixes(eng, batch, all_logits=True, microbatches=microbatches)
     one = eng.prefill([Request(np.arange(9))], all_logits=True)
     pool = eng.stats()["kv_pool_bytes"]
-    assert pool == pool_bytes(eng.cfg, rt, pool_pages(rt, eng.cfg), eng.stage.layers, eng.group.rank,
-                              eng.group.size), (kv_cache, group.rank)
+    assert pool == pool_bytes(eng.cfg, rt, pool_pages(rt, eng.cfg), eng.parts.model.stage.layers, eng.parts.group.rank,
+                              eng.parts.group.size), (kv_cache, group.rank)
     exports = [eng.export_kv(h, dst) for h in o.handles] if parallel.dp_size == 1 else None  # (refused under DP)
     return {"logits": [x.clone() for x in o.logits + one.logits], "path": o.info.path, "exports": exports, "pool": pool,
             "received": o.info.stats.get("bytes_received", 0)}  # (pipeline forwards count it per stage)

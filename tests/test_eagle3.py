@@ -64,26 +64,26 @@ def _replay_bitwise(eng) -> bool:
     """The draft's replay (after the target's, which fills what it reads) equals, bitwise,
     the same draft run eagerly on the same bucket: its rows and the K/V it wrote."""
     toks = [np.arange(40) % 512, np.arange(3) + 7]
-    prep = eng.preparer.prepare([Request(t) for t in toks])
+    prep = eng.parts.preparer.prepare([Request(t) for t in toks])
     try:
-        cap = eng.runner.select(prep.plan.max_local_rows).capacity
-        eng.runner.try_replay(prep)
+        cap = eng.parts.runner.select(prep.plan.max_local_rows).capacity
+        eng.parts.runner.try_replay(prep)
         ids = draft_input_ids(np.concatenate(toks), prep.plan.extend_lens, np.array([5, 6]),
                               prep.plan.rank(eng.rank).rows)
-        graphs, layer = eng.drafter.graphs, eng.kv.layer(eng.drafter.layer)
-        pages = torch.tensor([p for s in prep.seq_ids for p in eng.kv.handle(s).pages], dtype=torch.long)
+        graphs, layer = eng.parts.drafter.graphs, eng.parts.kv.layer(eng.parts.drafter.layer)
+        pages = torch.tensor([p for s in prep.seq_ids for p in eng.parts.kv.handle(s).pages], dtype=torch.long)
         layer.index_fill_(0, pages, 0)  # (a page's slots past the batch's: zeros for both)
         want = [t.clone() for t in graphs.eager_on_bucket(prep, cap, ids)] + [layer[pages].clone()]
         layer.index_fill_(0, pages, 0)
         got = list(graphs.replay(prep, cap, ids, {})) + [layer[pages]]
         graph = graphs.graphs[cap][0]  # the draft layer's computation in segments, its attention a break
         ok = (len(graph.segments), len(graph.breaks)) == (2, 1) and all(torch.equal(a, b) for a, b in zip(got, want))
-        if eng.group.size == 1:  # capture() takes the draft's graph of every bucket after the target's
+        if eng.parts.group.size == 1:  # capture() takes the draft's graph of every bucket after the target's
             eng.capture()
-            ok = ok and set(graphs.graphs) == set(eng.runner.graphs) == set(BUCKETS.capacities)
+            ok = ok and set(graphs.graphs) == set(eng.parts.runner.graphs) == set(BUCKETS.capacities)
         return ok
     finally:
-        eng.preparer.abort(prep)
+        eng.parts.preparer.abort(prep)
 
 
 @pytest.fixture(scope="module")
@@ -187,13 +187,13 @@ def _chunks(group, target, draft):
     eng = PrefillEngine(target, rt, group)
     ids = np.random.default_rng(3).integers(0, 512, 30)
     h = eng.prefill([Request(ids[:12])]).handles[0]  # the draft's last row took the target's sample
-    before = eng.kv.snapshot()
+    before = eng.parts.kv.snapshot()
     out = {}
     try:
         eng.prefill([Request(ids[12:], h)])
     except BatchError as e:
         out["refused"] = str(e)
-    out["unchanged"] = eng.kv.snapshot() == before
+    out["unchanged"] = eng.parts.kv.snapshot() == before
     eng.release(h)
     h = eng.prefill([Request(ids[:12])], draft_next=[int(ids[12])]).handles[0]
     out["chunked"] = eng.prefill([Request(ids[12:], h)], all_logits=True).draft.all_logits[0]
@@ -231,17 +231,17 @@ def test_what_a_draft_is_not_built_for_is_refused(models, hf_model_dir):
         eng.prefill([Request([1, 2])], draft_next=[1, 2])
     # bad batches are the preparer's BatchErrors as without a draft, and change nothing
     h = eng.prefill([Request([1, 2])]).handles[0]
-    before = eng.kv.snapshot()
+    before = eng.parts.kv.snapshot()
     for bad in ([Request("ab", h)], [Request([], h)], [Request([1], object())], (r for r in [Request([1])]), [],
                 [Request([1, 2], h), Request([3], h)], [Request([1], dataclasses.replace(h, cache_id="other"))]):
         with pytest.raises(BatchError):
             eng.prefill(bad)
-    assert eng.kv.snapshot() == before
+    assert eng.parts.kv.snapshot() == before
     plain = PrefillEngine(target, RuntimeConfig(kv_tokens=256))
     with pytest.raises(BatchError, match="draft_next needs an engine with a draft"):
         plain.prefill([Request([1, 2])], draft_next=[3])
     assert plain.prefill([Request([1, 2])]).draft is None
-    assert LAYER_IDS == eng.draft.aux_layer_ids
+    assert LAYER_IDS == eng.parts.drafter.draft.aux_layer_ids
 
 
 def _traffic(group, target, draft, kv, layout):

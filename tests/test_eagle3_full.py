@@ -41,18 +41,18 @@ def _job(group, target, draft):
                            verify_capture=False, draft=draft)
         eng = PrefillEngine(target, rt, group, BucketSet((16, 32), padding_factor=16.0))
         res = prefill_after_prefixes(eng, _batch(), all_logits=True)
-        prep = eng.preparer.prepare([Request(np.arange(20)), Request(np.arange(3) + 9)])
+        prep = eng.parts.preparer.prepare([Request(np.arange(20)), Request(np.arange(3) + 9)])
         try:  # the draft's replay after the target's, against the same draft eagerly on the bucket
-            cap = eng.runner.select(prep.plan.max_local_rows).capacity
-            eng.runner.try_replay(prep)
+            cap = eng.parts.runner.select(prep.plan.max_local_rows).capacity
+            eng.parts.runner.try_replay(prep)
             ids = draft_input_ids(np.concatenate([np.arange(20), np.arange(3) + 9]), prep.plan.extend_lens,
                                   np.array([1, 2]), prep.plan.rank(eng.rank).rows)
-            want = [t.clone() for t in eng.drafter.graphs.eager_on_bucket(prep, cap, ids)]
-            got = eng.drafter.graphs.replay(prep, cap, ids, {})
-            graph = eng.drafter.graphs.graphs[cap][0]
+            want = [t.clone() for t in eng.parts.drafter.graphs.eager_on_bucket(prep, cap, ids)]
+            got = eng.parts.drafter.graphs.replay(prep, cap, ids, {})
+            graph = eng.parts.drafter.graphs.graphs[cap][0]
             bitwise = all(torch.equal(a, b) for a, b in zip(got, want)) and len(graph.breaks) == 0
         finally:
-            eng.preparer.abort(prep)
+            eng.parts.preparer.abort(prep)
         out.append((res.draft, res.info.path, bitwise))
     return out
 

@@ -205,13 +205,13 @@ def engine(model_dir) -> PrefillEngine:
 
 
 def _unchanged(engine):
-    return engine.kv.snapshot(), engine.kv.pool.clone()
+    return engine.parts.kv.snapshot(), engine.parts.kv.pool.clone()
 
 
 def _assert_unchanged(engine, before):
     snap, pool = before
-    assert engine.kv.snapshot() == snap, "the allocator state changed"
-    assert torch.equal(engine.kv.pool, pool), "the KV pool contents changed"
+    assert engine.parts.kv.snapshot() == snap, "the allocator state changed"
+    assert torch.equal(engine.parts.kv.pool, pool), "the KV pool contents changed"
 
 
 def test_case11_every_refused_batch_is_a_batch_error(engine):

@@ -87,9 +87,9 @@ def test_item2_the_estimate_holds_the_engine_s_own_weights_and_pool(model_dir):
     spec = JobSpec(str(model_dir), RuntimeConfig(kv_tokens=512, graph="off"))
     need = estimate_rank_memory(spec, rows=100, captured_rows=0)
     engine = make_engine(CPGroup(), spec)
-    tensors = [*engine.model.parameters(), *engine.model.buffers()]
+    tensors = [*engine.parts.model.parameters(), *engine.parts.model.buffers()]
     assert need.weights == sum(t.numel() * t.element_size() for t in tensors)
-    assert need.kv_pool == engine.kv.pool_bytes
+    assert need.kv_pool == engine.parts.kv.pool_bytes
     assert need.graphs == 0 and need.activations > 0 and need.process == memory.PROCESS_BYTES["cpu"]
     # a CPU run's trace graphs keep every layer's intermediates of every captured row
     traced = estimate_rank_memory(JobSpec(str(model_dir), RuntimeConfig(kv_tokens=512, graph="breakable")), 100, 1024)

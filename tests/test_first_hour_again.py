@@ -238,7 +238,7 @@ def test_item6_the_interpreter_runs_a_shorter_batch_and_only_its_buckets(model_d
     assert not interpreted(JobSpec(runtime=RuntimeConfig(attention="torch")))
     engine = PrefillEngine(str(model_dir), RuntimeConfig(graph="breakable", kv_tokens=512))
     stats = engine.capture(up_to=64)
-    assert [s.capacity for s in stats] == [64, 32, 16] and sorted(engine.runner.graphs) == [16, 32, 64]
+    assert [s.capacity for s in stats] == [64, 32, 16] and sorted(engine.parts.runner.graphs) == [16, 32, 64]
 
 
 # ---- 7: parsing before torch -----------------------------------------------------------------

@@ -75,10 +75,10 @@ def test_item7_a_hybrid_refusing_generate_names_generate(hf_model_dir):
     from graphcp import ConfigError, PrefillEngine, RuntimeConfig
 
     engine = PrefillEngine(hf_model_dir("qwen3_next"), RuntimeConfig(kv_tokens=256))
-    snap = engine.kv.snapshot()
+    snap = engine.parts.kv.snapshot()
     with pytest.raises(ConfigError, match=r"with PrefillEngine\.generate: .*not built yet") as e:
         engine.generate([[1, 2]], 3)
-    assert "PrefillEngine.decode" not in str(e.value) and engine.kv.snapshot() == snap
+    assert "PrefillEngine.decode" not in str(e.value) and engine.parts.kv.snapshot() == snap
 
 
 @pytest.mark.parametrize("value,match", [
@@ -194,7 +194,7 @@ def test_item8_the_api_refuses_an_empty_turn_too(tmp_path, model_dir):
     engine = PrefillEngine(model_dir, RuntimeConfig(kv_tokens=256))
     with pytest.raises(BatchError, match=r"^generate: request 0: turn 1 is empty"):
         engine.generate([Conversation([[1, 2], []])], 2)
-    assert engine.kv.stored_tokens() == 0
+    assert engine.parts.kv.stored_tokens() == 0
 
 
 def test_item8_a_stop_token_past_the_vocabulary_is_refused(capsys, tmp_path, model_dir, monkeypatch):
@@ -217,7 +217,7 @@ def test_item7_generate_stop_takes_a_list_of_ids(model_dir):
                         ([1, 2.5], r"got an item 2\.5$"), ([VOCAB], rf"token id {VOCAB} is outside the vocabulary")):
         with pytest.raises(BatchError, match=match):
             engine.generate([[1, 2]], 2, stop=stop)
-    assert engine.kv.stored_tokens() == 0
+    assert engine.parts.kv.stored_tokens() == 0
     assert engine.generate([[1, 2]], 2, stop=(3,)).finish  # a tuple is a list of ids too
 
 

@@ -42,7 +42,7 @@ def _job(group, folder, graph: str, dtype: str):
     rt = RuntimeConfig(graph=graph, attention=attention, kv_tokens=2048, max_requests=4, debug_graphs=True,
                        dtype=dtype, verify_capture=False)
     eng = PrefillEngine(folder, rt, group, BUCKETS)
-    if eng.runner is not None:
+    if eng.parts.runner is not None:
         eng.capture()  # before the same-bucket comparisons (see tests/test_graph_runner.py)
     rng, vocab = np.random.default_rng(5), eng.cfg.vocab_size
     out = []
@@ -50,15 +50,15 @@ def _job(group, folder, graph: str, dtype: str):
         h = eng.prefill([Request(rng.integers(0, vocab, prefix))]).handles[0] if prefix else None
         reqs = [Request(rng.integers(0, vocab, n), h if i == 0 else None) for i, n in enumerate(lens)]
         bitwise = None
-        if eng.runner is not None:  # replay vs the same body run eagerly on the same bucket
-            prep = eng.preparer.prepare(reqs)
-            cap = eng.runner.select(prep.plan.max_local_rows).capacity
-            same_bucket = eng.runner.eager_on_bucket(prep, cap).clone()
-            hidden, _ = eng.runner.try_replay(prep)
+        if eng.parts.runner is not None:  # replay vs the same body run eagerly on the same bucket
+            prep = eng.parts.preparer.prepare(reqs)
+            cap = eng.parts.runner.select(prep.plan.max_local_rows).capacity
+            same_bucket = eng.parts.runner.eager_on_bucket(prep, cap).clone()
+            hidden, _ = eng.parts.runner.try_replay(prep)
             bitwise = bool(torch.equal(hidden, same_bucket))
-            eng.preparer.abort(prep)
+            eng.parts.preparer.abort(prep)
         o = eng.prefill(reqs, all_logits=True)
-        segs = [g.graph.breaks for g in eng.runner.graphs.values()] if eng.runner else []
+        segs = [g.graph.breaks for g in eng.parts.runner.graphs.values()] if eng.parts.runner else []
         export = eng.export_kv(o.handles[0])  # the KV the captured segments wrote, as a decode side gets it
         out.append((o.info.path, o.last_logits, o.logits, [len(b) for b in segs], bitwise, export.k + export.v))
     return out
@@ -88,11 +88,11 @@ def test_triton_backend_in_breakable_mode_matches_torch(dtype, tiny):
     b = PrefillEngine(tiny, RuntimeConfig(kv_tokens=2048, dtype=dtype))
     toks = [np.arange(50), np.arange(7) + 100]
     a.capture()
-    prep = a.preparer.prepare([Request(t) for t in toks])
-    same_bucket = a.runner.eager_on_bucket(prep, 64).clone()
-    hidden, info = a.runner.try_replay(prep)
+    prep = a.parts.preparer.prepare([Request(t) for t in toks])
+    same_bucket = a.parts.runner.eager_on_bucket(prep, 64).clone()
+    hidden, info = a.parts.runner.try_replay(prep)
     assert info.capacity == 64 and torch.equal(hidden, same_bucket)
-    a.preparer.abort(prep)
+    a.parts.preparer.abort(prep)
     x = a.prefill([Request(t) for t in toks]).last_logits
     y = b.prefill([Request(t) for t in toks]).last_logits
     assert rel_err(x, y) <= TOL[dtype]

@@ -54,7 +54,7 @@ def test_generate_matches_transformers_and_keeps_every_step(engine, reference):
     for j, (toks, logits) in enumerate(reference):
         assert out.tokens[j] == [toks] and out.finish[j] == ["length"], j
         assert rel_err(out.logits[j][0], logits) <= 1e-4, j
-    assert out.steps == NEW - 1 and out.handles is None and engine.kv.stored_tokens() == 0
+    assert out.steps == NEW - 1 and out.handles is None and engine.parts.kv.stored_tokens() == 0
     steps = engine.stats()["decode_steps"][-out.steps:]
     assert [s["rows"] for s in steps] == [3] * (NEW - 1) and {s["path"] for s in steps} == {"graph"}
 
@@ -98,11 +98,11 @@ def test_a_request_extending_a_cached_prefix_generates_as_the_whole_prompt(engin
     p = _prompts()[2]
     h = engine.prefill([Request(p[:20])]).handles[0]
     out = engine.generate([Request(p[20:], h)], NEW)
-    assert out.tokens == [[reference[2][0]]] and engine.kv.stored_tokens() == 0  # the extended KV released
+    assert out.tokens == [[reference[2][0]]] and engine.parts.kv.stored_tokens() == 0  # the extended KV released
 
 
 def test_generate_refuses_bad_requests_before_any_forward(engine):
-    snap = engine.kv.snapshot()
+    snap = engine.parts.kv.snapshot()
     cases = [([[1, 512]], "generate: request 0, turn 0, position 1: token id 512"),
              ([Conversation([])], "request 0: turns must be a non-empty list"),
              ([Conversation([[], [1]])], "request 0: turn 0 is empty"),
@@ -114,7 +114,7 @@ def test_generate_refuses_bad_requests_before_any_forward(engine):
             engine.generate(reqs, 5)
     with pytest.raises(BatchError, match="max_new_tokens"):
         engine.generate([[1]], 0)
-    assert engine.kv.snapshot() == snap
+    assert engine.parts.kv.snapshot() == snap
 
 
 # ---- graphcp generate ------------------------------------------------------------------

@@ -101,7 +101,7 @@ def _api_job(group, model: str, dtype: str) -> dict:
                "foreign": other.prefill([Request(_ids(rng, 40))]).handles[0]}
     results, good = [], []
     for i, (name, batch) in enumerate(_cases(rng, handles)):
-        snap, pool = engine.kv.snapshot(), engine.kv.pool.clone()
+        snap, pool = engine.parts.kv.snapshot(), engine.parts.kv.pool.clone()
         try:
             engine.prefill(batch)
             outcome = "accepted"
@@ -109,7 +109,7 @@ def _api_job(group, model: str, dtype: str) -> dict:
             outcome = "BatchError" if str(e) and "\n" not in str(e) else f"BatchError without a one-line message: {e!r}"
         except Exception as e:  # noqa: BLE001 - reported as the wrong error
             outcome = f"{type(e).__name__}: {e}"
-        results.append((name, outcome, engine.kv.snapshot() == snap and torch.equal(engine.kv.pool, pool)))
+        results.append((name, outcome, engine.parts.kv.snapshot() == snap and torch.equal(engine.parts.kv.pool, pool)))
         if i % 10 == 9:
             good.append(_good(engine, 1))
     return {"results": results, "ref": ref, "good": good}

@@ -143,4 +143,4 @@ def test_flashinfer_full_graph_engine_matches_eager(fake_hopper):
         assert rel_err(graph.last_logits, eager.last_logits) <= 1e-5
         for h in graph.handles + eager.handles:
             eng.release(h)
-    assert eng.runner.stats.replays == 3 and not fake_hopper.errors
+    assert eng.parts.runner.stats.replays == 3 and not fake_hopper.errors

@@ -68,20 +68,20 @@ def _equality_job(group, model, seed: int, dtype: str):
     for lens, prefix in _sequence(group.size, vocab, seed):
         handles = _prefixed(eng, prefix, rng)
         reqs = [Request(rng.integers(0, vocab, n), h) for n, h in zip(lens, handles)]
-        prep = eng.preparer.prepare(reqs)
-        sel = eng.runner.select(prep.plan.max_local_rows)
+        prep = eng.parts.preparer.prepare(reqs)
+        sel = eng.parts.runner.select(prep.plan.max_local_rows)
         assert sel.graph, (lens, sel)
-        same_bucket = eng.runner.eager_on_bucket(prep, sel.capacity).clone()
-        unpadded = eng.body.eager(prep, prep.plan.max_local_rows).clone()
-        hidden, info = eng.runner.try_replay(prep)
+        same_bucket = eng.parts.runner.eager_on_bucket(prep, sel.capacity).clone()
+        unpadded = eng.parts.body.eager(prep, prep.plan.max_local_rows).clone()
+        hidden, info = eng.parts.runner.try_replay(prep)
         n = prep.ids.shape[0]
         report.append((sel.capacity, info.path, bool(torch.equal(hidden, same_bucket)),
                        rel_err(hidden[:n], unpadded[:n]) if n else 0.0))
-        eng.preparer.abort(prep)
+        eng.parts.preparer.abort(prep)
         for h in handles:
             if h is not None:
                 eng.release(h)
-    return report, eng.runner.stats.replays
+    return report, eng.parts.runner.stats.replays
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -121,8 +121,8 @@ def test_fallbacks_run_eagerly_and_are_counted(model):
         out = eng.prefill([Request(t) for t in toks])
         assert out.info.path == "eager" and out.info.fallback == reason
         assert rel_err(out.last_logits, ref.prefill([Request(t) for t in toks]).last_logits) <= 1e-6
-    assert eng.runner.stats.fallbacks == {FALLBACK_TOO_LARGE: 1, FALLBACK_PADDING: 1}
-    assert eng.runner.stats.replays == 0
+    assert eng.parts.runner.stats.fallbacks == {FALLBACK_TOO_LARGE: 1, FALLBACK_PADDING: 1}
+    assert eng.parts.runner.stats.replays == 0
 
 
 def test_capture_stats_and_largest_first(model):
@@ -138,7 +138,7 @@ def test_debug_mode_detects_moved_static_buffers(model):
     eng = _engine(model, buckets=BucketSet((32,)))
     toks = [np.arange(20)]
     assert eng.prefill([Request(t) for t in toks]).info.path == "graph"
-    eng.runner.buffers.input_ids = torch.zeros_like(eng.runner.buffers.input_ids)  # a reallocation
+    eng.parts.runner.buffers.input_ids = torch.zeros_like(eng.parts.runner.buffers.input_ids)  # a reallocation
     with pytest.raises(ReplayInputError, match="moved since capture: \\['input_ids'\\]"):
         eng.prefill([Request(t) for t in toks])
 
@@ -146,7 +146,7 @@ def test_debug_mode_detects_moved_static_buffers(model):
 def test_replay_rejects_inputs_unlike_the_capture(model):
     eng = _engine(model, buckets=BucketSet((32,)))
     eng.prefill([Request(np.arange(20))])
-    eng.runner.buffers.positions = eng.runner.buffers.positions.to(torch.int32)
+    eng.parts.runner.buffers.positions = eng.parts.runner.buffers.positions.to(torch.int32)
     with pytest.raises(ReplayInputError, match="positions is .*torch.int32.*captured as .*torch.int64"):
         eng.prefill([Request(np.arange(20))])
 
@@ -172,7 +172,7 @@ def test_replacing_a_buffer_is_caught_without_debug_mode(model):
     eng = PrefillEngine(model, RuntimeConfig(graph="breakable", kv_tokens=2048), None, BucketSet((32,)))
     eng.prefill([Request(np.arange(20))])
     eng.prefill([Request(np.arange(20))])  # checked once, then trusted while the buffers stay
-    eng.runner.buffers.positions = eng.runner.buffers.positions.to(torch.int32)
+    eng.parts.runner.buffers.positions = eng.parts.runner.buffers.positions.to(torch.int32)
     with pytest.raises(ReplayInputError, match="positions is .*torch.int32.*captured as .*torch.int64"):
         eng.prefill([Request(np.arange(20))])
 

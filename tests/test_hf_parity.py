@@ -66,7 +66,7 @@ def test_mixed_batch_matches_transformers(family, tied, dtype, hf_model_dir, hf_
     engine = engines(folder, dtype)
     ref_model = hf_model(folder, dtype)
     assert engine.cfg.family == family and engine.cfg.tie_word_embeddings == tied
-    free0 = engine.kv.num_free_pages
+    free0 = engine.parts.kv.num_free_pages
 
     toks = _tokens(MIXED_LENS, engine.cfg.vocab_size, seed=2 * FAMILIES.index(family) + tied)
     out = engine.prefill([Request(t) for t in toks], all_logits=True)
@@ -84,7 +84,7 @@ def test_mixed_batch_matches_transformers(family, tied, dtype, hf_model_dir, hf_
             assert rel_err(out.last_logits[j], got[-1]) < TOL[dtype] / 10
     finally:
         _release_all(engine, out.handles)
-    assert engine.kv.num_free_pages == free0
+    assert engine.parts.kv.num_free_pages == free0
 
 
 @pytest.mark.parametrize(
@@ -109,7 +109,7 @@ def test_chunked_prefill_matches_one_shot_and_transformers(family, dtype, hf_mod
     ref = hf_logits(ref_model, full)
     assert rel_err(one_shot, ref) < tol
 
-    free0 = engine.kv.num_free_pages
+    free0 = engine.parts.kv.num_free_pages
     chunks = []
     held = []
     try:
@@ -137,7 +137,7 @@ def test_chunked_prefill_matches_one_shot_and_transformers(family, dtype, hf_mod
         assert rel_err(torch.cat([a.logits[1], c.logits[0]]), hf_logits(ref_model, pair)) < tol
     finally:
         _release_all(engine, held)
-    assert engine.kv.num_free_pages == free0
+    assert engine.parts.kv.num_free_pages == free0
 
 
 def test_default_preset_loads_in_transformers_and_matches(default_model_dir, hf_model):

@@ -64,7 +64,7 @@ def reference(folder, hf_model):
 
 def test_state_slots_the_estimate_stats_and_release(folder):
     eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, state_slots=2))
-    kv, cfg = eng.kv, eng.cfg
+    kv, cfg = eng.parts.kv, eng.cfg
     h = cfg.hybrid
     linear = len(h.linear_layers)
     recurrent = linear * 2 * 2 * h.num_v_heads * h.k_head_dim * h.v_head_dim * 4
@@ -92,7 +92,7 @@ def test_a_failed_forward_leaves_the_prefix_state(folder, reference, monkeypatch
     eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=512))
     long = _tokens()[3]
     head = eng.prefill([Request(long[:SPLIT])], all_logits=True)
-    before = eng.kv.snapshot()
+    before = eng.parts.kv.snapshot()
 
     def fail(*args):
         raise RuntimeError("injected")
@@ -101,7 +101,7 @@ def test_a_failed_forward_leaves_the_prefix_state(folder, reference, monkeypatch
         m.setattr(GatedAttention, "project", fail)  # after layers 0-2 (linear) wrote their states
         with pytest.raises(RuntimeError, match="injected"):
             eng.prefill([Request(long[SPLIT:], head.handles[0])])
-    assert eng.kv.snapshot() == before
+    assert eng.parts.kv.snapshot() == before
     tail = eng.prefill([Request(long[SPLIT:], head.handles[0])], all_logits=True)
     assert rel_err(torch.cat([head.logits[0], tail.logits[0]]), reference[0][3]) <= TOL
 

@@ -63,11 +63,11 @@ def _graph_vs_eager(group, folder):
     ref = PrefillEngine(folder, RuntimeConfig(kv_tokens=512), group)
     vocab = eng.cfg.vocab_size
     handles = [None if p is None else eng.prefill([Request(p)]).handles[0] for p, _ in _batch(vocab)]
-    prep = eng.preparer.prepare([Request(n, h) for (_, n), h in zip(_batch(vocab), handles)])
-    sel = eng.runner.select(prep.plan.max_local_rows)
-    same_bucket = eng.runner.eager_on_bucket(prep, sel.capacity).clone()
-    hidden, info = eng.runner.try_replay(prep)
-    eng.preparer.abort(prep)
+    prep = eng.parts.preparer.prepare([Request(n, h) for (_, n), h in zip(_batch(vocab), handles)])
+    sel = eng.parts.runner.select(prep.plan.max_local_rows)
+    same_bucket = eng.parts.runner.eager_on_bucket(prep, sel.capacity).clone()
+    hidden, info = eng.parts.runner.try_replay(prep)
+    eng.parts.preparer.abort(prep)
     graph = prefill_after_prefixes(eng, _batch(vocab))
     eager = prefill_after_prefixes(ref, _batch(vocab))
     replicated_graph = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, graph="breakable"), group,
@@ -120,7 +120,7 @@ def _pipeline_caches(group, folder, cases):
             o = prefill_after_prefixes(eng, _batch(eng.cfg.vocab_size), all_logits=True)
             exports = eng.export_kv_batch(o.handles)
             res[mode] = (o.last_logits, o.logits, eng.stats()["kv_pool_bytes"], [e.k + e.v for e in exports],
-                         o.info.path, list(eng.kv.placement.owned) if mode == "layer-split" else None)
+                         o.info.path, list(eng.parts.kv.placement.owned) if mode == "layer-split" else None)
         out.append(res)
     return out
 

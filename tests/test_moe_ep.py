@@ -43,15 +43,15 @@ class SkewedRouter(SoftmaxTopKRouter):
 
 
 def _skew(engine, favoured: range) -> None:
-    for layer in engine.model.layers:
+    for layer in engine.parts.model.layers:
         if isinstance(layer.mlp, SparseMoeBlock):
             layer.mlp.router = SkewedRouter(layer.mlp.router, favoured)
 
 
 def _count_moe_bytes(engine, counters: list) -> None:
     """Wrap each MoE block's forward in a collective byte counter."""
-    group = engine.group
-    for layer in engine.model.layers:
+    group = engine.parts.group
+    for layer in engine.parts.model.layers:
         if isinstance(layer.mlp, SparseMoeBlock):
             for name in ("forward", "forward_ep"):
                 fn = getattr(layer.mlp, name)
@@ -108,16 +108,16 @@ def _full_graph_tp(group, folder, single, toks):
     _skew(eng, range(0, 4))
     eng.capture()
     reqs = [Request(t) for t in toks]
-    prep = eng.preparer.prepare(reqs)
+    prep = eng.parts.preparer.prepare(reqs)
     try:
-        cap = eng.runner.select(prep.plan.max_local_rows).capacity
-        same_bucket = eng.runner.eager_on_bucket(prep, cap).clone()
-        hidden, _ = eng.runner.try_replay(prep)
+        cap = eng.parts.runner.select(prep.plan.max_local_rows).capacity
+        same_bucket = eng.parts.runner.eager_on_bucket(prep, cap).clone()
+        hidden, _ = eng.parts.runner.try_replay(prep)
         bitwise = bool(torch.equal(hidden, same_bucket))
     finally:
-        eng.preparer.abort(prep)
+        eng.parts.preparer.abort(prep)
     out = _forward(eng, toks)
-    breaks = len(eng.runner.graphs[cap].graph.breaks)
+    breaks = len(eng.parts.runner.graphs[cap].graph.breaks)
     return out.info.path, bitwise, breaks, max(rel_err(a, b) for a, b in zip(out.logits, _forward(single, toks).logits))
 
 

@@ -50,15 +50,15 @@ def _job(group, folders):
         outs = graph_then_eager(eng, toks, prefix, extends=2)
         res = {path: (o.info.path, o.logits, o.info.stats) for path, o in outs.items()}
         # the replay against the same body run eagerly on the same bucket: bitwise
-        prep = eng.preparer.prepare([Request(t) for t in toks])
+        prep = eng.parts.preparer.prepare([Request(t) for t in toks])
         try:
             assert prep.meta.num_q_rows == prep.ids.shape[0]  # the live rows the exchange routes
-            cap = eng.runner.select(prep.plan.max_local_rows).capacity
-            replay = eng.runner.replay(prep, cap).clone()
-            res["bitwise"] = bool(torch.equal(replay, eng.runner.eager_on_bucket(prep, cap)))
+            cap = eng.parts.runner.select(prep.plan.max_local_rows).capacity
+            replay = eng.parts.runner.replay(prep, cap).clone()
+            res["bitwise"] = bool(torch.equal(replay, eng.parts.runner.eager_on_bucket(prep, cap)))
         finally:
-            eng.preparer.abort(prep)
-        graph = eng.runner.graphs[cap].graph
+            eng.parts.preparer.abort(prep)
+        graph = eng.parts.runner.graphs[cap].graph
         res["units"] = (len(graph.segments), [b.label for b in graph.breaks], eng.cfg.num_layers)
         out.append(res)
     return out

@@ -25,9 +25,9 @@ def test_runtime_moe_is_checked():
 def test_tp_in_cuda_graphs_needs_the_sync_free_grouped_kernel(hf_model_dir, monkeypatch):
     eng = PrefillEngine(hf_model_dir("qwen3_moe"), RuntimeConfig(moe="tp", kv_tokens=256))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    problem = eng.model.capture_problem(torch.device("cuda"), full=False)
+    problem = eng.parts.model.capture_problem(torch.device("cuda"), full=False)
     assert "moe='tp' keeps the experts inside the captured graphs" in problem and "float32" in problem
-    assert eng.model.capture_problem(torch.device("cpu"), full=True) is None  # tp is static-shaped
+    assert eng.parts.model.capture_problem(torch.device("cpu"), full=True) is None  # tp is static-shaped
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -46,7 +46,7 @@ def test_tp_experts_held_out_of_graphs_run_in_the_attention_break(hf_model_dir, 
         PrefillEngine(folder, RuntimeConfig(graph="full", attention="triton", moe="tp", kv_tokens=256))
     eng = PrefillEngine(folder, RuntimeConfig(graph="breakable", moe="tp", kv_tokens=1024, dtype=dtype), None,
                         BucketSet((32,), padding_factor=64.0))
-    moe_layers = [layer for layer in eng.model.layers if layer.mlp.__class__.__name__ == "SparseMoeBlock"]
+    moe_layers = [layer for layer in eng.parts.model.layers if layer.mlp.__class__.__name__ == "SparseMoeBlock"]
     assert moe_layers and all(layer.exchanges for layer in moe_layers)
     rng = np.random.default_rng(3)
     toks = [rng.integers(0, 512, n) for n in (13, 7)]
@@ -57,7 +57,7 @@ def test_tp_experts_held_out_of_graphs_run_in_the_attention_break(hf_model_dir, 
         out[path] = o.logits
         for h in o.handles:
             eng.release(h)
-    assert len(eng.runner.graphs[32].graph.breaks) == eng.cfg.num_layers  # the experts joined the attention breaks
+    assert len(eng.parts.runner.graphs[32].graph.breaks) == eng.cfg.num_layers  # the experts joined the attention breaks
     tol = 1e-5 if dtype == "float32" else 2e-2
     for g, e in zip(out["graph"], out["eager"]):
         assert rel_err(g, e) <= tol
@@ -85,7 +85,7 @@ def test_tp_experts_without_the_sync_free_kernel_still_take_breakable_graphs(hf_
         o = eng.prefill([Request(t) for t in toks], all_logits=True, force_eager=path == "eager")
         assert o.info.path == path
         out[path] = o.logits
-    assert len(eng.runner.graphs[32].graph.breaks) == eng.cfg.num_layers
+    assert len(eng.parts.runner.graphs[32].graph.breaks) == eng.cfg.num_layers
     for g, e in zip(out["graph"], out["eager"]):
         assert rel_err(g, e) <= (1e-5 if dtype == "float32" else 2e-2)
 

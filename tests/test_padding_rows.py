@@ -31,7 +31,7 @@ def _nan_empty(group, model: str, poisoned: bool, dtype: str):
                            for j, n in enumerate(lens)], all_logits=True)
     finally:
         torch.empty_like, torch.Tensor.new_empty = saved
-    return [x.clone() for x in out.logits], bool(torch.isnan(eng.kv.pool).any())
+    return [x.clone() for x in out.logits], bool(torch.isnan(eng.parts.kv.pool).any())
 
 
 @pytest.mark.parametrize("model, dtype", [("default", "float32"), ("default", "bfloat16"),

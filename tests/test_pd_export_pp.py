@@ -102,7 +102,7 @@ def _files_job(group, folder, out_dir, fail_rank):
     if eng.world_rank == fail_rank:
         def broken(handle, span):
             raise RuntimeError(f"injected read failure on global rank {fail_rank}")
-        eng.kv.read_span = broken
+        eng.parts.kv.read_span = broken
     export_files(eng, out, reqs, out_dir)
     return eng.world_rank
 

@@ -62,7 +62,7 @@ def _job(group, models, cases, cp: int):
         bitwise = _stage_replay_bitwise(eng) if graph != "off" else None
         # `graphcp run`'s comparison under PP: every stage's same-bucket check, combined
         cmp = compare_paths(eng, [t for _, t in _batch(eng.cfg.vocab_size)[:2]]) if graph != "off" else None
-        out.append((res.last_logits, res.logits, res.aux_hidden, res.info.path, bitwise, eng.kv.snapshot(), cmp))
+        out.append((res.last_logits, res.logits, res.aux_hidden, res.info.path, bitwise, eng.parts.kv.snapshot(), cmp))
     return out
 
 
@@ -71,18 +71,18 @@ def _stage_replay_bitwise(eng) -> bool:
     stage's input rows seeded): the body rows and the auxiliary rows, bitwise."""
     rng = np.random.default_rng(5)
     reqs = [Request(rng.integers(0, eng.cfg.vocab_size, n)) for n in (50, 7, 1)]
-    prep = eng.preparer.prepare(reqs)
+    prep = eng.parts.preparer.prepare(reqs)
     try:
-        rows = eng.runner.prefill.synthetic_input(prep, rng)
-        sel = eng.runner.select(prep.plan.max_local_rows)
-        if sel.capacity not in eng.runner.graphs:  # capture first: it refills the static buffers
-            eng.runner.capture_bucket(sel.capacity)
-        same = eng.runner.eager_on_bucket(prep, sel.capacity, rows).clone()
-        aux = eng.runner.aux_rows(sel.capacity).clone()  # every stage holds some of AUX here
-        hidden, info = eng.runner.try_replay(prep, rows)
-        return info.path == "graph" and torch.equal(hidden, same) and torch.equal(eng.runner.aux_rows(sel.capacity), aux)
+        rows = eng.parts.runner.prefill.synthetic_input(prep, rng)
+        sel = eng.parts.runner.select(prep.plan.max_local_rows)
+        if sel.capacity not in eng.parts.runner.graphs:  # capture first: it refills the static buffers
+            eng.parts.runner.capture_bucket(sel.capacity)
+        same = eng.parts.runner.eager_on_bucket(prep, sel.capacity, rows).clone()
+        aux = eng.parts.runner.aux_rows(sel.capacity).clone()  # every stage holds some of AUX here
+        hidden, info = eng.parts.runner.try_replay(prep, rows)
+        return info.path == "graph" and torch.equal(hidden, same) and torch.equal(eng.parts.runner.aux_rows(sel.capacity), aux)
     finally:
-        eng.preparer.abort(prep)
+        eng.parts.preparer.abort(prep)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_pp2_with_moe_layers_equals_single_rank():
 def _uneven_job(group, folder, dtype):
     eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, kv_tokens=4096, microbatches=2), group,
                         parallel=ParallelConfig(pp_size=3))  # 4 layers over 3 stages, no --pp-layers
-    return list(eng.stage.layers), run_batch(eng, _batch(eng.cfg.vocab_size)).logits
+    return list(eng.parts.model.stage.layers), run_batch(eng, _batch(eng.cfg.vocab_size)).logits
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -45,7 +45,7 @@ def _run(engine, cp: int):
         outs.append((o.logits, o.info.stats["exchange"], o.info.stats["bytes_received"]))
     for h in [a.handles[j] for j in (1, 2, 4)] + [b.handles[1], b.handles[2], c.handles[0]]:
         engine.release(h)
-    return outs, engine.kv.stored_tokens()
+    return outs, engine.parts.kv.stored_tokens()
 
 
 def _job(group, folders):

@@ -98,7 +98,7 @@ def test_scaled_rope_matches_transformers(family, scaling, spelling, dtype, chec
         assert err < TOL[dtype], f"request {j} ({len(toks[j])} tokens): relative error {err:.3g} > {TOL[dtype]}"
     # not vacuous: the scaled tables differ from unscaled ones past the original context
     plain = Rotary(engine.cfg.head_dim, 1024, RopeConfig(theta=THETA[family]))
-    assert not torch.allclose(engine.model.rotary.cos[ORIG:], plain.cos[ORIG:], atol=1e-3)
+    assert not torch.allclose(engine.parts.model.rotary.cos[ORIG:], plain.cos[ORIG:], atol=1e-3)
 
 
 def test_both_spellings_give_the_same_model(checkpoint):

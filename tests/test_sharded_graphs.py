@@ -44,20 +44,20 @@ def _job(group, model):
             for lens, with_prefix in (([200, 1, 2 * cp - 1], True), ([cp * 64], False), ([cp * 64 + cp], False)):
                 reqs = [Request(rng.integers(0, vocab, n), prefix if with_prefix and j == 0 else None)
                         for j, n in enumerate(lens)]
-                prep = eng.preparer.prepare(reqs)
-                sel = eng.runner.select(prep.plan.max_local_rows)
-                same = eng.runner.eager_on_bucket(prep, sel.capacity).clone()
+                prep = eng.parts.preparer.prepare(reqs)
+                sel = eng.parts.runner.select(prep.plan.max_local_rows)
+                same = eng.parts.runner.eager_on_bucket(prep, sel.capacity).clone()
                 prep.stats.clear()
-                unpadded = eng.body.eager(prep, prep.plan.max_local_rows).clone()
+                unpadded = eng.parts.body.eager(prep, prep.plan.max_local_rows).clone()
                 eager_received = prep.stats.get(KV_RECEIVED, 0)
                 prep.stats.clear()
-                allocs = eng.body.exchange.ring.buffers.allocations
-                hidden, info = eng.runner.try_replay(prep)
+                allocs = eng.parts.body.exchange.ring.buffers.allocations
+                hidden, info = eng.parts.runner.try_replay(prep)
                 n = prep.ids.shape[0]
                 report.append((dtype, exchange, sel.capacity, info.path, bool(torch.equal(hidden, same)),
-                               rel_err(hidden[:n], unpadded[:n]), eng.body.exchange.ring.buffers.allocations - allocs,
+                               rel_err(hidden[:n], unpadded[:n]), eng.parts.body.exchange.ring.buffers.allocations - allocs,
                                (prep.stats.get(KV_RECEIVED, 0), eager_received), prep.kv_plan.exchange))
-                eng.preparer.abort(prep)
+                eng.parts.preparer.abort(prep)
             eng.release(prefix)
     # the replicated cache's all-gather runs inside the captured segments: counted once at
     # capture, added to every replay (the whole bucket's rows travel)
@@ -94,13 +94,13 @@ def _fresh_replays(group, model):
         eng = PrefillEngine(model, RuntimeConfig(graph="breakable", kv_tokens=4096, kv_cache="sharded",
                                                  exchange=exchange, verify_capture=False), group, BUCKETS)
         eng.capture()
-        reserved = eng.body.exchange.ring.buffers.allocations
+        reserved = eng.parts.body.exchange.ring.buffers.allocations
         rng = np.random.default_rng(9)
         vocab = eng.cfg.vocab_size
         # a prefix (its pages travel in pass-KV's messages), then extends up to the largest bucket
         first = eng.prefill([Request(rng.integers(0, vocab, 250))])
         prefix = first.handles[0]
-        after_prefix = eng.body.exchange.ring.buffers.allocations
+        after_prefix = eng.parts.body.exchange.ring.buffers.allocations
         paths = [(first.info.path, first.info.stats["exchange"])]
         for lens in ([128 * group.size - 5], [200, 3, 1], [64 * group.size + 1]):
             reqs = [Request(rng.integers(0, vocab, n), prefix if j == 0 else None) for j, n in enumerate(lens)]
@@ -109,7 +109,7 @@ def _fresh_replays(group, model):
             prefix = o.handles[0]
             for h in o.handles[1:]:
                 eng.release(h)
-        out.append((exchange, reserved, after_prefix, eng.body.exchange.ring.buffers.allocations, paths))
+        out.append((exchange, reserved, after_prefix, eng.parts.body.exchange.ring.buffers.allocations, paths))
     return out
 
 

@@ -171,9 +171,9 @@ def _e2e_job(group, folder):
         for attention in ("torch", "triton"):
             eng = PrefillEngine(folder, RuntimeConfig(dtype=dtype, attention=attention, kv_tokens=256, moe="tp"),
                                 group)
-            assert eng.body.attention.name == attention
+            assert eng.parts.body.attention.name == attention
             if dtype == "bfloat16":
-                eng.body.attention.selector = replay
+                eng.parts.body.attention.selector = replay
                 replay.replaying = attention == "triton"
             h = eng.prefill([Request(prefix)]).handles[0]
             o = eng.prefill([Request(ext, h)] + [Request(t) for t in toks], all_logits=True)

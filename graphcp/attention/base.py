@@ -1,4 +1,7 @@
-"""The attention contract every backend implements.
+"""The attention contract: :class:`Attention`, the one type of the attention a forward
+runs (every seam names it), of two kinds: an :class:`AttentionBackend` over paged K/V
+heads, which the KV exchange calls, and a family's own attention over its cache (a
+sparse attention, which the family's layers call in the attention break).
 
 A backend attends a rank's query rows over the paged KV cache, one *segment* at a
 time. A segment is a contiguous run of query rows (local order) that attends one
@@ -270,33 +273,67 @@ class AttentionSpec:
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {self.kv_layout!r}")
 
 
-class AttentionBackend(ABC):
-    """Phases: ``prepare`` (host side, once per forward, before any replay) and
-    ``forward`` (per layer; may run inside a captured graph when
-    ``supports_full_graph``)."""
+class Attention(ABC):
+    """The attention a forward runs: the one type every seam that holds it names (the
+    engine's parts, :class:`graphcp.runtime.body.Body`, the KV exchange's
+    ``KVForward.backend``, a family's ``make_attention``). Two kinds implement it:
+
+    - an :class:`AttentionBackend` attends paged K/V heads: the KV exchange calls its
+      ``forward(q, kv_cache, meta, out, lse)`` for a layer (a cache mode's all-gather, a
+      ring's steps, a decode phase's merge);
+    - a family's own attention over its cache's storage (the sparse attention of DSA,
+      ``graphcp/model/dsa/sparse.py``, and of DeepSeek V4, ``graphcp/model/dsv4/sparse.py``)
+      takes the cache itself: the family's layers call its ``forward(layer, q, ...,
+      cache, ..., out)`` in the attention break, with the forward's storage
+      (``ctx.kv.cache.storage``) and the inputs its layers computed.
+
+    Phases, for both: ``prepare(meta, requests)`` (host side, once per forward, before any
+    replay: the live batch's metadata and, for an attention that :attr:`reads_batch`,
+    every request of the batch), then per layer ``forward``, and after the forward
+    ``forward_stats``."""
 
     name: str = "base"
-    #: the backend can run inside a captured graph, reading only static device metadata
+    #: the attention can run inside a captured graph, reading only static device metadata
     supports_full_graph: bool = False
     #: its kernels are CUDA kernels: the command line refuses it with --device cpu (tests
     #: still build it on a CPU, over fakes of its kernel library)
     gpu_kernels: bool = False
-
-    def __init__(self, spec: AttentionSpec) -> None:
-        self.spec = spec
+    #: its planning reads every request of the batch (:class:`BatchRequests`: lengths and
+    #: pages), as a pooling over each request's pages does: the body hands ``prepare`` the
+    #: batch's requests (built only for such an attention)
+    reads_batch: bool = False
 
     @classmethod
     def device_problem(cls, device: torch.device | str) -> str | None:
-        """Why this backend cannot run on ``device`` in this process, or None: checked
+        """Why this attention cannot run on ``device`` in this process, or None: checked
         before construction, so a refusal is one line, not a kernel library's traceback."""
         return None
 
-    def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional phase
-        """Host-side planning for this forward's metadata (no-op by default)."""
+    def prepare(self, meta: AttentionMetadata,  # noqa: B027 - optional phase
+                requests: BatchRequests | None = None) -> None:
+        """Host-side planning for this forward's metadata (no-op by default). ``requests``:
+        every request of the batch, for an attention that :attr:`reads_batch` (None: an
+        inert batch, as a capture runs, or an attention that does not read it)."""
 
     def forward_stats(self, prefix_lens: np.ndarray, extend_lens: np.ndarray) -> dict:
         """Figures of the last forward for ForwardInfo.stats (given the batch's lengths): none by default."""
         return {}
+
+    @abstractmethod
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        """One layer's attention of this rank's query rows: the kind's call (the class doc):
+        an :class:`AttentionBackend`'s ``(q, kv_cache, meta, out, lse)``, or a family's
+        attention's own arguments, the cache's storage among them."""
+
+
+class AttentionBackend(Attention):
+    """An attention over paged K/V heads (:class:`Attention`'s first kind), built from an
+    :class:`AttentionSpec`: what the registry builds (``attention/backends/``) and the KV
+    exchange calls. ``forward`` may run inside a captured graph when
+    ``supports_full_graph``."""
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
 
     @abstractmethod
     def forward(
@@ -327,8 +364,8 @@ class RankInputs:
 @dataclass(frozen=True)
 class BatchRequests:
     """Every request of the batch (the same on every rank): cached and new tokens, pages.
-    What a backend that reads the whole batch in its planning is given (``reads_batch``:
-    one that pools across requests' pages)."""
+    What an attention that reads the whole batch in its planning is given
+    (:attr:`Attention.reads_batch`: one that pools over each request's pages)."""
 
     prefix_lens: np.ndarray  # int64 [R]
     extend_lens: np.ndarray  # int64 [R]

@@ -31,12 +31,13 @@ from typing import Any, Callable, ClassVar
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionBackend, AttentionMetadata, RankInputs
+from graphcp.attention.base import Attention, AttentionBackend, AttentionMetadata, RankInputs
 from graphcp.attention.decode.phases import LocalDecode, MergedDecode
 from graphcp.attention.phase import PREFILL, ExchangePhase, Phase
 from graphcp.attention.ring.attention import RINGS, RingAttention
 from graphcp.attention.ring.plan import RingPlan, RingPlanner
 from graphcp.cp import Plan
+from graphcp.dist import CPGroup
 from graphcp.jit import host_kernel
 from graphcp.kv.layout import write_kv
 from graphcp.kv.page_table import SCRATCH_PAGE
@@ -53,8 +54,10 @@ class KVForward:
 
     cache: PagedKVCache
     exchange: "KVExchange"
-    group: Any  # the CP group (graphcp.dist.CPGroup)
-    backend: Any  # the attention backend (a sparse family's takes the cache itself)
+    group: CPGroup
+    #: the forward's attention (a backend over K/V heads, which :meth:`attend` runs; a
+    #: family's own takes the cache, and its layers call it: graphcp.attention.base)
+    backend: Attention
     meta: AttentionMetadata
     slots: torch.Tensor  # [capacity] int64: this rank's rows' cache slots (-1: padding)
     plan: Any = None
@@ -107,7 +110,7 @@ class KVExchange(ExchangePhase):
     decode: ClassVar[ExchangePhase | None] = None
 
     @classmethod
-    def build(cls, make_backend: Callable[[], AttentionBackend], group, device: torch.device,
+    def build(cls, make_backend: Callable[[], Attention], group: CPGroup, device: torch.device,
               planner: Callable[[], RingPlanner]) -> "KVExchange":
         """The engine's exchange (:func:`make_exchange`'s arguments)."""
         return cls()
@@ -287,8 +290,10 @@ class Ring(KVExchange):
         self.ring = RingAttention(make_backend, group, device, rings)
 
     @classmethod
-    def build(cls, make_backend: Callable[[], AttentionBackend], group, device: torch.device,
+    def build(cls, make_backend: Callable[[], Attention], group: CPGroup, device: torch.device,
               planner: Callable[[], RingPlanner]) -> "Ring":
+        # a ring's steps attend K/V heads: a token-sharded cache holds nothing else
+        # (graphcp/combinations.py), so its attention is an AttentionBackend
         return cls(make_backend, group, device, planner())
 
     def inert_plan(self, group) -> RingPlan:
@@ -328,7 +333,7 @@ def register_exchange(cls: type[KVExchange]) -> type[KVExchange]:
     return cls
 
 
-def make_exchange(cache: PagedKVCache, group, device: torch.device, make_backend: Callable[[], AttentionBackend],
+def make_exchange(cache: PagedKVCache, group: CPGroup, device: torch.device, make_backend: Callable[[], Attention],
                   planner: Callable[[], RingPlanner]) -> KVExchange:
     """The exchange ``cache``'s mode stores and attends through. ``make_backend()``: one
     more backend like the forward's (a ring step plans its own metadata); ``planner()``:

@@ -103,11 +103,11 @@ def interpreted(spec: JobSpec) -> bool:
 def batch_capacity(engine: PrefillEngine, batch: list[np.ndarray]) -> int:
     """The bucket the batch's (first micro-batch's) forward selects."""
     first = split_microbatches([len(t) for t in batch], engine.runtime.microbatches)[0]
-    prep = engine.preparer.prepare([Request(batch[p.request][p.start:p.stop]) for p in first])
+    prep = engine.parts.preparer.prepare([Request(batch[p.request][p.start:p.stop]) for p in first])
     try:
-        return engine.runner.select(prep.plan.max_local_rows).capacity
+        return engine.parts.runner.select(prep.plan.max_local_rows).capacity
     finally:
-        engine.preparer.abort(prep)
+        engine.parts.preparer.abort(prep)
 
 
 def compare_paths(engine: PrefillEngine, batch: list[np.ndarray]) -> dict:
@@ -115,10 +115,10 @@ def compare_paths(engine: PrefillEngine, batch: list[np.ndarray]) -> dict:
     eagerly on the same bucket (must be bitwise equal), and the logits against the
     unpadded eager forward (equal within the rounding of matmuls over padded rows)."""
     reqs = [Request(t) for t in batch]
-    runner = engine.runner
+    runner = engine.parts.runner
     # the bucket check on what one forward of the body runs: the first micro-batch
     first = split_microbatches([len(t) for t in batch], engine.runtime.microbatches)[0]
-    prep = engine.preparer.prepare([Request(batch[p.request][p.start:p.stop]) for p in first])
+    prep = engine.parts.preparer.prepare([Request(batch[p.request][p.start:p.stop]) for p in first])
     try:
         sel = runner.select(prep.plan.max_local_rows)
         bitwise = None
@@ -129,10 +129,10 @@ def compare_paths(engine: PrefillEngine, batch: list[np.ndarray]) -> dict:
             rows = runner.prefill.synthetic_input(prep, np.random.default_rng(0))
             same_bucket = runner.eager_on_bucket(prep, sel.capacity, rows).clone()
             bitwise = bool(torch.equal(runner.replay(prep, sel.capacity, hidden_in=rows), same_bucket))
-            if engine.pipeline is not None:  # every stage's body must be bitwise equal
-                bitwise = all(gather_object(engine.pipeline.world, bitwise))
+            if engine.parts.pipeline is not None:  # every stage's body must be bitwise equal
+                bitwise = all(gather_object(engine.parts.pipeline.world, bitwise))
     finally:
-        engine.preparer.abort(prep)
+        engine.parts.preparer.abort(prep)
     outs = {}
     for path in ("graph", "eager"):
         outs[path] = engine.prefill(reqs, force_eager=path == "eager")
@@ -161,7 +161,7 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
     repeats = 1 if small else repeats
     t0 = time.perf_counter()
     captures = []
-    if engine.runner is not None:
+    if engine.parts.runner is not None:
         up_to = batch_capacity(engine, batch) if small else None
         captures = engine.capture(progress=group.rank == 0, up_to=up_to)
     capture_s = time.perf_counter() - t0
@@ -170,7 +170,7 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
 
     def forward(force_eager: bool):
         out = engine.prefill([Request(t) for t in batch], force_eager=force_eager)
-        stored[out.info.path] = engine.kv.stored_tokens()  # the batch's KV on this rank, before release
+        stored[out.info.path] = engine.parts.kv.stored_tokens()  # the batch's KV on this rank, before release
         for h in out.handles:
             engine.release(h)
         return out
@@ -178,7 +178,7 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
     timings: dict[str, list[float]] = {"graph": [], "eager": []}
     outs = {}
     for _ in range(repeats):
-        for path in ("eager", "graph") if engine.runner is not None else ("eager",):
+        for path in ("eager", "graph") if engine.parts.runner is not None else ("eager",):
             t = time.perf_counter()
             outs[path] = forward(path == "eager")
             timings[path].append(time.perf_counter() - t)
@@ -188,7 +188,7 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
             forward(path == "eager")
         ops[path] = c.count
     comparisons = []
-    if engine.runner is not None:
+    if engine.parts.runner is not None:
         comparisons.append(compare_paths(engine, batch))
         twin = make_engine(group, spec, replace(spec.runtime, dtype=twin_dtype(spec.runtime.dtype)))
         comparisons.append(compare_paths(twin, batch))
@@ -202,7 +202,7 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         "layout": spec.runtime.layout,
         "kv_cache": spec.runtime.kv_cache,
         "kv_stored_per_rank": [s.get("graph", s.get("eager")) for s in stored_per_rank],
-        "graph": spec.runtime.graph, "attention": engine.attention.name, "dtype": spec.runtime.dtype,
+        "graph": spec.runtime.graph, "attention": engine.parts.body.attention.name, "dtype": spec.runtime.dtype,
         "tokens": int(sum(len(t) for t in batch)), "requests": len(batch),
         "buckets": [c.capacity for c in captures], "capture_s": capture_s,
         "verify_s": sum(c.verify_s or 0.0 for c in captures),
@@ -214,9 +214,10 @@ def run_job(group: CPGroup, spec: JobSpec, repeats: int = 3) -> dict | None:
         "stats_per_rank": stats,  # every rank's figures of the eager forward (the DSA indexer's work)
     }
     if "graph" in outs:
-        graph = engine.runner.graphs[outs["graph"].info.capacity].graph if outs["graph"].info.path == "graph" else None
-        layers = engine.stage.layers  # a layer's rows on average (V4's differ by layer kind)
-        values = sum(engine.kv.token_values(i) for i in layers) // len(layers)
+        parts, info = engine.parts, outs["graph"].info
+        graph = parts.runner.graphs[info.capacity].graph if info.path == "graph" else None
+        layers = parts.model.stage.layers  # a layer's rows on average (V4's differ by layer kind)
+        values = sum(parts.kv.token_values(i) for i in layers) // len(layers)
         res["kv_bytes_per_layer"] = exchanged_row_bytes_per_layer(
             outs["graph"].info.capacity, spec.cp_size, values, engine.dtype.itemsize)
         st = outs["graph"].info.stats

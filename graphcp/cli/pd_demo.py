@@ -70,7 +70,7 @@ def _prefill_and_send(group, spec: JobSpec, prompt: np.ndarray, prefix: int, tra
     if group.rank != 0:
         return None
     return {"next_token": int(out.last_logits[0].argmax()), "bytes": meta.nbytes, "transfer_s": took,
-            "pool_bytes": engine.kv.pool_bytes, "path": out.info.path}
+            "pool_bytes": engine.parts.kv.pool_bytes, "path": out.info.path}
 
 
 def _decode_main(model_dir: str, transport: str, ready, jobs, results, timeout_s: float, parent_pid: int) -> None:

@@ -90,7 +90,7 @@ def _judge_prefill(row: dict, graph, eager, dtype: str, what: str = "prefill") -
 def _check_model(engine: PrefillEngine, st: Settings, row: dict) -> None:
     stats = engine.capture()
     row["segments_breaks"] = {s.capacity: [s.segments, s.breaks] for s in stats}
-    moe = [layer for layer in engine.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    moe = [layer for layer in engine.parts.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
     row["experts_in_break"] = bool(moe) and all(layer.exchanges for layer in moe)
     toks = _tokens(engine, st)
     h = engine.prefill([Request(toks[0])]).handles[0]
@@ -111,16 +111,16 @@ def _check_draft(engine: PrefillEngine, st: Settings, row: dict) -> None:
     engine.capture()
     toks = _tokens(engine, st)
     batch = [toks[0], toks[2]]
-    prep = engine.preparer.prepare([Request(t) for t in batch])
+    prep = engine.parts.preparer.prepare([Request(t) for t in batch])
     try:
-        cap = engine.runner.select(prep.plan.max_local_rows).capacity
-        replayed = engine.runner.try_replay(prep)
+        cap = engine.parts.runner.select(prep.plan.max_local_rows).capacity
+        replayed = engine.parts.runner.try_replay(prep)
         if isinstance(replayed, Fallback):
             row["batches"] = [{"batch": "target", "status": "fallback", "error": replayed.reason}]
         else:
             ids = draft_input_ids(np.concatenate(batch), prep.plan.extend_lens, np.array([1, 2]),
                                   prep.plan.rank(engine.rank).rows)
-            graphs = engine.drafter.graphs
+            graphs = engine.parts.drafter.graphs
             want = [t.clone() for t in graphs.eager_on_bucket(prep, cap, ids)]
             got = graphs.replay(prep, cap, ids, {})
             same = all(torch.equal(a, b) for a, b in zip(got, want))
@@ -128,7 +128,7 @@ def _check_draft(engine: PrefillEngine, st: Settings, row: dict) -> None:
             row["batches"] = [{"batch": "draft", "bucket": cap, "bitwise_equal": same, "max_abs_diff": diff,
                                "status": "pass" if same else "fail"}]
     finally:
-        engine.preparer.abort(prep)
+        engine.parts.preparer.abort(prep)
     judge_batches(row)
     outs = {}
     for eager in (False, True):
@@ -171,7 +171,7 @@ def _check_decode(engine: PrefillEngine, st: Settings, row: dict) -> None:
         row["batches"] = [{**batch, "bitwise_equal": False, "status": "fail", "error": str(e)}]
         judge_batches(row)
         return
-    checked = engine.decoder.graphs.verified
+    checked = engine.parts.decoder.graphs.verified
     buckets = sorted({i.bucket for i in infos if i.bucket is not None})
     same = bool(buckets) and all(any(b == c for c, _ in checked) for b in buckets)
     row["batches"] = [{**batch, "bucket": buckets, "bitwise_equal": same, "status": "pass" if same else "fail"}]

@@ -40,16 +40,16 @@ def _engine(st: Settings, dtype: str, graph: str, attention: str) -> PrefillEngi
 def compare_replay(engine: PrefillEngine, batch: list[Request], label: str) -> dict:
     """Replay ``batch`` and run the same bucket's body eagerly: bitwise equal? (A batch the
     graphs did not take is a ``fallback``: the run fails, a graph was asked.)"""
-    prep = engine.preparer.prepare(batch)
+    prep = engine.parts.preparer.prepare(batch)
     try:
-        got = engine.runner.try_replay(prep)
+        got = engine.parts.runner.try_replay(prep)
         if isinstance(got, Fallback):
             return {"batch": label, "status": "fallback", "error": got.reason}
         hidden, info = got
         replay = hidden.clone()
-        same_bucket = engine.runner.eager_on_bucket(prep, info.capacity).clone()
+        same_bucket = engine.parts.runner.eager_on_bucket(prep, info.capacity).clone()
         n = prep.ids.shape[0]
-        unpadded = engine.body.eager(prep, prep.plan.max_local_rows)[:n].float()
+        unpadded = engine.parts.body.eager(prep, prep.plan.max_local_rows)[:n].float()
         diff = (replay.float() - same_bucket.float()).abs().max()
         ref = unpadded.norm().clamp_min(1e-30)
         return {"batch": label, "bucket": info.capacity, "rows": int(n),
@@ -57,7 +57,7 @@ def compare_replay(engine: PrefillEngine, batch: list[Request], label: str) -> d
                 "rel_diff_vs_unpadded_eager": float((replay[:n].float() - unpadded).norm() / ref),
                 "status": "pass" if torch.equal(replay, same_bucket) else "fail"}
     finally:
-        engine.preparer.abort(prep)
+        engine.parts.preparer.abort(prep)
 
 
 def _check_engine(engine: PrefillEngine, st: Settings, budget: Budget, row: dict) -> None:

@@ -29,14 +29,14 @@ TARGET_US = 50.0
 
 
 def _step(engine: PrefillEngine, batch: list[Request]) -> None:
-    prep = engine.preparer.prepare(batch)
+    prep = engine.parts.preparer.prepare(batch)
     try:
-        sel = engine.runner.select(prep.plan.max_local_rows)
+        sel = engine.parts.runner.select(prep.plan.max_local_rows)
         if not sel.graph:
             raise RuntimeError(f"{sel.required} rows a rank take no bucket ({sel.reason})")
-        engine.runner.fill(prep, sel.capacity)
+        engine.parts.runner.fill(prep, sel.capacity)
     finally:
-        engine.preparer.abort(prep)
+        engine.parts.preparer.abort(prep)
 
 
 def time_host(st: Settings, budget: Budget) -> list[dict]:

@@ -66,7 +66,7 @@ def graph_units(engine: PrefillEngine, out: PrefillOutput) -> dict:
     """Segments and breaks of the graph a forward replayed (nothing when it ran eagerly)."""
     if out.info.path != "graph":
         return {}
-    g = engine.runner.graphs[out.info.capacity].graph
+    g = engine.parts.runner.graphs[out.info.capacity].graph
     return {"segments": len(g.segments), "breaks": len(g.breaks)}
 
 

@@ -16,23 +16,23 @@ from graphcp.kv.placement.base import Placement
 from graphcp.kv.placement.layer_split import LayerSplitPlacement
 from graphcp.kv.placement.replicated import ReplicatedPlacement
 from graphcp.kv.placement.sharded import ShardedPlacement
-from graphcp.kv.spec import KVHeads, PoolSpec
+from graphcp.kv.spec import CacheGeometry, KVHeads, PoolSpec
 from graphcp.kv.storage.base import Storage
 from graphcp.kv.storage.kv_heads import KVHeadsStorage
 
 #: cache mode -> its placement
 PLACEMENTS: dict[str, type[Placement]] = {p.mode: p for p in (ReplicatedPlacement, ShardedPlacement,
                                                               LayerSplitPlacement)}
-_STORAGES: dict[type, type[Storage]] = {KVHeads: KVHeadsStorage}
+_STORAGES: dict[type[CacheGeometry], type[Storage]] = {KVHeads: KVHeadsStorage}
 
 
-def register_storage(geometry: type, storage: type[Storage]) -> None:
+def register_storage(geometry: type[CacheGeometry], storage: type[Storage]) -> None:
     """Make ``storage`` what a cache keeps for tokens of ``geometry`` (a family's), in
     every mode of ``storage.modes``."""
     _STORAGES[geometry] = storage
 
 
-def parts(mode: str, geometry: object) -> tuple[type[Placement], type[Storage]]:
+def parts(mode: str, geometry: CacheGeometry) -> tuple[type[Placement], type[Storage]]:
     """The placement of ``mode`` and the storage of ``geometry``; ValueError when the
     storage is not built for the mode (or either is unknown)."""
     storage = _STORAGES.get(type(geometry))
@@ -42,7 +42,7 @@ def parts(mode: str, geometry: object) -> tuple[type[Placement], type[Storage]]:
     return PLACEMENTS[mode], storage
 
 
-def make_cache(mode: str, geometry: object, pool: PoolSpec) -> PagedKVCache:
+def make_cache(mode: str, geometry: CacheGeometry, pool: PoolSpec) -> PagedKVCache:
     """This rank's cache of ``mode`` holding ``geometry``'s tokens in ``pool``."""
     placement, storage = parts(mode, geometry)
     allocator = PageAllocator(pool.num_pages, pool.page_size, pool.max_pages_per_seq)
@@ -50,13 +50,13 @@ def make_cache(mode: str, geometry: object, pool: PoolSpec) -> PagedKVCache:
                         storage.create(geometry, pool, placement.held_layers(pool)))
 
 
-def pool_bytes(mode: str, geometry: object, pool: PoolSpec) -> int:
+def pool_bytes(mode: str, geometry: CacheGeometry, pool: PoolSpec) -> int:
     """Bytes of rank ``pool.rank``'s pools (what :func:`make_cache` would allocate)."""
     placement, storage = parts(mode, geometry)
     return storage.pool_bytes(geometry, pool, placement.held_layers(pool))
 
 
-def capture_bytes(mode: str, geometry: object, pool_bytes: int, num_layers: int, exchange: str) -> int:
+def capture_bytes(mode: str, geometry: CacheGeometry, pool_bytes: int, num_layers: int, exchange: str) -> int:
     """What capturing the buckets reserves besides a pool of ``pool_bytes`` for
     ``num_layers`` layers (the ring's staging buffers of a sharded cache)."""
     return parts(mode, geometry)[0].capture_bytes(pool_bytes, num_layers, exchange)

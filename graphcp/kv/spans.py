@@ -38,11 +38,16 @@ class KVSpan:
 
 
 class KVSource(Protocol):
+    """What an export reads a request from (the module doc): a cache, or a family's reader
+    of its cache (``ModelFamily.export_source``)."""
+
     def kv_spans(self, handle, cp_size: int) -> list[KVSpan]: ...
 
     def holds(self, span: KVSpan, rank: int) -> bool: ...
 
-    def read_span(self, handle, span: KVSpan) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def read_span(self, handle, span: KVSpan) -> Sequence[torch.Tensor]:
+        """K and V (a family's own cache: the tensors its export format names)."""
+        ...
 
 
 def layers_per_rank(num_layers: int, cp_size: int) -> int:

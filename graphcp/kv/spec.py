@@ -1,8 +1,8 @@
 """What sizes a cache: the pool (:class:`PoolSpec`: its pages, the layers it serves and
 this rank's place among the CP ranks) and what a token holds in it (a family's
-*geometry*: :class:`KVHeads` for K and V of the KV heads; a family whose tokens hold
-something else defines its own in its folder). :func:`graphcp.kv.factory.make_cache`
-builds a cache mode from the two."""
+*geometry*, a :class:`CacheGeometry`: :class:`KVHeads` for K and V of the KV heads; a
+family whose tokens hold something else defines its own in its folder).
+:func:`graphcp.kv.factory.make_cache` builds a cache mode from the two."""
 
 from __future__ import annotations
 
@@ -29,8 +29,17 @@ class PoolSpec:
     cp_size: int = 1
 
 
+class CacheGeometry:
+    """What a token holds in a cache: the type of every family's geometry (what
+    ``ModelFamily.cache_geometry`` returns), a frozen dataclass of the sizes its storage
+    allocates by. The factory builds the storage registered for the geometry's class
+    (:func:`graphcp.kv.factory.register_storage`)."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True)
-class KVHeads:
+class KVHeads(CacheGeometry):
     """A dense model's token: K and V of ``num_kv_heads`` heads of ``head_dim`` (this
     rank's heads under attention TP), pages laid out as the attention backend reads them."""
 

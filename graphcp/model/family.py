@@ -23,7 +23,9 @@ defines a subclass and calls :func:`register_family` (docs/structure.md, "Adding
 model family"); the built-in ones are registered by :mod:`graphcp.model.families`.
 
 This module imports nothing of the families or the model (the registry sits below
-them: graphcp.model.config asks it); its annotations name their types as strings.
+them: graphcp.model.config asks it); its annotations name the model's types (its config,
+its model) as strings, and the lower layers' (the cache, its geometry, the attention, the
+export format) by import.
 """
 
 from __future__ import annotations
@@ -33,11 +35,22 @@ import importlib.metadata
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings
 from graphcp.errors import ConfigError
+
+if TYPE_CHECKING:  # the types the seam names (every one below the model)
+    import torch
+
+    from graphcp.attention.base import Attention
+    from graphcp.attention.catalog import AttentionLimits
+    from graphcp.config import RuntimeConfig
+    from graphcp.kv.paged import PagedKVCache
+    from graphcp.kv.spans import KVSource
+    from graphcp.kv.spec import CacheGeometry
+    from graphcp.pd.layout import TensorLayout
 
 
 @dataclass(frozen=True)
@@ -47,13 +60,13 @@ class AttentionParts:
     (its RoPE tables and stage), the cache, and the static sizes kernel backends
     preallocate for (graphcp.attention.registry)."""
 
-    cfg: Any
-    attn_cfg: Any
-    runtime: Any
-    device: Any
-    model: Any
-    kv: Any
-    limits: Any  # graphcp.attention.registry.AttentionLimits
+    cfg: "ModelConfig"  # noqa: F821
+    attn_cfg: "ModelConfig"  # noqa: F821
+    runtime: RuntimeConfig
+    device: torch.device
+    model: "DecoderModel"  # noqa: F821
+    kv: PagedKVCache
+    limits: AttentionLimits
 
 
 class ModelFamily:
@@ -138,7 +151,7 @@ class ModelFamily:
     model_class: ClassVar[type] = type(None)
 
     def build_model(self, cfg, dtype, parallel, rank: int, stage: int, moe: str, max_positions: int | None,
-                    shard) -> Any:
+                    shard) -> "DecoderModel":  # noqa: F821
         """Rank ``rank``'s model of pipeline stage ``stage`` (built on whatever device
         is current: the loader builds it on the meta device): ``model_class`` over the
         FFN's TP degree, this rank's experts and heads (``shard``)."""
@@ -175,7 +188,7 @@ class ModelFamily:
     weights_recipe: ClassVar[int] = 1
 
     # ---- the cache and attention ------------------------------------------------
-    def cache_geometry(self, cfg, runtime, kv_layout: str = "NHD") -> Any:
+    def cache_geometry(self, cfg, runtime, kv_layout: str = "NHD") -> CacheGeometry:
         """What a token holds in this family's cache (``graphcp.kv.factory``'s geometry;
         ``cfg``: the config with this rank's head counts; ``kv_layout``: the page layout
         the attention backend reads, where the family's cache has a choice)."""
@@ -185,9 +198,10 @@ class ModelFamily:
         """The page layout the chosen attention backend reads (where the cache has a choice)."""
         return "NHD"
 
-    def make_attention(self, parts: "AttentionParts", workspace: Any = None) -> Any:
-        """An attention backend of the built model over its cache (the forward's, and one
-        more for each step of a ring, which may share the first's ``workspace``)."""
+    def make_attention(self, parts: AttentionParts, workspace: torch.Tensor | None = None) -> Attention:
+        """The attention of the built model over its cache (graphcp.attention.base: a backend
+        over K/V heads, or the family's own, which takes the cache): the forward's, and one
+        more for each step of a ring, which may share the first's ``workspace``."""
         raise NotImplementedError
 
     def work_report(self, stats_per_rank: list[dict]) -> list[str]:
@@ -200,11 +214,12 @@ class ModelFamily:
     #: export then gathers the heads over attention TP)
     export_splits_heads: ClassVar[bool] = True
 
-    def export_meta(self, cfg, num_tokens: int, runtime, fingerprint: str, draft_layers: int) -> Any:
-        """The metadata of one request's exported KV (the export format's)."""
+    def export_meta(self, cfg, num_tokens: int, runtime, fingerprint: str, draft_layers: int) -> TensorLayout:
+        """The metadata of one request's exported KV (the export format's: graphcp-kv/1's
+        KVMeta, or the family's registered format's; each a graphcp.pd.layout.TensorLayout)."""
         raise NotImplementedError
 
-    def export_source(self, kv, model) -> Any:
+    def export_source(self, kv: PagedKVCache, model: "DecoderModel") -> KVSource:  # noqa: F821
         """What an export reads a request from (graphcp.kv.spans.KVSource): the cache,
         or a reader of its state in transformers' terms."""
         return kv

@@ -22,10 +22,22 @@ import torch
 
 class TensorLayout:
     """Mixed into a format's metadata (a frozen dataclass with ``num_layers``,
-    ``num_tokens`` and ``torch_dtype``)."""
+    ``num_tokens`` and ``torch_dtype``): the type of every format's metadata (what
+    ``ModelFamily.export_meta`` returns)."""
 
+    #: the layers and tokens of the request (the metadata's fields; ``torch_dtype`` is its dtype)
+    num_layers: int
+    num_tokens: int
     #: the dimension along which a tensor holds the request's tokens
     token_dim: int = 0
+
+    def make_export(self, layers: list[dict[str, torch.Tensor]], **extra):
+        """The format's export of ``layers`` (per layer, its tensors by name)."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, str]:
+        """The metadata as strings (what a file's header and a transport's hello carry)."""
+        raise NotImplementedError
 
     def layer_tensors(self, layer: int) -> tuple[str, ...]:
         """The names of ``layer``'s tensors, in order."""

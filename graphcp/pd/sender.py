@@ -66,7 +66,7 @@ class KVSender:
                               f"{engine.world_rank} of {engine.world.size}: give each sender its engine's "
                               "world_rank and world.size (every rank of every pipeline stage sends its part)")
         for h in handles:
-            engine.kv.check_handle(h)
+            engine.parts.kv.check_handle(h)
         for h, rid in zip(handles, request_ids):
             self._send_one(engine, h, str(rid))
         for rid in request_ids:
@@ -99,9 +99,9 @@ class KVSender:
     def _send_one(self, engine, handle, rid: str) -> None:
         meta = engine.kv_meta(handle)  # either format: the runs come from its layout (graphcp.pd.layout)
         # the spans this rank owns in its CP group (under pipeline stages: of its stage's layers)
-        source = engine.kv_source  # the cache, or what reads a family's cache state
+        source = engine.parts.kv_source  # the cache, or what reads a family's cache state
         heads = _heads_written(engine, meta)
-        mine = [s for s in source.kv_spans(handle, engine.group.size) if s.owner == engine.rank] \
+        mine = [s for s in source.kv_spans(handle, engine.parts.group.size) if s.owner == engine.rank] \
             if heads != (0, 0) else []
         self.channel.send(op="open", id=rid, rank=self.rank, senders=self.cp_size, meta=meta.to_dict())
         base = int(self._reply(rid, ("region", "refused", "failed"), "region")["addr"])

@@ -64,7 +64,7 @@ def _setup(engine: PrefillEngine, job: ProfileJob) -> list[_Batch]:
 def _forward(engine: PrefillEngine, batch: _Batch) -> None:
     out = engine.prefill([Request(t, h) for t, h in zip(batch.tokens, batch.prefixes)])
     # undo the new tokens: prefixes stay valid for the next pass, new sequences go away
-    engine.kv.rollback([h.seq_id for h in out.handles], [len(t) for t in batch.tokens])
+    engine.parts.kv.rollback([h.seq_id for h in out.handles], [len(t) for t in batch.tokens])
 
 
 def _pass(engine: PrefillEngine, batches: list[_Batch]) -> None:
@@ -73,9 +73,9 @@ def _pass(engine: PrefillEngine, batches: list[_Batch]) -> None:
 
 
 def _captures_ms(engine: PrefillEngine) -> dict[str, float]:
-    if engine.runner is None:
+    if engine.parts.runner is None:
         return {}
-    return {f"capture[{c.capacity}]": c.capture_s * 1e3 for c in engine.runner.stats.captures}
+    return {f"capture[{c.capacity}]": c.capture_s * 1e3 for c in engine.parts.runner.stats.captures}
 
 
 def profile_rank(group: CPGroup, spec, job: ProfileJob) -> list[dict] | None:

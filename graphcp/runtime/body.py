@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionMetadata, BatchRequests
+from graphcp.attention.base import Attention, AttentionMetadata, BatchRequests
 from graphcp.attention.kv_exchange import KVExchange, KVForward
 from graphcp.attention.phase import DECODE, PREFILL, Phase
 from graphcp.attention.staging import to_device
@@ -34,7 +34,9 @@ from graphcp.runtime.batch import PreparedBatch
 @dataclass
 class Body:
     model: DecoderModel  # or a family's subclass of it
-    attention: object  # the attention backend (a sparse family's takes the cache)
+    #: the forward's attention (graphcp.attention.base: a backend over K/V heads, or a family's own, which
+    #: takes the cache)
+    attention: Attention
     kv: PagedKVCache
     group: CPGroup
     device: torch.device
@@ -76,7 +78,7 @@ class Body:
         return not self.model.stage.first
 
     def context(self, prep: PreparedBatch | None, slots: torch.Tensor, static=None, *, phase: Phase = PREFILL,
-                meta: AttentionMetadata | None = None, attention: Any = None, stats: dict | None = None,
+                meta: AttentionMetadata | None = None, attention: Attention | None = None, stats: dict | None = None,
                 aux: AuxCapture | None = None) -> ForwardContext:
         """The context of one forward of ``prep`` (None: an inert batch of ``phase``, as a
         capture runs) on this rank's ``slots``, after the attention backend's host-side
@@ -101,10 +103,10 @@ class Body:
             stats.update(self.model.static_stats(slots.shape[0]))
         return ForwardContext(fwd, inputs, stats, aux, self.comms[phase])
 
-    def _plan_attention(self, backend: Any, live: AttentionMetadata, prep: PreparedBatch | None) -> None:
+    def _plan_attention(self, backend: Attention, live: AttentionMetadata, prep: PreparedBatch | None) -> None:
         """The backend's host-side planning of the live batch (a backend that reads every
         request of it, DeepSeek V4's pooling, is given them; an inert batch none)."""
-        if getattr(backend, "reads_batch", False):
+        if backend.reads_batch:
             backend.prepare(live, None if prep is None else self.requests(prep))
         else:
             backend.prepare(live)

@@ -1,18 +1,19 @@
 """Wiring an engine's parts: the mesh, the model its family builds, the cache the one
 factory builds for the cache mode, the attention and the KV exchange, the body, the
-batch preparer, the graphs and the draft. :class:`EngineParts` is what the engine
-delegates to and what tools read (the named interface: ``engine.parts``); nothing here
-names a model family or a cache mode (graphcp.model.family, graphcp.kv.factory)."""
+batch preparer, the graphs, the draft, the one forward, the stats recorder and the decode
+steps. :class:`EngineParts` is what the engine delegates to and what tools read: the one
+route to each part (``engine.parts``, docs/api.md); nothing here names a model family or a
+cache mode (graphcp.model.family, graphcp.kv.factory)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from graphcp.attention.base import Attention
 from graphcp.attention.kv_exchange import KVExchange, make_exchange
 from graphcp.attention.registry import AttentionLimits, preallocates_per_request
 from graphcp.attention.ring.hardware import HardwareSpec
@@ -24,6 +25,7 @@ from graphcp.dist import CPGroup
 from graphcp.errors import ConfigError
 from graphcp.kv import factory
 from graphcp.kv.paged import PagedKVCache
+from graphcp.kv.spans import KVSource
 from graphcp.mesh import MeshGroups, build_mesh
 from graphcp.model.communicator import LayerCommunicator
 from graphcp.model.config import ModelConfig
@@ -37,14 +39,18 @@ from graphcp.runtime.body import Body
 from graphcp.runtime.capture.buckets import BucketSet
 from graphcp.runtime.capture.draft_graphs import DraftGraphs
 from graphcp.runtime.capture.runner import GraphRunner
+from graphcp.runtime.decode.decoder import Decoder
 from graphcp.runtime.draft import DraftRunner
+from graphcp.runtime.forward import StageForward
 from graphcp.runtime.pool_size import pool_pages, pool_spec
 from graphcp.runtime.pp.groups import PipelineGroups, pipeline_groups
+from graphcp.runtime.stats import Recorder
 
 
 @dataclass
 class EngineParts:
-    """One rank's engine, wired (see the module doc)."""
+    """One rank's engine, wired (see the module doc): ``engine.parts``, the one route to
+    each part (the engine's own attributes are its methods and the run's values)."""
 
     model_dir: Path
     runtime: RuntimeConfig
@@ -61,9 +67,8 @@ class EngineParts:
     layout: Layout
     buckets: BucketSet
     kv: PagedKVCache
-    #: what an export reads a request from (graphcp.kv.spans.KVSource): the cache, or its
-    #: family's reader of it
-    kv_source: Any
+    #: what an export reads a request from: the cache, or its family's reader of it
+    kv_source: KVSource
     exchange: KVExchange
     body: Body
     preparer: BatchPreparer
@@ -71,6 +76,12 @@ class EngineParts:
     runner: GraphRunner | None
     #: an EAGLE-3 draft's phase (None without RuntimeConfig.draft)
     drafter: DraftRunner | None
+    #: the one forward of both phases (a prefill's drivers and the decode steps run it)
+    forward: StageForward
+    #: the forwards and decode steps the stats list (engine.stats())
+    recorder: Recorder
+    #: the decode steps: their planner (``preparer``), graphs (``graphs``) and capture
+    decoder: Decoder
 
     @property
     def attn_cfg(self) -> ModelConfig:
@@ -111,8 +122,12 @@ def build_parts(model: str | Path, rt: RuntimeConfig, group: CPGroup, buckets: B
                 LayerCommunicator(mesh.cp, mesh.attn_tp, mesh.ffn, mesh.dp), rt.decode_merge)
     preparer = _make_preparer(layout, kv, mesh, pipeline, parallel, rt, cfg, device, attention, exchange)
     runner, drafter = _make_graphs(body, preparer, buckets, rt, cfg, draft)
+    recorder = Recorder(exchange, len(net.stage.layers))
+    forward = StageForward(body, runner)
+    decoder = Decoder(net, kv, body, runner, mesh.ffn, rt, parallel, family.kind(cfg), forward, recorder)
     return EngineParts(model_dir, rt, parallel, family, cfg, net, mesh, mesh.cp, pipeline, device, layout, buckets, kv,
-                       family.export_source(kv, net), exchange, body, preparer, runner, drafter)
+                       family.export_source(kv, net), exchange, body, preparer, runner, drafter, forward, recorder,
+                       decoder)
 
 
 def _check_options(model_dir: Path, rt: RuntimeConfig, parallel: ParallelConfig, group: CPGroup,
@@ -165,7 +180,7 @@ def _check_pool_fits(need: int, num_pages: int, rt: RuntimeConfig, device: torch
 
 def _make_attention(family: ModelFamily, cfg: ModelConfig, model: DecoderModel, rt: RuntimeConfig,
                     kv: PagedKVCache, group: CPGroup, device: torch.device,
-                    buckets: BucketSet) -> tuple[Any, KVExchange]:
+                    buckets: BucketSet) -> tuple[Attention, KVExchange]:
     """The forward's attention backend and the exchange the cache mode stores and attends
     through (a ring's steps each plan their own metadata with a backend of their own;
     FlashInfer's share one float workspace)."""
@@ -197,7 +212,7 @@ def _attention_limits(rt: RuntimeConfig, kv: PagedKVCache, group: CPGroup, bucke
 
 def _make_preparer(layout: Layout, kv: PagedKVCache, mesh: MeshGroups, pipeline: PipelineGroups | None,
                    parallel: ParallelConfig, rt: RuntimeConfig, cfg: ModelConfig, device: torch.device,
-                   attention: Any, exchange: KVExchange) -> BatchPreparer:
+                   attention: Attention, exchange: KVExchange) -> BatchPreparer:
     # every stage of a pipeline (every rank of the mesh) must be given the same batch; under
     # attention DP the driver checks the whole batch over the stage (runtime/dp.py)
     consistency = pipeline.world if pipeline is not None else (

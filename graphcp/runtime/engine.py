@@ -32,22 +32,47 @@ from graphcp.config import MAX_MICROBATCHES, ParallelConfig, RuntimeConfig
 from graphcp.dist import CPGroup
 from graphcp.errors import BatchError, ConfigError, InputError
 from graphcp.kv.handle import KVHandle
+from graphcp.model.config import ModelConfig
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.batch import DecodeOutput, PrefillOutput, Request
-from graphcp.runtime.build import build_parts
+from graphcp.runtime.build import EngineParts, build_parts
 from graphcp.runtime.capture.buckets import BucketSet
-from graphcp.runtime.decode.decoder import Decoder
 from graphcp.runtime.decode.generate import GenerateOutput, generate
 from graphcp.runtime.dp import DataParallelPrefill, ReplicaHandle
 from graphcp.runtime.draft import draft_next_tokens
 from graphcp.runtime.export import Exporter
-from graphcp.runtime.forward import ForwardDriver, ForwardParts, PrefillCall, SingleForward, StageForward
+from graphcp.runtime.forward import ForwardDriver, ForwardParts, PrefillCall, SingleForward
 from graphcp.runtime.outputs import OutputHead
 from graphcp.runtime.pp.prefill import MicrobatchedPrefill
-from graphcp.runtime.stats import Recorder
 
 
 class PrefillEngine:
+    """One rank's engine (see the module doc). Its interface (docs/api.md): the methods
+    (``prefill``, ``decode``, ``generate``, ``release``, ``export_kv``, ``export_kv_batch``,
+    ``kv_meta``, ``capture``, ``capture_decode``, ``stats``, ``reset_stats``), the run's
+    values below, and :attr:`parts`, the one route to each wired part (the cache, the
+    preparer, the body and its attention, the graphs, the decode steps, ...)."""
+
+    #: every wired part of this rank's engine (graphcp.runtime.build.EngineParts): the one route to each
+    parts: EngineParts
+    #: the runtime options and the parallel degrees the engine was built with
+    runtime: RuntimeConfig
+    parallel: ParallelConfig
+    #: the checkpoint folder (a preset's, written on first use)
+    model_dir: Path
+    #: the model's config (its whole head counts; this rank's: ``parts.attn_cfg``)
+    cfg: ModelConfig
+    device: torch.device
+    #: the model's and the cache's dtype
+    dtype: torch.dtype
+    #: the longest request the model takes (its max_position_embeddings)
+    max_context: int
+    #: this rank in its CP group (its stage's, under PP)
+    rank: int
+    #: every rank of the run (graphcp.mesh numbers them), and this rank in it (export_kv's ``dst``)
+    world: CPGroup
+    world_rank: int
+
     def __init__(
         self,
         model: str | Path = "default",
@@ -57,50 +82,23 @@ class PrefillEngine:
         parallel: ParallelConfig | None = None,
     ) -> None:
         self.runtime = runtime or RuntimeConfig()
-        #: the engine's parts, wired: what the engine delegates to and what tools read
         self.parts = p = build_parts(model, self.runtime, group or CPGroup(), buckets, parallel)
-        self.parallel, self.model_dir = p.parallel, p.model_dir
-        self.recorder = Recorder(p.exchange, len(p.model.stage.layers))
-        #: the one forward of both phases (a prefill's drivers and the decode steps run it)
-        forward = StageForward(p.body, p.runner)
-        fw = ForwardParts(p.preparer, p.kv, forward, OutputHead(p.model, p.group), self.recorder)
+        self.parallel, self.model_dir, self.cfg, self.device = p.parallel, p.model_dir, p.cfg, p.device
+        self.dtype, self.max_context = p.runtime.torch_dtype, p.cfg.max_position_embeddings
+        self.world = p.world
+        self.rank, self.world_rank = p.group.rank, self.world.rank
+        # the prefill's drivers, over the one forward (the decode steps' is parts.decoder)
+        fw = ForwardParts(p.preparer, p.kv, p.forward, OutputHead(p.model, p.group), p.recorder)
         self._single = SingleForward(fw, p.drafter)
         mesh, stage = p.mesh, p.model.stage
-        #: attention DP: the batch split over the replicas (None without DP)
-        self.dp = DataParallelPrefill(mesh.coords.dp, p.parallel.dp_size, mesh.dp, mesh.ffn, p.device,
-                                      fw) if p.parallel.dp_size > 1 else None
+        # attention DP: the batch split over the replicas (None without DP)
+        self._dp = DataParallelPrefill(mesh.coords.dp, p.parallel.dp_size, mesh.dp, mesh.ffn, p.device,
+                                       fw) if p.parallel.dp_size > 1 else None
         self._microbatched = MicrobatchedPrefill(
             fw, stage, p.pipeline, p.parallel.stage_layers(p.cfg.num_layers), p.cfg.hidden_size, p.cfg.vocab_size,
             p.model.dtype, p.device, p.model.handoff_size)
         self._exporter = Exporter(p)
-        self._decoder = Decoder(p, forward, self.recorder)
-
-    # ---- what tools read (the parts) ---------------------------------------------
-    cfg = property(lambda self: self.parts.cfg, doc="The model's config.")
-    model = property(lambda self: self.parts.model, doc="This rank's model (its stage, its shards).")
-    attn_cfg = property(lambda self: self.parts.attn_cfg, doc="The config with this rank's head counts.")
-    stage = property(lambda self: self.parts.model.stage, doc="This rank's pipeline stage.")
-    kv = property(lambda self: self.parts.kv, doc="This rank's KV cache (its cache mode's object).")
-    kv_source = property(lambda self: self.parts.kv_source, doc="What an export reads a request from.")
-    preparer = property(lambda self: self.parts.preparer, doc="Validates, plans and reserves a batch.")
-    body = property(lambda self: self.parts.body, doc="The one way to run the body.")
-    runner = property(lambda self: self.parts.runner, doc="The graphs (None: graph='off').")
-    drafter = property(lambda self: self.parts.drafter, doc="An EAGLE-3 draft's phase (None: no draft).")
-    draft = property(lambda self: None if self.parts.drafter is None else self.parts.drafter.draft,
-                     doc="The EAGLE-3 draft (None: no draft).")
-    mesh = property(lambda self: self.parts.mesh, doc="The mesh's named groups (graphcp.mesh).")
-    group = property(lambda self: self.parts.group, doc="This rank's CP group (its stage's, under PP).")
-    pipeline = property(lambda self: self.parts.pipeline, doc="The pipeline's groups (None without stages).")
-    layout = property(lambda self: self.parts.layout, doc="The CP layout (zigzag or interleave).")
-    buckets = property(lambda self: self.parts.buckets, doc="The graph buckets.")
-    device = property(lambda self: self.parts.device)
-    dtype = property(lambda self: self.parts.runtime.torch_dtype)
-    max_context = property(lambda self: self.parts.cfg.max_position_embeddings, doc="The model's context.")
-    attention = property(lambda self: self.parts.body.attention, doc="The attention backend.")
-    rank = property(lambda self: self.parts.group.rank, doc="This rank in its CP group (its stage's, under PP).")
-    world = property(lambda self: self.parts.world, doc="Every rank of the run (graphcp.mesh numbers them).")
-    world_rank = property(lambda self: self.parts.world.rank, doc="This rank in the run (export_kv's dst).")
-    decoder = property(lambda self: self._decoder, doc="The decode steps: their planner (preparer) and graphs.")
+        self._decode = p.decoder.decode  # (bound once: a decode step's call)
 
     # ---- public API -------------------------------------------------------------
     def capture(self, progress: bool = False, up_to: int | None = None):
@@ -195,7 +193,7 @@ class PrefillEngine:
         step replays its batch-size bucket's decode graph (``force_eager`` skips it).
         BatchError (nothing changed) for an empty batch, a handle that is not live here,
         a token outside the vocabulary, a request at the model's context."""
-        return self._decoder.decode(handles, tokens, force_eager)
+        return self._decode(handles, tokens, force_eager)
 
     @torch.inference_mode()
     def generate(self, requests, max_new_tokens: int, stop: Sequence[int] | None = None, logits: bool = False,
@@ -211,13 +209,13 @@ class PrefillEngine:
     def capture_decode(self, pages: int | None = None, progress: bool = False) -> list[int]:
         """Capture every decode batch-size bucket's graph for steps whose requests hold at
         most ``pages`` pages on a rank (None: any; graph modes); the batch sizes captured."""
-        return self._decoder.capture(pages, progress)
+        return self.parts.decoder.capture(pages, progress)
 
     def _driver(self, call: PrefillCall) -> ForwardDriver:
         """Attention-DP replicas, one forward (a draft runs one), or micro-batches (any
         call under pipeline stages)."""
-        if self.dp is not None:
-            return self.dp
+        if self._dp is not None:
+            return self._dp
         if self.parts.drafter is not None or (self.parts.pipeline is None and call.microbatches == 1):
             return self._single
         return self._microbatched
@@ -266,7 +264,7 @@ class PrefillEngine:
             "attn_tp_size": p.parallel.attn_tp_size, "dp_size": p.parallel.dp_size,
             "kv_heads": p.attn_cfg.num_kv_heads,
             "stage": 0 if p.pipeline is None else p.pipeline.stage,
-            "layers": [self.stage.layers.start, self.stage.layers.stop], "kv_cache": self.runtime.kv_cache,
+            "layers": [p.model.stage.layers.start, p.model.stage.layers.stop], "kv_cache": self.runtime.kv_cache,
             "exchange": p.exchange.setting(),
             "kv_pool_tokens": (kv.num_pages - 1) * kv.page_size,
             "kv_pool_bytes": kv.pool_bytes,  # every page pool (MLA: latent and indexer keys) and state pool
@@ -276,15 +274,15 @@ class PrefillEngine:
             "kv_state_pools": {name: t.numel() * t.element_size() for name, t in kv.state_pools().items()},
             "kv_stored_tokens": kv.stored_tokens(),
             "kv_stored_pages": kv.stored_pages(),
-            "forwards": list(self.recorder.forwards),
-            "forwards_dropped": self.recorder.dropped,
-            "decode_steps": list(self.recorder.decode_steps),
-            "decode_steps_dropped": self.recorder.decode_dropped,
+            "forwards": list(p.recorder.forwards),
+            "forwards_dropped": p.recorder.dropped,
+            "decode_steps": list(p.recorder.decode_steps),
+            "decode_steps_dropped": p.recorder.decode_dropped,
         }
 
     def reset_stats(self) -> None:
         """Forget the forwards recorded so far."""
-        self.recorder.reset()
+        self.parts.recorder.reset()
 
 
 def prefill_prefixes(engine: PrefillEngine, prefixes: Sequence[object | None],
@@ -295,7 +293,7 @@ def prefill_prefixes(engine: PrefillEngine, prefixes: Sequence[object | None],
     idx = [i for i, p in enumerate(prefixes) if p is not None]
     handles: list[KVHandle | None] = [None] * len(prefixes)
     if idx:
-        kw = {} if engine.draft is None else {"draft_next": None if next_tokens is None else
+        kw = {} if engine.parts.drafter is None else {"draft_next": None if next_tokens is None else
                                               [int(next_tokens[i]) for i in idx]}
         for i, h in zip(idx, engine.prefill([Request(prefixes[i]) for i in idx], aux_hidden_layers=(),
                                             **kw).handles):

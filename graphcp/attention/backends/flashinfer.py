@@ -88,7 +88,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, BatchRequests
 from graphcp.attention.catalog import register_backend
 from graphcp.attention.staging import PinnedStaging, to_device
 from graphcp.errors import ConfigError
@@ -319,7 +319,7 @@ class FlashInferAttention(AttentionBackend):
                 f"{first}") from e
         self._plan_fence.mark()
 
-    def prepare(self, meta: AttentionMetadata) -> None:
+    def prepare(self, meta: AttentionMetadata, requests: BatchRequests | None = None) -> None:
         if meta.page_size != self.spec.page_size:
             raise ValueError(f"metadata page_size {meta.page_size} != spec page_size {self.spec.page_size}")
         if meta.static:

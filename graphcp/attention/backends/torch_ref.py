@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from graphcp.attention.base import AttentionBackend, AttentionMetadata
+from graphcp.attention.base import AttentionBackend, AttentionMetadata, BatchRequests
 from graphcp.attention.catalog import register_backend
 from graphcp.attention.staging import to_device_packed
 from graphcp.kv.layout import kv_cache_views
@@ -98,7 +98,7 @@ class TorchAttention(AttentionBackend):
     #: :meth:`prepare` planned: every layer's call reads them instead of redoing them
     _planned: tuple | None = None
 
-    def prepare(self, meta: AttentionMetadata) -> None:
+    def prepare(self, meta: AttentionMetadata, requests: BatchRequests | None = None) -> None:
         self._planned = (meta, self._runs(meta))
 
     @staticmethod

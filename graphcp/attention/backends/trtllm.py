@@ -74,7 +74,7 @@ from graphcp.attention.backends.flashinfer import (
     keyed_segments,
     write_no_key_rows,
 )
-from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from graphcp.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, BatchRequests
 from graphcp.attention.catalog import register_backend
 from graphcp.errors import ConfigError
 from graphcp.kv.page_table import SCRATCH_PAGE
@@ -182,7 +182,7 @@ class TrtllmAttention(AttentionBackend):
         self._batch: tuple[int, int, int] | None = None  # (batch_size, max_q_len, max_kv_len)
         self._planned: tuple[int, bool, bool] | None = None  # (rows, static metadata, causal)
 
-    def prepare(self, meta: AttentionMetadata) -> None:
+    def prepare(self, meta: AttentionMetadata, requests: BatchRequests | None = None) -> None:
         s, width = meta.num_segments, meta.page_table_host.shape[1]
         if meta.page_size != self.spec.page_size:
             raise ValueError(f"metadata page_size {meta.page_size} != spec page_size {self.spec.page_size}")

@@ -14,7 +14,7 @@ defaults of a storage without per-request state.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ import torch
 from graphcp.kv.handle import KVCacheFull
 from graphcp.kv.layers import HeldLayers
 from graphcp.kv.layout import KVLayout
-from graphcp.kv.spec import PoolSpec
+from graphcp.kv.spec import CacheGeometry, PoolSpec
 
 ALL_MODES = ("replicated", "sharded", "layer-split")
 
@@ -58,12 +58,12 @@ class Storage:
     held: HeldLayers
 
     @classmethod
-    def create(cls, geometry: Any, pool: PoolSpec, held: HeldLayers) -> "Storage":
+    def create(cls, geometry: CacheGeometry, pool: PoolSpec, held: HeldLayers) -> "Storage":
         """This rank's storage of ``geometry``'s tokens in ``pool``, for the ``held`` layers."""
         raise NotImplementedError
 
     @classmethod
-    def pool_bytes(cls, geometry: Any, pool: PoolSpec, held: HeldLayers) -> int:
+    def pool_bytes(cls, geometry: CacheGeometry, pool: PoolSpec, held: HeldLayers) -> int:
         """Bytes :meth:`create` allocates (page pools and state pools), without allocating."""
         raise NotImplementedError
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphcp.attention.base import AttentionSpec
+import torch
+
+from graphcp.attention.base import AttentionBackend, AttentionSpec
 from graphcp.attention.registry import make_attention, preferred_kv_layout
 from graphcp.attention.registry import resolve as resolve_attention
 from graphcp.errors import ConfigError
@@ -69,7 +71,7 @@ class DenseFamily(ModelFamily):
         """The page layout the chosen backend reads (trtllm: HND)."""
         return preferred_kv_layout(runtime.attention, device)
 
-    def make_attention(self, parts: AttentionParts, workspace: Any = None):
+    def make_attention(self, parts: AttentionParts, workspace: torch.Tensor | None = None) -> AttentionBackend:
         rt, acfg = parts.runtime, parts.attn_cfg
         spec = AttentionSpec(acfg.num_heads, acfg.num_kv_heads, acfg.head_dim, rt.page_size, acfg.head_dim ** -0.5,
                              parts.kv.layout)

@@ -42,12 +42,12 @@ import torch
 
 from graphcp.kv.handle import KVHandle
 from graphcp.kv.layers import HeldLayers, LayerSlots
-from graphcp.kv.spec import PoolSpec
+from graphcp.kv.spec import CacheGeometry, PoolSpec
 from graphcp.kv.storage.base import Storage, itemsize
 
 
 @dataclass(frozen=True)
-class MlaGeometry:
+class MlaGeometry(CacheGeometry):
     """A DSA model's token: its latent and rope key (``kv_lora_rank + rope_dim``) in every
     layer, and its indexer key (``index_dim``) in the layers that run the indexer
     (``indexer_layers``: the model's, one entry a layer)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from graphcp.kv.factory import register_storage
 from graphcp.model.config import ConfigReader, ModelConfig, decoder_config, read_head
 from graphcp.model.dsa import checkpoint
@@ -18,7 +20,7 @@ from graphcp.model.dsa.hf_cache import to_mla_cache
 from graphcp.model.dsa.model import DsaModel
 from graphcp.model.dsa.presets import PRESETS
 from graphcp.model.dsa.runtime import check_stages, make_attention
-from graphcp.model.dsa.sparse import indexer_report
+from graphcp.model.dsa.sparse import SparseMlaBackend, indexer_report
 from graphcp.model.family import AttentionParts, ModelFamily, register_family
 from graphcp.model.rope import rope_from_hf
 from graphcp.model.tensor_table import is_skipped
@@ -70,7 +72,7 @@ class DsaFamily(ModelFamily):
         d = cfg.dsa
         return MlaGeometry(d.kv_lora_rank, d.qk_rope_head_dim, d.index_head_dim, d.indexer_layers)
 
-    def make_attention(self, parts: AttentionParts, workspace: Any = None):
+    def make_attention(self, parts: AttentionParts, workspace: torch.Tensor | None = None) -> SparseMlaBackend:
         return make_attention(parts.cfg, parts.runtime, parts.device)
 
     def work_report(self, stats_per_rank: list[dict]) -> list[str]:

@@ -1,9 +1,11 @@
 """Sparse MLA attention of DSA models: the indexer's top-k and attention restricted to it.
 
-The contract (:class:`SparseMlaBackend`) mirrors :mod:`graphcp.attention.base` for
-models whose cache holds MLA's latent (``graphcp/model/dsa/cache.py``): ``prepare`` once
-per forward (host side, the live metadata), then per layer ``forward``, which, for
-this rank's query rows only,
+The contract (:class:`SparseMlaBackend`) is :class:`graphcp.attention.base.Attention`'s
+second kind, an attention that takes the cache, for models whose cache holds MLA's latent
+(``graphcp/model/dsa/cache.py``): ``prepare`` once per forward (host side, the live
+metadata), then per layer ``forward``, called by the family's layers in the attention
+break with the cache's storage (``graphcp/model/dsa/mla.py``), which, for this rank's
+query rows only,
 
 1. in a layer that runs the indexer: scores each row against the indexer keys of its
    request in the cache (the cached prefix and every rank's new tokens, written by the
@@ -34,7 +36,7 @@ host metadata: in graph mode they run in the attention break.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -42,7 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.base import Attention, AttentionMetadata, BatchRequests
 from graphcp.attention.staging import to_device_packed
 from graphcp.model.dsa.cache import MlaStorage
 from graphcp.model.dsa.topk import Selector, index_scores, positions_to_mask, select_topk
@@ -133,7 +135,10 @@ def indexer_report(stats_per_rank: list[dict]) -> str | None:
     return f"indexer (query rows x key tokens scored, share of the replicated indexer's {rep}): {shares}"
 
 
-class SparseMlaBackend(ABC):
+class SparseMlaBackend(Attention):
+    """A DSA model's attention (an :class:`~graphcp.attention.base.Attention` that takes
+    the cache: the family's layers call :meth:`forward` with its storage)."""
+
     name: str = "base"
     #: reads host metadata (the torch reference): never inside a captured graph
     supports_full_graph: bool = False
@@ -142,7 +147,7 @@ class SparseMlaBackend(ABC):
         self.spec = spec
 
     @abstractmethod
-    def prepare(self, meta: AttentionMetadata) -> None:
+    def prepare(self, meta: AttentionMetadata, requests: BatchRequests | None = None) -> None:
         """Host-side planning for this forward's live metadata (before any layer)."""
 
     @abstractmethod
@@ -196,7 +201,7 @@ class SelectingSparseMla(SparseMlaBackend):
         self._selection: dict[tuple[int, int], torch.Tensor] = {}  # (group, block start) -> positions
         self._rows = self._pairs = 0
 
-    def prepare(self, meta: AttentionMetadata) -> None:
+    def prepare(self, meta: AttentionMetadata, requests: BatchRequests | None = None) -> None:
         self._groups = row_groups(meta)
         views = to_device_packed([a for g in self._groups for a in (g.pages, g.positions)], meta.device) \
             if self._groups else []

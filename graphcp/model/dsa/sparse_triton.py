@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from graphcp.attention.backends.triton import interpreting
-from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.base import AttentionMetadata, BatchRequests
 from graphcp.attention.kernels.sparse_latent_configs import SparseTileConfig, sparse_tile_config
 from graphcp.attention.staging import to_device
 from graphcp.errors import ConfigError, InputError
@@ -67,8 +67,8 @@ class TritonSparseMla(SelectingSparseMla):
         """The tile settings a launch on ``dtype`` operands uses."""
         return self._tile or sparse_tile_config(self.spec.kv_lora_rank, dtype)
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        super().prepare(meta)
+    def prepare(self, meta: AttentionMetadata, requests: BatchRequests | None = None) -> None:
+        super().prepare(meta, requests)
         self._tables = None
 
     def _page_tables(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ import torch
 from graphcp.errors import ConfigError
 from graphcp.kv.handle import KVHandle
 from graphcp.kv.layers import HeldLayers, LayerSlots
-from graphcp.kv.spec import PoolSpec
+from graphcp.kv.spec import CacheGeometry, PoolSpec
 from graphcp.kv.storage.base import Storage, itemsize
 
 #: a V4 layer's kind: a window only, the window + compressed sparse entries, + heavily compressed entries
@@ -49,7 +49,7 @@ SLIDING, CSA, HCA = "sliding", "csa", "hca"
 
 
 @dataclass(frozen=True)
-class DsV4CacheSpec:
+class DsV4CacheSpec(CacheGeometry):
     """What the cache and the attention break size by (graphcp.model.dsv4.config reads it)."""
 
     layer_kinds: tuple[str, ...]

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from graphcp.errors import ConfigError
 from graphcp.kv.factory import register_storage
+from graphcp.kv.paged import PagedKVCache
 from graphcp.model.config import ConfigReader, ModelConfig, decoder_config, read_head
 from graphcp.model.dsv4 import checkpoint
 from graphcp.model.dsv4.cache import DsV4CacheSpec, DsV4Storage
@@ -21,8 +24,8 @@ from graphcp.model.dsv4.hf_cache import to_dsv4_cache
 from graphcp.model.dsv4.model import DsV4Model
 from graphcp.model.dsv4.presets import PRESETS
 from graphcp.model.dsv4.runtime import check_page_size, make_attention
-from graphcp.model.dsv4.source import export_source
-from graphcp.model.dsv4.sparse import work_report
+from graphcp.model.dsv4.source import DsV4Source, export_source
+from graphcp.model.dsv4.sparse import TorchDsV4Attention, work_report
 from graphcp.model.family import AttentionParts, ModelFamily, attention_tp_names, register_family
 from graphcp.model.tensor_table import is_skipped
 from graphcp.pd.formats import register_format
@@ -81,7 +84,7 @@ class DsV4Family(ModelFamily):
     def cache_geometry(self, cfg, runtime, kv_layout: str = "NHD") -> DsV4CacheSpec:
         return cfg.dsv4.cache
 
-    def make_attention(self, parts: AttentionParts, workspace: Any = None):
+    def make_attention(self, parts: AttentionParts, workspace: torch.Tensor | None = None) -> TorchDsV4Attention:
         return make_attention(parts.attn_cfg, parts.model.rotary, parts.model.stage.layers)
 
     def work_report(self, stats_per_rank: list[dict]) -> list[str]:
@@ -91,7 +94,7 @@ class DsV4Family(ModelFamily):
     def export_meta(self, cfg, num_tokens: int, runtime, fingerprint: str, draft_layers: int) -> DsV4Meta:
         return dsv4_meta(cfg, num_tokens, runtime.dtype, runtime.page_size, fingerprint)
 
-    def export_source(self, kv, model):
+    def export_source(self, kv: PagedKVCache, model: DsV4Model) -> DsV4Source:
         """A V4 cache's state in transformers' terms (it adds the compressors' position biases)."""
         return export_source(kv, zip(model.stage.layers, model.layers), model.cfg.dsv4.sliding_window)
 

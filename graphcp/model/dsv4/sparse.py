@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from graphcp.attention.base import AttentionMetadata, BatchRequests
+from graphcp.attention.base import Attention, AttentionMetadata, BatchRequests
 from graphcp.attention.staging import to_device_packed
 from graphcp.model.dsa.sparse import RowGroup, row_groups
 from graphcp.model.dsv4.cache import CSA, HCA, SLIDING, DsV4CacheSpec, DsV4Storage
@@ -145,13 +145,15 @@ def pool(src: torch.Tensor, bias: torch.Tensor, norm: torch.Tensor, eps: float, 
     return rms_weighted((kv * weights).sum(dim=1), norm, eps)
 
 
-class TorchDsV4Attention:
+class TorchDsV4Attention(Attention):
     """The reference of the attention break (host loops over each request's rows, in
-    blocks; one matmul per block). Reads host metadata: breakable graphs only."""
+    blocks; one matmul per block). Reads host metadata: breakable graphs only. An
+    :class:`~graphcp.attention.base.Attention` that takes the cache: the family's layers
+    call :meth:`forward` with its storage (``graphcp/model/dsv4/attention.py``)."""
 
     name = "torch"
     supports_full_graph = False
-    #: Body passes the batch's requests to :meth:`prepare` (the pooling covers all of them)
+    #: the body passes the batch's requests to :meth:`prepare` (the pooling covers all of them)
     reads_batch = True
 
     def __init__(self, spec: DsV4AttentionSpec, compress_cos: torch.Tensor, compress_sin: torch.Tensor,
@@ -166,10 +168,10 @@ class TorchDsV4Attention:
         self._plans: dict[str, PoolPlan | None] = {}
         self._stats: dict[str, int] = {}
 
-    def prepare(self, meta: AttentionMetadata, batch: BatchRequests | None = None) -> None:
+    def prepare(self, meta: AttentionMetadata, requests: BatchRequests | None = None) -> None:
         self._groups = row_groups(meta)
         self._device_groups = self._upload_groups(meta.device)
-        self._batch = batch if batch is not None else BatchRequests.none()
+        self._batch = requests if requests is not None else BatchRequests.none()
         self._plans: dict[str, PoolPlan | None] = {}
         self._stats = {STAT_INDEX_ROWS: 0, STAT_INDEX_PAIRS: 0, STAT_ATTN_ROWS: 0, STAT_ATTN_PAIRS: 0}
 

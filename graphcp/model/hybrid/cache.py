@@ -30,7 +30,7 @@ import torch
 from graphcp.dist import CPGroup
 from graphcp.kv.handle import KVCacheFull
 from graphcp.kv.layers import HeldLayers
-from graphcp.kv.spec import KVHeads, PoolSpec
+from graphcp.kv.spec import CacheGeometry, KVHeads, PoolSpec
 from graphcp.kv.storage.base import Storage, itemsize
 from graphcp.kv.storage.kv_heads import KVHeadsStorage
 from graphcp.model.hybrid.config import FULL, LINEAR
@@ -56,7 +56,7 @@ class LinearDims:
 
 
 @dataclass(frozen=True)
-class HybridGeometry:
+class HybridGeometry(CacheGeometry):
     """What a hybrid's cache sizes by: the full layers' K/V heads, every layer's kind,
     this rank's linear heads and the live requests whose states it keeps."""
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from graphcp.attention.base import AttentionSpec
+from graphcp.attention.base import AttentionBackend, AttentionSpec
 from graphcp.attention.registry import make_attention, preferred_kv_layout
 from graphcp.attention.registry import resolve as resolve_attention
 from graphcp.errors import ConfigError
@@ -94,7 +94,7 @@ class HybridFamily(ModelFamily):
     def kv_layout(self, runtime, device) -> str:
         return preferred_kv_layout(runtime.attention, device)
 
-    def make_attention(self, parts: AttentionParts, workspace: Any = None):
+    def make_attention(self, parts: AttentionParts, workspace: torch.Tensor | None = None) -> AttentionBackend:
         rt, acfg = parts.runtime, parts.attn_cfg
         spec = AttentionSpec(acfg.num_heads, acfg.num_kv_heads, acfg.head_dim, rt.page_size, acfg.head_dim ** -0.5,
                              parts.kv.layout)

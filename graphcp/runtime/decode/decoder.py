@@ -12,22 +12,35 @@ from typing import Any, Sequence
 from graphcp.attention.phase import DECODE
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
+from graphcp.config import ParallelConfig, RuntimeConfig
+from graphcp.dist import CPGroup
 from graphcp.errors import ConfigError
 from graphcp.kv.handle import KVHandle
+from graphcp.kv.paged import PagedKVCache
+from graphcp.model.llama import DecoderModel
 from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.batch import DecodeOutput
-from graphcp.runtime.build import EngineParts
+from graphcp.runtime.body import Body
 from graphcp.runtime.capture.phases import DecodeGraphs
+from graphcp.runtime.capture.runner import GraphRunner
 from graphcp.runtime.decode.plan import DecodePlanner
 from graphcp.runtime.forward import StageForward
 from graphcp.runtime.stats import Recorder
 
 
 class Decoder:
-    """The engine's decode steps (see the module doc)."""
+    """The engine's decode steps (see the module doc): one of the engine's parts
+    (``engine.parts.decoder``, wired by graphcp.runtime.build)."""
 
-    def __init__(self, parts: EngineParts, stage: StageForward, recorder: Recorder) -> None:
-        self.parts, self.stage, self.recorder = parts, stage, recorder
+    def __init__(self, model: DecoderModel, kv: PagedKVCache, body: Body, runner: GraphRunner | None,
+                 group: CPGroup, runtime: RuntimeConfig, parallel: ParallelConfig, kind: str,
+                 stage: StageForward, recorder: Recorder) -> None:
+        """``group``: the ranks that must be given the same step (the stage's: attention TP
+        ranks too); ``kind``: the model's value of the combinations' model axis
+        (ModelFamily.kind); ``stage``: the one forward; ``recorder``: the engine's stats."""
+        self.model, self.kv, self.body, self.runner, self.group = model, kv, body, runner, group
+        self.runtime, self.parallel, self.kind = runtime, parallel, kind
+        self.stage, self.recorder = stage, recorder
         self._preparer: DecodePlanner | None = None
         self._combines = False
 
@@ -37,18 +50,18 @@ class Decoder:
         never decodes, or whose options decode refuses, builds none)."""
         if self._preparer is None:
             self.check_combination()
-            p = self.parts
-            self._preparer = DecodePlanner(p.kv, p.mesh.ffn, p.cfg.vocab_size, p.cfg.max_position_embeddings,
-                                           p.device, p.body.plan_decode, p.runtime.check_consistency)
+            cfg = self.model.cfg
+            self._preparer = DecodePlanner(self.kv, self.group, cfg.vocab_size, cfg.max_position_embeddings,
+                                           self.body.device, self.body.plan_decode, self.runtime.check_consistency)
         return self._preparer
 
     @property
     def graphs(self) -> DecodeGraphs | None:
         """The decode phase's graphs (None: RuntimeConfig.graph='off'), made on first use."""
-        if self.parts.runner is None:
+        if self.runner is None:
             return None
         self.check_combination()
-        return self.parts.runner.phase(DECODE)
+        return self.runner.phase(DECODE)
 
     def capture(self, pages: int | None = None, progress: bool = False) -> list[int]:
         """Capture every batch-size bucket's decode graph for the page bucket that holds
@@ -56,8 +69,7 @@ class Decoder:
         graphs = self.graphs
         if graphs is None:
             raise ConfigError("RuntimeConfig.graph='off': there is no decode graph to capture")
-        stats = self.parts.runner.capture_keys(DECODE, graphs.capture_order(pages), progress,
-                                               "capturing decode buckets")
+        stats = self.runner.capture_keys(DECODE, graphs.capture_order(pages), progress, "capturing decode buckets")
         return [s.capacity for s in stats]
 
     def check_combination(self, call: str = "PrefillEngine.decode") -> None:
@@ -65,9 +77,9 @@ class Decoder:
         (graphcp/combinations.py), naming ``call``: what the caller called."""
         if self._combines:
             return
-        p, rt = self.parts, self.parts.runtime
-        check_combination({**runtime_settings(rt), **parallel_settings(p.parallel), "model": p.family.kind(p.cfg),
-                           "moe": rt.moe, "decode": "on"}, family=p.cfg.family, names={"decode": call})
+        rt = self.runtime
+        check_combination({**runtime_settings(rt), **parallel_settings(self.parallel), "model": self.kind,
+                           "moe": rt.moe, "decode": "on"}, family=self.model.cfg.family, names={"decode": call})
         self._combines = True  # (the options are fixed: checked once)
 
     def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False) -> DecodeOutput:
@@ -77,10 +89,10 @@ class Decoder:
         try:
             res = self.stage.run(prep, None, force_eager, ())
             with nvtx_range("lm_head", category="output"):
-                logits = self.parts.model.logits(res.hidden).cpu()
+                logits = self.model.logits(res.hidden).cpu()
         except BaseException:
             self.preparer.abort(prep)
             raise
         res.info.stats["time_s"] = time.perf_counter() - t0
         self.recorder.record(prep, res.info)
-        return DecodeOutput(logits, [self.parts.kv.handle(s) for s in prep.seq_ids], res.info)
+        return DecodeOutput(logits, [self.kv.handle(s) for s in prep.seq_ids], res.info)

@@ -177,7 +177,7 @@ def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | N
              logits: bool = False, release: bool = True, progress: bool = False) -> GenerateOutput:
     """See the module doc (``engine``: a PrefillEngine)."""
     # before the first prefill: nothing runs that decode would refuse
-    engine.decoder.check_combination("PrefillEngine.generate")
+    engine.parts.decoder.check_combination("PrefillEngine.generate")
     most = check_int(max_new_tokens, "max_new_tokens", lo=1, where="generate", err=BatchError)
     stops = stop_tokens(stop, engine.cfg.vocab_size)
     states = conversations(requests, most, engine.cfg.vocab_size, engine.max_context)
