@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.kv.layers import HeldLayers, LayerSlots
-from graphcp.kv.spec import PoolSpec
+from graphcp.kv.spec import CacheGeometry, PoolSpec
 from graphcp.kv.storage.base import itemsize
 from graphcp.model.dsa.cache import MlaGeometry, MlaStorage
 from graphcp.model.hybrid.cache import LinearDims, LinearStates
@@ -45,7 +45,7 @@ class LatentGeometry(MlaGeometry):
 
 
 @dataclass(frozen=True)
-class KdaGeometry:
+class KdaGeometry(CacheGeometry):
     """What a KDA hybrid's cache sizes by: the MLA layers' rows, every layer's kind, the
     KDA layers' heads (``LinearDims``: as many key as value heads) and the live requests
     whose states it keeps (what ``LinearStates`` reads)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from graphcp.kv.factory import register_storage
 from graphcp.model.config import ModelConfig
 from graphcp.model.dsa.sparse import SparseMlaSpec, TorchSparseMla
@@ -82,7 +84,7 @@ class KimiFamily(ModelFamily):
     def cache_geometry(self, cfg, runtime, kv_layout: str = "NHD") -> KdaGeometry:
         return kda_geometry(cfg, cfg.hybrid, runtime)
 
-    def make_attention(self, parts: AttentionParts, workspace: Any = None) -> TorchSparseMla:
+    def make_attention(self, parts: AttentionParts, workspace: torch.Tensor | None = None) -> TorchSparseMla:
         return TorchSparseMla(latent_spec(parts.cfg, parts.cfg.hybrid.latent))
 
     def export_meta(self, cfg, num_tokens: int, runtime, fingerprint: str, draft_layers: int) -> KdaMeta:
