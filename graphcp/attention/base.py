@@ -281,9 +281,9 @@ class Attention(ABC):
     - an :class:`AttentionBackend` attends paged K/V heads: the KV exchange calls its
       ``forward(q, kv_cache, meta, out, lse)`` for a layer (a cache mode's all-gather, a
       ring's steps, a decode phase's merge);
-    - a family's own attention over its cache's storage (the sparse attention of DSA,
-      ``graphcp/model/dsa/sparse.py``, and of DeepSeek V4, ``graphcp/model/dsv4/sparse.py``)
-      takes the cache itself: the family's layers call its ``forward(layer, q, ...,
+    - a family's own attention over its cache's storage (a sparse attention in the
+      family's folder: docs/structure.md's table of the typed seams names them) takes
+      the cache itself: the family's layers call its ``forward(layer, q, ...,
       cache, ..., out)`` in the attention break, with the forward's storage
       (``ctx.kv.cache.storage``) and the inputs its layers computed.
 
