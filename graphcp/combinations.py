@@ -179,11 +179,11 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", _KDA), ("kv_cache", ("sharded",)),
             "MLA caches one latent row a token, not per-head K/V: a ring would move the all-gather's volume "
             "(docs/dsa.md); LayerSplit cuts the pool instead",
-            (("kv_cache", "layer-split"), ("kv_cache", "replicated")), "LayerSplit serves instead"),
+            (("kv_cache", "layer-split"), ("kv_cache", "replicated")), "latent rows"),
     Refusal(("model", _KDA), ("attention", ("flashinfer", "trtllm", "triton")),
             "a KDA hybrid's MLA layers (no indexer) attend on the torch latent-attention reference; the Triton "
             "sparse-MLA kernel takes an indexer's selection and the other backends per-head K/V",
-            (("attention", "torch"),), "torch MLA only"),
+            (("attention", "torch"),), "torch MLA"),
     Refusal(("model", _KDA), ("attn_tp", (">1",)),
             "a KDA hybrid's MLA layers cache one latent head a token, so it runs attention TP 1 under CP, as the "
             "DSA models do", (("attn_tp", "1"),), "MLA: one KV head"),
@@ -192,7 +192,7 @@ REFUSALS: tuple[Refusal, ...] = (
             "would exchange a state map per token", (("layout", "zigzag"),), "a map per token"),
     Refusal(("model", _KDA), ("draft", ("on",)),
             "an EAGLE-3 draft caches per-head K/V as one more layer of the target's cache, which holds MLA latents "
-            "and KDA states", (("model", "dense"), ("model", "moe")), "MLA caches latents"),
+            "and KDA states", (("model", "dense"), ("model", "moe")), "latent cache"),
     Refusal(("model", _KDA), ("decode", ("on",)),
             "a KDA hybrid's decode step (each KDA layer's state advanced a token, MLA over its latent cache) is "
             "the hybrids' decode phase, issue 47's", (("model", "dense"), ("model", "moe")),
