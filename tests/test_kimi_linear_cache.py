@@ -2,7 +2,9 @@
 tests/conftest.py's KIMI_TINY:
 
 - the states: the pool estimate is what the cache allocates and what ``engine.stats()``
-  counts (the MLA layers' latent rows, the KDA layers' two slots a live request);
+  counts (the MLA layers' latent rows, the KDA layers' two slots a live request); a batch
+  needing more live requests than ``state_slots`` is refused and changes nothing; a
+  forward that fails after its KDA layers wrote leaves the prefix's states as they were;
 - the export (``graphcp-kda/1``) of a request prefilled in two pieces (the second starts
   inside the first's convolution halo), in the replicated and layer-split caches at CP
   1, 2 and 4, under pipeline stages and with ``--moe tp``: through a file, ``load_kv``
@@ -30,9 +32,10 @@ from helpers import rel_err
 from safetensors.torch import load_file, save_file
 from test_error_contract import one_line_error
 
-from graphcp import ConfigError, ParallelConfig, PrefillEngine, Request, RuntimeConfig
+from graphcp import ConfigError, KVCacheFull, ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import launch
 from graphcp.kv import factory
+from graphcp.model.kimi_linear.mla import LatentAttention
 from graphcp.pd.files import read_kv, save_kv
 from graphcp.pd.hf import cache_argument
 from graphcp.pd.load import load_kv
@@ -67,6 +70,37 @@ def test_the_states_the_estimate_and_stats(folders):
     geometry = eng.parts.family.cache_geometry(cfg, eng.runtime)
     pool = factory.PoolSpec(range(cfg.num_layers), kv.num_pages, kv.page_size, torch.float32)
     assert factory.pool_bytes("replicated", geometry, pool) == kv.pool_bytes
+    toks = _tokens()
+    handles = eng.prefill([Request(t) for t in toks[:3]]).handles
+    before = kv.snapshot()
+    with pytest.raises(KVCacheFull, match="the cache keeps 3; raise RuntimeConfig.state_slots"):
+        eng.prefill([Request(toks[3])])
+    assert kv.snapshot() == before
+    eng.release(handles[0])
+    handles = [*handles[1:], eng.prefill([Request(toks[3])]).handles[0]]
+    for h in handles:
+        eng.release(h)
+    assert kv.stored_tokens() == 0
+
+
+def test_a_failed_forward_leaves_the_prefix_states(folders, hf_model, monkeypatch):
+    long = _tokens()[3]
+    with torch.no_grad():
+        want = hf_model(folders["float32"])(torch.tensor(long)[None]).logits[0].float()
+    eng = PrefillEngine(folders["float32"], RuntimeConfig(kv_tokens=512))
+    head = eng.prefill([Request(long[:SPLIT])], all_logits=True)
+    before = eng.parts.kv.snapshot()
+
+    def fail(*args):
+        raise RuntimeError("injected")
+
+    with monkeypatch.context() as m:
+        m.setattr(LatentAttention, "project", fail)  # layer 2 (MLA), after layers 0-1 (KDA) wrote their states
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.prefill([Request(long[SPLIT:], head.handles[0])])
+    assert eng.parts.kv.snapshot() == before
+    tail = eng.prefill([Request(long[SPLIT:], head.handles[0])], all_logits=True)
+    assert rel_err(torch.cat([head.logits[0], tail.logits[0]]), want) <= TOL["float32"]
 
 
 def _export_chunked(group, folder, dtype, runs):
