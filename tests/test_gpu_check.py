@@ -182,7 +182,7 @@ def test_dry_run_markdown_printed_last_and_written(dry_run):
     md = (out / "gpu_check.md").read_text()
     assert proc.stdout.rstrip().endswith(md.rstrip())
     order = ["**Passed**", "## Parts", "## Triton warm-up", "## Attention kernels", "## Graph replay", "## Engines",
-             "## Host preparation", "## Launches", "## Not covered on one GPU", "## Prefill time"]
+             "## Linear-attention hybrid", "## Host preparation", "## Launches", "## Not covered on one GPU", "## Prefill time"]
     assert [md.index(h) for h in order] == sorted(md.index(h) for h in order)
     last = proc.stdout.rstrip().splitlines()[-1]
     assert last.startswith("| default | torch | 96 | full |")  # the timing table ends the output
@@ -207,6 +207,7 @@ def test_rows_the_budget_leaves_out_fail_the_run(tmp_path, capsys):
     assert res["backends"]["checks"] and all(c["status"] == "skipped" for c in res["backends"]["checks"])
     assert res["timing"] and all(r["status"] == "skipped" for r in res["timing"])
     assert res["engines"] and all(r["status"] == "skipped" for r in res["engines"])
+    assert res["hybrid"] and all(r["status"] == "skipped" for r in res["hybrid"])
     assert "graphs: skipped, the triton backend is not available" in res["errors"]  # --no-triton: chosen
     assert "kernels: torch float32 2/1x64 did not run (time budget)" in res["failures"]
     assert "timing: default torch eager 32 did not run (time budget)" in res["failures"]
@@ -218,7 +219,8 @@ def test_rows_the_budget_leaves_out_fail_the_run(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags,expected", [
     (["--sizes", "1k"], "--sizes: expected comma-separated int values, got '1k'"),
-    (["--skip", "timing,graph"], "--skip: expected one or more of warmup, kernels, sparse_mla, graphs, engines, host, timing, launches, moe_graph"),
+    (["--skip", "timing,graph"], "--skip: expected one or more of warmup, kernels, sparse_mla, graphs, engines, hybrid, host, timing, launches, "
+                                  "moe_graph"),
     (["--backends", "flash"], "--backends: expected one or more of torch, triton, flashinfer, trtllm"),
     (["--models", "llama-70b"], "--models: expected one or more of default, qwen3-1b-like"),
     (["--repeats", "0"], "--repeats: expected int >= 1, got '0'"),
@@ -351,6 +353,22 @@ def test_dry_run_engines_and_host_preparation(dry_run):
     for r in host.values():
         assert r["status"] == "ok" and r["median_us"] > 0 and r["repeats"] == 20 and r["target_us"] == 50.0
         assert r["host_kernels"] == "compiled (numba)" and (r["cp"], r["rank"], r["requests"]) == (8, 3, 16)
+
+
+def test_dry_run_hybrid(dry_run):
+    """default-hybrid at CP 1, float32 then bfloat16, on the torch kernels here: each replay
+    bitwise equal to the same bucket run eagerly (a linear layer is a break), the prefill
+    on the graph, the varlen batch run and its distances recorded."""
+    _, res, _ = dry_run
+    rows = {r["dtype"]: r for r in res["hybrid"]}
+    assert set(rows) == {"float32", "bfloat16"}
+    for r in rows.values():
+        assert r["status"] == "pass" and r["ran"] == "graph" and r["linear_kernels"] == "torch", r
+        assert [b["bitwise_equal"] for b in r["batches"]] == [True] and r["segments_breaks"] == {"32": [9, 8]}
+        assert r["logits_rel_diff_vs_eager"] <= r["tol"] and r["varlen_batch"] == "70 + 3 x 5 tokens"
+    assert rows["float32"]["kernels_rel_diff_vs_torch"] == 0.0  # the same kernels
+    bf16 = rows["bfloat16"]
+    assert 0 < bf16["torch_rel_diff_vs_float32"] == bf16["kernels_rel_diff_vs_float32"] < 0.1
 
 
 def _report(**rows) -> dict:

@@ -21,8 +21,16 @@ from helpers import rel_err
 from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.cp import make_layout
 from graphcp.dist import launch
-from graphcp.model.hybrid.gdn import augmented_rule, chunk_gated_delta_rule, query_key
-from graphcp.model.hybrid.scan import LinearPlan, _blocks, compose
+from graphcp.model.hybrid.gdn import (
+    augmented_rule,
+    block_conv,
+    chunk_gated_delta_rule,
+    conv_rows,
+    query_key,
+    varlen_gated_delta_rule,
+)
+from graphcp.model.hybrid.scan import LinearPlan, compose
+from graphcp.model.hybrid.varlen import ChunkSlots, ConvRows, SlotPlan
 from graphcp.runtime.capture.buckets import BucketSet
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -92,11 +100,10 @@ def test_the_chunked_rule_is_transformers_and_the_scan_composes_every_block():
     for r in range(C):
         lp = LinearPlan.build(plan, r, np.array([-1, -1, 0]), np.array([1, 3, 5]), 4)
         local = torch.from_numpy(plan.rank(r).rows.copy())
-        gather = torch.from_numpy(lp.gather.reshape(-1))
-        blocks = [_blocks(rows_of[n].index_select(0, local), gather, lp.num_local, lp.gather.shape[1])
-                  for n in ("q", "k", "v", "g", "b")]
+        rows = [rows_of[n].index_select(0, local) for n in ("q", "k", "v", "g", "b")]
         known = torch.from_numpy(lp.block_index == 0)
-        _, _, x, y = augmented_rule(*blocks, prefix.index_select(0, torch.from_numpy(lp.block_request)), known)
+        _, _, x, y = augmented_rule(*rows, prefix.index_select(0, torch.from_numpy(lp.block_request)), known,
+                                    varlen_rule(lp.cu))
         maps.append((x, y))
         plans.append(lp)
     xs, ys = torch.cat([m[0] for m in maps]), torch.cat([m[1] for m in maps])
@@ -114,6 +121,52 @@ def test_the_chunked_rule_is_transformers_and_the_scan_composes_every_block():
             _, want = chunk_gated_delta_rule(*seq, prefix[j:j + 1])
             got = incoming[j, b] if b < 2 * C else final[j]
             assert rel_err(got, want[0]) < 1e-5, (j, b)
+
+
+def varlen_rule(cu: np.ndarray):
+    """The torch varlen rule over blocks ``cu`` (q and k already normalised)."""
+    sp = SlotPlan.build(cu, 64)
+    slots = ChunkSlots(*(torch.from_numpy(a) for a in (sp.rows, sp.position, sp.order, sp.inverse)), sp.steps)
+    return lambda q, k, v, g, b, s0: varlen_gated_delta_rule(q, k, v, g, b, s0, slots)
+
+
+def test_the_varlen_rule_and_convolution_equal_the_padded_blocks():
+    """Blocks of 0 to 200 rows as one varlen batch (each padded to its own chunks only):
+    every output and final state equal to the padded form's, and the convolution over
+    the extended rows (halo, then the block) bit for bit block_conv's."""
+    from graphcp.model.hybrid.varlen import conv_rows as conv_layout
+
+    g = torch.Generator().manual_seed(3)
+    lens, H, dk, dv, K, C = [70, 0, 1, 200, 64, 5], 2, 16, 8, 4, 12
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    n, nb = int(cu[-1]), len(lens)
+    q, k = (query_key(torch.randn(n, H, dk, generator=g), torch.randn(n, H, dk, generator=g), 1))
+    v, decay, beta = torch.randn(n, H, dv, generator=g), -0.05 * torch.rand(n, H, generator=g), torch.rand(n, H,
+                                                                                                           generator=g)
+    s0 = torch.randn(nb, H, dk, dv, generator=g)
+    out, final = varlen_rule(cu)(q, k, v, decay, beta, s0)
+    T = 256
+    for b in range(nb):
+        sl = slice(int(cu[b]), int(cu[b + 1]))
+        pad = [torch.cat([x[sl], x.new_zeros(T - lens[b], *x.shape[1:])]).movedim(0, 1)[None]
+               for x in (q, k, v, decay, beta)]
+        want, want_state = chunk_gated_delta_rule(*pad, s0[b:b + 1])
+        assert rel_err(out[sl], want[0, :, :lens[b]].movedim(0, 1)) <= 1e-6, b
+        assert rel_err(final[b], want_state[0]) <= 1e-6, b
+
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = torch.randn(n, C, generator=g).to(dtype)
+        halos = torch.randn(nb, K - 1, C, generator=g).to(dtype)
+        weight = torch.randn(C, K, generator=g).to(dtype)
+        halo_index = np.arange(nb * (K - 1), dtype=np.int64).reshape(nb, K - 1)
+        ext, seq, keep = conv_layout(cu, halo_index, nb * (K - 1))
+        source = torch.cat([halos.reshape(-1, C), rows])
+        got = conv_rows(source, ConvRows(*(torch.from_numpy(a) for a in (ext, seq, keep)), K), weight)
+        for b in range(nb):
+            sl = slice(int(cu[b]), int(cu[b + 1]))
+            want = block_conv(rows[sl][None], halos[b:b + 1], weight)[0]
+            assert torch.equal(got[sl], want), (dtype, b)
+        assert (seq[keep] == np.repeat(np.arange(nb), lens)).all()
 
 
 def _run(eng: PrefillEngine) -> tuple[list, list, set]:
@@ -156,3 +209,29 @@ def test_cp_matches_transformers(folder, reference, cp, runs):
         assert paths == {"graph" if graph != "off" else "eager"}, where
         check_logits(one, reference[dtype], dtype, where)
         check_logits(chunked, [reference[dtype][3], reference[dtype][1]], dtype, where)
+
+
+def test_the_varlen_layouts_compiled_equal_their_numpy_twins():
+    """The scan's host layouts (graphcp.model.hybrid.varlen): the compiled kernels write what
+    their numpy twins (what runs without numba) write, over blocks of 0 to 300 rows, one
+    block, none with rows, and halos of 1 to 3 rows."""
+    from graphcp.model.hybrid import varlen
+
+    rng = np.random.default_rng(9)
+    cases = [[0], [5], [0, 0], [64, 0, 1, 300, 63, 65]] + [list(rng.integers(0, 300, rng.integers(1, 12)))
+                                                            for _ in range(20)]
+    for lens in cases:
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        nb, n = len(lens), int(cu[-1])
+        width = int(rng.integers(1, 4))
+        halo = rng.integers(0, 50, (nb, width)).astype(np.int64)
+        got = [np.full(n + nb * width, -7), np.full(n + nb * width, -7), np.full(n, -7)]
+        want = [a.copy() for a in got]
+        varlen._conv_rows(cu, halo, 50, *got)
+        varlen._conv_rows_np(cu, halo, 50, *want)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)), lens
+        sp = SlotPlan.build(cu, 64)
+        rows, position = np.full_like(sp.rows, -7), np.full_like(sp.position, -7)
+        varlen._slot_rows_np(cu, sp.order, sp.inverse, np.array(sp.steps), 64, rows, position)
+        assert np.array_equal(rows, sp.rows) and np.array_equal(position, sp.position), lens
+        assert (np.sort(sp.rows[sp.rows < n]) == np.arange(n)).all() and (sp.rows[sp.position] == np.arange(n)).all()

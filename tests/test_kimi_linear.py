@@ -28,7 +28,8 @@ from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.cp import make_layout
 from graphcp.dist import launch
 from graphcp.model.hybrid.gdn import augmented_rule
-from graphcp.model.hybrid.scan import LinearPlan, _blocks, compose
+from graphcp.model.hybrid.scan import LinearPlan, compose
+from graphcp.model.hybrid.varlen import ChunkSlots, SlotPlan
 from graphcp.model.kimi_linear.kda import (
     chunk_kda,
     conv_step,
@@ -37,6 +38,7 @@ from graphcp.model.kimi_linear.kda import (
     kda_conv,
     query_key,
     recurrent_kda,
+    varlen_kda,
 )
 from graphcp.runtime.capture.buckets import BucketSet
 
@@ -181,12 +183,10 @@ def test_the_scan_composes_every_block_with_per_channel_decays():
     for r in range(C):
         lp = LinearPlan.build(plan, r, np.array([-1, -1, 0]), np.array([1, 3, 5]), 4)
         local = torch.from_numpy(plan.rank(r).rows.copy())
-        gather = torch.from_numpy(lp.gather.reshape(-1))
-        blocks = [_blocks(rows_of[n].index_select(0, local), gather, lp.num_local, lp.gather.shape[1])
-                  for n in ("q", "k", "v", "g", "b")]
+        rows = [rows_of[n].index_select(0, local) for n in ("q", "k", "v", "g", "b")]
         known = torch.from_numpy(lp.block_index == 0)
-        _, _, x, y = augmented_rule(*blocks, prefix.index_select(0, torch.from_numpy(lp.block_request)), known,
-                                    chunk_kda)
+        _, _, x, y = augmented_rule(*rows, prefix.index_select(0, torch.from_numpy(lp.block_request)), known,
+                                    _varlen_rule(lp.cu))
         maps.append((x, y))
         plans.append(lp)
     incoming, final = compose(torch.cat([m[0] for m in maps]), torch.cat([m[1] for m in maps]),
@@ -203,6 +203,33 @@ def test_the_scan_composes_every_block_with_per_channel_decays():
             _, want = chunk_kda(*seq, prefix[j:j + 1])
             got = incoming[j, b] if b < 2 * C else final[j]
             assert rel_err(got, want[0]) < 1e-5, (j, b)
+
+
+def _varlen_rule(cu: np.ndarray):
+    """The torch varlen KDA rule over blocks ``cu`` (q and k already normalised)."""
+    sp = SlotPlan.build(cu, 64)
+    slots = ChunkSlots(*(torch.from_numpy(a) for a in (sp.rows, sp.position, sp.order, sp.inverse)), sp.steps)
+    return lambda q, k, v, g, b, s0: varlen_kda(q, k, v, g, b, s0, slots)
+
+
+def test_the_varlen_rule_equals_the_padded_blocks():
+    """Blocks of 0 to 200 rows as one varlen batch: every output and final state equal to
+    the padded blocks' (chunk_kda, transformers' form)."""
+    g = torch.Generator().manual_seed(3)
+    lens, H, d = [0, 1, 63, 64, 65, 200], 2, 8
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    n = int(cu[-1])
+    q, k = query_key(torch.randn(n, H, d, generator=g), torch.randn(n, H, d, generator=g))
+    v, decay = torch.randn(n, H, d, generator=g), -0.1 * torch.rand(n, H, d, generator=g)
+    beta, s0 = torch.rand(n, H, generator=g), torch.randn(len(lens), H, d, d, generator=g)
+    out, final = _varlen_rule(cu)(q, k, v, decay, beta, s0)
+    for b, length in enumerate(lens):
+        sl = slice(int(cu[b]), int(cu[b + 1]))
+        padded = -(-max(length, 1) // 64) * 64
+        seq = [x[sl].transpose(0, 1)[None] for x in (q, k, v, decay, beta)]
+        seq = [torch.cat([x, x.new_zeros(*x.shape[:2], padded - length, *x.shape[3:])], dim=2) for x in seq]
+        want, want_final = chunk_kda(*seq, s0[b:b + 1])
+        assert torch.equal(out[sl], want[0, :, :length].transpose(0, 1)) and torch.equal(final[b], want_final[0]), b
 
 
 def _run(eng: PrefillEngine) -> tuple[list, torch.Tensor, set]:

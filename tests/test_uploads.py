@@ -132,3 +132,26 @@ def test_pinned_uploads_queue_a_copy_from_pinned_memory(monkeypatch):
     host[:] = -1  # rewritten at once: the upload holds its own copy
     assert calls == [("empty", True), ("to", "cuda", True)]
     assert got.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def _hybrid_uploads(group, folder, graph):
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, graph=graph), group,
+                        BucketSet((64, 256), padding_factor=64.0))
+    if graph != "off":
+        eng.capture()  # every bucket first: a capture's own uploads are not a forward's
+    rng = np.random.default_rng(4)
+    prefix = eng.prefill([Request(rng.integers(0, 512, 30))]).handles[0]
+    return uploads_of(eng, [Request(rng.integers(0, 512, 9), prefix), Request(rng.integers(0, 512, 100))])
+
+
+@pytest.mark.parametrize("cp,graph", [(1, "off"), (1, "breakable"), (2, "off")])
+def test_the_hybrid_scan_uploads_once_a_forward(hf_model_dir, cp, graph):
+    """A hybrid's linear layers (three of them here): the scan's plan and its kernels'
+    varlen layouts in one packed upload a forward (``LinearScan._upload``), not one per
+    array or per layer; nothing uploads on its own."""
+    from graphcp.dist import launch
+
+    sites, direct, path = launch(_hybrid_uploads, cp, hf_model_dir("qwen3_5_text"), graph)[0]
+    assert path == ("eager" if graph == "off" else "graph")
+    assert direct == [], direct
+    assert sites.get("_upload") == 1, sites

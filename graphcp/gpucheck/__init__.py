@@ -12,6 +12,8 @@ network, graphcp from the working tree). One job a module:
 - :mod:`~graphcp.gpucheck.graphs`: graph replay equals the same-bucket eager body bitwise;
 - :mod:`~graphcp.gpucheck.engines`: DeepSeek V4, MoE tp and ep, an EAGLE-3 draft's graphs
   (:mod:`~graphcp.gpucheck.draft_model` writes the draft);
+- :mod:`~graphcp.gpucheck.hybrid`: a linear-attention hybrid on the machine's linear kernels
+  (fla-core, causal-conv1d or the torch reference), its graphs and a varlen batch;
 - :mod:`~graphcp.gpucheck.host`: one rank's host preparation, timed;
 - :mod:`~graphcp.gpucheck.timing`: eager vs breakable vs full prefill;
 - :mod:`~graphcp.gpucheck.launches`: launches per forward and ``torch.profiler`` traces;

@@ -13,7 +13,8 @@ passes on): ``warmup`` (every Triton variant the run launches, compiled first),
 ``sparse_mla`` (the DSA models' sparse MLA Triton kernel past 32-bit offsets),
 ``graphs`` (breakable and full ``cuda`` graphs at CP = 1: every replay equals the
 same-bucket eager body bitwise), ``engines`` (DeepSeek V4, MoE tp and ep, an EAGLE-3
-draft's graphs), ``host`` (one rank's host preparation, timed), ``timing`` (eager vs
+draft's graphs), ``hybrid`` (a linear-attention hybrid on the machine's linear kernels,
+graphs and a varlen batch), ``host`` (one rank's host preparation, timed), ``timing`` (eager vs
 breakable vs full prefill), ``launches`` (kernels and launches per forward, with
 ``torch.profiler`` traces), ``moe_graph`` (a MoE layer's grouped matmuls captured and
 replayed with changing routing; last).

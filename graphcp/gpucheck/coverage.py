@@ -25,6 +25,9 @@ MULTI_GPU: tuple[tuple[str, int, str], ...] = (
     ("MoE ep across ranks: the nccl all-to-all", 2,
      "graphcp run --device cuda --cp 2 --model default-moe --moe ep --attention triton"),
     ("DeepSeek V4 at CP 2", 2, "graphcp run --device cuda --cp 2 --model default-v4"),
+    ("a linear-attention hybrid at CP 2: the scan's all-gathers (tails, maps) and, where fla imports, its second "
+     "pass from the composed states", 2,
+     "graphcp run --device cuda --cp 2 --model default-hybrid --dtype bfloat16 --attention triton"),
     ("the PD hand-off from several ranks", 2, "graphcp pd-demo --device cuda --cp 2"),
     ("decode over the sharded cache at CP 2: the LSE merge inside the decode graphs, each bucket's first replay "
      "checked", 2, "graphcp generate --device cuda --cp 2 --kv-cache sharded --verify-capture "

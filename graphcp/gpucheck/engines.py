@@ -87,7 +87,8 @@ def _judge_prefill(row: dict, graph, eager, dtype: str, what: str = "prefill") -
                                         f"{RUN_TOLERANCE[dtype]:g}")
 
 
-def _check_model(engine: PrefillEngine, st: Settings, row: dict) -> None:
+def check_model(engine: PrefillEngine, st: Settings, row: dict) -> None:
+    """A model engine's row (module doc; graphcp.gpucheck.hybrid's rows start with it)."""
     stats = engine.capture()
     row["segments_breaks"] = {s.capacity: [s.segments, s.breaks] for s in stats}
     moe = [layer for layer in engine.parts.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
@@ -186,7 +187,9 @@ def _check_decode(engine: PrefillEngine, st: Settings, row: dict) -> None:
     _judge_prefill(row, torch.cat(graph), torch.cat(eager), row["dtype"], "decode")
 
 
-def _run(row: dict, budget: Budget, device: torch.device, build, check, st: Settings) -> None:
+def run_row(row: dict, budget: Budget, device: torch.device, build, check, st: Settings) -> None:
+    """Build an engine and ``check(engine, st, row)`` it (graphcp.gpucheck.hybrid's rows too),
+    unless the budget is spent; an error marks the row, the device memory is freed."""
     if not budget.allows(5.0):
         skip(row, TIME_BUDGET)
         return
@@ -218,7 +221,7 @@ def check_engines(st: Settings, budget: Budget, available: list[str]) -> list[di
             return _engine(st, ensure_preset(p), "float32", "breakable", "torch" if p == "default-v4" else attention,
                            True, **x)
 
-        _run(row, budget, device, model, _check_model, st)
+        run_row(row, budget, device, model, check_model, st)
     target = ensure_preset("default")
     draft: Path | None = None
     for mode in DRAFT_MODES:
@@ -234,10 +237,10 @@ def check_engines(st: Settings, budget: Budget, available: list[str]) -> list[di
         def build(m: str = mode, b: str = backend) -> PrefillEngine:  # (the graphs part self-checks the target)
             return _engine(st, target, st.timing_dtype, m, b, False, draft=str(draft))
 
-        _run(row, budget, device, build, _check_draft, st)
+        run_row(row, budget, device, build, _check_draft, st)
     row = {"engine": "default decode", "dtype": st.timing_dtype, "graph": "breakable", "status": "pending",
            "batches": []}
     rows.append(row)
-    _run(row, budget, device, lambda: _engine(st, target, st.timing_dtype, "breakable", attention, True), _check_decode,
-         st)
+    run_row(row, budget, device, lambda: _engine(st, target, st.timing_dtype, "breakable", attention, True),
+            _check_decode, st)
     return rows

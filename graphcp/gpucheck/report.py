@@ -54,6 +54,8 @@ def _checked_rows(res: dict):
         yield "graphs", f"{g['dtype']} {g['graph']}", g
     for r in res.get("engines", []):
         yield "engines", f"{r['engine']} {r['dtype']} {r['graph']}", r
+    for r in res.get("hybrid", []):
+        yield "hybrid", f"{r['engine']} {r['dtype']} {r['graph']}", r
     for r in res.get("host", []):
         yield "host", r["case"], r
     for r in res.get("timing", []):
@@ -161,6 +163,23 @@ def _engines(res: dict) -> list[str]:
             for r in res["engines"]]
     return out + _table(["engine", "dtype", "graph", "bitwise", "segments, breaks", "experts in break", "ran",
                          "logits rel diff", "tol", "status"], rows)
+
+
+def _hybrid(res: dict) -> list[str]:
+    if not res.get("hybrid"):
+        return []
+    out = ["## Linear-attention hybrid at CP = 1", "",
+           "bitwise: the replay equals the same bucket run eagerly; graph vs eager: the prefill's logits; kernels: the "
+           "linear layers' (fla-core, causal-conv1d, or torch); varlen: one long request beside short ones, eager: "
+           "float32 against the torch kernels, bfloat16's distance from float32 against the torch kernels' "
+           "(x1.25).", ""]
+    rows = [[r["dtype"], _fmt((r.get("batches") or [{}])[0].get("bitwise_equal")), _fmt(r.get("segments_breaks")),
+             _fmt(r.get("ran")), _fmt(r.get("logits_rel_diff_vs_eager"), ".1e"), _fmt(r.get("linear_kernels")),
+             _fmt(r.get("varlen_batch")), _fmt(r.get("kernels_rel_diff_vs_torch"), ".1e"),
+             _fmt(r.get("kernels_rel_diff_vs_float32"), ".1e"), _fmt(r.get("torch_rel_diff_vs_float32"), ".1e"),
+             _fmt(r.get("kernels_bound"), ".1e"), _status(r, ("pass",))] for r in res["hybrid"]]
+    return out + _table(["dtype", "bitwise", "segments, breaks", "ran", "graph vs eager", "kernels", "varlen batch",
+                         "vs torch kernels", "vs float32", "torch vs float32", "kernels bound", "status"], rows)
 
 
 def _captures(res: dict) -> list[str]:
@@ -273,7 +292,7 @@ def _timing(res: dict) -> list[str]:
                          "bucket", "logits rel diff", "tol", "peak MiB", "status"], rows)
 
 
-SECTIONS = (_head, _warmup, _kernels, _graphs, _engines, _captures, _host, _launches, _sparse, _moe_graph,
+SECTIONS = (_head, _warmup, _kernels, _graphs, _engines, _hybrid, _captures, _host, _launches, _sparse, _moe_graph,
             _coverage, _problems, _timing)
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from graphcp.attention.registry import available_backends
-from graphcp.gpucheck import engines, graphs, host, kernels, launches, moe_graph, sparse_mla, timing
+from graphcp.gpucheck import engines, graphs, host, hybrid, kernels, launches, moe_graph, sparse_mla, timing
 from graphcp.gpucheck.budget import Budget
 from graphcp.gpucheck.common import FLASHINFER_ABSENT, device_info, env_info, err, log
 from graphcp.gpucheck.report import JSON_NAME, MD_NAME, SCHEMA_VERSION, failures, write_report
@@ -38,8 +38,8 @@ def _results(st: Settings, budget: Budget, budget_s: float, available: list[str]
         "notes": _notes(env), "settings": dict(vars(st)), "options": options,
         "phases": {"shares": {k: round(v, 1) for k, v in budget.phases.items()}, "used": budget.used},
         "triton_warmup": None, "backends": {"available": available, "checked": available, "checks": []},
-        "graphs": [], "engines": [], "host": [], "models": {}, "timing": [], "launches": [], "captures": [],
-        "sparse_mla": [], "moe_graph": [], "errors": [], "failed_parts": [], "not_run": [],
+        "graphs": [], "engines": [], "hybrid": [], "host": [], "models": {}, "timing": [], "launches": [],
+        "captures": [], "sparse_mla": [], "moe_graph": [], "errors": [], "failed_parts": [], "not_run": [],
     }
 
 
@@ -101,6 +101,7 @@ def _parts(st: Settings, budget: Budget, res: dict, available: list[str], skip: 
     part("sparse_mla", lambda: res.update(sparse_mla=sparse_mla.check_sparse_mla(st, budget, available)), "triton")
     part("graphs", lambda: res.update(graphs=graphs.check_graphs(st, budget)), "triton")
     part("engines", lambda: res.update(engines=engines.check_engines(st, budget, available)))
+    part("hybrid", lambda: res.update(hybrid=hybrid.check_hybrid(st, budget)))
     part("host", lambda: res.update(host=host.time_host(st, budget)))
     timed = [b for b in st.timing_backends if b in available]
     prepared: list[tuple[str, Path]] = []

@@ -13,15 +13,15 @@ LARGE_MODEL = "qwen3-1b-like"
 #: the default run, which fits a lent machine's lease with room for a rerun; time a part
 #: leaves unused passes to the next. moe_graph is last: an illegal memory access at replay
 #: (what it looks for) ends the CUDA context
-PHASES = {"warmup": 25.0, "kernels": 15.0, "sparse_mla": 10.0, "graphs": 25.0, "engines": 30.0, "host": 5.0,
-          "timing": 25.0, "launches": 12.0, "moe_graph": 8.0}
+PHASES = {"warmup": 25.0, "kernels": 15.0, "sparse_mla": 10.0, "graphs": 25.0, "engines": 30.0, "hybrid": 8.0,
+          "host": 5.0, "timing": 25.0, "launches": 12.0, "moe_graph": 8.0}
 #: ``--full``: the larger model, 32K tokens, more kernel plans
-FULL_PHASES = {"warmup": 45.0, "kernels": 45.0, "sparse_mla": 30.0, "graphs": 60.0, "engines": 45.0, "host": 5.0,
-               "timing": 160.0, "launches": 40.0, "moe_graph": 30.0}
+FULL_PHASES = {"warmup": 45.0, "kernels": 45.0, "sparse_mla": 30.0, "graphs": 60.0, "engines": 45.0, "hybrid": 15.0,
+               "host": 5.0, "timing": 160.0, "launches": 40.0, "moe_graph": 30.0}
 #: a dry run's shares are generous: it proves the flow on a shared CPU, where a share that
 #: runs out would fail the run (a skipped part fails it) for the machine's load alone
 DRY_PHASES = {"warmup": 120.0, "kernels": 120.0, "sparse_mla": 60.0, "graphs": 180.0, "engines": 240.0,
-              "host": 30.0, "timing": 120.0, "launches": 60.0, "moe_graph": 60.0}
+              "hybrid": 120.0, "host": 30.0, "timing": 120.0, "launches": 60.0, "moe_graph": 60.0}
 PARTS = tuple(PHASES)
 #: seconds kept for the report after the parts; Python, torch and the CUDA context before
 #: the budget starts (outside it, inside the command's limit)
@@ -73,6 +73,9 @@ class Settings:
     # engines at CP 1 beyond the dense model (DeepSeek V4, MoE tp held out and ep, an EAGLE-3 draft's graphs)
     engine_bucket: int
     engine_batch: tuple[int, int, int]  # (cached prefix, its extension, another request)
+    # the linear-attention hybrid (graphcp.gpucheck.hybrid): float32 first (the reference)
+    hybrid_dtypes: tuple[str, ...]
+    hybrid_batch: tuple[int, ...]  # new tokens per request of the varlen batch: one long, the rest short
     # host preparation: one rank of a CP group, requests a batch, timed repeats
     host_cp: int
     host_requests: int
@@ -126,6 +129,9 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         moe_replays=3 if dry else 5,
         engine_bucket=32 if dry else 64,
         engine_batch=(21, 9, 5),
+        hybrid_dtypes=("float32", "bfloat16"),
+        # the case: one long request beside fifteen short ones (they were padded to it)
+        hybrid_batch=(70, 5, 5, 5) if dry else (2000,) + (100,) * 15,
         host_cp=8,
         host_requests=16,
         host_repeats=20 if dry else 200,

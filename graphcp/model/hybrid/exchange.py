@@ -97,7 +97,7 @@ class HybridExchange(KVExchange):
         out = self.inner.describe(plan.inner)
         if plan.scan is not None:
             out[STAT_LINEAR_SENT] = plan.scan.stats[STAT_LINEAR_SENT]
-        out["linear_kernels"] = self.kernels.name
+        out["linear_kernels"] = (plan.scan.kernels if plan.scan is not None else self.kernels).name
         return out
 
     def setting(self) -> str:

@@ -1,7 +1,9 @@
 """Gated DeltaNet's math, the torch reference (ported from transformers' fallbacks in
 ``modeling_qwen3_5.py``: ``torch_chunk_gated_delta_rule``, ``causal_conv1d_fn``,
 ``Qwen3_5RMSNormGated``), on a batch of *blocks*: runs of consecutive tokens of one
-request each, padded to a whole number of chunks.
+request each, either padded to a whole number of chunks (:func:`chunk_gated_delta_rule`,
+transformers' own form) or as one variable-length batch of rows
+(:func:`varlen_gated_delta_rule`, :func:`conv_rows`: what a forward runs).
 
 Per value head the recurrence on the state ``S`` (``[d_k, d_v]``, float32) is
 
@@ -15,14 +17,19 @@ outputs for any incoming state follow from one pass (docs/hybrid.md). A block wh
 incoming state is known (a request's first block: its cached prefix's state, or zero)
 runs from ``[0 | S_in]``: then ``X = 0``, ``p_t = 0`` and ``Y`` is its true final state.
 
-Padding rows (past a block's length) have ``q = k = v = 0``, ``b = 0`` and ``g = 0``:
-they leave the state as it is, so a padded block's final state is its true one.
+Padding rows (past a block's length, up to its chunk's end) have ``q = k = v = 0``,
+``b = 0`` and ``g = 0``: they leave the state as it is, so a padded block's final state
+is its true one.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
+from graphcp.model.hybrid.varlen import ChunkSlots, ConvRows
 
 #: tokens a chunk of the chunked rule holds (transformers' and fla's default)
 CHUNK = 64
@@ -52,14 +59,11 @@ def query_key(q: torch.Tensor, k: torch.Tensor, repeat: int) -> tuple[torch.Tens
     return q * q.shape[-1] ** -0.5, k
 
 
-def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           initial: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked gated delta rule over ``B`` blocks at once (float32): ``q``, ``k``
-    ``[B, H, T, d_k]`` (normalised, :func:`query_key`), ``v`` ``[B, H, T, d_v]``, ``g``,
-    ``beta`` ``[B, H, T]``, ``T`` a multiple of ``chunk``, each block starting from
-    ``initial`` ``[B, H, d_k, d_v]``. Returns the outputs ``[B, H, T, d_v]`` and the
-    final states ``[B, H, d_k, d_v]``. The chunks' intra-chunk terms run in parallel, the
-    state steps chunk by chunk (transformers' algorithm, step for step)."""
+def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 chunk: int) -> tuple[torch.Tensor, ...]:
+    """The chunked rule's per-chunk terms of ``[B, H, T, d]`` inputs (``T`` a multiple of
+    ``chunk``), each ``[B, H, n, ...]``: the decayed queries and keys, ``u``, ``w``, the
+    intra-chunk scores and each chunk's total decay (transformers' algorithm, step for step)."""
     B, H, T, dk = k.shape
     n = T // chunk
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
@@ -74,31 +78,92 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     q = q * cum.exp()[..., None]
     k = k * (cum[..., -1:] - cum).exp()[..., None]
     decay = cum[..., -1].exp()[..., None, None]
+    return q, k, u, w, intra, decay
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           initial: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked gated delta rule over ``B`` blocks at once (float32): ``q``, ``k``
+    ``[B, H, T, d_k]`` (normalised, :func:`query_key`), ``v`` ``[B, H, T, d_v]``, ``g``,
+    ``beta`` ``[B, H, T]``, ``T`` a multiple of ``chunk``, each block starting from
+    ``initial`` ``[B, H, d_k, d_v]``. Returns the outputs ``[B, H, T, d_v]`` and the
+    final states ``[B, H, d_k, d_v]``. The chunks' intra-chunk terms run in parallel, the
+    state steps chunk by chunk (transformers' algorithm, step for step)."""
+    B, H, T, dk = k.shape
+    q, k, u, w, intra, decay = _chunk_terms(q, k, v, g, beta, chunk)
     state = initial
     out = torch.empty_like(u)
-    for i in range(n):
+    for i in range(T // chunk):
         v_new = u[:, :, i] - w[:, :, i] @ state
         out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
         state = state * decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
     return out.reshape(B, H, T, -1), state
 
 
+def varlen_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            initial: torch.Tensor, slots: ChunkSlots, chunk: int = CHUNK
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_gated_delta_rule` over a variable-length batch of blocks (float32 rows
+    ``q``, ``k`` ``[n, H, d_k]``, ``v`` ``[n, H, d_v]``, ``g``, ``beta`` ``[n, H]``; block
+    ``b`` from ``initial[b]``), each block padded to a whole number of chunks only
+    (graphcp.model.hybrid.varlen's :class:`ChunkSlots`): the intra-chunk terms of every
+    chunk at once, then step ``i`` advances the blocks that have an ``i``-th chunk. Returns
+    the outputs ``[n, H, d_v]`` and the final states ``[nb, H, d_k, d_v]``."""
+    n, H = v.shape[:2]
+    S = slots.rows.shape[0] // chunk
+    if S == 0:
+        return v.new_zeros(n, H, v.shape[-1]), initial.clone()
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # rows -> [S, H, 1, chunk, ...] (a zero row past a block)
+        rows = torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, slots.rows)
+        return rows.view(S, chunk, *x.shape[1:]).movedim(1, 2)
+
+    q, k, u, w, intra, decay = (t[:, :, 0] for t in _chunk_terms(*(chunks(x) for x in (q, k, v, g, beta)), chunk))
+    state = initial.index_select(0, slots.order)
+    out = torch.empty_like(u)
+    for i in range(len(slots.steps) - 1):
+        a, b = slots.steps[i], slots.steps[i + 1]
+        now = state[: b - a]
+        v_new = u[a:b] - w[a:b] @ now
+        out[a:b] = q[a:b] @ now + intra[a:b] @ v_new
+        state[: b - a] = now * decay[a:b] + k[a:b].transpose(-1, -2) @ v_new
+    flat = out.movedim(1, 2).reshape(S * chunk, H, -1)
+    return flat.index_select(0, slots.position), state.index_select(0, slots.inverse)
+
+
 def augmented_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   initial: torch.Tensor, known: torch.Tensor, rule=chunk_gated_delta_rule
+                   initial: torch.Tensor, known: torch.Tensor, rule: Callable[..., tuple[torch.Tensor, torch.Tensor]]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every block's outputs for any incoming state, in one pass (module doc). ``known``
-    ``[B]`` bool: the block's incoming state is ``initial`` (else unknown: ``initial`` is
-    ignored); ``rule``: the chunked rule that runs it (this module's, or a kernel's:
-    graphcp.model.hybrid.kernels). Returns ``(p, o0, X, Y)``: ``p`` ``[B, H, T, d_k]``,
-    ``o0`` ``[B, H, T, d_v]`` (a token's output is ``p S_in + o0``), and the block's map
-    ``S_out = X S_in + Y``."""
-    B, H, _, dk = k.shape
-    eye = torch.eye(dk, dtype=q.dtype, device=q.device).expand(B, H, dk, dk)
+    """Every block's outputs for any incoming state, in one pass (module doc), over a
+    variable-length batch of rows: ``v`` ``[n, Hv, d_v]``, ``initial`` ``[nb, Hv, d_k,
+    d_v]`` (float32), ``known`` ``[nb]`` bool: the block's incoming state is ``initial``
+    (else unknown: ``initial`` is ignored); ``rule(q, k, values, g, beta, states)``: the
+    chunked rule over the blocks (graphcp.model.hybrid.kernels), ``q``/``k`` passed as
+    given. Returns ``(p, o0, X, Y)``: ``p`` ``[n, Hv, d_k]``, ``o0`` ``[n, Hv, d_v]`` (a
+    token's output is ``p S_in + o0``), and the blocks' maps ``S_out = X S_in + Y``."""
+    B, H, dk = initial.shape[:3]
+    eye = torch.eye(dk, dtype=initial.dtype, device=initial.device).expand(B, H, dk, dk)
     x0 = torch.where(known[:, None, None, None], torch.zeros_like(eye), eye)
     y0 = torch.where(known[:, None, None, None], initial, torch.zeros_like(initial))
-    values = torch.cat([torch.zeros_like(k), v], dim=-1)
+    values = torch.cat([v.new_zeros(*v.shape[:-1], dk), v], dim=-1)
     out, final = rule(q, k, values, g, beta, torch.cat([x0, y0], dim=-1))
     return out[..., :dk], out[..., dk:], final[..., :dk], final[..., dk:]
+
+
+def conv_rows(source: torch.Tensor, rows: ConvRows, weight: torch.Tensor) -> torch.Tensor:
+    """The depthwise causal convolution and its SiLU of each live row (graphcp.model.hybrid.varlen's
+    :class:`ConvRows`: every block's halo then its rows, as rows of ``source`` ``[*,
+    channels]``; ``weight`` ``[channels, K]``): :func:`block_conv` over the blocks' extended
+    sequence as one (slices, no gather a tap; a window that straddles two blocks belongs to
+    a halo row and is dropped), then the live rows' outputs: its results bit for bit."""
+    K = weight.shape[1]
+    ext = source.index_select(0, rows.ext).float()
+    w = weight.float()
+    L = ext.shape[0] - (K - 1)
+    out = ext[:L] * w[:, 0]
+    for j in range(1, K):
+        out = out + ext[j:j + L] * w[:, j]
+    return F.silu(out.index_select(0, rows.outputs()).to(source.dtype))
 
 
 def block_conv(x: torch.Tensor, halo: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

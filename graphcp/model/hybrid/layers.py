@@ -24,7 +24,7 @@ from graphcp.model.graph_break import graph_break
 from graphcp.model.heads import HeadShard, local_config
 from graphcp.model.hybrid.cache import LinearDims
 from graphcp.model.hybrid.exchange import linear_scan
-from graphcp.model.hybrid.gdn import decay_and_beta, gated_rms_norm, query_key
+from graphcp.model.hybrid.gdn import decay_and_beta, gated_rms_norm
 from graphcp.model.layers import ParallelMLP, Rotary
 from graphcp.model.llama import run_attention
 from graphcp.nvtx_ranges import nvtx_range
@@ -183,15 +183,14 @@ class GatedDeltaNet(nn.Module):
         if scan.plan.empty:
             return
         d = self.dims
-        x, got = scan.convolve(self.layer, qkv, self.conv1d[:, 0])  # [nb, T, conv_dim] blocks
+        x, got = scan.convolve(self.layer, qkv, self.conv1d[:, 0])  # [rows, conv_dim], the model's dtype
         hk = d.num_k_heads * d.k_head_dim
         q, k, v = x.split([hk, hk, d.num_v_heads * d.v_head_dim], dim=-1)
-        q, k = query_key(q.unflatten(-1, (d.num_k_heads, d.k_head_dim)),
-                         k.unflatten(-1, (d.num_k_heads, d.k_head_dim)), self.group)
-        v = v.unflatten(-1, (d.num_v_heads, d.v_head_dim)).float()
         b, a = gates[:n].split(d.num_v_heads, dim=-1)
         g, beta = decay_and_beta(b, a, self.a_log, self.dt_bias)
-        o, received = scan.run(self.layer, q.movedim(1, 2), k.movedim(1, 2), v.movedim(1, 2), g, beta)
+        o, received = scan.run(self.layer, q.unflatten(-1, (d.num_k_heads, d.k_head_dim)),
+                               k.unflatten(-1, (d.num_k_heads, d.k_head_dim)),
+                               v.unflatten(-1, (d.num_v_heads, d.v_head_dim)), g, beta)
         out[:n].copy_(o)
         ctx.add_received(got + received)
 

@@ -11,11 +11,7 @@ A request's new tokens are cut into *blocks* by the layout: zigzag's ``2C`` (ran
 2. **local pass**: each rank runs its blocks through the chunked gated delta rule
    with the augmented state (graphcp.model.hybrid.gdn): a block's map ``S_out = X S_in
    + Y`` and every token's output as a function of ``S_in``; a request's first block
-   from its known incoming state (the prefix's, or zero). The decay is a per-head
-   scalar (Gated DeltaNet: ``g`` rows ``[rows, Hv]``) or per key channel (Kimi Delta
-   Attention: ``[rows, Hv, d_k]``, its rule graphcp.model.kimi_linear.kda): either way
-   the update is affine in the incoming state, so the scan is the same; the rule is the
-   kernels' (:class:`~graphcp.model.hybrid.kernels.LinearKernels`).
+   from its known incoming state (the prefix's, or zero).
 3. **scan**: the maps are all-gathered (``C x 2R`` of ``[Hv, d_k, d_k + d_v]``, no
    matter how long the requests are) and every rank composes, per request in block
    order, each block's incoming state; its tokens' outputs are ``p S_in + o0``.
@@ -32,9 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphcp.attention.staging import to_device_packed
 from graphcp.cp import Plan
 from graphcp.model.hybrid.gdn import CHUNK, augmented_rule
 from graphcp.model.hybrid.kernels import TORCH, LinearKernels
+from graphcp.model.hybrid.varlen import ChunkSlots, ConvRows, FlaSegments, SlotPlan, chunk_indices, conv_rows
 
 #: a ForwardInfo.stats key: bytes a rank sent per linear layer (its tails and maps), summed over the layers
 STAT_LINEAR_SENT = "linear_scan_bytes_sent"
@@ -43,7 +41,8 @@ STAT_LINEAR_SENT = "linear_scan_bytes_sent"
 @dataclass
 class LinearPlan:
     """One forward's linear-layer plan on this rank (host arrays; every rank builds the
-    same request-level parts)."""
+    same request-level parts). A rank's blocks are consecutive runs of its live rows, in
+    order: ``cu`` bounds them (graphcp.model.hybrid.varlen)."""
 
     cp_size: int
     rows: int  # this rank's live rows
@@ -53,8 +52,7 @@ class LinearPlan:
     write: np.ndarray  # [R] the slot this forward writes
     block_request: np.ndarray  # [nb] request of each local block
     block_index: np.ndarray  # [nb] its place in its request's blocks (0: the first)
-    gather: np.ndarray  # [nb, T] local row of each block position (rows: a zero row)
-    scatter: np.ndarray  # [rows] each local row's flat (block, position) index
+    cu: np.ndarray  # [nb + 1] each local block's bounds in this rank's live rows
     halo: np.ndarray  # [nb, K - 1] the K - 1 pre-convolution rows before each local block, in the halo source
     tails: np.ndarray  # [nb, K] each local block's last K rows, right-aligned (rows: zero)
     final_conv: np.ndarray  # [R, K] each request's last K pre-convolution rows in the halo source
@@ -69,23 +67,29 @@ class LinearPlan:
         """Whether some block's incoming state is unknown until the scan (CP > 1)."""
         return self.compose.shape[1] > 1
 
+    @property
+    def source_rows(self) -> int:
+        """Rows of the halo source (the prefixes' conv rows, every rank's tails, a zero
+        row): the convolution's source holds the live rows after them."""
+        K = self.tails.shape[1]
+        return self.num_requests * K + self.cp_size * self.num_local * K + 1
+
     @classmethod
     def inert(cls, cp_size: int) -> "LinearPlan":
         """A batch without rows (what a graph is captured with): the layers skip it."""
         z = np.zeros(0, dtype=np.int64)
         two = np.zeros((0, 1), dtype=np.int64)
-        return cls(cp_size, 0, 0, 0, z, z, z, z, np.zeros((0, CHUNK), np.int64), z, two, two, two, two)
+        return cls(cp_size, 0, 0, 0, z, z, z, z, np.zeros(1, np.int64), two, two, two, two)
 
     @classmethod
-    def build(cls, plan: Plan, rank: int, read: np.ndarray, write: np.ndarray, kernel: int,
-              chunk: int = CHUNK) -> "LinearPlan":
+    def build(cls, plan: Plan, rank: int, read: np.ndarray, write: np.ndarray, kernel: int) -> "LinearPlan":
         """This rank's plan of a zigzag ``plan`` (``read``/``write``: the requests' slots)."""
         C, R = plan.cp_size, plan.num_requests
         rp = plan.rank(rank)
         cu = rp.cu_seqlens_q.astype(np.int64)
         ext = plan.extend_lens
         if C == 1:  # a request is one block: its two zigzag segments are adjacent
-            lengths, starts = ext[:, None].copy(), cu[0:-1:2]
+            lengths, cu = ext[:, None].copy(), cu[0::2].copy()
             location = np.arange(R, dtype=np.int64)[:, None]
             local_req, local_k = np.arange(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
         else:
@@ -93,32 +97,15 @@ class LinearPlan:
             lengths = (ext[:, None] + (2 * C - 1 - k)[None, :]) // (2 * C)  # [R, 2C]
             owner = np.where(k < C, k, 2 * C - 1 - k)
             location = owner[None, :] * (2 * R) + 2 * np.arange(R)[:, None] + (k >= C)[None, :]
-            starts = cu[:-1]
             local_req = np.arange(2 * R, dtype=np.int64) // 2
             local_k = np.where(np.arange(2 * R) % 2 == 0, rank, 2 * C - 1 - rank)
-        local_len = lengths[local_req, local_k]
         n = rp.num_rows
-        gather, scatter, t = _chunks(starts, local_len, n, chunk)
-        tails = _tails(starts, local_len, n, kernel)
+        tails = _tails(cu[:-1], np.diff(cu), n, kernel)
         source = _HaloSource(C, R, len(local_req), plan.prefix_lens > 0, lengths, location, kernel)
         halo = source.rows(lengths.cumsum(axis=1) - lengths, kernel - 1)  # [R, blocks, K-1]
         final = source.rows(ext[:, None], kernel)[:, 0]  # the last K rows before position ext: [R, K]
-        return cls(C, n, R, len(local_req), read, write, local_req, local_k, gather, scatter,
-                   halo[local_req, local_k], tails, final, location)
-
-
-def _chunks(starts: np.ndarray, lengths: np.ndarray, n: int, chunk: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """The blocks padded to a common whole number of chunks: each position's local row
-    (``n``: a zero row) and each local row's flat position."""
-    nb = lengths.shape[0]
-    T = chunk * max(1, -(-int(lengths.max(initial=0)) // chunk))
-    pos = np.arange(T, dtype=np.int64)[None, :]
-    gather = np.where(pos < lengths[:, None], starts[:, None] + pos, n)
-    block = np.repeat(np.arange(nb, dtype=np.int64), lengths)
-    offset = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    scatter = np.empty(n, dtype=np.int64)
-    scatter[np.repeat(starts, lengths) + offset] = block * T + offset
-    return gather, scatter, T
+        return cls(C, n, R, len(local_req), read, write, local_req, local_k, cu, halo[local_req, local_k], tails,
+                   final, location)
 
 
 def _tails(starts: np.ndarray, lengths: np.ndarray, n: int, kernel: int) -> np.ndarray:
@@ -159,72 +146,103 @@ class _HaloSource:
 class LinearScan:
     """One forward's linear-layer work on this rank (device side of a :class:`LinearPlan`):
     what each linear layer's break calls. ``states``: the hybrid cache's
-    (graphcp.model.hybrid.cache.LinearStates),
-    ``group``: the CP group, ``kernels``: the local pass's (graphcp.model.hybrid.kernels)."""
+    (graphcp.model.hybrid.cache.LinearStates), ``group``: the CP group, ``kernels``: the
+    local pass's (graphcp.model.hybrid.kernels; a float32 model's rule is the torch one).
+    The plan's arrays and the layouts the kernels read go to the device in one packed
+    upload (graphcp.attention.staging)."""
 
     def __init__(self, plan: LinearPlan, states, group, device: torch.device,
                  kernels: LinearKernels = TORCH) -> None:
-        self.plan, self.states, self.group, self.kernels = plan, states, group, kernels
-
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
-        p = plan
-        self.read, self.write = dev(p.read), dev(p.write)
-        self.gather, self.scatter = dev(p.gather.reshape(-1)), dev(p.scatter)
-        self.padding = dev(p.gather >= p.rows)[..., None]  # [nb, T, 1]
-        self.halo, self.tails, self.final_conv = dev(p.halo), dev(p.tails), dev(p.final_conv)
-        self.compose = dev(p.compose)
-        self.known = dev(p.block_index == 0)
-        self.block_request, self.block_index = dev(p.block_request), dev(p.block_index)
+        self.plan, self.states, self.group = plan, states, group
+        self.kernels = kernels = kernels.for_dtype(states.conv.dtype)
+        self._reads = bool((plan.read >= 0).any())
+        self._upload(device)
         self.stats = {STAT_LINEAR_SENT: 0}
+
+    def _upload(self, device: torch.device) -> None:
+        """The plan's arrays and the kernels' layouts (graphcp.model.hybrid.varlen): one upload."""
+        p, kernels = self.plan, self.kernels
+        ext, seq, keep = conv_rows(p.cu, p.halo, p.source_rows)
+        host = {"read": p.read, "write": p.write, "tails": p.tails, "final_conv": p.final_conv,
+                "compose": p.compose, "block_request": p.block_request, "block_index": p.block_index,
+                "known": p.block_index == 0, "ext": ext, "keep": keep}
+        if kernels.conv.reads_seq:
+            host["seq"] = seq
+        slots = SlotPlan.build(p.cu, CHUNK) if kernels.rule.layout == "slots" else None
+        if slots is not None:
+            host.update(rows=slots.rows, position=slots.position, order=slots.order, inverse=slots.inverse)
+        else:
+            host.update(cu=p.cu, chunks=chunk_indices(p.cu, CHUNK))
+        dev = {name: t.view(host[name].shape) for name, t in
+               zip(host, to_device_packed(list(host.values()), device))}
+        self.read, self.write, self.compose = dev["read"], dev["write"], dev["compose"]
+        self.tails, self.final_conv = dev["tails"].view(-1), dev["final_conv"].view(-1)
+        self.block_request, self.block_index, self.known = dev["block_request"], dev["block_index"], dev["known"].bool()
+        seq_dev = dev["seq"].to(torch.int32) if "seq" in dev else None
+        self.conv_rows = ConvRows(dev["ext"], seq_dev, dev["keep"], p.tails.shape[1])
+        if slots is not None:
+            self.layout = ChunkSlots(dev["rows"], dev["position"], dev["order"], dev["inverse"], slots.steps)
+        else:
+            self.layout = FlaSegments(dev["cu"], torch.from_numpy(p.cu), dev["chunks"])
 
     def convolve(self, layer: int, qkv: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The convolution (``weight`` ``[conv_dim, K]``) of this rank's pre-convolution rows
-        ``qkv`` (live rows first) as padded blocks ``[nb, T, conv_dim]``, zero past each
-        block: each block's halo from the blocks before it (every rank's last K rows,
-        all-gathered) or the cached conv state; each request's last K rows become its new
-        conv state. Returns the blocks and the bytes received."""
+        ``qkv`` (live rows first): each block's halo from the blocks before it (every rank's
+        last K rows, all-gathered) or the cached conv state; each request's last K rows become
+        its new conv state. Returns the live rows' ``[rows, conv_dim]`` and the bytes received."""
         p, n, width = self.plan, self.plan.rows, qkv.shape[1]
-        K, T = p.tails.shape[1], p.gather.shape[1]
-        rows = torch.cat([qkv[:n], qkv.new_zeros(1, width)])
-        tails = rows.index_select(0, self.tails.view(-1)).view(p.num_local, K, width)
+        K = p.tails.shape[1]
+        rows, zero = qkv[:n], qkv.new_zeros(1, width)
+        tails = torch.cat([rows, zero]).index_select(0, self.tails).view(p.num_local, K, width)
         got = 0
         if p.cp_size > 1:
             gathered = self.group.all_gather_rows(tails)
             got = gathered.nbytes - tails.nbytes
             self.stats[STAT_LINEAR_SENT] += tails.nbytes
             tails = gathered
-        (recurrent, conv), fetched = self.states.read_states(layer, self.read, self.group, bool((p.read >= 0).any()))
+        (recurrent, conv), fetched = self.states.read_states(layer, self.read, self.group, self._reads)
         self._prefix = recurrent
-        source = torch.cat([conv.reshape(-1, width), tails.reshape(-1, width), qkv.new_zeros(1, width)])
-        self._final_conv = source.index_select(0, self.final_conv.view(-1)).view(p.num_requests, K, width)
-        halo = source.index_select(0, self.halo.view(-1)).view(p.num_local, K - 1, width)
-        blocks = rows.index_select(0, self.gather).view(p.num_local, T, width)
-        return self.kernels.conv(blocks, halo, weight).masked_fill(self.padding, 0), got + fetched
+        source = torch.cat([conv.reshape(-1, width), tails.reshape(-1, width), zero, rows])
+        self._final_conv = source.index_select(0, self.final_conv).view(p.num_requests, K, width)
+        return self.kernels.conv.fn(source, self.conv_rows, weight), got + fetched
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The gated delta rule over this rank's blocks (float32 ``q``, ``k`` ``[nb, Hv, T,
-        d_k]`` and ``v`` ``[nb, Hv, T, d_v]``, zero past each block; ``beta`` rows ``[rows,
-        Hv]``, the log decays ``g`` rows ``[rows, Hv]`` or, per key channel, ``[rows, Hv,
-        d_k]``: the kernels' rule takes them as blocks ``[nb, Hv, T(, d_k)]``), the blocks'
+        """The gated delta rule over this rank's blocks (the convolution's rows ``q``, ``k``
+        ``[rows, Hk, d_k]``, ``v`` ``[rows, Hv, d_v]``; float32 ``beta`` ``[rows, Hv]`` and
+        log decays ``g``: ``[rows, Hv]``, or per key channel ``[rows, Hv, d_k]`` (KDA, with
+        its own kernels: the update stays affine in the incoming state)), the blocks'
         states composed across ranks; stores every request's final state (after
         :meth:`convolve`). The outputs ``[rows, Hv, d_v]`` and the bytes received."""
         p = self.plan
-        T = p.gather.shape[1]
-        g, beta = (_blocks(x, self.gather, p.num_local, T) for x in (g, beta))
         initial = self._prefix.index_select(0, self.block_request)
         got = 0
         if not p.maps:
-            out, final_states = self.kernels.rule(q, k, v, g, beta, initial)
+            out, final_states = self._rule(q, k, v, g, beta, initial)
         else:
-            pre, o0, x, y = augmented_rule(q, k, v, g, beta, initial, self.known, self.kernels.rule)
+            pre, o0, x, y = augmented_rule(q, k, v, g, beta, initial, self.known, self._rule)
             incoming, final_states, got = self._scan(x, y)
-            out = pre @ incoming + o0
-        flat = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[-1])  # [nb * T, Hv, d_v]
+            if self.kernels.rule.float32_outputs:
+                out = self._outputs(pre, o0, incoming)
+            else:  # p is rounded to the model's dtype: a second pass from the true states instead
+                out, _ = self._rule(q, k, v, g, beta, incoming)
         self.states.write_states(layer, self.write, final_states, self._final_conv)
-        return flat.index_select(0, self.scatter), got
+        return out, got
+
+    def _rule(self, q, k, v, g, beta, initial) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.plan.rows == 0:  # no block has a row: each keeps its state (no kernel launch)
+            return v.new_zeros(0, *v.shape[1:]), initial.clone()
+        return self.kernels.rule.fn(q, k, v, g, beta, initial, self.layout)
+
+    def _outputs(self, pre: torch.Tensor, o0: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
+        """Every row's ``p S_in + o0`` (float32), block by block (the bounds are on the host)."""
+        out = torch.empty(o0.shape, dtype=torch.float32, device=o0.device)
+        cu = self.plan.cu
+        for b in range(self.plan.num_local):
+            s, e = int(cu[b]), int(cu[b + 1])
+            if e > s:
+                out[s:e] = torch.einsum("thk,hkv->thv", pre[s:e].float(), incoming[b]) + o0[s:e]
+        return out
 
     def _scan(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """All-gather the local blocks' maps, compose each request's blocks in order:
@@ -252,11 +270,3 @@ def compose(xs: torch.Tensor, ys: torch.Tensor, order: torch.Tensor,
         incoming.append(state)
         state = xs.index_select(0, at) @ state + ys.index_select(0, at)
     return torch.stack(incoming, dim=1), state
-
-
-def _blocks(x: torch.Tensor, gather: torch.Tensor, num_blocks: int, length: int) -> torch.Tensor:
-    """Rows ``[rows, H, ...]`` as padded blocks ``[nb, H, T, ...]`` (padding rows zero: a
-    zero log decay, per head or per channel, leaves the state as it is)."""
-    rows = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-    out = rows.index_select(0, gather).view(num_blocks, length, *x.shape[1:])
-    return out.movedim(1, 2)

@@ -1,8 +1,9 @@
 """Kimi Delta Attention's math, the torch reference (ported from transformers' fallbacks in
 ``modeling_kimi_linear.py`` / ``modeling_glm5_next.py``: ``chunk_kimi_delta_attention``,
 ``recurrent_kimi_delta_attention``, ``KimiLinearForgetGate``, ``KimiLinearRMSNormGated``),
-on a batch of *blocks* (runs of consecutive tokens of one request, padded to whole chunks)
-as graphcp.model.hybrid.scan runs them.
+on *blocks* (runs of consecutive tokens of one request): padded to whole chunks
+(:func:`chunk_kda`, transformers' form) or as one variable-length batch of rows
+(:func:`varlen_kda`, :func:`kda_conv_rows`: what graphcp.model.hybrid.scan runs).
 
 KDA is the gated delta rule with a decay per key channel instead of per head: per head
 the state ``S`` (``[d_k, d_v]``, float32) is
@@ -12,7 +13,7 @@ the state ``S`` (``[d_k, d_v]``, float32) is
 with ``g_t`` a ``d_k`` vector of log decays. It is still affine in ``S_{t-1}``, so a block
 maps its incoming state as ``S_out = X S_in + Y`` and the augmented pass of
 graphcp.model.hybrid.gdn (``augmented_rule``) and the scan across ranks apply unchanged:
-:func:`chunk_kda` is the ``rule`` they call.
+:func:`varlen_kda` is the torch ``rule`` they call (graphcp.model.kimi_linear.kernels).
 
 Padding rows (past a block's length) have ``q = k = v = 0``, ``b = 0`` and ``g = 0``: the
 state passes through them unchanged.
@@ -23,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphcp.model.hybrid.gdn import CHUNK, block_conv
+from graphcp.model.hybrid.gdn import CHUNK, block_conv, conv_rows
+from graphcp.model.hybrid.varlen import ChunkSlots, ConvRows
 
 #: transformers' softplus threshold in the forget gate (``where(g > 20, g, log(1 + exp(g)))``)
 SOFTPLUS_THRESHOLD = 20.0
@@ -56,14 +58,12 @@ def forget_gate(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, hea
     return -decay * torch.where(g > SOFTPLUS_THRESHOLD, g, torch.log(1.0 + torch.exp(g)))
 
 
-def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              initial: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked KDA rule over ``B`` blocks at once (float32): ``q``, ``k`` ``[B, H, T,
-    d_k]`` (normalised, :func:`query_key`), ``v`` ``[B, H, T, d_v]``, ``g`` ``[B, H, T,
-    d_k]`` (log decays), ``beta`` ``[B, H, T]``, ``T`` a multiple of ``chunk``, each block
-    from ``initial`` ``[B, H, d_k, d_v]``. Returns the outputs ``[B, H, T, d_v]`` and the
-    final states. transformers' algorithm step for step: the intra-chunk system solved
-    by forward substitution, the state stepped chunk by chunk."""
+def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 chunk: int) -> tuple[torch.Tensor, ...]:
+    """The chunked rule's per-chunk terms of ``[B, H, T, d]`` inputs (``T`` a multiple of
+    ``chunk``), each ``[B, H, n, ...]``: the decayed queries and keys, ``u``, ``w``, the
+    intra-chunk scores and each chunk's total decay per key channel (transformers'
+    algorithm, step for step: the intra-chunk system solved by forward substitution)."""
     B, H, T, dk = k.shape
     n = T // chunk
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
@@ -79,17 +79,57 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     system = system + torch.eye(chunk, dtype=system.dtype, device=system.device)
     u = system @ v_beta
     w = system @ (k_beta * g.exp())
+    intra = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(upper, 0)
+    last = g[..., -1:, :]
+    return q * g.exp(), k * (last - g).exp(), u, w, intra, last.exp().transpose(-1, -2)
+
+
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              initial: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked KDA rule over ``B`` blocks at once (float32): ``q``, ``k`` ``[B, H, T,
+    d_k]`` (normalised, :func:`query_key`), ``v`` ``[B, H, T, d_v]``, ``g`` ``[B, H, T,
+    d_k]`` (log decays), ``beta`` ``[B, H, T]``, ``T`` a multiple of ``chunk``, each block
+    from ``initial`` ``[B, H, d_k, d_v]``. Returns the outputs ``[B, H, T, d_v]`` and the
+    final states (transformers' ``chunk_kimi_delta_attention``, bit for bit)."""
+    B, H, T, _ = k.shape
+    q, k, u, w, intra, decay = _chunk_terms(q, k, v, g, beta, chunk)
     state = initial
     out = torch.zeros_like(u)
-    for i in range(n):
-        q_i, k_i, g_i = q[:, :, i], k[:, :, i], g[:, :, i]
-        inter = (q_i * g_i.exp()) @ state
-        intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay[:, :, i]).sum(dim=-1).masked_fill(upper, 0)
+    for i in range(T // chunk):
         v_new = u[:, :, i] - w[:, :, i] @ state
-        out[:, :, i] = inter + intra @ v_new
-        carried = (k_i * (g_i[:, :, -1:] - g_i).exp()).transpose(-1, -2)
-        state = state * g_i[:, :, -1].exp().unsqueeze(-1) + carried @ v_new
+        out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
     return out.reshape(B, H, T, -1), state
+
+
+def varlen_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               initial: torch.Tensor, slots: ChunkSlots, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_kda` over a variable-length batch of blocks (float32 rows ``q``, ``k``
+    ``[n, H, d_k]``, ``v`` ``[n, H, d_v]``, ``g`` ``[n, H, d_k]``, ``beta`` ``[n, H]``;
+    block ``b`` from ``initial[b]``), each block padded to whole chunks only
+    (graphcp.model.hybrid.varlen's :class:`ChunkSlots`, as the Gated DeltaNet rule's
+    ``varlen_gated_delta_rule``). Returns the outputs ``[n, H, d_v]`` and the final
+    states ``[nb, H, d_k, d_v]``."""
+    n, H = v.shape[:2]
+    S = slots.rows.shape[0] // chunk
+    if S == 0:
+        return v.new_zeros(n, H, v.shape[-1]), initial.clone()
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # rows -> [S, H, 1 chunk, ...] (a zero row past a block)
+        rows = torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, slots.rows)
+        return rows.view(S, chunk, *x.shape[1:]).movedim(1, 2)
+
+    q, k, u, w, intra, decay = (t[:, :, 0] for t in _chunk_terms(*(chunks(x) for x in (q, k, v, g, beta)), chunk))
+    state = initial.index_select(0, slots.order)
+    out = torch.empty_like(u)
+    for i in range(len(slots.steps) - 1):
+        a, b = slots.steps[i], slots.steps[i + 1]
+        now = state[: b - a]
+        v_new = u[a:b] - w[a:b] @ now
+        out[a:b] = q[a:b] @ now + intra[a:b] @ v_new
+        state[: b - a] = now * decay[a:b] + k[a:b].transpose(-1, -2) @ v_new
+    flat = out.movedim(1, 2).reshape(S * chunk, H, -1)
+    return flat.index_select(0, slots.position), state.index_select(0, slots.inverse)
 
 
 def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -119,6 +159,22 @@ def kda_conv(x: torch.Tensor, halo: torch.Tensor, weight: torch.Tensor) -> torch
     for j in range(1, K):
         out = out + ext[:, j:j + T] * weight[:, j]
     return F.silu(out).to(x.dtype)
+
+
+def kda_conv_rows(source: torch.Tensor, rows: ConvRows, weight: torch.Tensor) -> torch.Tensor:
+    """The short convolutions of every live row over the blocks' extended rows (what the
+    scan calls, graphcp.model.hybrid.varlen's :class:`ConvRows`): Gated DeltaNet's
+    (graphcp.model.hybrid.gdn.conv_rows) for a weight in the rows' dtype; a float32
+    weight over model-dtype rows as :func:`kda_conv` (the SiLU in float32, then rounded)."""
+    if weight.dtype == source.dtype:
+        return conv_rows(source, rows, weight)
+    K = weight.shape[1]
+    ext = source.index_select(0, rows.ext).to(weight.dtype)
+    L = ext.shape[0] - (K - 1)
+    out = ext[:L] * weight[:, 0]
+    for j in range(1, K):
+        out = out + ext[j:j + L] * weight[:, j]
+    return F.silu(out.index_select(0, rows.outputs())).to(source.dtype)
 
 
 def conv_step(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

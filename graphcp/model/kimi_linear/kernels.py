@@ -1,67 +1,87 @@
-"""KDA's local kernels (graphcp.model.hybrid.scan calls them on padded blocks): the torch
-reference (graphcp.model.kimi_linear.kda, any device), or on CUDA, where the ``linear``
-extra is installed (``pip install -e ".[linear]"``), fla-core's ``chunk_kda`` and
-causal-conv1d's ``causal_conv1d_fn`` (the hybrid family's binding,
-graphcp.model.hybrid.kernels). Each library is imported only when its kernel is built;
-:func:`select_kernels` takes each one that is there.
+"""KDA's local kernels (graphcp.model.hybrid.scan calls them on a rank's blocks as one
+variable-length batch, graphcp.model.hybrid.varlen): the torch reference
+(graphcp.model.kimi_linear.kda, any device), or on CUDA, where the ``linear`` extra is
+installed (``pip install -e ".[linear]"``), fla-core's ``chunk_kda`` and causal-conv1d's
+convolution (the Gated DeltaNet family's binding, graphcp.model.hybrid.kernels). A library
+installed but broken is left out with the hybrid family's one-line note.
 
-The calls, bound to fla-core 0.6's source (``fla/ops/kda/chunk.py``,
-``fused_recurrent.py``; tests/test_kda_kernels.py binds them to the installed functions
-where they import):
+The calls, bound to fla-core 0.6.0's source (``fla/ops/kda/chunk.py``,
+``fused_recurrent.py``; tests/test_kda_kernels.py binds them where fla imports):
 
-- ``fla.ops.kda.chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=...,
-  output_final_state=True)``: ``q``, ``k`` ``[B, T, H, K]`` (already l2-normalised, q
-  scaled: ``scale=1.0``) and ``v`` ``[B, T, H, V]``, ``g`` ``[B, T, H, K]`` log decays
-  (``use_gate_in_kernel=False``: precomputed), ``beta`` ``[B, T, H]``, ``initial_state``
-  ``[B, H, K, V]`` float32 (fla asserts it); returns ``(o [B, T, H, V]`` in v's dtype,
-  ``final [B, H, K, V]`` float32). The blocks are a batch of equal (padded) length: no
-  ``cu_seqlens``. ``K <= 256``; the augmented state's ``V = d_k + d_v``.
+- ``fla.ops.kda.chunk_kda(q, k, v, g, beta, scale=d**-0.5, initial_state=...,
+  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=...,
+  cu_seqlens_cpu=...)``, as transformers calls it: ``q``, ``k``, ``v`` ``[1, n, H, d]`` in
+  the model's dtype (the convolution's output; fla normalises q and k), ``g`` ``[1, n, H,
+  d]`` float32 per-channel log decays (``use_gate_in_kernel=False``: precomputed),
+  ``beta`` ``[1, n, H]``, ``initial_state`` ``[nb, H, d, V]`` float32 (fla asserts it);
+  returns ``(o [1, n, H, V]`` in v's dtype, ``final [nb, H, d, V]`` float32). The blocks
+  are one varlen batch; with ``cu_seqlens_cpu`` fla builds its chunk indices on the host.
 - ``fla.ops.kda.fused_recurrent_kda(q, k, v, g, beta, scale=1.0, initial_state=...,
-  output_final_state=True)``: the same layouts for one token ``T = 1`` (a decode step's
-  state step, :attr:`KdaKernels.step`).
+  output_final_state=True)``: one float32 token ``[B, 1, H, d]``, q and k already
+  normalised (a decode step's state step, :attr:`KdaKernels.step`).
 
-Everything goes in float32, as the Gated DeltaNet path's does: the scan's augmented pass
-returns each token's output as ``p S_in + o0``, and with the model's bfloat16 q/k/v (and
-so a bfloat16 ``o``) those two terms round before they combine. Through fakes of fla's
-contract at CP 2 that was 3.7e-2 from the torch path on the tests' tiny model (the
-suite's bound: 2e-2); in float32 the kernels agree with it within 1e-5.
+**Precision** as the Gated DeltaNet path's: a bfloat16 model runs fla on its q/k/v with a
+float32 state, and the scan takes the outputs from a second pass from the composed
+states (fla's outputs are in the model's dtype); a float32 model runs the torch rule.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import importlib.util
+import sys
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from graphcp.model.hybrid.kernels import LinearKernels, causal_conv1d_conv
-from graphcp.model.kimi_linear.kda import chunk_kda, kda_conv, recurrent_kda
+from graphcp.model.hybrid import kernels as hybrid
+from graphcp.model.hybrid.kernels import ConvKernel, LinearKernels, RuleKernel
+from graphcp.model.hybrid.varlen import ChunkSlots, FlaSegments
+from graphcp.model.kimi_linear.kda import kda_conv_rows, query_key, recurrent_kda, varlen_kda
 
 Step = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+def torch_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               initial: torch.Tensor, slots: ChunkSlots) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference in float32: q/k normalised and scaled (transformers' form), then
+    :func:`~graphcp.model.kimi_linear.kda.varlen_kda`."""
+    q, k = query_key(q, k)
+    return varlen_kda(q, k, v.float(), g, beta, initial, slots)
+
+
+TORCH_RULE = RuleKernel("torch", torch_rule, "slots", True)
+TORCH_CONV = ConvKernel("torch", kda_conv_rows, False)
+
+
 @dataclass(frozen=True)
 class KdaKernels(LinearKernels):
-    """The scan's two kernels (``rule``, ``conv``) and a decode step's state step."""
+    """The scan's two kernels, and a decode step's state step."""
 
     #: ``step(q, k, v, g, beta, state)``: one token ``[B, H, d]`` -> ``(out [B, H, V], state)``
     step: Step = recurrent_kda
 
+    def for_dtype(self, dtype: torch.dtype) -> "KdaKernels":
+        """A float32 model runs the torch rule (graphcp.model.hybrid.kernels' reason)."""
+        return replace(self, rule=TORCH_RULE) if dtype == torch.float32 else self
 
-TORCH = KdaKernels("torch", chunk_kda, kda_conv, recurrent_kda)
+
+TORCH = KdaKernels(TORCH_RULE, TORCH_CONV)
 
 
-def fla_rule():
-    """fla-core's ``chunk_kda`` on graphcp's ``[B, H, T, d]`` float32 blocks (transposed to
-    fla's ``[B, T, H, d]`` and back)."""
+def fla_rule() -> RuleKernel:
+    """fla-core's ``chunk_kda`` on the varlen rows (the call in the module doc)."""
     from fla.ops.kda import chunk_kda as fla
 
-    def rule(q, k, v, g, beta, initial):
-        o, final = fla(*(x.transpose(1, 2).contiguous() for x in (q, k, v, g, beta)), scale=1.0,
-                       initial_state=initial.contiguous(), output_final_state=True)
-        return o.transpose(1, 2), final
+    def rule(q, k, v, g, beta, initial, seg: FlaSegments):
+        o, final = fla(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
+                       beta.to(v.dtype).unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=initial,
+                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=seg.cu_seqlens,
+                       cu_seqlens_cpu=seg.cu_seqlens_cpu)
+        return o[0], final
 
-    return rule
+    return RuleKernel("fla", rule, "segments", False)
 
 
 def fla_step() -> Step:
@@ -76,23 +96,37 @@ def fla_step() -> Step:
     return step
 
 
-def _built(build: Callable[[], Callable], fallback: Callable) -> tuple[Callable, bool]:
-    """A kernel whose library imports (its import is the build), else the fallback."""
+def fla_installed() -> bool:
     try:
-        return build(), True
-    except ImportError:
-        return fallback, False
+        return importlib.util.find_spec("fla") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.cache
+def load_fla() -> tuple[RuleKernel | None, Step | None, str | None]:
+    """fla-core's KDA kernels (None where fla is not installed or does not import) and, for
+    an installed but broken one, the note said once on stderr."""
+    if not fla_installed():
+        return None, None, None
+    try:
+        return fla_rule(), fla_step(), None
+    except Exception as e:  # noqa: BLE001 - any import failure (ImportError, OSError, a torch ABI RuntimeError)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        why = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        note = f"graphcp: note: fla-core is installed but does not import ({why}); KDA runs the torch reference"
+        print(note, file=sys.stderr, flush=True)
+        return None, None, note
+
+
+def choose_kernels() -> KdaKernels:
+    """The CUDA choice: fla's KDA kernels and causal-conv1d's convolution where each imports."""
+    rule, step, rule_note = load_fla()
+    conv, conv_note = hybrid.load("causal-conv1d")
+    notes = tuple(n for n in (rule_note, conv_note) if n)
+    return KdaKernels(rule or TORCH_RULE, conv or TORCH_CONV, notes, step or recurrent_kda)
 
 
 def select_kernels(device: torch.device) -> KdaKernels:
-    """On CUDA: fla-core's ``chunk_kda`` (and its recurrent step) and causal-conv1d's
-    convolution where they import (each on its own), else the torch reference; the torch
-    reference elsewhere."""
-    if torch.device(device).type != "cuda":
-        return TORCH
-    rule, fla = _built(fla_rule, TORCH.rule)
-    conv, c1d = _built(causal_conv1d_conv, TORCH.conv)
-    if not (fla or c1d):
-        return TORCH
-    names = [n for n, ok in (("fla", fla), ("causal-conv1d", c1d)) if ok]
-    return KdaKernels("+".join(names), rule, conv, fla_step() if fla else TORCH.step)
+    """On CUDA :func:`choose_kernels`; the torch reference elsewhere."""
+    return choose_kernels() if torch.device(device).type == "cuda" else TORCH

@@ -22,7 +22,7 @@ from graphcp.model.graph_break import graph_break
 from graphcp.model.hybrid.exchange import linear_scan
 from graphcp.model.kimi_linear.cache import linear_dims
 from graphcp.model.kimi_linear.config import KdaConfig
-from graphcp.model.kimi_linear.kda import forget_gate, gated_norm, query_key
+from graphcp.model.kimi_linear.kda import forget_gate, gated_norm
 from graphcp.nvtx_ranges import nvtx_range
 
 #: graph-mode static rows of a KDA layer's break (StaticBuffers' extra rows); the output
@@ -97,11 +97,9 @@ class KdaAttention(nn.Module):
         if scan.plan.empty:
             return
         k = self.kda
-        x, got = scan.convolve(self.layer, qkv, self.conv1d[:, 0])  # [nb, T, conv_dim] blocks
+        x, got = scan.convolve(self.layer, qkv, self.conv1d[:, 0])  # [rows, conv_dim], the model's dtype
         q, key, v = (t.unflatten(-1, (k.num_heads, k.head_dim)) for t in x.split(k.qkv_dim, dim=-1))
-        q, key = query_key(q, key)
-        o, received = scan.run(self.layer, q.movedim(1, 2), key.movedim(1, 2), v.float().movedim(1, 2), g[:n],
-                               beta[:n])
+        o, received = scan.run(self.layer, q, key, v, g[:n], beta[:n])  # (the kernels normalise q and k)
         out[:n].copy_(o)
         ctx.add_received(got + received)
 
