@@ -10,21 +10,40 @@ Run: ``python -m pytest benchmarks/bench_decode.py --benchmark-only -s`` (prints
     collective delivers, which must equal the formula (``merge_bytes``), and the merged
     output must equal the merge of every rank's partials. The table shows which one
     ``auto`` takes.
-(b) ``test_decode_step_time``: the default preset (a small Qwen3-style model) on the
-    token-sharded cache, 8 requests of 2048 cached tokens, at CP 1, 2 and 4 in the same
-    run: the median time of a decode step eagerly and on the decode graphs (the trace
-    stand-in on a CPU: it counts launches; the launch overhead it saves shows on a GPU),
-    the launches of a graph step (segments and breaks), the bytes merged a layer.
+(b) ``test_decode_step_time``: the default preset (a small Qwen3-style model) and the
+    ``default-hybrid`` one (Qwen3.5-style: six Gated DeltaNet layers, each step advancing
+    every request's states, and two full-attention ones) on the token-sharded cache, 8
+    requests of 2048 cached tokens, at CP 1, 2 and 4 in the same run: the median time of a
+    decode step eagerly and on the decode graphs (the trace stand-in on a CPU: it counts
+    launches; the launch overhead it saves shows on a GPU), the launches of a graph step
+    (segments and breaks), the bytes merged a layer.
+(c) ``test_dsa_decode_step_time``: the same for a DSA model on the layer-split cache.
+(d) ``test_eager_decode_vs_transformers``: an eager decode step of the default preset at
+    CP 1 (float32) against transformers' own cached decode on the same checkpoint, at
+    1 x 512, 8 x 1,024 and 32 x 256 (requests x cached tokens), in the same run, one
+    torch thread: the paired ratio of their CPU times (benchmarks/vs_transformers.py) must
+    be at most 1.2 (``GRAPHCP_BENCH_MAX_DECODE_RATIO``); the paired wall-time ratio is
+    recorded beside it. On a shared 2-core machine two OpenMP threads spin while the other
+    work runs, and wall times swing with the load, so neither measures the step.
+(e) ``test_decode_host_time``: a decode step's host time (benchmarks/host_stack.py: the
+    planner's preparation, the page bucket and the buffers' fill, the handles and the
+    record after the replay) at 1, 8 and 64 requests of 2K and 32K cached tokens, in µs
+    (median CPU time, one thread), against the prefill's whole host preparation of the
+    same requests (``HostStack.prepare_fill_abort``) in the same run: at most 1.5x
+    (``GRAPHCP_BENCH_MAX_HOST_RATIO``). The prefill of 2K-token requests is shown too.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
+from host_stack import batch_of, decode_host_stack, host_stack
+from vs_transformers import DecodeSteps, paired_ratio
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
 from graphcp.attention.decode.merge import MERGE_FUNCTIONS, MERGES, choose_merge, merge_bytes
@@ -96,14 +115,16 @@ def test_merge_bytes_per_layer(benchmark, cp, rows):
 
 
 CONTEXT, REQUESTS, STEPS = 2048, 8, 8
-STEP_ROWS: list[str] = []
+STEP_MODELS = ("default", "default-hybrid")
+STEP_ROWS: dict[str, list[str]] = {m: [] for m in STEP_MODELS}
 
 
-def _step_job(group: CPGroup, model: str) -> dict:
-    rt = RuntimeConfig(kv_tokens=CONTEXT * REQUESTS // group.size + 2048, kv_cache="sharded", graph="breakable")
+def _step_job(group: CPGroup, model: str, kv_cache: str = "sharded", context: int = CONTEXT) -> dict:
+    tokens = context * REQUESTS // (group.size if kv_cache == "sharded" else 1) + 2048
+    rt = RuntimeConfig(kv_tokens=tokens, kv_cache=kv_cache, graph="breakable")
     engine = PrefillEngine(model, rt, group)
     rng = np.random.default_rng(0)
-    out = engine.prefill([Request(rng.integers(0, 8192, CONTEXT)) for _ in range(REQUESTS)], force_eager=True)
+    out = engine.prefill([Request(rng.integers(0, 8192, context)) for _ in range(REQUESTS)], force_eager=True)
     handles, times = out.handles, {"eager": [], "graph": []}
     for i in range(2 * STEPS + 1):
         path = "eager" if i % 2 else "graph"
@@ -117,17 +138,110 @@ def _step_job(group: CPGroup, model: str) -> dict:
             "launches": last["launches"], "merged": last["bytes_merged_per_layer"], "merge": last["decode_merge"]}
 
 
+@pytest.mark.parametrize("preset", STEP_MODELS)
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_decode_step_time(benchmark, cp):
-    model = str(ensure_preset("default"))
+def test_decode_step_time(benchmark, cp, preset):
+    model = str(ensure_preset(preset))
     res = benchmark.pedantic(launch, args=(_step_job, cp, model), rounds=1, iterations=1)[0]
-    assert res["launches"] == 1  # a dense model's step: one captured segment
+    assert res["launches"] == 1  # a dense model's step, a dense hybrid's (its linear steps inside): one segment
     assert (res["merged"] > 0) == (cp > 1)
     benchmark.extra_info.update(res)
-    STEP_ROWS.append(f"| {cp} | {res['eager_ms']:.1f} | {res['graph_ms']:.1f} | {res['launches']} | "
-                     f"{res['merge']} | {res['merged'] / 1024:.1f} |")
-    if len(STEP_ROWS) == 3:
-        print(f"\n{REQUESTS} requests x {CONTEXT} cached tokens, the default preset, token-sharded cache (CPU):\n"
+    rows = STEP_ROWS[preset]
+    rows.append(f"| {cp} | {res['eager_ms']:.1f} | {res['graph_ms']:.1f} | {res['launches']} | "
+                f"{res['merge']} | {res['merged'] / 1024:.1f} |")
+    if len(rows) == 3:
+        print(f"\n{REQUESTS} requests x {CONTEXT} cached tokens, the {preset} preset, token-sharded cache (CPU):\n"
               "| C | eager ms/step | graph ms/step | launches/step | merge | merged KiB/layer |\n"
               "|---|---|---|---|---|---|")
-        print("\n".join(STEP_ROWS))
+        print("\n".join(rows))
+
+
+DSA_CONTEXT = 1024
+DSA_ROWS: list[str] = []
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_dsa_decode_step_time(benchmark, cp):
+    """(c) The DSA preset (``default-dsa``: a small DeepSeek V3.2, index_topk 256, MoE
+    ``ep``) on the layer-split cache (the memory answer for these models: docs/dsa.md), 8
+    requests of 1024 cached tokens: a step's median time eagerly and on the decode graphs,
+    the launches of a graph step (the MoE exchange stays a break), the bytes a rank
+    receives a layer (each layer's owner broadcasts its output)."""
+    model = str(ensure_preset("default-dsa"))
+    res = benchmark.pedantic(launch, args=(_step_job, cp, model, "layer-split" if cp > 1 else "replicated",
+                                           DSA_CONTEXT), rounds=1, iterations=1)[0]
+    assert (res["merged"] > 0) == (cp > 1)
+    benchmark.extra_info.update(res)
+    DSA_ROWS.append(f"| {cp} | {res['eager_ms']:.1f} | {res['graph_ms']:.1f} | {res['launches']} | "
+                    f"{res['merged'] / 1024:.1f} |")
+    if len(DSA_ROWS) == 3:
+        print(f"\n{REQUESTS} requests x {DSA_CONTEXT} cached tokens, default-dsa, layer-split cache (CPU):\n"
+              "| C | eager ms/step | graph ms/step | launches/step | received KiB/layer |\n|---|---|---|---|---|")
+        print("\n".join(DSA_ROWS))
+
+
+DECODE_SHAPES = [(1, 512), (8, 1024), (32, 256)]
+MAX_DECODE_RATIO = float(os.environ.get("GRAPHCP_BENCH_MAX_DECODE_RATIO", "1.2"))
+DECODE_ROUNDS = 15
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("requests,context", DECODE_SHAPES, ids=[f"{b}x{n}" for b, n in DECODE_SHAPES])
+def test_eager_decode_vs_transformers(benchmark, one_thread, requests, context):
+    steps = DecodeSteps(str(ensure_preset("default")), requests, context)
+    steps.graphcp(), steps.transformers()  # warm-up
+    benchmark.group = f"decode-{requests}x{context}"
+    benchmark.pedantic(steps.graphcp, rounds=DECODE_ROUNDS, iterations=1)
+    cpu = paired_ratio(steps.graphcp, steps.transformers, DECODE_ROUNDS, time.process_time)
+    wall = paired_ratio(steps.graphcp, steps.transformers, DECODE_ROUNDS)
+    benchmark.extra_info.update(requests=requests, context=context, graphcp_over_transformers_cpu=round(cpu, 3),
+                                graphcp_over_transformers_wall=round(wall, 3))
+    print(f"\n{requests} x {context}: graphcp's eager decode step {cpu:.2f}x transformers' CPU time "
+          f"({wall:.2f}x wall), paired")
+    assert cpu <= MAX_DECODE_RATIO, (f"{requests} x {context}: graphcp's eager decode step takes {cpu:.2f}x "
+                                     f"transformers' CPU time (target <= {MAX_DECODE_RATIO}x)")
+
+
+HOST_CASES = [(b, n) for b in (1, 8, 64) for n in (2048, 32768)]
+MAX_HOST_RATIO = float(os.environ.get("GRAPHCP_BENCH_MAX_HOST_RATIO", "1.5"))
+HOST_ROWS: list[str] = []
+
+
+def _median_cpu_us(fn, rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return 1e6 * float(np.median(times))
+
+
+@pytest.mark.parametrize("requests,context", HOST_CASES, ids=[f"{b}x{n}" for b, n in HOST_CASES])
+def test_decode_host_time(benchmark, one_thread, requests, context):
+    stack = decode_host_stack(requests, context)
+    tokens = np.arange(requests) % 1000
+    benchmark.pedantic(stack.step, args=(tokens,), rounds=20, iterations=1)
+    decode = _median_cpu_us(lambda: stack.step(tokens), 30)
+    prefill = {}
+    for n in {context, 2048}:
+        pre, batch = host_stack(1, False, requests, n), batch_of(requests, n)
+        prefill[n] = _median_cpu_us(lambda: pre.prepare_fill_abort(batch), 5 if n > 2048 else 15)
+    ratio = decode / prefill[context]
+    benchmark.extra_info.update(decode_us=round(decode, 1), prefill_us=round(prefill[context], 1),
+                                prefill_2k_us=round(prefill[2048], 1), ratio=round(ratio, 3))
+    HOST_ROWS.append(f"| {requests} | {context} | {decode:.0f} | {prefill[context]:.0f} | {ratio:.2f} | "
+                     f"{prefill[2048]:.0f} | {decode / prefill[2048]:.2f} |")
+    if len(HOST_ROWS) == len(HOST_CASES):
+        print("\n| B | context | decode step host µs | prefill host prep µs | ratio | prefill of 2K µs | ratio |\n"
+              "|---|---|---|---|---|---|---|")
+        print("\n".join(HOST_ROWS))
+    assert ratio <= MAX_HOST_RATIO, (f"{requests} x {context}: a decode step's host time {decode:.0f} µs is "
+                                     f"{ratio:.2f}x the prefill's host preparation (target <= {MAX_HOST_RATIO}x)")

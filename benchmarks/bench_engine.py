@@ -21,11 +21,11 @@ Run: ``python -m pytest benchmarks/bench_engine.py --benchmark-only -q``
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
 import torch
+from vs_transformers import paired_ratio
 
 from graphcp import PrefillEngine, Request
 from graphcp.config import RuntimeConfig
@@ -108,25 +108,10 @@ def test_prefill_vs_transformers(benchmark, engine, hf, tokens, impl):
 
     if impl == "transformers" and (tokens, "graphcp") in _medians:
         medians = _medians[(tokens, "graphcp")] / _medians[(tokens, "transformers")]
-        paired = _paired_ratio(_graphcp_fn(engine, [toks]), fn, PAIRED_ROUNDS[tokens])
+        paired = paired_ratio(_graphcp_fn(engine, [toks]), fn, PAIRED_ROUNDS[tokens])
         benchmark.extra_info["graphcp_over_transformers_medians"] = round(medians, 3)
         benchmark.extra_info["graphcp_over_transformers_paired"] = round(paired, 3)
         assert paired <= MAX_RATIO, (
             f"{tokens} tokens: graphcp's eager prefill takes {paired:.2f}x transformers' time "
             f"(paired; {medians:.2f}x from the medians; target <= {MAX_RATIO}x)"
         )
-
-
-def _paired_ratio(graphcp_fn, hf_fn, rounds: int) -> float:
-    """Median over rounds of t(graphcp) / t(transformers), the two run back to back in
-    alternating order: a load swing on a shared machine hits both halves of a pair,
-    so this is far steadier than a ratio of two medians taken minutes apart."""
-    ratios = []
-    for i in range(rounds):
-        t = {}
-        for name, f in (("g", graphcp_fn), ("h", hf_fn)) if i % 2 == 0 else (("h", hf_fn), ("g", graphcp_fn)):
-            t0 = time.perf_counter()
-            f()
-            t[name] = time.perf_counter() - t0
-        ratios.append(t["g"] / t["h"])
-    return float(np.median(ratios))

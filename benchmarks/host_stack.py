@@ -2,7 +2,9 @@
 or token-sharded), the batch preparer and the static buffers, built at tiny head
 dimensions so that any batch shape fits in memory. What the host-cost benchmarks
 time is the engine's own code (``BatchPreparer.prepare``, ``StaticBuffers.fill``,
-``BatchPreparer.abort``), only the tensors are small."""
+``BatchPreparer.abort``), only the tensors are small. :func:`decode_host_stack` is a
+decode step's: the decode planner, the decode graphs' page bucket and buffers' fill,
+and what the decoder does after the replay on the host (the handles, the record)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphcp.attention.kv_exchange import make_exchange
+from graphcp.attention.phase import DECODE
 from graphcp.attention.ring.hardware import HardwareSpec
 from graphcp.attention.ring.plan import RingPlanner
 from graphcp.cp import ZigzagLayout
 from graphcp.dist import CPGroup
 from graphcp.kv.factory import make_cache
 from graphcp.kv.spec import KVHeads, PoolSpec
-from graphcp.runtime.batch import BatchPreparer, Request
-from graphcp.runtime.capture.static_buffers import StaticBuffers
+from graphcp.runtime.batch import BatchPreparer, ForwardInfo, Request
+from graphcp.runtime.capture.phases import page_bucket
+from graphcp.runtime.capture.static_buffers import DecodeBuffers, StaticBuffers
+from graphcp.runtime.decode.plan import DecodePlanner
+from graphcp.runtime.stats import Recorder
 
 PAGE_SIZE = 16  # RuntimeConfig's default
 VOCAB = 32000
@@ -62,3 +69,40 @@ def host_stack(cp_size: int, sharded: bool, num_requests: int, tokens: int, rank
 def batch_of(num_requests: int, tokens: int, seed: int = 0) -> list[Request]:
     rng = np.random.default_rng(seed)
     return [Request(rng.integers(0, VOCAB, tokens)) for _ in range(num_requests)]
+
+
+@dataclass
+class DecodeHostStack:
+    """A decode step's host path over ``handles`` (requests whose KV the cache holds)."""
+
+    planner: DecodePlanner
+    buffers: DecodeBuffers
+    recorder: Recorder
+    handles: list
+    capacity: int  # the batch-size bucket
+
+    def step(self, tokens: np.ndarray) -> list:
+        """Everything the host does for one decode step on its graph: the preparation, the
+        page bucket and the fill before the replay; the handles and the record after it;
+        then the undo (the requests stay as they were)."""
+        prep = self.planner.prepare(self.handles, tokens)
+        kv = self.planner.kv
+        width = page_bucket(kv.pages_for(kv.most_held(prep.decode.rows)), kv.table_width)
+        self.buffers.fill(prep, self.capacity, width, kv)
+        handles = [kv.handle(s) for s in prep.seq_ids]
+        self.recorder.record(prep, ForwardInfo("graph", self.capacity, prep.rows, phase=DECODE, launches=1))
+        self.planner.abort(prep)
+        return handles
+
+
+def decode_host_stack(num_requests: int, context: int) -> DecodeHostStack:
+    """A replicated cache at CP 1 holding ``num_requests`` requests of ``context`` tokens
+    (reserved by a prefill's preparation, never run) and a decode step's host path."""
+    st = host_stack(1, False, num_requests, context)
+    kv = st.preparer.kv
+    handles = [kv.handle(s) for s in st.preparer.prepare(batch_of(num_requests, context)).seq_ids]
+    planner = DecodePlanner(kv, CPGroup(), VOCAB, context + 64, torch.device("cpu"), lambda rows: "local", False)
+    capacity = 1 << max(num_requests - 1, 0).bit_length()
+    buffers = DecodeBuffers(capacity, kv.table_width, 1, torch.float32, "cpu")
+    recorder = Recorder(make_exchange(kv, CPGroup(), torch.device("cpu"), lambda: None, lambda: None), 1)
+    return DecodeHostStack(planner, buffers, recorder, handles, capacity)

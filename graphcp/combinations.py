@@ -53,7 +53,7 @@ class Axis:
             if value == ">1":
                 return f"{self.flag} >1" if flags else f"{self.api} > 1"
             return f"{self.flag} {value}" if flags else f"{self.api}={value}"
-        if self.key in ("aux", "export", "draft", "decode"):
+        if self.key in ("aux", "export", "draft", "decode", "import"):
             return self.flag if flags else self.api
         if self.key == "model":
             kind = {"dsa": "DSA", "moe": "MoE", "dsv4": "DeepSeek V4", "hybrid": "linear-attention hybrid",
@@ -81,6 +81,8 @@ AXES: dict[str, Axis] = {a.key: a for a in (
     Axis("draft", ("off", "on"), "RuntimeConfig.draft", "--draft"),  # an EAGLE-3 draft (docs/speculative.md)
     # decode steps after the prefill: PrefillEngine.decode / generate, `graphcp generate` (docs/decode.md)
     Axis("decode", ("off", "on"), "PrefillEngine.decode", "graphcp generate"),
+    # a request's KV prefilled elsewhere, placed in this engine's cache (docs/pd.md, "Import")
+    Axis("import", ("off", "on"), "PrefillEngine.import_kv", "--import-kv"),
 )}
 
 #: values that run only on a GPU (the matrix test runs the others on a CPU; the
@@ -163,6 +165,10 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("dsv4",)), ("draft", ("on",)),
             "an EAGLE-3 draft reads one hidden row a layer and caches per-head K/V; V4 has hc_mult streams and "
             "one shared KV head", (("model", "dense"), ("model", "moe")), "residual is hc_mult streams"),
+    Refusal(("model", ("dsv4",)), ("import", ("on",)),
+            "a DeepSeek V4 export holds transformers' state (the last window rows, the pooled entries, the "
+            "compressors' remainders), not the per-token window and source rows V4's pools keep, so it cannot be "
+            "placed back", (("model", "dense"), ("model", "moe")), "pooled state"),
     Refusal(("model", ("hybrid",)), ("layout", ("interleave",)),
             "a linear-attention hybrid's recurrence is scanned over each rank's contiguous blocks; interleave's "
             "one-token blocks would exchange a state map per token", (("layout", "zigzag"),),
@@ -173,13 +179,10 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("hybrid",)), ("draft", ("on",)),
             "an EAGLE-3 draft for a linear-attention hybrid is not built (the draft's K/V layer would follow "
             "layers that keep states, not K/V)", (("model", "dense"), ("model", "moe")), "not built yet"),
-    Refusal(("model", ("hybrid",)), ("decode", ("on",)),
-            "a decode step of a linear-attention hybrid (each linear layer's state advanced a token) is not "
-            "built yet", (("model", "dense"), ("model", "moe")), "not built yet"),
     Refusal(("model", _KDA), ("kv_cache", ("sharded",)),
             "MLA caches one latent row a token, not per-head K/V: a ring would move the all-gather's volume "
             "(docs/dsa.md); LayerSplit cuts the pool instead",
-            (("kv_cache", "layer-split"), ("kv_cache", "replicated")), "latent rows"),
+            (("kv_cache", "layer-split"), ("kv_cache", "replicated")), "one latent"),
     Refusal(("model", _KDA), ("attention", ("flashinfer", "trtllm", "triton")),
             "a KDA hybrid's MLA layers (no indexer) attend on the torch latent-attention reference; the Triton "
             "sparse-MLA kernel takes an indexer's selection and the other backends per-head K/V",
@@ -194,14 +197,12 @@ REFUSALS: tuple[Refusal, ...] = (
             "an EAGLE-3 draft caches per-head K/V as one more layer of the target's cache, which holds MLA latents "
             "and KDA states", (("model", "dense"), ("model", "moe")), "latent cache"),
     Refusal(("model", _KDA), ("decode", ("on",)),
-            "a KDA hybrid's decode step (each KDA layer's state advanced a token, MLA over its latent cache) is "
-            "the hybrids' decode phase, issue 47's", (("model", "dense"), ("model", "moe")),
-            "issue 47"),
+            "the decode phase advances a Gated DeltaNet hybrid's states (a decay per head) beside K/V heads; a KDA "
+            "layer's step (a decay per key channel: kimi_linear.kda.recurrent_kda, tested) beside MLA's latent "
+            "decode is not wired into it", (("model", "dense"), ("model", "moe")), "step not wired"),
     Refusal(("dp", (">1",)), ("pp", (">1",)),
             "attention data parallelism under pipeline stages is not built yet", (("dp", "1"), ("pp", "1")),
             "not built yet"),
-    Refusal(("dp", (">1",)), ("export", ("on",)),
-            "the KV export under attention DP is not built yet", (("dp", "1"),), "not built yet"),
     Refusal(("model", ("dsa",)), ("draft", ("on",)),
             "an EAGLE-3 draft's K/V are per head, one more layer of the target's cache, and MLA caches latents",
             (("model", "dense"), ("model", "moe")), "MLA caches latents"),
@@ -241,18 +242,15 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("dp", (">1",)), ("draft", ("on",)),
             "the draft under attention DP (each replica drafting its own requests) is not built yet",
             (("dp", "1"),), "not built yet"),
-    Refusal(("model", ("dsa",)), ("decode", ("on",)),
-            "a decode step over MLA's latent cache with the indexer's top-k is not built yet",
-            (("model", "dense"), ("model", "moe")), "not built yet"),
-    Refusal(("model", ("dsv4",)), ("decode", ("on",)),
-            "a decode step over V4's window, source rows and compressed entries is not built yet",
-            (("model", "dense"), ("model", "moe")), "not built yet"),
     Refusal(("pp", (">1",)), ("decode", ("on",)),
             "a decode step through pipeline stages (its rows handed from stage to stage) is not built yet",
             (("pp", "1"),), "not built yet"),
     Refusal(("dp", (">1",)), ("decode", ("on",)),
             "decode under attention DP (each replica decoding its own requests) is not built yet",
             (("dp", "1"),), "not built yet"),
+    Refusal(("draft", ("on",)), ("import", ("on",)),
+            "an EAGLE-3 draft's next step reads the target's hidden states of the request's last tokens, which no KV "
+            "export carries", (("draft", "off"),), "reads hidden states"),
     Refusal(("draft", ("on",)), ("decode", ("on",)),
             "EAGLE-3 verification (a draft's tokens checked in one step) is not built yet; decode runs without a "
             "draft", (("draft", "off"),), "not built yet"),
@@ -462,7 +460,7 @@ def _flag_text(key: str, values: tuple[str, ...]) -> str:
         return f"{'/'.join(names.get(v, v) for v in values)} models"
     if key == "attn_tp":  # (--tp over --cp x --dp: docs/parallel.md)
         return " or ".join(f"attention TP {'> 1' if v == '>1' else v}" for v in values)
-    if key in ("aux", "export", "draft", "decode", "pp", "dp"):
+    if key in ("aux", "export", "draft", "decode", "import", "pp", "dp"):
         return " or ".join(f"no `{a.flag}`" if _off(key, v) else f"`{a.say(v, True)}`" for v in values)
     return f"`{a.flag} {'/'.join(values)}`"
 

@@ -129,6 +129,11 @@ class CPGroup:
         return self.size > 1
 
     def _fail(self, op: str, e: Exception) -> CollectiveError:
+        return self.failure(op, e)
+
+    def failure(self, op: str, e: BaseException) -> CollectiveError:
+        """The one-line error of ``op`` over this group failing with ``e`` (what every
+        collective raises; a replayed graph's watchdog raises the same)."""
         where = "" if self.global_rank is None else f" (global rank {self.global_rank})"
         return CollectiveError(
             f"rank {self.rank}/{self.size}{where}: {op} over the {self.name} failed "
@@ -230,6 +235,19 @@ class CPGroup:
     def _global(self, rank: int) -> int:
         """The default group's rank of this group's ``rank`` (collectives name global ranks)."""
         return rank if self.pg is None else dist.get_global_rank(self.pg, rank)
+
+
+def host_group(group: CPGroup) -> CPGroup:
+    """``group``'s ranks over gloo: collectives of host tensors that never wait for a
+    device (a consistency fingerprint). The group itself when it is gloo already (a CPU
+    engine) or of one rank; otherwise a gloo group of the same ranks, made by its members
+    alone (``use_local_synchronization``: no other rank of the job takes part)."""
+    if not group.distributed or dist.get_backend(group.pg) == "gloo":
+        return group
+    ranks = dist.get_process_group_ranks(group.pg if group.pg is not None else dist.group.WORLD)
+    pg = dist.new_group(ranks, timeout=timedelta(seconds=group.timeout_s), backend="gloo",
+                        use_local_synchronization=True)
+    return CPGroup(group.rank, group.size, pg, group.timeout_s, f"{group.name} (gloo)", group.global_rank)
 
 
 def new_subgroups(world: CPGroup, members: list[list[int]], name: str) -> CPGroup:

@@ -29,6 +29,9 @@ class FakeCopyEngine:
         return torch.full((n,), fill_value, dtype=dtype)  # "pinned": read when the copy runs
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # a strided host source is first copied to pageable memory by torch (Copy.cu's
+        # temporaries): the copy would then be neither asynchronous nor fenced
+        assert src.is_contiguous(), f"an upload from a strided host source {tuple(src.shape)} {src.stride()}"
         self.queue.append(lambda: dst.copy_(src))
 
     def launch(self, fn: Callable[[], object]) -> None:

@@ -60,6 +60,24 @@ the headers under ``data/include``):
   rows) raise, where the real kernel would read garbage. ``batch_size == 0`` is
   recorded as an error.
 
+The decode kernels (``BatchDecodeWithPagedKVCacheWrapper`` and trtllm-gen's
+``trtllm_batch_decode_with_kv_cache``, read in the same release's ``decode.py`` and
+``trtllm_fmha_kernel_launcher.cu``):
+
+- **The decode wrapper** in CUDA-graph mode: the batch size fixed by the buffers
+  (``len(paged_kv_indptr_buffer) - 1``, checked at every plan); ``plan`` copies
+  ``indptr``/``last_page_len`` into the buffers (queued on a given copy engine: read when
+  the stream runs them) and ``indices`` blocking unless they are on the wrapper's device
+  (recorded in ``Recorder.errors``); every row needs a key (``(pages - 1) x page_size +
+  last_page_len >= 1``, else the real plan's lengths go negative: an error); ``run``
+  takes ``q`` of the batch's rows and reads the buffers when it runs; LSE base 2.
+- **trtllm-gen decode**: one launch over ``query.size(0)`` requests of one row, reading
+  ``seq_lens`` and ``block_tables`` when it runs, each table row at ``size(-1)`` entries
+  from the last (the launcher's ``max_num_blocks_per_seq``: a non-contiguous table is
+  read wrong, as the real kernel would); a ``seq_len`` of 0 or past ``max_seq_len`` is an
+  error; LSE base 2 for every row; the workspace carve and the counter buffer as the
+  context launcher's (``max_q_len`` = 1).
+
 The fakes take float32 as well as bfloat16/float16 so graphcp's tests can run
 in both; the real kernels take half precision only.
 """
@@ -441,6 +459,200 @@ def make_trtllm_fn(rec: Recorder):
     return trtllm_batch_context_with_kv_cache
 
 
+# ---- FlashInfer BatchDecodeWithPagedKVCacheWrapper ------------------------------------------
+@torch.library.custom_op("graphcp_fake::batch_decode_paged", mutates_args=("out", "lse"))
+def batch_decode_paged(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
+    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int, hnd: bool,
+    sm_scale: float,
+) -> None:
+    """One decode launch: row b over its pages ``indices[indptr[b]:indptr[b + 1]]``, read now."""
+    kp, vp = _pages_nhd(k_cache, hnd), _pages_nhd(v_cache, hnd)
+    kvp, idx, last = (t.tolist() for t in (kv_indptr, kv_indices, last_page_len))
+    for b in range(q.shape[0]):
+        pages = idx[kvp[b] : kvp[b + 1]]
+        kv_len = (len(pages) - 1) * page_size + last[b]
+        if kv_len < 1:
+            raise RuntimeError(f"fake decode: row {b} has {kv_len} keys")
+        o, l2 = attend_rows(q[b : b + 1], kp[pages].flatten(0, 1)[:kv_len], vp[pages].flatten(0, 1)[:kv_len],
+                            sm_scale, kv_len)
+        out[b : b + 1] = o.to(out.dtype)
+        if lse is not None:
+            lse[b : b + 1] = l2
+
+
+@batch_decode_paged.register_fake
+def _(q, k_cache, v_cache, out, lse, kv_indptr, kv_indices, last_page_len, page_size, hnd, sm_scale):
+    return None
+
+
+class FakeDecodeWrapper:
+    """``flashinfer.BatchDecodeWithPagedKVCacheWrapper`` (paged decode, one row a request)."""
+
+    def __init__(self, rec: Recorder, copy_engine, *args, **kwargs) -> None:
+        rec.raw.append(("BatchDecodeWithPagedKVCacheWrapper.__init__", args, kwargs))
+        self.rec, self.copy_engine = rec, copy_engine
+        self._upload_at: int | None = None
+        self._init(*args, **kwargs)
+
+    def _init(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+              use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+              paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None, jit_kwargs=None) -> None:
+        self.rec.calls.append(("decode_init", (float_workspace_buffer, kv_layout), dict(
+            use_cuda_graph=use_cuda_graph, use_tensor_cores=use_tensor_cores, backend=backend)))
+        self.bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        if use_cuda_graph and any(not isinstance(b, torch.Tensor) for b in self.bufs):
+            raise ValueError("paged_kv_indptr_buffer etc. should be torch.Tensors in CUDA graph mode")
+        self.kv_layout, self.use_cuda_graph = kv_layout, use_cuda_graph
+        self.device = float_workspace_buffer.device
+        self.fixed_batch = len(paged_kv_indptr_buffer) - 1 if use_cuda_graph else None
+        self.planned: dict[str, Any] | None = None
+
+    def plan(self, *args, **kwargs) -> None:
+        self.rec.raw.append(("BatchDecodeWithPagedKVCacheWrapper.plan", args, kwargs))
+        self._plan(*args, **kwargs)
+
+    def run(self, *args, **kwargs):
+        self.rec.raw.append(("BatchDecodeWithPagedKVCacheWrapper.run", args, kwargs))
+        return self._run(*args, **kwargs)
+
+    def _plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+              q_data_type="float16", kv_data_type=None, sm_scale=None, non_blocking=True, **kw) -> None:
+        self.rec.calls.append(("decode_plan", tuple(_plain(a) for a in (indptr, indices, last_page_len, num_qo_heads,
+                                                                         num_kv_heads, head_dim, page_size)),
+                               {k: _plain(v) for k, v in dict(q_data_type=q_data_type, sm_scale=sm_scale,
+                                                              non_blocking=non_blocking, **kw).items()}))
+        batch = len(last_page_len)
+        if self.use_cuda_graph and batch != self.fixed_batch:
+            raise ValueError(f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch} "
+                             f" mismatches the batch size set during initialization {self.fixed_batch}")
+        if len(indices) > len(self.bufs[1]):
+            raise ValueError("The size of indices should be less than or equal to the allocated buffer")
+        ptr, last = indptr.tolist(), last_page_len.tolist()
+        for b in range(batch):
+            if ptr[b + 1] <= ptr[b] or not 1 <= last[b] <= page_size:
+                self.rec.errors.append(f"fake decode plan: row {b} has pages {ptr[b + 1] - ptr[b]}, last_page_len "
+                                       f"{last[b]}: kv length {(ptr[b + 1] - ptr[b] - 1) * page_size + last[b]}")
+        if indices.device != self.device:  # the real copy is blocking then (non_blocking=(same device))
+            self.rec.errors.append("fake decode plan: indices from the host: a blocking copy")
+        eng = self.copy_engine
+        if eng is not None:  # indptr / last_page_len: read when the stream runs the copies
+            if self._upload_at is not None and eng.ran <= self._upload_at:
+                self.rec.errors.append("fake decode plan: rewrote the pinned indptr/last_page_len while the previous "
+                                       "plan's copies were still queued")
+            eng.upload(self.bufs[0], indptr)
+            eng.upload(self.bufs[2], last_page_len)
+            self._upload_at = len(eng.queue) - 1
+            eng.upload(self.bufs[1][: len(indices)], indices)  # device to device: queued on the stream too
+        else:
+            self.bufs[0].copy_(indptr)
+            self.bufs[2].copy_(last_page_len)
+            self.bufs[1][: len(indices)].copy_(indices)
+        self.planned = dict(page_size=page_size, sm_scale=sm_scale if sm_scale is not None else head_dim ** -0.5,
+                            q_dtype=q_data_type, kv_dtype=kv_data_type or q_data_type)
+
+    def _run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+             return_lse=False, enable_pdl=None, window_left=None, **kw):
+        self.rec.calls.append(("decode_run", (q, paged_kv_cache), dict(out=out, lse=lse, return_lse=return_lse)))
+        p = self.planned
+        if p is None:
+            raise RuntimeError("plan() must be called before run()")
+        if self.use_cuda_graph and q.size(0) != self.fixed_batch:
+            raise ValueError(f"q implies q_len_per_req={q.size(0) / self.fixed_batch}, but the non-tensor-core decode "
+                             "kernel only supports q_len_per_req=1")
+        if q.dtype != p["q_dtype"] or paged_kv_cache.dtype != p["kv_dtype"]:
+            raise ValueError(f"q {q.dtype} / kv {paged_kv_cache.dtype} differ from the planned {p['q_dtype']}")
+        if out is None:
+            out = torch.empty_like(q)
+        if return_lse and lse is None:
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        if lse is not None and (tuple(lse.shape) != tuple(q.shape[:2]) or lse.dtype != torch.float32):
+            raise ValueError(f"lse must be float32 {tuple(q.shape[:2])}, got {lse.dtype} {tuple(lse.shape)}")
+        k, v = paged_kv_cache.unbind(1)
+        torch.ops.graphcp_fake.batch_decode_paged(q, k, v, out, lse, self.bufs[0], self.bufs[1], self.bufs[2],
+                                                  p["page_size"], self.kv_layout == "HND", float(p["sm_scale"]))
+        return (out, lse) if return_lse else out
+
+
+# ---- trtllm-gen generation FMHA (decode) ---------------------------------------------------
+@torch.library.custom_op("graphcp_fake::trtllm_decode", mutates_args=("out", "lse"))
+def trtllm_decode(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float, hnd: bool,
+) -> None:
+    """One trtllm-gen decode launch over ``query.size(0)`` one-row requests, reading the
+    lengths and the table now, each table row ``size(-1)`` entries after the last."""
+    kp, vp = _pages_nhd(k_cache, hnd), _pages_nhd(v_cache, hnd)
+    page_size = kp.shape[1]
+    batch, width = query.shape[0], block_tables.shape[-1]
+    flat = torch.as_strided(block_tables, (batch, width), (width, 1)).tolist()  # max_num_blocks_per_seq = size(-1)
+    kv = seq_lens[:batch].tolist()
+    for b in range(batch):
+        if not 1 <= kv[b] <= max_seq_len:
+            raise RuntimeError(f"fake trtllm-gen decode: request {b} has seq_len {kv[b]}, max_seq_len {max_seq_len}")
+        pages = flat[b][: -(-kv[b] // page_size)]
+        o, l2 = attend_rows(query[b : b + 1], kp[pages].flatten(0, 1)[: kv[b]], vp[pages].flatten(0, 1)[: kv[b]],
+                            scale, kv[b])
+        out[b : b + 1] = o.to(out.dtype)
+        if lse is not None:
+            lse[b : b + 1] = l2
+
+
+@trtllm_decode.register_fake
+def _(query, k_cache, v_cache, out, lse, block_tables, seq_lens, max_seq_len, scale, hnd):
+    return None
+
+
+def make_trtllm_decode_fn(rec: Recorder):
+    def trtllm_batch_decode_with_kv_cache(*args, **kwargs):
+        rec.raw.append(("decode.trtllm_batch_decode_with_kv_cache", args, kwargs))
+        return impl(*args, **kwargs)
+
+    def impl(
+        query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len, bmm1_scale=1.0, bmm2_scale=1.0,
+        window_left=-1, out=None, out_dtype=None, o_sf_scale=None, o_sf_vec_size=None, sinks=None, kv_layout="HND",
+        enable_pdl=None, backend="auto", q_len_per_req=1, o_scale=1.0, mask=None, max_q_len=None,
+        cum_seq_lens_q=None, skip_softmax_threshold_scale_factor=None, kv_cache_sf=None,
+        uses_shared_paged_kv_idx=True, lse=None, return_lse=False, bmm1_scale_log2=None,
+        multi_ctas_kv_counter_buffer=None, enable_block_sparse_attention=False, cp_world=1, cp_rank=0,
+        causal_seqlens_kv_global=None, bf16q_fp8kv_transform_mode=None, request_order=None, request_order_plan=None,
+        sparse_top_k=0, length_aware_schedule=False,
+    ):
+        with _disable_current_modes():
+            rec.calls.append(("trtllm_decode", (), dict(
+                block_tables_shape=tuple(block_tables.shape), block_tables_contiguous=block_tables.is_contiguous(),
+                seq_lens=seq_lens.tolist(), max_seq_len=max_seq_len, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale,
+                kv_layout=kv_layout, backend=backend, lse=lse, return_lse=return_lse,
+                multi_ctas_kv_counter_buffer=multi_ctas_kv_counter_buffer)))
+        if window_left != -1 or bmm2_scale != 1.0 or q_len_per_req != 1:
+            raise NotImplementedError("the fake models one-row decode without a window and bmm2_scale 1")
+        batch, heads = query.size(0), query.size(1)
+        if tuple(block_tables.shape[:1]) != (batch,) or seq_lens.shape[0] < batch:
+            raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} do not "
+                             f"match the batch of {batch}")
+        if out is None:
+            out = torch.empty_like(query)
+        if lse is None and return_lse:
+            lse = torch.empty(batch, heads, dtype=torch.float32, device=query.device)
+        if lse is not None:
+            if tuple(lse.shape) != (batch, heads) or lse.dtype != torch.float32:
+                raise ValueError(f"lse must be float32 {(batch, heads)}, got {lse.dtype} {tuple(lse.shape)}")
+            _Allocator(workspace_buffer.numel() * workspace_buffer.element_size()).alloc(
+                8 * heads * batch * 256 + (1 << 20), 16, "trtllm_gen_softmax_workspace")
+        if multi_ctas_kv_counter_buffer is None:
+            rec.counter_allocations += 1
+        elif multi_ctas_kv_counter_buffer.numel() * multi_ctas_kv_counter_buffer.element_size() < counter_bytes(
+                batch, heads):
+            raise ValueError("multi_ctas_kv_counter_buffer is too small")
+        k, v = kv_cache.unbind(1)
+        torch.ops.graphcp_fake.trtllm_decode(query, k, v, out, lse, block_tables, seq_lens, int(max_seq_len),
+                                             float(bmm1_scale), kv_layout == "HND")
+        return (out, lse) if return_lse else out
+
+    trtllm_batch_decode_with_kv_cache.__signature__ = inspect.signature(impl)
+    return trtllm_batch_decode_with_kv_cache
+
+
 def fake_flashinfer(rec: Recorder, capability: tuple[int, int] = (10, 0), copy_engine=None) -> types.ModuleType:
     """A ``flashinfer`` module for a device of ``capability`` (SM100 by default);
     ``copy_engine``: a :class:`fake_copy_engine.FakeCopyEngine` the wrapper's pinned
@@ -451,6 +663,9 @@ def fake_flashinfer(rec: Recorder, capability: tuple[int, int] = (10, 0), copy_e
         return FakePrefillWrapper(rec, capability, copy_engine, *args, **kwargs)
 
     fi.BatchPrefillWithPagedKVCacheWrapper = wrapper
+    fi.BatchDecodeWithPagedKVCacheWrapper = lambda *a, **k: FakeDecodeWrapper(rec, copy_engine, *a, **k)
     fi.prefill = types.ModuleType("flashinfer.prefill")
     fi.prefill.trtllm_batch_context_with_kv_cache = make_trtllm_fn(rec)
+    fi.decode = types.ModuleType("flashinfer.decode")
+    fi.decode.trtllm_batch_decode_with_kv_cache = make_trtllm_decode_fn(rec)
     return fi

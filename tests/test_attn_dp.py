@@ -149,7 +149,7 @@ def _refusals(group, folder):
                         parallel=ParallelConfig(tp_size=2, cp_size=1, dp_size=2))
     out = eng.prefill([Request([1, 2, 3]), Request([4, 5])])
     errors = []
-    for call in (lambda: eng.export_kv(out.handles[0]), lambda: eng.prefill([Request([1])], microbatches=2),
+    for call in (lambda: eng.export_kv(ReplicaHandle(5, 3)), lambda: eng.prefill([Request([1])], microbatches=2),
                  lambda: eng.prefill([Request([1], prefix=out.handles[0].local or out.handles[1].local)]),
                  lambda: eng.prefill([Request([1]), Request([2] * 5000)]),
                  # the replicas given different batches (one token differs): both ranks' share goes to
@@ -164,15 +164,14 @@ def _refusals(group, folder):
 
 
 def test_dp_refuses_what_is_not_built_and_agrees_on_a_refused_batch(hf_model_dir):
-    """The export and micro-batches are refused under DP; a plain cache handle is not a
+    """A handle of no replica is refused by the export, micro-batches under DP; a plain cache handle is not a
     DP prefix; a request one replica refuses (longer than the context) is refused on
     every rank (the other replica's ranks agree before any forward: no hang); ranks of
     different replicas given different batches get a one-line ConsistencyError each."""
     results = launch(_refusals, 2, hf_model_dir("qwen3"), timeout_s=120)
     for rank, (errors, _, _) in enumerate(results):
         assert len(errors) == 5, errors
-        assert "ParallelConfig.dp_size > 1 with PrefillEngine.export_kv: the KV export under attention DP is not " \
-               "built yet" in errors[0]
+        assert "KVHandleError: a ReplicaHandle of replica 5: this engine has 2 attention-DP replicas" in errors[0]
         assert "microbatches=2 under attention DP is not built yet" in errors[1]
         assert "under attention DP a prefix is the ReplicaHandle" in errors[2]
         assert "exceed" in errors[3] or "another attention-DP replica refused" in errors[3]

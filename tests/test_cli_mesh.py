@@ -79,7 +79,6 @@ def test_run_shows_the_mesh(tmp_path, hf_model_dir, capsys):
     (["--tp", "3", "--cp", "2"], "--tp 3 must be a multiple of --dp x --cp = 1 x 2 = 2"),
     (["--tp", "16"], "num_attention_heads=8 does not divide by attention TP 16"),
     (["--dp", "2", "--pp", "2"], "--dp >1 with --pp >1: attention data parallelism under pipeline stages"),
-    (["--dp", "2", "--export-kv", "KV"], "--dp >1 with --export-kv: the KV export under attention DP is not built yet"),
     (["--model", "default-dsa", "--tp", "2"], "a DSA (MLA) model runs attention TP 1 under CP"),
 ])
 def test_bad_mesh_flags_are_one_line(tmp_path, capsys, flags, msg):
@@ -92,7 +91,11 @@ def test_bad_mesh_flags_are_one_line(tmp_path, capsys, flags, msg):
     assert not (tmp_path / "o.pt").exists()
 
 
-def test_pd_demo_under_attention_dp_is_one_line(capsys):
-    assert main(["pd-demo", "--dp", "2", "--transport", "file"]) == 2
+def test_pd_demo_bad_decode_shape_is_one_line(capsys):
+    """(The export under attention DP is built: pd-demo's prefill side takes --dp; its
+    decode side's shape is checked as the flags are read.)"""
+    with pytest.raises(SystemExit) as e:  # (argparse's: the flag's type)
+        main(["pd-demo", "--decode-cp", "0", "--transport", "file"])
+    assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "the KV export under attention DP is not built yet" in err, err
+    assert err.count("\n") == 1 and "--decode-cp" in err, err

@@ -89,7 +89,7 @@ CPU_RUNS = covering_runs(cpu_values())
 def _run(**kw) -> dict:
     base = {"model": "dense", "dtype": "float32", "layout": "zigzag", "graph": "off", "attention": "torch",
             "kv_cache": "replicated", "exchange": "auto", "pp": "1", "attn_tp": "1", "dp": "1", "aux": "off",
-            "export": "on", "draft": "off", "decode": "off"}
+            "export": "on", "draft": "off", "decode": "off", "import": "off"}
     return {**base, **kw}
 
 
@@ -143,16 +143,29 @@ def _dsts(world: int) -> list[int]:
     return sorted({min(1, world - 1), world - 1})
 
 
-def _outputs(engine, export: bool, decode: bool) -> dict:
+def _imported(engine, handles) -> dict:
+    """Each request's KV exported, imported back into the engine (as another engine's
+    payload would be: PrefillEngine.import_kv), and exported again: the payloads and the
+    re-exports (which must be equal bitwise), the imports released."""
+    payloads = engine.export_kv_batch(handles)
+    back = [engine.import_kv(e) for e in payloads]
+    again = engine.export_kv_batch(back)
+    for h in back:
+        engine.release(h)
+    return {"payloads": [_flat(e) for e in payloads], "again": [_flat(e) for e in again]}
+
+
+def _outputs(engine, export: bool, decode: bool, imports: bool = False) -> dict:
     o = prefill_after_prefixes(engine, _batch(engine.cfg.vocab_size), all_logits=True)
     handles, steps = o.handles, []
     for tokens in DECODE_TOKENS if decode else ():  # the export after them holds the decoded tokens
-        step = engine.decode(handles, tokens)
+        step = engine.decode(handles, tokens, logits=True)
         handles = step.handles
         steps.append((step.info.path, step.logits))
     out = {"path": o.info.path, "last": o.last_logits, "logits": o.logits, "aux": o.aux_hidden,
            "draft": None if o.draft is None else o.draft.all_logits, "decode": steps,
-           "export": [_flat(e) for e in engine.export_kv_batch(handles)] if export else None}
+           "export": [_flat(e) for e in engine.export_kv_batch(handles)] if export else None,
+           "import": _imported(engine, handles) if imports else None}
     if export:  # to one rank of the whole run: what that rank gets, None elsewhere
         out["to_one"] = {dst: [None if e is None else _flat(e) for e in engine.export_kv_batch(handles, dst=dst)]
                          for dst in _dsts(engine.world.size)}
@@ -170,7 +183,7 @@ def _runs_job(group, runs: list[dict], folders: dict) -> list[dict]:
     for run in runs:
         eng = PrefillEngine(folders[run["model"], run["dtype"]], _runtime(run, folders), group, BUCKETS,
                             _parallel(run))
-        out.append(_outputs(eng, run["export"] == "on", run["decode"] == "on"))
+        out.append(_outputs(eng, run["export"] == "on", run["decode"] == "on", run["import"] == "on"))
     return out
 
 
@@ -188,7 +201,7 @@ def _references(folders) -> tuple[dict, dict]:
     runs use, and the float32 engine's on the same checkpoint (the truth a bfloat16 run
     is measured against when it differs from the bfloat16 reference)."""
     refs, truths = {}, {}
-    for kind, dtype, draft, decode in sorted({(r["model"], r["dtype"], r["draft"], r["decode"]) for r in CPU_RUNS}):
+    for kind, dtype, draft, decode in sorted({(r["model"], r["dtype"], r["draft"], r["decode"]) for r in CPU_RUNS + DST_RUNS}):
         aux = AUX if refusal({"model": kind, "aux": "on"}) is None else ()  # (V4 refuses aux)
         for key, out, run_dtype in [(dtype, refs, dtype), ("float32", truths, "float32")]:
             rt = RuntimeConfig(dtype=run_dtype, aux_hidden_layers=aux, kv_tokens=512,
@@ -230,6 +243,13 @@ def _check_run(rank: int, run: dict, got: dict, refs: dict, truths: dict, world:
     assert len(got["decode"]) == (len(DECODE_TOKENS) if run["decode"] == "on" else 0), where
     assert all(path == ("eager" if run["graph"] == "off" else "graph") for path, _ in got["decode"]), where
     close("decode", lambda steps: [logits for _, logits in steps])
+    if run["import"] == "on":  # what was imported is what an export of it gives back, bit for bit
+        for x, y in zip(got["import"]["again"], got["import"]["payloads"], strict=True):
+            assert all(a.equal(b) for a, b in zip(x, y, strict=True)), (where, "import")
+        for x, y, t in zip(got["import"]["payloads"], ref["export"], truth["export"], strict=True):
+            assert all(a.shape == b.shape and _close(a, b, c, dtype) for a, b, c in zip(x, y, t, strict=True)), where
+    else:
+        assert got["import"] is None, where
     if run["export"] == "on":
         for x, y, t in zip(got["export"], ref["export"], truth["export"], strict=True):
             for a, b, c in zip(x, y, t, strict=True):
@@ -278,8 +298,9 @@ def test_a_refused_pair_is_one_line_naming_both_options(pair, rule, folders, tmp
     names = [AXES[k].say(v, False, family) for k, v in pair]
     # the Python API: refused before any weight loads or ranks are asked for (an export's
     # refusal comes from export_kv on live ranks: tests/test_attn_dp.py; decode's from
-    # engine.decode: tests/test_decode_compose.py)
-    if "export" not in dict(pair) and "decode" not in dict(pair):
+    # engine.decode: tests/test_decode_compose.py; an import's from import_kv:
+    # tests/test_pd_import_errors.py)
+    if not {"export", "decode", "import"} & set(dict(pair)):
         with pytest.raises(ConfigError) as e:
             PrefillEngine(folders[s["model"], s["dtype"]], _runtime(s, folders), parallel=_parallel(s))
         msg = str(e.value)
@@ -289,8 +310,12 @@ def test_a_refused_pair_is_one_line_naming_both_options(pair, rule, folders, tmp
     monkeypatch.setattr(cli_commands, "run_job_on_ranks", lambda *a: pytest.fail("refused before launching"))
     req = tmp_path / "req.jsonl"
     req.write_text(json.dumps({"tokens": [1, 2, 3]}) + "\n")
-    command = ["generate", "--max-new-tokens", "2"] if s["decode"] == "on" else ["prefill"]
-    argv = [*command, "--model", folders[s["model"], s["dtype"]], "--input", req, "--output", tmp_path / "o.pt",
+    command = ["generate", "--max-new-tokens", "2"] if "on" in (s["decode"], s["import"]) else ["prefill"]
+    kv = tmp_path / "kv-in"  # (--import-kv's folder as the flags' reader lists it: its files are read later)
+    kv.mkdir()
+    (kv / "0.safetensors").write_bytes(b"")
+    given = ["--import-kv", kv] if s["import"] == "on" else ["--input", req]
+    argv = [*command, "--model", folders[s["model"], s["dtype"]], *given, "--output", tmp_path / "o.pt",
             "--dtype", s["dtype"], "--layout", s["layout"], "--graph", s["graph"], "--attention", s["attention"],
             "--kv-cache", s["kv_cache"], "--exchange", s["exchange"], "--moe", s.get("moe", "ep"),
             *(["--aux-hidden-layers", "0,1"] if s["aux"] == "on" else []),

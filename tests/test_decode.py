@@ -62,10 +62,11 @@ def greedy(engine: PrefillEngine, prompts, steps: int, force_eager: bool):
     handles, logits = out.handles, [out.last_logits]
     toks, paths = [out.last_logits.argmax(-1)], []
     for _ in range(steps - 1):
-        o = engine.decode(handles, toks[-1], force_eager=force_eager)
+        o = engine.decode(handles, toks[-1], force_eager=force_eager, logits=True)
         handles, paths = o.handles, paths + [o.info.path]
         logits.append(o.logits)
-        toks.append(o.logits.argmax(-1))
+        toks.append(torch.from_numpy(o.tokens))
+        assert torch.equal(toks[-1], o.logits.argmax(-1))  # the device's choice is the logits' argmax
     for h in handles:
         engine.release(h)
     return torch.stack(toks, 1), torch.stack(logits, 1), paths
@@ -92,7 +93,7 @@ def conversation(engine: PrefillEngine, vocab: int):
         for j in range(2):
             logits[j].append(out.logits[j])
         for _ in range(TURN_NEW - 1):
-            o = engine.decode(handles, tok)
+            o = engine.decode(handles, tok, logits=True)
             for j in range(2):
                 seqs[j].append(int(tok[j]))
                 logits[j].append(o.logits[j : j + 1])

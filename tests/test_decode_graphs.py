@@ -65,6 +65,46 @@ def test_a_replay_equals_the_same_bucket_eager_step_bitwise(folders):
             assert r["merge"] == ("all-to-all" if mode == "sharded" else "local"), where
 
 
+def _triton_job(group, folder: str, dtype: str, modes: tuple[str, ...]) -> list[dict]:
+    from graphcp.attention.backends.triton_decode import TritonDecodeAttention
+
+    res = []
+    for mode in modes:
+        rt = RuntimeConfig(kv_tokens=512, kv_cache=mode, graph="breakable", page_size=16, attention="triton",
+                           dtype=dtype)
+        engine = PrefillEngine(folder, rt, group)
+        assert isinstance(engine.parts.decoder.graphs.kernel, TritonDecodeAttention)
+        r = _same_bucket(engine, [5, 33, 1], [7, 8, 9])
+        ref = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, kv_cache=mode, graph="off", page_size=16,
+                                                  dtype=dtype), group)
+        lens = [5, 33, 1]
+        want = ref.decode(ref.prefill([Request(np.arange(n) % 500 + 1) for n in lens]).handles, [7, 8, 9],
+                          logits=True)
+        got = engine.decode(engine.prefill([Request(np.arange(n) % 500 + 1) for n in lens]).handles, [7, 8, 9],
+                            logits=True)
+        res.append(dict(r, path=got.info.path, err=rel_err(got.logits, want.logits)))
+    return res
+
+
+@pytest.mark.parametrize("dtype,modes", [
+    ("float32", ("sharded",)),
+    pytest.param("float32", ("replicated",), marks=pytest.mark.slow),
+    pytest.param("bfloat16", ("replicated", "sharded"), marks=pytest.mark.slow),
+])
+def test_the_triton_decode_kernel_replays_bitwise_against_the_same_bucket_eager_step(folders, hf_model_dir, dtype,
+                                                                                       modes):
+    """The engine's ``triton`` backend: its decode graphs capture the Triton decode kernel
+    (interpreted here); at CP 2 over a token-sharded cache (whose ranks merge by the
+    kernel's LSE) and a replicated one, a replay equals the same-bucket eager step
+    bitwise, and a graph step equals the torch backend's eager engine within the dtype's
+    tolerance (the interpreter makes each run a minute: the default run has one)."""
+    folder = folders["qwen3"] if dtype == "float32" else hf_model_dir("qwen3", False, dtype)
+    for rank, results in enumerate(launch(_triton_job, 2, folder, dtype, modes)):
+        for mode, r in zip(modes, results):
+            assert r["bitwise"] and r["bucket"] == 4 and r["path"] == "graph", (rank, mode)
+            assert r["err"] <= TOL[dtype], (rank, mode, r["err"])
+
+
 def test_a_step_larger_than_every_bucket_runs_eagerly_and_says_so(folders):
     rt = RuntimeConfig(kv_tokens=512, graph="breakable", decode_buckets=(1, 2))
     engine = PrefillEngine(folders["qwen3"], rt)
@@ -119,16 +159,16 @@ def _self_check_job(group, folder: str, dtype: str, corrupt_rank: int | None) ->
         _corrupt_first_replay(engine, corrupt_rank)
     pool0 = engine.parts.kv.pool.clone()
     try:
-        step = engine.decode(out.handles, [7, 8, 9])
+        step = engine.decode(out.handles, [7, 8, 9], logits=True)
     except CaptureError as e:
         # refused whole: the cache as before, and the same step then runs eagerly
         same_pool = torch.equal(engine.parts.kv.pool, pool0)
-        eager = engine.decode(out.handles, [7, 8, 9], force_eager=True)
+        eager = engine.decode(out.handles, [7, 8, 9], force_eager=True, logits=True)
         return {"error": str(e), "same_pool": same_pool, "eager": eager.logits}
     eager_engine = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, graph="off", page_size=16, dtype=dtype,
                                                        kv_cache="sharded" if group.size > 1 else "replicated"), group)
     ref = eager_engine.decode(eager_engine.prefill([Request(np.arange(n) % 500 + 1) for n in (5, 33, 1)]).handles,
-                              [7, 8, 9])
+                              [7, 8, 9], logits=True)
     return {"path": step.info.path, "verified": sorted(engine.parts.decoder.graphs.verified), "logits": step.logits,
             "eager": ref.logits}
 
@@ -156,8 +196,10 @@ def test_a_replay_that_differs_stops_the_step_on_every_rank_and_changes_nothing(
 def test_a_fill_waits_for_the_previous_fills_uploads_before_rewriting_its_host_buffers(folders):
     """On a GPU the step's rows reach the static buffers by non-blocking uploads from
     pinned memory, read when the stream runs them. With a copy engine that runs them late
-    (tests/fake_copy_engine.py), a replay queued after each of two fills reads its own
-    step's rows: the second fill waited for the first's uploads before rewriting."""
+    (tests/fake_copy_engine.py, which refuses a strided host source: torch would copy it
+    to pageable memory first), a replay queued after each fill reads its own step's rows:
+    each fill waited for the previous one's uploads before rewriting, on the largest
+    bucket and on a smaller one (whose rows are a prefix of the buffers)."""
     from fake_copy_engine import FakeCopyEngine
 
     from graphcp.runtime.capture.phases import DecodeGraphs
@@ -165,17 +207,20 @@ def test_a_fill_waits_for_the_previous_fills_uploads_before_rewriting_its_host_b
     engine = PrefillEngine(folders["qwen3"], RuntimeConfig(kv_tokens=512, graph="breakable", page_size=16))
     out = engine.prefill([Request(np.arange(n) % 500 + 1) for n in (5, 33, 1)])
     copies = FakeCopyEngine()
-    graphs = DecodeGraphs(engine.parts.body, (4,), staging=copies)
+    graphs = DecodeGraphs(engine.parts.body, (2, 4), staging=copies)
     seen = []
-    for tokens in ([7, 8, 9], [10, 11, 12]):
-        step = engine.parts.decoder.preparer.prepare(out.handles, tokens)
+    for tokens in ([7, 8, 9], [10, 11, 12], [13, 14]):
+        cap = 2 if len(tokens) == 2 else 4
+        step = engine.parts.decoder.preparer.prepare(out.handles[: len(tokens)], tokens)
         try:
-            view = graphs.fill(step, (4, graphs.pages(step)))
+            view = graphs.fill(step, (cap, graphs.pages(step)))
             copies.launch(lambda view=view: seen.append((view.input_ids.tolist(), view.kv_lens.tolist(),
-                                                         graphs.buffers.page_table[:4, :4].clone())))
+                                                         view.positions.tolist(), view.kv_slots.tolist())))
         finally:
             engine.parts.decoder.preparer.abort(step)
     copies.sync()
-    assert [ids for ids, _, _ in seen] == [[7, 8, 9, 0], [10, 11, 12, 0]]
+    assert [ids for ids, *_ in seen] == [[7, 8, 9, 0], [10, 11, 12, 0], [13, 14]]
     assert seen[0][1] == seen[1][1] and seen[0][1][3] == 0 and min(seen[0][1][:3]) > 0  # lengths; inert row 0
-    assert copies.waits == 1
+    assert seen[2][1] == seen[0][1][:2] and seen[2][2] == seen[0][2][:2] == [5, 33]  # positions: the lengths
+    assert seen[0][3][3] == -1 and min(seen[2][3]) >= 0  # an inert row's slot: -1
+    assert copies.waits == 2

@@ -206,3 +206,39 @@ def test_the_store_starts_after_the_ranks_fork(monkeypatch):
     monkeypatch.setattr(gdist.dist, "TCPStore", store)
     assert launch(_ranks, 2, timeout_s=5) == [2.0, 2.0]
     assert started == [2]
+
+
+WATCHDOG_S = 2.0
+
+
+def _replay_blocked_by_a_dead_peer(group):
+    """Decode graphs at CP 2: after a first step (its bucket captured and checked), rank 0's
+    next replay never finishes, as one whose captured collective waits for a peer that
+    died (NCCL's watchdog does not see captured collectives). Its wait for the step's
+    next tokens is bounded by the collective timeout (shortened on rank 0 here)."""
+    from graphcp.dist import CollectiveError
+
+    eng = PrefillEngine("default", RuntimeConfig(kv_tokens=1024, graph="breakable", kv_cache="sharded"), group)
+    out = eng.prefill([Request(np.arange(n) + 1) for n in (30, 7)])
+    first = eng.decode(out.handles, [3, 4])
+    if group.rank != 0:
+        eng.decode(first.handles, [5, 6])
+        return first.info.path, "finished"
+    from graphcp.runtime.decode import decoder
+
+    decoder.stream_done = lambda device: (lambda: False)  # the replayed work never completes (this rank's process)
+    eng.parts.mesh.ffn.timeout_s = WATCHDOG_S
+    t0 = time.monotonic()
+    try:
+        eng.decode(first.handles, [5, 6])
+    except CollectiveError as e:
+        return first.info.path, (str(e), time.monotonic() - t0)
+    return first.info.path, "no error"
+
+
+def test_a_replay_whose_peer_died_ends_in_a_collective_error_within_the_timeout():
+    (path, (msg, waited)), (_, other) = launch(_replay_blocked_by_a_dead_peer, 2, timeout_s=TIMEOUT_S)
+    assert path == "graph" and other == "finished"
+    assert "decode step (graph, bucket 2)" in msg and f"did not finish within {WATCHDOG_S:g}s" in msg, msg
+    assert "\n" not in msg and msg.startswith("rank 0/2"), msg
+    assert WATCHDOG_S <= waited < WATCHDOG_S + 5.0, waited

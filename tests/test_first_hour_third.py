@@ -71,12 +71,17 @@ def test_item7_draft_with_generate_says_to_drop_it(capsys, tmp_path):
     assert "use --draft" not in err and not out.exists()
 
 
-def test_item7_a_hybrid_refusing_generate_names_generate(hf_model_dir):
-    from graphcp import ConfigError, PrefillEngine, RuntimeConfig
+def test_item7_a_model_refusing_generate_names_generate(hf_model_dir, monkeypatch):
+    """A model's decode refusal reached through generate names generate (a stand-in
+    refusal of the hybrid's decode: the real ones are being built, issue 47)."""
+    from graphcp import ConfigError, PrefillEngine, RuntimeConfig, combinations
 
+    stand_in = combinations.Refusal(("model", ("hybrid",)), ("decode", ("on",)), "a stand-in reason",
+                                    (("model", "dense"),), "stand-in")
+    monkeypatch.setattr(combinations, "REFUSALS", (stand_in, *combinations.REFUSALS))
     engine = PrefillEngine(hf_model_dir("qwen3_next"), RuntimeConfig(kv_tokens=256))
     snap = engine.parts.kv.snapshot()
-    with pytest.raises(ConfigError, match=r"with PrefillEngine\.generate: .*not built yet") as e:
+    with pytest.raises(ConfigError, match=r"with PrefillEngine\.generate: a stand-in reason") as e:
         engine.generate([[1, 2]], 3)
     assert "PrefillEngine.decode" not in str(e.value) and engine.parts.kv.snapshot() == snap
 
@@ -285,7 +290,8 @@ def test_item11_docs_say_what_they_mean():
     readme = (ROOT / "README.md").read_text()
     assert "2 for the others" not in readme and "`tune` needs it" in readme  # tune has no --cp default
     pd = (ROOT / "docs" / "pd.md").read_text()
-    snippet = pd.split("```python\n", 1)[1].split("```", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in pd.split("```python\n")[1:]]
+    snippet = next(b for b in blocks if "load_kv(" in b)  # the load_kv example
     assert "torch.tensor" in snippet and snippet.startswith("import torch\n")
     from graphcp.gpucheck.cli import default_out
 

@@ -23,8 +23,10 @@ from backend_cases import EXAMPLE, num_pages_for, spec_for, static_meta, zigzag_
 from fake_flashinfer import SM_COUNT, Recorder, fake_flashinfer  # noqa: E402
 
 from graphcp.attention.backends.flashinfer import FlashInferAttention  # noqa: E402
+from graphcp.attention.backends.flashinfer_decode import FlashInferDecodeAttention  # noqa: E402
 from graphcp.attention.backends.trtllm import TrtllmAttention  # noqa: E402
-from graphcp.attention.reference_cases import tensors  # noqa: E402
+from graphcp.attention.backends.trtllm_decode import TrtllmDecodeAttention  # noqa: E402
+from graphcp.attention.reference_cases import decode_case, run_decode_case, tensors  # noqa: E402
 
 PLAIN = (torch.Tensor, bool, int, float, str)
 
@@ -60,7 +62,7 @@ def _check_binds(rec: Recorder) -> set[str]:
     for name, args, kwargs in rec.raw:
         fn = _real(name)
         sig = inspect.signature(fn)
-        is_method = "." in name and not name.startswith("prefill.")
+        is_method = "." in name and not name.startswith(("prefill.", "decode."))
         bound = sig.bind(*((None,) if is_method else ()), *args, **kwargs)  # TypeError on a bad name/order
         hints = typing.get_type_hints(fn)
         for arg, value in bound.arguments.items():
@@ -112,3 +114,33 @@ def test_trtllm_calls_bind_to_the_real_signature():
             trt.forward(q, kv, smeta, out, lse)
     assert _check_binds(rec) == {"prefill.trtllm_batch_context_with_kv_cache"}
     assert len(rec.raw) == 5
+
+
+def _decode_cases(layout: str) -> list:
+    spec = spec_for(16, layout)
+    return [decode_case(lens, spec, torch.bfloat16, "cpu", torch.Generator().manual_seed(j), np.random.default_rng(j),
+                        rows=4, width=8) for j, lens in enumerate(([40, 0, 3], [0, 0, 0, 0]))]
+
+
+def test_flashinfer_decode_wrapper_calls_bind_to_the_real_signatures():
+    rec = Recorder()
+    kernel = FlashInferDecodeAttention(spec_for(16), "cpu", max_pages_per_segment=8, dtype=torch.bfloat16,
+                                       flashinfer=fake_flashinfer(rec), workspace_bytes=1 << 20)
+    for case in _decode_cases("NHD"):
+        for with_lse in (True, False):
+            assert run_decode_case(kernel, case, with_lse).ok
+    assert _check_binds(rec) == {"BatchDecodeWithPagedKVCacheWrapper." + m for m in ("__init__", "plan", "run")}
+    # plan takes **kwargs: its keywords are _plan_impl's (an unknown one raises TypeError there)
+    impl = inspect.signature(flashinfer.BatchDecodeWithPagedKVCacheWrapper._plan_impl)
+    plans = [(a, k) for n, a, k in rec.raw if n.endswith(".plan")]
+    assert plans and all(impl.bind(None, *a, **k) for a, k in plans)
+
+
+def test_trtllm_decode_calls_bind_to_the_real_signature():
+    rec = Recorder()
+    kernel = TrtllmDecodeAttention(spec_for(16, "HND"), "cpu", max_segments=4, max_pages_per_segment=8,
+                                   capability=lambda: (10, 0), sm_count=SM_COUNT, flashinfer=fake_flashinfer(rec))
+    for case in _decode_cases("HND"):
+        for with_lse in (True, False):
+            assert run_decode_case(kernel, case, with_lse).ok
+    assert _check_binds(rec) == {"decode.trtllm_batch_decode_with_kv_cache"} and len(rec.raw) == 4

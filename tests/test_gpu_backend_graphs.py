@@ -144,3 +144,32 @@ def test_flashinfer_full_graph_engine_matches_eager(fake_hopper):
         for h in graph.handles + eager.handles:
             eng.release(h)
     assert eng.parts.runner.stats.replays == 3 and not fake_hopper.errors
+
+
+def test_flashinfer_decode_graphs_replan_each_step_and_match_the_reference(fake_hopper, monkeypatch):
+    """``--attention flashinfer`` decode graphs on a (fake) Hopper capture FlashInfer's
+    decode wrapper: one wrapper a batch-size bucket, planned before every replay (steps
+    of other sizes and lengths on the same bucket), each step's tokens and logits the
+    torch backend's eager engine's."""
+    from graphcp import PrefillEngine, Request
+    from graphcp.config import RuntimeConfig
+
+    monkeypatch.setitem(sys.modules, "flashinfer.decode", sys.modules["flashinfer"].decode)
+    kw = dict(dtype="float32", kv_tokens=1024, max_requests=4, decode_buckets=(2, 4))
+    eng = PrefillEngine("default", RuntimeConfig(graph="breakable", attention="flashinfer", **kw))
+    ref = PrefillEngine("default", RuntimeConfig(graph="off", **kw))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 8192, n) for n in (40, 3, 70, 17)]
+    live = {e: e.prefill([Request(p) for p in prompts]).handles for e in (eng, ref)}
+    for take in ((0, 1, 2), (1, 3), (0, 1, 2, 3), (2,)):
+        tokens = [int(t) for t in rng.integers(0, 8192, len(take))]
+        outs = {e: e.decode([live[e][j] for j in take], tokens, logits=True) for e in (eng, ref)}
+        for e, out in outs.items():
+            for j, h in zip(take, out.handles):
+                live[e][j] = h
+        assert outs[eng].info.path == "graph"
+        assert rel_err(outs[eng].logits, outs[ref].logits) <= 1e-5
+        assert (outs[eng].tokens == outs[ref].tokens).all()
+    assert not fake_hopper.errors, fake_hopper.errors
+    assert len(fake_hopper.named("decode_init")) == 2  # buckets 4 and 2 (the last step: 1 request)
+    assert len(fake_hopper.named("decode_plan")) >= 4 + 2  # every step's, and each capture's

@@ -360,7 +360,7 @@ def test_dry_run_hybrid(dry_run):
     bitwise equal to the same bucket run eagerly (a linear layer is a break), the prefill
     on the graph, the varlen batch run and its distances recorded."""
     _, res, _ = dry_run
-    rows = {r["dtype"]: r for r in res["hybrid"]}
+    rows = {r["dtype"]: r for r in res["hybrid"] if r["engine"] == "default-hybrid"}
     assert set(rows) == {"float32", "bfloat16"}
     for r in rows.values():
         assert r["status"] == "pass" and r["ran"] == "graph" and r["linear_kernels"] == "torch", r
@@ -369,6 +369,11 @@ def test_dry_run_hybrid(dry_run):
     assert rows["float32"]["kernels_rel_diff_vs_torch"] == 0.0  # the same kernels
     bf16 = rows["bfloat16"]
     assert 0 < bf16["torch_rel_diff_vs_float32"] == bf16["kernels_rel_diff_vs_float32"] < 0.1
+    # decode: its steps on the graph (the linear layers' steps inside: one launch), the first
+    # replay self-checked, the eager steps within the bound, on the torch step kernels here
+    decode = next(r for r in res["hybrid"] if r["engine"] == "default-hybrid decode")
+    assert decode["status"] == "pass" and decode["ran"] == "graph" and decode["step_kernels"] == "torch", decode
+    assert decode["batches"][0]["bitwise_equal"] and decode["launches_per_step"] == 1
 
 
 def _report(**rows) -> dict:

@@ -356,3 +356,26 @@ def test_on_a_terminal_the_interrupted_line_follows_the_bar_on_its_own(tmp_path,
     assert code == 130 and "\r" in text, text[-3000:]  # a bar was drawn
     assert text.endswith("\n" + INTERRUPTED), text[-3000:]
     assert not _written(tmp_path, out.name)
+
+
+_INTERRUPTED_IN_IMPORTS = """
+import runpy, sys
+
+class InterruptTheCommandLine:  # a Ctrl-C landing while graphcp.cli.main is imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "graphcp.cli.main":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, InterruptTheCommandLine())
+sys.argv = ["graphcp", "generate", "--model", "default"]
+runpy.run_module("graphcp", run_name="__main__")
+"""
+
+
+def test_ctrl_c_during_the_command_line_s_own_imports_is_one_line_and_130():
+    """``python -m graphcp``: a Ctrl-C before ``main`` holds SIGINT (the command line's
+    imports: the suite's random Ctrl-Cs landed there under load) is exit 130 and one line,
+    not a traceback and death by SIGINT."""
+    p = subprocess.run([sys.executable, "-c", _INTERRUPTED_IN_IMPORTS], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert (p.returncode, p.stderr) == (130, INTERRUPTED)

@@ -9,7 +9,8 @@ tests/conftest.py's KIMI_TINY:
   inside the first's convolution halo), in the replicated and layer-split caches at CP
   1, 2 and 4, under pipeline stages and with ``--moe tp``: through a file, ``load_kv``
   gives transformers' cache and transformers continues the request step by step within
-  1e-4 (float32; bfloat16 2e-2 on the all-experts twin) of its own one-shot run;
+  1e-4 (float32; bfloat16 2e-2 on the all-experts twin) of its own one-shot run; imported
+  at CP 2 (replicated, layer-split), the request's rest equals transformers' one shot;
 - a checkpoint in transformers' in-memory spelling (a state dict saved as it is: the
   stacked conv, ``forget_gate.``, merged experts) gives the logits of the
   ``save_pretrained`` one, at ``--moe ep`` and ``tp``;
@@ -145,6 +146,27 @@ def test_the_export_continues_in_transformers(folders, hf_model, tmp_path, world
                                        **{cache_argument(model): cache}).logits[0, -1].float()
                                  for t in fed[len(prompt):]])
         assert rel_err(steps, want) <= TOL[dtype], (world, run, dtype)
+
+
+def _import_job(group, folder, mode, exported):
+    """The exported prefix placed in this engine's cache, then the request's rest prefilled."""
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache=mode), group)
+    handle = eng.import_kv(exported)
+    out = eng.prefill([Request(_tokens()[3][SPLIT:], handle)], all_logits=True)
+    return out.logits[0].clone()
+
+
+@pytest.mark.parametrize("mode", ["replicated", "layer-split"])
+def test_an_import_continues_as_one_shot(folders, hf_model, mode):
+    """A prefix exported at CP 1 and imported at CP 2 (its KDA states and MLA rows placed as
+    the cache mode assigns them): the continuation equals transformers' one shot."""
+    folder, long = folders["float32"], _tokens()[3]
+    src = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024))
+    exported = src.export_kv(src.prefill([Request(long[:SPLIT])]).handles[0])
+    with torch.no_grad():
+        want = hf_model(folder)(torch.tensor(long)[None]).logits[0, SPLIT:].float()
+    for got in launch(_import_job, 2, folder, mode, exported):
+        assert rel_err(got, want) <= TOL["float32"], mode
 
 
 def test_the_in_memory_spelling_loads_as_the_saved_one(folders, hf_model, tmp_path):

@@ -57,7 +57,10 @@ def test_pd_demo_round_trip_matches_transformers(hf_model_dir, capsys):
                     "--prefix-tokens", 40, "--steps", 4, "--transfer-timeout", 30)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "via mooncake" in proc.stdout and "| match" in proc.stdout and "yes |" in proc.stdout
-    assert "the decode side holds 150 tokens" in proc.stdout
+    # the defaults: prefill at CP 4 sharded, a graphcp decode engine at CP 2 sharded imports it
+    assert "CP 4, sharded cache" in proc.stdout and "TTFT" in proc.stdout
+    assert "CP 2, sharded cache: imported" in proc.stdout and "(tokens a rank: 75/75)" in proc.stdout
+    assert "4 steps: the first" in proc.stdout and "tokens/s" in proc.stdout
 
 
 def test_pd_demo_defaults_to_the_file_transport_where_mooncake_does_not_import(hf_model_dir, capsys, monkeypatch):
@@ -68,7 +71,8 @@ def test_pd_demo_defaults_to_the_file_transport_where_mooncake_does_not_import(h
     monkeypatch.setattr(pd_demo, "mooncake_problem", lambda: "the Mooncake transfer engine cannot be imported (test)")
     folder = hf_model_dir("llama", False, "float32")
     args = ("pd-demo", "--model", folder, "--graph", "off", "--kv-tokens", 512, "--prompt-tokens", 60,
-            "--prefix-tokens", 20, "--steps", 2, "--transfer-timeout", 30)
+            "--prefix-tokens", 20, "--steps", 2, "--transfer-timeout", 30, "--cp", 2, "--kv-cache", "layer-split",
+            "--decode-cp", 1, "--decode-kv-cache", "replicated")
     proc = _graphcp(capsys, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "via file" in proc.stdout and "yes |" in proc.stdout
@@ -91,3 +95,28 @@ def test_pd_demo_reference_takes_an_end_of_sequence_id_like_the_decode_side(tmp_
     # the same weights, the greedy first token now the end-of-sequence id
     folder = ensure_random_model("default-eos", {**PRESETS["default"], "eos_token_id": first}, root=tmp_path)
     assert _reference(folder, prompt, 2)[0] == first
+
+
+def test_pd_demo_continues_with_transformers_a_model_graphcp_does_not_import(hf_model_dir, capsys):
+    """A DeepSeek V4 model (its export holds transformers' pooled state, which graphcp's
+    cache cannot take back): the decode side is transformers, from the graphcp-dsv4/1
+    export, and the demo says so on stderr."""
+    folder = hf_model_dir("deepseek_v4", False, "float32")
+    proc = _graphcp(capsys, "pd-demo", "--model", folder, "--graph", "off", "--kv-tokens", 512, "--prompt-tokens", 40,
+                    "--prefix-tokens", 12, "--steps", 2, "--transfer-timeout", 30, "--cp", 2, "--kv-cache",
+                    "layer-split", "--transport", "file")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "the decode side continues with transformers" in proc.stderr
+    assert "| decode             | transformers:" in proc.stdout and "yes |" in proc.stdout
+
+
+def test_pd_demo_decodes_a_dsa_model_on_the_nearest_cache_it_decodes_on(hf_model_dir, capsys):
+    """A DSA model does not decode on the default token-sharded cache: the decode side is
+    graphcp on the layer-split cache, and the demo says which."""
+    folder = hf_model_dir("deepseek_v32", False, "float32")
+    proc = _graphcp(capsys, "pd-demo", "--model", folder, "--graph", "off", "--kv-tokens", 512, "--prompt-tokens", 40,
+                    "--prefix-tokens", 12, "--steps", 2, "--transfer-timeout", 30, "--cp", 2, "--kv-cache",
+                    "layer-split", "--transport", "file")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "the decode side uses --decode-kv-cache layer-split" in proc.stderr
+    assert "continues with transformers" not in proc.stderr and "yes |" in proc.stdout

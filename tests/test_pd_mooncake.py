@@ -219,6 +219,34 @@ def test_attention_tp_ranks_send_their_heads(hf_model_dir, tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), (run, i)
 
 
+def _send_dp(group, folder, address):
+    """Attention DP 2: each request is sent by the replica that holds it (the other
+    replica's ranks write nothing); rank 0's export (the export under DP) is the truth."""
+    from graphcp.pd.sender import KVSender
+
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache="sharded"), group,
+                        parallel=ParallelConfig(tp_size=2, cp_size=1, dp_size=2))
+    handles = eng.prefill(_requests(eng.cfg.vocab_size)).handles
+    sender = KVSender(address, eng.world_rank, eng.world.size, timeout_s=60)
+    sender.send(eng, handles, [f"dp-{i}" for i in range(len(handles))])
+    sender.close()
+    exports = eng.export_kv_batch(handles, dst=0)
+    return [(e.k, e.v) for e in exports] if eng.world_rank == 0 else None, [h.replica for h in handles]
+
+
+def test_attention_dp_replicas_send_their_own_requests(hf_model_dir, tmp_path):
+    folder = hf_model_dir("qwen3", False, "float32", num_hidden_layers=4)
+    ids = [f"dp-{i}" for i in range(len(LENS))]
+    rx = Receiver("good", tmp_path, ids, timeout_s=120)
+    (sent, replicas), _ = launch(_send_dp, 2, folder, rx.address)
+    got = rx.results()
+    assert sorted(got.pop("completed")) == [] and all(v == ("ok", "") for v in got.values()), got
+    assert set(replicas) == {0, 1}  # both replicas hold (and send) a request
+    for i, (k, v) in enumerate(sent):
+        recv = read_kv(tmp_path / f"dp-{i}.safetensors")
+        assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), i
+
+
 def test_which_heads_an_attention_tp_rank_writes():
     """Its shard's heads; a head replicated over ranks by its first holder only; a format
     every rank holds whole (DeepSeek V4's one shared KV head) by attention-TP rank 0 only."""

@@ -54,6 +54,82 @@ def test_bf16_kernel_does_not_spill_on_sm90():
     assert res["old"]["spill_store_bytes"] > 0 and res["old"]["registers"] == 255
 
 
+DECODE_PROGRAM = r"""
+import json
+import torch
+from dataclasses import asdict
+from graphcp.attention.kernels import paged_decode_compile_check as cc
+from graphcp.attention.kernels.paged_decode_configs import DecodeTile
+reports = [asdict(r) for d in (64, 128) for s in (1, 8) for lse in (True, False)
+           for r in cc.compile_variant(90, torch.bfloat16, d, 8, lse, s)]
+cc.decode_tile = lambda d, dtype: DecodeTile(64, 4, 2)  # the first setting at head_dim 128: it spilled
+old = asdict(cc.compile_variant(90, torch.bfloat16, 128, 8, True, 1)[0])
+print(json.dumps({"reports": reports, "old": old}))
+"""
+
+
+def test_bf16_decode_kernel_and_its_merge_do_not_spill_on_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", DECODE_PROGRAM], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = set()
+    for r in res["reports"]:
+        assert r["arch"] == "sm_90a" and 0 < r["registers"] <= 255
+        assert r["spill_store_bytes"] == r["spill_load_bytes"] == 0 and r["narrow_strides"] == [], r
+        seen.add((r["kernel"], r["head_dim"], r["splits"], r["has_lse"]))
+    assert seen == {("decode", d, s, lse) for d in (64, 128) for s in (1, 8) for lse in (True, False)} | {
+        ("merge", d, 8, lse) for d in (64, 128) for lse in (True, False)}
+    assert res["old"]["spill_store_bytes"] > 0 and res["old"]["registers"] == 255  # the check can fail
+
+
+DECODE_VARIANTS = r"""
+import json
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+from graphcp.attention.kernels import paged_decode as tk
+
+seen = {}
+for fn in (tk._paged_decode_kernel, tk._merge_splits_kernel):
+    binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
+
+    def record(*args, grid, warmup, fn=fn, binder=binder, **kw):  # what a launch would compile for
+        _, spec, opts = binder(*args, **kw)
+        seen.setdefault(fn.__name__, set()).add(json.dumps([[str(x) for x in spec], opts.get("num_warps")]))
+
+    fn.run = record
+hq, hkv, d, ps = 32, 8, 128, 16
+k = torch.empty(64, ps, hkv, d, dtype=torch.bfloat16, device="meta")
+strides = (k.stride(0), k.stride(1), k.stride(2), k.stride(3))
+for rows in (1, 3, 8, 64):
+    for width in (1, 2, 5, 16, 17, 100, 128, 513, 2048):
+        for lse in (True, False):
+            q = torch.empty(rows, hq, d, dtype=torch.bfloat16, device="meta")
+            tk.launch(q, k, k, torch.empty_like(q), torch.empty(rows, hq, device="meta") if lse else None,
+                      torch.empty(rows, dtype=torch.int32, device="meta"),
+                      torch.empty(rows, width, dtype=torch.int32, device="meta"), group=hq // hkv, page_size=ps,
+                      scale=0.1, block_n=64, upcast_dot=False, num_warps=8, num_stages=2, k_strides=strides,
+                      v_strides=strides)
+print(json.dumps({n: len(v) for n, v in seen.items()}))
+"""
+
+
+def test_decode_steps_of_any_batch_and_width_share_six_variants():
+    """An eager decode step's page table is as wide as its longest request: were the split
+    count a constexpr, every width would compile its own variant on a GPU (30 over these
+    steps before). Counted with Triton's argument binder for sm_90; nothing is compiled."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", DECODE_VARIANTS], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"_paged_decode_kernel": 4, "_merge_splits_kernel": 2}
+
+
 WARMUP_COVERS = r"""
 import json
 import numpy as np

@@ -134,6 +134,97 @@ def test_pinned_uploads_queue_a_copy_from_pinned_memory(monkeypatch):
     assert got.tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
+# ---- a decode step: no blocking upload, no read of the device (issue 50) -----------------
+#: functions that read a tensor's values on the host (on a GPU: a copy and a stream sync)
+HOST_READS = (torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
+              torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__array__,
+              torch.equal)
+#: where a read is of host memory on a GPU too: the next tokens' pinned buffer, read once
+#: the watchdog saw the step's copy run; the step's fingerprint, all-gathered over gloo
+HOST_MEMORY_SITES = {"_next_tokens": "next tokens", "check_same_step": "fingerprint"}
+
+
+class DeviceReads(TorchFunctionMode):
+    """Reads of tensor values on the host, on a fake device: every tensor is the device's
+    but the host buffers the test registers (``host``: storage pointers; the static
+    buffers' staging) and those read at :data:`HOST_MEMORY_SITES`, counted apart. Each
+    hit: (site, shape of the tensor read)."""
+
+    def __init__(self, host: set[int]) -> None:
+        super().__init__()
+        self.host, self.hits, self.host_memory = host, [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS and isinstance(args[0], torch.Tensor) \
+                and args[0].untyped_storage().data_ptr() not in self.host:
+            stack = [f for f in traceback.extract_stack() if "/graphcp/" in f.filename]
+            known = [HOST_MEMORY_SITES[n] for n in HOST_MEMORY_SITES if n in {f.name for f in stack}]
+            f = stack[-1]
+            site = known[0] if known else f"{f.filename.rsplit('graphcp/', 1)[-1]}:{f.lineno} {f.name}"
+            (self.host_memory if known else self.hits).append((site, tuple(args[0].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def _decode_steps(group, folder: str, graph: str, logits: bool) -> list[dict]:
+    """Three decode steps of three requests (the first captures and checks its bucket):
+    per step, its path, staged and direct uploads, device reads and host-memory reads."""
+    from graphcp.runtime.capture import static_buffers
+
+    host: set[int] = set()
+
+    def registered_host(n, dtype):
+        t = torch.zeros(n, dtype=dtype)
+        host.add(t.untyped_storage().data_ptr())
+        return t
+
+    static_buffers._plain_host = registered_host  # (a launched rank's own process)
+    rt = RuntimeConfig(kv_tokens=1024, graph=graph, page_size=16, kv_cache="sharded" if group.size > 1 else "replicated")
+    eng = PrefillEngine(folder, rt, group)
+    handles = eng.prefill([Request(np.arange(n) % 500 + 1) for n in (5, 33, 1)]).handles
+    steps = []
+    for j in range(3):
+        rec, direct, reads = UploadRecorder(), DirectUploads(), DeviceReads(host)
+        with staging.uploads_through(rec), reads, direct:
+            out = eng.decode(handles, [7 + j, 8, 9], logits=logits)
+        handles = out.handles
+        steps.append(dict(path=out.info.path, staged=rec.sites(), direct=direct.hits, reads=reads.hits,
+                          host_memory=reads.host_memory, vocab=eng.cfg.vocab_size))
+    return steps
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_decode_step_on_its_graph_neither_uploads_nor_reads_the_device(dense, cp):
+    """After its bucket's first replay (capture and self-check), a graph step uploads only
+    through its static buffers' pinned staging (no staged array, no direct upload) and
+    reads nothing of the device but its next tokens, once, from the pinned download the
+    watchdog waited for; at CP 2 its fingerprint goes over gloo (host memory). No
+    ``[B, vocab]`` copy: logits were not asked for."""
+    from graphcp.dist import CPGroup, launch
+
+    ranks = launch(_decode_steps, 2, dense, "breakable", False) if cp == 2 else [
+        _decode_steps(CPGroup(), dense, "breakable", False)]
+    for steps in ranks:
+        assert [s["path"] for s in steps] == ["graph"] * 3
+        for s in steps[1:]:  # (the first: the capture and its self-check, which agree over the group)
+            assert s["staged"] == {} and s["direct"] == [] and s["reads"] == [], s
+            want = [("next tokens", (1, 3))] + ([("fingerprint", (3,))] * cp if cp > 1 else [])
+            assert sorted(s["host_memory"]) == sorted(want), s
+
+
+def test_an_eager_decode_step_stages_its_uploads_and_copies_logits_only_when_asked(dense):
+    """Eager: the rows in one staged upload and the step's lengths and page table (what
+    the decode kernel reads) in one, nothing direct, no device read but the next tokens;
+    with ``logits=True`` the one ``[B, vocab]`` copy, and none without."""
+    from graphcp.dist import CPGroup
+
+    for logits in (False, True):
+        for s in _decode_steps(CPGroup(), dense, "off", logits):
+            assert s["path"] == "eager" and s["direct"] == [] and s["staged"] == {"eager": 1, "_device_tensors": 1}, s
+            assert [(site.split(":")[0], shape) for site, shape in s["reads"]] == (
+                [("runtime/decode/decoder.py", (3, s["vocab"]))] if logits else []), s
+            assert s["host_memory"] == [("next tokens", (1, 3))], s
+
+
 def _hybrid_uploads(group, folder, graph):
     eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, graph=graph), group,
                         BucketSet((64, 256), padding_factor=64.0))

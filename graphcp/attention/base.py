@@ -319,6 +319,13 @@ class Attention(ABC):
         """Figures of the last forward for ForwardInfo.stats (given the batch's lengths): none by default."""
         return {}
 
+    def decode_graph_attention(self, meta: AttentionMetadata) -> "Attention | None":
+        """What a decode graph over the static metadata ``meta`` of its bucket captures in
+        place of this attention (one that reads no host value); None: the paged decode
+        attention over K/V heads (graphcp.attention.decode.paged). A family's own
+        attention gives its own form."""
+        return None
+
     @abstractmethod
     def forward(self, *args: Any, **kwargs: Any) -> None:
         """One layer's attention of this rank's query rows: the kind's call (the class doc):
@@ -347,6 +354,28 @@ class AttentionBackend(Attention):
         """Attend ``q`` [rows, Hq, D] over ``kv_cache`` (one layer, see
         :mod:`graphcp.kv.paged`); write ``out`` [rows, Hq, D] and, when given,
         ``lse`` [rows, Hq] float32 (base e) for the rows of every segment."""
+
+
+class DecodeKernel(AttentionBackend):
+    """A paged decode kernel: one query row a segment (a decode step's request) over the
+    keys this rank holds of it, reading only that request's pages, with the natural-log
+    LSE a merge needs (a row with no key: output 0, LSE -inf). What a decode graph
+    captures (graphcp.runtime.capture.phases.DecodeGraphs, docs/decode.md): its metadata
+    is the bucket's static device buffers (the page table ``[rows, width]``, the lengths
+    ``[rows]``), so ``q`` has the bucket's rows and nothing is read on the host. Registered
+    for an attention backend with ``register_decode_backend`` (graphcp.attention.catalog)."""
+
+    supports_full_graph = True
+    #: its host planning (``prepare``) must run before every step, not only before the
+    #: capture: FlashInfer's wrapper plans its schedule on the host
+    plans_steps: bool = False
+    #: it keeps nothing sized by a batch (no per-bucket buffers or limits), so an eager
+    #: decode step of any size runs it too, not only a decode graph
+    any_batch: bool = True
+
+    def bucket(self, rows: int) -> None:  # noqa: B027 - optional
+        """The batch-size bucket (rows) the next ``prepare`` and ``forward`` are for: a
+        kernel whose device buffers are fixed per batch size keeps one set a bucket."""
 
 
 @dataclass(slots=True)

@@ -104,6 +104,8 @@ class BackendInfo:
 
 
 _TABLE: dict[str, BackendInfo] = {}
+#: attention backend name -> the decode kernel a decode graph captures for it
+_DECODE: dict[str, BackendInfo] = {}
 
 
 def register_backend(name: str, *, kv_layout: KVLayout = "NHD", per_request: bool = False) -> Callable[[type], type]:
@@ -118,6 +120,27 @@ def register_backend(name: str, *, kv_layout: KVLayout = "NHD", per_request: boo
         return cls
 
     return register
+
+
+def register_decode_backend(name: str) -> Callable[[type], type]:
+    """Class decorator: record the class (a :class:`~graphcp.attention.base.DecodeKernel`)
+    as the decode kernel a decode graph captures when the engine's attention backend is
+    ``name`` (graphcp.runtime.capture.phases.DecodeGraphs). Its constructor takes what a
+    backend's may (spec, device, the limits)."""
+
+    def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        if name in _DECODE:
+            raise ValueError(f"a decode kernel for attention backend {name!r} is already registered "
+                             f"({_DECODE[name].cls.__qualname__})")
+        _DECODE[name] = _info(name, cls, "NHD", False)
+        return cls
+
+    return register
+
+
+def registered_decode_backends() -> dict[str, BackendInfo]:
+    """Attention backend name -> its decode kernel, registered so far (a copy)."""
+    return dict(_DECODE)
 
 
 def unregister_backend(name: str) -> BackendInfo:

@@ -26,7 +26,7 @@ phase runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +65,9 @@ class KVForward:
     phase: Phase = PREFILL
     #: every rank's slots, rank-major (the all-gather's first step; None before it)
     gathered_slots: torch.Tensor | None = None
+    #: a decode step's per-request state slots ``[2, capacity]`` int64 (each row's read and write
+    #: slot, graphcp.kv.decode.state_rows), on a storage with states; None otherwise
+    state_slots: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         #: the phase's operations (the exchange itself in a prefill): chosen once a forward
@@ -95,6 +98,11 @@ class KVForward:
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
         """Attend this rank's query rows of one layer into ``out``; the bytes received."""
         return self.ops.attend(self, layer, q, out)
+
+    def attend_own(self, layer: int, run: Callable[[], None], outs: Sequence[torch.Tensor]) -> int:
+        """A family's own attention of one layer (``run()`` writes ``outs``) where the
+        phase runs it (ExchangePhase.attend_own); the bytes received."""
+        return self.ops.attend_own(self, layer, run, outs)
 
 
 class KVExchange(ExchangePhase):

@@ -15,7 +15,7 @@ its own per request reads the phase from its forward context to take its one-tok
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal, Sequence
 
 import torch
 
@@ -45,6 +45,15 @@ class ExchangePhase:
 
     def attend(self, fwd, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
         raise NotImplementedError
+
+    def attend_own(self, fwd, layer: int, run: Callable[[], None], outs: Sequence[torch.Tensor]) -> int:
+        """A family's own attention of one layer (``run()``: it writes ``outs``, its output
+        and what later layers read of it, such as a selection) where this phase runs it: a
+        prefill's on every rank over its own rows, after the cached prefix a cache that
+        does not keep the layer fetches from its owner."""
+        got = fwd.fetch_prefix(layer)
+        run()
+        return got
 
     def describe(self, plan: Any) -> dict[str, Any]:
         """A forward's figures (its stats) given the plan it ran."""

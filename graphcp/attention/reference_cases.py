@@ -15,6 +15,12 @@ GPU check (:mod:`graphcp.gpucheck.kernels`) share.
 - **The comparison**: ``max |x - ref| / max |ref|`` per dtype tolerance
   (:data:`TOLERANCE`; LSE against ``max(max |ref|, 1)``), and the padding rows past
   the live ones must still hold the sentinel.
+- **Decode cases** (:func:`decode_case`): a decode bucket's rows (one query row a
+  request, lengths mixed, some 0: a rank that holds none of a request, and the bucket's
+  padding rows) over a page table wider than the longest needs (a page bucket), as its
+  static device buffers and as the step's live metadata; the reference is the same torch
+  attention over the live metadata, and every row is compared (a row with no key: output
+  0 and LSE -inf, exactly).
 """
 
 from __future__ import annotations
@@ -280,3 +286,95 @@ def run_on_case(backend: AttentionBackend, case: Case, with_lse: bool = True) ->
     if case.q.device.type == "cuda":
         torch.cuda.synchronize(case.q.device)
     return compare(out, lse, case.ref_out, case.ref_lse, case.q.dtype)
+
+
+# ---- decode cases: a decode bucket's rows, for the decode kernels (graphcp.attention.base.DecodeKernel) ----
+@dataclass
+class DecodeCase:
+    """One decode step on a bucket: ``lens`` keys of each request (0: none on this rank),
+    then the bucket's padding rows (0 keys), pages scattered over a pool. ``live``: the
+    step's metadata (host arrays, what a kernel's host planning reads); ``static``: the
+    bucket's device buffers (what a captured kernel reads). The KV cache is kept NHD."""
+
+    spec: AttentionSpec  # NHD
+    live: AttentionMetadata
+    static: AttentionMetadata
+    num_pages: int
+    q: torch.Tensor  # [rows, Hq, D]
+    kv_nhd: torch.Tensor
+    ref_out: torch.Tensor  # float32 [rows, Hq, D]
+    ref_lse: torch.Tensor  # float32 [rows, Hq]
+
+    def kv(self, layout: KVLayout) -> torch.Tensor:
+        return self.kv_nhd if layout == "NHD" else self.kv_nhd.transpose(2, 3).contiguous()
+
+    @property
+    def rows(self) -> int:
+        return self.q.shape[0]
+
+
+def decode_metadata(lens: list[int], rows: int, width: int, page_size: int, rng: np.random.Generator,
+                    device: torch.device | str = "cpu", spare_pages: int = 3) -> tuple[AttentionMetadata,
+                                                                                       AttentionMetadata, int]:
+    """(live, static) metadata of a decode step of ``lens`` on a bucket of ``rows`` rows and
+    ``width`` pages, and the pool's page count (page 0 the scratch page)."""
+    need = [-(-n // page_size) for n in lens]
+    if max(need + [0]) > width or len(lens) > rows:
+        raise ValueError(f"lens {lens} do not fit a bucket of {rows} rows x {width} pages of {page_size}")
+    num_pages = sum(need) + 1 + spare_pages
+    pool = rng.permutation(np.arange(1, num_pages))
+    table = np.zeros((rows, width), np.int32)
+    kv_lens = np.zeros(rows, np.int32)
+    at = 0
+    for j, (n, p) in enumerate(zip(lens, need)):
+        table[j, :p], kv_lens[j] = pool[at: at + p], n
+        at += p
+    cu = np.arange(rows + 1, dtype=np.int32)
+    live = AttentionMetadata.from_host(cu, kv_lens, table, page_size, device, causal=False)
+    bufs = tuple(torch.from_numpy(a.copy()).to(device) for a in (cu, kv_lens, table))
+    static = AttentionMetadata(np.zeros(rows + 1, np.int32), np.zeros(rows, np.int32),
+                               np.zeros((rows, width), np.int32), page_size, 1, width * page_size, device,
+                               device_tensors=bufs)
+    return live, static, num_pages
+
+
+def decode_case(lens: list[int], spec: AttentionSpec, dtype: torch.dtype, device: torch.device | str,
+                generator: torch.Generator, rng: np.random.Generator, *, rows: int | None = None,
+                width: int | None = None) -> DecodeCase:
+    """Random inputs of a decode step of ``lens`` (the bucket: ``rows`` rows, default the
+    next power of two; ``width`` pages, default twice the longest request's) and their
+    float32 torch reference."""
+    spec = dataclasses.replace(spec, kv_layout="NHD")
+    rows = rows or 1 << (len(lens) - 1).bit_length()
+    width = width or 2 * max(1, max(-(-n // spec.page_size) for n in lens))
+    live, static, num_pages = decode_metadata(lens, rows, width, spec.page_size, rng, device)
+    q, kv = random_inputs(spec, rows, num_pages, dtype, generator, device)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
+    TorchAttention(spec).forward(q.float(), kv.float(), live, out, lse)
+    return DecodeCase(spec, live, static, num_pages, q, kv, out, lse)
+
+
+def compare_decode(out: torch.Tensor, lse: torch.Tensor | None, case: DecodeCase) -> Comparison:
+    """Every row of the bucket against the reference: rows with no key (the bucket's
+    padding rows among them) must be exactly output 0 and LSE -inf, what the Comparison's
+    ``padding_untouched`` reports here; the others within the dtype's tolerance."""
+    empty = torch.from_numpy(case.live.kv_lens_host == 0).to(out.device)
+    exact = bool((out[empty] == 0).all())
+    lse_err = None
+    if lse is not None:
+        exact &= bool(torch.isneginf(lse[empty]).all()) and bool(torch.isfinite(lse[~empty]).all())
+        lse_err = rel_error(lse[~empty], case.ref_lse[~empty], LSE_FLOOR)
+    return Comparison(rel_error(out, case.ref_out, OUT_FLOOR), lse_err, exact, TOLERANCE[case.q.dtype])
+
+
+def run_decode_case(kernel: AttentionBackend, case: DecodeCase, with_lse: bool = True) -> Comparison:
+    """A decode kernel on the case's bucket (planned with the step's live metadata, run on
+    the static buffers, as a decode graph does), against its reference."""
+    out, lse = sentinel_outputs(case.q, with_lse)
+    kernel.bucket(case.rows)
+    kernel.prepare(case.live)
+    kernel.forward(case.q, case.kv(kernel.spec.kv_layout), case.static, out, lse)
+    if case.q.device.type == "cuda":
+        torch.cuda.synchronize(case.q.device)
+    return compare_decode(out, lse, case)

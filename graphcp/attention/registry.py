@@ -24,11 +24,18 @@ from collections.abc import Callable
 
 import torch
 
-import graphcp.attention.backends  # noqa: F401 - registers every built-in backend
+import graphcp.attention.backends  # noqa: F401 - registers every built-in backend (and their decode kernels)
+import graphcp.attention.decode.paged  # noqa: F401 - registers the torch reference decode kernel
 from graphcp.attention.backends.triton import interpreting
 from graphcp.attention.backends.trtllm import SUPPORTED_CAPABILITIES
 from graphcp.attention.base import AttentionBackend, AttentionSpec
-from graphcp.attention.catalog import AttentionLimits, BackendInfo, register_backend, registered_backends
+from graphcp.attention.catalog import (
+    AttentionLimits,
+    BackendInfo,
+    register_backend,
+    registered_backends,
+    registered_decode_backends,
+)
 from graphcp.kv.layout import KVLayout
 from graphcp.options import ATTENTION_BACKENDS
 
@@ -42,6 +49,7 @@ Capability = Callable[[torch.device], tuple[int, int]]
 __all__ = [
     "NAMES", "BACKENDS", "AttentionLimits", "BackendInfo", "register_backend", "backend_info",
     "preallocates_per_request", "resolve", "available_backends", "preferred_kv_layout", "make_attention",
+    "registered_decode_kernel", "decode_kernel_info", "make_decode_attention",
 ]
 
 
@@ -149,6 +157,36 @@ def make_attention(
     if (problem := info.cls.device_problem(device)) is not None:
         raise ValueError(problem)  # e.g. Triton on a CPU without its interpreter, in one line
     return info.cls(spec, **_constructor_args(info, limits, device, workspace))
+
+
+def registered_decode_kernel(backend: AttentionBackend | str) -> BackendInfo | None:
+    """The decode kernel registered for ``backend`` (an engine's attention backend, or a
+    registered backend's name); None for any other (a family's own, whatever its name)."""
+    kernels = registered_decode_backends()
+    if isinstance(backend, str):
+        return kernels.get(backend)
+    info = registered_backends().get(getattr(backend, "name", None))
+    return kernels.get(info.name) if info is not None and isinstance(backend, info.cls) else None
+
+
+def decode_kernel_info(backend: AttentionBackend | str) -> BackendInfo:
+    """The decode kernel a decode graph captures for ``backend``: its registered one, or
+    the torch reference (a family's own backend)."""
+    return registered_decode_kernel(backend) or registered_decode_backends()["torch"]
+
+
+def make_decode_attention(backend: AttentionBackend, device: torch.device | str,
+                          limits: AttentionLimits | None = None) -> AttentionBackend:
+    """Build the decode kernel of an engine's attention ``backend`` for its spec on
+    ``device`` (graphcp.attention.base.DecodeKernel): what a decode graph captures, and an
+    eager decode step runs when it takes a batch of any size (``any_batch``). ``limits``:
+    the largest bucket's rows (``max_segments``, ``max_q_rows``), the page table's width
+    (``max_pages_per_segment``) and the dtype, each kernel taking the ones it names."""
+    info = decode_kernel_info(backend)
+    limits = AttentionLimits.of(limits)
+    if (problem := info.cls.device_problem(device)) is not None:
+        raise ValueError(problem)
+    return info.cls(backend.spec, **_constructor_args(info, limits, device, None))
 
 
 def _constructor_args(info: BackendInfo, limits: AttentionLimits, device: torch.device | str,

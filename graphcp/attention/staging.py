@@ -23,6 +23,10 @@ which uploads its tile schedule from a per-wrapper pinned buffer with ``cudaMemc
 
 Tests pass a fake engine with the same four methods that defers every upload until a
 wait or a sync (``tests/fake_copy_engine.py``), so the race shows on the CPU.
+
+The other way, a decode step brings only its next-token ids (and stop flags) to the host,
+through :class:`PinnedDownload`: a non-blocking copy into a pinned buffer the caller waits
+for by polling an event (a watchdog bounds that wait), never a pageable ``.cpu()``.
 """
 
 from __future__ import annotations
@@ -104,3 +108,24 @@ class PinnedStaging:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
+
+
+class PinnedDownload:
+    """Small int64 device results to the host without a blocking copy (a decode step's
+    next tokens): :meth:`start` queues the copy into a pinned buffer (CUDA; on a CPU the
+    tensor is host memory already and comes back as is); the caller waits until the stream
+    ran it (an event recorded after the copy) before reading the returned view. The
+    buffer is reused: the next ``start`` comes after that wait."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def start(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t
+        n = t.numel()
+        if self._buf is None or self._buf.numel() < n:
+            self._buf = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+        host = self._buf[:n].view(t.shape)
+        host.copy_(t, non_blocking=True)
+        return host

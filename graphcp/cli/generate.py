@@ -17,6 +17,7 @@ import torch
 
 from graphcp.checks import check_output_path
 from graphcp.cli.commands import write_outputs
+from graphcp.cli.imported import check_files, check_import, imported_generate_job
 from graphcp.cli.requests import FileConversation, check_context
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
@@ -26,6 +27,7 @@ from graphcp.jobs.memory import check_local_ranks_fit, job_memory
 from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
 from graphcp.model.config import ModelConfig
+from graphcp.model.presets import resolve_model
 from graphcp.runtime.batch import check_vocabulary
 from graphcp.runtime.decode.generate import Conversation, stop_tokens
 from graphcp.runtime.stats import write_stats
@@ -62,16 +64,30 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     spec = job_spec(args)
+    imported = args.import_kv is not None
+    if imported:
+        check_import(spec)
     check_decode(spec)  # what the flags alone refuse, before the model (or a --draft) is read
-    convs = args.requests  # read with the flags (graphcp.cli.inputs)
+    convs = args.requests  # read with the flags (graphcp.cli.inputs): the KV files with --import-kv
     model = preflight(spec, args.moe, f"graphcp {args.command}")
+    if imported:
+        check_import(spec, model)
     check_decode(spec, model)
-    check_conversations(convs, args.max_new_tokens, model.vocab_size, model.max_position_embeddings)
     stop = tuple(sorted(stop_tokens(args.stop, model.vocab_size, "--stop")))
-    if args.memory_check:  # the prompts' prefill
-        check_local_ranks_fit(spec, job_memory(spec, [sum(len(t) for c in convs for t in c.turns)]))
-    res = run_job_on_ranks(generate_job, spec, convs, args.max_new_tokens, stop,
-                           args.save_logits, bool(args.stats))
+    if imported:
+        lengths = check_files(convs, resolve_model(spec.model, "--model"))
+        for f, n in zip(convs, lengths):
+            check_context(str(f), n + 1, model.max_position_embeddings, 1, args.max_new_tokens)
+        if args.memory_check:
+            check_local_ranks_fit(spec, job_memory(spec, [sum(lengths)]))
+        res = run_job_on_ranks(imported_generate_job, spec, convs, args.max_new_tokens, stop, args.save_logits,
+                               bool(args.stats))
+    else:
+        check_conversations(convs, args.max_new_tokens, model.vocab_size, model.max_position_embeddings)
+        if args.memory_check:  # the prompts' prefill
+            check_local_ranks_fit(spec, job_memory(spec, [sum(len(t) for c in convs for t in c.turns)]))
+        res = run_job_on_ranks(generate_job, spec, convs, args.max_new_tokens, stop,
+                               args.save_logits, bool(args.stats))
     out = {"tokens": res["tokens"], "finish": res["finish"]}
     if args.save_logits:
         out["logits"] = res["logits"]
@@ -80,7 +96,9 @@ def cmd_generate(args) -> int:
         files[args.stats] = lambda tmp: write_stats(tmp, res["stats"])
     write_outputs(files)
     made = sum(len(t) for r in res["tokens"] for t in r)
-    print(f"generated {made} tokens for {len(convs)} requests ({sum(len(c.turns) for c in convs)} turns) in "
+    what = (f"{len(convs)} imported requests" if imported else
+            f"{len(convs)} requests ({sum(len(c.turns) for c in convs)} turns)")
+    print(f"generated {made} tokens for {what} in "
           f"{res['steps']} decode steps on {spec.parallel.world_size} rank(s), {res['kv_cache']} KV cache, decode "
           f"path {'/'.join(res['paths']) or '-'} -> {args.output}" + (f" (stats: {args.stats})" if args.stats else ""))
     return 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from graphcp.cli.requests import parse_conversations, parse_requests
-from graphcp.errors import ConfigError
+from graphcp.cli.requests import kv_files, parse_conversations, parse_requests
+from graphcp.errors import ConfigError, InputError
 from graphcp.profile.batches import load_batches
 from graphcp.runtime.capture.buckets import BucketSet
 
@@ -21,7 +21,10 @@ def _requests(args: argparse.Namespace) -> None:
 
 
 def _conversations(args: argparse.Namespace) -> None:
-    args.requests = parse_conversations(args.input)
+    imported = getattr(args, "import_kv", None)
+    if (args.input is None) == (imported is None):
+        raise InputError("give --input REQUESTS.jsonl or --import-kv DIR (exactly one)")
+    args.requests = parse_conversations(args.input) if imported is None else kv_files(imported)
 
 
 def _batches(args: argparse.Namespace) -> None:

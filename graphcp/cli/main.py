@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "graphcp.cli.parsers:add_generate_parser"),
     "tune": ("choose bucket capacities for a workload", "graphcp.tune.cli:add_tune_parser"),
     "profile": ("profile a workload: per-rank traces and a range summary", "graphcp.cli.parsers:add_profile_parser"),
-    "pd-demo": ("prefill at CP N, hand the KV to a decode process, continue it with transformers",
+    "pd-demo": ("prefill at one shape, hand the KV to a graphcp decode engine of another, check the tokens",
                 "graphcp.cli.parsers:add_pd_demo_parser"),
     "gpu-check": ("the one-shot GPU check (kernels, graphs, timing, launches)",
                   "graphcp.gpucheck.cli:add_gpu_check_parser"),

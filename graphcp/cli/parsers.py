@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from graphcp.jobs.args import add_decode_args, add_draft_arg, add_runtime_args, bounded, int_list
+from graphcp.options import KV_CACHE_MODES
 
 #: what ``--help`` shows in place of the runtime flags in a command's usage line (they
 #: are listed, each with its default, under "options")
@@ -42,11 +43,14 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
 
 def add_generate_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="greedy generation of a JSONL file's requests and conversations",
-                       usage=f"graphcp generate --input REQUESTS.jsonl --output OUT.pt --max-new-tokens N [options] "
-                             f"{RUNTIME_FLAGS}")
-    p.add_argument("--input", required=True,
+                       usage=f"graphcp generate (--input REQUESTS.jsonl | --import-kv DIR) --output OUT.pt "
+                             f"--max-new-tokens N [options] {RUNTIME_FLAGS}")
+    p.add_argument("--input", default=None,
                    help='REQUESTS.jsonl: {"tokens": [...], "prefix": K} or {"turns": [[...], ...], '
                         '"max_new_tokens": N} a line')
+    p.add_argument("--import-kv", default=None, metavar="DIR",
+                   help="instead of --input: continue the requests whose KV `graphcp prefill --export-kv DIR` wrote "
+                        "(DIR/<i>.safetensors, any prefill shape), from their first tokens (docs/pd.md)")
     p.add_argument("--output", required=True, help="OUT.pt (torch.save dict: tokens, finish, logits)")
     p.add_argument("--max-new-tokens", type=bounded(int, 1), required=True, metavar="N",
                    help="tokens generated a turn, at most")
@@ -64,10 +68,16 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
 
 def add_pd_demo_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("pd-demo",
-                       help="prefill at CP N, hand the KV to a decode process, continue it with transformers",
-                       usage=f"graphcp pd-demo [--transport mooncake|file] [options] {RUNTIME_FLAGS}")
+                       help="prefill at one shape, hand the KV to a graphcp decode engine of another, check the tokens",
+                       usage=f"graphcp pd-demo [--transport mooncake|file] [--decode-cp 2] [options] {RUNTIME_FLAGS}")
     add_runtime_args(p, "breakable")
-    p.set_defaults(cp=2, func="graphcp.cli.pd_demo:cmd_pd_demo")
+    p.set_defaults(cp=4, kv_cache="sharded", func="graphcp.cli.pd_demo:cmd_pd_demo")
+    p.add_argument("--decode-cp", type=bounded(int, 1), default=2,
+                   help="the decode engine's CP ranks (the runtime flags' --cp, --tp, --pp, --dp are the prefill's; "
+                        "default: %(default)s)")
+    p.add_argument("--decode-kv-cache", default=None, choices=KV_CACHE_MODES,
+                   help="the decode engine's cache mode (default: sharded, or the first of layer-split, replicated "
+                        "the model decodes on)")
     p.add_argument("--transport", default=None, choices=("mooncake", "file"),
                    help="mooncake: the transfer engine on loopback TCP (the .[pd] extra); file: a safetensors file "
                         "(default: mooncake where it imports, else file)")

@@ -124,3 +124,21 @@ def conversation_line(where: str, d) -> FileConversation:
 
 def parse_conversations(path: str | Path) -> list[FileConversation]:
     return parse_lines(path, conversation_line)
+
+
+def kv_files(folder: str | Path) -> list[Path]:
+    """``folder/0.safetensors``, ``1.safetensors``, ... (what ``graphcp prefill --export-kv``
+    writes), in request order; InputError naming the folder when it holds none, or a gap."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"--import-kv {folder}: not a folder")
+    found = {p.stem: p for p in folder.glob("*.safetensors")}
+    if not found:
+        raise InputError(f"--import-kv {folder}: no <i>.safetensors file (what graphcp prefill --export-kv writes)")
+    files = []
+    while str(len(files)) in found:
+        files.append(found.pop(str(len(files))))
+    if found:
+        raise InputError(f"--import-kv {folder}: {sorted(found)[0]}.safetensors does not follow 0.safetensors .. "
+                         f"{len(files) - 1}.safetensors (one file a request, numbered from 0)")
+    return files

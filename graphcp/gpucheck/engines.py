@@ -143,7 +143,7 @@ def _check_draft(engine: PrefillEngine, st: Settings, row: dict) -> None:
     _judge_prefill(row, outs[False].draft.logits, outs[True].draft.logits, row["dtype"])
 
 
-def _decode(engine: PrefillEngine, toks: tuple, tokens: np.ndarray, eager: bool) -> tuple[list, list, list]:
+def decode_steps(engine: PrefillEngine, toks: tuple, tokens: np.ndarray, eager: bool) -> tuple[list, list, list]:
     """Prefill ``toks``, then one step a row of ``tokens``; each step's logits, info and
     wall time (every handle released)."""
     handles = engine.prefill([Request(t) for t in toks]).handles
@@ -151,7 +151,7 @@ def _decode(engine: PrefillEngine, toks: tuple, tokens: np.ndarray, eager: bool)
     try:
         for step_tokens in tokens:
             t0 = time.perf_counter()
-            step = engine.decode(handles, step_tokens, force_eager=eager)
+            step = engine.decode(handles, step_tokens, force_eager=eager, logits=True)  # compared below
             times.append(time.perf_counter() - t0)
             handles = step.handles
             logits.append(step.logits)
@@ -162,12 +162,15 @@ def _decode(engine: PrefillEngine, toks: tuple, tokens: np.ndarray, eager: bool)
     return logits, infos, times
 
 
-def _check_decode(engine: PrefillEngine, st: Settings, row: dict) -> None:
+def check_decode(engine: PrefillEngine, st: Settings, row: dict) -> None:
+    """A few steps of a batch on the decode graphs, the first replay of each bucket
+    self-checked, then eagerly: the steps' logits within the run's bound (graphcp.gpucheck.hybrid's
+    decode row too)."""
     toks = _tokens(engine, st)
     tokens = np.random.default_rng(st.seed + 11).integers(0, engine.cfg.vocab_size, (DECODE_STEPS, len(toks)))
     batch = {"batch": f"{len(toks)} requests x {DECODE_STEPS} steps"}
     try:
-        graph, infos, graph_s = _decode(engine, toks, tokens, False)
+        graph, infos, graph_s = decode_steps(engine, toks, tokens, False)
     except CaptureError as e:  # the self-check of a first replay: a difference
         row["batches"] = [{**batch, "bitwise_equal": False, "status": "fail", "error": str(e)}]
         judge_batches(row)
@@ -177,7 +180,7 @@ def _check_decode(engine: PrefillEngine, st: Settings, row: dict) -> None:
     same = bool(buckets) and all(any(b == c for c, _ in checked) for b in buckets)
     row["batches"] = [{**batch, "bucket": buckets, "bitwise_equal": same, "status": "pass" if same else "fail"}]
     judge_batches(row)
-    eager, _, eager_s = _decode(engine, toks, tokens, True)
+    eager, _, eager_s = decode_steps(engine, toks, tokens, True)
     paths = {i.path for i in infos}
     row.update(ran="graph" if paths == {"graph"} else "eager", launches_per_step=infos[-1].stats.get("launches"),
                graph_step_ms=1e3 * float(np.median(graph_s[1:])), eager_step_ms=1e3 * float(np.median(eager_s[1:])))
@@ -242,5 +245,5 @@ def check_engines(st: Settings, budget: Budget, available: list[str]) -> list[di
            "batches": []}
     rows.append(row)
     run_row(row, budget, device, lambda: _engine(st, target, st.timing_dtype, "breakable", attention, True),
-            _check_decode, st)
+            check_decode, st)
     return rows

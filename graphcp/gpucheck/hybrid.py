@@ -20,6 +20,12 @@ variant the warm-up does not). One row a dtype (float32, then bfloat16), each:
   :data:`KERNEL_SLACK`: both round to bfloat16, each its own way). On the torch kernels
   alone the distances are reported: bfloat16 is ~5e-2 from float32 on this model, and
   transformers' bfloat16 as far from its float32.
+
+Then decode (the timing dtype): a few steps of a batch on the decode graphs, each bucket's
+first replay self-checked (the linear layers' steps inside the graph), and eagerly
+(:func:`graphcp.gpucheck.engines.check_decode`); where the step's kernels are not the torch
+ones (fla's fused recurrent rule, causal-conv1d's update: ``step_kernels``), the eager steps
+again on the torch step kernels, within :data:`RUN_TOLERANCE` of them.
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ import torch
 
 from graphcp.config import RuntimeConfig
 from graphcp.gpucheck.budget import Budget
-from graphcp.gpucheck.engines import check_model, run_row
+from graphcp.gpucheck.engines import DECODE_STEPS, check_decode, check_model, decode_steps, run_row
 from graphcp.gpucheck.settings import Settings
 from graphcp.jobs.tolerance import RUN_TOLERANCE
 from graphcp.model.hybrid import kernels as linear_kernels
 from graphcp.model.hybrid.exchange import HybridExchange
+from graphcp.model.hybrid.step_kernels import TORCH_STEP
 from graphcp.model.presets import ensure_preset
 from graphcp.runtime.batch import Request
 from graphcp.runtime.capture.buckets import BucketSet
@@ -105,8 +112,33 @@ def _judge_kernels(engine: PrefillEngine, st: Settings, row: dict, reference: di
         row.update(status="fail", error=why)
 
 
+def _check_decode(engine: PrefillEngine, st: Settings, row: dict) -> None:
+    """The decode row (module doc): the graph and eager steps, then the step kernels
+    against the torch ones."""
+    check_decode(engine, st, row)
+    ex = _exchange(engine)
+    row["step_kernels"] = ex.decode.kernels.name
+    if row["step_kernels"] == "torch":
+        return
+    rng = np.random.default_rng(st.seed + 17)
+    toks = tuple(rng.integers(0, engine.cfg.vocab_size, n) for n in st.hybrid_batch[1:4])
+    tokens = rng.integers(0, engine.cfg.vocab_size, (DECODE_STEPS, len(toks)))
+    got = torch.cat(decode_steps(engine, toks, tokens, True)[0])
+    chosen, ex.decode.kernels = ex.decode.kernels, TORCH_STEP
+    try:
+        want = torch.cat(decode_steps(engine, toks, tokens, True)[0])
+    finally:
+        ex.decode.kernels = chosen
+    diff, bound = _rel(got.float(), want.float()), RUN_TOLERANCE[row["dtype"]]
+    row.update(step_kernels_rel_diff_vs_torch=diff, step_kernels_bound=bound)
+    if diff > bound and row["status"] == "pass":
+        row.update(status="fail", error=f"{row['step_kernels']} steps differ from the torch step kernels' by "
+                                        f"{diff:.3g} (bound {bound:g})")
+
+
 def check_hybrid(st: Settings, budget: Budget) -> list[dict]:
-    """One row a dtype of ``st.hybrid_dtypes`` (float32 first: the reference)."""
+    """One row a dtype of ``st.hybrid_dtypes`` (float32 first: the reference), then the
+    decode row (the timing dtype)."""
     device = torch.device(st.device)
     rows: list[dict] = []
     reference: dict[str, torch.Tensor] = {}
@@ -119,4 +151,8 @@ def check_hybrid(st: Settings, budget: Budget) -> list[dict]:
             _judge_kernels(engine, st, row, reference)
 
         run_row(row, budget, device, lambda d=dtype: _engine(st, d), check, st)
+    row = {"engine": f"{PRESET} decode", "dtype": st.timing_dtype, "graph": "breakable", "status": "pending",
+           "batches": []}
+    rows.append(row)
+    run_row(row, budget, device, lambda: _engine(st, st.timing_dtype), _check_decode, st)
     return rows

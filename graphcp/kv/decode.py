@@ -30,10 +30,25 @@ class DecodeSlots:
     holder: np.ndarray  # int64 [B]: the rank that stores the new token (EVERY_RANK: all of them)
     local_lens: np.ndarray  # int64 [B]: the request's tokens this rank holds after the step
     slots: np.ndarray  # int64 [B]: this rank's cache slot of the new token, -1 where another rank stores it
+    #: int64 [2, B]: each request's state slot the step reads and the one it writes (None: a
+    #: storage without per-request state)
+    states: np.ndarray | None = None
 
     @property
     def num_requests(self) -> int:
         return len(self.seq_ids)
+
+
+def state_rows(states: np.ndarray | None, capacity: int, out: np.ndarray) -> np.ndarray:
+    """``out`` [2, capacity]: a step's (read, write) state slots (``states`` [2, B], None:
+    no live row) padded to ``capacity`` rows. A padding row reads and writes one slot that
+    no live row writes (the first request's read slot; slot 0 with no live row): a step
+    keeps a row whose two slots are the same as it was, so padding changes nothing."""
+    B = 0 if states is None else states.shape[1]
+    if B:
+        out[:, :B] = states
+    out[:, B:] = states[0, 0] if B else 0
+    return out
 
 
 def decode_owner(held: np.ndarray, positions: np.ndarray) -> np.ndarray:

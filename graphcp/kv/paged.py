@@ -19,6 +19,7 @@ layer's pools, and an export's spans and reads, which a placement cuts and a sto
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import groupby
 from operator import attrgetter
 from typing import Callable
@@ -55,8 +56,6 @@ class PagedKVCache:
     handle: Callable[[int], KVHandle]
     release: Callable[[KVHandle], None]
     snapshot: Callable[[], tuple]
-    reserve_decode: Callable[[list, np.ndarray], DecodeSlots]
-    rollback_decode: Callable[[DecodeSlots], None]
     most_held: Callable[[np.ndarray], int]
     rows_bound: Callable[[int], int]
     stored_tokens_of: Callable[[int, int, int], int]
@@ -89,7 +88,7 @@ class PagedKVCache:
         p = placement
         self.check_handle, self.prefix_rows = p.checks.check_handle, p.checks.prefix_rows
         self.handle, self.release, self.snapshot = p.handle, p.release, p.snapshot
-        self.reserve_decode, self.rollback_decode, self.most_held = p.reserve_decode, p.rollback_decode, p.most_held
+        self.most_held = p.most_held
         self.rows_bound, self.stored_tokens_of, self.prefix_pages = p.rows_bound, p.stored_tokens_of, p.prefix_pages
         self.attention_holder, self.local_index = p.attention_holder, p.local_index
         s = storage
@@ -132,6 +131,27 @@ class PagedKVCache:
         rows = self.table_rows(seq_ids)
         self.placement.rollback(seq_ids, new_tokens)
         states.undo(rows)
+
+    def reserve_decode(self, handles: "list[KVHandle]", rows: np.ndarray) -> DecodeSlots:
+        """One more token of each live request (``rows``: their prefix rows), where the
+        placement puts it (graphcp.kv.decode), all or nothing; a storage's per-request
+        states taken as a prefill's reservation takes them (the step's ``states``)."""
+        step = self.placement.reserve_decode(handles, rows)
+        states = self._states
+        if states is None:
+            return step
+        refused = states.admit(step.rows)
+        if refused is not None:
+            self.placement.rollback_decode(step)
+            raise refused
+        return replace(step, states=states.step_slots(step.rows))
+
+    def rollback_decode(self, step: DecodeSlots) -> None:
+        """Undo :meth:`reserve_decode` (the step's forward failed): each request one token
+        shorter, its states the ones it read."""
+        self.placement.rollback_decode(step)
+        if self._states is not None:
+            self._states.undo(step.rows)
 
     @property
     def num_free_pages(self) -> int:
@@ -199,3 +219,18 @@ class PagedKVCache:
             return self.storage.read_state(int(self.table_rows([handle.seq_id])[0]), span.layer)
         start = self.local_index(handle, span.start)
         return self.storage.read_span(handle.pages, span.layer, start, start + span.num_tokens)
+
+    # ---- import (PrefillEngine.import_kv: the export's reads, inverted) --------------
+    def write_import(self, handle: KVHandle, layer: int, values: tuple[torch.Tensor, ...]) -> None:
+        """Store an imported request's ``layer`` (one this rank keeps: ``storage.held``):
+        ``values`` are the export format's tensors of the positions this rank holds
+        (``handle.positions(rank)``, in local order), or of a per-request state layer
+        whole; the request was just reserved (``handle`` is live)."""
+        row = int(self.table_rows([handle.seq_id])[0])
+        if layer in self.storage.state_layers:
+            self.storage.write_state(row, layer, values)
+            return
+        n = handle.local_tokens(self.rank)
+        slots = self.run_slots(np.array([row], dtype=np.int64), np.arange(n, dtype=np.int64),
+                               np.array([n], dtype=np.int64))
+        self.storage.write_span(layer, values, torch.from_numpy(slots).to(self.pool.device))

@@ -6,10 +6,13 @@ step's), and counts the bytes it received into the forward's stats.
 - ``begin_forward`` (the body's first step), ``store_kv`` / ``store_rows`` (inside a
   captured segment): what the mode's exchange does (the all-gather, or a rank's own write);
 - ``fetch_prefix`` and ``attend`` (the attention break): the cached prefix a cache that
-  does not keep every layer fetches, then the backend over the cache, or the ring.
+  does not keep every layer fetches, then the backend over the cache, or the ring;
+  ``attend_own``: a family's own attention over its cache, where the phase runs it.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Sequence
 
 import torch
 
@@ -36,3 +39,10 @@ def fetch_prefix(ctx: ForwardContext, layer: int) -> None:
 
 def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
     ctx.add_received(ctx.kv.attend(layer, q, out))
+
+
+def attend_own(ctx: ForwardContext, layer: int, run: Callable[[], None], outs: Sequence[torch.Tensor]) -> None:
+    """A family's own attention of one layer (``run()`` writes ``outs``), where the
+    forward's phase runs it: a prefill after fetching the cached prefix its cache lacks;
+    a decode step on every rank, or on the layer's one holder, which broadcasts ``outs``."""
+    ctx.add_received(ctx.kv.attend_own(layer, run, outs))

@@ -5,7 +5,7 @@ and a receiver never hands out a request it did not receive whole."""
 
 from __future__ import annotations
 
-from graphcp.errors import GraphcpError
+from graphcp.errors import GraphcpError, InputError
 
 
 class TransferError(GraphcpError, RuntimeError):
@@ -36,3 +36,8 @@ class TransferTimeout(TransferError):
 
 class SenderDied(TransferError):
     """Receiver side: a sender rank's connection closed before it finished its part."""
+
+
+class KVImportError(InputError):
+    """``PrefillEngine.import_kv`` refused a payload (another model, format or dtype, a
+    shape this engine cannot place); nothing was changed. Bad input: exit code 2."""

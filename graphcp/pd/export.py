@@ -100,6 +100,12 @@ class KVMeta(TensorLayout):
         H = self.num_kv_heads
         return (gathered if gathered.shape[0] == H else gathered[:: size // H]).contiguous()
 
+    def take_heads(self, layer: int, name: str, whole: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+        """Attention-TP rank ``rank``'s KV heads of ``whole`` ``[num_kv_heads, tokens,
+        head_dim]`` (graphcp.model.heads: an even share, or the one head its query heads
+        read when the model has fewer KV heads than ranks)."""
+        return take_kv_heads(whole, self.num_kv_heads, size, rank)
+
     @property
     def tensor_bytes(self) -> int:
         return self.num_kv_heads * self.num_tokens * self.head_dim * self.torch_dtype.itemsize
@@ -139,6 +145,16 @@ class KVMeta(TensorLayout):
             return cls(**ints, dtype=str(d["dtype"]), fingerprint=str(d["fingerprint"]), format=str(d["format"]))
         except KVFormatError as e:
             raise KVFormatError(f"{source}: {e}") from None
+
+
+def take_kv_heads(whole: torch.Tensor, num_kv_heads: int, size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank`` of ``size``'s KV heads of ``whole`` (heads along dim 0), as
+    graphcp.model.heads.head_shard gives them (the inverse of ``KVMeta.merge_heads``)."""
+    if num_kv_heads >= size:
+        n = num_kv_heads // size
+        return whole[rank * n:(rank + 1) * n]
+    first = rank * num_kv_heads // size
+    return whole[first:first + 1]
 
 
 @dataclass
@@ -294,6 +310,35 @@ def gather_stages(out: list[dict[str, torch.Tensor]] | None, meta, stage_layers:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             world.recv_(buf, src)
             _unpack_layers(out, layers, buf, meta)
+
+
+def send_export(out: list[dict[str, torch.Tensor]] | None, meta, world: CPGroup, src: int, dst: int | None,
+                device: torch.device) -> list[dict[str, torch.Tensor]] | None:
+    """A whole export that rank ``src`` of ``world`` holds (``out``) to rank ``dst``, or to
+    every rank (``dst`` None), in one message (a send, or a broadcast); what this rank
+    holds after (None where it receives nothing). Every rank calls it."""
+    if dst == src:
+        return out if world.rank == src else None
+    layers = range(meta.num_layers)
+    nbytes = sum(meta.nbytes_of(i, n) for i, n in meta.tensors())
+    if world.rank == src:
+        buf = _pack(out, layers, meta)
+        if dst is None:
+            world.broadcast_(buf, src)
+        else:
+            world.send(buf, dst)
+        return out if dst is None else None
+    if dst is not None and world.rank != dst:
+        return None
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if dst is None:
+        world.broadcast_(buf, src)
+    else:
+        world.recv_(buf, src)
+    got = [{n: torch.empty(meta.tensor_shape(i, n), dtype=meta.tensor_dtype(i, n), device=device)
+            for n in meta.layer_tensors(i)} for i in layers]
+    _unpack_layers(got, layers, buf, meta)
+    return got
 
 
 def _as_bytes(tensors) -> torch.Tensor:

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from graphcp.pd.errors import KVImportError
+
 
 class TensorLayout:
     """Mixed into a format's metadata (a frozen dataclass with ``num_layers``,
@@ -51,6 +53,13 @@ class TensorLayout:
         """Tensor ``name``'s dtype: the model's, unless a format keeps a tensor in another
         (float32 gates beside model-dtype rows)."""
         return self.torch_dtype
+
+    def take_heads(self, layer: int, name: str, whole: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+        """Attention-TP rank ``rank`` of ``size``'s share of tensor ``name`` of ``layer`` (the
+        whole model's: the inverse of ``merge_heads``), what an import places on that rank;
+        a format that splits no heads says so (KVImportError)."""
+        raise KVImportError(f"import_kv: format {getattr(self, 'format', '?')!r} has no attention-TP share of its "
+                            f"tensors; import it into an engine with attention TP 1")
 
     def tensors(self) -> list[tuple[int, str]]:
         """Every ``(layer, name)`` in the flat layout's order."""

@@ -66,7 +66,9 @@ class KVSender:
                               f"{engine.world_rank} of {engine.world.size}: give each sender its engine's "
                               "world_rank and world.size (every rank of every pipeline stage sends its part)")
         for h in handles:
-            engine.parts.kv.check_handle(h)
+            local = _local(h)
+            if local is not None:
+                engine.parts.kv.check_handle(local)
         for h, rid in zip(handles, request_ids):
             self._send_one(engine, h, str(rid))
         for rid in request_ids:
@@ -101,8 +103,9 @@ class KVSender:
         # the spans this rank owns in its CP group (under pipeline stages: of its stage's layers)
         source = engine.parts.kv_source  # the cache, or what reads a family's cache state
         heads = _heads_written(engine, meta)
-        mine = [s for s in source.kv_spans(handle, engine.parts.group.size) if s.owner == engine.rank] \
-            if heads != (0, 0) else []
+        local = _local(handle)  # (under attention DP: None on the ranks of the replicas that do not hold it)
+        mine = [s for s in source.kv_spans(local, engine.parts.group.size) if s.owner == engine.rank] \
+            if heads != (0, 0) and local is not None else []
         self.channel.send(op="open", id=rid, rank=self.rank, senders=self.cp_size, meta=meta.to_dict())
         base = int(self._reply(rid, ("region", "refused", "failed"), "region")["addr"])
         staging = self._stage(sum(meta.nbytes_of(s.layer, n, s.num_tokens) for s in mine
@@ -110,7 +113,7 @@ class KVSender:
         src, dst, lengths = [], [], []
         pos = 0
         for span in mine:
-            for name, t in zip(meta.layer_tensors(span.layer), source.read_span(handle, span)):
+            for name, t in zip(meta.layer_tensors(span.layer), source.read_span(local, span)):
                 dtype = meta.tensor_dtype(span.layer, name)  # bytes: a format may mix dtypes (float32 gates)
                 nb = t.numel() * dtype.itemsize
                 staging[pos:pos + nb].copy_(t.to(dtype).contiguous().view(-1).view(torch.uint8))
@@ -147,6 +150,12 @@ class KVSender:
             self._staging = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
             self._staging_addr = self.engine.register(self._staging)
         return self._staging
+
+
+def _local(handle):
+    """This rank's cache handle of a request: the handle, or under attention DP its
+    ReplicaHandle's ``local`` (None on a rank of another replica: it writes nothing)."""
+    return getattr(handle, "local", handle)
 
 
 def _heads_written(engine, meta) -> tuple[int, int] | None:

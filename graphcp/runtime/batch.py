@@ -101,11 +101,16 @@ class PrefillOutput:
 
 @dataclass
 class DecodeOutput:
-    """One decode step's outputs (``PrefillEngine.decode``; docs/decode.md)."""
+    """One decode step's outputs (``PrefillEngine.decode``; docs/decode.md): what reaches
+    the host is the next tokens (greedy, chosen on the device); the logits only when asked."""
 
-    logits: torch.Tensor  # float32 [B, vocab]: each request's next-token logits, identical on every rank
+    tokens: np.ndarray  # int64 [B]: each request's greedy next token (argmax of its logits), the same on every rank
     handles: list[KVHandle]  # each request's KV, one token longer: pass them to the next step
     info: ForwardInfo
+    #: float32 [B, vocab], each request's next-token logits (``logits=True``; None otherwise)
+    logits: torch.Tensor | None = None
+    #: bool [B], whether each next token is one of the step's ``stop`` tokens (None: none given)
+    stopped: np.ndarray | None = None
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ all-reduces its partial sums: ReplicatedRows).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from graphcp.attention.kv_exchange import KVExchange, KVForward
 from graphcp.attention.phase import DECODE, PREFILL, Phase
 from graphcp.attention.staging import to_device
 from graphcp.dist import CPGroup
+from graphcp.kv.decode import state_rows
 from graphcp.kv.paged import PagedKVCache
 from graphcp.model.communicator import LayerCommunicator, ReplicatedRows
 from graphcp.model.forward_context import AuxCapture, ForwardContext, StaticInputs
@@ -47,12 +49,25 @@ class Body:
     #: how a decode step over a cache whose ranks hold parts of each request merges
     #: (RuntimeConfig.decode_merge)
     decode_merge: str = "auto"
+    #: makes what an eager decode step attends with, on the first decode step (an engine
+    #: that never decodes builds none): the attention backend's decode kernel when it takes
+    #: a batch of any size (graphcp.attention.base.DecodeKernel; decode graphs capture the
+    #: same one), else None: the attention backend
+    make_decode_attention: Callable[[], Attention | None] | None = None
 
     def __post_init__(self) -> None:
         c = LayerCommunicator.of(self.comm or self.group)
         #: each phase's row layout: a decode step's rows are the same on every rank
         self.comms: dict[Phase, LayerCommunicator | None] = {
             PREFILL: self.comm, DECODE: ReplicatedRows(c.cp, c.attn_tp, c.ffn, c.dp)}
+        self._decode_attention: Attention | None = None
+
+    @property
+    def decode_attention(self) -> Attention | None:
+        """What an eager decode step attends with (see ``make_decode_attention``), made once."""
+        if self.make_decode_attention is not None:
+            self._decode_attention, self.make_decode_attention = self.make_decode_attention(), None
+        return self._decode_attention
 
     def plan_decode(self, rows: int) -> Any:
         """The exchange's decode plan of a step of ``rows`` rows (how it merges)."""
@@ -79,7 +94,7 @@ class Body:
 
     def context(self, prep: PreparedBatch | None, slots: torch.Tensor, static=None, *, phase: Phase = PREFILL,
                 meta: AttentionMetadata | None = None, attention: Attention | None = None, stats: dict | None = None,
-                aux: AuxCapture | None = None) -> ForwardContext:
+                aux: AuxCapture | None = None, state_slots: torch.Tensor | None = None) -> ForwardContext:
         """The context of one forward of ``prep`` (None: an inert batch of ``phase``, as a
         capture runs) on this rank's ``slots``, after the attention backend's host-side
         planning of the batch and the exchange's. ``static``: a bucket's static views,
@@ -88,15 +103,20 @@ class Body:
         or a capture's); ``attention``: the backend when it is not the engine's (a decode
         graph's, over its static metadata); ``stats``: this forward's ForwardInfo.stats,
         given the figures a prefill's row count fixes here (breaks add the rest as they
-        run); ``aux``: where the forward copies auxiliary hidden states."""
+        run); ``aux``: where the forward copies auxiliary hidden states; ``state_slots``: a
+        decode step's per-request state slots on a storage with states (KVForward.state_slots)."""
         if prep is not None:
             phase = prep.phase
         live = prep.meta if prep is not None else meta
-        backend = self.attention if attention is None else attention
+        if attention is not None:
+            backend = attention
+        else:
+            eager = self.decode_attention if phase == DECODE else None
+            backend = self.attention if eager is None else eager
         self._plan_attention(backend, live, prep)
         fwd = KVForward(self.kv, self.exchange, self.group, backend, live if meta is None else meta, slots,
                         prep.kv_plan if prep is not None else self.inert_plan(phase, slots.shape[0]),
-                        self._prefix_pages(prep), phase)
+                        self._prefix_pages(prep), phase, state_slots=state_slots)
         fwd.prepare()
         inputs = StaticInputs(live_rows=live.num_q_rows) if static is None else static.inputs(live.num_q_rows)
         if stats is not None and phase == PREFILL:  # (a decode step's replicated rows: none)
@@ -116,8 +136,12 @@ class Body:
         return None if pages is None else to_device(pages, self.device)
 
     def requests(self, batch: PreparedBatch) -> BatchRequests:
-        """Every request of a prepared batch: lengths and pages (the same on every rank)."""
-        return BatchRequests(batch.plan.prefix_lens, batch.plan.extend_lens, self.kv.page_table(batch.seq_ids))
+        """Every request of a prepared batch: lengths and pages (the same on every rank); a
+        decode step's: one new token after each request's ``positions``."""
+        pages = self.kv.page_table(batch.seq_ids)
+        if batch.phase == DECODE:
+            return BatchRequests(batch.positions, np.ones_like(batch.positions), pages)
+        return BatchRequests(batch.plan.prefix_lens, batch.plan.extend_lens, pages)
 
     def run(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor,
             hidden_in: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,15 +156,20 @@ class Body:
         rows), padded as a bucket is: token 0, position 0, slot -1 (and zero input
         rows on a later pipeline stage, whose live rows are ``hidden_in``)."""
         n = prep.ids.shape[0]
-        rows = np.zeros((3, capacity), dtype=np.int64)  # ids, positions, slots: one upload
+        states = None if prep.decode is None else prep.decode.states
+        # ids, positions, slots (and a decode step's state slots): one upload
+        rows = np.zeros((3 if states is None else 5, capacity), dtype=np.int64)
         rows[2, n:] = -1
         rows[0, :n], rows[1, :n], rows[2, :n] = prep.ids, prep.positions, prep.slots
+        if states is not None:
+            state_rows(states, capacity, rows[3:])
         dev = self.device
         if hidden_in is not None and hidden_in.shape[0] != capacity:
             padded = torch.zeros(capacity, hidden_in.shape[1], dtype=hidden_in.dtype, device=dev)
             padded[:n].copy_(hidden_in[:n])
             hidden_in = padded
         with nvtx_range("eager_body", category="eager"):
-            ids, pos, slots = to_device(rows, dev)
-            ctx = self.context(prep, slots, stats=prep.stats, aux=aux)
+            up = to_device(rows, dev)
+            ids, pos, slots = up[0], up[1], up[2]
+            ctx = self.context(prep, slots, stats=prep.stats, aux=aux, state_slots=None if states is None else up[3:])
             return self.run(ctx, ids, pos, hidden_in)

@@ -15,7 +15,12 @@ import torch
 
 from graphcp.attention.base import Attention
 from graphcp.attention.kv_exchange import KVExchange, make_exchange
-from graphcp.attention.registry import AttentionLimits, preallocates_per_request
+from graphcp.attention.registry import (
+    AttentionLimits,
+    make_decode_attention,
+    preallocates_per_request,
+    registered_decode_kernel,
+)
 from graphcp.attention.ring.hardware import HardwareSpec
 from graphcp.attention.ring.plan import RingPlanner
 from graphcp.checks import check_layer_list
@@ -119,7 +124,8 @@ def build_parts(model: str | Path, rt: RuntimeConfig, group: CPGroup, buckets: B
     kv = _make_cache(family, cfg, net, rt, mesh.cp, device, draft is not None)
     attention, exchange = _make_attention(family, cfg, net, rt, kv, mesh.cp, device, buckets)
     body = Body(net, attention, kv, mesh.cp, device, exchange,
-                LayerCommunicator(mesh.cp, mesh.attn_tp, mesh.ffn, mesh.dp), rt.decode_merge)
+                LayerCommunicator(mesh.cp, mesh.attn_tp, mesh.ffn, mesh.dp), rt.decode_merge,
+                lambda: _eager_decode_attention(attention, device))
     preparer = _make_preparer(layout, kv, mesh, pipeline, parallel, rt, cfg, device, attention, exchange)
     runner, drafter = _make_graphs(body, preparer, buckets, rt, cfg, draft)
     recorder = Recorder(exchange, len(net.stage.layers))
@@ -192,6 +198,15 @@ def _make_attention(family: ModelFamily, cfg: ModelConfig, model: DecoderModel, 
         lambda: RingPlanner(rt.exchange, acfg.num_heads, acfg.num_kv_heads, cfg.head_dim, rt.torch_dtype.itemsize,
                             HardwareSpec(rt.peak_tflops, rt.link_gb_per_s)))
     return attention, exchange
+
+
+def _eager_decode_attention(attention: Attention, device: torch.device) -> Attention | None:
+    """The decode kernel of a registered attention backend that takes a batch of any size
+    (Triton's, the torch reference's): what an eager decode step attends with. None for a
+    family's own backend and for a kernel sized per bucket (FlashInfer's, trtllm's): an
+    eager step then runs the attention backend itself."""
+    info = registered_decode_kernel(attention)
+    return make_decode_attention(attention, device) if info is not None and info.cls.any_batch else None
 
 
 def _attention_limits(rt: RuntimeConfig, kv: PagedKVCache, group: CPGroup, buckets: BucketSet,

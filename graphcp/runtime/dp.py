@@ -60,6 +60,18 @@ class ReplicaHandle:
     local: KVHandle | None = None
 
 
+def check_replica_handle(h: ReplicaHandle, replica: int, replicas: int) -> None:
+    """KVHandleError unless ``h`` names one of the ``replicas`` and carries this rank's
+    cache handle where this rank (of ``replica``) is in the replica that holds it."""
+    if not 0 <= h.replica < replicas:
+        raise KVHandleError(f"a ReplicaHandle of replica {h.replica}: this engine has {replicas} attention-DP "
+                            "replicas")
+    if (h.local is None) != (h.replica != replica):
+        raise KVHandleError(f"a ReplicaHandle of replica {h.replica} passed to a rank of replica {replica} "
+                            f"{'without' if h.local is None else 'with'} its local handle; pass each rank the "
+                            "handles its own engine returned")
+
+
 def causal_work(new: int, cached: int) -> int:
     """Query-key pairs of causal attention over ``new`` tokens after ``cached`` ones."""
     return new * (new + 1) // 2 + new * cached

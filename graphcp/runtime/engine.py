@@ -37,11 +37,12 @@ from graphcp.nvtx_ranges import nvtx_range
 from graphcp.runtime.batch import DecodeOutput, PrefillOutput, Request
 from graphcp.runtime.build import EngineParts, build_parts
 from graphcp.runtime.capture.buckets import BucketSet
-from graphcp.runtime.decode.generate import GenerateOutput, generate
+from graphcp.runtime.decode.generate import GenerateOutput, generate, stop_tokens
 from graphcp.runtime.dp import DataParallelPrefill, ReplicaHandle
 from graphcp.runtime.draft import draft_next_tokens
 from graphcp.runtime.export import Exporter
 from graphcp.runtime.forward import ForwardDriver, ForwardParts, PrefillCall, SingleForward
+from graphcp.runtime.import_kv import Importer
 from graphcp.runtime.outputs import OutputHead
 from graphcp.runtime.pp.prefill import MicrobatchedPrefill
 
@@ -98,6 +99,7 @@ class PrefillEngine:
             fw, stage, p.pipeline, p.parallel.stage_layers(p.cfg.num_layers), p.cfg.hidden_size, p.cfg.vocab_size,
             p.model.dtype, p.device, p.model.handoff_size)
         self._exporter = Exporter(p)
+        self._importer = Importer(p, self._exporter)
         self._decode = p.decoder.decode  # (bound once: a decode step's call)
 
     # ---- public API -------------------------------------------------------------
@@ -149,14 +151,33 @@ class PrefillEngine:
         Under attention TP each head shard is assembled over its CP group, then the heads
         are gathered over attention TP (graphcp.pd.heads); under pipeline stages each
         stage assembles its own layers, then each stage's layers travel to the receivers
-        in one message (graphcp.pd.export.gather_stages)."""
+        in one message (graphcp.pd.export.gather_stages); under attention DP (a ReplicaHandle)
+        the replica that holds the request assembles it, then sends it to ``dst`` or
+        broadcasts it in one message (graphcp.pd.export.send_export)."""
         return self._exporter.export(handle, dst)
 
     def export_kv_batch(self, handles: Sequence[KVHandle], dst: int | None = None) -> list:
         """:meth:`export_kv` for each handle, in order (all handles checked first)."""
         for h in handles:
-            self.parts.kv.check_handle(h)
+            self._exporter.check_handle(h)
         return [self.export_kv(h, dst) for h in handles]
+
+    @torch.inference_mode()
+    def import_kv(self, exported) -> KVHandle | ReplicaHandle:
+        """One request's KV exported by any graphcp engine of this model (any CP size,
+        cache mode, attention TP, pipeline split or attention DP: what ``export_kv``,
+        ``graphcp.read_kv`` or a ``KVReceiver`` gives; or a file's path), placed in this
+        engine's cache as if this engine had prefilled the request: each rank stores what
+        its cache mode assigns it (the token-sharded cache's zigzag share with the ledger
+        to match, a layer-split rank its layers, every rank under the replicated cache),
+        its heads under attention TP, its stage's layers under pipeline stages. Every rank
+        of the engine calls it with the same payload (SPMD) and gets the handle (under
+        attention DP a ReplicaHandle: the replica with the most free pages holds it), which
+        ``decode``, ``generate`` and a next turn's ``prefill(prefix=...)`` accept. The
+        payload's ``last_logits`` give the first decode step's token: no recompute.
+        Refused with nothing changed: another model, format or dtype (KVImportError, one
+        line), a full pool (KVCacheFull). docs/pd.md, "Import"."""
+        return self._importer.import_kv(exported)
 
     @torch.inference_mode()
     def prefill(self, batch: Sequence[Request], all_logits: bool = False, force_eager: bool = False,
@@ -182,18 +203,23 @@ class PrefillEngine:
             return out
 
     @torch.inference_mode()
-    def decode(self, handles: Sequence[KVHandle], tokens, force_eager: bool = False) -> DecodeOutput:
+    def decode(self, handles: Sequence[KVHandle], tokens, force_eager: bool = False, logits: bool = False,
+               stop: Sequence[int] | None = None) -> DecodeOutput:
         """One decode step (docs/decode.md): ``tokens[j]`` (one token id a request) after
         the KV of ``handles[j]`` (live handles of this engine, each once), on every rank
-        with the same arguments (SPMD, like ``prefill``). Returns each request's next-token
-        logits (float32 ``[B, vocab]``, the same on every rank) and its handles, one token
-        longer. Each rank attends over the KV its cache mode holds and the partial outputs
-        are merged exactly; the new token's K/V is stored where the mode puts it (the
-        token-sharded cache: on one rank, evenly over a request's ranks). With graphs, the
-        step replays its batch-size bucket's decode graph (``force_eager`` skips it).
-        BatchError (nothing changed) for an empty batch, a handle that is not live here,
-        a token outside the vocabulary, a request at the model's context."""
-        return self._decode(handles, tokens, force_eager)
+        with the same arguments (SPMD, like ``prefill``). Returns each request's greedy next
+        token (``tokens``, chosen on the device, the same on every rank) and its handles,
+        one token longer; with ``logits=True`` also the next-token logits (float32 ``[B,
+        vocab]``, copied to the host only then); with ``stop`` (token ids) whether each next
+        token is one (``stopped``, tested on the device). Each rank attends over the KV its
+        cache mode holds and the partial outputs are merged exactly; the new token's K/V is
+        stored where the mode puts it (the token-sharded cache: on one rank, evenly over a
+        request's ranks). With graphs, the step replays its batch-size bucket's decode graph
+        (``force_eager`` skips it). BatchError (nothing changed) for an empty batch, a handle
+        that is not live here, a token outside the vocabulary, a request at the model's
+        context."""
+        stops = None if stop is None else stop_tokens(stop, self.cfg.vocab_size, "decode: stop")
+        return self._decode(handles, tokens, force_eager, logits, stops)
 
     @torch.inference_mode()
     def generate(self, requests, max_new_tokens: int, stop: Sequence[int] | None = None, logits: bool = False,

@@ -19,7 +19,7 @@ A step's plan (the KVForward's ``plan``) is how it merges: :meth:`DecodePhase.pl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -45,6 +45,17 @@ class DecodePhase(ExchangePhase):
         write_kv(fwd.cache.layer(layer), k, v, fwd.slots, fwd.cache.layout)
         return 0
 
+    def store_rows(self, fwd, layer: int, rows: torch.Tensor) -> int:
+        """A family's own cache rows (a latent row and its indexer keys, a window's rows) this
+        rank's cache keeps, written in place (the cache's ``write``); no collective."""
+        fwd.cache.write(layer, rows, fwd.slots)
+        return 0
+
+    def attend_own(self, fwd, layer: int, run: Callable[[], None], outs: Sequence[torch.Tensor]) -> int:
+        """A family's own attention over a cache whose ranks hold parts of each request: not
+        built (such a family's cache is refused with the token-sharded cache)."""
+        raise NotImplementedError(f"the {self.name} decode phase attends K/V heads, not a family's own cache")
+
     def describe(self, plan: Any) -> dict[str, Any]:
         return {"decode_merge": plan}
 
@@ -63,6 +74,19 @@ class LocalDecode(DecodePhase):
             return 0
         fwd.group.broadcast_(out, holder)
         return 0 if fwd.group.rank == holder else out.nbytes
+
+    def attend_own(self, fwd, layer: int, run: Callable[[], None], outs: Sequence[torch.Tensor]) -> int:
+        """A family's own attention (its sparse attention over its cache): on every rank, or
+        on the one rank that keeps the layer, which broadcasts ``outs`` (the output and
+        what later layers read of this one: a selection a GLM 'shared' layer reuses)."""
+        holder = fwd.cache.attention_holder(layer)
+        if holder is None or fwd.group.rank == holder:
+            run()
+        if holder is None:
+            return 0
+        for t in outs:
+            fwd.group.broadcast_(t, holder)
+        return 0 if fwd.group.rank == holder else sum(t.nbytes for t in outs)
 
     def plan(self, rows: int, heads: int, head_dim: int, cp_size: int, itemsize: int, setting: str = "auto") -> str:
         return "local"

@@ -38,6 +38,10 @@ class RequestStates(Protocol):
     def undo(self, rows: np.ndarray) -> None:
         """Give back what :meth:`admit` took for these rows (a rolled-back batch)."""
 
+    def step_slots(self, rows: np.ndarray) -> np.ndarray:
+        """int64 ``[2, B]``: the slot each request in table ``rows`` reads (its last
+        forward's) and the one it writes, after :meth:`admit` took them for a decode step."""
+
 
 class Storage:
     """One rank's tensors of a cache (module doc). A subclass builds them from a
@@ -106,6 +110,18 @@ class Storage:
     def read_state(self, row: int, layer: int) -> tuple[torch.Tensor, ...]:
         """The committed state of the request in table ``row`` in a layer of
         :attr:`state_layers` (new tensors)."""
+        raise ValueError(f"layer {layer} keeps no per-request state")
+
+    # ---- an import (PrefillEngine.import_kv): the inverse of the export's reads ----------
+    def write_span(self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor) -> None:
+        """Store ``values`` (the export format's tensors of ``layer``, as :meth:`read_span`
+        returns them: this rank's heads, ``n`` tokens) at cache ``slots [n]`` (int64, on
+        the pools' device): the positions of a request this rank holds."""
+        raise NotImplementedError(f"{type(self).__name__} does not place an import")
+
+    def write_state(self, row: int, layer: int, values: tuple[torch.Tensor, ...]) -> None:
+        """Store a layer of :attr:`state_layers`' state (as :meth:`read_state` returns it)
+        as the committed state of the request in table ``row`` (just reserved)."""
         raise ValueError(f"layer {layer} keeps no per-request state")
 
 

@@ -88,3 +88,8 @@ class KVHeadsStorage(Storage):
         k = k_pages.index_select(0, index).flatten(0, 1)[lo:hi]
         v = v_pages.index_select(0, index).flatten(0, 1)[lo:hi]
         return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+
+    def write_span(self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor) -> None:
+        """K and V ``[num_kv_heads, n, head_dim]`` each (what :meth:`read_span` returns) at ``slots``."""
+        k, v = values
+        self.write(layer, torch.cat([k.transpose(0, 1), v.transpose(0, 1)], dim=1), slots)

@@ -152,6 +152,11 @@ class MlaStorage(Storage):
             out += (self.index_keys(layer).index_select(0, index).flatten(0, 1)[lo:hi].contiguous(),)
         return out
 
+    def write_span(self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor) -> None:
+        """``latent``, ``rope_key`` (and ``index_key``), ``[n, ...]`` each in
+        graphcp-mla/1's order (what :meth:`read_span` returns), at ``slots``."""
+        self.write(layer, torch.cat(values, dim=1), slots)
+
     def read_tokens(self, handle: KVHandle, layer: int) -> dict[str, torch.Tensor]:
         """One request's cached tokens of one layer (a live handle of this cache's: the
         caller checks it), as a decode engine of these models needs them (new tensors):

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from graphcp.model.config import ModelConfig
-from graphcp.model.cp_attention import fetch_prefix, store_rows
+from graphcp.model.cp_attention import attend_own, store_rows
 from graphcp.model.dsa.rope import DsaRotary, rope_half_split, rope_interleaved
 from graphcp.model.forward_context import ForwardContext
 from graphcp.model.graph_break import graph_break
@@ -44,12 +44,17 @@ INDEX_NORM_EPS = 1e-6
 
 def attend_sparse(ctx: ForwardContext, layer: int, q: torch.Tensor, index_q: torch.Tensor | None,
                   index_w: torch.Tensor | None, kv_b_weight: torch.Tensor, out: torch.Tensor) -> None:
-    """The indexer's top-k and sparse MLA attention of this rank's rows; writes ``out``.
-    A cache that keeps only some layers (LayerSplit) first fetches the batch's
-    cached-prefix pages of this layer (latent and indexer keys) from their owner."""
+    """The indexer's top-k and sparse MLA attention of this rank's rows; writes ``out``,
+    where the forward's phase runs it (graphcp.model.cp_attention.attend_own): in a
+    prefill, on a cache that keeps only some layers (LayerSplit), after the batch's
+    cached-prefix pages of this layer (latent and indexer keys) are fetched from their
+    owner; in a decode step on that cache, on the owner, which broadcasts the output (and
+    the selection a GLM 'shared' layer reuses)."""
+    backend = ctx.kv.backend
     with nvtx_range(f"attention[{layer}]", category="break"):
-        fetch_prefix(ctx, layer)
-        ctx.kv.backend.forward(layer, q, index_q, index_w, kv_b_weight, ctx.kv.cache.storage, out)
+        attend_own(ctx, layer,
+                   lambda: backend.forward(layer, q, index_q, index_w, kv_b_weight, ctx.kv.cache.storage, out),
+                   (out, *backend.carried(layer, q)))
 
 
 run_sparse_mla = graph_break("attention")(attend_sparse)

@@ -10,6 +10,7 @@ from graphcp.config import RuntimeConfig
 from graphcp.errors import ConfigError
 from graphcp.model.config import ModelConfig
 from graphcp.model.dsa.sparse import SparseMlaBackend, SparseMlaSpec, TorchSparseMla
+from graphcp.model.dsa.sparse_decode import PagedSparseMlaDecode
 
 
 def check_stages(cfg: ModelConfig, stages: list[range], flags: bool = False) -> None:
@@ -27,11 +28,31 @@ def check_stages(cfg: ModelConfig, stages: list[range], flags: bool = False) -> 
                 f"start every stage at a 'full' layer (one of {full}) with {split}")
 
 
+def carried_selections(indexer_layers: tuple[bool, ...]) -> frozenset[int]:
+    """The indexer layers whose selection a later 'shared' layer reuses (GLM-5's
+    ``indexer_types``): the last indexer layer before each shared one."""
+    out, last = set(), None
+    for i, full in enumerate(indexer_layers):
+        if full:
+            last = i
+        elif last is not None:
+            out.add(last)
+    return frozenset(out)
+
+
 def make_attention(cfg: ModelConfig, rt: RuntimeConfig, device: torch.device) -> SparseMlaBackend:
-    """The sparse MLA backend (the torch reference, or the Triton kernel)."""
+    """The sparse MLA backend (the torch reference, or the Triton kernel); a decode graph
+    captures its static form (graphcp/model/dsa/sparse_decode.py)."""
+    backend = _make_backend(cfg, rt, device)
+    backend.decode_form = PagedSparseMlaDecode
+    return backend
+
+
+def _make_backend(cfg: ModelConfig, rt: RuntimeConfig, device: torch.device) -> SparseMlaBackend:
     d = cfg.dsa
     spec = SparseMlaSpec(cfg.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank,
-                         d.index_n_heads, d.index_head_dim, d.index_topk, d.softmax_scale, d.num_indexer_layers)
+                         d.index_n_heads, d.index_head_dim, d.index_topk, d.softmax_scale, d.num_indexer_layers,
+                         carried_selections(d.indexer_layers))
     if rt.attention != "triton":
         return TorchSparseMla(spec)
     from graphcp.attention.backends.triton import cpu_problem

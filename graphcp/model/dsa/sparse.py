@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -68,6 +68,9 @@ class SparseMlaSpec:
     index_topk: int
     softmax_scale: float
     num_indexer_layers: int
+    #: the indexer layers whose selection a later GLM 'shared' layer reuses (a decode step
+    #: attended on one rank, the layer-split cache's, broadcasts it with the output)
+    carries: frozenset[int] = frozenset()
 
     @property
     def qk_head_dim(self) -> int:
@@ -142,6 +145,9 @@ class SparseMlaBackend(Attention):
     name: str = "base"
     #: reads host metadata (the torch reference): never inside a captured graph
     supports_full_graph: bool = False
+    #: what a decode graph captures in its place, given its bucket's static metadata
+    #: (graphcp/model/dsa/runtime.py sets it: sparse_decode.py's form)
+    decode_form: Callable[[SparseMlaSpec, AttentionMetadata], "SparseMlaBackend"] | None = None
 
     def __init__(self, spec: SparseMlaSpec) -> None:
         self.spec = spec
@@ -162,6 +168,25 @@ class SparseMlaBackend(Attention):
     @abstractmethod
     def forward_stats(self, prefix_lens: np.ndarray, extend_lens: np.ndarray) -> dict[str, int]:
         """This forward's indexer work (the STAT_* keys), given the batch's lengths."""
+
+    def carried(self, layer: int, q: torch.Tensor) -> list[torch.Tensor]:
+        """What a later layer reads of ``layer``'s attention besides its output (the
+        ``[rows, index_topk]`` selection a GLM 'shared' layer reuses; none elsewhere): a
+        phase that attends a layer on one rank broadcasts it with the output, into these
+        tensors on every rank (graphcp.attention.phase.ExchangePhase.attend_own)."""
+        return [self.selection_rows(q.shape[0], q.device)] if layer in self.spec.carries else []
+
+    @abstractmethod
+    def selection_rows(self, rows: int, device: torch.device) -> torch.Tensor:
+        """int64 ``[rows, index_topk]``: the last indexer layer's selection of each of this
+        forward's rows (-1 where a row selects fewer; a row that is not scored: unread)."""
+
+    def decode_graph_attention(self, meta: AttentionMetadata) -> "SparseMlaBackend":
+        """A decode graph's form of this attention over its bucket's static metadata: every
+        shape the bucket's (:attr:`decode_form`, graphcp/model/dsa/sparse_decode.py)."""
+        if self.decode_form is None:
+            raise NotImplementedError(f"the {self.name} sparse MLA attention has no decode graph form")
+        return self.decode_form(self.spec, meta)
 
 
 @dataclass(frozen=True)
@@ -198,7 +223,8 @@ class SelectingSparseMla(SparseMlaBackend):
         self._groups: list[RowGroup] = []
         #: each group's pages and positions on the device: one upload a forward, sliced by the layers and blocks
         self._on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._selection: dict[tuple[int, int], torch.Tensor] = {}  # (group, block start) -> positions
+        #: each local row's selection by the last indexer layer (made by the first one a forward)
+        self._selected: torch.Tensor | None = None
         self._rows = self._pairs = 0
 
     def prepare(self, meta: AttentionMetadata, requests: BatchRequests | None = None) -> None:
@@ -206,13 +232,18 @@ class SelectingSparseMla(SparseMlaBackend):
         views = to_device_packed([a for g in self._groups for a in (g.pages, g.positions)], meta.device) \
             if self._groups else []
         self._on_device = list(zip(views[0::2], views[1::2]))
-        self._selection = {}
+        self._selected = None
         self._rows = self._pairs = 0
 
     def forward_stats(self, prefix_lens: np.ndarray, extend_lens: np.ndarray) -> dict[str, int]:
         layers = self.spec.num_indexer_layers
         return {STAT_LAYERS: layers, STAT_ROWS: self._rows, STAT_PAIRS: self._pairs,
                 STAT_REPLICATED: layers * replicated_pairs(prefix_lens, extend_lens, self.spec.index_topk)}
+
+    def selection_rows(self, rows: int, device: torch.device) -> torch.Tensor:
+        if self._selected is None:
+            self._selected = torch.full((rows, self.spec.index_topk), -1, dtype=torch.long, device=device)
+        return self._selected
 
     @property
     def groups(self) -> list[RowGroup]:
@@ -237,7 +268,7 @@ class SelectingSparseMla(SparseMlaBackend):
         that runs the indexer (``index_q`` given), else the last indexer layer's."""
         sp = self.spec
         heads = max(sp.num_heads, sp.index_heads)
-        for gi, (g, (pages, positions)) in enumerate(zip(self._groups, self._on_device)):
+        for g, (pages, positions) in zip(self._groups, self._on_device):
             ik = None
             if index_q is not None:
                 extent = int(g.positions[-1]) + 1
@@ -247,24 +278,24 @@ class SelectingSparseMla(SparseMlaBackend):
                 rows = slice(g.q0 + b0, g.q0 + b1)
                 sel = None
                 if int(g.positions[b0]) >= sp.index_topk:  # rows that see more than index_topk tokens
-                    sel = self._select(layer, (gi, b0), g.positions[b0:b1], positions[b0:b1], rows, index_q, index_w,
-                                       ik, kv, device)
+                    sel = self._select(layer, g.positions[b0:b1], positions[b0:b1], rows, index_q, index_w, ik, kv,
+                                       device)
                 yield SelectedBlock(g, rows, g.positions[b0:b1], kv, pages, sel, positions[b0:b1])
 
-    def _select(self, layer: int, block: tuple[int, int], positions: np.ndarray, pos: torch.Tensor, rows: slice,
-                index_q, index_w, ik, kv: int, device: torch.device) -> torch.Tensor:
-        """A block's selection: scored here (a layer that runs the indexer), or the one
-        the last indexer layer made for the same block."""
+    def _select(self, layer: int, positions: np.ndarray, pos: torch.Tensor, rows: slice, index_q, index_w, ik,
+                kv: int, device: torch.device) -> torch.Tensor:
+        """A block's selection (its rows see more than index_topk tokens: ``[rows,
+        index_topk]``): scored here (a layer that runs the indexer), or the one the last
+        indexer layer made for the same rows (here, or broadcast by its holder)."""
         if index_q is None:
-            sel = self._selection.get(block)
-            if sel is None:
+            if self._selected is None:
                 raise RuntimeError(f"layer {layer} reuses the top-k of an earlier indexer layer, but none ran this "
                                    "forward")
-            return sel
+            return self._selected[rows]
         visible = torch.arange(kv, device=device).unsqueeze(0) <= pos.unsqueeze(1)
         scores = index_scores(index_q[rows], index_w[rows], ik[:kv], self.spec.index_head_dim ** -0.5)
         sel = self.selector(scores.masked_fill(~visible, float("-inf")), self.spec.index_topk)
-        self._selection[block] = sel
+        self.selection_rows(index_q.shape[0], device)[rows] = sel
         n, pairs = scored_pairs(positions, self.spec.index_topk)
         self._rows += n
         self._pairs += pairs

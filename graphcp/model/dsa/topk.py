@@ -31,8 +31,9 @@ Selector = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [B, H_I, D]``, ``w [B, H_I]`` (float32), ``k [kv, D]`` -> float32 ``[B, kv]``."""
-    s = F.relu(torch.matmul(q.float(), k.float().t()) * scale)  # [B, H_I, kv]
+    """``q [B, H_I, D]``, ``w [B, H_I]`` (float32), ``k [kv, D]`` (or each row's own keys,
+    ``[B, kv, D]``: a decode step's requests) -> float32 ``[B, kv]``."""
+    s = F.relu(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale)  # [B, H_I, kv]
     return torch.matmul(w.float().unsqueeze(1), s).squeeze(1)
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from graphcp.model.config import ModelConfig
-from graphcp.model.cp_attention import fetch_prefix, store_rows
+from graphcp.model.cp_attention import attend_own, store_rows
 from graphcp.model.dsv4.cache import CSA, HCA
 from graphcp.model.dsv4.norms import V4RMSNorm, unweighted_rms
 from graphcp.model.dsv4.rope import V4Rotary
@@ -32,11 +32,16 @@ from graphcp.nvtx_ranges import nvtx_range
 def attend_v4(ctx: ForwardContext, layer: int, q: torch.Tensor, index_q: torch.Tensor | None,
               index_w: torch.Tensor | None, sinks: torch.Tensor, weights: PoolWeights | None,
               out: torch.Tensor) -> None:
-    """The attention break: a cache that keeps only some layers (LayerSplit) first fetches
-    the batch's cached-prefix pages of this layer's pools from their owner."""
+    """The attention break, where the forward's phase runs it (graphcp.model.cp_attention.
+    attend_own): in a prefill on a cache that keeps only some layers (LayerSplit), after
+    the batch's cached-prefix pages of this layer's pools are fetched from their owner; in
+    a decode step on that cache, on the owner (its pools pool and attend), which
+    broadcasts the output."""
+    backend = ctx.kv.backend
     with nvtx_range(f"attention[{layer}]", category="break"):
-        fetch_prefix(ctx, layer)
-        ctx.kv.backend.forward(layer, q, index_q, index_w, sinks, ctx.kv.cache.storage, weights, out)
+        attend_own(ctx, layer,
+                   lambda: backend.forward(layer, q, index_q, index_w, sinks, ctx.kv.cache.storage, weights, out),
+                   (out,))
 
 
 run_v4_attention = graph_break("attention")(attend_v4)

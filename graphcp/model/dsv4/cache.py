@@ -192,15 +192,16 @@ class DsV4Storage(Storage):
     def read_span(self, pages: tuple[int, ...], layer: int, start: int, stop: int) -> tuple[torch.Tensor, ...]:
         raise ValueError("a DeepSeek V4 cache is read whole a layer (graphcp.model.dsv4.source reads read_tokens)")
 
-    # ---- slots of a request's rows (device tensors; ``pages``: its page ids, int64) ----------
+    # ---- slots of a request's rows (device tensors; ``pages``: its page ids, int64; or
+    # ``[B, W]`` each row's, with ``[B, n]`` positions or entries: a decode step's requests) ----
     def token_slots(self, pages: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ps = self.page_size
-        return pages.index_select(0, torch.div(positions, ps, rounding_mode="floor")) * ps + positions % ps
+        return pages.gather(-1, torch.div(positions, ps, rounding_mode="floor")) * ps + positions % ps
 
     def entry_slots(self, layer: int, pages: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         m, epp = self.cfg.compress_rate(layer), self.epp[self.kind(layer)]
         page_index = torch.div(entries * m, self.page_size, rounding_mode="floor")
-        return pages.index_select(0, page_index) * epp + entries % epp
+        return pages.gather(-1, page_index) * epp + entries % epp
 
     def read_tokens(self, handle: KVHandle, layer: int, window_from: int = 0,
                     sources_from: int = 0) -> dict[str, torch.Tensor]:

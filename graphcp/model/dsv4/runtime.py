@@ -10,6 +10,7 @@ from graphcp.model.config import ModelConfig
 from graphcp.model.dsv4.cache import entries_per_page
 from graphcp.model.dsv4.rope import COMPRESS, V4Rotary
 from graphcp.model.dsv4.sparse import DsV4AttentionSpec, TorchDsV4Attention
+from graphcp.model.dsv4.sparse_decode import PagedDsV4Decode
 
 
 def check_page_size(cfg: ModelConfig, page_size: int, where: str = "RuntimeConfig.page_size") -> None:
@@ -23,4 +24,6 @@ def make_attention(cfg: ModelConfig, rotary: V4Rotary, layers: range) -> TorchDs
     d = cfg.dsv4
     spec = DsV4AttentionSpec(d.cache, cfg.num_heads, d.sliding_window, d.index_n_heads, d.index_topk,
                              cfg.rms_norm_eps)
-    return TorchDsV4Attention(spec, *rotary.table(COMPRESS), layers)
+    attention = TorchDsV4Attention(spec, *rotary.table(COMPRESS), layers)
+    attention.decode_form = PagedDsV4Decode  # what a decode graph captures
+    return attention

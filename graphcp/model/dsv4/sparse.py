@@ -26,6 +26,7 @@ nothing is partitioned (every row of the batch).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -53,6 +54,19 @@ def rms_weighted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     normalised rows, cast once to ``x``'s dtype."""
     xf = x.float()
     return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """:func:`rope_tail` at ``positions`` of the tables ``cos``/``sin`` (float32 ``[positions, r / 2]``)."""
+    return rope_tail(x, cos.index_select(0, positions).to(x.dtype), sin.index_select(0, positions).to(x.dtype))
+
+
+def index_scores(iq: torch.Tensor, iw: torch.Tensor, ik: torch.Tensor, scale: float) -> torch.Tensor:
+    """The indexer's scores of rows ``iq [n, H_I, D]`` (head weights ``iw [n, H_I]``) over
+    entries ``ik [E, D]`` (or each row's own, ``[n, E, D]``: a decode step's requests):
+    ``sum_h w_h relu(q_h . k_e) * scale``, float32 ``[n, E]``, as transformers sums them."""
+    scores = F.relu(torch.matmul(iq.float(), ik.float().transpose(-1, -2))) * scale
+    return (scores * iw.float().unsqueeze(-1)).sum(dim=1)
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -126,9 +140,10 @@ def pool(src: torch.Tensor, bias: torch.Tensor, norm: torch.Tensor, eps: float, 
          first: torch.Tensor | None) -> torch.Tensor:
     """Entries from their source rows. ``src [E, S, 2 width (CSA) or width, ...]``: the
     kv part then the gate part of each source token (CSA: ``S = 2 m``, the previous
-    window's tokens then the entry's own; HCA: ``S = m``). ``first [E]`` (CSA; None when
-    no entry is entry 0): the entries with no previous window, whose first half gets weight
-    0 (indices: a boolean mask would be a device sync). -> ``[E, width]`` before RoPE."""
+    window's tokens then the entry's own; HCA: ``S = m``). ``first`` (CSA; None when no
+    entry is entry 0): the entries with no previous window, whose first half gets weight
+    0: their indices, or a bool ``[E]`` (a decode graph's, whose entries are its rows').
+    -> ``[E, width]`` before RoPE."""
     if overlap:
         m = src.shape[1] // 2
         kv_parts, gate_parts = src[..., : 2 * width], src[..., 2 * width:]
@@ -136,9 +151,11 @@ def pool(src: torch.Tensor, bias: torch.Tensor, norm: torch.Tensor, eps: float, 
         gate = torch.cat([gate_parts[:, :m, :width] + bias[:, :width], gate_parts[:, m:, width:] + bias[:, width:]],
                          dim=1)
         if first is not None:
-            kv = kv.clone()
-            kv[first, :m] = 0
-            gate[first, :m] = float("-inf")
+            if first.dtype != torch.bool:
+                first = torch.zeros(kv.shape[0], dtype=torch.bool, device=kv.device).index_fill_(0, first, True)
+            head = first.view(-1, 1, 1) & (torch.arange(2 * m, device=kv.device) < m).view(1, -1, 1)
+            kv = kv.masked_fill(head, 0)
+            gate = gate.masked_fill(head, float("-inf"))
     else:
         kv, gate = src[..., :width], src[..., width:] + bias
     weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
@@ -155,6 +172,9 @@ class TorchDsV4Attention(Attention):
     supports_full_graph = False
     #: the body passes the batch's requests to :meth:`prepare` (the pooling covers all of them)
     reads_batch = True
+    #: what a decode graph captures in its place, given its bucket's static metadata
+    #: (graphcp/model/dsv4/runtime.py sets it: sparse_decode.py's form)
+    decode_form: Callable[["TorchDsV4Attention", AttentionMetadata], Attention] | None = None
 
     def __init__(self, spec: DsV4AttentionSpec, compress_cos: torch.Tensor, compress_sin: torch.Tensor,
                  layers: range | None = None) -> None:
@@ -167,6 +187,13 @@ class TorchDsV4Attention(Attention):
         self._batch = BatchRequests.none()
         self._plans: dict[str, PoolPlan | None] = {}
         self._stats: dict[str, int] = {}
+
+    def decode_graph_attention(self, meta: AttentionMetadata) -> Attention:
+        """A decode graph's form of this attention over its bucket's static metadata: every
+        shape the bucket's (:attr:`decode_form`, graphcp/model/dsv4/sparse_decode.py)."""
+        if self.decode_form is None:
+            raise NotImplementedError(f"the {self.name} V4 attention has no decode graph form")
+        return self.decode_form(self, meta)
 
     def prepare(self, meta: AttentionMetadata, requests: BatchRequests | None = None) -> None:
         self._groups = row_groups(meta)
@@ -188,9 +215,7 @@ class TorchDsV4Attention(Attention):
 
     # ---- 1. pooling ---------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos.index_select(0, positions).to(x.dtype)
-        sin = self.sin.index_select(0, positions).to(x.dtype)
-        return rope_tail(x, cos, sin)
+        return rope_at(x, self.cos, self.sin, positions)
 
     def _pool_plan(self, kind: str, cache: DsV4Storage) -> PoolPlan | None:
         """Where this forward's closing entries of a layer kind come from and go (the same
@@ -286,7 +311,7 @@ class TorchDsV4Attention(Attention):
                     visible = torch.cat([visible, ent_mask], dim=1)
                 self._stats[STAT_ATTN_ROWS] += len(pos)
                 self._stats[STAT_ATTN_PAIRS] += pairs
-                out[rows] = _attend(q[rows], keys, visible, sinks, sp.head_dim ** -0.5).to(out.dtype)
+                out[rows] = attend_keys(q[rows], keys, visible, sinks, sp.head_dim ** -0.5).to(out.dtype)
 
     def select(self, layer: int, group: RowGroup, on_device: DeviceGroup, block: tuple[int, int], pos: np.ndarray,
                seen: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
@@ -302,8 +327,7 @@ class TorchDsV4Attention(Attention):
         if n <= topk or scored.size == 0:
             return keep
         idx = on_device.scored[lo:hi] - r0
-        scores = F.relu(torch.matmul(iq[idx].float(), ik.float().t())) * self.spec.cache.index_head_dim ** -0.5
-        scores = (scores * iw[idx].float().unsqueeze(-1)).sum(dim=1)  # [scored rows, entries]
+        scores = index_scores(iq[idx], iw[idx], ik, self.spec.cache.index_head_dim ** -0.5)  # [scored rows, entries]
         scores = scores.masked_fill(~keep[idx], float("-inf"))
         top = scores.topk(topk, dim=-1).indices
         chosen = torch.zeros_like(keep[idx]).scatter_(1, top, True)
@@ -359,15 +383,22 @@ def _blocks(positions: np.ndarray, window: int, step: int) -> list[tuple[int, in
     return out
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """``q [rows, H, D]`` over ``keys [K, D]`` (K = V) where ``visible [rows, K]``, one sink
-    logit per head in the denominator; as transformers' eager V4 attention: logits in the
-    activations' dtype, the softmax (max-shifted, the sink included) in float32."""
-    logits = torch.matmul(q.transpose(0, 1), keys.t()) * scale  # [H, rows, K]
+def attend_keys(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """``q [rows, H, D]`` over ``keys [K, D]`` (K = V; or each row's own, ``[rows, K, D]``:
+    a decode step's requests) where ``visible [rows, K]``, one sink logit per head in the
+    denominator; as transformers' eager V4 attention: logits in the activations' dtype, the
+    softmax (max-shifted, the sink included) in float32. A row that sees no key: zeros."""
+    own = keys.dim() == 3
+    if own:
+        logits = torch.matmul(q, keys.transpose(1, 2)).transpose(0, 1) * scale  # [H, rows, K]
+    else:
+        logits = torch.matmul(q.transpose(0, 1), keys.t()) * scale  # [H, rows, K]
     logits = logits.float().masked_fill(~visible.unsqueeze(0), float("-inf"))
     sink = sinks.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
     combined = torch.cat([logits, sink], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
+    if own:
+        return torch.matmul(probs.transpose(0, 1), keys)  # [rows, H, D]
     return torch.matmul(probs, keys).transpose(0, 1)  # [rows, H, D]

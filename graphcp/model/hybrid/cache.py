@@ -108,6 +108,18 @@ class LinearStates:
         read = np.where(prefixed, 2 * rows + 1 - self._phase[rows], -1)
         return read, write
 
+    def step_slots(self, rows: np.ndarray) -> np.ndarray:
+        """int64 ``[2, B]``: a decode step's (read, write) slots of the requests in table
+        ``rows`` (after :meth:`admit`; every one extends its prefix)."""
+        read, write = self.slots_of(rows, np.ones(len(rows), dtype=bool))
+        return np.stack([read, write])
+
+    def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A held linear layer's ``(recurrent [2S, Hv, d_k, d_v], conv [2S, K, conv_dim])``
+        pools (None: this rank does not keep it)."""
+        j = self.linear_index.get(layer)
+        return None if j is None else (self.recurrent[j], self.conv[j])
+
     def committed_slot(self, row: int) -> int:
         """The slot holding the state of the sequence in ``row`` (what its last forward
         wrote: what an export reads)."""
@@ -176,6 +188,7 @@ class HybridStorage(Storage):
         self.state_layers = frozenset(geometry.of_kind(held.served, LINEAR))
         self.layer, self.layer_pools, self.write = self.kv.layer, self.kv.layer_pools, self.kv.write
         self.token_values, self.page_pools, self.read_span = self.kv.token_values, self.kv.page_pools, self.kv.read_span
+        self.write_span = self.kv.write_span
 
     @classmethod
     def create(cls, geometry: HybridGeometry, pool: PoolSpec, held: HeldLayers) -> "HybridStorage":
@@ -203,6 +216,17 @@ class HybridStorage(Storage):
         slot = s.committed_slot(row)
         j = s.linear_index[layer]
         return s.conv[j, slot].t().contiguous(), s.recurrent[j, slot].clone()
+
+
+    def write_state(self, row: int, layer: int, values: tuple[torch.Tensor, ...]) -> None:
+        """A linear layer's ``conv`` ``[conv_dim, K]`` and ``recurrent`` (as :meth:`read_state`
+        returns them) as the request's committed state (a layer this rank keeps)."""
+        conv, recurrent = values
+        s = self.states
+        slot = s.committed_slot(row)
+        j = s.linear_index[layer]
+        s.conv[j, slot] = conv.t().to(s.conv.dtype)
+        s.recurrent[j, slot] = recurrent.to(torch.float32)
 
 
 _NO_KV = "is a linear-attention layer: it has no K/V"

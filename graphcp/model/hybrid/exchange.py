@@ -8,6 +8,10 @@ its linear layers through the scan (graphcp.model.hybrid.scan), planned with the
 runs it uploads it (:class:`~graphcp.model.hybrid.scan.LinearScan`) for the linear
 layers' breaks to read (:func:`linear_scan`). Every other call goes to the inner
 exchange with the inner plan.
+
+Its decode phase (:class:`HybridDecode`) is the inner exchange's (the full layers store and
+attend as a dense model's decode step does); a linear layer takes its one-token step
+(graphcp.model.hybrid.step, :func:`linear_step`) over the step's state slots.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ import numpy as np
 import torch
 
 from graphcp.attention.kv_exchange import EXCHANGES, KVExchange, KVForward, register_exchange
+from graphcp.attention.phase import DECODE, ExchangePhase
 from graphcp.cp import Plan
-from graphcp.model.hybrid import kernels
+from graphcp.model.hybrid import kernels, step_kernels
 from graphcp.model.hybrid.scan import STAT_LINEAR_SENT, LinearPlan, LinearScan
+from graphcp.model.hybrid.step import LinearStep
+from graphcp.model.hybrid.step_kernels import StepKernels
 
 
 @dataclass
@@ -61,6 +68,8 @@ class HybridExchange(KVExchange):
         self.planner = HybridPlanner(inner.planner)
         #: the linear layers' local kernels on this device (fla-core and causal-conv1d on CUDA)
         self.kernels = kernels.select_kernels(device)
+        #: the decode phase: the inner exchange's, and the linear layers' step kernels
+        self.decode = HybridDecode(inner.decode, step_kernels.select_step_kernels(device))
 
     @classmethod
     def build(cls, make_backend, group, device: torch.device, planner) -> "HybridExchange":
@@ -104,6 +113,35 @@ class HybridExchange(KVExchange):
         return self.inner.setting()
 
 
+class HybridDecode(ExchangePhase):
+    """A hybrid's decode phase: the inner exchange's decode phase for the full layers (its
+    plan is the step's merge), and the step kernels the linear layers run (:func:`linear_step`)."""
+
+    phase = DECODE
+
+    def __init__(self, inner: ExchangePhase, kernels: StepKernels) -> None:
+        self.inner, self.kernels = inner, kernels
+        self.name = inner.name
+
+    def plan(self, *args, **kwargs) -> Any:
+        return self.inner.plan(*args, **kwargs)
+
+    def prepare(self, fwd: KVForward) -> None:
+        self.inner.prepare(fwd)
+
+    def begin(self, fwd: KVForward) -> None:
+        self.inner.begin(fwd)
+
+    def store(self, fwd: KVForward, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        return self.inner.store(fwd, layer, k, v)
+
+    def attend(self, fwd: KVForward, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
+        return self.inner.attend(fwd, layer, q, out)
+
+    def describe(self, plan: Any) -> dict[str, Any]:
+        return {**self.inner.describe(plan), "linear_kernels": self.kernels.name}
+
+
 @register_exchange
 class HybridAllGather(HybridExchange):
     name = "hybrid+all-gather"
@@ -119,3 +157,8 @@ class HybridRing(HybridExchange):
 def linear_scan(fwd: KVForward) -> LinearScan:
     """The forward's linear-layer work (what a linear layer's break calls)."""
     return fwd.plan.scan
+
+
+def linear_step(fwd: KVForward) -> LinearStep:
+    """A decode step's linear-layer work (what a linear layer calls in the decode phase)."""
+    return LinearStep(fwd.cache.storage.states, fwd.state_slots, fwd.group, fwd.exchange.decode.kernels)

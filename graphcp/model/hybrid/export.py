@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from graphcp.config import DTYPES, parse_dtype
-from graphcp.pd.export import KVFormatError, LayerTensorsExport
+from graphcp.pd.export import KVFormatError, LayerTensorsExport, take_kv_heads
 from graphcp.pd.layout import TensorLayout
 
 HYBRID_FORMAT = "graphcp-hybrid/1"
@@ -118,6 +118,18 @@ class HybridMeta(TensorLayout):
         q, k = self.num_k_heads * self.k_head_dim // size, self.num_k_heads * self.k_head_dim // size
         parts = gathered.view(size, -1, self.conv_kernel).split([q, k, self.num_v_heads * self.v_head_dim // size], 1)
         return torch.cat([p.reshape(-1, self.conv_kernel) for p in parts]).contiguous()
+
+    def take_heads(self, layer: int, name: str, whole: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+        """Attention-TP rank ``rank``'s share of a whole tensor (the inverse of
+        :meth:`merge_heads`): its K/V heads, its value heads' recurrent states, and its
+        q, k and v conv channels."""
+        if name in ("k", "v"):
+            return take_kv_heads(whole, self.num_kv_heads, size, rank)
+        if name == "recurrent":
+            n = self.num_v_heads // size
+            return whole[rank * n:(rank + 1) * n]
+        qk, v = self.num_k_heads * self.k_head_dim, self.num_v_heads * self.v_head_dim
+        return torch.cat([p.chunk(size, 0)[rank] for p in whole.split([qk, qk, v], 0)])
 
     def make_export(self, layers: list[dict[str, torch.Tensor]], **extra) -> "HybridExport":
         return HybridExport(self, layers, **extra)

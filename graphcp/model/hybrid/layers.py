@@ -5,6 +5,8 @@ around either.
 Per linear layer, on this rank's rows:
   norm -> in_proj (q/k/v, z, b, a) -> [break: convolution (halo), gated delta rule,
   scan across ranks, state store] -> gated RMSNorm (z) -> out_proj -> residual -> MLP
+  (a decode step: the one-token step instead of the break, graphcp.model.hybrid.step:
+  device work of fixed shape, which a decode graph captures)
 Per full layer:
   norm -> q (and its gate) / k / v -> q/k norm -> partial RoPE -> K/V store ->
   [break: attention] -> times sigmoid(gate) -> o_proj -> residual -> MLP
@@ -17,13 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphcp.attention.phase import DECODE
 from graphcp.model.config import ModelConfig
 from graphcp.model.cp_attention import store_kv
 from graphcp.model.forward_context import ForwardContext
 from graphcp.model.graph_break import graph_break
 from graphcp.model.heads import HeadShard, local_config
 from graphcp.model.hybrid.cache import LinearDims
-from graphcp.model.hybrid.exchange import linear_scan
+from graphcp.model.hybrid.exchange import linear_scan, linear_step
 from graphcp.model.hybrid.gdn import decay_and_beta, gated_rms_norm
 from graphcp.model.layers import ParallelMLP, Rotary
 from graphcp.model.llama import run_attention
@@ -160,6 +163,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: nn.Module, ctx: ForwardContext):
         qkv, z, gates = self.split(self.in_proj(x))
+        if ctx.phase == DECODE:  # no break: the step reads nothing on the host
+            core = qkv.new_empty(qkv.shape[0], self.dims.num_v_heads, self.dims.v_head_dim)
+            self.step(ctx, qkv, gates, core)
+            return self.project(core, z, ctx)
         qkv, gates, core = self.break_rows(ctx, qkv, gates)
         run_linear(ctx, self.layer, self, qkv, gates, core)
         return self.project(core, z, ctx)
@@ -176,7 +183,11 @@ class GatedDeltaNet(nn.Module):
         return ctx.comm.reduce_attention(F.linear(y, self.out_proj.weight))
 
     def core(self, ctx: ForwardContext, qkv: torch.Tensor, gates: torch.Tensor, out: torch.Tensor) -> None:
-        """The break's work on the live rows (padding rows get zeros)."""
+        """The break's work on the live rows (padding rows get zeros); a decode step's one
+        token a request."""
+        if ctx.phase == DECODE:
+            self.step(ctx, qkv, gates, out)
+            return
         scan = linear_scan(ctx.kv)
         n = scan.plan.rows
         out[n:].zero_()
@@ -193,6 +204,23 @@ class GatedDeltaNet(nn.Module):
                                v.unflatten(-1, (d.num_v_heads, d.v_head_dim)), g, beta)
         out[:n].copy_(o)
         ctx.add_received(got + received)
+
+    def step(self, ctx: ForwardContext, qkv: torch.Tensor, gates: torch.Tensor, out: torch.Tensor) -> None:
+        """A decode step (graphcp.model.hybrid.step): every row's token after its request's
+        states, on the ranks that keep them; writes ``out`` (the owner's, broadcast, under
+        the layer split)."""
+        step = linear_step(ctx.kv)
+        if step.computes(self.layer):
+            d = self.dims
+            x = step.convolve(self.layer, qkv, self.conv1d[:, 0])
+            hk = d.num_k_heads * d.k_head_dim
+            q, k, v = x.split([hk, hk, d.num_v_heads * d.v_head_dim], dim=-1)
+            b, a = gates.split(d.num_v_heads, dim=-1)
+            g, beta = decay_and_beta(b, a, self.a_log, self.dt_bias)
+            out.copy_(step.run(self.layer, q.unflatten(-1, (d.num_k_heads, d.k_head_dim)),
+                               k.unflatten(-1, (d.num_k_heads, d.k_head_dim)),
+                               v.unflatten(-1, (d.num_v_heads, d.v_head_dim)), g, beta))
+        ctx.add_received(step.share(self.layer, out))
 
 
 def static_rows(dims: LinearDims, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -109,6 +109,17 @@ class KdaStorage(MlaStorage):
         return s.conv[j, slot].t().contiguous(), s.recurrent[j, slot].clone()
 
 
+    def write_state(self, row: int, layer: int, values: tuple[torch.Tensor, ...]) -> None:
+        """A KDA layer's ``conv`` ``[conv_dim, K]`` and ``recurrent`` (as :meth:`read_state`
+        returns them) as the request's committed state (an import; a layer this rank keeps)."""
+        conv, recurrent = values
+        s = self.states
+        slot = s.committed_slot(row)
+        j = s.linear_index[layer]
+        s.conv[j, slot] = conv.t().to(s.conv.dtype)
+        s.recurrent[j, slot] = recurrent.to(torch.float32)
+
+
 def linear_dims(num_heads: int, head_dim: int, conv_kernel: int) -> LinearDims:
     """A KDA layer's heads as the scan and the states count them: as many key heads as
     value heads, one head width."""

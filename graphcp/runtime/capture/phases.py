@@ -12,11 +12,15 @@ every phase's buckets the same way, keyed by (phase, bucket).
   2, 4, ..., 64 by default) and a page width: the smallest power of two of pages, at most
   the cache's, that holds the step's longest share of a request on any rank (every
   rank's the same: the ledger's largest), so a step reads at most twice the pages its
-  requests hold. Attention and merge are inside the graph: the attention is
-  :class:`~graphcp.attention.decode.paged.PagedDecodeAttention` (plain torch operations
-  over the bucket's static page table and lengths), the merge's collectives have the
-  bucket's shapes (the bucket's merge: a step on it runs that plan); a layer that sizes
-  work on the host (the MoE ``ep`` exchange) stays a break. A step larger than every
+  requests hold. Attention and merge are inside the graph: the attention is the engine's
+  backend's decode kernel (graphcp.attention.base.DecodeKernel, chosen by the registry:
+  Triton's, FlashInfer's decode wrapper, trtllm-gen's decode, or the torch reference
+  :class:`~graphcp.attention.decode.paged.PagedDecodeAttention`) over the bucket's static
+  page table and lengths, or a family's own attention's decode graph form
+  (``Attention.decode_graph_attention``: DSA's and V4's sparse attention over the
+  bucket's pages); the merge's collectives have the bucket's shapes (the bucket's merge:
+  a step on it runs that plan); a layer that sizes work on the host (the MoE ``ep``
+  exchange) stays a break. A step larger than every
   bucket runs eagerly and says so. Each bucket is checked on its first live replay: its
   requests' KV is the cache's, so no synthetic batch is needed.
 """
@@ -32,9 +36,11 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from graphcp.attention.base import AttentionMetadata
+from graphcp.attention.base import Attention, AttentionMetadata, DecodeKernel
 from graphcp.attention.decode.paged import PagedDecodeAttention
 from graphcp.attention.phase import DECODE, PREFILL, Phase
+from graphcp.attention.registry import AttentionLimits, make_decode_attention, registered_decode_kernel
+from graphcp.attention.staging import to_device
 from graphcp.config import RuntimeConfig
 from graphcp.model.forward_context import AuxCapture, ForwardContext
 from graphcp.runtime.batch import BatchPreparer, PreparedBatch, Request
@@ -139,6 +145,11 @@ class PhaseGraphs:
     def written_pages(self, prep: PreparedBatch) -> torch.Tensor:
         """The pages the self-check compares: those the forward of ``prep`` may write here."""
         raise NotImplementedError
+
+    def written_states(self, prep: PreparedBatch) -> torch.Tensor | None:
+        """The per-request state slots the self-check compares (a storage's with states:
+        those the forward of ``prep`` writes), or None: none."""
+        return None
 
     def range_name(self, what: str, key: Hashable) -> str:
         """The NVTX range of a capture or replay of bucket ``key``."""
@@ -250,7 +261,8 @@ class PrefillGraphs(PhaseGraphs):
 
     def written_pages(self, prep: PreparedBatch) -> torch.Tensor:
         kv = self.body.kv
-        return torch.tensor([p for s in prep.seq_ids for p in kv.handle(s).pages], device=self.body.device)
+        pages = [p for s in prep.seq_ids for p in kv.handle(s).pages]
+        return to_device(np.array(pages, dtype=np.int64), self.body.device)
 
     # ---- the self-check's input: a synthetic batch (graphcp.runtime.capture.selfcheck) ----
     def synthetic_spec(self, capacity: int) -> SyntheticBatch | None:
@@ -315,7 +327,16 @@ class DecodeGraphs(PhaseGraphs):
         cfg = body.model.cfg
         self.buffers = DecodeBuffers(self.buckets[-1], self.width, cfg.hidden_size, body.model.dtype, body.device,
                                      staging)
-        self.attention = PagedDecodeAttention(body.attention.spec)
+        #: whether the cache keeps per-request state (a recurrent layer's): its step's slots are static rows too
+        self.states = bool(body.kv.state_pools())
+        largest = self.buckets[-1]
+        #: the decode kernel of the engine's backend over K/V heads, one for every bucket (None
+        #: for a family's own attention, whose decode graph form each bucket makes: attention())
+        self.kernel: Attention | None = body.decode_attention or (make_decode_attention(
+            body.attention, body.device, AttentionLimits(max_segments=largest, max_q_rows=largest,
+                                                         max_pages_per_segment=self.width, dtype=body.model.dtype))
+            if registered_decode_kernel(body.attention) is not None else None)
+        self._attentions: dict[tuple[int, int], Attention] = {}
         self._metas: dict[tuple[int, int], AttentionMetadata] = {}
         self._plans: dict[int, Any] = {}
         self._replays: dict[tuple[int, int], ForwardContext] = {}
@@ -371,6 +392,19 @@ class DecodeGraphs(PhaseGraphs):
                 device_tensors=(view.cu_seqlens_q, view.kv_lens, view.page_table))
         return meta
 
+    def attention(self, key: tuple[int, int]) -> Attention:
+        """The bucket's attention over its static metadata: the paged decode attention over
+        K/V heads (the engine's decode kernel), or a family's own attention's decode graph
+        form (made once a bucket)."""
+        got = self._attentions.get(key)
+        if got is None:
+            engine = self.body.attention
+            got = engine.decode_graph_attention(self.static_meta(key)) or self.kernel
+            if got is None:
+                got = PagedDecodeAttention(engine.spec)
+            self._attentions[key] = got
+        return got
+
     def fill(self, prep: PreparedBatch | None, key: tuple[int, int], hidden_in: torch.Tensor | None = None
              ) -> DecodeView:
         """The step's rows into the bucket's buffers, and its plan the bucket's (a step on
@@ -381,27 +415,39 @@ class DecodeGraphs(PhaseGraphs):
 
     def context(self, prep: PreparedBatch | None, key: tuple[int, int], view: DecodeView, stats: dict | None = None,
                 aux: AuxCapture | None = None, eager: bool = False) -> ForwardContext:
+        attention = self.attention(key)
+        if isinstance(attention, DecodeKernel):
+            attention.bucket(key[0])
         if prep is None or eager:
             return self._context(prep, key, view, stats)
         # a replay's: everything in it is the bucket's but the live rows and the figures,
-        # so it is made once a bucket (no per-step Python on the replay path)
+        # so it is made once a bucket (no per-step Python on the replay path); a kernel
+        # that plans on the host (FlashInfer's decode wrapper) plans every step
         ctx = self._replays.get(key)
         if ctx is None:
             ctx = self._replays[key] = self._context(prep, key, view, stats)
+        elif isinstance(attention, DecodeKernel) and attention.plans_steps:
+            attention.prepare(prep.meta)
         ctx.stats, ctx.inputs.live_rows = stats, prep.rows
         return ctx
 
     def _context(self, prep: PreparedBatch | None, key: tuple[int, int], view: DecodeView,
                  stats: dict | None) -> ForwardContext:
         return self.body.context(prep, view.kv_slots, phase=DECODE, meta=self.static_meta(key),
-                                 attention=self.attention, stats=stats)
+                                 attention=self.attention(key), stats=stats,
+                                 state_slots=view.state_slots if self.states else None)
 
     def output(self, view: DecodeView, prep: PreparedBatch) -> torch.Tensor:
         return view.hidden_out[: prep.rows]
 
     def written_pages(self, prep: PreparedBatch) -> torch.Tensor:
         slots = prep.slots  # this rank's slot of each new token (-1: another rank stores it)
-        return torch.from_numpy(np.unique(slots[slots >= 0] // self.body.kv.page_size)).to(self.body.device)
+        return to_device(np.unique(slots[slots >= 0] // self.body.kv.page_size), self.body.device)
+
+    def written_states(self, prep: PreparedBatch) -> torch.Tensor | None:
+        if not self.states:
+            return None
+        return torch.from_numpy(prep.decode.states[1].copy()).to(self.body.device)
 
     def range_name(self, what: str, key: tuple[int, int]) -> str:
         return f"decode_{what}[{key[0]},{key[1]}]"

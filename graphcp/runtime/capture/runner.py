@@ -186,24 +186,32 @@ class GraphRunner:
     def check(self, prep: PreparedBatch, key: Hashable, hidden_in: torch.Tensor | None, what: str,
               timings: dict | None = None) -> torch.Tensor:
         """Replay bucket ``key`` on ``prep``, then run the same forward eagerly on the same
-        bucket from the same pages: its rows, the pages it wrote and the phase's other
-        static outputs must equal the replay's bitwise. Any rank's difference is a
-        CaptureError on every rank (``what``: which check, and of what), the pages put back
-        as they were; otherwise the eager forward's rows and pages (the replay's) stay,
-        and its rows are returned."""
-        ph, pools = self.phases[prep.phase], self.body.kv.page_pools()
-        pages = ph.written_pages(prep)
-        before = {n: p.index_select(1, pages) for n, p in pools.items()}
+        bucket from the same pages: its rows, the pages it wrote (and the per-request state
+        slots, PhaseGraphs.written_states) and the phase's other static outputs must equal
+        the replay's bitwise. Any rank's difference is a CaptureError on every rank
+        (``what``: which check, and of what), the pages and slots put back as they were;
+        otherwise the eager forward's rows and pages (the replay's) stay, and its rows are
+        returned."""
+        ph, kv = self.phases[prep.phase], self.body.kv
+        # what the forward writes: pages of the page pools (and a storage's state slots),
+        # each pool's entries along dim 1
+        written = [(kv.page_pools(), ph.written_pages(prep))]
+        slots = ph.written_states(prep)
+        if slots is not None:
+            written.append((kv.state_pools(), slots))
+        before = [_read(pools, at) for pools, at in written]
         got = {"hidden_out": self._replay(ph, prep, key, timings, hidden_in).clone()}
-        got.update({n: p.index_select(1, pages) for n, p in pools.items()})
+        for pools, at in written:
+            got.update(_read(pools, at))
         got.update({n: t.clone() for n, t in ph.compared(key).items()})
-        _restore(pools, pages, before)  # the eager forward starts from the same cache
+        _restore(written, before)  # the eager forward starts from the same cache
         want = {"hidden_out": self._eager_on_bucket(ph, prep, key, hidden_in), **ph.compared(key)}
-        want.update({n: p.index_select(1, pages) for n, p in pools.items()})
+        for pools, at in written:
+            want.update(_read(pools, at))
         problem = first_difference({n: (got[n], want[n]) for n in got})
         group = self.body.group
         if failed_on_any_rank(group, problem, self.body.device):
-            _restore(pools, pages, before)  # the refused forward leaves no trace
+            _restore(written, before)  # the refused forward leaves no trace
             raise CaptureError(f"rank {group.rank}: {what}: " + (problem or "another rank's output differs"))
         return want["hidden_out"]
 
@@ -304,9 +312,14 @@ class GraphRunner:
         return ph.output(view, prep)
 
 
-def _restore(pools: dict[str, torch.Tensor], pages: torch.Tensor, saved: dict[str, torch.Tensor]) -> None:
-    for n, p in pools.items():
-        p.index_copy_(1, pages, saved[n])
+def _read(pools: dict[str, torch.Tensor], at: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {n: p.index_select(1, at) for n, p in pools.items()}
+
+
+def _restore(written: list[tuple[dict[str, torch.Tensor], torch.Tensor]], saved: list[dict[str, torch.Tensor]]) -> None:
+    for (pools, at), values in zip(written, saved):
+        for n, p in pools.items():
+            p.index_copy_(1, at, values[n])
 
 
 def capture_progress(items, show: bool, desc: str = "capturing buckets"):

@@ -24,6 +24,7 @@ import torch
 
 from graphcp.attention.staging import PinnedStaging
 from graphcp.jit import host_kernel
+from graphcp.kv.decode import state_rows
 from graphcp.model.forward_context import StaticInputs
 
 
@@ -316,6 +317,9 @@ class DecodeView:
     page_table: torch.Tensor  # [cap, width] int32
     cu_seqlens_q: torch.Tensor  # [cap + 1] int32: one query row a request
     hidden_out: torch.Tensor  # [cap, hidden]  the body's output rows
+    #: [2, cap] int64: each row's state slot read and written (a storage with per-request
+    #: state: graphcp.kv.decode.state_rows; zeros otherwise)
+    state_slots: torch.Tensor
     hidden_in: None = None  # (a decode step's body takes no input rows)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -331,18 +335,23 @@ class DecodeBuffers:
                  device: torch.device | str, staging: PinnedStaging | None = None) -> None:
         n, dev = max_requests, torch.device(device)
         self.width = width
-        i64 = dict(dtype=torch.int64, device=dev)
-        self.input_ids, self.positions = torch.zeros(n, **i64), torch.zeros(n, **i64)
-        self.kv_slots = torch.full((n,), -1, **i64)
+        # ids, positions, slots, state slots (read, write): one buffer, so a fill uploads them in one copy
+        self._rows = torch.zeros(5, n, dtype=torch.int64, device=dev)
+        self.input_ids, self.positions, self.kv_slots = self._rows[:3].unbind(0)
+        self.state_slots = self._rows[3:]
+        self.kv_slots.fill_(-1)
         self.kv_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros((n, width), dtype=torch.int32, device=dev)
         self.hidden_out = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
         self._staging = staging if staging is not None else PinnedStaging(dev) if dev.type == "cuda" else None
         host = self._staging.host if self._staging is not None else _plain_host
-        self._rows_host = host(3 * n, torch.int64).view(3, n)  # ids, positions, slots
+        self._rows_host = host(5 * n, torch.int64)  # the five rows: [5, capacity] packed in front
         self._lens_host = host(n, torch.int32)
         self._table_host = host(n * width, torch.int32)
+        # their numpy views, made once (the host buffers never move)
+        self._rows_np, self._lens_np, self._table_np = (t.numpy() for t in (self._rows_host, self._lens_host,
+                                                                             self._table_host))
         self._views: dict[tuple[int, int], DecodeView] = {}
 
     def view(self, capacity: int, width: int) -> DecodeView:
@@ -352,12 +361,13 @@ class DecodeBuffers:
             c = capacity
             got = self._views[c, width] = DecodeView(
                 c, width, self.input_ids[:c], self.positions[:c], self.kv_slots[:c], self.kv_lens[:c],
-                self.page_table[:c, :width], self.cu_seqlens_q[: c + 1], self.hidden_out[:c])
+                self.page_table[:c, :width], self.cu_seqlens_q[: c + 1], self.hidden_out[:c], self.state_slots[:, :c])
         return got
 
     def addresses(self) -> dict[str, int]:
         """Data pointers of every static tensor (debug mode checks they never move)."""
-        names = ("input_ids", "positions", "kv_slots", "kv_lens", "cu_seqlens_q", "page_table", "hidden_out")
+        names = ("input_ids", "positions", "kv_slots", "kv_lens", "cu_seqlens_q", "page_table", "hidden_out",
+                 "state_slots")
         return {n: getattr(self, n).data_ptr() for n in names}
 
     def fill(self, prep, capacity: int, width: int, kv) -> DecodeView:
@@ -367,18 +377,18 @@ class DecodeBuffers:
         B = 0 if prep is None else prep.rows
         if self._staging is not None:
             self._staging.wait()  # the previous fill's uploads read these buffers when they run
-        rows, lens = self._rows_host[:, :capacity].numpy(), self._lens_host[:capacity].numpy()
-        table_host = self._table_host[: capacity * width].view(capacity, width)
-        table = table_host.numpy()
-        rows[:2], rows[2], lens[:], table[:] = 0, -1, 0, 0
+        rows, lens = self._rows_np[: 5 * capacity].reshape(5, capacity), self._lens_np[:capacity]
+        table = self._table_np[: capacity * width].reshape(capacity, width)
+        rows[:2, B:], rows[2, B:], lens[B:], table[B:] = 0, -1, 0, 0
         if prep is not None:
-            rows[:, :B] = prep.ids, prep.positions, prep.slots
+            rows[:3, :B] = prep.ids, prep.positions, prep.slots
             lens[:B] = prep.decode.local_lens
             kv.page_table_rows(prep.decode.rows, width, out=table[:B])
-        for dst, src in ((self.input_ids, self._rows_host[0]), (self.positions, self._rows_host[1]),
-                         (self.kv_slots, self._rows_host[2]), (self.kv_lens, self._lens_host)):
-            self._upload(dst[:capacity], src[:capacity])
-        self._upload(self.page_table[:capacity, :width], table_host)
+        state_rows(None if prep is None else prep.decode.states, capacity, rows[3:])
+        # contiguous host sources: a strided one would be copied to pageable memory first
+        self._upload(self._rows[:, :capacity], self._rows_host[: 5 * capacity].view(5, capacity))
+        self._upload(self.kv_lens[:capacity], self._lens_host[:capacity])
+        self._upload(self.page_table[:capacity, :width], self._table_host[: capacity * width].view(capacity, width))
         if self._staging is not None:
             self._staging.mark()  # after every upload of this fill: the next fill waits for them
         return self.view(capacity, width)

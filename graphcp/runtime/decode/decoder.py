@@ -2,14 +2,25 @@
 step checked, reserved and planned by the decode planner (``plan``), run through the one
 forward (graphcp.runtime.forward.StageForward: its bucket's decode graph, or eager), the
 logits from the LM head (every rank holds every row: no gather), the handles one token
-longer, the step recorded; on any failure the reservation is given back."""
+longer, the step recorded; on any failure the reservation is given back.
+
+What reaches the host is small: the next tokens are chosen on the device (greedy argmax,
+and the stop-token test when stop tokens are given) and copied through pinned memory
+(graphcp.attention.staging.PinnedDownload); the host waits for them by polling, under the
+collective timeout (graphcp.runtime.capture.watchdog: a replay whose peer died ends in a
+CollectiveError instead of a hang). The ``[B, vocab]`` logits are copied only when asked
+(``logits=True``)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Sequence
 
+import numpy as np
+import torch
+
 from graphcp.attention.phase import DECODE
+from graphcp.attention.staging import PinnedDownload, to_device
 from graphcp.combinations import check as check_combination
 from graphcp.combinations import parallel_settings, runtime_settings
 from graphcp.config import ParallelConfig, RuntimeConfig
@@ -23,6 +34,7 @@ from graphcp.runtime.batch import DecodeOutput
 from graphcp.runtime.body import Body
 from graphcp.runtime.capture.phases import DecodeGraphs
 from graphcp.runtime.capture.runner import GraphRunner
+from graphcp.runtime.capture.watchdog import stream_done, wait_for
 from graphcp.runtime.decode.plan import DecodePlanner
 from graphcp.runtime.forward import StageForward
 from graphcp.runtime.stats import Recorder
@@ -43,6 +55,8 @@ class Decoder:
         self.stage, self.recorder = stage, recorder
         self._preparer: DecodePlanner | None = None
         self._combines = False
+        self._download = PinnedDownload()
+        self._stops: tuple[frozenset, torch.Tensor] | None = None  # the stop tokens last given, on the device
 
     @property
     def preparer(self) -> DecodePlanner:
@@ -82,17 +96,42 @@ class Decoder:
                            "moe": rt.moe, "decode": "on"}, family=self.model.cfg.family, names={"decode": call})
         self._combines = True  # (the options are fixed: checked once)
 
-    def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False) -> DecodeOutput:
+    def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False, logits: bool = False,
+               stop: frozenset[int] | None = None) -> DecodeOutput:
+        """``stop``: token ids (checked by the caller) whose test runs on the device."""
         self.check_combination()
         t0 = time.perf_counter()
         prep = self.preparer.prepare(handles, tokens, (int(bool(force_eager)),))
         try:
             res = self.stage.run(prep, None, force_eager, ())
             with nvtx_range("lm_head", category="output"):
-                logits = self.model.logits(res.hidden).cpu()
+                rows = self.model.logits(res.hidden)
+            with nvtx_range("next_tokens", category="output"):
+                nxt = self._next_tokens(rows, stop, res.info)
+            kept = rows.cpu() if logits else None  # the [B, vocab] copy, asked for (the step has run: no wait)
         except BaseException:
             self.preparer.abort(prep)
             raise
         res.info.stats["time_s"] = time.perf_counter() - t0
         self.recorder.record(prep, res.info)
-        return DecodeOutput(logits, [self.kv.handle(s) for s in prep.seq_ids], res.info)
+        return DecodeOutput(nxt[0].copy(), [self.kv.handle(s) for s in prep.seq_ids], res.info, kept,
+                            None if stop is None else nxt[1].astype(bool))
+
+    def _next_tokens(self, rows: torch.Tensor, stop: frozenset[int] | None, info) -> np.ndarray:
+        """int64 [1 or 2, B] on the host: the greedy next tokens (and with ``stop``, whether
+        each is a stop token), chosen on the device and copied through pinned memory once
+        the step ran, waited for under the collective timeout."""
+        ids = rows.argmax(-1)
+        dev = ids[None] if stop is None else torch.stack([ids, torch.isin(ids, self._stop_tensor(stop)).long()])
+        host = self._download.start(dev)
+        done = stream_done(rows.device)  # after the copy: the step's replay (or eager work) and the download
+        where = f"decode step ({info.path}{'' if info.path != 'graph' else f', bucket {info.bucket}'})"
+        wait_for(done, self.group, where)
+        return host.numpy()
+
+    def _stop_tensor(self, stop: frozenset[int]) -> torch.Tensor:
+        """The stop tokens on the device (uploaded once for a generate call's steps)."""
+        if self._stops is None or self._stops[0] != stop:
+            ids = np.array(sorted(stop), dtype=np.int64)
+            self._stops = (stop, to_device(ids, self.body.device))
+        return self._stops[1]

@@ -156,17 +156,22 @@ def _prefill_turn(engine, states: list[_State], t: int, stop: frozenset, keep_lo
 
 
 def _decode_turn(engine, live: list[_State], stop: frozenset, keep_logits: bool, bar) -> int:
-    """Decode steps until every request of the turn stopped; the steps run."""
+    """Decode steps until every request of the turn stopped; the steps run. Each step's
+    next tokens and stop tests come from the device (the logits only when kept)."""
     steps = 0
     while live:
-        out = engine.decode([s.handle for s in live], [s.pending for s in live])
-        nxt = out.logits.argmax(-1).tolist()
+        out = engine.parts.decoder.decode([s.handle for s in live], [s.pending for s in live], logits=keep_logits,
+                                    stop=stop or None)
+        nxt = out.tokens.tolist()
+        hit = out.stopped.tolist() if out.stopped is not None else [False] * len(nxt)
+        ended = []
         for j, (s, h) in enumerate(zip(live, out.handles)):
             s.handle, s.pending = h, nxt[j]
             s.tokens[-1].append(nxt[j])
             if keep_logits:
                 s.logits[-1].append(out.logits[j])
-        live = [s for s in live if not s.done(stop)]
+            ended.append(hit[j] or len(s.tokens[-1]) >= s.most)
+        live = [s for s, e in zip(live, ended) if not e]
         steps += 1
         if bar is not None:
             bar.update(1)

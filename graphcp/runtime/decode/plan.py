@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
@@ -22,7 +22,7 @@ import torch
 
 from graphcp.attention.base import AttentionMetadata
 from graphcp.attention.phase import DECODE, Phase
-from graphcp.dist import CPGroup
+from graphcp.dist import CPGroup, host_group
 from graphcp.errors import BatchError
 from graphcp.kv.decode import DecodeSlots
 from graphcp.kv.handle import KVCacheFull, KVHandle, KVHandleError
@@ -89,17 +89,18 @@ def check_room(handles: Sequence[KVHandle], max_context: int, pool_tokens: int) 
                               "no room for another", "kv_tokens")
 
 
-def check_same_step(group: CPGroup, tokens: np.ndarray, handles: Sequence[KVHandle], call: Sequence[int],
-                    device: torch.device) -> None:
+def check_same_step(group: CPGroup, tokens: np.ndarray, handles: Sequence[KVHandle], call: Sequence[int]) -> None:
     """Every rank was given the same step (ConsistencyError otherwise): one small all-gather
-    of a fingerprint of the tokens, the sequences, their lengths and the call's options."""
+    of a fingerprint of the tokens, the sequences, their lengths and the call's options.
+    ``group``: a gloo group (graphcp.dist.host_group): the fingerprint is host memory, so
+    the check never waits for the device (no upload, no device read)."""
     if not group.distributed:
         return
     shape = np.array([len(tokens), *[h.seq_id for h in handles], *[h.num_tokens for h in handles], *call],
                      dtype=np.int64)
-    fp = torch.tensor([[zlib.crc32(tokens.tobytes()), zlib.crc32(shape.tobytes()), int(shape.sum())]],
-                      dtype=torch.int64, device=device)
-    every = group.all_gather_rows(fp).cpu()
+    fp = torch.from_numpy(np.array([[zlib.crc32(tokens.tobytes()), zlib.crc32(shape.tobytes()), int(shape.sum())]],
+                                   dtype=np.int64))
+    every = group.all_gather_rows(fp)
     differ = [r for r in range(group.size) if not torch.equal(every[r], every[group.rank])]
     if differ:
         raise ConsistencyError(f"rank {group.rank}: ranks {differ} were given a different decode step; every rank "
@@ -135,6 +136,8 @@ class DecodePlanner:
     #: the exchange's decode plan of a step of n rows (its merge): graphcp.runtime.body.Body.plan_decode
     plan: Callable[[int], Any]
     check_consistency: bool = True
+    #: the group's ranks over gloo, made on the first check (graphcp.dist.host_group)
+    _host: CPGroup | None = field(default=None, init=False, repr=False)
 
     def prepare(self, handles: Sequence[KVHandle], tokens: Any, call_args: Sequence[int] = ()) -> PreparedBatch:
         """Nothing changes when it raises; :meth:`abort` undoes it. ``call_args``: the
@@ -142,8 +145,10 @@ class DecodePlanner:
         rows = step_rows(handles, self.kv)
         toks = step_tokens(tokens, len(handles), self.vocab_size)
         check_room(handles, self.max_context, self.kv.capacity_tokens)
-        if self.check_consistency:
-            check_same_step(self.group, toks, handles, call_args, self.device)
+        if self.check_consistency and self.group.distributed:
+            if self._host is None:
+                self._host = host_group(self.group)
+            check_same_step(self._host, toks, handles, call_args)
         slots = self.kv.reserve_decode(list(handles), rows)
         try:
             meta = step_metadata(self.kv, slots, self.device)
