@@ -251,9 +251,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("draft", ("on",)), ("import", ("on",)),
             "an EAGLE-3 draft's next step reads the target's hidden states of the request's last tokens, which no KV "
             "export carries", (("draft", "off"),), "reads hidden states"),
-    Refusal(("draft", ("on",)), ("decode", ("on",)),
-            "EAGLE-3 verification (a draft's tokens checked in one step) is not built yet; decode runs without a "
-            "draft", (("draft", "off"),), "not built yet"),
 )
 
 
