@@ -17,8 +17,9 @@ tests/conftest.py's KIMI_TINY:
 - the token-sharded cache is refused in one line (the other pairs, and attention DP and
   auxiliary hidden states against one rank: tests/test_combinations.py);
 - bad input: a missing KDA tensor, a ``linear_attn_config`` naming a layer twice or past
-  the last, a conv kernel the kernels do not take, KV heads other than the query heads:
-  one line, exit 2; the preset from the command line.
+  the last, a conv kernel the kernels do not take, KV heads other than the query heads,
+  a mesh that cannot split the heads or the experts: one line, exit 2, nothing written;
+  the preset from the command line.
 """
 
 from __future__ import annotations
@@ -217,12 +218,21 @@ def _linear_attn(kda, full):
     (dict(config=_linear_attn([1, 2], [3])), r"names neither kind for layer 4"),
     (dict(config={"linear_conv_kernel_dim": 5}), r"short_conv_kernel_size=5 is not supported; .* widths 2, 3, 4"),
     (dict(config={"num_key_value_heads": 2}), r"num_key_value_heads=2 must equal num_attention_heads=4"),
+    # a mesh that cannot split the model: the MLA heads under attention TP (one latent head a
+    # token), the 8 experts over 3 ranks (ep), the experts' intermediate size 32 over 3 (tp)
+    (dict(args=("--tp", "2", "--cp", "1")), r"attention TP > 1 .*one latent head"),
+    (dict(args=("--cp", "3")), r"num_experts=8 does not divide by --cp 3"),
+    (dict(args=("--cp", "3", "--moe", "tp")), r"intermediate size 32 does not divide by --cp 3"),
 ])
 def test_bad_input_is_one_line(folders, tmp_path, capsys, edit, match):
+    edit = dict(edit)
+    args = edit.pop("args", ())
     bad = _edit(folders["float32"], tmp_path / "bad", **edit)
     req = tmp_path / "req.jsonl"
     req.write_text(json.dumps({"tokens": [1, 2, 3]}) + "\n")
-    one_line_error(capsys, ["prefill", "--model", bad, "--input", req, "--output", tmp_path / "o.pt"], match=match)
+    out = tmp_path / "o.pt"
+    one_line_error(capsys, ["prefill", "--model", bad, "--input", req, "--output", out, *args], match=match)
+    assert not out.exists()  # nothing written
 
 
 def test_the_preset_prefills_from_the_command_line(tmp_path, monkeypatch):
