@@ -180,9 +180,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "an EAGLE-3 draft for a linear-attention hybrid is not built (the draft's K/V layer would follow "
             "layers that keep states, not K/V)", (("model", "dense"), ("model", "moe")), "not built yet"),
     Refusal(("model", _KDA), ("kv_cache", ("sharded",)),
-            "MLA caches one latent row a token, not per-head K/V: a ring would move the all-gather's volume "
-            "(docs/dsa.md); LayerSplit cuts the pool instead",
-            (("kv_cache", "layer-split"), ("kv_cache", "replicated")), "one latent"),
+            "MLA caches one latent row a token for all its heads: a pass-KV ring would move the bytes the "
+            "all-gather moves and a pass-Q ring queries wider than the latents, so a token-sharded pool would only "
+            "save memory, which LayerSplit saves with no ring (docs/dsa.md)",
+            (("kv_cache", "layer-split"), ("kv_cache", "replicated")), "LayerSplit serves instead"),
     Refusal(("model", _KDA), ("attention", ("flashinfer", "trtllm", "triton")),
             "a KDA hybrid's MLA layers (no indexer) attend on the torch latent-attention reference; the Triton "
             "sparse-MLA kernel takes an indexer's selection and the other backends per-head K/V",
