@@ -83,10 +83,11 @@ def _pair_scores(rows: tuple[torch.Tensor, ...], cols: torch.Tensor, g: torch.Te
     upper = torch.ones(sub, sub, dtype=torch.bool, device=g.device).triu(1)
     decay = (gs.unsqueeze(-2) - gs.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp()
     decayed = cols.unflatten(-2, (m, sub)).unsqueeze(-3) * decay  # [..., m, sub (i), sub (j), d]
+    from_ref = (gs - ref).exp()  # a row decayed from its sub-chunk's first token
     out = []
     for a in rows:
         a_s = a.unflatten(-2, (m, sub))
-        scores = (a_s * (gs - ref).exp()) @ col  # [..., m, sub, C]: 0 from r's sub-chunk on
+        scores = (a_s * from_ref) @ col  # [..., m, sub, C]: 0 from r's sub-chunk on
         own = (a_s.unsqueeze(-2) * decayed).sum(dim=-1)  # [..., m, sub, sub]
         torch.diagonal(scores.unflatten(-1, (m, sub)), dim1=-4, dim2=-2).copy_(own.movedim(-3, -1))
         out.append(scores.flatten(-3, -2))
