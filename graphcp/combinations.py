@@ -60,8 +60,8 @@ class Axis:
         if self.key in ("aux", "export", "draft", "decode", "import"):
             return flag if flags else self.api
         if self.key == "model":
-            kind = {"dsa": "DSA", "moe": "MoE", "dsv4": "DeepSeek V4", "hybrid": "linear-attention hybrid"}.get(
-                value, "dense")
+            kind = {"dsa": "DSA", "moe": "MoE", "dsv4": "DeepSeek V4", "hybrid": "linear-attention hybrid",
+                    "kda": "KDA hybrid"}.get(value, "dense")
             return f"a {family} model ({kind})" if family else f"a {kind} model"
         return f"{flag} {value}" if flags else f"{self.api}={value!r}"
 
@@ -82,7 +82,7 @@ def flags_named(names: Mapping[str, str]):
 
 
 AXES: dict[str, Axis] = {a.key: a for a in (
-    Axis("model", ("dense", "moe", "dsa", "dsv4", "hybrid"), "the model", "--model"),
+    Axis("model", ("dense", "moe", "dsa", "dsv4", "hybrid", "kda"), "the model", "--model"),
     Axis("dtype", ("float32", "bfloat16"), "RuntimeConfig.dtype", "--dtype"),
     Axis("layout", LAYOUTS, "RuntimeConfig.layout", "--layout"),
     Axis("graph", GRAPH_MODES, "RuntimeConfig.graph", "--graph"),
@@ -90,7 +90,8 @@ AXES: dict[str, Axis] = {a.key: a for a in (
          "--attention"),
     Axis("kv_cache", KV_CACHE_MODES, "RuntimeConfig.kv_cache", "--kv-cache"),
     Axis("exchange", EXCHANGES, "RuntimeConfig.exchange", "--exchange"),
-    Axis("moe", MOE_LAYOUTS, "RuntimeConfig.moe", "--moe", applies=("model", ("moe", "dsa", "dsv4", "hybrid"))),
+    Axis("moe", MOE_LAYOUTS, "RuntimeConfig.moe", "--moe",
+         applies=("model", ("moe", "dsa", "dsv4", "hybrid", "kda"))),
     Axis("pp", ("1", ">1"), "ParallelConfig.pp_size", "--pp"),
     Axis("attn_tp", ("1", ">1"), "attention TP", "--tp"),
     Axis("dp", ("1", ">1"), "ParallelConfig.dp_size", "--dp"),
@@ -150,6 +151,8 @@ def _off(key: str, value: str) -> bool:
 
 
 _RINGS = ("pass-kv", "pass-q")
+#: the KDA hybrids (Kimi Linear: KDA layers and MLA full layers)
+_KDA = ("kda",)
 _ALL_GATHER_CACHES = ("replicated", "layer-split")
 
 #: in the order a run's refusal is reported (the model's first: it names what cannot change)
@@ -189,6 +192,24 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("hybrid",)), ("draft", ("on",)),
             "an EAGLE-3 draft for a linear-attention hybrid is not built (the draft's K/V layer would follow "
             "layers that keep states, not K/V)", (("model", "dense"), ("model", "moe")), "not built yet"),
+    Refusal(("model", _KDA), ("kv_cache", ("sharded",)),
+            "MLA caches one latent row a token for all its heads: a pass-KV ring would move the bytes the "
+            "all-gather moves and a pass-Q ring queries wider than the latents, so a token-sharded pool would only "
+            "save memory, which LayerSplit saves with no ring (docs/dsa.md)",
+            (("kv_cache", "layer-split"), ("kv_cache", "replicated")), "LayerSplit serves instead"),
+    Refusal(("model", _KDA), ("attention", ("flashinfer", "trtllm", "triton")),
+            "a KDA hybrid's MLA layers (no indexer) attend on the torch latent-attention reference; the Triton "
+            "sparse-MLA kernel takes an indexer's selection and the other backends per-head K/V",
+            (("attention", "torch"),), "torch MLA"),
+    Refusal(("model", _KDA), ("attn_tp", (">1",)),
+            "a KDA hybrid's MLA layers cache one latent head a token, so it runs attention TP 1 under CP, as the "
+            "DSA models do", (("attn_tp", "1"),), "MLA: one KV head"),
+    Refusal(("model", _KDA), ("layout", ("interleave",)),
+            "a KDA layer's recurrence is scanned over each rank's contiguous blocks; interleave's one-token blocks "
+            "would exchange a state map per token", (("layout", "zigzag"),), "a map per token"),
+    Refusal(("model", _KDA), ("draft", ("on",)),
+            "an EAGLE-3 draft caches per-head K/V as one more layer of the target's cache, which holds MLA latents "
+            "and KDA states", (("model", "dense"), ("model", "moe")), "latent cache"),
     Refusal(("dp", (">1",)), ("pp", (">1",)),
             "attention data parallelism under pipeline stages is not built yet", (("dp", "1"), ("pp", "1")),
             "not built yet"),
@@ -436,7 +457,7 @@ def _flag_text(key: str, values: tuple[str, ...]) -> str:
     """An axis's values as the command line says them, in a table cell."""
     a = AXES[key]
     if key == "model":
-        names = {"dsa": "DSA", "dsv4": "DeepSeek V4"}
+        names = {"dsa": "DSA", "dsv4": "DeepSeek V4", "kda": "KDA"}
         return f"{'/'.join(names.get(v, v) for v in values)} models"
     if key == "attn_tp":  # (--tp over --cp x --dp: docs/parallel.md)
         return " or ".join(f"attention TP {'> 1' if v == '>1' else v}" for v in values)

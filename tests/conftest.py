@@ -99,6 +99,19 @@ HYBRID_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32
 HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_5")
 HYBRID_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=96, patch_size=4,
                      temporal_patch_size=2, num_position_embeddings=16)
+#: tiny Kimi Linear (KDA + MLA, Kimi K3's layout): two KDA layers, an MLA layer (no RoPE; its
+#: unrotated 8-channel rope slice kept, q_proj without a query latent), a KDA layer; 4 KDA heads
+#: of 16, a convolution of 4; layer 0 dense, then DeepSeek's MoE (8 experts top-2 of 2 groups,
+#: one group a token, a shared expert); no special tokens (the defaults exceed the vocabulary)
+KIMI_TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=24, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_local_experts=8, num_experts_per_tok=2, n_group=2,
+    topk_group=1, n_shared_experts=1, rms_norm_eps=1e-6, max_position_embeddings=4096, pad_token_id=None,
+    bos_token_id=None, eos_token_id=None,
+)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -140,6 +153,9 @@ def hf_config(family: str, tied: bool, **overrides):
     elif family in DSA_FAMILIES:
         kw = dict(DSA_TINY, tie_word_embeddings=tied)
         cls = transformers.DeepseekV32Config if family == "deepseek_v32" else transformers.GlmMoeDsaConfig
+    elif family == "kimi_linear":
+        kw = dict(KIMI_TINY, tie_word_embeddings=tied)
+        cls = transformers.KimiLinearConfig
     elif family in HYBRID_FAMILIES:
         kw = dict(HYBRID_TINY, tie_word_embeddings=tied)
         if family == "qwen3_5":  # the multimodal config: the text model in text_config
@@ -178,6 +194,10 @@ def randomise_(model: torch.nn.Module, seed: int) -> None:
                 p.copy_((0.005 + 0.045 * torch.rand(p.shape, generator=g)).log())
             else:  # biases
                 p.copy_(0.2 * noise)
+        for mod in model.modules():  # a KDA layer's q/k/v rows scaled up (as a hybrid's in_proj_qkv above): the
+            if type(mod).__name__.endswith("DeltaAttention"):  # SiLU after the convolution then keeps q and k
+                for proj in (mod.q_proj, mod.k_proj, mod.v_proj):  # mostly positive, so no head's q.k cancels
+                    proj.weight.mul_(8.0)  # to near zero (the gated norm would magnify its bfloat16 rounding)
         for name, b in model.named_buffers():  # DeepSeek V4's routing tables
             if name.endswith("tid2eid"):  # distinct experts for each token
                 experts = model.config.n_routed_experts

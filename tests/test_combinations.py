@@ -71,6 +71,8 @@ MODELS = {
     "dsv4": ("deepseek_v4", {}),  # tests/conftest.py's V4_TINY: sliding, CSA and HCA layers, hash and routed MoE
     # tests/conftest.py's HYBRID_TINY Qwen3.5-MoE: three Gated DeltaNet layers and a full one, MoE in each
     "hybrid": ("qwen3_5_moe_text", {}),
+    # tests/conftest.py's KIMI_TINY Kimi Linear: two KDA layers, an MLA one, a KDA one; layer 0 dense
+    "kda": ("kimi_linear", {}),
 }
 #: bfloat16 runs each MoE model's all-experts twin (as tests/test_moe_parity.py does): with
 #: top-k < E a near-tie in the router flips an expert under bfloat16 rounding between two
@@ -79,7 +81,8 @@ MODELS = {
 #: top-k flips the same way (a DSA bfloat16 run with the triton kernel at CP 2 differed by
 #: 7e-2 from one rank); tests/test_dsa_bf16_sparse.py checks bfloat16 sparse selection
 ALL_EXPERTS = {"moe": dict(num_experts_per_tok=8), "dsa": dict(num_experts_per_tok=8, topk_group=2, index_topk=32),
-               "dsv4": dict(num_experts_per_tok=8, index_topk=8), "hybrid": dict(num_experts_per_tok=8)}
+               "dsv4": dict(num_experts_per_tok=8, index_topk=8), "hybrid": dict(num_experts_per_tok=8),
+               "kda": dict(num_experts_per_tok=8, n_group=1)}
 CPU_RUNS = covering_runs(cpu_values())
 
 

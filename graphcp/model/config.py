@@ -61,8 +61,9 @@ class ModelConfig:
     #: only. V4 models set num_kv_heads = 1 and intermediate_size = moe_intermediate_size
     dsv4: Any = None
     #: a linear-attention hybrid's settings (graphcp.model.hybrid.config.HybridConfig: the
-    #: layer kinds, the Gated DeltaNet heads and convolution, the partial RoPE); None for
-    #: other families. Read by its package only
+    #: layer kinds, the Gated DeltaNet heads and convolution, the partial RoPE; a KDA
+    #: hybrid's: graphcp.model.kimi_linear.config.KimiConfig);
+    #: None for other families. Read by its package only
     hybrid: Any = None
 
     def __post_init__(self) -> None:

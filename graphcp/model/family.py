@@ -162,6 +162,13 @@ class ModelFamily:
         """Every tensor the checkpoint must hold -> where it lands on this rank."""
         raise NotImplementedError
 
+    def tensor_table_for(self, cfg, rank: int, tp: int, moe: str, shard,
+                         names: frozenset[str]) -> dict[str, "TensorTarget"]:  # noqa: F821
+        """The tensor table in the spelling of a checkpoint that lists ``names`` (what the
+        loader reads by): a family whose checkpoints come in two spellings picks one; the
+        default is :meth:`tensor_table`."""
+        return self.tensor_table(cfg, rank, tp, moe, shard)
+
     def skips_tensor(self, cfg, name: str) -> bool:
         """A tensor the checkpoint may hold that this runtime does not use (multi-token
         prediction layers)."""

@@ -120,8 +120,9 @@ def load_model(
     model = model.to_empty(device=device)
     model.rotary = model.make_rotary(cfg, max_positions).to(device)
     params = dict(model.named_parameters())
-    table = family.tensor_table(cfg, rank, parallel.tp_size, moe, model.shard)
-    plan = _plan_reads(cfg, model_dir, table, model.stage.layers, params)
+    files = checkpoint_files(model_dir)
+    table = family.tensor_table_for(cfg, rank, parallel.tp_size, moe, model.shard, frozenset(files))
+    plan = _plan_reads(cfg, files, model_dir, table, model.stage.layers, params)
     filled = _read_files(cfg, model_dir, plan, params, on_tensor)
     for name, p in params.items():
         if filled[name] != p.numel():
@@ -129,14 +130,13 @@ def load_model(
     return cfg, model.eval()
 
 
-def _plan_reads(cfg: ModelConfig, model_dir: Path, table: dict[str, TensorTarget], layers: range,
-                params: dict) -> _Plan:
-    """Every listed tensor checked against the table (unexpected, missing), and the ones
-    this rank reads (or checks, another rank's expert) grouped by file, their targets
-    renamed to this stage's parameters."""
+def _plan_reads(cfg: ModelConfig, files: dict[str, Path], model_dir: Path, table: dict[str, TensorTarget],
+                layers: range, params: dict) -> _Plan:
+    """Every tensor ``files`` lists checked against the table (unexpected, missing), and
+    the ones this rank reads (or checks, another rank's expert) grouped by file, their
+    targets renamed to this stage's parameters."""
     family = family_of(cfg)
     targets = dict(table)
-    files = checkpoint_files(model_dir)
     by_file: dict[Path, list[str]] = {}
     listed = set()
     for name, f in files.items():
@@ -243,4 +243,4 @@ def _read(sl, shape: tuple[int, ...], tgt: TensorTarget) -> torch.Tensor:
     if dim >= len(shape) or start + length > shape[dim]:
         # let the caller's shape check name the tensor
         return sl[:]
-    return sl[start : start + length] if dim == 0 else sl[:, start : start + length]
+    return sl[(slice(None),) * dim + (slice(start, start + length),)]

@@ -209,10 +209,11 @@ class LinearScan:
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The gated delta rule over this rank's blocks (the convolution's rows ``q``, ``k``
-        ``[rows, Hk, d_k]``, ``v`` ``[rows, Hv, d_v]``; float32 ``g``, ``beta`` ``[rows,
-        Hv]``), the blocks' states composed across ranks; stores every request's final
-        state (after :meth:`convolve`). The outputs ``[rows, Hv, d_v]`` and the bytes
-        received."""
+        ``[rows, Hk, d_k]``, ``v`` ``[rows, Hv, d_v]``; float32 ``beta`` ``[rows, Hv]`` and
+        log decays ``g``: ``[rows, Hv]``, or per key channel ``[rows, Hv, d_k]`` (KDA, with
+        its own kernels: the update stays affine in the incoming state)), the blocks'
+        states composed across ranks; stores every request's final state (after
+        :meth:`convolve`). The outputs ``[rows, Hv, d_v]`` and the bytes received."""
         p = self.plan
         initial = self._prefix.index_select(0, self.block_request)
         got = 0
