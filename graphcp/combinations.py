@@ -174,9 +174,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("hybrid",)), ("draft", ("on",)),
             "an EAGLE-3 draft for a linear-attention hybrid is not built (the draft's K/V layer would follow "
             "layers that keep states, not K/V)", (("model", "dense"), ("model", "moe")), "not built yet"),
-    Refusal(("dp", (">1",)), ("pp", (">1",)),
-            "attention data parallelism under pipeline stages is not built yet", (("dp", "1"), ("pp", "1")),
-            "not built yet"),
     Refusal(("model", ("dsa",)), ("draft", ("on",)),
             "an EAGLE-3 draft's K/V are per head, one more layer of the target's cache, and MLA caches latents",
             (("model", "dense"), ("model", "moe")), "MLA caches latents"),
