@@ -207,9 +207,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("pp", (">1",)), ("draft", ("on",)),
             "the draft runs after the target's whole body on one CP group's rows and reads layers of every stage",
             (("pp", "1"),), "reads every stage"),
-    Refusal(("dp", (">1",)), ("draft", ("on",)),
-            "the draft under attention DP (each replica drafting its own requests) is not built yet",
-            (("dp", "1"),), "not built yet"),
     Refusal(("draft", ("on",)), ("import", ("on",)),
             "an EAGLE-3 draft's next step reads the target's hidden states of the request's last tokens, which no KV "
             "export carries", (("draft", "off"),), "reads hidden states"),

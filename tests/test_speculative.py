@@ -135,14 +135,17 @@ def _prefill_draft(group, models: dict, dtype: str, parallel: ParallelConfig | N
 
 
 #: the meshes a draft runs under: attention TP 2 in CP 1, and the same per attention-DP replica
-MESHES = {"attention TP 2": ParallelConfig(tp_size=2, cp_size=1)}
+MESHES = {"attention TP 2": ParallelConfig(tp_size=2, cp_size=1),
+          "attention DP 2": ParallelConfig(tp_size=2, cp_size=1, dp_size=2)}
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_speculative_under_the_mesh_equals_plain_greedy(models, mesh):
     """The draft proposes on every rank of a replica (its heads split like the target's under
-    attention TP); the verify step is the mesh's decode step. The prefill's draft outputs
-    equal one rank's; generated ids equal plain greedy's; every page given back."""
+    attention TP; each replica its own requests under attention DP, and a replica that holds
+    none runs the verify steps' padding rows); the verify step is the mesh's decode step. The
+    prefill's draft outputs equal one rank's; generated ids equal plain greedy's (a batch and
+    a two-turn conversation); every page given back."""
     par = MESHES[mesh]
     for dtype in ("float32", "bfloat16"):
         want = _prefill_draft(CPGroup(), models, dtype, None)
@@ -152,6 +155,19 @@ def test_speculative_under_the_mesh_equals_plain_greedy(models, mesh):
     res = launch(_job, par.world_size, models, ("float32", "bfloat16"), par, "breakable")
     figures = [_check(r, f"{mesh} rank {i}") for i, r in enumerate(res)]
     _acceptance(figures[0])
+    for got in launch(_one_request, par.world_size, models, par):
+        assert got[0] == got[1] and got[2], (mesh, got)
+
+
+def _one_request(group, models: dict, parallel: ParallelConfig) -> tuple:
+    """One request (under attention DP a replica holds none: it runs the verify steps'
+    padding rows): speculative ids equal plain greedy's, every page given back."""
+    target, draft = models["partial"]
+    eng = _engine(group, target, draft, "float32", parallel=parallel)
+    free = eng.parts.kv.num_free_pages
+    plain = eng.generate([[5, 9, 200, 7]], 9)
+    spec = eng.generate([[5, 9, 200, 7]], 9, draft_tokens=K)
+    return plain.tokens, spec.tokens, free == eng.parts.kv.num_free_pages and spec.speculative["steps_saved"] > 0
 
 
 def _modes_job(group, models: dict) -> dict:

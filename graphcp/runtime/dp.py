@@ -46,6 +46,7 @@ from graphcp.runtime.batch import (
     request_tokens,
 )
 from graphcp.runtime.capture.buckets import FALLBACK_REQUESTS
+from graphcp.runtime.draft import DraftRunner, merge_drafts
 from graphcp.runtime.forward import ForwardParts, PrefillCall, StageResult
 from graphcp.runtime.outputs import RequestOutputs, assemble, per_request
 from graphcp.runtime.pp.groups import PipelineGroups
@@ -112,6 +113,9 @@ class DataParallelPrefill:
     #: rows to the next stage's replica d, which holds the same requests
     pipeline: PipelineGroups | None = None
     stage_layers: list[range] | None = None  # every stage's layers (under pipeline stages)
+    #: an EAGLE-3 draft's phase (None without one): each replica drafts its own requests
+    #: after its target forward (the draft has no collective outside the replica)
+    drafter: DraftRunner | None = None
 
     def run(self, batch: Sequence[Request], call: PrefillCall) -> PrefillOutput:
         if call.microbatches != 1:
@@ -126,8 +130,11 @@ class DataParallelPrefill:
         fingerprint = self._fingerprint(tokens, cached, fixed, sub if not padding else [], call)
         prep, rows, fallback = self._prepare(sub, call, fingerprint)
         p = self.parts
+        layers = call.aux if self.drafter is None else self.drafter.with_input_layers(call.aux)
         try:
-            res, out = self._forward(prep, call, rows, fallback)
+            res, out = self._forward(prep, call, rows, fallback, layers)
+            draft = None if self.drafter is None or padding else self.drafter.after_target(
+                prep, sub, layers, res, out.last, call.draft_next[mine], call.all_logits)
         except BaseException:
             p.preparer.abort(prep)
             raise
@@ -137,33 +144,37 @@ class DataParallelPrefill:
         else:
             p.recorder.record(prep, res.info)
             local = [p.kv.handle(s) for s in prep.seq_ids]
-            part = (mine, out, [h.num_tokens for h in local])
+            if draft is not None:
+                self.drafter.remember(prep.seq_ids, draft)
+            part = (mine, out, [h.num_tokens for h in local], draft)
         parts = [x for x in gather_object(self.dp, part) if x is not None]
         handles: list = [None] * len(reqs)
         mine_handles = dict(zip(mine, local))
-        for idx, _, counts in parts:
+        for idx, _, counts, _ in parts:
             for k, i in enumerate(idx):
                 handles[i] = ReplicaHandle(where[i], counts[k], mine_handles.get(i))
         res.info.stats["dp_assignment"] = where
-        got = assemble(len(reqs), [(idx, o) for idx, o, _ in parts], handles, res.info)
+        drafts = None if self.drafter is None else merge_drafts(len(reqs), [(idx, d) for idx, _, _, d in parts])
+        got = assemble(len(reqs), [(idx, o) for idx, o, _, _ in parts], handles, res.info, drafts)
         if self.pipeline is None:
             return got
         model = p.stage.body.model
         return spread_outputs(self.pipeline, got, [t.size for t in tokens], call.all_logits, call.aux,
                               self.stage_layers, model.cfg.hidden_size, self.device)
 
-    def _forward(self, prep: PreparedBatch, call: PrefillCall, rows: int,
-                 fallback: str | None) -> tuple[StageResult, RequestOutputs]:
+    def _forward(self, prep: PreparedBatch, call: PrefillCall, rows: int, fallback: str | None,
+                 layers: tuple[int, ...]) -> tuple[StageResult, RequestOutputs]:
         """This replica's share through its stage (the rows from the previous stage's same
-        replica, handed on to the next's) and this stage's outputs of it."""
+        replica, handed on to the next's) and this stage's outputs of it; ``layers``: the
+        auxiliary layers it copies out (the asked ones, then a draft's inputs)."""
         p, pp = self.parts, self.pipeline
         if pp is None:
-            res = p.stage.run(prep, None, call.force_eager, call.aux, rows, fallback)
+            res = p.stage.run(prep, None, call.force_eager, layers, rows, fallback)
             return res, self._outputs(prep, res, call)
         got: list = []
 
         def forward(_: int, hidden_in: torch.Tensor | None) -> torch.Tensor:
-            res = p.stage.run(prep, hidden_in, call.force_eager, call.aux, rows, fallback)
+            res = p.stage.run(prep, hidden_in, call.force_eager, layers, rows, fallback)
             got.append((res, self._outputs(prep, res, call)))  # now: a replay's rows are static
             return res.hidden
 
@@ -180,10 +191,11 @@ class DataParallelPrefill:
         stage before it has no logits: placeholders the last stage's replace), the
         auxiliary hidden states of its own layers."""
         p = self.parts
+        asked = None if res.aux_rows is None or not call.aux else res.aux_rows[:, :len(call.aux)]
         if self.pipeline is None or self.pipeline.next is None:
-            return p.head.outputs(prep.plan, res.hidden, res.aux_rows, call.all_logits)
+            return p.head.outputs(prep.plan, res.hidden, asked, call.all_logits)
         ext = prep.plan.extend_lens.tolist()
-        aux = p.head.aux_gather(prep.plan, res.aux_rows)
+        aux = p.head.aux_gather(prep.plan, asked)
         return RequestOutputs(torch.empty(len(ext), p.stage.body.model.cfg.vocab_size), None,
                               None if aux is None else per_request(aux, ext))
 

@@ -163,12 +163,14 @@ class Decoder:
             kept = None if kept is None else kept.view(-1, n, kept.shape[-1])
         return DecodeOutput(ids, [self.kv.handle(s) for s in prep.seq_ids[::n]], info, kept, hit)
 
-    def run(self, prep: PreparedBatch, force_eager: bool, aux: tuple[int, ...] = ()) -> tuple[torch.Tensor, Any]:
+    def run(self, prep: PreparedBatch, force_eager: bool, aux: tuple[int, ...] = (),
+            rows: int | None = None) -> tuple[torch.Tensor, Any]:
         """A prepared step through the one forward: every row's logits (float32 [rows,
         vocab], on the device) and the StageResult (its auxiliary rows of ``aux``); on any
-        failure its reservation is given back."""
+        failure its reservation is given back. ``rows``: the rows every replica's forward
+        holds (attention DP: DataParallelDecode.begin)."""
         try:
-            res = self.stage.run(prep, None, force_eager, aux)
+            res = self.stage.run(prep, None, force_eager, aux, rows)
             with nvtx_range("lm_head", category="output"):
                 return self.model.logits(res.hidden[: prep.rows]), res
         except BaseException:

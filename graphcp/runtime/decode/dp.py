@@ -63,17 +63,7 @@ class DataParallelDecode:
         handles = self._handles(handles)
         toks = step_tokens(tokens, len(handles), self.vocab_size, self.planner.most_rows)
         n = toks.shape[1]  # rows a request (a verify step's k + 1)
-        mine = [j for j, h in enumerate(handles) if h.replica == self.replica]
-        prep, error = None, None
-        try:
-            prep = self.planner.prepare([handles[j].local for j in mine], toks[mine], verified=True) if mine \
-                else self.planner.idle()
-        except BatchError as e:
-            error = e
-        rows, held = self._agree(prep, handles, toks, force_eager)
-        if error is not None:
-            raise error
-        self.planner.pad(prep, rows, held)
+        mine, prep, rows = self.begin(handles, toks, force_eager)
         try:
             nxt, kept, info = self.step(prep, force_eager, logits, stop, rows, spread=self.pipeline is None)
         except BaseException:
@@ -103,6 +93,25 @@ class DataParallelDecode:
         if n == 1 and np.ndim(tokens) == 1:  # one token a request: [B] (logits [B, vocab])
             ids, flags, lg = ids[:, 0], flags[:, 0], None if lg is None else lg[:, 0]
         return DecodeOutput(ids, out, info, lg, None if stop is None else flags)
+
+    def begin(self, handles: list[ReplicaHandle], toks: np.ndarray, force_eager: bool
+              ) -> tuple[list[int], PreparedBatch, int]:
+        """The step prepared on this replica (``toks``: int64 [requests, n], every rank's the
+        same): the requests it holds, its prepared rows (a step of none when it holds none)
+        and the rows every replica's forward holds, once every rank agreed (see the module
+        doc; a refusal anywhere raised on every rank, nothing changed)."""
+        mine = [j for j, h in enumerate(handles) if h.replica == self.replica]
+        prep, error = None, None
+        try:
+            prep = self.planner.prepare([handles[j].local for j in mine], toks[mine], verified=True) if mine \
+                else self.planner.idle()
+        except BatchError as e:
+            error = e
+        rows, held = self._agree(prep, handles, toks, force_eager)
+        if error is not None:
+            raise error
+        self.planner.pad(prep, rows, held)
+        return mine, prep, rows
 
     def _spread(self, ids: np.ndarray, logits: torch.Tensor | None) -> tuple[np.ndarray, torch.Tensor | None]:
         pp = self.pipeline
