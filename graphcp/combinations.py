@@ -210,9 +210,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", _KDA), ("draft", ("on",)),
             "an EAGLE-3 draft caches per-head K/V as one more layer of the target's cache, which holds MLA latents "
             "and KDA states", (("model", "dense"), ("model", "moe")), "latent cache"),
-    Refusal(("dp", (">1",)), ("pp", (">1",)),
-            "attention data parallelism under pipeline stages is not built yet", (("dp", "1"), ("pp", "1")),
-            "not built yet"),
     Refusal(("model", ("dsa",)), ("draft", ("on",)),
             "an EAGLE-3 draft's K/V are per head, one more layer of the target's cache, and MLA caches latents",
             (("model", "dense"), ("model", "moe")), "MLA caches latents"),
@@ -246,12 +243,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("pp", (">1",)), ("draft", ("on",)),
             "the draft runs after the target's whole body on one CP group's rows and reads layers of every stage",
             (("pp", "1"),), "reads every stage"),
-    Refusal(("attn_tp", (">1",)), ("draft", ("on",)),
-            "the draft's layer under attention TP (its heads split like the target's) is not built yet",
-            (("attn_tp", "1"),), "not built yet"),
-    Refusal(("dp", (">1",)), ("draft", ("on",)),
-            "the draft under attention DP (each replica drafting its own requests) is not built yet",
-            (("dp", "1"),), "not built yet"),
     Refusal(("draft", ("on",)), ("import", ("on",)),
             "an EAGLE-3 draft's next step reads the target's hidden states of the request's last tokens, which no KV "
             "export carries", (("draft", "off"),), "reads hidden states"),

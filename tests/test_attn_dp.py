@@ -132,13 +132,6 @@ def test_assignment_is_balanced_and_keeps_prefixes_home():
     assert where[0] == 1 and where[2] == 0
 
 
-def test_dp_refusals(hf_model_dir):
-    dense = hf_model_dir("qwen3")
-    with pytest.raises(ConfigError, match=r"^ParallelConfig.dp_size > 1 with ParallelConfig.pp_size > 1: attention "
-                                          r"data parallelism under pipeline stages is not built yet"):
-        PrefillEngine(dense, RuntimeConfig(kv_tokens=256), parallel=ParallelConfig(dp_size=2, pp_size=2))
-
-
 def _refusals(group, folder):
     eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=512), group,
                         parallel=ParallelConfig(tp_size=2, cp_size=1, dp_size=2))

@@ -78,7 +78,6 @@ def test_run_shows_the_mesh(tmp_path, hf_model_dir, capsys):
 @pytest.mark.parametrize("flags,msg", [
     (["--tp", "3", "--cp", "2"], "--tp 3 must be a multiple of --dp x --cp = 1 x 2 = 2"),
     (["--tp", "16"], "num_attention_heads=8 does not divide by attention TP 16"),
-    (["--dp", "2", "--pp", "2"], "--dp >1 with --pp >1: attention data parallelism under pipeline stages"),
     (["--model", "default-dsa", "--tp", "2"], "a DSA (MLA) model runs attention TP 1 under CP"),
 ])
 def test_bad_mesh_flags_are_one_line(tmp_path, capsys, flags, msg):

@@ -177,3 +177,42 @@ def _different_steps(group, folder) -> str:
 def test_replicas_given_different_steps_raise_on_every_rank(folders):
     for msg in launch(_different_steps, 2, folders["float32"]):
         assert "every rank must call decode with the same" in msg and "\n" not in msg, msg
+
+
+PP_DP = ParallelConfig(tp_size=2, dp_size=2, cp_size=1, pp_size=2)  # 2 stages x 2 replicas: 4 ranks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dp2_under_pp2_decode_equals_one_rank(folders, dtype):
+    """Attention DP under pipeline stages: each stage's replica d hands its rows to the next
+    stage's replica d; every replica's next tokens reach every rank from the last stage (a
+    replica idle in the second batch)."""
+    _check(folders[dtype], dtype, PP_DP, ("replicated",))
+
+
+def _prefill_outputs(group, folder, dtype) -> list[torch.Tensor]:
+    """A batch's last and every token's logits and two layers' hidden states (one a stage),
+    then a second turn extending the first request's cached prefix."""
+    one = group.size == 1
+    engine = PrefillEngine(folder, RuntimeConfig(kv_tokens=512, dtype=dtype, graph="off"), group,
+                           parallel=None if one else PP_DP)
+    rng = np.random.default_rng(5)
+    reqs = [Request(rng.integers(0, 512, n)) for n in (9, 30, 2)]
+    first = engine.prefill(reqs, all_logits=True, aux_hidden_layers=[1, 0])
+    nxt = engine.prefill([Request([3, 4, 5], first.handles[1])], all_logits=True, aux_hidden_layers=[0])
+    got = [first.last_logits, torch.cat(first.logits), torch.cat(first.aux_hidden), nxt.last_logits,
+           torch.cat(nxt.logits), torch.cat(nxt.aux_hidden)]
+    if not one:
+        assert {h.replica for h in first.handles} == {0, 1} and nxt.handles[0].replica == \
+            first.handles[1].replica
+    return got
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dp2_under_pp2_prefill_outputs_equal_one_rank(folders, dtype):
+    """Every output of a prefill under DP x PP (the logits from the last stage, each stage's
+    own auxiliary layer) on every rank, and a cached prefix extended on its replica."""
+    want = _prefill_outputs(CPGroup(), folders[dtype], dtype)
+    for rank, got in enumerate(launch(_prefill_outputs, 4, folders[dtype], dtype)):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert rel_err(a, b) <= TOL[dtype], (rank, i, rel_err(a, b))

@@ -67,14 +67,14 @@ def test_membership_table_822():
     assert rank_groups(13, p2) == {k: [r + 8 for r in v] for k, v in rank_groups(5, p).items()}
 
 
-def test_meshes_not_built_yet_are_refused():
+def test_every_mesh_combines():
     def refused(p: ParallelConfig):
         return refusal(parallel_settings(p))
 
     assert refused(ParallelConfig(tp_size=4, cp_size=2)) is None
     assert refused(ParallelConfig(cp_size=2, dp_size=2)) is None
-    assert "attention data parallelism under pipeline stages is not built yet" in refused(
-        ParallelConfig(cp_size=2, dp_size=2, pp_size=2)).reason
+    # attention DP under pipeline stages: tests/test_decode_dp.py
+    assert refused(ParallelConfig(tp_size=4, cp_size=2, dp_size=2, pp_size=2)) is None
     assert refused(ParallelConfig(tp_size=4, cp_size=2, pp_size=2)) is None  # each stage holds the mesh
 
 

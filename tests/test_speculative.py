@@ -26,7 +26,7 @@ import torch
 from eagle3_ref import draft_config, write_agreeing_draft, write_counting_target, write_draft, write_target
 from helpers import rel_err
 
-from graphcp import Conversation, PrefillEngine, Request, RuntimeConfig
+from graphcp import Conversation, ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.cli.main import main
 from graphcp.dist import CPGroup, launch
 from graphcp.errors import BatchError, ConfigError
@@ -54,18 +54,19 @@ def _prompts(seed: int = 3) -> list[list[int]]:
 
 
 def _engine(group, target: str, draft: str, dtype: str, kv: str = "sharded", graph: str = "off",
-            kv_tokens: int = 2048) -> PrefillEngine:
+            kv_tokens: int = 2048, parallel: ParallelConfig | None = None) -> PrefillEngine:
     return PrefillEngine(target, RuntimeConfig(dtype=dtype, kv_tokens=kv_tokens, kv_cache=kv, graph=graph, page_size=16,
-                                               draft=draft), group)
+                                               draft=draft), group, parallel=parallel)
 
 
-def _job(group, models: dict, dtypes: tuple[str, ...]) -> dict:
+def _job(group, models: dict, dtypes: tuple[str, ...], parallel: ParallelConfig | None = None,
+         graph: str = "off") -> dict:
     """Per draft and dtype: plain greedy and speculative generation of the same requests
     (a batch, then a two-turn conversation), the free pages before and after."""
     out = {}
     for name, (target, draft) in models.items():
         for dtype in dtypes:
-            eng = _engine(group, target, draft, dtype)
+            eng = _engine(group, target, draft, dtype, graph=graph, parallel=parallel)
             kv = eng.parts.kv
             free = kv.num_free_pages
             plain = eng.generate(_prompts(), NEW, logits=True)
@@ -121,6 +122,52 @@ def test_speculative_equals_plain_greedy(models, cp):
 def test_speculative_equals_plain_greedy_cp4(models):
     for i, r in enumerate(launch(_job, 4, models, ("float32",))):
         _acceptance(_check(r, f"CP 4 rank {i}"))
+
+
+def _prefill_draft(group, models: dict, dtype: str, parallel: ParallelConfig | None) -> list[torch.Tensor]:
+    """A prefill's target and draft outputs: the draft's logits, last rows and every
+    position's logits."""
+    target, draft = models["random"]
+    out = _engine(group, target, draft, dtype, parallel=parallel).prefill([Request(p) for p in _prompts()],
+                                                                          all_logits=True)
+    d = out.draft
+    return [out.last_logits, d.logits, d.hidden, torch.cat(d.all_logits)]
+
+
+#: the meshes a draft runs under: attention TP 2 in CP 1, and the same per attention-DP replica
+MESHES = {"attention TP 2": ParallelConfig(tp_size=2, cp_size=1),
+          "attention DP 2": ParallelConfig(tp_size=2, cp_size=1, dp_size=2)}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_speculative_under_the_mesh_equals_plain_greedy(models, mesh):
+    """The draft proposes on every rank of a replica (its heads split like the target's under
+    attention TP; each replica its own requests under attention DP, and a replica that holds
+    none runs the verify steps' padding rows); the verify step is the mesh's decode step. The
+    prefill's draft outputs equal one rank's; generated ids equal plain greedy's (a batch and
+    a two-turn conversation); every page given back."""
+    par = MESHES[mesh]
+    for dtype in ("float32", "bfloat16"):
+        want = _prefill_draft(CPGroup(), models, dtype, None)
+        for rank, got in enumerate(launch(_prefill_draft, par.world_size, models, dtype, par)):
+            for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                assert rel_err(a, b) <= TOL[dtype], (mesh, dtype, rank, i, rel_err(a, b))
+    res = launch(_job, par.world_size, models, ("float32", "bfloat16"), par, "breakable")
+    figures = [_check(r, f"{mesh} rank {i}") for i, r in enumerate(res)]
+    _acceptance(figures[0])
+    for got in launch(_one_request, par.world_size, models, par):
+        assert got[0] == got[1] and got[2], (mesh, got)
+
+
+def _one_request(group, models: dict, parallel: ParallelConfig) -> tuple:
+    """One request (under attention DP a replica holds none: it runs the verify steps'
+    padding rows): speculative ids equal plain greedy's, every page given back."""
+    target, draft = models["partial"]
+    eng = _engine(group, target, draft, "float32", parallel=parallel)
+    free = eng.parts.kv.num_free_pages
+    plain = eng.generate([[5, 9, 200, 7]], 9)
+    spec = eng.generate([[5, 9, 200, 7]], 9, draft_tokens=K)
+    return plain.tokens, spec.tokens, free == eng.parts.kv.num_free_pages and spec.speculative["steps_saved"] > 0
 
 
 def _modes_job(group, models: dict) -> dict:

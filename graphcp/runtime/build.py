@@ -117,7 +117,7 @@ def build_parts(model: str | Path, rt: RuntimeConfig, group: CPGroup, buckets: B
     family.check_run(cfg, rt, parallel)
     check_layer_list(rt.aux_hidden_layers, "RuntimeConfig.aux_hidden_layers", cfg.num_layers)
     draft = None if rt.draft is None else load_draft(rt.draft, cfg, net.embed_tokens, rt.torch_dtype, device,
-                                                     cfg.max_position_embeddings)
+                                                     cfg.max_position_embeddings, net.shard)
     buckets = buckets or BucketSet()
     buckets.check_compatible(parallel.cp_size, rt.layout)
     layout = make_layout(rt.layout, parallel.cp_size)

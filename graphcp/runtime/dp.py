@@ -46,8 +46,12 @@ from graphcp.runtime.batch import (
     request_tokens,
 )
 from graphcp.runtime.capture.buckets import FALLBACK_REQUESTS
-from graphcp.runtime.forward import ForwardParts, PrefillCall
-from graphcp.runtime.outputs import assemble
+from graphcp.runtime.draft import DraftRunner, merge_drafts
+from graphcp.runtime.forward import ForwardParts, PrefillCall, StageResult
+from graphcp.runtime.outputs import RequestOutputs, assemble, per_request
+from graphcp.runtime.pp.groups import PipelineGroups
+from graphcp.runtime.pp.outputs import spread_outputs
+from graphcp.runtime.pp.schedule import run_stage
 
 
 @dataclass(frozen=True)
@@ -102,9 +106,16 @@ class DataParallelPrefill:
     replica: int  # this rank's replica (its dp coordinate)
     replicas: int
     dp: CPGroup  # the replicas' ranks at this rank's (cp, attn_tp)
-    stage: CPGroup  # every rank of the stage (agreements)
+    stage: CPGroup  # every rank of the stage, or of the pipeline (agreements)
     device: torch.device
     parts: ForwardParts
+    #: the pipeline's groups and links (None: one stage); each stage's replica d hands its
+    #: rows to the next stage's replica d, which holds the same requests
+    pipeline: PipelineGroups | None = None
+    stage_layers: list[range] | None = None  # every stage's layers (under pipeline stages)
+    #: an EAGLE-3 draft's phase (None without one): each replica drafts its own requests
+    #: after its target forward (the draft has no collective outside the replica)
+    drafter: DraftRunner | None = None
 
     def run(self, batch: Sequence[Request], call: PrefillCall) -> PrefillOutput:
         if call.microbatches != 1:
@@ -119,9 +130,11 @@ class DataParallelPrefill:
         fingerprint = self._fingerprint(tokens, cached, fixed, sub if not padding else [], call)
         prep, rows, fallback = self._prepare(sub, call, fingerprint)
         p = self.parts
+        layers = call.aux if self.drafter is None else self.drafter.with_input_layers(call.aux)
         try:
-            res = p.stage.run(prep, None, call.force_eager, call.aux, rows, fallback)
-            out = p.head.outputs(prep.plan, res.hidden, res.aux_rows, call.all_logits)
+            res, out = self._forward(prep, call, rows, fallback, layers)
+            draft = None if self.drafter is None or padding else self.drafter.after_target(
+                prep, sub, layers, res, out.last, call.draft_next[mine], call.all_logits)
         except BaseException:
             p.preparer.abort(prep)
             raise
@@ -131,15 +144,60 @@ class DataParallelPrefill:
         else:
             p.recorder.record(prep, res.info)
             local = [p.kv.handle(s) for s in prep.seq_ids]
-            part = (mine, out, [h.num_tokens for h in local])
+            if draft is not None:
+                self.drafter.remember(prep.seq_ids, draft)
+            part = (mine, out, [h.num_tokens for h in local], draft)
         parts = [x for x in gather_object(self.dp, part) if x is not None]
         handles: list = [None] * len(reqs)
         mine_handles = dict(zip(mine, local))
-        for idx, _, counts in parts:
+        for idx, _, counts, _ in parts:
             for k, i in enumerate(idx):
                 handles[i] = ReplicaHandle(where[i], counts[k], mine_handles.get(i))
         res.info.stats["dp_assignment"] = where
-        return assemble(len(reqs), [(idx, o) for idx, o, _ in parts], handles, res.info)
+        drafts = None if self.drafter is None else merge_drafts(len(reqs), [(idx, d) for idx, _, _, d in parts])
+        got = assemble(len(reqs), [(idx, o) for idx, o, _, _ in parts], handles, res.info, drafts)
+        if self.pipeline is None:
+            return got
+        model = p.stage.body.model
+        return spread_outputs(self.pipeline, got, [t.size for t in tokens], call.all_logits, call.aux,
+                              self.stage_layers, model.cfg.hidden_size, self.device)
+
+    def _forward(self, prep: PreparedBatch, call: PrefillCall, rows: int, fallback: str | None,
+                 layers: tuple[int, ...]) -> tuple[StageResult, RequestOutputs]:
+        """This replica's share through its stage (the rows from the previous stage's same
+        replica, handed on to the next's) and this stage's outputs of it; ``layers``: the
+        auxiliary layers it copies out (the asked ones, then a draft's inputs)."""
+        p, pp = self.parts, self.pipeline
+        if pp is None:
+            res = p.stage.run(prep, None, call.force_eager, layers, rows, fallback)
+            return res, self._outputs(prep, res, call)
+        got: list = []
+
+        def forward(_: int, hidden_in: torch.Tensor | None) -> torch.Tensor:
+            res = p.stage.run(prep, hidden_in, call.force_eager, layers, rows, fallback)
+            got.append((res, self._outputs(prep, res, call)))  # now: a replay's rows are static
+            return res.hidden
+
+        model = p.stage.body.model
+        times = run_stage([prep.ids.shape[0]], forward, lambda n: torch.empty(
+            n, model.handoff_size, dtype=model.dtype, device=self.device), pp.prev, pp.next)
+        res, out = got[0]
+        res.info.timings.update(compute_s=times.compute_s, wait_s=times.wait_s, drain_s=times.drain_s)
+        res.info.stats["pipeline"] = {"stage": pp.stage, "stages": pp.num_stages, "sent_bytes": times.sent_bytes}
+        return res, out
+
+    def _outputs(self, prep: PreparedBatch, res: StageResult, call: PrefillCall) -> RequestOutputs:
+        """This stage's outputs of the replica's share: the logits on the last stage (a
+        stage before it has no logits: placeholders the last stage's replace), the
+        auxiliary hidden states of its own layers."""
+        p = self.parts
+        asked = None if res.aux_rows is None or not call.aux else res.aux_rows[:, :len(call.aux)]
+        if self.pipeline is None or self.pipeline.next is None:
+            return p.head.outputs(prep.plan, res.hidden, asked, call.all_logits)
+        ext = prep.plan.extend_lens.tolist()
+        aux = p.head.aux_gather(prep.plan, asked)
+        return RequestOutputs(torch.empty(len(ext), p.stage.body.model.cfg.vocab_size), None,
+                              None if aux is None else per_request(aux, ext))
 
     def _prepare(self, sub: list[Request], call: PrefillCall,
                  fingerprint: list[int]) -> tuple[PreparedBatch, int, str | None]:
@@ -218,7 +276,8 @@ class DataParallelPrefill:
             eager = runner is not None and runner.prefill.own_fallback(prep) is not None
             mine = [0, prep.plan.max_local_rows, int(eager)]
         try:
-            refused, rows, eager = agree(self.stage, self.replicas, self.device, mine, fingerprint)
+            refused, rows, eager = agree(self.stage, self.replicas, self.device, mine, fingerprint,
+                                         stages=1 if self.pipeline is None else self.pipeline.num_stages)
         except BaseException:
             if prep is not None:
                 self.parts.preparer.abort(prep)
@@ -234,18 +293,23 @@ REFUSED_ELSEWHERE = ("another attention-DP replica refused its share of the batc
                      "nothing was changed")
 
 
-def agree(stage: CPGroup, replicas: int, device: torch.device, mine: list[int], fingerprint: list[int],
-          call: str = "prefill") -> list[int]:
+def agree(group: CPGroup, replicas: int, device: torch.device, mine: list[int], fingerprint: list[int],
+          call: str = "prefill", stages: int = 1) -> list[int]:
     """The replicas' one agreement of a forward, of either phase: one all-gather over every
-    rank of the stage (one host sync) of this rank's figures ``mine`` and ``fingerprint``:
+    rank of ``group`` (one host sync) of this rank's figures ``mine`` and ``fingerprint``:
     the whole call's (3 values, every rank's the same) then this replica's own (every rank
     of the replica the same). ConsistencyError on every rank where one differs; else the
     largest of each of ``mine`` over the ranks (a refusal, the rows, an eager fallback);
-    ``call``: what every rank must call alike (the error names it)."""
+    ``call``: what every rank must call alike (the error names it). ``group``: every rank
+    of the stage, or of the pipeline's ``stages`` stages (stage-major, graphcp.mesh): a
+    replica's ranks are consecutive within each stage, and its ranks of every stage hold
+    the same requests."""
     row = to_device(np.array([mine + fingerprint], dtype=np.int64), device)
-    every = stage.all_gather_rows(row).cpu()
+    every = group.all_gather_rows(row).cpu()
     n = len(mine)
-    me, per = stage.rank, stage.size // replicas  # a replica's ranks are consecutive
+    me, size = group.rank, group.size // stages
+    per = size // replicas
+    replica = lambda r: r % size // per  # noqa: E731
     check_fingerprints(every[:, n:n + 3], me, call=call)
-    check_fingerprints(every[:, n + 3:], me, range(me // per * per, (me // per + 1) * per), call)
+    check_fingerprints(every[:, n + 3:], me, [r for r in range(group.size) if replica(r) == replica(me)], call)
     return every[:, :n].max(dim=0).values.tolist()

@@ -153,6 +153,22 @@ class DraftRunner:
                            per_token)
 
 
+def merge_drafts(num_requests: int, parts: list[tuple[list[int], DraftOutput]]) -> DraftOutput:
+    """One DraftOutput of a batch from its parts' (``(request indices, their draft outputs)``:
+    an attention-DP replica's each), in batch order."""
+    first = parts[0][1]
+    logits = torch.empty(num_requests, first.logits.shape[1])
+    hidden = torch.empty(num_requests, first.hidden.shape[1])
+    nxt = torch.empty(num_requests, dtype=torch.int64)
+    every: list | None = None if first.all_logits is None else [None] * num_requests
+    for idx, d in parts:
+        logits[idx], hidden[idx], nxt[idx] = d.logits, d.hidden, d.next_tokens
+        if every is not None:
+            for k, i in enumerate(idx):
+                every[i] = d.all_logits[k]
+    return DraftOutput(logits, first.draft_to_target, hidden, nxt, every)
+
+
 def draft_next_tokens(drafter: DraftRunner | None, batch, given, m: int, vocab: int,
                       cache_id: str) -> np.ndarray | None:
     """The checked ``draft_next`` of a prefill call (-1: the target's greedy token), or None

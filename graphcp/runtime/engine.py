@@ -93,10 +93,12 @@ class PrefillEngine:
         self._single = SingleForward(fw, p.drafter)
         mesh, stage = p.mesh, p.model.stage
         # attention DP: the batch split over the replicas (None without DP)
-        self._dp = DataParallelPrefill(mesh.coords.dp, p.parallel.dp_size, mesh.dp, mesh.ffn, p.device,
-                                       fw) if p.parallel.dp_size > 1 else None
+        # (the replicas agree over every rank of the stage, or of the pipeline)
+        layers, agreeing = p.parallel.stage_layers(p.cfg.num_layers), p.decoder.group
+        self._dp = DataParallelPrefill(mesh.coords.dp, p.parallel.dp_size, mesh.dp, agreeing, p.device, fw,
+                                       p.pipeline, layers, p.drafter) if p.parallel.dp_size > 1 else None
         self._microbatched = MicrobatchedPrefill(
-            fw, stage, p.pipeline, p.parallel.stage_layers(p.cfg.num_layers), p.cfg.hidden_size, p.cfg.vocab_size,
+            fw, stage, p.pipeline, layers, p.cfg.hidden_size, p.cfg.vocab_size,
             p.model.dtype, p.device, p.model.handoff_size)
         self._exporter = Exporter(p)
         self._importer = Importer(p, self._exporter)
@@ -121,9 +123,9 @@ class PrefillEngine:
         not live here (released already, or from another engine). Under attention DP
         (a ReplicaHandle) the replica that holds it frees it."""
         if isinstance(handle, ReplicaHandle):
-            if handle.local is not None:
-                self.parts.kv.release(handle.local)
-            return
+            if handle.local is None:
+                return
+            handle = handle.local
         self.parts.kv.release(handle)
         if self.parts.drafter is not None:
             self.parts.drafter.forget(handle.seq_id)

@@ -24,6 +24,7 @@ from torch import nn
 from graphcp.model.config import ModelConfig
 from graphcp.model.eagle3.config import Eagle3Config, read_eagle3_config
 from graphcp.model.eagle3.layer import Eagle3Draft
+from graphcp.model.heads import HeadShard
 from graphcp.model.layers import Rotary
 from graphcp.model.loader import CheckpointError, checkpoint_files
 from graphcp.pd.safetensors_lib import read_errors, safe_open
@@ -56,23 +57,38 @@ def draft_tensors(cfg: Eagle3Config) -> dict[str, tuple[str | None, tuple[int, .
     return t
 
 
-#: where a fused parameter's part starts (rows), by checkpoint name suffix
-def _offsets(cfg: Eagle3Config) -> dict[str, int]:
-    c = cfg.layer
-    return {"k_proj.weight": c.q_size, "v_proj.weight": c.q_size + c.kv_size,
-            "up_proj.weight": c.intermediate_size}
+#: where a fused parameter's part starts (rows), by checkpoint name suffix (``mine``: this
+#: rank's head counts)
+def _offsets(cfg: Eagle3Config, mine: ModelConfig) -> dict[str, int]:
+    return {"k_proj.weight": mine.q_size, "v_proj.weight": mine.q_size + mine.kv_size,
+            "up_proj.weight": cfg.layer.intermediate_size}
+
+
+def _heads(name: str, t: torch.Tensor, shard: HeadShard, head_dim: int) -> torch.Tensor:
+    """A checkpoint tensor's part of this rank's heads (attention TP): q/k/v's rows, o_proj's
+    columns; any other tensor whole."""
+    if not shard.split:
+        return t
+    if name.endswith("q_proj.weight"):
+        return t.narrow(0, shard.q_start * head_dim, shard.num_heads * head_dim)
+    if name.endswith(("k_proj.weight", "v_proj.weight")):
+        return t.narrow(0, shard.kv_start * head_dim, shard.num_kv_heads * head_dim)
+    if name.endswith("o_proj.weight"):
+        return t.narrow(1, shard.q_start * head_dim, shard.num_heads * head_dim)
+    return t
 
 
 def load_draft(folder: str | Path, target: ModelConfig, embed: nn.Embedding, dtype: torch.dtype,
-               device: torch.device | str, max_positions: int) -> Eagle3Draft:
+               device: torch.device | str, max_positions: int, shard: HeadShard | None = None) -> Eagle3Draft:
     """The draft, its weights read from ``folder``, its KV the layer after the target's
-    (``target.num_layers``), embedding with the target's ``embed``."""
+    (``target.num_layers``), embedding with the target's ``embed``; ``shard``: this rank's
+    heads under attention TP (the target's)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"draft: {folder} is not a folder (expected an EAGLE-3 checkpoint)")
     cfg = read_eagle3_config(folder, target)
     with torch.device("meta"):
-        model = Eagle3Draft(cfg, target.num_layers, embed, dtype, max_positions)
+        model = Eagle3Draft(cfg, target.num_layers, embed, dtype, max_positions, shard)
     model = model.to_empty(device=device)
     model.rotary = Rotary(cfg.layer.head_dim, max_positions, cfg.layer.rope).to(device)  # computed, not loaded
     params = dict(model.named_parameters())
@@ -80,7 +96,8 @@ def load_draft(folder: str | Path, target: ModelConfig, embed: nn.Embedding, dty
     table = draft_tensors(cfg)
     # the target's embedding: checked, never read
     optional = {"embed_tokens.weight": (cfg.layer.vocab_size, cfg.hidden_size)}
-    offsets = _offsets(cfg)
+    shard = model.self_attn.shard
+    offsets = _offsets(cfg, model.self_attn.cfg)
     files = {_strip(n): (n, f) for n, f in checkpoint_files(folder).items()}
     for name in files:
         if name not in table and name not in optional:
@@ -108,7 +125,7 @@ def load_draft(folder: str | Path, target: ModelConfig, embed: nn.Embedding, dty
                 t2d = t
             if param is None:
                 continue
-            dst = params[param]
+            dst, t = params[param], _heads(name, t, shard, cfg.layer.head_dim)
             start = next((o for s, o in offsets.items() if name.endswith(s)), 0)
             dst.narrow(0, start, t.shape[0]).copy_(t)
     _check_vocab_map(folder, model.d2t.cpu(), t2d, cfg)

@@ -5,8 +5,10 @@ head over the draft vocabulary (``d2t``: target id = draft id + d2t[draft id]).
 
 Per rank, on this rank's rows only, with the target's CP layout: the rows' K/V join
 the cache as one more layer (``layer_index``, after the target's) through the same
-store and attention break as any layer; the MLP is whole on every rank (one small
-layer: no collective). The embedding is the target's."""
+store and attention break as any layer; under attention TP the layer holds the target's
+head shard (its K/V are the rank's heads, as the target's layers' are; o_proj's partial
+sums all-reduced over the attention-TP group, as the target's); the MLP is whole on
+every rank (one small layer: no collective). The embedding is the target's."""
 
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ from torch import nn
 from graphcp.model.cp_attention import begin_forward
 from graphcp.model.eagle3.config import Eagle3Config
 from graphcp.model.forward_context import ForwardContext
+from graphcp.model.heads import HeadShard
 from graphcp.model.layers import ParallelMLP, RMSNorm, Rotary
 from graphcp.model.llama import Attention
 
 
 class Eagle3Draft(nn.Module):
     def __init__(self, cfg: Eagle3Config, layer_index: int, embed: nn.Embedding, dtype: torch.dtype,
-                 max_positions: int) -> None:
+                 max_positions: int, shard: HeadShard | None = None) -> None:
+        """``shard``: this rank's heads under attention TP (the target's: the draft has its
+        head counts; None: all of them)."""
         super().__init__()
         c = cfg.layer
         h = c.hidden_size
@@ -31,9 +36,10 @@ class Eagle3Draft(nn.Module):
         self.fc = nn.Linear(3 * h, h, bias=cfg.fc_bias, dtype=dtype)
         self.input_layernorm = RMSNorm(h, c.rms_norm_eps, dtype)
         self.hidden_norm = RMSNorm(h, c.rms_norm_eps, dtype)
-        self.self_attn = Attention(c, layer_index, dtype)
+        self.self_attn = Attention(c, layer_index, dtype, shard)
+        mine = self.self_attn.cfg  # this rank's head counts
         # q/k/v read the concatenated embedding and hidden rows: 2H inputs
-        self.self_attn.qkv = nn.Linear(2 * h, c.q_size + 2 * c.kv_size, bias=False, dtype=dtype)
+        self.self_attn.qkv = nn.Linear(2 * h, mine.q_size + 2 * mine.kv_size, bias=False, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps, dtype)
         self.mlp = ParallelMLP(h, c.intermediate_size, 1, False, dtype)  # whole: tp 1
         self.norm = RMSNorm(h, c.rms_norm_eps, dtype)

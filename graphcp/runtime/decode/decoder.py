@@ -97,8 +97,9 @@ class Decoder:
         """Attention DP's decode steps (None without DP), made on first use."""
         if self._replicas is None and self.parallel.dp_size > 1:
             m = self.mesh
-            self._replicas = DataParallelDecode(m.coords.dp, self.parallel.dp_size, m.dp, m.ffn, self.body.device,
-                                                self.model.cfg.vocab_size, self.preparer, self.step, self.recorder)
+            self._replicas = DataParallelDecode(m.coords.dp, self.parallel.dp_size, m.dp, self.group, self.body.device,
+                                                self.model.cfg.vocab_size, self.preparer, self.step, self.recorder,
+                                                self.pipeline)
         return self._replicas
 
     @property
@@ -142,7 +143,9 @@ class Decoder:
         (logits ``[requests, n, vocab]``)."""
         self.check_combination()
         if self.parallel.dp_size > 1:  # each replica its own requests (under DP: ReplicaHandles)
-            return self.replicas.decode(handles, tokens, force_eager, logits, stop)
+            out = self.replicas.decode(handles, tokens, force_eager, logits, stop)
+            self._forget([h.local.seq_id for h in out.handles if h.local is not None])
+            return out
         t0 = time.perf_counter()
         prep = self.preparer.prepare(handles, tokens, (int(bool(force_eager)),))
         try:
@@ -153,21 +156,21 @@ class Decoder:
         info.stats["time_s"] = time.perf_counter() - t0
         self.recorder.record(prep, info)
         n = prep.decode.rows_per_request
-        if self.drafter is not None:  # (the draft's K/V of these tokens: unwritten)
-            for s in prep.seq_ids[::n]:
-                self.drafter.forget(s)
+        self._forget(prep.seq_ids[::n])
         ids, hit = nxt[0].copy(), None if stop is None else nxt[1].astype(bool)
         if n > 1 or np.ndim(tokens) == 2:
             ids, hit = ids.reshape(-1, n), None if hit is None else hit.reshape(-1, n)
             kept = None if kept is None else kept.view(-1, n, kept.shape[-1])
         return DecodeOutput(ids, self.kv.handles_after(handles), info, kept, hit)
 
-    def run(self, prep: PreparedBatch, force_eager: bool, aux: tuple[int, ...] = ()) -> tuple[torch.Tensor, Any]:
+    def run(self, prep: PreparedBatch, force_eager: bool, aux: tuple[int, ...] = (),
+            rows: int | None = None) -> tuple[torch.Tensor, Any]:
         """A prepared step through the one forward: every row's logits (float32 [rows,
         vocab], on the device) and the StageResult (its auxiliary rows of ``aux``); on any
-        failure its reservation is given back."""
+        failure its reservation is given back. ``rows``: the rows every replica's forward
+        holds (attention DP: DataParallelDecode.begin)."""
         try:
-            res = self.stage.run(prep, None, force_eager, aux)
+            res = self.stage.run(prep, None, force_eager, aux, rows)
             with nvtx_range("lm_head", category="output"):
                 return self.model.logits(res.hidden[: prep.rows]), res
         except BaseException:
@@ -175,13 +178,14 @@ class Decoder:
             raise
 
     def step(self, prep: PreparedBatch, force_eager: bool, logits: bool, stop: frozenset[int] | None,
-             rows: int | None = None, fallback: str | None = None
+             rows: int | None = None, fallback: str | None = None, spread: bool = True
              ) -> tuple[np.ndarray, torch.Tensor | None, ForwardInfo]:
         """A prepared step through this rank's stage (and the stages before and after it):
         its B rows' next tokens (int64 [1 or 2, B] on the host, :meth:`_next_tokens`),
         their logits when asked, the same on every rank of the pipeline, and the forward's
         info. ``rows``, ``fallback``: the rows every rank's forward holds and why they all
-        run eagerly, as the ranks agreed (attention DP)."""
+        run eagerly, as the ranks agreed (attention DP); ``spread=False``: the outputs stay
+        on the last stage (zeros elsewhere: attention DP broadcasts every replica's at once)."""
         pp, B = self.pipeline, len(prep.seq_ids)
         if pp is None:
             res = self.stage.run(prep, None, force_eager, (), rows, fallback)
@@ -200,9 +204,10 @@ class Decoder:
         info, out = got[0]
         nxt, kept = out or (np.zeros((1 if stop is None else 2, B), dtype=np.int64),
                             torch.empty(B, model.cfg.vocab_size) if logits else None)
-        last = pp.num_stages - 1  # from the last stage to every rank of the pipeline
-        nxt = pp.broadcast(torch.from_numpy(np.ascontiguousarray(nxt)), last, dev).numpy()
-        kept = None if kept is None else pp.broadcast(kept, last, dev)
+        if spread:  # from the last stage to every rank of the pipeline
+            last = pp.num_stages - 1
+            nxt = pp.broadcast(torch.from_numpy(np.ascontiguousarray(nxt)), last, dev).numpy()
+            kept = None if kept is None else pp.broadcast(kept, last, dev)
         info.timings.update(compute_s=times.compute_s, wait_s=times.wait_s, drain_s=times.drain_s)
         info.stats["pipeline"] = {"stage": pp.stage, "stages": pp.num_stages, "sent_bytes": times.sent_bytes}
         return nxt, kept, info
@@ -215,6 +220,13 @@ class Decoder:
         with nvtx_range("next_tokens", category="output"):
             nxt = self._next_tokens(rows, stop, info)
         return nxt, rows.cpu() if logits else None  # the [B, vocab] copy, asked for (the step has run: no wait)
+
+    def _forget(self, seq_ids: Sequence[int]) -> None:
+        """After a plain step: the draft's K/V of its tokens stay unwritten, and the draft
+        holds no next token for them (speculative decoding runs the draft itself)."""
+        if self.drafter is not None:
+            for s in seq_ids:
+                self.drafter.forget(s)
 
     def _next_tokens(self, rows: torch.Tensor, stop: frozenset[int] | None, info) -> np.ndarray:
         """int64 [1 or 2, B] on the host: the greedy next tokens (and with ``stop``, whether

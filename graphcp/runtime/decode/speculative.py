@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphcp.dist import gather_object
 from graphcp.errors import BatchError
+from graphcp.runtime.dp import ReplicaHandle
 
 
 @dataclass
@@ -102,59 +104,95 @@ def speculative_round(engine, live: list, proposals: list[Proposal], k: int, bud
     """One round over ``live`` (generate's request states: ``handle``, ``pending``): the
     tokens each request takes (at most ``budget[j]``, cut after a stop token), its handle
     and pending token and ``proposals`` moved on. ``k``: draft tokens this round (0: a
-    plain step through the same path)."""
+    plain step through the same path). Under attention DP each replica drafts, verifies
+    and re-drafts the requests it holds (the verify step is the replicas' decode step:
+    DataParallelDecode.begin), and every rank then takes every request's outcome."""
     dec, drafter = engine.parts.decoder, engine.parts.drafter
-    planner, device = dec.preparer, engine.parts.body.device
+    planner, device, replicas = dec.preparer, engine.parts.body.device, dec.replicas
     t0 = time.perf_counter()
     B, n = len(live), k + 1
     toks = np.empty((B, n), dtype=np.int64)
     toks[:, 0] = [s.pending for s in live]
     toks[:, 1:] = np.array([p.first for p in proposals], dtype=np.int64)[:, None]  # placeholders until proposed
-    prep = planner.prepare([s.handle for s in live], toks, (1,))
-    base = np.arange(B, dtype=np.int64) * n
+    if replicas is None:
+        mine, rows = list(range(B)), None
+        prep = planner.prepare([s.handle for s in live], toks, (1,))
+    else:
+        mine, prep, rows = replicas.begin([s.handle for s in live], toks, False)
+    m = len(mine)
+    mt = toks[mine]
+    base = np.arange(m, dtype=np.int64) * n
     try:
-        x = torch.stack([p.hidden for p in proposals]).to(device)
-        for i in range(1, k):  # proposal i + 1 from a draft step at row i - 1 (position of token i - 1)
-            sub = planner.rows(prep, base + i - 1, toks[:, i])
-            nxt, x = drafter.decode_rows(sub, x, own=True)
-            toks[:, i + 1] = nxt.numpy()
-        prep.ids[:] = toks.reshape(-1)
+        if m:  # (a replica holding none runs the verify step's padding rows only)
+            x = torch.stack([proposals[j].hidden for j in mine]).to(device)
+            for i in range(1, k):  # proposal i + 1 from a draft step at row i - 1 (position of token i - 1)
+                sub = planner.rows(prep, base + i - 1, mt[:, i])
+                nxt, x = drafter.decode_rows(sub, x, own=True)
+                mt[:, i + 1] = nxt.numpy()
+            prep.ids[:] = mt.reshape(-1)
     except BaseException:
         planner.abort(prep)
         raise
     # the decode graph of the step's rows where one holds them (it copies the draft's inputs out)
-    logits, res = dec.run(prep, False, drafter.draft.aux_layer_ids)
-    target = logits.argmax(dim=-1).view(B, n).cpu().numpy()  # (the [rows, vocab] logits stay on the device)
-    kept_logits = logits.view(B, n, -1).cpu() if keep_logits else None
-    run = _accepted(toks, target)
-    take = np.minimum(run + 1, budget)
-    for j in range(B):  # a stop token ends the request there
+    logits, res = dec.run(prep, False, drafter.draft.aux_layer_ids, rows)
+    target = logits.argmax(dim=-1).view(m, n).cpu().numpy()  # (the [rows, vocab] logits stay on the device)
+    kept_logits = logits.view(m, n, logits.shape[-1]).cpu() if keep_logits else None
+    take = np.minimum(_accepted(mt, target) + 1, budget[mine])
+    for j in range(m):  # a stop token ends the request there
         hit = [i for i in range(int(take[j])) if int(target[j, i]) in stop]
         if hit:
             take[j] = hit[0] + 1
     planner.accept(prep, take)
-    out = []
-    for j, s in enumerate(live):
-        got = target[j, : take[j]].tolist()
-        out.append(got)
-        s.handle, s.pending = engine.parts.kv.handle(s.handle.seq_id, s.handle), got[-1]
-        if keep_logits:
-            s.logits[-1].extend(kept_logits[j, : take[j]])
-    kept = np.concatenate([base[j] + np.arange(take[j]) for j in range(B)])
+    mine_out = _redraft(engine, prep, mine, target, take, res, kept_logits) if m else None
+    parts = [mine_out] if replicas is None else [p for p in gather_object(replicas.dp, mine_out) if p is not None]
+    out: list = [None] * B
+    for idx, got, props, lg, handles in parts:
+        for k_, j in enumerate(idx):
+            s = live[j]
+            out[j], proposals[j] = got[k_], props[k_]
+            if replicas is None:
+                s.handle = handles[k_]
+            else:  # (this rank's cache handle where its replica holds the request)
+                local = None if s.handle.local is None else engine.parts.kv.handle(s.handle.local.seq_id)
+                s.handle = ReplicaHandle(s.handle.replica, handles[k_], local)
+            s.pending = got[k_][-1]
+            if keep_logits:
+                s.logits[-1].extend(lg[k_])
+    taken = np.array([len(t) for t in out], dtype=np.int64)
+    accepted = int((taken - 1).sum())
+    res.info.stats.update(draft_tokens=k, accepted_tokens=accepted, rows_per_request=n,
+                          time_s=time.perf_counter() - t0)  # (the round: draft steps, verify, re-draft)
+    if m:
+        engine.parts.recorder.record(prep, res.info)
+    stats.steps += 1
+    stats.proposed += k * B
+    stats.accepted += accepted
+    stats.tokens += int(taken.sum())
+    stats.request_steps += B
+    return out
+
+
+def _redraft(engine, prep, mine: list[int], target: np.ndarray, take: np.ndarray, res, kept_logits) -> tuple:
+    """The draft over the kept rows of this rank's requests ``mine`` (with the target's
+    auxiliary rows: what a prefill's draft reads): their tokens, next proposals (on the
+    host: a replica's are gathered), kept logits and handles (their token counts under
+    attention DP)."""
+    drafter, kv, planner = engine.parts.drafter, engine.parts.kv, engine.parts.decoder.preparer
+    n, device = target.shape[1], engine.parts.body.device
+    base = np.arange(len(mine), dtype=np.int64) * n
+    kept = np.concatenate([base[j] + np.arange(take[j]) for j in range(len(mine))])
     ids = target.reshape(-1)[kept]  # each kept row's next token: the draft's input there
     aux = res.aux_rows[: prep.rows].flatten(1).index_select(0, torch.from_numpy(kept).to(device))
     nxt, pre = drafter.decode_rows(planner.rows(prep, kept, ids), aux, own=False)
     last = np.cumsum(take) - 1
-    for j, s in enumerate(live):
-        proposals[j] = Proposal(int(nxt[last[j]]), pre[last[j]])
-        drafter.next_token[s.handle.seq_id] = s.pending  # its last draft row took the pending token
-    accepted = int((take - 1).sum())
-    res.info.stats.update(draft_tokens=k, accepted_tokens=accepted, rows_per_request=n,
-                          time_s=time.perf_counter() - t0)  # (the round: draft steps, verify, re-draft)
-    engine.parts.recorder.record(prep, res.info)
-    stats.steps += 1
-    stats.proposed += k * B
-    stats.accepted += accepted
-    stats.tokens += int(take.sum())
-    stats.request_steps += B
-    return out
+    got = [target[j, : take[j]].tolist() for j in range(len(mine))]
+    seqs = prep.seq_ids[::n]
+    for j, s in enumerate(seqs):
+        drafter.next_token[s] = got[j][-1]  # its last draft row took the pending token
+    dp = engine.parts.decoder.replicas is not None  # (its figures gathered over the replicas: on the host)
+    props = [Proposal(int(nxt[last[j]]), pre[last[j]].cpu() if dp else pre[last[j]]) for j in range(len(mine))]
+    lg = None if kept_logits is None else [list(kept_logits[j, : take[j]]) for j in range(len(mine))]
+    handles = [kv.handle(s) for s in seqs]
+    if dp:
+        handles = [h.num_tokens for h in handles]
+    return mine, got, props, lg, handles
