@@ -173,9 +173,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("hybrid",)), ("graph", ("full",)),
             "a linear-attention layer's scan reads the live batch's blocks on the host, in its break",
             (("graph", "breakable"),), "scan reads the live batch"),
-    Refusal(("model", ("hybrid",)), ("draft", ("on",)),
-            "an EAGLE-3 draft for a linear-attention hybrid is not built (the draft's K/V layer would follow "
-            "layers that keep states, not K/V)", (("model", "dense"), ("model", "moe")), "not built yet"),
     Refusal(("dp", (">1",)), ("pp", (">1",)),
             "attention data parallelism under pipeline stages is not built yet", (("dp", "1"), ("pp", "1")),
             "not built yet"),

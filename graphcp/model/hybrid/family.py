@@ -89,7 +89,9 @@ class HybridFamily(ModelFamily):
         A = h.share(cfg.num_heads)  # cfg: this rank's heads
         dims = LinearDims(h.num_k_heads // A, h.num_v_heads // A, h.k_head_dim, h.v_head_dim, h.conv_kernel)
         slots = runtime.state_slots if runtime.state_slots is not None else runtime.max_requests
-        return HybridGeometry(KVHeads(cfg.num_kv_heads, cfg.head_dim, kv_layout), h.layer_kinds, dims, slots)
+        # a draft's verify steps keep each row's states, in slots for the largest decode bucket's rows
+        verify = max(runtime.decode_buckets) if runtime.draft is not None else 0
+        return HybridGeometry(KVHeads(cfg.num_kv_heads, cfg.head_dim, kv_layout), h.layer_kinds, dims, slots, verify)
 
     def kv_layout(self, runtime, device) -> str:
         return preferred_kv_layout(runtime.attention, device)
