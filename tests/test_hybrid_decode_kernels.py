@@ -108,7 +108,7 @@ def test_the_step_takes_each_library_the_prefills_choice_imports(monkeypatch, fa
     got = step_kernels.select_step_kernels(torch.device("cuda"))
     assert got.name == name
     assert (got.rule is step_kernels.recurrent_step) != fla and (got.conv is step_kernels.conv_step) != conv
-    assert (got.conv_rows is step_kernels.conv_rows) != conv
+    assert (got.conv_rows is step_kernels.conv_rows_step) != conv
     assert step_kernels.select_step_kernels(torch.device("cpu")) is step_kernels.TORCH_STEP
 
 

@@ -23,7 +23,7 @@ from graphcp.model.config import ConfigReader, ModelConfig, decoder_config, read
 from graphcp.model.family import AttentionParts, ModelFamily, attention_tp_names, register_family
 from graphcp.model.hybrid import checkpoint
 from graphcp.model.hybrid.cache import HybridGeometry, HybridStorage, LinearDims
-from graphcp.model.hybrid.config import hybrid_from_hf, hybrid_moe, hybrid_rope, text_part
+from graphcp.model.hybrid.config import FULL, hybrid_from_hf, hybrid_moe, hybrid_rope, text_part
 from graphcp.model.hybrid.export import HYBRID_FORMAT, HybridExport, HybridMeta
 from graphcp.model.hybrid.hf_cache import to_hybrid_cache
 from graphcp.model.hybrid.model import HybridModel
@@ -107,9 +107,10 @@ class HybridFamily(ModelFamily):
 
     def export_meta(self, cfg, num_tokens: int, runtime, fingerprint: str, draft_layers: int) -> HybridMeta:
         h = cfg.hybrid
-        return HybridMeta(num_tokens, cfg.num_layers, h.layer_kinds, cfg.num_kv_heads, cfg.head_dim, h.num_k_heads,
-                          h.num_v_heads, h.k_head_dim, h.v_head_dim, h.conv_kernel, runtime.dtype, runtime.page_size,
-                          fingerprint, cfg.family)
+        return HybridMeta(num_tokens, cfg.num_layers + draft_layers, h.layer_kinds + (FULL,) * draft_layers,
+                          cfg.num_kv_heads, cfg.head_dim, h.num_k_heads, h.num_v_heads, h.k_head_dim, h.v_head_dim,
+                          h.conv_kernel, runtime.dtype, runtime.page_size, fingerprint, cfg.family,
+                          draft_layers=draft_layers)
 
 
 HYBRID = register_family(HybridFamily())

@@ -46,6 +46,7 @@ from graphcp.model.hybrid.gdn import causal_conv, query_key
 
 StepRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 StepConv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+StepConvRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,7 @@ class StepKernels:
     conv: StepConv
     #: ``conv_rows(x [B, n, C], state [B, K, C], weight [C, K])`` -> ``out [B, n, C]``: n rows a
     #: request after its state, in order (a verify step's)
-    conv_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        if self.conv_rows is None:
-            object.__setattr__(self, "conv_rows", conv_rows)
+    conv_rows: StepConvRows
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -80,20 +77,20 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     return (state * q[..., None]).sum(dim=-2), state
 
 
-def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The causal convolution of one new row a request: its window is the state's last
-    ``K - 1`` rows and the row, which is also the new state (transformers' ``causal_conv1d_update``)."""
-    window = torch.cat([state[:, 1:], x[:, None].to(state.dtype)], dim=1)
-    return causal_conv(window, weight), window
-
-
-def conv_rows(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def conv_rows_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The causal convolution of n new rows a request after its state: row i's window is
     the ``K - 1`` rows before it (the state's, then the earlier new rows) and the row."""
     full = torch.cat([state, x.to(state.dtype)], dim=1)  # [B, K + n, C]
     K, n = state.shape[1], x.shape[1]
     windows = torch.stack([full[:, i + 1: i + 1 + K] for i in range(n)], dim=1)  # [B, n, K, C]
     return causal_conv(windows.flatten(0, 1), weight).view(x.shape[0], n, -1)
+
+
+def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal convolution of one new row a request: its window is the state's last
+    ``K - 1`` rows and the row, which is also the new state (transformers' ``causal_conv1d_update``)."""
+    window = torch.cat([state[:, 1:], x[:, None].to(state.dtype)], dim=1)
+    return causal_conv(window, weight), window
 
 
 def fla_step_rule() -> StepRule:
@@ -121,7 +118,7 @@ def causal_conv1d_step() -> StepConv:
     return conv
 
 
-def causal_conv1d_rows() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def causal_conv1d_rows() -> StepConvRows:
     """causal-conv1d's update on n rows a request (``seqlen = n``), over a channel-major copy of the state."""
     from causal_conv1d import causal_conv1d_update
 
@@ -134,7 +131,7 @@ def causal_conv1d_rows() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
     return conv
 
 
-TORCH_STEP = StepKernels("torch", recurrent_step, conv_step)
+TORCH_STEP = StepKernels("torch", recurrent_step, conv_step, conv_rows_step)
 
 
 def select_step_kernels(device: torch.device) -> StepKernels:
