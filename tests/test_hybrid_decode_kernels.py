@@ -170,7 +170,8 @@ def test_the_step_calls_bind_to_the_installed_signatures(hf_model_dir, fake_kern
     interface is not installed; causal-conv1d's is read without its CUDA extension)."""
     eng = PrefillEngine(hf_model_dir("qwen3_5_text"), RuntimeConfig(kv_tokens=1024))
     _greedy(eng, 1)
-    assert CALLS["fla"] and CALLS["conv"]
+    eng.decode(eng.prefill([Request([1, 2, 3])]).handles, [[4, 5]])  # a verify step's shape: 2 rows a request
+    assert CALLS["fla"] and CALLS["conv"] and any(args[0].dim() == 3 for args, _ in CALLS["conv"])
     for lib, module, fn in (("fla", "fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule"),
                             ("conv", "causal_conv1d", "causal_conv1d_update")):
         real = _installed(module, fn)
