@@ -177,8 +177,8 @@ class LinearStates:
         return out
 
     def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A held linear layer's ``(recurrent [2S, Hv, d_k, d_v], conv [2S, K, conv_dim])``
-        pools (None: this rank does not keep it)."""
+        """A held linear layer's ``(recurrent [2S + V, Hv, d_k, d_v], conv [2S + V, K, conv_dim])``
+        pools (V: the verify slots; None: this rank does not keep it)."""
         j = self.linear_index.get(layer)
         return None if j is None else (self.recurrent[j], self.conv[j])
 
