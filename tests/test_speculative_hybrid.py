@@ -37,7 +37,7 @@ from eagle3_ref import draft_config, draft_tensors, write_agreeing_draft, write_
 from helpers import rel_err
 from test_hybrid_decode_kernels import CALLS, fake_causal_conv1d_update, fake_fused_recurrent
 
-from graphcp import Conversation, PrefillEngine, RuntimeConfig
+from graphcp import Conversation, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import CPGroup, launch
 from graphcp.model.hybrid import step_kernels
 
@@ -229,3 +229,38 @@ def test_the_export_after_speculation_holds_the_draft_layer_and_continues_in_tra
             got = torch.stack([model(input_ids=torch.tensor([[t]]), use_cache=True,
                                      **{cache_argument(model): cache}).logits[0, -1].float() for t in (seq[-1], 7)])
         assert rel_err(got, want) <= 1e-4, j
+
+
+def test_a_verify_replay_whose_row_state_differs_is_refused(models):
+    """A verify-shaped step (3 rows a request) whose graph replay writes one row's kept
+    state (a verify slot) differently from the eager step: the decode graph's self-check
+    refuses it (one line), every request's states, slots and pages as they were; the same
+    step then runs eagerly."""
+    from graphcp.runtime.capture.graphs import CaptureError
+
+    eng = _engine(CPGroup(), models, "partial", "replicated", "float32", "breakable")
+    kv, states = eng.parts.kv, eng.parts.kv.storage.states
+    graphs, capture = eng.parts.decoder.graphs, eng.parts.runner.capture_bucket
+
+    def corrupted(key, phase):
+        captured = capture(key, phase)
+        if isinstance(key, tuple) and len(key) == 3:  # a verify step's graph: its row 1's state of layer 1
+            graph = graphs.graphs[key].graph
+            replay = graph.replay
+            row = states.recurrent[1, states.verify_base + 1]
+            graph.replay = lambda ctx: (replay(ctx), row.fill_(0.5))
+        return captured
+
+    eng.parts.runner.capture_bucket = corrupted
+    handles = eng.prefill([Request(p) for p in _prompts()[:2]]).handles
+    toks = [[3, 4, 5], [6, 7, 8]]
+    before = states.recurrent.clone(), states.conv.clone(), kv.snapshot(), states._phase.copy()
+    with pytest.raises(CaptureError, match=r"3 rows a request.*linear_recurrent") as e:
+        eng.decode(handles, toks)
+    assert "\n" not in str(e.value)
+    assert kv.snapshot() == before[2] and np.array_equal(states._phase, before[3])
+    live = states.verify_base  # the requests' slots (the verify slots are a step's scratch: a capture writes them)
+    assert torch.equal(states.recurrent[:, :live], before[0][:, :live])
+    assert torch.equal(states.conv[:, :live], before[1][:, :live])
+    out = eng.decode(handles, toks, force_eager=True)
+    assert out.info.path == "eager" and out.handles[0].num_tokens == handles[0].num_tokens + 3
