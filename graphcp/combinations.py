@@ -189,9 +189,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", ("hybrid",)), ("graph", ("full",)),
             "a linear-attention layer's scan reads the live batch's blocks on the host, in its break",
             (("graph", "breakable"),), "scan reads the live batch"),
-    Refusal(("model", ("hybrid",)), ("draft", ("on",)),
-            "an EAGLE-3 draft for a linear-attention hybrid is not built (the draft's K/V layer would follow "
-            "layers that keep states, not K/V)", (("model", "dense"), ("model", "moe")), "not built yet"),
     Refusal(("model", _KDA), ("kv_cache", ("sharded",)),
             "MLA caches one latent row a token for all its heads: a pass-KV ring would move the bytes the "
             "all-gather moves and a pass-Q ring queries wider than the latents, so a token-sharded pool would only "

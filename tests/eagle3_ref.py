@@ -37,11 +37,11 @@ def draft_config(**overrides) -> dict:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def draft_tensors(seed: int = 1, head_dim: int = 16) -> dict[str, torch.Tensor]:
+def draft_tensors(seed: int = 1, head_dim: int = 16, hidden: int = 64) -> dict[str, torch.Tensor]:
     """Seeded weights under the checkpoint's names (norms away from 1 so they matter);
-    4 heads and 2 KV heads of ``head_dim``."""
+    4 heads and 2 KV heads of ``head_dim``, a hidden size of ``hidden``."""
     g = torch.Generator().manual_seed(seed)
-    h, i, q, kv = 64, DRAFT_INTERMEDIATE, 4 * head_dim, 2 * head_dim
+    h, i, q, kv = hidden, DRAFT_INTERMEDIATE, 4 * head_dim, 2 * head_dim
 
     def w(*shape, scale=0.1):
         return scale * torch.randn(*shape, generator=g)

@@ -115,14 +115,23 @@ def folders(hf_model_dir, tmp_path_factory):
            for kind, (family, kw) in MODELS.items() for dtype in AXES["dtype"].values}
     out["draft"] = write_draft(tmp_path_factory.mktemp("draft"), draft_tensors(head_dim=32),
                                draft_config(head_dim=32, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 0, 1]}))
+    # the hybrid's (its hidden size 96: tests/conftest.py's HYBRID_TINY)
+    out["draft", "hybrid"] = write_draft(
+        tmp_path_factory.mktemp("draft-hybrid"), draft_tensors(head_dim=32, hidden=96),
+        draft_config(head_dim=32, hidden_size=96, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 0, 1]}))
     return out
+
+
+def _draft(folders: dict, kind: str) -> str:
+    """The EAGLE-3 draft that fits a model kind's attention shape."""
+    return str(folders.get(("draft", kind), folders["draft"]))
 
 
 def _runtime(run: dict, folders: dict) -> RuntimeConfig:
     return RuntimeConfig(dtype=run["dtype"], layout=run["layout"], graph=run["graph"], attention=run["attention"],
                          kv_cache=run["kv_cache"], exchange=run["exchange"], moe=run.get("moe", "ep"),
                          aux_hidden_layers=AUX if run["aux"] == "on" else (), kv_tokens=512,
-                         draft=str(folders["draft"]) if run.get("draft") == "on" else None)
+                         draft=_draft(folders, run["model"]) if run.get("draft") == "on" else None)
 
 
 def _batch(vocab: int):
@@ -205,7 +214,7 @@ def _references(folders) -> tuple[dict, dict]:
         aux = AUX if refusal({"model": kind, "aux": "on"}) is None else ()  # (V4 refuses aux)
         for key, out, run_dtype in [(dtype, refs, dtype), ("float32", truths, "float32")]:
             rt = RuntimeConfig(dtype=run_dtype, aux_hidden_layers=aux, kv_tokens=512,
-                               draft=str(folders["draft"]) if draft == "on" else None)
+                               draft=_draft(folders, kind) if draft == "on" else None)
             out[kind, dtype, draft, decode] = _outputs(PrefillEngine(folders[kind, dtype], rt), True, decode == "on")
     return refs, truths
 
@@ -321,7 +330,7 @@ def test_a_refused_pair_is_one_line_naming_both_options(pair, rule, folders, tmp
             *(["--aux-hidden-layers", "0,1"] if s["aux"] == "on" else []),
             "--cp", "2", "--pp", str(_parallel(s).pp_size), "--tp", str(_parallel(s).tp_size),
             "--dp", str(_parallel(s).dp_size), *(["--export-kv", tmp_path / "kv"] if s["export"] == "on" else []),
-            *(["--draft", folders["draft"]] if s["draft"] == "on" else [])]
+            *(["--draft", _draft(folders, s["model"])] if s["draft"] == "on" else [])]
     capsys.readouterr()
     assert main([str(a) for a in argv]) == 2
     err = capsys.readouterr().err

@@ -11,8 +11,8 @@ and the multimodal Qwen3.5's text model:
   (each family at CP 2, the MoE ones' all-experts twins);
 - a three-turn conversation (each turn prefilled after the decoded tokens: the scan starts
   from the decoded state) matches transformers on the whole sequence;
-- a failed step and a refused one leave every state, slot and page as they were, and
-  decoding then goes on exactly; a decode graph whose replay differs from the eager step
+- a failed step (of one row a request, and of two) and a refused one leave every state,
+  slot and page as they were, and decoding then goes on exactly; a decode graph whose replay differs from the eager step
   in a state it writes is refused on every rank, the states as they were.
 """
 
@@ -204,9 +204,11 @@ def test_a_failed_or_refused_step_leaves_the_states_and_decoding_goes_on(folders
             with pytest.raises(BatchError, match="outside the vocabulary"):
                 engine.decode(handles, [1, 2, 512])
             assert _same(_states(engine), before)
-            snap = engine.parts.kv.snapshot()  # several rows a request: the states take one token a step
-            with pytest.raises(BatchError, match="2 rows a request on a cache with per-request states"):
-                engine.decode(handles, [[1, 2]] * 3)
+            snap = engine.parts.kv.snapshot()  # a failed step of two rows a request (a verify step's shape)
+            with monkeypatch.context() as m:
+                m.setattr(GatedAttention, "project", lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
+                with pytest.raises(RuntimeError, match="injected"):
+                    engine.decode(handles, [[1, 2]] * 3)
             assert _same(_states(engine), before) and engine.parts.kv.snapshot() == snap
         o = engine.decode(handles, tok, logits=True)
         handles, tok = o.handles, o.logits.argmax(-1)

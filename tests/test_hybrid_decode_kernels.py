@@ -3,8 +3,9 @@ through fakes that model what the libraries accept: fla-core's
 ``fused_recurrent_gated_delta_rule`` (``[B, T, H, K]`` q/k and ``[B, T, HV, V]`` v in the
 model's dtype, normalised in the kernel, ``g`` and ``beta`` by keyword, a float32
 ``initial_state`` it does not write, a new final state) and
-causal-conv1d's ``causal_conv1d_update`` (``x`` ``[B, C]``, a ``conv_state`` ``[B, C,
-state_len]`` of x's dtype that it shifts in place, the library's reference semantics).
+causal-conv1d's ``causal_conv1d_update`` (``x`` ``[B, C]`` or ``[B, C, seqlen]``, a
+``conv_state`` ``[B, C, state_len]`` of x's dtype that it shifts in place, the library's
+reference semantics).
 The engine's steps with both at CP 2 (sharded eagerly, layer-split on the decode graphs)
 equal the torch path, a bfloat16 model's calls see its dtype and a float32 state, and every call binds to the installed functions' signatures where
 the libraries' Python interfaces are installed (their kernels never run here).
@@ -61,16 +62,18 @@ def fake_fused_recurrent(q, k, v, g=None, gk=None, gv=None, beta=None, scale=Non
 
 def fake_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
                               conv_state_indices=None):
-    """causal-conv1d's contract (its causal_conv1d_update_ref): the state shifted in place."""
+    """causal-conv1d's contract (its causal_conv1d_update_ref): ``x`` ``[B, C]`` or ``[B, C,
+    seqlen]`` (out the same shape), the state shifted in place."""
     CALLS["conv"].append(((x, conv_state, weight, bias), dict(activation=activation)))
-    B, C = x.shape
+    rows = x if x.dim() == 3 else x[..., None]
+    B, C, T = rows.shape
     W, L = weight.shape[1], conv_state.shape[-1]
     assert cache_seqlens is None and conv_state_indices is None and activation == "silu" and 2 <= W <= 4
-    assert conv_state.shape == (B, C, L) and L >= W - 1 and conv_state.dtype == x.dtype
-    full = torch.cat([conv_state, x[..., None]], dim=-1).to(weight.dtype)
+    assert conv_state.shape == (B, C, L) and L >= W - 1 and conv_state.dtype == x.dtype and x.is_contiguous()
+    full = torch.cat([conv_state, rows], dim=-1).to(weight.dtype)
     conv_state.copy_(full[:, :, -L:])
-    out = F.conv1d(full, weight.unsqueeze(1), bias, groups=C)[:, :, -1]
-    return F.silu(out).to(x.dtype)
+    out = F.silu(F.conv1d(full, weight.unsqueeze(1), bias, groups=C)[:, :, -T:]).to(x.dtype)
+    return out if x.dim() == 3 else out[..., 0]
 
 
 @pytest.fixture
@@ -90,7 +93,7 @@ def fake_modules(monkeypatch):
 def fake_kernels(monkeypatch, fake_modules):
     """select_step_kernels giving the CUDA choice (the fakes) on this CPU."""
     chosen = step_kernels.StepKernels("fla+causal-conv1d", step_kernels.fla_step_rule(),
-                                      step_kernels.causal_conv1d_step())
+                                      step_kernels.causal_conv1d_step(), step_kernels.causal_conv1d_rows())
     monkeypatch.setattr(step_kernels, "select_step_kernels", lambda device: chosen)
     return chosen
 
@@ -105,6 +108,7 @@ def test_the_step_takes_each_library_the_prefills_choice_imports(monkeypatch, fa
     got = step_kernels.select_step_kernels(torch.device("cuda"))
     assert got.name == name
     assert (got.rule is step_kernels.recurrent_step) != fla and (got.conv is step_kernels.conv_step) != conv
+    assert (got.conv_rows is step_kernels.conv_rows_step) != conv
     assert step_kernels.select_step_kernels(torch.device("cpu")) is step_kernels.TORCH_STEP
 
 
@@ -166,7 +170,8 @@ def test_the_step_calls_bind_to_the_installed_signatures(hf_model_dir, fake_kern
     interface is not installed; causal-conv1d's is read without its CUDA extension)."""
     eng = PrefillEngine(hf_model_dir("qwen3_5_text"), RuntimeConfig(kv_tokens=1024))
     _greedy(eng, 1)
-    assert CALLS["fla"] and CALLS["conv"]
+    eng.decode(eng.prefill([Request([1, 2, 3])]).handles, [[4, 5]])  # a verify step's shape: 2 rows a request
+    assert CALLS["fla"] and CALLS["conv"] and any(args[0].dim() == 3 for args, _ in CALLS["conv"])
     for lib, module, fn in (("fla", "fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule"),
                             ("conv", "causal_conv1d", "causal_conv1d_update")):
         real = _installed(module, fn)

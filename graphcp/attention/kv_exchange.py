@@ -68,6 +68,9 @@ class KVForward:
     #: a decode step's per-request state slots ``[2, capacity]`` int64 (each row's read and write
     #: slot, graphcp.kv.decode.state_rows), on a storage with states; None otherwise
     state_slots: torch.Tensor | None = None
+    #: the rows a request gives the step, in order (a verify step's k + 1: they advance the
+    #: request's states one after the other, request-major; graphcp.kv.decode.stack_steps)
+    state_rows: int = 1
 
     def __post_init__(self) -> None:
         #: the phase's operations (the exchange itself in a prefill): chosen once a forward

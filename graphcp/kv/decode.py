@@ -31,7 +31,7 @@ class DecodeSlots:
     local_lens: np.ndarray  # int64 [B]: the request's tokens this rank holds after the step
     slots: np.ndarray  # int64 [B]: this rank's cache slot of the new token, -1 where another rank stores it
     #: int64 [2, B]: each request's state slot the step reads and the one it writes (None: a
-    #: storage without per-request state)
+    #: storage without per-request state); a verify step's: each row its request's
     states: np.ndarray | None = None
     #: a step of several rows a request (a verify step): the one-token reservations it is
     #: made of, in order (row i of every request is ``steps[i]``); its own fields are per

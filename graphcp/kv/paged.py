@@ -152,8 +152,6 @@ class PagedKVCache:
         decoded token; all or nothing. Its rows are request-major (graphcp.kv.decode.stack_steps)."""
         if n == 1:
             return self.reserve_decode(handles, rows)
-        if self._states is not None:  # (a linear-attention hybrid: refused with a draft, combinations.py)
-            raise ValueError("a step of several rows a request needs a cache without per-request states")
         steps: list[DecodeSlots] = []
         try:
             for _ in range(n):
@@ -162,7 +160,18 @@ class PagedKVCache:
             for s in reversed(steps):
                 self.placement.rollback_decode(s)
             raise
-        return stack_steps(steps)
+        step = stack_steps(steps)
+        states = self._states
+        if states is None:
+            return step
+        # a storage's states are taken once a request (its rows advance them in order, each
+        # row's state kept: RequestStates.keep_rows), every row given its request's slots
+        refused = states.admit(steps[0].rows)
+        if refused is not None:
+            for s in reversed(steps):
+                self.placement.rollback_decode(s)
+            raise refused
+        return replace(step, states=np.repeat(states.step_slots(steps[0].rows), n, axis=1))
 
     def rollback_decode(self, step: DecodeSlots) -> None:
         """Undo :meth:`reserve_decode` or :meth:`reserve_rows` (the step's forward failed):
@@ -170,6 +179,8 @@ class PagedKVCache:
         if step.steps:
             for s in reversed(step.steps):
                 self.placement.rollback_decode(s)
+            if self._states is not None:
+                self._states.undo(step.steps[0].rows)
             return
         self.placement.rollback_decode(step)
         if self._states is not None:
@@ -178,13 +189,16 @@ class PagedKVCache:
     def trim_decode(self, step: DecodeSlots, keep: np.ndarray) -> None:
         """After a verify step (:meth:`reserve_rows`): request j keeps its first ``keep[j]``
         rows (>= 1) and gives the rest back, last first, on every rank alike (the token-sharded
-        cache's ledger too), as a rollback of those rows would."""
+        cache's ledger too), as a rollback of those rows would; a storage's per-request states
+        become those after each request's last kept row."""
         keep = np.asarray(keep, dtype=np.int64)
         for i in range(len(step.steps) - 1, 0, -1):
             gone = keep <= i
             if gone.any():
                 s = step.steps[i]
                 self.placement.rollback_decode(s if gone.all() else s.subset(gone))
+        if self._states is not None:  # each request's state: the one after its last kept row
+            self._states.keep_rows(step, keep)
 
     def handles_after(self, handles: "Sequence[KVHandle]") -> list[KVHandle]:
         """Each of ``handles``' sequences' handle after a step that extended them (a decode

@@ -94,7 +94,8 @@ class Body:
 
     def context(self, prep: PreparedBatch | None, slots: torch.Tensor, static=None, *, phase: Phase = PREFILL,
                 meta: AttentionMetadata | None = None, attention: Attention | None = None, stats: dict | None = None,
-                aux: AuxCapture | None = None, state_slots: torch.Tensor | None = None) -> ForwardContext:
+                aux: AuxCapture | None = None, state_slots: torch.Tensor | None = None,
+                state_rows: int = 1) -> ForwardContext:
         """The context of one forward of ``prep`` (None: an inert batch of ``phase``, as a
         capture runs) on this rank's ``slots``, after the attention backend's host-side
         planning of the batch and the exchange's. ``static``: a bucket's static views,
@@ -104,7 +105,8 @@ class Body:
         graph's, over its static metadata); ``stats``: this forward's ForwardInfo.stats,
         given the figures a prefill's row count fixes here (breaks add the rest as they
         run); ``aux``: where the forward copies auxiliary hidden states; ``state_slots``: a
-        decode step's per-request state slots on a storage with states (KVForward.state_slots)."""
+        decode step's per-request state slots on a storage with states (KVForward.state_slots),
+        ``state_rows`` the rows a request gives it (KVForward.state_rows)."""
         if prep is not None:
             phase = prep.phase
         live = prep.meta if prep is not None else meta
@@ -116,7 +118,7 @@ class Body:
         self._plan_attention(backend, live, prep)
         fwd = KVForward(self.kv, self.exchange, self.group, backend, live if meta is None else meta, slots,
                         prep.kv_plan if prep is not None else self.inert_plan(phase, slots.shape[0]),
-                        self._prefix_pages(prep), phase, state_slots=state_slots)
+                        self._prefix_pages(prep), phase, state_slots=state_slots, state_rows=state_rows)
         fwd.prepare()
         inputs = StaticInputs(live_rows=live.num_q_rows) if static is None else static.inputs(live.num_q_rows)
         if stats is not None and phase == PREFILL:  # (a decode step's replicated rows: none)
@@ -171,5 +173,6 @@ class Body:
         with nvtx_range("eager_body", category="eager"):
             up = to_device(rows, dev)
             ids, pos, slots = up[0], up[1], up[2]
-            ctx = self.context(prep, slots, stats=prep.stats, aux=aux, state_slots=None if states is None else up[3:])
+            ctx = self.context(prep, slots, stats=prep.stats, aux=aux, state_slots=None if states is None else up[3:],
+                               state_rows=prep.decode.rows_per_request if states is not None else 1)
             return self.run(ctx, ids, pos, hidden_in)

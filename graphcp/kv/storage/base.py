@@ -42,6 +42,13 @@ class RequestStates(Protocol):
         """int64 ``[2, B]``: the slot each request in table ``rows`` reads (its last
         forward's) and the one it writes, after :meth:`admit` took them for a decode step."""
 
+    def keep_rows(self, step, keep: np.ndarray) -> None:
+        """After a step of several rows a request (``step``: its DecodeSlots): request j's
+        state becomes the one after its row ``keep[j] - 1`` (the rejected rows leave no trace)."""
+
+    def written_slots(self, step) -> np.ndarray:
+        """The state slots a decode step writes (what a decode graph's self-check compares)."""
+
 
 class Storage:
     """One rank's tensors of a cache (module doc). A subclass builds them from a

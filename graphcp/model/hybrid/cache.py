@@ -64,9 +64,16 @@ class HybridGeometry(CacheGeometry):
     layer_kinds: tuple[str, ...]
     linear: LinearDims
     state_slots: int
+    #: rows of per-row states a verify step keeps (an EAGLE-3 draft's: the largest decode
+    #: bucket; 0 without a draft), after the live requests' slots (:class:`LinearStates`)
+    verify_rows: int = 0
+
+    def kind(self, layer: int) -> str:
+        """A layer's kind; a layer after the model's (an EAGLE-3 draft's) keeps K/V."""
+        return self.layer_kinds[layer] if layer < len(self.layer_kinds) else FULL
 
     def of_kind(self, layers, kind: str) -> list[int]:
-        return [i for i in layers if self.layer_kinds[i] == kind]
+        return [i for i in layers if self.kind(i) == kind]
 
 
 class LinearStates:
@@ -80,9 +87,14 @@ class LinearStates:
         kept = [i for i in geometry.of_kind(held.served, LINEAR) if i in held.held]
         self.linear_index = {layer: j for j, layer in enumerate(kept)}
         self._phase = np.zeros(S, dtype=np.int64)  # per row: which of its two slots a forward writes next
-        self.recurrent = torch.zeros(len(kept), 2 * S, d.num_v_heads, d.k_head_dim, d.v_head_dim,
+        #: a verify step's per-row states: slots ``2S ..`` of the pools (static: a decode graph
+        #: writes them), or for an eager step of more rows, :attr:`_spill`
+        self.verify_base, self.verify_rows = 2 * S, geometry.verify_rows
+        self._spill: tuple[torch.Tensor, torch.Tensor] | None = None
+        slots = 2 * S + self.verify_rows
+        self.recurrent = torch.zeros(len(kept), slots, d.num_v_heads, d.k_head_dim, d.v_head_dim,
                                      dtype=torch.float32, device=pool.device)
-        self.conv = torch.zeros(len(kept), 2 * S, d.conv_kernel, d.conv_dim, dtype=pool.dtype, device=pool.device)
+        self.conv = torch.zeros(len(kept), slots, d.conv_kernel, d.conv_dim, dtype=pool.dtype, device=pool.device)
 
     def pools(self) -> dict[str, torch.Tensor]:
         """The per-request states (slots along dim 1), besides the page pools."""
@@ -114,9 +126,59 @@ class LinearStates:
         read, write = self.slots_of(rows, np.ones(len(rows), dtype=bool))
         return np.stack([read, write])
 
+    def row_pools(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a step of several rows a request writes each row's states of ``layer``
+        (``rows``: the step's, padding included): ``(recurrent [rows, ...], conv [rows, K,
+        conv_dim])``, the verify slots (a decode graph's rows, at most the largest bucket)
+        or, for an eager step of more rows, a spill buffer; None without verify slots (a
+        cache built without a draft keeps every row of such a step: nothing to select)."""
+        j = self.linear_index.get(layer)
+        if j is None or not self.verify_rows:
+            return None
+        if rows <= self.verify_rows:
+            b = self.verify_base
+            return self.recurrent[j, b: b + rows], self.conv[j, b: b + rows]
+        if self._spill is None or self._spill[0].shape[1] != rows:
+            self._spill = (self.recurrent.new_zeros(self.recurrent.shape[0], rows, *self.recurrent.shape[2:]),
+                           self.conv.new_zeros(self.conv.shape[0], rows, *self.conv.shape[2:]))
+        return self._spill[0][j], self._spill[1][j]
+
+    def keep_rows(self, step, keep: np.ndarray) -> None:
+        """After a verify step (``step``: its graphcp.kv.decode.DecodeSlots, ``n`` rows a
+        request): request j's state becomes the one after its row ``keep[j] - 1`` (the step
+        wrote the last row's to its write slot, and every row's to :meth:`row_pools`); its
+        read slot, the state before the step, is untouched."""
+        n = step.rows_per_request
+        keep = np.asarray(keep, dtype=np.int64)
+        short = np.flatnonzero(keep < n)
+        if not short.size or not self.linear_index:
+            return
+        if not self.verify_rows:
+            raise ValueError("a verify step's rejected rows: this cache keeps no per-row states (built without a "
+                             "draft)")
+        R = len(step.seq_ids)
+        src = short * n + keep[short] - 1  # the step's row of each request's last kept token
+        dst = torch.from_numpy(step.states[1, short * n]).to(self.recurrent.device)
+        if R <= self.verify_rows:
+            at = torch.from_numpy(src + self.verify_base).to(self.recurrent.device)
+            rec, conv = self.recurrent.index_select(1, at), self.conv.index_select(1, at)
+        else:
+            at = torch.from_numpy(src).to(self.recurrent.device)
+            rec, conv = self._spill[0].index_select(1, at), self._spill[1].index_select(1, at)
+        self.recurrent.index_copy_(1, dst, rec)
+        self.conv.index_copy_(1, dst, conv)
+
+    def written_slots(self, step) -> np.ndarray:
+        """The slots a decode step writes (its write slots; a verify step's rows' too):
+        what a decode graph's self-check compares."""
+        out = np.unique(step.states[1])
+        if step.steps and self.verify_rows and len(step.seq_ids) <= self.verify_rows:
+            out = np.concatenate([out, self.verify_base + np.arange(len(step.seq_ids))])
+        return out
+
     def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A held linear layer's ``(recurrent [2S, Hv, d_k, d_v], conv [2S, K, conv_dim])``
-        pools (None: this rank does not keep it)."""
+        """A held linear layer's ``(recurrent [2S + V, Hv, d_k, d_v], conv [2S + V, K, conv_dim])``
+        pools (V: the verify slots; None: this rank does not keep it)."""
         j = self.linear_index.get(layer)
         return None if j is None else (self.recurrent[j], self.conv[j])
 
@@ -198,7 +260,8 @@ class HybridStorage(Storage):
     def pool_bytes(cls, geometry: HybridGeometry, pool: PoolSpec, held: HeldLayers) -> int:
         full = geometry.of_kind(held.served, FULL)
         linear = [i for i in geometry.of_kind(held.served, LINEAR) if i in held.held]
-        states = len(linear) * 2 * geometry.state_slots * geometry.linear.state_bytes(itemsize(pool.dtype))
+        slots = 2 * geometry.state_slots + geometry.verify_rows
+        states = len(linear) * slots * geometry.linear.state_bytes(itemsize(pool.dtype))
         return KVHeadsStorage.pool_bytes(geometry.kv, pool, held, full) + states
 
     def exchange(self, placement_exchange: str) -> str:

@@ -169,4 +169,5 @@ def linear_scan(fwd: KVForward) -> LinearScan:
 
 def linear_step(fwd: KVForward) -> LinearStep:
     """A decode step's linear-layer work (what a linear layer calls in the decode phase)."""
-    return LinearStep(fwd.cache.storage.states, fwd.state_slots, fwd.group, fwd.exchange.decode.kernels)
+    return LinearStep(fwd.cache.storage.states, fwd.state_slots, fwd.group, fwd.exchange.decode.kernels,
+                      fwd.state_rows)

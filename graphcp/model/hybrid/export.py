@@ -54,6 +54,9 @@ class HybridMeta(TensorLayout):
     fingerprint: str
     family: str = "qwen3_5_text"
     format: str = HYBRID_FORMAT
+    #: the last ``draft_layers`` of the ``num_layers`` are an EAGLE-3 draft's (full: K/V, after
+    #: the model's layers, as graphcp-kv/1 carries them: docs/speculative.md)
+    draft_layers: int = 0
 
     token_dim = 1  # a full layer's [heads, tokens, head_dim]
 
@@ -69,6 +72,16 @@ class HybridMeta(TensorLayout):
                                 f"{list(self.layer_kinds)}")
         if self.format != HYBRID_FORMAT:
             raise KVFormatError(f"hybrid KV metadata: format {self.format!r} is not {HYBRID_FORMAT!r}")
+        d = self.draft_layers
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < self.num_layers or \
+                any(k != FULL for k in self.layer_kinds[self.num_layers - d:]):
+            raise KVFormatError(f"hybrid KV metadata: draft_layers must be an integer in [0, {self.num_layers}) of "
+                                f"full layers at the end, got {d!r}")
+
+    @property
+    def target_layers(self) -> int:
+        """The model's layers (a draft's follow them)."""
+        return self.num_layers - self.draft_layers
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -136,7 +149,8 @@ class HybridMeta(TensorLayout):
 
     def to_dict(self) -> dict[str, str]:
         """String values (a safetensors header holds strings only)."""
-        d = {k: str(v) for k, v in vars(self).items()}
+        # (draft_layers only when a draft's layers ride along: other exports keep their header)
+        d = {k: str(v) for k, v in vars(self).items() if k != "draft_layers" or v}
         d["layer_kinds"] = ",".join(self.layer_kinds)
         return d
 
@@ -153,7 +167,8 @@ class HybridMeta(TensorLayout):
         kinds = tuple(k for k in str(d["layer_kinds"]).split(",") if k)
         try:
             return cls(**ints, layer_kinds=kinds, dtype=str(d["dtype"]), fingerprint=str(d["fingerprint"]),
-                       family=str(d.get("family", "qwen3_5_text")), format=str(d["format"]))
+                       family=str(d.get("family", "qwen3_5_text")), format=str(d["format"]),
+                       draft_layers=int(d.get("draft_layers", 0)))
         except KVFormatError as e:
             raise KVFormatError(f"{source}: {e}") from None
 

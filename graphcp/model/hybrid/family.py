@@ -23,7 +23,7 @@ from graphcp.model.config import ConfigReader, ModelConfig, decoder_config, read
 from graphcp.model.family import AttentionParts, ModelFamily, attention_tp_names, register_family
 from graphcp.model.hybrid import checkpoint
 from graphcp.model.hybrid.cache import HybridGeometry, HybridStorage, LinearDims
-from graphcp.model.hybrid.config import hybrid_from_hf, hybrid_moe, hybrid_rope, text_part
+from graphcp.model.hybrid.config import FULL, hybrid_from_hf, hybrid_moe, hybrid_rope, text_part
 from graphcp.model.hybrid.export import HYBRID_FORMAT, HybridExport, HybridMeta
 from graphcp.model.hybrid.hf_cache import to_hybrid_cache
 from graphcp.model.hybrid.model import HybridModel
@@ -89,7 +89,9 @@ class HybridFamily(ModelFamily):
         A = h.share(cfg.num_heads)  # cfg: this rank's heads
         dims = LinearDims(h.num_k_heads // A, h.num_v_heads // A, h.k_head_dim, h.v_head_dim, h.conv_kernel)
         slots = runtime.state_slots if runtime.state_slots is not None else runtime.max_requests
-        return HybridGeometry(KVHeads(cfg.num_kv_heads, cfg.head_dim, kv_layout), h.layer_kinds, dims, slots)
+        # a draft's verify steps keep each row's states, in slots for the largest decode bucket's rows
+        verify = max(runtime.decode_buckets) if runtime.draft is not None else 0
+        return HybridGeometry(KVHeads(cfg.num_kv_heads, cfg.head_dim, kv_layout), h.layer_kinds, dims, slots, verify)
 
     def kv_layout(self, runtime, device) -> str:
         return preferred_kv_layout(runtime.attention, device)
@@ -105,9 +107,10 @@ class HybridFamily(ModelFamily):
 
     def export_meta(self, cfg, num_tokens: int, runtime, fingerprint: str, draft_layers: int) -> HybridMeta:
         h = cfg.hybrid
-        return HybridMeta(num_tokens, cfg.num_layers, h.layer_kinds, cfg.num_kv_heads, cfg.head_dim, h.num_k_heads,
-                          h.num_v_heads, h.k_head_dim, h.v_head_dim, h.conv_kernel, runtime.dtype, runtime.page_size,
-                          fingerprint, cfg.family)
+        return HybridMeta(num_tokens, cfg.num_layers + draft_layers, h.layer_kinds + (FULL,) * draft_layers,
+                          cfg.num_kv_heads, cfg.head_dim, h.num_k_heads, h.num_v_heads, h.k_head_dim, h.v_head_dim,
+                          h.conv_kernel, runtime.dtype, runtime.page_size, fingerprint, cfg.family,
+                          draft_layers=draft_layers)
 
 
 HYBRID = register_family(HybridFamily())

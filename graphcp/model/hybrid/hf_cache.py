@@ -20,8 +20,9 @@ def to_hybrid_cache(export: HybridExport, device: torch.device | str | None = No
     from transformers import DynamicCache
 
     m = export.meta
-    names = ["full_attention" if k == FULL else "linear_attention" for k in m.layer_kinds]
-    cache = DynamicCache(config=transformers.Qwen3_5TextConfig(num_hidden_layers=m.num_layers, layer_types=names))
+    kinds = m.layer_kinds[: m.target_layers]  # (a draft's layers ride along: transformers' cache takes the model's)
+    names = ["full_attention" if k == FULL else "linear_attention" for k in kinds]
+    cache = DynamicCache(config=transformers.Qwen3_5TextConfig(num_hidden_layers=len(kinds), layer_types=names))
 
     def put(t: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         return t.to(device=device, dtype=None if keep_dtype else dtype)[None]

@@ -22,10 +22,16 @@ functions where they import):
   are elementwise (no ``tl.dot``, so no TF32): a float32 model runs it too. No
   ``cu_seqlens``: one token a request.
 - ``causal_conv1d.causal_conv1d_update(x, conv_state, weight, None, activation="silu")``:
-  ``x`` ``[B, C]``, ``conv_state`` ``[B, C, state_len]`` of x's dtype (state_len >= K - 1;
-  the request's last ``K`` rows here, any strides), ``weight`` ``[C, K]`` (K of 2 to 4);
-  returns ``[B, C]`` and shifts ``x`` into ``conv_state`` in place (a copy of the
-  gathered state, here).
+  ``x`` ``[B, C]`` or ``[B, C, seqlen]`` (a verify step's n rows a request), ``conv_state``
+  ``[B, C, state_len]`` of x's dtype (state_len >= K - 1; the request's last ``K`` rows
+  here), ``weight`` ``[C, K]`` (K of 2 to 4); returns x's shape and shifts ``x`` into
+  ``conv_state`` in place (a copy of the gathered state, here).
+
+A verify step (n rows a request, graphcp.model.hybrid.step) keeps the state after each
+row: fla-core 0.6's fused recurrent rule returns only a call's final state, so the rule
+runs one call a row (``T = 1``, each from the previous call's state); the convolution runs
+the n rows in one ``causal_conv1d_update`` call (``seqlen = n``), its per-row states being
+windows of the rows it was given (copied on the torch side).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from graphcp.model.hybrid.gdn import causal_conv, query_key
 
 StepRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 StepConv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+StepConvRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,9 @@ class StepKernels:
     rule: StepRule
     #: ``conv(x [B, C], state [B, K, C], weight [C, K])`` -> ``(out [B, C] (SiLU applied), new state)``
     conv: StepConv
+    #: ``conv_rows(x [B, n, C], state [B, K, C], weight [C, K])`` -> ``out [B, n, C]``: n rows a
+    #: request after its state, in order (a verify step's)
+    conv_rows: StepConvRows
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -65,6 +75,15 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     delta = (v.float() - (state * k[..., None]).sum(dim=-2)) * beta[..., None]
     state = state + k[..., None] * delta[..., None, :]
     return (state * q[..., None]).sum(dim=-2), state
+
+
+def conv_rows_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The causal convolution of n new rows a request after its state: row i's window is
+    the ``K - 1`` rows before it (the state's, then the earlier new rows) and the row."""
+    full = torch.cat([state, x.to(state.dtype)], dim=1)  # [B, K + n, C]
+    K, n = state.shape[1], x.shape[1]
+    windows = torch.stack([full[:, i + 1: i + 1 + K] for i in range(n)], dim=1)  # [B, n, K, C]
+    return causal_conv(windows.flatten(0, 1), weight).view(x.shape[0], n, -1)
 
 
 def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +118,20 @@ def causal_conv1d_step() -> StepConv:
     return conv
 
 
-TORCH_STEP = StepKernels("torch", recurrent_step, conv_step)
+def causal_conv1d_rows() -> StepConvRows:
+    """causal-conv1d's update on n rows a request (``seqlen = n``), over a channel-major copy of the state."""
+    from causal_conv1d import causal_conv1d_update
+
+    def conv(x, state, weight):
+        work = state.transpose(1, 2).contiguous()  # [B, C, K]
+        out = causal_conv1d_update(x.transpose(1, 2).contiguous(), work, weight.contiguous(), None,
+                                   activation="silu")
+        return out.transpose(1, 2)
+
+    return conv
+
+
+TORCH_STEP = StepKernels("torch", recurrent_step, conv_step, conv_rows_step)
 
 
 def select_step_kernels(device: torch.device) -> StepKernels:
@@ -111,4 +143,5 @@ def select_step_kernels(device: torch.device) -> StepKernels:
     fla, conv = (kernels.load(name)[0] is not None for name in ("fla-core", "causal-conv1d"))
     names = [n for n, ok in (("fla", fla), ("causal-conv1d", conv)) if ok]
     return StepKernels("+".join(names) or "torch", fla_step_rule() if fla else TORCH_STEP.rule,
-                       causal_conv1d_step() if conv else TORCH_STEP.conv)
+                       causal_conv1d_step() if conv else TORCH_STEP.conv,
+                       causal_conv1d_rows() if conv else TORCH_STEP.conv_rows)

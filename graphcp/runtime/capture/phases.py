@@ -369,8 +369,12 @@ class DecodeGraphs(PhaseGraphs):
         capacity = self.bucket(rows)
         return Selection(rows, capacity, None if capacity is not None else FALLBACK_TOO_LARGE)
 
-    def key(self, prep: PreparedBatch, capacity: int) -> tuple[int, int]:
-        return capacity, self.pages(prep)
+    def key(self, prep: PreparedBatch, capacity: int) -> tuple[int, ...]:
+        """``(rows, pages)``; on a cache with per-request states a step of n > 1 rows a
+        request (a verify step) is ``(rows, pages, n)``: its states advance n rows in order,
+        a graph of its own."""
+        n = prep.decode.rows_per_request
+        return (capacity, self.pages(prep)) if n == 1 or not self.states else (capacity, self.pages(prep), n)
 
     def rows(self, key: tuple[int, int]) -> int:
         return key[0]
@@ -390,6 +394,7 @@ class DecodeGraphs(PhaseGraphs):
 
     def static_meta(self, key: tuple[int, int]) -> AttentionMetadata:
         """The bucket's static metadata: one segment a row over its static length and pages."""
+        key = key[:2]  # (a verify step's key: the bucket's metadata)
         meta = self._metas.get(key)
         if meta is None:
             (capacity, width), ps, view = key, self.body.kv.page_size, self.buffers.view(*key)
@@ -403,6 +408,7 @@ class DecodeGraphs(PhaseGraphs):
         """The bucket's attention over its static metadata: the paged decode attention over
         K/V heads (the engine's decode kernel), or a family's own attention's decode graph
         form (made once a bucket)."""
+        key = key[:2]
         got = self._attentions.get(key)
         if got is None:
             engine = self.body.attention
@@ -418,7 +424,7 @@ class DecodeGraphs(PhaseGraphs):
         a decode graph merges as its bucket was captured to)."""
         if prep is not None:
             prep.kv_plan = self.plan(key[0])
-        return self.buffers.fill(prep, *key, self.body.kv, hidden_in)
+        return self.buffers.fill(prep, *key[:2], self.body.kv, hidden_in)
 
     def aux(self, view: DecodeView) -> AuxCapture | None:
         return AuxCapture(self.aux_layers, view.aux_out) if self.aux_layers else None
@@ -450,7 +456,8 @@ class DecodeGraphs(PhaseGraphs):
                  stats: dict | None, aux: AuxCapture | None = None) -> ForwardContext:
         return self.body.context(prep, view.kv_slots, phase=DECODE, meta=self.static_meta(key),
                                  attention=self.attention(key), stats=stats, aux=aux,
-                                 state_slots=view.state_slots if self.states else None)
+                                 state_slots=view.state_slots if self.states else None,
+                                 state_rows=key[2] if len(key) > 2 else 1)
 
     def output(self, view: DecodeView, prep: PreparedBatch) -> torch.Tensor:
         return view.hidden_out[: prep.rows]
@@ -462,14 +469,15 @@ class DecodeGraphs(PhaseGraphs):
     def written_states(self, prep: PreparedBatch) -> torch.Tensor | None:
         if not self.states:
             return None
-        return torch.from_numpy(prep.decode.states[1].copy()).to(self.body.device)
+        return torch.from_numpy(self.body.kv.storage.states.written_slots(prep.decode)).to(self.body.device)
 
     def range_name(self, what: str, key: tuple[int, int]) -> str:
-        return f"decode_{what}[{key[0]},{key[1]}]"
+        return f"decode_{what}[{','.join(str(x) for x in key)}]"
 
     def bucket_stats(self, key: tuple[int, int]) -> dict[str, Any]:
-        return {"pages": key[1]}
+        return {"pages": key[1]} if len(key) == 2 else {"pages": key[1], "rows_per_request": key[2]}
 
     def check_name(self, key: tuple[int, int]) -> str:
-        return (f"decode graph self-check of bucket {key[0]} requests x {key[1]} pages: the replay differs from the "
+        n = "" if len(key) == 2 else f" ({key[2]} rows a request)"
+        return (f"decode graph self-check of bucket {key[0]} requests x {key[1]} pages{n}: the replay differs from the "
                 "same step run eagerly on the bucket")

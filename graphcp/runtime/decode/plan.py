@@ -172,9 +172,6 @@ class DecodePlanner:
         rows = step_rows(handles, self.kv)
         toks = step_tokens(tokens, len(handles), self.vocab_size, self.most_rows)
         n = toks.shape[1]
-        if n > 1 and self.kv.state_pools():
-            raise BatchError(f"decode: {n} rows a request on a cache with per-request states (a linear-attention "
-                             "layer's): its states take one token a step; give one token a request")
         check_room(handles, self.max_context, self.kv.capacity_tokens, n)
         toks = toks.reshape(-1)
         if self.check_consistency and not verified and self.group.distributed:
