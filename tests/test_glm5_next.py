@@ -90,8 +90,8 @@ def build_glm5(seed: int = 0, **overrides):
     return model.eval()
 
 
-@pytest.fixture(scope="session")
-def glm_folders(tmp_path_factory):
+def save_folders(tmp_path_factory) -> dict:
+    """dtype -> the folder of the model bfloat16 runs on (float32: GLM_TINY; bfloat16: the twin)."""
     out = {}
     for dtype, over in (("float32", {}), ("bfloat16", ALL_EXPERTS)):
         folder = tmp_path_factory.mktemp(f"glm5next-{dtype}")
@@ -100,20 +100,17 @@ def glm_folders(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="session")
-def glm_model():
-    """``glm_model(folder, dtype)``: transformers' model of a folder (cached)."""
-    cache: dict = {}
+_MODELS: dict = {}
 
-    def load(folder, dtype: str = "float32"):
-        from transformers import Glm5NextForConditionalGeneration
 
-        key = (str(folder), dtype)
-        if key not in cache:
-            cache[key] = Glm5NextForConditionalGeneration.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
-        return cache[key]
+def glm_model(folder, dtype: str = "float32"):
+    """transformers' model of a folder (cached)."""
+    from transformers import Glm5NextForConditionalGeneration
 
-    return load
+    key = (str(folder), dtype)
+    if key not in _MODELS:
+        _MODELS[key] = Glm5NextForConditionalGeneration.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    return _MODELS[key]
 
 
 def tokens():
@@ -121,13 +118,23 @@ def tokens():
     return [rng.integers(0, 500, n) for n in LENS]
 
 
-@pytest.fixture(scope="module")
-def reference(glm_folders, glm_model):
+def reference_logits(folders) -> dict:
+    """transformers' logits of every request, in each dtype (bfloat16: the twin's)."""
     out = {}
-    for dtype, folder in glm_folders.items():
+    for dtype, folder in folders.items():
         with torch.no_grad():
             out[dtype] = [glm_model(folder, dtype)(torch.tensor(t)[None]).logits[0].float() for t in tokens()]
     return out
+
+
+@pytest.fixture(scope="module")
+def glm_folders(tmp_path_factory):
+    return save_folders(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(glm_folders):
+    return reference_logits(glm_folders)
 
 
 def test_the_pooled_selection_is_transformers_indexers():
@@ -221,7 +228,7 @@ def test_cp_matches_transformers(glm_folders, reference, cp):
         check_logits([pieces], [reference[dtype][3]], dtype, where)
 
 
-def test_the_in_memory_spelling_loads_as_the_saved_one(glm_folders, glm_model, tmp_path):
+def test_the_in_memory_spelling_loads_as_the_saved_one(glm_folders, tmp_path):
     """transformers' in-memory names (``attn_hc.fn``, a stacked conv, ``forget_gate.``, merged
     experts: its state dict saved as it is) read to the same model."""
     folder = glm_folders["float32"]
