@@ -90,14 +90,23 @@ def build_glm5(seed: int = 0, **overrides):
     return model.eval()
 
 
-def save_folders(tmp_path_factory) -> dict:
-    """dtype -> the folder of the model bfloat16 runs on (float32: GLM_TINY; bfloat16: the twin)."""
-    out = {}
-    for dtype, over in (("float32", {}), ("bfloat16", ALL_EXPERTS)):
-        folder = tmp_path_factory.mktemp(f"glm5next-{dtype}")
-        build_glm5(**over).save_pretrained(folder)
-        out[dtype] = folder
-    return out
+class Folders(dict):
+    """dtype -> the folder of the model that dtype runs on (float32: GLM_TINY; bfloat16: the
+    twin), each saved when first asked for."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        super().__init__()
+        self.factory = tmp_path_factory
+
+    def __missing__(self, dtype: str):
+        folder = self.factory.mktemp(f"glm5next-{dtype}")
+        build_glm5(**(ALL_EXPERTS if dtype == "bfloat16" else {})).save_pretrained(folder)
+        self[dtype] = folder
+        return folder
+
+
+def save_folders(tmp_path_factory) -> Folders:
+    return Folders(tmp_path_factory)
 
 
 _MODELS: dict = {}
@@ -121,7 +130,8 @@ def tokens():
 def reference_logits(folders) -> dict:
     """transformers' logits of every request, in each dtype (bfloat16: the twin's)."""
     out = {}
-    for dtype, folder in folders.items():
+    for dtype in TOL:
+        folder = folders[dtype]
         with torch.no_grad():
             out[dtype] = [glm_model(folder, dtype)(torch.tensor(t)[None]).logits[0].float() for t in tokens()]
     return out
@@ -219,7 +229,7 @@ def test_one_rank_matches_transformers_and_the_pieces_one_shot(glm_folders, refe
 
 @pytest.mark.parametrize("cp", sorted(RUNS))
 def test_cp_matches_transformers(glm_folders, reference, cp):
-    results = launch(_runs_job, cp, glm_folders, RUNS[cp])[0]
+    results = launch(_runs_job, cp, dict(glm_folders), RUNS[cp])[0]
     for (dtype, graph, mode, moe), (one, pieces, paths, verified) in zip(RUNS[cp], results):
         where = (cp, dtype, graph, mode, moe)
         assert paths == {"graph" if graph != "off" else "eager"}, where
@@ -258,7 +268,7 @@ def test_refused_runs_are_one_line(glm_folders, runtime, match):
 
 def test_decode_is_refused(glm_folders):
     eng = PrefillEngine(glm_folders["float32"], RuntimeConfig(kv_tokens=512))
-    with pytest.raises(ConfigError, match=r"decode") as e:
+    with pytest.raises(ConfigError, match=r"glm5_next model .* with PrefillEngine.generate: .* not wired") as e:
         eng.generate([Request([1, 2, 3])], max_new_tokens=2)
     assert "\n" not in str(e.value)
 

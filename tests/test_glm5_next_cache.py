@@ -11,6 +11,7 @@ tests/test_glm5_next.py's GLM_TINY:
   more than index_topk tokens, so transformers' indexer scores the exported pools;
 - an export made at CP 1 and imported at CP 2 (layer-split): the rest of the request
   equals transformers' one shot;
+- two attention-DP replicas against transformers;
 - CP 4 against transformers (slow), graphs breakable and self-checked.
 """
 
@@ -104,13 +105,28 @@ def test_an_import_continues_as_one_shot(glm_folders):
         assert rel_err(got, want) <= TOL["float32"]
 
 
+def _dp_job(group, folder):
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=2048), group, None, ParallelConfig(dp_size=2))
+    out = eng.prefill([Request(t) for t in tokens()], all_logits=True)
+    return [x.clone() for x in out.logits] if group.rank == 0 else None
+
+
+def test_attention_dp_matches_transformers(glm_folders):
+    """Two attention-DP replicas (the requests split between them, the MoE over both ranks)."""
+    folder = glm_folders["float32"]
+    got = launch(_dp_job, 2, folder)[0]
+    with torch.no_grad():
+        want = [glm_model(folder)(torch.tensor(t)[None]).logits[0].float() for t in tokens()]
+    check_logits(got, want, "float32", "dp 2")
+
+
 CP4 = [("float32", "breakable", "replicated", "ep"), ("float32", "off", "layer-split", "tp")]
 
 
 @pytest.mark.slow
 def test_cp4_matches_transformers(glm_folders):
     reference = reference_logits(glm_folders)
-    results = launch(_runs_job, 4, glm_folders, CP4)[0]
+    results = launch(_runs_job, 4, dict(glm_folders), CP4)[0]
     for (dtype, graph, mode, moe), (one, pieces, paths, verified) in zip(CP4, results):
         where = (4, dtype, graph, mode, moe)
         assert paths == {"graph" if graph != "off" else "eager"}, where
