@@ -31,13 +31,17 @@ Run: ``python -m pytest benchmarks/bench_decode.py --benchmark-only -s`` (prints
     (median CPU time, one thread), against the prefill's whole host preparation of the
     same requests (``HostStack.prepare_fill_abort``) in the same run: at most 1.5x
     (``GRAPHCP_BENCH_MAX_HOST_RATIO``). The prefill of 2K-token requests is shown too.
+(f) ``test_speculative_tokens_per_step``: speculative decoding's tokens a step with three
+    EAGLE-3 drafts (docs/speculative.md, "Decoding").
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,3 +249,52 @@ def test_decode_host_time(benchmark, one_thread, requests, context):
         print("\n".join(HOST_ROWS))
     assert ratio <= MAX_HOST_RATIO, (f"{requests} x {context}: a decode step's host time {decode:.0f} µs is "
                                      f"{ratio:.2f}x the prefill's host preparation (target <= {MAX_HOST_RATIO}x)")
+
+
+SPEC_DRAFTS = ("random", "partial", "agreeing")
+SPEC_ROWS: list[str] = []
+
+
+def _spec_models(root: Path) -> dict[str, tuple[str, str]]:
+    """The tiny target and drafts of tests/test_speculative.py (tests/eagle3_ref.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from eagle3_ref import write_agreeing_draft, write_counting_target, write_draft, write_target
+
+    counting = write_counting_target(root / "counting")
+    return {"random": (str(write_target(root / "target")), str(write_draft(root / "draft"))),
+            "partial": (str(counting), str(write_agreeing_draft(root / "partial", counting, swap=True))),
+            "agreeing": (str(counting), str(write_agreeing_draft(root / "agreeing", counting)))}
+
+
+def _spec_job(group: CPGroup, target: str, draft: str, k: int) -> dict:
+    rt = RuntimeConfig(kv_tokens=4096, kv_cache="sharded", graph="breakable", draft=draft)
+    engine = PrefillEngine(target, rt, group)
+    prompts = [np.random.default_rng(j).integers(0, 512, 64).tolist() for j in range(REQUESTS)]
+    engine.generate(prompts, 4, draft_tokens=k)  # (captures the buckets)
+    t0 = time.perf_counter()
+    plain = engine.generate(prompts, 32)
+    t1 = time.perf_counter()
+    spec = engine.generate(prompts, 32, draft_tokens=k)
+    t2 = time.perf_counter()
+    assert spec.tokens == plain.tokens
+    return {**spec.speculative, "plain_ms": 1e3 * (t1 - t0), "spec_ms": 1e3 * (t2 - t1)}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("draft", SPEC_DRAFTS)
+def test_speculative_tokens_per_step(benchmark, tmp_path_factory, draft, k):
+    """(f) Speculative decoding at CP 2 on the token-sharded cache: 8 requests of 64 tokens,
+    32 new tokens each, k draft tokens a step, with a random draft, one agreeing on half
+    the tokens and one agreeing on all (the counting target of tests/test_speculative.py):
+    tokens a request and step, the acceptance rate, the verify steps against plain
+    decoding's, and the wall time of the whole generation either way (CPU, graphs on)."""
+    target, dr = _spec_models(tmp_path_factory.getbasetemp() / "spec")[draft]
+    res = benchmark.pedantic(launch, args=(_spec_job, 2, target, dr, k), rounds=1, iterations=1)[0]
+    benchmark.extra_info.update(res)
+    SPEC_ROWS.append(f"| {draft} | {k} | {res['acceptance_rate']:.2f} | {res['tokens_per_step']:.2f} | "
+                     f"{res['steps']} | {res['plain_steps']} | {res['plain_ms']:.0f} | {res['spec_ms']:.0f} |")
+    if len(SPEC_ROWS) == 2 * len(SPEC_DRAFTS):
+        print(f"\n{REQUESTS} requests x 64 tokens, 32 new, CP 2, token-sharded cache (CPU):\n"
+              "| draft | k | acceptance | tokens/step | verify steps | plain steps | plain ms | speculative ms |\n"
+              "|---|---|---|---|---|---|---|---|")
+        print("\n".join(SPEC_ROWS))

@@ -198,10 +198,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("model", _KDA), ("draft", ("on",)),
             "an EAGLE-3 draft caches per-head K/V as one more layer of the target's cache, which holds MLA latents "
             "and KDA states", (("model", "dense"), ("model", "moe")), "latent cache"),
-    Refusal(("model", _KDA), ("decode", ("on",)),
-            "the decode phase advances a Gated DeltaNet hybrid's states (a decay per head) beside K/V heads; a KDA "
-            "layer's step (a decay per key channel: kimi_linear.kda.recurrent_kda, tested) beside MLA's latent "
-            "decode is not wired into it", (("model", "dense"), ("model", "moe")), "step not wired"),
     Refusal(("dp", (">1",)), ("pp", (">1",)),
             "attention data parallelism under pipeline stages is not built yet", (("dp", "1"), ("pp", "1")),
             "not built yet"),
@@ -253,9 +249,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("draft", ("on",)), ("import", ("on",)),
             "an EAGLE-3 draft's next step reads the target's hidden states of the request's last tokens, which no KV "
             "export carries", (("draft", "off"),), "reads hidden states"),
-    Refusal(("draft", ("on",)), ("decode", ("on",)),
-            "EAGLE-3 verification (a draft's tokens checked in one step) is not built yet; decode runs without a "
-            "draft", (("draft", "off"),), "not built yet"),
 )
 
 

@@ -152,3 +152,80 @@ def write_moe_target(folder: Path, top_k: int, seed: int = 0) -> Path:
                 p.normal_(0, 0.5)
     model.save_pretrained(folder)
     return folder
+
+
+# ---- a target that counts, and a draft that agrees with it ------------------------------
+def write_counting_target(folder: Path, seed: int = 0) -> Path:
+    """The target with weights that make its greedy token the one after the current one
+    (``t + 1 mod vocab``): its layers' outputs scaled down (they still move every logit, so
+    a wrong K/V shows in the logits) and its LM head row ``v`` the embedding of ``v - 1``."""
+    from transformers import LlamaForCausalLM
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    src = write_target(folder.parent / f"{folder.name}-random", seed)
+    model = LlamaForCausalLM.from_pretrained(src)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(0.05)
+        emb = model.model.embed_tokens.weight
+        model.lm_head.weight.copy_(torch.roll(emb, 1, dims=0))
+    model.save_pretrained(folder)
+    return folder
+
+
+def agreeing_draft_tensors(alpha: float = 2.0) -> dict[str, torch.Tensor]:
+    """An EAGLE-3 draft that proposes ``token + 1`` for each input token: what the counting
+    target generates. Its attention attends a row to itself (queries and keys are the
+    row's normed embedding, dims 0..31) and carries that embedding to the residual, its
+    values subtract what the row read (``fc`` gives 0; a proposal after the first reads its
+    own previous row, which the values cancel), the MLP adds nothing, and the LM head over
+    the full vocabulary picks the embedding's own token, which ``d2t`` moves on by one."""
+    h, q, kv = 64, 64, 32
+    m = "midlayer."
+    z = torch.zeros
+    qw, kw, vw, ow = z(q, 2 * h), z(kv, 2 * h), z(kv, 2 * h), z(h, q)
+    for head in range(4):  # query head h reads key head h // 2 (GQA): its 16 dims of the embedding
+        g = head // 2
+        qw[head * 16:(head + 1) * 16, g * 16:(g + 1) * 16] = alpha * torch.eye(16)
+    kw[:, :kv] = alpha * torch.eye(kv)
+    vw[:, :kv] = torch.eye(kv)
+    # the previous row x (dims 0..31 of a normed embedding: rms over 64 dims ~ 1/sqrt(2)) comes back as -x
+    vw[:, h:h + kv] = -(0.5 ** 0.5) * torch.eye(kv)
+    ow[0:16, 0:16] = torch.eye(16)  # query head 0 (key head 0) -> dims 0..15
+    ow[16:32, 32:48] = torch.eye(16)  # query head 2 (key head 1) -> dims 16..31
+    t = {"fc.weight": z(h, 3 * h), m + "self_attn.q_proj.weight": qw, m + "self_attn.k_proj.weight": kw,
+         m + "self_attn.v_proj.weight": vw, m + "self_attn.o_proj.weight": ow,
+         m + "mlp.gate_proj.weight": z(DRAFT_INTERMEDIATE, h), m + "mlp.up_proj.weight": z(DRAFT_INTERMEDIATE, h),
+         m + "mlp.down_proj.weight": z(h, DRAFT_INTERMEDIATE)}
+    for n in (m + "input_layernorm.weight", m + "hidden_norm.weight", m + "post_attention_layernorm.weight",
+              "norm.weight"):
+        t[n] = torch.ones(h)
+    return t
+
+
+def write_agreeing_draft(folder: Path, target: Path, swap: bool = False) -> Path:
+    """:func:`agreeing_draft_tensors` with the LM head the target's normed embedding (dims
+    0..31) and ``d2t`` one on (the last id back to 0), over the full vocabulary. ``swap``:
+    proposals of ``4m`` and ``4m + 1`` swapped (it agrees on half the tokens: runs of
+    accepted proposals of every length)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    V = TARGET["vocab_size"]
+    emb = load_file(str(Path(target) / "model.safetensors"))["model.embed_tokens.weight"].float()
+    normed = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)
+    t = agreeing_draft_tensors()
+    head = torch.zeros(V, 64)
+    head[:, :32] = normed[:, :32]
+    t["lm_head.weight"] = head
+    to = (torch.arange(V) + 1) % V
+    if swap:
+        to = torch.where(to % 4 == 0, to + 1, torch.where(to % 4 == 1, to - 1, to))
+    d2t = to - torch.arange(V)
+    t["d2t"], t["t2d"] = d2t, torch.ones(V, dtype=torch.bool)
+    return write_draft(folder, t, draft_config(draft_vocab_size=V))

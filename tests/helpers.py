@@ -96,3 +96,18 @@ def kv_cache(mode: str, layers: int, pages: int, page_size: int, heads: int, dim
     pool = PoolSpec(range(first_layer, first_layer + layers), pages, page_size, dtype, "cpu", max_pages_per_seq,
                     rank, cp_size)
     return make_cache(mode, KVHeads(heads, dim, layout), pool)
+
+
+def hf_greedy(model, prompts, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' greedy generate of each prompt (numpy ids) alone: tokens [R, new],
+    float32 logits [R, new, V] (an explicit mask: without one, generate masks prompt
+    tokens equal to pad_token_id)."""
+    toks, logits = [], []
+    for p in prompts:
+        with torch.inference_mode():
+            g = model.generate(torch.from_numpy(p).view(1, -1), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               do_sample=False, max_new_tokens=new, min_new_tokens=new, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=0)
+        toks.append(g.sequences[0, len(p):])
+        logits.append(torch.stack([x[0].float() for x in g.logits]))
+    return torch.stack(toks), torch.stack(logits)

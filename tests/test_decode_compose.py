@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from eagle3_ref import draft_config, draft_tensors, write_draft
 from helpers import rel_err
 
@@ -83,8 +84,19 @@ def test_pipeline_stages_and_attention_dp_refuse_decode(folder):
     assert all(launch(_mesh_refusals, 2, folder))
 
 
-def test_a_draft_refuses_decode(folder, tmp_path):
+def test_an_engine_with_a_draft_decodes_as_one_without(folder, tmp_path):
+    """A plain step on an engine with a draft (speculative decoding: tests/test_speculative.py)
+    gives the same logits, and a next turn extends the decoded tokens (the draft's K/V of a
+    plain step's token stays unwritten: the draft no longer holds a next token for it)."""
     draft = write_draft(tmp_path / "draft", draft_tensors(head_dim=32),
                         draft_config(head_dim=32, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 0, 1]}))
-    _refused(PrefillEngine(folder, RuntimeConfig(kv_tokens=256, draft=str(draft))), ("draft", "on"))
+    got = []
+    for d in (str(draft), None):
+        eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=256, graph="off", draft=d))
+        out = eng.prefill([Request([5, 9, 200, 7])])
+        step = eng.decode(out.handles, [11], logits=True)
+        nxt = eng.prefill([Request([12, 13], step.handles[0])])
+        got.append((step.logits, nxt.last_logits))
+        eng.release(nxt.handles[0])
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
     # (DSA and DeepSeek V4 models decode: tests/test_dsa_decode.py, tests/test_dsv4_decode.py)

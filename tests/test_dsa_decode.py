@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import save_cases
-from helpers import rel_err
+from helpers import hf_greedy, rel_err
 from test_decode import conversation, greedy
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
@@ -167,15 +167,7 @@ def references(folders, hf_model):
     out = {}
     for case in PARITY:
         model = hf_model(folders[case], "float32")
-        toks, logits = [], []
-        for p in _prompts():
-            with torch.inference_mode():
-                g = model.generate(torch.from_numpy(p).view(1, -1), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                   do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, output_logits=True,
-                                   return_dict_in_generate=True, pad_token_id=0)
-            toks.append(g.sequences[0, len(p):])
-            logits.append(torch.stack([x[0].float() for x in g.logits]))
-        out[case] = torch.stack(toks), torch.stack(logits)
+        out[case] = hf_greedy(model, _prompts(), NEW)
     return out
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import save_cases
-from helpers import rel_err
+from helpers import hf_greedy, rel_err
 from test_decode import conversation, greedy
 
 from graphcp import PrefillEngine, Request, RuntimeConfig
@@ -113,15 +113,7 @@ def runs(folders):
 def reference(folders, hf_model):
     """transformers' greedy generate of each prompt alone: tokens [R, NEW], logits [R, NEW, V]."""
     model = hf_model(folders["v4"], "float32")
-    toks, logits = [], []
-    for p in _prompts():
-        with torch.inference_mode():
-            g = model.generate(torch.from_numpy(p).view(1, -1), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, output_logits=True,
-                               return_dict_in_generate=True, pad_token_id=0)
-        toks.append(g.sequences[0, len(p):])
-        logits.append(torch.stack([x[0].float() for x in g.logits]))
-    return torch.stack(toks), torch.stack(logits)
+    return hf_greedy(model, _prompts(), NEW)
 
 
 def _check(per_rank: list[dict], reference, cp: int) -> None:

@@ -62,13 +62,15 @@ def test_item5_plot_without_matplotlib_is_refused_before_writing(tmp_path):
 
 
 # ---- 7: errors that name internals, or nothing --------------------------------------------------
-def test_item7_draft_with_generate_says_to_drop_it(capsys, tmp_path):
-    """Refused from the flags alone, before the model or the draft is read (neither exists here)."""
+def test_item7_draft_tokens_without_a_draft_names_the_flag_it_needs(capsys, tmp_path):
+    """``generate --draft DIR`` now decodes speculatively (issue 47); ``--draft-tokens``
+    without ``--draft`` is refused from the flags alone, before the model is read (none
+    exists here), naming the flag it needs."""
     out = tmp_path / "o.pt"
     err = _one_line(capsys, ["generate", "--model", tmp_path / "no-model", "--input", _lines(tmp_path / "r.jsonl", [
-        {"tokens": [1, 2]}]), "--output", out, "--max-new-tokens", "2", "--draft", tmp_path / "no-draft"], "generate")
-    assert "--draft with graphcp generate" in err and err.rstrip().endswith("; drop --draft"), err
-    assert "use --draft" not in err and not out.exists()
+        {"tokens": [1, 2]}]), "--output", out, "--max-new-tokens", "2", "--draft-tokens", "2"], "generate")
+    assert "--draft-tokens 2 needs --draft DIR" in err and "no-model" not in err, err
+    assert not out.exists()
 
 
 def test_item7_a_model_refusing_generate_names_generate(hf_model_dir, monkeypatch):

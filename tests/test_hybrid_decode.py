@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import rel_err
+from helpers import hf_greedy, rel_err
 from test_decode import _check_conversation, conversation, greedy
 
 from graphcp import BatchError, PrefillEngine, Request, RuntimeConfig
@@ -73,15 +73,7 @@ def reference(folders, hf_model):
     out = {}
     for name in FAMILIES:
         model = hf_model(folders[name], "float32")
-        toks, logits = [], []
-        for p in _prompts():
-            with torch.inference_mode():
-                g = model.generate(torch.from_numpy(p).view(1, -1), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                   do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, output_logits=True,
-                                   return_dict_in_generate=True, pad_token_id=0)
-            toks.append(g.sequences[0, len(p):])
-            logits.append(torch.stack([x[0].float() for x in g.logits]))
-        out[name] = torch.stack(toks), torch.stack(logits)
+        out[name] = hf_greedy(model, _prompts(), NEW)
     return out
 
 
@@ -212,6 +204,10 @@ def test_a_failed_or_refused_step_leaves_the_states_and_decoding_goes_on(folders
             with pytest.raises(BatchError, match="outside the vocabulary"):
                 engine.decode(handles, [1, 2, 512])
             assert _same(_states(engine), before)
+            snap = engine.parts.kv.snapshot()  # several rows a request: the states take one token a step
+            with pytest.raises(BatchError, match="2 rows a request on a cache with per-request states"):
+                engine.decode(handles, [[1, 2]] * 3)
+            assert _same(_states(engine), before) and engine.parts.kv.snapshot() == snap
         o = engine.decode(handles, tok, logits=True)
         handles, tok = o.handles, o.logits.argmax(-1)
         logits.append(o.logits)

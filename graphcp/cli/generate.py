@@ -42,16 +42,17 @@ def check_conversations(convs: list[FileConversation], max_new: int, vocab: int,
 
 
 def generate_job(group: CPGroup, spec: JobSpec, convs: list[FileConversation], max_new: int, stop: tuple[int, ...],
-                 logits: bool, with_stats: bool) -> dict | None:
+                 logits: bool, with_stats: bool, draft_tokens: int | None = None) -> dict | None:
     engine = make_engine(group, spec)
     out = engine.generate([Conversation(c.turns, c.max_new_tokens, c.prefix) for c in convs], max_new, stop, logits,
-                          progress=engine.world_rank == 0)
+                          progress=engine.world_rank == 0, draft_tokens=draft_tokens)
     ranks = gather_object(engine.world, engine.stats()) if with_stats else None  # every rank takes part
     if engine.world_rank != 0:
         return None
     steps = engine.stats()["decode_steps"]
     res = {"tokens": out.tokens, "finish": out.finish, "steps": out.steps, "stats": ranks,
-           "paths": sorted({s["path"] for s in steps}), "kv_cache": spec.runtime.kv_cache}
+           "paths": sorted({s["path"] for s in steps}), "kv_cache": spec.runtime.kv_cache,
+           "speculative": out.speculative}
     if logits:
         res["logits"] = [[x.float().contiguous() for x in turn] for turn in out.logits]
     return res
@@ -64,6 +65,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     spec = job_spec(args)
+    check_draft_tokens(args, spec)
     imported = args.import_kv is not None
     if imported:
         check_import(spec)
@@ -87,8 +89,11 @@ def cmd_generate(args) -> int:
         if args.memory_check:  # the prompts' prefill
             check_local_ranks_fit(spec, job_memory(spec, [sum(len(t) for c in convs for t in c.turns)]))
         res = run_job_on_ranks(generate_job, spec, convs, args.max_new_tokens, stop,
-                               args.save_logits, bool(args.stats))
+                               args.save_logits, bool(args.stats), args.draft_tokens)
     out = {"tokens": res["tokens"], "finish": res["finish"]}
+    spec_stats = res.get("speculative")
+    if spec_stats is not None:
+        out["speculative"] = spec_stats
     if args.save_logits:
         out["logits"] = res["logits"]
     files = {args.output: lambda tmp: torch.save(out, tmp)}
@@ -101,7 +106,28 @@ def cmd_generate(args) -> int:
     print(f"generated {made} tokens for {what} in "
           f"{res['steps']} decode steps on {spec.parallel.world_size} rank(s), {res['kv_cache']} KV cache, decode "
           f"path {'/'.join(res['paths']) or '-'} -> {args.output}" + (f" (stats: {args.stats})" if args.stats else ""))
+    if spec_stats is not None:
+        print(f"speculative: {spec_stats['draft_tokens']} draft tokens a step, acceptance rate "
+              f"{spec_stats['acceptance_rate']:.2f}, {spec_stats['tokens_per_step']:.2f} tokens a request and step, "
+              f"{spec_stats['steps_saved']} of {spec_stats['plain_steps']} decode steps saved")
     return 0
+
+
+def check_draft_tokens(args, spec: JobSpec) -> None:
+    """``--draft-tokens``: with a --draft, at most the largest decode bucket less one (a
+    request's verify rows fit a decode graph); InputError (exit 2) otherwise."""
+    k = args.draft_tokens
+    if k is None:
+        return
+    if args.draft is None:
+        raise InputError(f"--draft-tokens {k} needs --draft DIR (an EAGLE-3 draft to propose the tokens)")
+    if args.import_kv is not None:
+        raise InputError("--draft-tokens with --import-kv: an imported request carries no draft state; drop "
+                         "--draft-tokens")
+    most = max(spec.runtime.decode_buckets) - 1
+    if k > most:
+        raise InputError(f"--draft-tokens {k} is over the largest --decode-buckets less one ({most}): a request's "
+                         f"verify rows (K + 1) must fit a decode bucket")
 
 
 def check_decode(spec: JobSpec, model: ModelConfig | None = None) -> None:

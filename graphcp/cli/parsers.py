@@ -59,7 +59,10 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--save-logits", action="store_true", help="also save each step's logits")
     p.add_argument("--stats", default=None, metavar="STATS.json",
                    help="also write what each rank did, every decode step included (docs/decode.md)")
-    add_draft_arg(p)  # (refused with decode: the error says so in the flag's name)
+    add_draft_arg(p)
+    p.add_argument("--draft-tokens", type=bounded(int, 1), default=None, metavar="K",
+                   help="speculative decoding with the --draft: K draft tokens verified a step, at most the largest "
+                        "--decode-buckets less one (the same tokens in fewer steps; docs/speculative.md)")
     add_decode_args(p)
     add_runtime_args(p, None)
     p.set_defaults(func="graphcp.cli.generate:cmd_generate")

@@ -33,10 +33,42 @@ class DecodeSlots:
     #: int64 [2, B]: each request's state slot the step reads and the one it writes (None: a
     #: storage without per-request state)
     states: np.ndarray | None = None
+    #: a step of several rows a request (a verify step): the one-token reservations it is
+    #: made of, in order (row i of every request is ``steps[i]``); its own fields are per
+    #: row, request-major (:func:`stack_steps`)
+    steps: tuple["DecodeSlots", ...] = ()
 
     @property
     def num_requests(self) -> int:
+        """Its rows (one a request, or a verify step's ``len(steps)`` a request)."""
         return len(self.seq_ids)
+
+    @property
+    def rows_per_request(self) -> int:
+        return max(1, len(self.steps))
+
+    def subset(self, sel: np.ndarray) -> "DecodeSlots":
+        """The rows ``sel`` (an index or mask array) as a step of their own (one-row-a-request
+        fields: a verify step's rows, or one-token reservations of some of its requests)."""
+        idx = np.flatnonzero(sel) if sel.dtype == bool else sel
+        return DecodeSlots([self.seq_ids[i] for i in idx.tolist()], self.rows[idx], self.positions[idx],
+                           self.holder[idx], self.local_lens[idx], self.slots[idx],
+                           None if self.states is None else self.states[:, idx])
+
+
+def stack_steps(steps: list[DecodeSlots]) -> DecodeSlots:
+    """One step of ``len(steps)`` rows a request from the one-token reservations made one
+    after the other: row ``j * n + i`` is request j's token of ``steps[i]``, whose
+    ``local_lens`` (this rank's tokens of the request after it) are the row's causal
+    length: a row attends over what the rank holds up to its own position."""
+    n, first = len(steps), steps[0]
+    B = first.num_requests
+
+    def rows(name: str) -> np.ndarray:
+        return np.stack([getattr(s, name) for s in steps], axis=1).reshape(B * n)
+
+    return DecodeSlots([s for s in first.seq_ids for _ in range(n)], rows("rows"), rows("positions"), rows("holder"),
+                       rows("local_lens"), rows("slots"), None, tuple(steps))
 
 
 def state_rows(states: np.ndarray | None, capacity: int, out: np.ndarray) -> np.ndarray:

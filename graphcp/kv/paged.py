@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from graphcp.kv.allocator import PageAllocator
-from graphcp.kv.decode import DecodeSlots
+from graphcp.kv.decode import DecodeSlots, stack_steps
 from graphcp.kv.handle import KVHandle
 from graphcp.kv.placement.base import Placement
 from graphcp.kv.spans import KVSpan, whole_layer_spans
@@ -146,12 +146,45 @@ class PagedKVCache:
             raise refused
         return replace(step, states=states.step_slots(step.rows))
 
+    def reserve_rows(self, handles: "list[KVHandle]", rows: np.ndarray, n: int) -> DecodeSlots:
+        """``n`` more tokens of each live request (a verify step's rows), one
+        :meth:`reserve_decode` after the other, so each lands where the placement puts a
+        decoded token; all or nothing. Its rows are request-major (graphcp.kv.decode.stack_steps)."""
+        if n == 1:
+            return self.reserve_decode(handles, rows)
+        if self._states is not None:  # (a linear-attention hybrid: refused with a draft, combinations.py)
+            raise ValueError("a step of several rows a request needs a cache without per-request states")
+        steps: list[DecodeSlots] = []
+        try:
+            for _ in range(n):
+                steps.append(self.placement.reserve_decode(handles, rows))
+        except BaseException:
+            for s in reversed(steps):
+                self.placement.rollback_decode(s)
+            raise
+        return stack_steps(steps)
+
     def rollback_decode(self, step: DecodeSlots) -> None:
-        """Undo :meth:`reserve_decode` (the step's forward failed): each request one token
-        shorter, its states the ones it read."""
+        """Undo :meth:`reserve_decode` or :meth:`reserve_rows` (the step's forward failed):
+        each request as many tokens shorter as it reserved, its states the ones it read."""
+        if step.steps:
+            for s in reversed(step.steps):
+                self.placement.rollback_decode(s)
+            return
         self.placement.rollback_decode(step)
         if self._states is not None:
             self._states.undo(step.rows)
+
+    def trim_decode(self, step: DecodeSlots, keep: np.ndarray) -> None:
+        """After a verify step (:meth:`reserve_rows`): request j keeps its first ``keep[j]``
+        rows (>= 1) and gives the rest back, last first, on every rank alike (the token-sharded
+        cache's ledger too), as a rollback of those rows would."""
+        keep = np.asarray(keep, dtype=np.int64)
+        for i in range(len(step.steps) - 1, 0, -1):
+            gone = keep <= i
+            if gone.any():
+                s = step.steps[i]
+                self.placement.rollback_decode(s if gone.all() else s.subset(gone))
 
     @property
     def num_free_pages(self) -> int:

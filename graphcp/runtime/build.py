@@ -130,7 +130,7 @@ def build_parts(model: str | Path, rt: RuntimeConfig, group: CPGroup, buckets: B
     runner, drafter = _make_graphs(body, preparer, buckets, rt, cfg, draft)
     recorder = Recorder(exchange, len(net.stage.layers))
     forward = StageForward(body, runner)
-    decoder = Decoder(net, kv, body, runner, mesh.ffn, rt, parallel, family.kind(cfg), forward, recorder)
+    decoder = Decoder(net, kv, body, runner, mesh.ffn, rt, parallel, family.kind(cfg), forward, recorder, drafter)
     return EngineParts(model_dir, rt, parallel, family, cfg, net, mesh, mesh.cp, pipeline, device, layout, buckets, kv,
                        family.export_source(kv, net), exchange, body, preparer, runner, drafter, forward, recorder,
                        decoder)

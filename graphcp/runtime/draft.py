@@ -109,6 +109,22 @@ class DraftRunner:
             ctx = self.body.context(prep, slots_t, stats=phase)
             return self.draft(ids_t, pos_t, x, ctx)
 
+    def decode_rows(self, prep: PreparedBatch, x: torch.Tensor, own: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft over a decode-phase batch's rows (graphcp.runtime.decode.speculative: a
+        proposal a request, or the rows a verify step kept), the same on every rank: its
+        layer's K/V stored and attended as the cache mode's decode phase does (the token-sharded
+        cache's LSE merge). ``x``: the target's auxiliary rows [rows, 3 * hidden] in the draft's
+        order (through ``fc``), or with ``own`` the draft's own rows before its norm [rows,
+        hidden]. Returns the target ids it proposes (int64 [rows], the draft vocabulary mapped
+        by ``d2t``) and its rows before the norm (what the next proposal reads)."""
+        rows = np.stack([prep.ids, prep.positions, prep.slots])
+        with nvtx_range("draft_decode", category="eager"):
+            ids_t, pos_t, slots_t = to_device(rows, self.device)
+            ctx = self.body.context(prep, slots_t, stats={})
+            normed, pre = self.draft(ids_t, pos_t, x.to(self.draft.dtype), ctx, own=own)
+            best = self.draft.logits(normed).argmax(dim=-1)
+            return self.draft.draft_to_target.index_select(0, best).cpu(), pre
+
     def _stored(self, prep: PreparedBatch) -> int:
         """Bytes of the draft layer's K/V this rank's cache stored for the batch's new tokens
         (as many of them as its cache mode keeps here)."""

@@ -217,20 +217,24 @@ class PrefillEngine:
         request's ranks). With graphs, the step replays its batch-size bucket's decode graph
         (``force_eager`` skips it). BatchError (nothing changed) for an empty batch, a handle
         that is not live here, a token outside the vocabulary, a request at the model's
-        context."""
+        context. ``tokens [requests, n]``: n tokens a request in one step, causal among them
+        (every one kept; outputs ``[requests, n]``: docs/speculative.md)."""
         stops = None if stop is None else stop_tokens(stop, self.cfg.vocab_size, "decode: stop")
         return self._decode(handles, tokens, force_eager, logits, stops)
 
     @torch.inference_mode()
     def generate(self, requests, max_new_tokens: int, stop: Sequence[int] | None = None, logits: bool = False,
-                 release: bool = True, progress: bool = False) -> GenerateOutput:
+                 release: bool = True, progress: bool = False, draft_tokens: int | None = None) -> GenerateOutput:
         """Greedy generation (docs/decode.md): each request (token ids, a ``Request``, or a
         ``Conversation`` of turns) prefilled, then up to ``max_new_tokens`` tokens a turn,
         one decode step each, until a token of ``stop``; a conversation's next turn is
         prefilled after the tokens generated. Every turn of every request runs in one batch.
         ``logits``: also return each step's logits; ``release=False`` keeps the KV (the
-        output's handles: export or extend them); ``progress``: a bar over the steps."""
-        return generate(self, requests, max_new_tokens, stop, logits, release, progress)
+        output's handles: export or extend them); ``progress``: a bar over the steps.
+        ``draft_tokens``: speculative decoding with the engine's EAGLE-3 draft
+        (``RuntimeConfig.draft``), k proposals verified a step (docs/speculative.md,
+        "Decoding"): the same tokens in fewer steps; ``GenerateOutput.speculative`` says how many."""
+        return generate(self, requests, max_new_tokens, stop, logits, release, progress, draft_tokens)
 
     def capture_decode(self, pages: int | None = None, progress: bool = False) -> list[int]:
         """Capture every decode batch-size bucket's graph for steps whose requests hold at

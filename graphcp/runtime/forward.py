@@ -76,7 +76,7 @@ class StageForward:
             if not isinstance(outcome, Fallback):
                 hidden, info = outcome
                 info.stats.update(prep.stats)
-                return StageResult(hidden, info, self._replayed_aux(mine, info.capacity))
+                return StageResult(hidden, info, self._replayed_aux(prep, mine, info.capacity))
             fallback = outcome.reason
         required = rows or prep.rows
         capture = None
@@ -88,12 +88,15 @@ class StageForward:
         info.stats.update(prep.stats)
         return StageResult(hidden, info, None if capture is None else capture.out)
 
-    def _replayed_aux(self, mine: tuple[int, ...], capacity: int) -> torch.Tensor | None:
+    def _replayed_aux(self, prep: PreparedBatch, mine: tuple[int, ...], capacity: int) -> torch.Tensor | None:
+        """The replayed bucket's auxiliary rows of ``mine`` (its phase's: a decode step's
+        graphs copy the prefill graphs' layers too)."""
         if not mine:
             return None
-        cols = to_device(np.array([self.runner.aux_layers.index(i) for i in mine], dtype=np.int64), self.body.device)
+        ph = self.runner.phases[prep.phase]
+        cols = to_device(np.array([ph.aux_layers.index(i) for i in mine], dtype=np.int64), self.body.device)
         # a copy: the static rows are overwritten by the next replay
-        return self.runner.aux_rows(capacity).index_select(1, cols)
+        return ph.aux_rows(capacity).index_select(1, cols)
 
 
 @dataclass

@@ -55,12 +55,19 @@ class PagedSparseMlaDecode(SparseMlaBackend):
         return self._selected
 
     def forward(self, layer, q, index_q, index_w, kv_b_weight, cache: MlaStorage, out) -> None:
-        sp = self.spec
         table, lens = self.meta.page_table.long(), self.meta.kv_lens.long()
         B = table.shape[0]
         if index_q is not None:
             self._selected.copy_(self._topk(layer, index_q[:B], index_w[:B], cache, table, lens))
-        sel = self._selected
+        self.attend_selected(layer, q, kv_b_weight, cache, self._selected, out)
+
+    def attend_selected(self, layer: int, q: torch.Tensor, kv_b_weight: torch.Tensor, cache: MlaStorage,
+                        sel: torch.Tensor, out: torch.Tensor) -> None:
+        """Step 2 (module doc): each row's attention over its selection ``sel`` ``[B, k]``
+        (positions in its request, -1 where it selects fewer)."""
+        sp = self.spec
+        table = self.meta.page_table.long()
+        B = table.shape[0]
         ps = cache.page_size
         page = table.gather(1, sel.clamp(min=0) // ps)
         slots = page * ps + sel.clamp(min=0) % ps  # [B, k]

@@ -53,12 +53,14 @@ class Eagle3Draft(nn.Module):
         return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+                ctx: ForwardContext, own: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows: ``input_ids`` (the shifted ids), ``positions`` and ``hidden``
         ([rows, 3 * hidden], the target's states of the same rows) -> the normed rows the
-        LM head reads, and the rows before the norm (what a next draft step takes)."""
+        LM head reads, and the rows before the norm (what a next draft step takes).
+        ``own``: ``hidden`` is [rows, hidden], the draft's own rows before its norm (a
+        proposal after the first, where the target has not run yet): they replace ``fc``'s."""
         begin_forward(ctx)
-        x = self.fc(hidden)
+        x = hidden if own else self.fc(hidden)
         a = torch.cat([self.input_layernorm(self.embed[0](input_ids)), self.hidden_norm(x)], dim=-1)
         h = x + self.self_attn(a, positions, self.rotary, ctx)
         pre = h + self.mlp.partial(self.post_attention_layernorm(h))

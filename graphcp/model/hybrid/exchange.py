@@ -10,14 +10,16 @@ layers' breaks to read (:func:`linear_scan`). Every other call goes to the inner
 exchange with the inner plan.
 
 Its decode phase (:class:`HybridDecode`) is the inner exchange's (the full layers store and
-attend as a dense model's decode step does); a linear layer takes its one-token step
-(graphcp.model.hybrid.step, :func:`linear_step`) over the step's state slots.
+attend as a dense model's decode step does, or as the family's own attention does: a KDA
+hybrid's MLA); a linear layer takes its one-token step (graphcp.model.hybrid.step,
+:func:`linear_step`) over the step's state slots, with the step kernels the exchange
+gives its decode phase (a Gated DeltaNet step's, or a family's own: KDA's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -137,6 +139,12 @@ class HybridDecode(ExchangePhase):
 
     def attend(self, fwd: KVForward, layer: int, q: torch.Tensor, out: torch.Tensor) -> int:
         return self.inner.attend(fwd, layer, q, out)
+
+    def store_rows(self, fwd: KVForward, layer: int, rows: torch.Tensor) -> int:
+        return self.inner.store_rows(fwd, layer, rows)
+
+    def attend_own(self, fwd: KVForward, layer: int, run: Callable[[], None], outs: Sequence[torch.Tensor]) -> int:
+        return self.inner.attend_own(fwd, layer, run, outs)
 
     def describe(self, plan: Any) -> dict[str, Any]:
         return {**self.inner.describe(plan), "linear_kernels": self.kernels.name}

@@ -52,14 +52,17 @@ class LinearStep:
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor) -> torch.Tensor:
         """One token of the rule (the convolution's ``q``, ``k`` ``[rows, Hk, d_k]`` and ``v``
-        ``[rows, Hv, d_v]``, float32 ``g``, ``beta`` ``[rows, Hv]``) from each request's
+        ``[rows, Hv, d_v]``, float32 ``g`` ``[rows, Hv]`` (or ``[rows, Hv, d_k]``: KDA's decay a
+        key channel), ``beta`` ``[rows, Hv]``) from each request's
         state; writes both new states (after :meth:`convolve`). The outputs ``[rows, Hv,
         d_v]`` (float32, or v's dtype from fla)."""
         recurrent, conv = self.states.layer_pools(layer)
         # padding rows keep their slot as it was: no decay and no update leave the state
         # bitwise (S * exp(0) + k * 0), their conv rows are not shifted
-        keep = (self.read == self.write)[:, None]
-        g, beta = g.masked_fill(keep, 0.0), beta.masked_fill(keep, 0.0)
+        keep = self.read == self.write
+        g = g.masked_fill(keep.view(-1, *(1,) * (g.dim() - 1)), 0.0)  # (a decay per head, or per key channel)
+        beta = beta.masked_fill(keep[:, None], 0.0)
+        keep = keep[:, None]
         out, new = self.kernels.rule(q, k, v, g, beta, recurrent.index_select(0, self.read))
         old_conv, new_conv = self._conv
         recurrent.index_copy_(0, self.write, new)

@@ -22,6 +22,7 @@ from graphcp.model.kimi_linear.config import KimiConfig, LatentConfig, read_kimi
 from graphcp.model.kimi_linear.exchange import KdaAllGather
 from graphcp.model.kimi_linear.export import KDA_FORMAT, KdaExport, KdaMeta, kda_meta
 from graphcp.model.kimi_linear.hf_cache import to_kda_cache
+from graphcp.model.kimi_linear.latent_decode import DenseLatentDecode
 from graphcp.model.kimi_linear.model import KimiModel
 from graphcp.model.kimi_linear.presets import PRESETS
 from graphcp.pd.formats import register_format
@@ -85,7 +86,11 @@ class KimiFamily(ModelFamily):
         return kda_geometry(cfg, cfg.hybrid, runtime)
 
     def make_attention(self, parts: AttentionParts, workspace: torch.Tensor | None = None) -> TorchSparseMla:
-        return TorchSparseMla(latent_spec(parts.cfg, parts.cfg.hybrid.latent))
+        """The DSA family's latent attention with no indexer; a decode graph captures its
+        static dense form (latent_decode.py)."""
+        backend = TorchSparseMla(latent_spec(parts.cfg, parts.cfg.hybrid.latent))
+        backend.decode_form = DenseLatentDecode
+        return backend
 
     def export_meta(self, cfg, num_tokens: int, runtime, fingerprint: str, draft_layers: int) -> KdaMeta:
         k: KimiConfig = cfg.hybrid

@@ -58,28 +58,62 @@ def forget_gate(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, hea
     return -decay * torch.where(g > SOFTPLUS_THRESHOLD, g, torch.log(1.0 + torch.exp(g)))
 
 
+#: the sub-chunk of the intra-chunk scores: pairs in one sub-chunk take
+#: transformers' direct per-pair decay; pairs across sub-chunks two matmuls' factors
+SUB = 8
+
+
+def _pair_scores(rows: tuple[torch.Tensor, ...], cols: torch.Tensor, g: torch.Tensor, sub: int = SUB
+                 ) -> list[torch.Tensor]:
+    """``sum_c a[i, c] cols[j, c] exp(g[i, c] - g[j, c])`` for ``j <= i`` (else 0), each
+    ``a`` of ``rows`` ``[..., C, d]`` (``g`` the chunk's cumulative log decays, so the
+    exponent is <= 0). transformers forms the ``[C, C, d]`` decay tensor; here a pair in
+    one sub-chunk takes it directly ``[sub, sub, d]``, and a pair across sub-chunks splits
+    it at the row sub-chunk's first token ``r``: ``exp(g_i - g_r) exp(g_r - g_j)``, both
+    exponents <= 0 (no overflow; a factor that underflows bounds a product that does), so
+    a matmul sums it. The same sums as transformers' within float32 rounding, ``C / sub``
+    times fewer decay terms."""
+    C = g.shape[-2]
+    m = C // sub
+    gs = g.unflatten(-2, (m, sub))  # [..., m, sub, d]
+    ref = gs[..., :1, :]
+    before = torch.arange(C, device=g.device) < (torch.arange(m, device=g.device) * sub)[:, None]  # [m, C]
+    col = cols.unsqueeze(-3) * (ref - g.unsqueeze(-3)).masked_fill(~before[..., None], float("-inf")).exp()
+    col = col.transpose(-1, -2)  # [..., m, d, C]: column j < r's sub-chunk, decayed from j to r
+    upper = torch.ones(sub, sub, dtype=torch.bool, device=g.device).triu(1)
+    decay = (gs.unsqueeze(-2) - gs.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp()
+    decayed = cols.unflatten(-2, (m, sub)).unsqueeze(-3) * decay  # [..., m, sub (i), sub (j), d]
+    out = []
+    for a in rows:
+        a_s = a.unflatten(-2, (m, sub))
+        scores = (a_s * (gs - ref).exp()) @ col  # [..., m, sub, C]: 0 from r's sub-chunk on
+        own = (a_s.unsqueeze(-2) * decayed).sum(dim=-1)  # [..., m, sub, sub]
+        torch.diagonal(scores.unflatten(-1, (m, sub)), dim1=-4, dim2=-2).copy_(own.movedim(-3, -1))
+        out.append(scores.flatten(-3, -2))
+    return out
+
+
 def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  chunk: int) -> tuple[torch.Tensor, ...]:
     """The chunked rule's per-chunk terms of ``[B, H, T, d]`` inputs (``T`` a multiple of
     ``chunk``), each ``[B, H, n, ...]``: the decayed queries and keys, ``u``, ``w``, the
     intra-chunk scores and each chunk's total decay per key channel (transformers'
-    algorithm, step for step: the intra-chunk system solved by forward substitution)."""
+    algorithm: the intra-chunk system solved by forward substitution; the pair scores
+    by :func:`_pair_scores`)."""
     B, H, T, dk = k.shape
     n = T // chunk
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
     q, k, g, k_beta, v_beta = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, g, k_beta, v_beta))
     g = g.cumsum(dim=-2)
     diag = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(0)
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp()
-    system = -(k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(diag, 0)
+    beta_scores, intra = _pair_scores((k_beta, q), k, g)
+    system = -beta_scores.masked_fill(diag, 0)
     for i in range(1, chunk):
         row, sub = system[..., i, :i].clone(), system[..., :i, :i].clone()
         system[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
     system = system + torch.eye(chunk, dtype=system.dtype, device=system.device)
     u = system @ v_beta
     w = system @ (k_beta * g.exp())
-    intra = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(upper, 0)
     last = g[..., -1:, :]
     return q * g.exp(), k * (last - g).exp(), u, w, intra, last.exp().transpose(-1, -2)
 
@@ -90,7 +124,8 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     d_k]`` (normalised, :func:`query_key`), ``v`` ``[B, H, T, d_v]``, ``g`` ``[B, H, T,
     d_k]`` (log decays), ``beta`` ``[B, H, T]``, ``T`` a multiple of ``chunk``, each block
     from ``initial`` ``[B, H, d_k, d_v]``. Returns the outputs ``[B, H, T, d_v]`` and the
-    final states (transformers' ``chunk_kimi_delta_attention``, bit for bit)."""
+    final states (transformers' ``chunk_kimi_delta_attention`` within float32 rounding:
+    :func:`_pair_scores`)."""
     B, H, T, _ = k.shape
     q, k, u, w, intra, decay = _chunk_terms(q, k, v, g, beta, chunk)
     state = initial

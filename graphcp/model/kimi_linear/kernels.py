@@ -36,9 +36,11 @@ from typing import Callable
 import torch
 
 from graphcp.model.hybrid import kernels as hybrid
+from graphcp.model.hybrid import step_kernels as hybrid_step
 from graphcp.model.hybrid.kernels import ConvKernel, LinearKernels, RuleKernel
+from graphcp.model.hybrid.step_kernels import StepKernels
 from graphcp.model.hybrid.varlen import ChunkSlots, FlaSegments
-from graphcp.model.kimi_linear.kda import kda_conv_rows, query_key, recurrent_kda, varlen_kda
+from graphcp.model.kimi_linear.kda import conv_step, kda_conv_rows, query_key, recurrent_kda, varlen_kda
 
 Step = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -130,3 +132,34 @@ def choose_kernels() -> KdaKernels:
 def select_kernels(device: torch.device) -> KdaKernels:
     """On CUDA :func:`choose_kernels`; the torch reference elsewhere."""
     return choose_kernels() if torch.device(device).type == "cuda" else TORCH
+
+
+def step_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's convolution of one new row a request (the hybrid step's ``conv``
+    contract): the window is the state's last ``K - 1`` rows and the row, which is also the
+    new state; convolved as transformers' ``causal_conv1d_update`` (:func:`~graphcp.model.
+    kimi_linear.kda.conv_step`: a float32 weight's sums in float32)."""
+    window = torch.cat([state[:, 1:], x[:, None].to(state.dtype)], dim=1)
+    return conv_step(window, weight), window
+
+
+def step_kernels(kernels: KdaKernels) -> StepKernels:
+    """A KDA layer's decode step as the hybrid step (graphcp.model.hybrid.step) calls it:
+    q and k normalised and scaled (transformers' ``use_qk_l2norm_in_kernel``), then
+    ``kernels.step`` on float32 rows (the torch step or fla's ``fused_recurrent_kda``), and
+    the convolution's step (:func:`step_conv`, causal-conv1d's update where the prefill's
+    choice took causal-conv1d)."""
+    step = kernels.step
+
+    def rule(q, k, v, g, beta, state):
+        q, k = query_key(q, k)
+        return step(q, k, v.float(), g, beta, state)
+
+    conv = None
+    if kernels.conv.name != "torch":
+        try:
+            conv = hybrid_step.causal_conv1d_step()
+        except ImportError:  # a causal-conv1d without the update: the torch step
+            conv = None
+    names = [n for n, on in (("fla", step is not recurrent_kda), ("causal-conv1d", conv is not None)) if on]
+    return StepKernels("+".join(names) or "torch", rule, conv or step_conv)

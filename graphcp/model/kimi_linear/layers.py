@@ -8,7 +8,8 @@ run it (docs/hybrid.md):
 
 The break is the hybrid family's (graphcp.model.hybrid.scan through the forward's
 exchange, graphcp.model.kimi_linear.exchange) with KDA's kernels: only the decay's shape
-(a vector per head) and the rule differ from Gated DeltaNet's. Every head on every rank
+(a vector per head) and the rule differ from Gated DeltaNet's. A decode step is the
+hybrid's step (graphcp.model.hybrid.step) with KDA's step kernels, no break. Every head on every rank
 (these families run attention TP 1: their full layers are MLA).
 """
 
@@ -17,9 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphcp.attention.phase import DECODE
 from graphcp.model.forward_context import ForwardContext
 from graphcp.model.graph_break import graph_break
-from graphcp.model.hybrid.exchange import linear_scan
+from graphcp.model.hybrid.exchange import linear_scan, linear_step
 from graphcp.model.kimi_linear.cache import linear_dims
 from graphcp.model.kimi_linear.config import KdaConfig
 from graphcp.model.kimi_linear.kda import forget_gate, gated_norm
@@ -78,7 +80,10 @@ class KdaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv, g, beta, core, gate = self.prepare(x, ctx)
-        run_kda(ctx, self.layer, self, qkv, g, beta, core)
+        if ctx.phase == DECODE:  # no break: the step reads nothing on the host
+            self.step(ctx, qkv, g, beta, core)
+        else:
+            run_kda(ctx, self.layer, self, qkv, g, beta, core)
         return self.project(core, gate)
 
     def project(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -90,7 +95,11 @@ class KdaAttention(nn.Module):
 
     def core(self, ctx: ForwardContext, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              out: torch.Tensor) -> None:
-        """The break's work on the live rows (padding rows get zeros)."""
+        """The break's work on the live rows (padding rows get zeros); a decode step's one
+        token a request."""
+        if ctx.phase == DECODE:
+            self.step(ctx, qkv, g, beta, out)
+            return
         scan = linear_scan(ctx.kv)
         n = scan.plan.rows
         out[n:].zero_()
@@ -102,6 +111,19 @@ class KdaAttention(nn.Module):
         o, received = scan.run(self.layer, q, key, v, g[:n], beta[:n])  # (the kernels normalise q and k)
         out[:n].copy_(o)
         ctx.add_received(got + received)
+
+    def step(self, ctx: ForwardContext, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             out: torch.Tensor) -> None:
+        """A decode step (the hybrid's, graphcp.model.hybrid.step, with the exchange's KDA
+        step kernels): every row's token after its request's states, on the ranks that keep
+        them; writes ``out`` (the owner's, broadcast, under the layer split)."""
+        step = linear_step(ctx.kv)
+        if step.computes(self.layer):
+            k = self.kda
+            x = step.convolve(self.layer, qkv, self.conv1d[:, 0])
+            q, key, v = (t.unflatten(-1, (k.num_heads, k.head_dim)) for t in x.split(k.qkv_dim, dim=-1))
+            out.copy_(step.run(self.layer, q, key, v, g, beta))
+        ctx.add_received(step.share(self.layer, out))
 
 
 def static_rows(kda: KdaConfig, dtype: torch.dtype, gate: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

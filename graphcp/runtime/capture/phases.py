@@ -320,13 +320,16 @@ class DecodeGraphs(PhaseGraphs):
     phase = DECODE
     check_at = "first_replay"
 
-    def __init__(self, body: Body, buckets: tuple[int, ...], staging=None) -> None:
+    def __init__(self, body: Body, buckets: tuple[int, ...], staging=None, aux_layers: tuple[int, ...] = ()) -> None:
         super().__init__(body)
         self.buckets = tuple(buckets)
         self.width = body.kv.table_width
         cfg = body.model.cfg
+        #: the auxiliary hidden states every captured step copies out (the prefill graphs'
+        #: layers: an EAGLE-3 draft's inputs, which its re-run over a verify step's rows reads)
+        self.aux_layers = tuple(aux_layers)
         self.buffers = DecodeBuffers(self.buckets[-1], self.width, cfg.hidden_size, body.model.dtype, body.device,
-                                     staging)
+                                     staging, len(self.aux_layers))
         #: whether the cache keeps per-request state (a recurrent layer's): its step's slots are static rows too
         self.states = bool(body.kv.state_pools())
         largest = self.buckets[-1]
@@ -413,13 +416,21 @@ class DecodeGraphs(PhaseGraphs):
             prep.kv_plan = self.plan(key[0])
         return self.buffers.fill(prep, *key, self.body.kv)
 
+    def aux(self, view: DecodeView) -> AuxCapture | None:
+        return AuxCapture(self.aux_layers, view.aux_out) if self.aux_layers else None
+
+    def aux_rows(self, capacity: int) -> torch.Tensor | None:
+        """The auxiliary hidden states the last replay of a bucket of ``capacity`` rows copied
+        out: [capacity, len(aux_layers), hidden] (a static view), or None."""
+        return None if self.buffers.aux_out is None else self.buffers.aux_out[:capacity]
+
     def context(self, prep: PreparedBatch | None, key: tuple[int, int], view: DecodeView, stats: dict | None = None,
                 aux: AuxCapture | None = None, eager: bool = False) -> ForwardContext:
         attention = self.attention(key)
         if isinstance(attention, DecodeKernel):
             attention.bucket(key[0])
         if prep is None or eager:
-            return self._context(prep, key, view, stats)
+            return self._context(prep, key, view, stats, aux)
         # a replay's: everything in it is the bucket's but the live rows and the figures,
         # so it is made once a bucket (no per-step Python on the replay path); a kernel
         # that plans on the host (FlashInfer's decode wrapper) plans every step
@@ -432,9 +443,9 @@ class DecodeGraphs(PhaseGraphs):
         return ctx
 
     def _context(self, prep: PreparedBatch | None, key: tuple[int, int], view: DecodeView,
-                 stats: dict | None) -> ForwardContext:
+                 stats: dict | None, aux: AuxCapture | None = None) -> ForwardContext:
         return self.body.context(prep, view.kv_slots, phase=DECODE, meta=self.static_meta(key),
-                                 attention=self.attention(key), stats=stats,
+                                 attention=self.attention(key), stats=stats, aux=aux,
                                  state_slots=view.state_slots if self.states else None)
 
     def output(self, view: DecodeView, prep: PreparedBatch) -> torch.Tensor:

@@ -103,7 +103,8 @@ class GraphRunner:
         decodes, or whose model decode refuses, builds none)."""
         got = self.phases.get(phase)
         if got is None and phase == DECODE:
-            got = self.phases[phase] = DecodeGraphs(self.body, self.runtime.decode_buckets)
+            got = self.phases[phase] = DecodeGraphs(self.body, self.runtime.decode_buckets,
+                                                    aux_layers=self.prefill.aux_layers)
             self._addresses[phase] = got.buffers.addresses()
         return got
 

@@ -321,6 +321,8 @@ class DecodeView:
     #: state: graphcp.kv.decode.state_rows; zeros otherwise)
     state_slots: torch.Tensor
     hidden_in: None = None  # (a decode step's body takes no input rows)
+    #: [cap, layers, hidden]: the auxiliary hidden states the step copies out (None: none asked)
+    aux_out: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
@@ -332,7 +334,7 @@ class DecodeBuffers:
     without blocking and fenced, as :class:`StaticBuffers` are; plain memory on a CPU."""
 
     def __init__(self, max_requests: int, width: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device | str, staging: PinnedStaging | None = None) -> None:
+                 device: torch.device | str, staging: PinnedStaging | None = None, aux_layers: int = 0) -> None:
         n, dev = max_requests, torch.device(device)
         self.width = width
         # ids, positions, slots, state slots (read, write): one buffer, so a fill uploads them in one copy
@@ -344,6 +346,8 @@ class DecodeBuffers:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros((n, width), dtype=torch.int32, device=dev)
         self.hidden_out = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
+        #: the auxiliary hidden states a step copies out (an EAGLE-3 draft's inputs of a verify step)
+        self.aux_out = torch.zeros(n, aux_layers, hidden_size, dtype=dtype, device=dev) if aux_layers else None
         self._staging = staging if staging is not None else PinnedStaging(dev) if dev.type == "cuda" else None
         host = self._staging.host if self._staging is not None else _plain_host
         self._rows_host = host(5 * n, torch.int64)  # the five rows: [5, capacity] packed in front
@@ -361,14 +365,15 @@ class DecodeBuffers:
             c = capacity
             got = self._views[c, width] = DecodeView(
                 c, width, self.input_ids[:c], self.positions[:c], self.kv_slots[:c], self.kv_lens[:c],
-                self.page_table[:c, :width], self.cu_seqlens_q[: c + 1], self.hidden_out[:c], self.state_slots[:, :c])
+                self.page_table[:c, :width], self.cu_seqlens_q[: c + 1], self.hidden_out[:c], self.state_slots[:, :c],
+                aux_out=None if self.aux_out is None else self.aux_out[:c])
         return got
 
     def addresses(self) -> dict[str, int]:
         """Data pointers of every static tensor (debug mode checks they never move)."""
         names = ("input_ids", "positions", "kv_slots", "kv_lens", "cu_seqlens_q", "page_table", "hidden_out",
-                 "state_slots")
-        return {n: getattr(self, n).data_ptr() for n in names}
+                 "state_slots", "aux_out")
+        return {n: getattr(self, n).data_ptr() for n in names if getattr(self, n) is not None}
 
     def fill(self, prep, capacity: int, width: int, kv) -> DecodeView:
         """A decode step's rows (``prep``: its PreparedBatch; None: none) into the bucket's

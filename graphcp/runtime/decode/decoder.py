@@ -30,12 +30,13 @@ from graphcp.kv.handle import KVHandle
 from graphcp.kv.paged import PagedKVCache
 from graphcp.model.llama import DecoderModel
 from graphcp.nvtx_ranges import nvtx_range
-from graphcp.runtime.batch import DecodeOutput
+from graphcp.runtime.batch import DecodeOutput, PreparedBatch
 from graphcp.runtime.body import Body
 from graphcp.runtime.capture.phases import DecodeGraphs
 from graphcp.runtime.capture.runner import GraphRunner
 from graphcp.runtime.capture.watchdog import stream_done, wait_for
 from graphcp.runtime.decode.plan import DecodePlanner
+from graphcp.runtime.draft import DraftRunner
 from graphcp.runtime.forward import StageForward
 from graphcp.runtime.stats import Recorder
 
@@ -46,13 +47,16 @@ class Decoder:
 
     def __init__(self, model: DecoderModel, kv: PagedKVCache, body: Body, runner: GraphRunner | None,
                  group: CPGroup, runtime: RuntimeConfig, parallel: ParallelConfig, kind: str,
-                 stage: StageForward, recorder: Recorder) -> None:
+                 stage: StageForward, recorder: Recorder, drafter: DraftRunner | None = None) -> None:
         """``group``: the ranks that must be given the same step (the stage's: attention TP
         ranks too); ``kind``: the model's value of the combinations' model axis
-        (ModelFamily.kind); ``stage``: the one forward; ``recorder``: the engine's stats."""
+        (ModelFamily.kind); ``stage``: the one forward; ``recorder``: the engine's stats;
+        ``drafter``: an EAGLE-3 draft's phase (a plain step does not run it: the draft's
+        K/V of the tokens it adds stay unwritten, and the draft no longer holds a next
+        token for them; speculative decoding runs it: graphcp.runtime.decode.speculative)."""
         self.model, self.kv, self.body, self.runner, self.group = model, kv, body, runner, group
         self.runtime, self.parallel, self.kind = runtime, parallel, kind
-        self.stage, self.recorder = stage, recorder
+        self.stage, self.recorder, self.drafter = stage, recorder, drafter
         self._preparer: DecodePlanner | None = None
         self._combines = False
         self._download = PinnedDownload()
@@ -66,8 +70,15 @@ class Decoder:
             self.check_combination()
             cfg = self.model.cfg
             self._preparer = DecodePlanner(self.kv, self.group, cfg.vocab_size, cfg.max_position_embeddings,
-                                           self.body.device, self.body.plan_decode, self.runtime.check_consistency)
+                                           self.body.device, self.body.plan_decode, self.runtime.check_consistency,
+                                           self.most_rows)
         return self._preparer
+
+    @property
+    def most_rows(self) -> int:
+        """The most rows a request may give one step (a verify step's pending token and
+        draft tokens): the largest decode bucket, so one request's step fits a graph."""
+        return max(self.runtime.decode_buckets)
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -98,14 +109,15 @@ class Decoder:
 
     def decode(self, handles: Sequence[KVHandle], tokens: Any, force_eager: bool = False, logits: bool = False,
                stop: frozenset[int] | None = None) -> DecodeOutput:
-        """``stop``: token ids (checked by the caller) whose test runs on the device."""
+        """``stop``: token ids (checked by the caller) whose test runs on the device.
+        ``tokens``: one a request, or ``[requests, n]``: n tokens a request in one step (its
+        rows causal among them), every one kept; the outputs are ``[requests, n]`` then
+        (logits ``[requests, n, vocab]``)."""
         self.check_combination()
         t0 = time.perf_counter()
         prep = self.preparer.prepare(handles, tokens, (int(bool(force_eager)),))
+        rows, res = self.run(prep, force_eager)
         try:
-            res = self.stage.run(prep, None, force_eager, ())
-            with nvtx_range("lm_head", category="output"):
-                rows = self.model.logits(res.hidden)
             with nvtx_range("next_tokens", category="output"):
                 nxt = self._next_tokens(rows, stop, res.info)
             kept = rows.cpu() if logits else None  # the [B, vocab] copy, asked for (the step has run: no wait)
@@ -114,8 +126,27 @@ class Decoder:
             raise
         res.info.stats["time_s"] = time.perf_counter() - t0
         self.recorder.record(prep, res.info)
-        return DecodeOutput(nxt[0].copy(), [self.kv.handle(s) for s in prep.seq_ids], res.info, kept,
-                            None if stop is None else nxt[1].astype(bool))
+        n = prep.decode.rows_per_request
+        if self.drafter is not None:  # (the draft's K/V of these tokens: unwritten)
+            for s in prep.seq_ids[::n]:
+                self.drafter.forget(s)
+        ids, hit = nxt[0].copy(), None if stop is None else nxt[1].astype(bool)
+        if n > 1 or np.ndim(tokens) == 2:
+            ids, hit = ids.reshape(-1, n), None if hit is None else hit.reshape(-1, n)
+            kept = None if kept is None else kept.view(-1, n, kept.shape[-1])
+        return DecodeOutput(ids, [self.kv.handle(s) for s in prep.seq_ids[::n]], res.info, kept, hit)
+
+    def run(self, prep: PreparedBatch, force_eager: bool, aux: tuple[int, ...] = ()) -> tuple[torch.Tensor, Any]:
+        """A prepared step through the one forward: every row's logits (float32 [rows,
+        vocab], on the device) and the StageResult (its auxiliary rows of ``aux``); on any
+        failure its reservation is given back."""
+        try:
+            res = self.stage.run(prep, None, force_eager, aux)
+            with nvtx_range("lm_head", category="output"):
+                return self.model.logits(res.hidden[: prep.rows]), res
+        except BaseException:
+            self.preparer.abort(prep)
+            raise
 
     def _next_tokens(self, rows: torch.Tensor, stop: frozenset[int] | None, info) -> np.ndarray:
         """int64 [1 or 2, B] on the host: the greedy next tokens (and with ``stop``, whether

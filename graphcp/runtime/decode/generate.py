@@ -25,6 +25,13 @@ import torch
 from graphcp.checks import check_int, check_turns
 from graphcp.errors import BatchError
 from graphcp.runtime.batch import Request, check_vocabulary, request_tokens
+from graphcp.runtime.decode.speculative import (
+    SpeculativeStats,
+    check_draft_tokens,
+    first_proposals,
+    round_tokens,
+    speculative_round,
+)
 from graphcp.runtime.progress import progress_bar
 
 
@@ -55,6 +62,9 @@ class GenerateOutput:
     handles: list | None = None
     #: decode steps run (over all turns)
     steps: int = 0
+    #: with ``draft_tokens``: what the draft saved (SpeculativeStats.summary: acceptance rate,
+    #: tokens a step, steps saved); None without
+    speculative: dict | None = None
 
 
 @dataclass(eq=False)  # (compared by identity: a request is itself)
@@ -133,7 +143,8 @@ def _token_id(t: Any) -> int | None:
         return None
 
 
-def _prefill_turn(engine, states: list[_State], t: int, stop: frozenset, keep_logits: bool) -> list[_State]:
+def _prefill_turn(engine, states: list[_State], t: int, stop: frozenset, keep_logits: bool,
+                  proposals: dict | None = None) -> list[_State]:
     """Turn ``t`` of the requests that have it: one prefill of every prompt after its
     pending token, the first generated token of each. The requests still generating."""
     live = [s for s in states if t < len(s.turns)]
@@ -148,6 +159,8 @@ def _prefill_turn(engine, states: list[_State], t: int, stop: frozenset, keep_lo
         reqs.append(Request(new if s.pending is None else np.concatenate([[s.pending], new]), s.handle))
     out = engine.prefill(reqs, aux_hidden_layers=())
     first = out.last_logits.argmax(-1).tolist()
+    if proposals is not None:  # the draft's first proposal of each request, from its last row
+        proposals.update(zip(map(id, live), first_proposals(out)))
     for j, (s, h) in enumerate(zip(live, out.handles)):
         s.handle, s.owned, s.pending = h, True, first[j]
         s.tokens.append([first[j]])
@@ -178,11 +191,37 @@ def _decode_turn(engine, live: list[_State], stop: frozenset, keep_logits: bool,
     return steps
 
 
+def _speculative_turn(engine, live: list[_State], stop: frozenset, keep_logits: bool, bar, k: int,
+                      proposals: dict, stats: SpeculativeStats) -> int:
+    """Verify steps of ``k`` draft tokens (graphcp.runtime.decode.speculative) until every
+    request of the turn stopped; the steps run."""
+    steps = 0
+    while live:
+        props = [proposals[id(s)] for s in live]
+        budget = np.array([s.most - len(s.tokens[-1]) for s in live], dtype=np.int64)
+        got = speculative_round(engine, live, props, round_tokens(k, live, engine.max_context), budget, stop, stats,
+                                keep_logits)
+        for s, toks, p in zip(live, got, props):
+            s.tokens[-1].extend(toks)
+            proposals[id(s)] = p
+        live = [s for s in live if not s.done(stop)]
+        steps += 1
+        if bar is not None:
+            bar.update(1)
+    return steps
+
+
 def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | None = None,
-             logits: bool = False, release: bool = True, progress: bool = False) -> GenerateOutput:
-    """See the module doc (``engine``: a PrefillEngine)."""
+             logits: bool = False, release: bool = True, progress: bool = False,
+             draft_tokens: int | None = None) -> GenerateOutput:
+    """See the module doc (``engine``: a PrefillEngine). ``draft_tokens``: speculative
+    decoding with the engine's EAGLE-3 draft, k proposals a step
+    (graphcp.runtime.decode.speculative); the same tokens, fewer steps."""
     # before the first prefill: nothing runs that decode would refuse
     engine.parts.decoder.check_combination("PrefillEngine.generate")
+    k = None if draft_tokens is None else check_draft_tokens(engine, draft_tokens)
+    spec = None if k is None else SpeculativeStats(k)
+    proposals = None if k is None else {}
     most = check_int(max_new_tokens, "max_new_tokens", lo=1, where="generate", err=BatchError)
     stops = stop_tokens(stop, engine.cfg.vocab_size)
     states = conversations(requests, most, engine.cfg.vocab_size, engine.max_context)
@@ -192,14 +231,19 @@ def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | N
     bar, steps = None, 0
     try:
         for t in range(turns):
-            live = _prefill_turn(engine, states, t, stops, logits)
+            live = _prefill_turn(engine, states, t, stops, logits, proposals)
             if t == 0:  # shown from the first step: a batch the prefill refuses is one line on stderr
                 bar = progress_bar(progress and engine.world_rank == 0, desc="decode steps", unit="step",
                                    total=total)
             for s in states:
                 if t < len(s.turns) and s not in live:
                     s.finish.append("stop" if s.tokens[-1][-1] in stops else "length")
-            steps += _decode_turn(engine, live, stops, logits, bar)
+            if spec is not None:
+                steps += _speculative_turn(engine, live, stops, logits, bar, k, proposals, spec)
+                # plain greedy decoding: one step a token after the prefill's, the longest request's
+                spec.plain_steps += max((len(s.tokens[-1]) - 1 for s in live), default=0)
+            else:
+                steps += _decode_turn(engine, live, stops, logits, bar)
             for s in live:
                 s.finish.append("stop" if s.tokens[-1][-1] in stops else "length")
     except BaseException:
@@ -212,7 +256,8 @@ def generate(engine, requests: Any, max_new_tokens: int, stop: Sequence[int] | N
     if release:
         _release(engine, states)
     return GenerateOutput([s.tokens for s in states], [s.finish for s in states],
-                          [[torch.stack(x) for x in s.logits] for s in states] if logits else None, handles, steps)
+                          [[torch.stack(x) for x in s.logits] for s in states] if logits else None, handles, steps,
+                          None if spec is None else spec.summary())
 
 
 def _release(engine, states: list[_State]) -> None:
