@@ -9,6 +9,7 @@ the pooled selection (``indexer.py``); its export ``graphcp-glm5next/1`` (``expo
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from graphcp.model.family import AttentionParts, ModelFamily, register_family
 from graphcp.model.glm5_next import checkpoint
 from graphcp.model.glm5_next.config import Glm5Config, read_glm5next
 from graphcp.model.glm5_next.export import GLM5_FORMAT, Glm5Meta, to_glm5_cache
-from graphcp.model.glm5_next.indexer import PooledSparseMla
+from graphcp.model.glm5_next.indexer import PooledDecode, PooledSparseMla
 from graphcp.model.glm5_next.model import Glm5Model
 from graphcp.model.glm5_next.presets import PRESETS
 from graphcp.model.kimi_linear.cache import KdaGeometry
@@ -93,7 +94,9 @@ class Glm5Family(ModelFamily):
         spec = replace(spec, carries=ix.carried)
         indexers = {layer.layer: layer.self_attn.indexer for layer in parts.model.layers
                     if layer.full and layer.self_attn.indexer is not None}
-        return PooledSparseMla(spec, ix, indexers)
+        backend = PooledSparseMla(spec, ix, indexers)
+        backend.decode_form = partial(PooledDecode, ix=ix, indexers=indexers)  # what a decode graph captures
+        return backend
 
     def export_meta(self, cfg, num_tokens: int, runtime, fingerprint: str, draft_layers: int) -> Glm5Meta:
         g: Glm5Config = cfg.hybrid

@@ -23,8 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphcp.attention.base import AttentionMetadata
+from graphcp.model.dsa.cache import MlaStorage
 from graphcp.model.dsa.mla import INDEX_NORM_EPS
 from graphcp.model.dsa.sparse import SparseMlaSpec, TorchSparseMla
+from graphcp.model.dsa.sparse_decode import PagedSparseMlaDecode
 from graphcp.model.dsa.topk import index_scores, mask_to_positions, select_topk
 from graphcp.model.glm5_next.config import PooledIndexer
 
@@ -52,36 +55,38 @@ class Glm5Indexer(nn.Module):
 
 
 def pool_keys(rows: torch.Tensor, ape: torch.Tensor, kpool: int) -> torch.Tensor:
-    """The complete pools' keys ``[rows // kpool, D]`` of a request's indexer rows
-    ``[n, 2 D]`` (from its first token), in transformers' order of operations: float32
+    """The complete pools' keys ``[..., n // kpool, D]`` of a request's indexer rows ``[...,
+    n, 2 D]`` (from its first token), in transformers' order of operations: float32
     softmax weights cast to the keys' dtype, the weighted keys summed in it."""
-    d = rows.shape[1] // 2
-    n = rows.shape[0] // kpool * kpool
-    keys, gates = rows[:n, :d].view(-1, kpool, d), rows[:n, d:].view(-1, kpool, d)
-    weights = (gates.float() + ape.float().unsqueeze(0)).softmax(dim=1).to(keys.dtype)
-    return (weights * keys).sum(dim=1)
+    d = rows.shape[-1] // 2
+    n = rows.shape[-2] // kpool * kpool
+    keys, gates = rows[..., :n, :d].unflatten(-2, (-1, kpool)), rows[..., :n, d:].unflatten(-2, (-1, kpool))
+    weights = (gates.float() + ape.float()).softmax(dim=-2).to(keys.dtype)
+    return (weights * keys).sum(dim=-2)
 
 
 def pooled_selection(index_q: torch.Tensor, index_w: torch.Tensor, rows: torch.Tensor, ape: torch.Tensor,
                      pos: torch.Tensor, ix: PooledIndexer) -> torch.Tensor:
     """The token positions ``[R, width]`` (ascending, -1 padded) rows at positions ``pos``
     read: their best ``topk / kpool`` visible pools' tokens and their own incomplete
-    pool's (``rows``: the request's indexer rows up to the last row's position)."""
-    kv, P = rows.shape[0], ix.kpool
+    pool's. ``rows``: the request's indexer rows ``[kv, 2 D]`` (at least up to the last
+    row's position), or each row's own request's ``[R, kv, 2 D]`` (a decode step's)."""
+    kv, P, R = rows.shape[-2], ix.kpool, pos.shape[0]
     pools = pool_keys(rows, ape, P)
+    n = pools.shape[-2]
     scores = index_scores(index_q, index_w, pools, ix.head_dim ** -0.5)  # [R, pools]
-    ends = torch.arange(pools.shape[0], device=pos.device) * P + (P - 1)
+    ends = torch.arange(n, device=pos.device) * P + (P - 1)
     visible = ends.unsqueeze(0) <= pos.unsqueeze(1)
     best = select_topk(scores.masked_fill(~visible, float("-inf")), ix.pools)
-    n = pools.shape[0]
-    chosen = torch.zeros(pos.shape[0], n + 1, dtype=torch.bool, device=pos.device)
+    chosen = torch.zeros(R, n + 1, dtype=torch.bool, device=pos.device)
     chosen.scatter_(1, torch.where(best < 0, n, best), True)
     tokens = chosen[:, :n].repeat_interleave(P, dim=1)
-    tokens = torch.cat([tokens, tokens.new_zeros(pos.shape[0], kv - n * P)], dim=1)
+    tokens = torch.cat([tokens, tokens.new_zeros(R, kv - n * P)], dim=1)
     t = torch.arange(kv, device=pos.device).unsqueeze(0)
     start = (pos + 1 - (pos + 1) % P).unsqueeze(1)  # the row's incomplete pool: [start, pos]
     tail = (t >= start) & (t <= pos.unsqueeze(1))
-    return mask_to_positions(tokens | tail, ix.width)
+    sel = mask_to_positions(tokens | tail, ix.width)
+    return F.pad(sel, (0, ix.width - sel.shape[1]), value=-1)  # (fewer tokens than the width: -1 padded)
 
 
 class PooledSparseMla(TorchSparseMla):
@@ -99,3 +104,23 @@ class PooledSparseMla(TorchSparseMla):
     def choose(self, layer: int, index_q: torch.Tensor, index_w: torch.Tensor, keys: torch.Tensor,
                pos: torch.Tensor, kv: int) -> torch.Tensor:
         return pooled_selection(index_q, index_w, keys[:kv], self.indexers[layer].ape, pos, self.ix)
+
+
+class PooledDecode(PagedSparseMlaDecode):
+    """A decode bucket's attention with the pooled selection (the DSA family's decode form,
+    graphcp.model.dsa.sparse_decode, with :func:`pooled_selection` over each row's request's
+    paged indexer rows): every shape the bucket's, reading no host value. A padding row
+    (length 0) selects nothing."""
+
+    name = "paged-pooled-decode"
+
+    def __init__(self, spec: SparseMlaSpec, meta: AttentionMetadata, ix: PooledIndexer,
+                 indexers: dict[int, Glm5Indexer]) -> None:
+        super().__init__(spec, meta)
+        self.ix, self.indexers = ix, indexers
+
+    def _topk(self, layer: int, index_q: torch.Tensor, index_w: torch.Tensor, cache: MlaStorage,
+              table: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        B, W = table.shape
+        rows = cache.index_keys(layer).index_select(0, table.reshape(-1)).view(B, W * cache.page_size, -1)
+        return pooled_selection(index_q, index_w, rows, self.indexers[layer].ape, lens - 1, self.ix)
