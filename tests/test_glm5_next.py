@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from test_error_contract import one_line_error
 from test_hybrid import check_logits
 
-from graphcp import ConfigError, ParallelConfig, PrefillEngine, Request, RuntimeConfig
+from graphcp import BatchError, ConfigError, ParallelConfig, PrefillEngine, Request, RuntimeConfig
 from graphcp.dist import launch
 from graphcp.model.config import ModelConfig
 from graphcp.model.glm5_next.indexer import Glm5Indexer, pooled_selection
@@ -264,6 +264,14 @@ def test_refused_runs_are_one_line(glm_folders, runtime, match):
     with pytest.raises(ConfigError, match=match) as e:
         PrefillEngine(glm_folders["float32"], RuntimeConfig(**runtime))
     assert "\n" not in str(e.value)
+
+
+def test_a_call_asking_for_auxiliary_hidden_states_is_refused_and_changes_nothing(glm_folders):
+    eng = PrefillEngine(glm_folders["float32"], RuntimeConfig(kv_tokens=512))
+    with pytest.raises(BatchError, match=r"aux_hidden_layers with a GLM-5-Next model: .* hc_mult") as e:
+        eng.prefill([Request([1, 2, 3, 4])], aux_hidden_layers=[1])
+    assert "\n" not in str(e.value) and eng.parts.kv.stored_tokens() == 0
+    eng.release(eng.prefill([Request([1, 2, 3, 4])]).handles[0])
 
 
 def test_a_stage_may_not_start_at_a_shared_layer(glm_folders):

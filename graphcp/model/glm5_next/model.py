@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphcp.errors import BatchError
 from graphcp.model.config import ModelConfig
 from graphcp.model.cp_attention import begin_forward
 from graphcp.model.dsv4.hc import HyperConnection, mix
@@ -112,6 +113,9 @@ class Glm5Model(DecoderModel):
         """Local rows in (token ids; a later pipeline stage's the streams handed on,
         ``hidden_in [rows, hc_mult x hidden]``), out: the final-normed mean of the streams
         on the last stage, the streams flattened on the others."""
+        if ctx.aux is not None:  # (RuntimeConfig's is refused with the config: Glm5Family.check_run)
+            raise BatchError("prefill: aux_hidden_layers with a GLM-5-Next model: a layer's output is hc_mult "
+                             "residual streams, not one hidden row to copy out; leave it unset")
         begin_forward(ctx)
         n = self.cfg.hybrid.hc.mult
         if hidden_in is None:
