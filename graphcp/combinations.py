@@ -151,7 +151,8 @@ def _off(key: str, value: str) -> bool:
 
 
 _RINGS = ("pass-kv", "pass-q")
-#: the KDA hybrids (Kimi Linear: KDA layers and MLA full layers)
+#: the KDA hybrids (Kimi Linear: KDA layers and MLA full layers; GLM-5-Next's text model: KDA layers, MLA
+#: with the pooled indexer, hyper-connections)
 _KDA = ("kda",)
 _ALL_GATHER_CACHES = ("replicated", "layer-split")
 
@@ -195,8 +196,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "save memory, which LayerSplit saves with no ring (docs/dsa.md)",
             (("kv_cache", "layer-split"), ("kv_cache", "replicated")), "LayerSplit serves instead"),
     Refusal(("model", _KDA), ("attention", ("flashinfer", "trtllm", "triton")),
-            "a KDA hybrid's MLA layers (no indexer) attend on the torch latent-attention reference; the Triton "
-            "sparse-MLA kernel takes an indexer's selection and the other backends per-head K/V",
+            "a KDA hybrid's MLA layers attend on the torch latent-attention reference (Kimi's over every token, "
+            "GLM-5-Next's over its pooled indexer's selection, which the Triton sparse-MLA backend's token top-k "
+            "does not make); the other backends read per-head K/V",
             (("attention", "torch"),), "torch MLA"),
     Refusal(("model", _KDA), ("attn_tp", (">1",)),
             "a KDA hybrid's MLA layers cache one latent head a token, so it runs attention TP 1 under CP, as the "
@@ -527,6 +529,8 @@ def combinations_doc() -> str:
             "sync-free and capturable there (docs/moe.md); full graphs with `tp` are refused on CUDA until a "
             "captured grouped matmul replays correctly.",
             "- DSA models under `--pp`: a stage may not start at a GLM-5 'shared' indexer layer (it reuses the "
-            "top-k of the layer before it); `--pp-layers` moves the boundary.",
+            "top-k of the layer before it); `--pp-layers` moves the boundary. So for GLM-5-Next's 'shared' layers.",
+            "- GLM-5-Next (a KDA model) with `--aux-hidden-layers`: refused by its family, as V4 is here (a layer's "
+            "output is hc_mult residual streams, not one hidden row); Kimi Linear, the other KDA model, runs it.",
             "- `flashinfer` and `trtllm` need CUDA (trtllm: SM100/SM103).", ""]
     return "\n".join(out)

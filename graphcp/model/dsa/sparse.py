@@ -292,14 +292,23 @@ class SelectingSparseMla(SparseMlaBackend):
                 raise RuntimeError(f"layer {layer} reuses the top-k of an earlier indexer layer, but none ran this "
                                    "forward")
             return self._selected[rows]
-        visible = torch.arange(kv, device=device).unsqueeze(0) <= pos.unsqueeze(1)
-        scores = index_scores(index_q[rows], index_w[rows], ik[:kv], self.spec.index_head_dim ** -0.5)
-        sel = self.selector(scores.masked_fill(~visible, float("-inf")), self.spec.index_topk)
+        sel = self.choose(layer, index_q[rows], index_w[rows], ik, pos, kv)
         self.selection_rows(index_q.shape[0], device)[rows] = sel
         n, pairs = scored_pairs(positions, self.spec.index_topk)
         self._rows += n
         self._pairs += pairs
         return sel
+
+
+    def choose(self, layer: int, index_q: torch.Tensor, index_w: torch.Tensor, keys: torch.Tensor,
+               pos: torch.Tensor, kv: int) -> torch.Tensor:
+        """The selection ``[rows, index_topk]`` of rows at positions ``pos`` (each seeing
+        more than index_topk tokens) over their request's indexer rows ``keys`` (the
+        cache's, ``kv`` of them visible to the block's last row): the lightning indexer's
+        best tokens. A family that scores other units (GLM-5-Next's pools) overrides it."""
+        visible = torch.arange(kv, device=pos.device).unsqueeze(0) <= pos.unsqueeze(1)
+        scores = index_scores(index_q, index_w, keys[:kv], self.spec.index_head_dim ** -0.5)
+        return self.selector(scores.masked_fill(~visible, float("-inf")), self.spec.index_topk)
 
 
 class TorchSparseMla(SelectingSparseMla):

@@ -1,6 +1,6 @@
 """Kimi Linear's settings (``KimiLinearForCausalLM``, Kimi K3's layout), read from a
 config.json as transformers 5 reads it (``KimiLinearConfig``), validated up front; and the
-parts a KDA hybrid shares (GLM-5-Next's text model, not built yet, would read them too).
+parts a KDA hybrid shares (GLM-5-Next's text model reads them too: graphcp.model.glm5_next).
 
 A layer (``layer_types[i]``) is
 

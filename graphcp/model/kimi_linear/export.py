@@ -1,5 +1,5 @@
 """KdaExport: one request's cache of a KDA hybrid, format ``graphcp-kda/1`` (Kimi Linear;
-GLM-5-Next's text model, not built yet, would keep the same layout under its own name):
+GLM-5-Next's text model keeps the same layout under its own name, graphcp.model.glm5_next.export):
 exactly what transformers' cache of the model holds after the request's ``T`` tokens,
 so a decode engine (or transformers, graphcp.model.kimi_linear.hf_cache) continues
 from it.

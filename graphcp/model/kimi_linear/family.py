@@ -4,7 +4,7 @@ MoE. Its cache's storage holds the MLA layers' latent rows and each live request
 states (``cache.py``, its exchange ``exchange.py``: the hybrid family's scan with KDA's
 kernels); its export is ``graphcp-kda/1`` (``export.py``, its transformers cache
 ``hf_cache.py``). This module registers the storage and the format. GLM-5-Next's text
-model (not built yet) would reuse the KDA layer, the MLA, the cache and the export."""
+model (graphcp.model.glm5_next) reuses the KDA layer, the MLA, the cache and the export."""
 
 from __future__ import annotations
 

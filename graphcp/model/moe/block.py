@@ -29,16 +29,18 @@ from graphcp.options import MoeLayout
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, moe: MoeConfig, hidden: int, layout: MoeLayout, rank: int, group_size: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, limit: float | None = None) -> None:
+        """``limit``: a SwiGLU clamp of the experts and the shared expert (GLM-5-Next's
+        ``swiglu_limit``; None: none)."""
         super().__init__()
         self.layout, self.num_experts = layout, moe.num_experts
         self.router = make_router(moe, hidden, dtype)
         if layout == "ep":
             local = moe.num_experts // group_size
-            self.experts = Experts(local, hidden, moe.intermediate_size, rank * local, dtype)
+            self.experts = Experts(local, hidden, moe.intermediate_size, rank * local, dtype, limit)
         else:
-            self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size // group_size, 0, dtype)
-        self.shared = (ParallelMLP(hidden, moe.shared_intermediate_size, group_size, False, dtype)
+            self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size // group_size, 0, dtype, limit)
+        self.shared = (ParallelMLP(hidden, moe.shared_intermediate_size, group_size, False, dtype, limit)
                        if moe.shared_intermediate_size else None)
 
     def forward(self, x: torch.Tensor, group) -> torch.Tensor:
