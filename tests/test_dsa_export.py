@@ -262,7 +262,8 @@ def test_a_program_that_only_reads_kv_finds_the_family_formats(tmp_path):
         "except KVFormatError as e:\n"
         "    assert 'graphcp-mla/1' in str(e), e\n"
         "from graphcp import load_kv, read_kv\n"
-        "assert registered() == ['graphcp-kv/1', 'graphcp-mla/1', 'graphcp-dsv4/1', 'graphcp-hybrid/1'], registered()\n"
+        "assert registered() == ['graphcp-kv/1', 'graphcp-mla/1', 'graphcp-dsv4/1', 'graphcp-kda/1', "
+            "'graphcp-glm5next/1', 'graphcp-hybrid/1'], registered()\n"
         "assert read_kv(sys.argv[1]).meta.format == 'graphcp-mla/1'\n"
         "assert load_kv(sys.argv[1]).export.meta.format == 'graphcp-mla/1'\n"
     )

@@ -54,6 +54,8 @@ class KdaGeometry(CacheGeometry):
     layer_kinds: tuple[str, ...]
     linear: LinearDims
     state_slots: int
+    #: per-row verify states (LinearStates reads it): none, as a KDA hybrid takes no draft
+    verify_rows: int = 0
 
     def of_kind(self, layers, kind: str) -> list[int]:
         return [i for i in layers if self.layer_kinds[i] == kind]
