@@ -146,13 +146,13 @@ def decode_engine(model_dir: Path, kv_tokens: int = 8192) -> PrefillEngine:
     return PrefillEngine(model_dir, RuntimeConfig(kv_cache="replicated", kv_tokens=kv_tokens, graph="off"))
 
 
-def continue_file(engine: PrefillEngine, path, steps: int, first: int | None = None) -> list[int]:
-    """Import the request's KV (a file's path, or an export) and greedy-decode: its first
-    token (``first``, or the payload's last_logits) and ``steps - 1`` more; the handle
-    released."""
+def continue_file(engine: PrefillEngine, path, steps: int) -> list[int]:
+    """Import the request's KV (a file's path, or an export a receiver handed out) and
+    greedy-decode: its first token (the payload's last_logits: nothing recomputed) and
+    ``steps - 1`` more; the handle released."""
     kv = KVFile(path) if isinstance(path, Path) else path
     handle = engine.import_kv(kv)
-    tokens = [int(kv.last_logits.argmax()) if first is None else first]
+    tokens = [int(kv.last_logits.argmax())]
     for _ in range(steps - 1):
         step = engine.decode([handle], [tokens[-1]])
         handle = step.handles[0]

@@ -4,8 +4,9 @@ exported to a file, and imported by another of another shape with ``engine.impor
 exactly: its greedy ids over 16 tokens equal transformers' ``generate``, every step's
 logits within 1e-4 (float32; bfloat16 within the suite's 2e-2 of transformers in bfloat16 on
 the same sequence), for a dense and a MoE model. Every pair runs through files and through
-Mooncake on loopback (a receiver process holds each request in its shared arena; the decode
-ranks import from it in place; the arena whole again after the release). A second turn after the import
+Mooncake on loopback (a receiver process holds each request in its shared arena, its token
+ids and first-token logits with it, equal to the file's bit for bit; the decode ranks import
+from it in place and decode from its logits; the arena whole again after the release). A second turn after the import
 (``prefill(prefix=imported handle)``) matches transformers on the whole sequence;
 ``generate`` continues from the imported handle; the receiver's pool after release equals
 the pool before. Each request is prefilled in two chunks at the source (a cached prefix,
@@ -18,7 +19,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +81,8 @@ def _source_job(group, folders: dict, s: dict, dtype: str, out: Path, mooncake: 
             from graphcp.pd.sender import KVSender
 
             sender = KVSender(mooncake, eng.world_rank, eng.world.size, timeout_s=60)
-            sender.send(eng, res.handles, [f"{model}-{i}" for i in range(len(res.handles))])
+            sender.send(eng, res.handles, [f"{model}-{i}" for i in range(len(res.handles))], prompts,
+                        res.last_logits)  # the ids and first-token logits ride in the region
             sender.close()
         dst = None if s["cp"] == 4 else 0  # to every rank, or to rank 0 alone
         exports = eng.export_kv_batch(res.handles, dst=dst)
@@ -95,32 +96,20 @@ def _source_job(group, folders: dict, s: dict, dtype: str, out: Path, mooncake: 
     return files if group.rank == 0 else None
 
 
-@dataclass(frozen=True)
-class Held:
-    """A request held in a Mooncake receiver's shared arena (``KVReceiver.hold``), with the
-    tokens and first-token logits the prefill side returned (the region carries the KV)."""
-
-    ref: RegionRef
-    token_ids: torch.Tensor
-    last_logits: torch.Tensor
-
-    def open(self):
-        e = self.ref.open()  # views of the bytes Mooncake wrote: the import reads its share from them
-        e.token_ids, e.last_logits = self.token_ids, self.last_logits
-        return e
-
-
 def _payload(x):
-    return x.open() if isinstance(x, Held) else x  # (a file: import_kv reads its path)
+    """A request held in a Mooncake receiver's shared arena (a RegionRef: views of the bytes
+    Mooncake wrote, its token ids and first-token logits with them), or a file's path
+    (import_kv reads its share)."""
+    return x.open() if isinstance(x, RegionRef) else x
 
 
 def _last_logits(x) -> torch.Tensor:
-    return x.last_logits if isinstance(x, Held) else KVFile(x).last_logits
+    return x.open().last_logits if isinstance(x, RegionRef) else KVFile(x).last_logits
 
 
 def _continue(eng, payloads: list, generate: bool) -> dict:
-    """Import ``payloads`` (files: every rank reads its share by path; Held: every rank maps
-    the receiver's region); decode NEW - 1 steps from their first tokens (no recompute: the
+    """Import ``payloads`` (files: every rank reads its share by path; RegionRefs: every rank
+    maps the receiver's region); decode NEW - 1 steps from their first tokens (no recompute: the
     export's last_logits give it), release; import request 0 again and prefill a second
     turn after it; with ``generate`` also ``generate`` from an imported handle. The pool's
     state before and after each."""
@@ -215,8 +204,12 @@ def run_pair(folders: dict, src: dict, dst: dict, via: Path, dtype: str = "float
             refs = pickle.loads(queues[1].get(timeout=180))
             assert not isinstance(refs, str), refs
             by_ref = dict(zip(ids, refs))
-            by_transport["mooncake"] = {m: [Held(by_ref[f"{m}-{i}"], KVFile(f).token_ids, KVFile(f).last_logits)
-                                            for i, f in enumerate(fs)] for m, fs in files.items()}
+            by_transport["mooncake"] = {m: [by_ref[f"{m}-{i}"] for i in range(len(fs))] for m, fs in files.items()}
+            for m, fs in files.items():  # the ids and logits arrived with the KV, the file's bit for bit
+                for ref, f in zip(by_transport["mooncake"][m], fs):
+                    got, want = ref.open(), KVFile(f)
+                    assert torch.equal(got.token_ids, want.token_ids), (m, f)
+                    assert torch.equal(got.last_logits, want.last_logits), (m, f)
         if ranks(dst) == 1:
             results = [_target_job(CPGroup(), folders, dst, dtype, by_transport)]
         else:

@@ -22,6 +22,7 @@ from graphcp.dist import free_port, launch
 from graphcp.pd.errors import TransferError
 from graphcp.pd.files import read_kv, save_kv
 from graphcp.pd.mooncake import mooncake_problem
+from graphcp.pd.riders import as_ids
 
 PROBLEM = mooncake_problem()
 pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=f"Mooncake transport unavailable: {PROBLEM}")
@@ -102,21 +103,44 @@ def _requests(vocab):
     return [Request(rng.integers(0, vocab, n)) for n in LENS]
 
 
+#: the cache modes whose sends carry the token ids and first-token logits (the others: none)
+RIDERS = ("replicated", "sharded")
+
+
 def _send_batch(group, folder, address):
     from graphcp.pd.sender import KVSender
 
     out = {}
     for mode in MODES:
         eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache=mode), group)
-        handles = eng.prefill(_requests(eng.cfg.vocab_size)).handles
+        reqs = _requests(eng.cfg.vocab_size)
+        res = eng.prefill(reqs)
+        ids = [torch.from_numpy(np.asarray(r.tokens)) for r in reqs]
         if mode == "sharded":  # a second chunk: each rank's positions in several runs
-            handles = eng.prefill([Request([7, 8, 9, 10, 11], h) for h in handles]).handles
+            res = eng.prefill([Request([7, 8, 9, 10, 11], h) for h in res.handles])
+            ids = [torch.cat([t, torch.tensor([7, 8, 9, 10, 11])]) for t in ids]
+        handles, riders = res.handles, (ids, res.last_logits) if mode in RIDERS else (None, None)
         sender = KVSender(address, group.rank, group.size, timeout_s=60)
-        sender.send(eng, handles, [f"{mode}-{i}" for i in range(len(handles))])
+        sender.send(eng, handles, [f"{mode}-{i}" for i in range(len(handles))], *riders)
         sender.close()
         exports = eng.export_kv_batch(handles, dst=0)  # every rank takes part; rank 0 gets them
-        out[mode] = [(e.k, e.v) for e in exports] if group.rank == 0 else None
+        out[mode] = [(e.k, e.v, *as_sent(riders, i)) for i, e in enumerate(exports)] if group.rank == 0 else None
     return out
+
+
+def as_sent(riders: tuple, i: int) -> tuple:
+    """Request ``i``'s token ids and logits as sent (None, None: none were)."""
+    ids, logits = riders
+    return (None, None) if ids is None else (as_ids(ids[i]), logits[i].float().clone())
+
+
+def same_riders(recv, ids, logits) -> bool:
+    """The received token ids and first-token logits are the sent ones bit for bit (both
+    absent when none were sent)."""
+    if ids is None:
+        return recv.token_ids is None and recv.last_logits is None
+    return (recv.token_ids.dtype == torch.int64 and recv.last_logits.dtype == torch.float32
+            and torch.equal(recv.token_ids, ids) and torch.equal(recv.last_logits, logits))
 
 
 def test_two_ranks_send_a_mixed_batch_bitwise(hf_model_dir, tmp_path):
@@ -127,10 +151,11 @@ def test_two_ranks_send_a_mixed_batch_bitwise(hf_model_dir, tmp_path):
     got = rx.results()
     assert sorted(got.pop("completed")) == [] and all(v == ("ok", "") for v in got.values()), got
     for mode, exports in sent.items():
-        for i, (k, v) in enumerate(exports):
-            recv = read_kv(tmp_path / f"{mode}-{i}.safetensors")
+        for i, (k, v, ids, logits) in enumerate(exports):
+            recv = read_kv(tmp_path / f"{mode}-{i}.safetensors")  # what rx.get gave, written as a file
             assert recv.meta.num_tokens == LENS[i] + 5 * (mode == "sharded") and recv.meta.num_layers == 4
             assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), (mode, i)
+            assert (ids is not None) == (mode in RIDERS) and same_riders(recv, ids, logits), (mode, i)
 
 
 #: the pipeline test's dtype per cache mode: both dtypes' bytes travel
@@ -147,7 +172,9 @@ def _send_pp(group, folder, address):
         dtype = PP_DTYPES[mode]
         eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache=mode, dtype=dtype), group,
                             parallel=ParallelConfig(cp_size=2, pp_size=2))
-        handles = eng.prefill(_requests(eng.cfg.vocab_size)).handles
+        reqs = _requests(eng.cfg.vocab_size)
+        res = eng.prefill(reqs)
+        handles, riders = res.handles, ([r.tokens for r in reqs], res.last_logits)
         if mode == "replicated":
             wrong = KVSender(address, 0, 1, timeout_s=60)  # a single-rank sender's identity on 4 ranks
             try:
@@ -157,10 +184,10 @@ def _send_pp(group, folder, address):
             finally:
                 wrong.close()
         sender = KVSender(address, eng.world_rank, eng.world.size, timeout_s=60)
-        sender.send(eng, handles, [f"pp-{mode}-{i}" for i in range(len(handles))])
+        sender.send(eng, handles, [f"pp-{mode}-{i}" for i in range(len(handles))], *riders)
         sender.close()
         exports = eng.export_kv_batch(handles, dst=0)
-        out[mode] = [(e.k, e.v) for e in exports] if eng.world_rank == 0 else None
+        out[mode] = [(e.k, e.v, *as_sent(riders, i)) for i, e in enumerate(exports)] if eng.world_rank == 0 else None
     return out, refused
 
 
@@ -174,10 +201,11 @@ def test_pipeline_stages_send_their_own_layers(hf_model_dir, tmp_path):
     for _, refused in ranks:
         assert refused is not None and "give each sender its engine's world_rank and world.size" in refused
     for mode, exports in ranks[0][0].items():
-        for i, (k, v) in enumerate(exports):
+        for i, (k, v, ids, logits) in enumerate(exports):
             recv = read_kv(tmp_path / f"pp-{mode}-{i}.safetensors")
             assert recv.meta.num_layers == 4 and recv.meta.dtype == PP_DTYPES[mode], (mode, i)
             assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), (mode, i)
+            assert same_riders(recv, ids, logits), (mode, i)  # (a bfloat16 model's float32 logits)
 
 
 #: (tp, cp, pp, cache mode, dtype): the KV heads split over attention TP 2 at CP 2; 2 KV
@@ -226,12 +254,15 @@ def _send_dp(group, folder, address):
 
     eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache="sharded"), group,
                         parallel=ParallelConfig(tp_size=2, cp_size=1, dp_size=2))
-    handles = eng.prefill(_requests(eng.cfg.vocab_size)).handles
+    reqs = _requests(eng.cfg.vocab_size)
+    res = eng.prefill(reqs)
+    handles, riders = res.handles, ([r.tokens for r in reqs], res.last_logits)
     sender = KVSender(address, eng.world_rank, eng.world.size, timeout_s=60)
-    sender.send(eng, handles, [f"dp-{i}" for i in range(len(handles))])
+    sender.send(eng, handles, [f"dp-{i}" for i in range(len(handles))], *riders)  # (rank 0 writes them for both)
     sender.close()
     exports = eng.export_kv_batch(handles, dst=0)
-    return [(e.k, e.v) for e in exports] if eng.world_rank == 0 else None, [h.replica for h in handles]
+    return ([(e.k, e.v, *as_sent(riders, i)) for i, e in enumerate(exports)] if eng.world_rank == 0 else None,
+            [h.replica for h in handles])
 
 
 def test_attention_dp_replicas_send_their_own_requests(hf_model_dir, tmp_path):
@@ -242,9 +273,10 @@ def test_attention_dp_replicas_send_their_own_requests(hf_model_dir, tmp_path):
     got = rx.results()
     assert sorted(got.pop("completed")) == [] and all(v == ("ok", "") for v in got.values()), got
     assert set(replicas) == {0, 1}  # both replicas hold (and send) a request
-    for i, (k, v) in enumerate(sent):
+    for i, (k, v, ids, logits) in enumerate(sent):
         recv = read_kv(tmp_path / f"dp-{i}.safetensors")
         assert all(torch.equal(a, b) for a, b in zip(recv.k + recv.v, k + v)), i
+        assert same_riders(recv, ids, logits), i
 
 
 def test_which_rows_an_attention_tp_rank_writes():
@@ -365,12 +397,16 @@ def _holding_main(ready, out, rid):
         in_place = all(base <= t.data_ptr() < base + size for t in held.export.k + held.export.v)
         opened = held.ref.open()  # as a decode rank maps it
         same = all(torch.equal(a, b) for a, b in zip(opened.k + opened.v, held.export.k + held.export.v))
+        riders = [held.export.token_ids, held.export.last_logits]
+        in_place = in_place and all(base <= t.data_ptr() < base + size for t in riders)
+        same = same and all(torch.equal(a, b) for a, b in zip([opened.token_ids, opened.last_logits], riders))
+        riders = [t.clone() for t in riders]
         k.add_(1)  # a write to the arena is seen through the other mapping: no copy between them
         shared = torch.equal(opened.k[0], k)
         free_held = rx.free_bytes
         values = [(a.clone(), b.clone()) for a, b in zip(opened.k, opened.v)]
     out.put(pickle.dumps({"in_place": in_place, "same": same, "shared": shared, "held": free_held < 8 << 20,
-                          "released": rx.free_bytes == 8 << 20, "values": values}))
+                          "released": rx.free_bytes == 8 << 20, "values": values, "riders": riders}))
     rx.close()
     out.put(os.path.exists(rx.path))
 
@@ -379,12 +415,14 @@ def _send_one(group, folder, address):
     from graphcp.pd.sender import KVSender
 
     eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache="sharded"), group)
-    h = eng.prefill(_requests(eng.cfg.vocab_size)[2:3]).handles[0]
+    req = _requests(eng.cfg.vocab_size)[2]
+    res = eng.prefill([req])
+    h = res.handles[0]
     sender = KVSender(address, group.rank, group.size, timeout_s=60)
-    sender.send(eng, [h], ["held-0"])
+    sender.send(eng, [h], ["held-0"], [req.tokens], res.last_logits)
     sender.close()
     e = eng.export_kv(h, dst=0)
-    return None if e is None else list(zip(e.k, e.v))
+    return None if e is None else (list(zip(e.k, e.v)), as_sent(([req.tokens], res.last_logits), 0))
 
 
 def test_a_held_request_is_lent_in_place_from_a_shared_arena(hf_model_dir):
@@ -397,8 +435,9 @@ def test_a_held_request_is_lent_in_place_from_a_shared_arena(hf_model_dir):
     proc = ctx.Process(target=_holding_main, args=(ready, out, "held-0"))
     proc.start()
     try:
-        sent = launch(_send_one, 2, folder, ready.get(timeout=120))[0]
+        sent, riders = launch(_send_one, 2, folder, ready.get(timeout=120))[0]
         got = pickle.loads(out.get(timeout=120))
+        assert all(torch.equal(a, b) for a, b in zip(got["riders"], riders, strict=True))  # ids, logits
         assert got["in_place"] and got["same"] and got["shared"] and got["held"] and got["released"], got
         assert out.get(timeout=60) is False  # the file removed
         (k0, v0), *rest = got["values"]
@@ -408,3 +447,93 @@ def test_a_held_request_is_lent_in_place_from_a_shared_arena(hf_model_dir):
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+
+
+STEPS = 8
+
+
+def _getting_main(ready, out, rid):
+    """A decode side's receiver: the request as ``rx.get`` hands it out (a copy), pickled."""
+    torch.set_num_threads(1)
+    from graphcp.pd.receiver import KVReceiver
+
+    rx = KVReceiver(8 << 20, timeout_s=60)
+    ready.put(rx.address)
+    out.put(pickle.dumps(rx.get(rid)))
+    out.put(rx.free_bytes == 8 << 20)
+    rx.close()
+
+
+def _send_and_save(group, folder, address, dtype, path):
+    """CP 2 sharded: prefill a request after a cached prefix, send it with its ids and
+    logits, and (rank 0) write the same request to a file (the file transport's payload)."""
+    from graphcp.pd.sender import KVSender
+
+    eng = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache="sharded", dtype=dtype), group)
+    prompt = np.asarray(_requests(eng.cfg.vocab_size)[2].tokens)
+    first = eng.prefill([Request(prompt[:30])]).handles[0]
+    res = eng.prefill([Request(prompt[30:], first)])
+    sender = KVSender(address, group.rank, group.size, timeout_s=60)
+    sender.send(eng, res.handles, ["first-step"], [prompt], res.last_logits)
+    sender.close()
+    e = eng.export_kv(res.handles[0], dst=0)
+    if e is not None:
+        e.token_ids, e.last_logits = torch.from_numpy(prompt), res.last_logits[0]
+        save_kv(e, path)
+    return prompt
+
+
+def _decode_without_prefill(engine, payload, first: int) -> tuple[list[int], torch.Tensor]:
+    """Import and greedy-decode STEPS - 1 steps after ``first``; the engine's prefill
+    forbidden (nothing of the prompt is recomputed). Ids and each step's logits."""
+    def no_prefill(*a, **k):
+        raise AssertionError("the decode side recomputed the prompt")
+
+    engine.prefill = no_prefill
+    h = engine.import_kv(payload)
+    toks, logits = [first], []
+    for _ in range(STEPS - 1):
+        step = engine.decode([h], [toks[-1]], logits=True)
+        h = step.handles[0]
+        toks.append(int(step.logits[0].argmax()))
+        logits.append(step.logits[0])
+    engine.release(h)
+    del engine.prefill
+    return toks, torch.stack(logits)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_received_request_decodes_from_its_own_logits(hf_model_dir, hf_model, tmp_path, dtype):
+    """The token ids and first-token logits travel in the request's region: ``rx.get``'s
+    export carries the sender's bit for bit, and a decode engine of another shape (CP 1)
+    imports it and continues from its ``last_logits.argmax()`` with no recompute: the
+    same ids and logits as from the file (float32 and bfloat16), transformers' ids in float32."""
+    from graphcp.pd.files import KVFile
+
+    folder = hf_model_dir("qwen3", False, dtype, num_hidden_layers=4)
+    ctx = mp.get_context("fork")
+    ready, out = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_getting_main, args=(ready, out, "first-step"))
+    proc.start()
+    try:
+        path = tmp_path / "first-step.safetensors"
+        prompt = launch(_send_and_save, 2, folder, ready.get(timeout=120), dtype, path)[0]
+        got = pickle.loads(out.get(timeout=120))
+        assert out.get(timeout=60)  # its region back
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    file = KVFile(path)
+    assert torch.equal(got.token_ids, file.token_ids) and torch.equal(got.token_ids, torch.from_numpy(prompt))
+    assert got.last_logits.dtype == torch.float32 and torch.equal(got.last_logits, file.last_logits)
+    engine = PrefillEngine(folder, RuntimeConfig(kv_tokens=1024, kv_cache="replicated", dtype=dtype))
+    first = int(got.last_logits.argmax())
+    toks, logits = _decode_without_prefill(engine, got, first)
+    want_toks, want_logits = _decode_without_prefill(engine, file, int(file.last_logits.argmax()))
+    assert toks == want_toks and torch.equal(logits, want_logits)
+    if dtype == "float32":
+        from helpers import hf_greedy
+
+        ref, _ = hf_greedy(hf_model(folder, dtype), [prompt], STEPS)
+        assert toks == ref[0].tolist(), (toks, ref[0].tolist())

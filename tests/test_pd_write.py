@@ -69,3 +69,31 @@ def test_failures_and_timeouts_name_the_write_and_leave_nothing_in_flight():
 def test_coalesce_runs():
     assert coalesce_runs([0, 10, 30], [100, 110, 200], [10, 20, 5]) == [(0, 100, 30), (30, 200, 5)]
     assert coalesce_runs([0, 10], [100, 200], [10, 0]) == [(0, 100, 10)]
+
+
+@pytest.mark.parametrize("kv_nbytes", [96, 98, 3])  # aligned, a bfloat16 tail, odd: padded to 8 either way
+def test_the_ids_and_logits_after_a_regions_kv(kv_nbytes):
+    """graphcp.pd.riders: the token ids (int64) and float32 logits packed after the KV at an
+    8-aligned offset read back bit for bit as views of the region; the KV bytes untouched;
+    an ``open`` naming another token count, or no counts, is refused in one line."""
+    import torch
+
+    from graphcp.pd.export import KVFormatError
+    from graphcp.pd.riders import Riders, as_ids
+
+    ids, logits = torch.tensor([5, 2**40, -1, 7]), torch.randn(11) * 1e30
+    r = Riders.of(ids, logits)
+    assert r == Riders.from_dict(r.to_dict(), 4, "t") and r.nbytes == 4 * 8 + 11 * 4
+    region = torch.full((r.region_bytes(kv_nbytes),), 0xAB, dtype=torch.uint8)
+    at = Riders.offset(kv_nbytes)
+    assert at % 8 == 0 and kv_nbytes <= at < kv_nbytes + 8
+    region[at:at + r.nbytes] = r.pack(ids, logits)
+    got_ids, got_logits = r.views(region, kv_nbytes)
+    assert torch.equal(got_ids, ids) and torch.equal(got_logits, logits) and got_logits.dtype == torch.float32
+    assert bool((region[:kv_nbytes] == 0xAB).all())
+    assert Riders.from_dict(None, 4, "t").views(region, kv_nbytes) == (None, None)  # none sent
+    assert Riders().region_bytes(kv_nbytes) == kv_nbytes
+    assert torch.equal(as_ids([1, 2]), as_ids(torch.tensor([1, 2], dtype=torch.int32)))
+    for bad in ({"token_ids": 3, "vocab": 11}, {"token_ids": -4}, {"vocab": "11"}, [4, 11]):
+        with pytest.raises(KVFormatError, match="request 'x'"):
+            Riders.from_dict(bad, 4, "request 'x'")

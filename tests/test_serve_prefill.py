@@ -299,8 +299,8 @@ def test_load_from_four_clients_survives_the_decode_side_dying_then_sigterm(mode
 @pytest.mark.slow
 def test_mooncake_decode_sides_come_and_go(model_dir, hf, tmp_path):
     """The Mooncake transport, a CP 2 worker on the layer-split cache: each rank writes its
-    layers into a receiver process; a CP 1 engine continues each request from the reply's
-    first token, as transformers does. A receiver that was killed is refused when a request
+    layers into a receiver process, rank 0 the tokens and first-token logits after them; a
+    CP 1 engine continues each request from those logits, as transformers does. A receiver that was killed is refused when a request
     names it; one that dies mid-transfer fails its request (``transfer``); the worker serves
     a next receiver, and SIGTERM leaves every page given back."""
     worker = Worker("--cp", "2", "--kv-cache", "layer-split", "--transport", "mooncake", "--graph", "off",
@@ -314,8 +314,10 @@ def test_mooncake_decode_sides_come_and_go(model_dir, hf, tmp_path):
         want, _ = hf_greedy(hf, ps, STEPS)
         engine = decode_engine(model_dir)
         got = dict(rxs[0].get() for _ in ps)
-        for i, r in enumerate(replies):
-            assert continue_file(engine, got[f"m{i}"], STEPS, r["next_token"]) == want[i].tolist(), i
+        for i, r in enumerate(replies):  # from the logits that rode in the region: the reply's next_token unused
+            toks = continue_file(engine, got[f"m{i}"], STEPS)
+            assert toks == want[i].tolist() and r["next_token"] == toks[0], i
+            assert torch.equal(got[f"m{i}"].token_ids, torch.from_numpy(ps[i])), i
         rxs[0].kill()
         gone = conn.ask(request("to-the-dead", rxs[0].address, ps[0]))
         assert gone["stage"] == "refused" and "unreachable" in gone["error"], gone

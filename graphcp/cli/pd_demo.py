@@ -3,13 +3,15 @@
 A receiver process (the decode side's) starts a :class:`KVReceiver`; graphcp prefills a
 prompt at one shape (``--cp 4 --kv-cache sharded`` by default: a cached prefix first,
 then the rest extending it), and every rank sends its part of the request's KV straight
-into the receiver's memory through the Mooncake transfer engine on loopback TCP
-(``--transport file``: one safetensors file instead). A graphcp decode engine of another
+into the receiver's memory through the Mooncake transfer engine on loopback TCP, the
+prompt's ids and first-token logits with it (``--transport file``: one safetensors file
+instead, holding the same). A graphcp decode engine of another
 shape (``--decode-cp 2 --decode-kv-cache sharded``) imports the received request
 (``engine.import_kv``: each rank places its share, read in place from the receiver's
 shared arena, or from the file) and decodes it greedily from the
-prefill's first token. The demo prints the TTFT, the transfer's bytes and time, the decode
-tokens per second, and whether the tokens match transformers run alone.
+first token the received logits give (nothing recomputed, no side channel). The demo
+prints the TTFT, the transfer's bytes and time, the decode tokens per second, and whether
+the tokens match transformers run alone.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from graphcp.jobs.preflight import job_spec, preflight
 from graphcp.jobs.spec import JobSpec, make_engine, run_job_on_ranks
 from graphcp.model.presets import resolve_model
 from graphcp.pd.errors import TransferError
-from graphcp.pd.files import read_kv, save_kv
+from graphcp.pd.files import KVFile, read_kv, save_kv
 from graphcp.pd.hf import greedy_continue
 from graphcp.pd.load import to_transformers_cache
 from graphcp.pd.mooncake import PD_EXTRA, mooncake_problem
@@ -67,9 +69,9 @@ def _prefill_and_send(group, spec: JobSpec, prompt: np.ndarray, prefix: int, tra
     ttft = time.perf_counter() - t0
     handle = out.handles[0]
     t0 = time.perf_counter()
-    if transport == "mooncake":
+    if transport == "mooncake":  # the prompt's ids and first-token logits ride in the request's region
         sender = KVSender(where, engine.world_rank, engine.world.size, timeout_s=timeout_s)
-        sender.send(engine, [handle], [REQUEST_ID])
+        sender.send(engine, [handle], [REQUEST_ID], [prompt], out.last_logits[:1])
         sender.close()
     else:
         export = engine.export_kv(handle, dst=0)
@@ -81,8 +83,7 @@ def _prefill_and_send(group, spec: JobSpec, prompt: np.ndarray, prefix: int, tra
     engine.release(handle)  # acknowledged (or written): the prefill side lets it go
     if engine.world_rank != 0:
         return None
-    return {"next_token": int(out.last_logits[0].argmax()), "bytes": meta.nbytes, "transfer_s": took,
-            "ttft_s": ttft, "path": out.info.path}
+    return {"bytes": meta.nbytes, "transfer_s": took, "ttft_s": ttft, "path": out.info.path}
 
 
 def _receive_main(transport: str, shm: str, ready, jobs, results, timeout_s: float, parent_pid: int) -> None:
@@ -124,12 +125,22 @@ def _opened(payload):
     return payload.open() if isinstance(payload, RegionRef) else read_kv(payload)
 
 
-def _import_and_decode(group, spec: JobSpec, payload, first: int, steps: int) -> dict | None:
+def first_token(export) -> int:
+    """The prefill's first token: the argmax of the logits that travelled with the KV (in
+    the Mooncake region or the file; nothing recomputed)."""
+    if export.last_logits is None:
+        raise TransferError("the received KV holds no last_logits (the first token's logits): nothing to continue "
+                            "from")
+    return int(export.last_logits.argmax())
+
+
+def _import_and_decode(group, spec: JobSpec, payload, steps: int) -> dict | None:
     """Every rank of the decode engine: import the request (from the receiver's shared
     arena in place, or its share of the file), then ``steps`` greedy decode steps from the
-    prefill's first token (no recompute of the prompt)."""
+    first token its logits give (no recompute of the prompt)."""
     engine = make_engine(group, spec)
-    export = payload.open() if isinstance(payload, RegionRef) else payload
+    export = payload.open() if isinstance(payload, RegionRef) else KVFile(payload)
+    first = first_token(export)
     engine.release(engine.import_kv(export))  # warm: the model's fingerprint read once
     t0 = time.perf_counter()
     handle = engine.import_kv(export)
@@ -151,7 +162,7 @@ def _import_and_decode(group, spec: JobSpec, payload, first: int, steps: int) ->
 
 
 @torch.inference_mode()
-def _transformers_decode(model_dir: Path, export, first: int, steps: int) -> dict:
+def _transformers_decode(model_dir: Path, export, steps: int) -> dict:
     """The decode side for a model graphcp does not decode yet: transformers continues
     from the export's cache (the format's builder, graphcp.pd.load)."""
     from transformers import AutoModelForCausalLM
@@ -163,6 +174,7 @@ def _transformers_decode(model_dir: Path, export, first: int, steps: int) -> dic
     cache = to_transformers_cache(export, dtype=torch.float32)
     built = time.perf_counter() - t0
     t0 = time.perf_counter()
+    first = first_token(export)
     tokens, _ = greedy_continue(model, cache, first, steps)
     return {"tokens": [first] + tokens, "import_s": built, "tokens_per_s": steps / (time.perf_counter() - t0)}
 
@@ -261,9 +273,9 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
         if "error" in got:
             raise TransferError(f"the decode side's receiver failed: {got['error']}")
         if instead is None:
-            dec = run_job_on_ranks(_import_and_decode, dspec, got["payload"], res["next_token"], args.steps)
+            dec = run_job_on_ranks(_import_and_decode, dspec, got["payload"], args.steps)
         else:
-            dec = _transformers_decode(model_dir, _opened(got["payload"]), res["next_token"], args.steps)
+            dec = _transformers_decode(model_dir, _opened(got["payload"]), args.steps)
     except KeyboardInterrupt:
         rx.kill()  # Ctrl-C: at once, not after the receiver's wait
         raise

@@ -8,7 +8,8 @@ Messages (``op``; every request message carries its ``id``):
   buffer (``buffer``, ``size``) and what it takes (``format``: the export formats it
   reads, graphcp.pd.formats; optionally ``fingerprint`` and ``dtype``);
 - sender -> receiver: ``open`` (``rank``, ``senders``: how many ranks write parts,
-  ``meta``: the request's metadata, in its format), then ``done`` (``rank``, ``bytes`` written) or
+  ``meta``: the request's metadata, in its format; ``riders``: how many token ids and
+  logits follow its KV in the region, graphcp.pd.riders), then ``done`` (``rank``, ``bytes`` written) or
   ``abort`` (``rank``, ``error``);
 - receiver -> sender: ``region`` (``addr``: where the request goes) or ``refused``
   (``error``), and when the request is settled ``ack`` (every part arrived) or

@@ -4,7 +4,8 @@ It runs a transfer engine, registers one buffer (the arena) and serves the contr
 channel (graphcp.pd.control) on a TCP port: each prefill rank connects, reads the
 ``hello`` (session, buffer, wanted layout), and per request sends ``open``; the first
 ``open`` of a request reserves its region (``meta.nbytes``, in the layout of the
-request's format: graphcp-kv/1, or a family's own, graphcp.pd.formats) and
+request's format: graphcp-kv/1, or a family's own, graphcp.pd.formats; then its token
+ids and first-token logits, graphcp.pd.riders) and
 every sender of it gets the same address; each rank writes its part straight into
 the arena and says ``done``. When every rank is done and the bytes add up, the
 request is complete: every sender gets ``ack`` and :meth:`KVReceiver.get` hands it
@@ -37,6 +38,7 @@ from graphcp.pd.export import KVFormatError
 from graphcp.pd.formats import Export, meta_from_dict, registered
 from graphcp.pd.layout import TensorLayout
 from graphcp.pd.mooncake import MooncakeEngine
+from graphcp.pd.riders import Riders
 
 ALIGN = 64
 
@@ -44,6 +46,7 @@ ALIGN = 64
 @dataclass
 class _Request:
     meta: TensorLayout  # the request's format's
+    riders: Riders  # the token ids and logits after its KV
     offset: int  # in the arena
     senders: int
     opened: float
@@ -53,6 +56,11 @@ class _Request:
     error: str | None = None
     error_type: type = TransferFailed
     complete: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Its region: the KV and what rides after it."""
+        return self.riders.region_bytes(self.meta.nbytes)
 
 
 class _Arena:
@@ -94,20 +102,32 @@ def shared_path() -> str:
 @dataclass(frozen=True)
 class RegionRef:
     """A held request's region in a shared arena, as another process opens it (picklable):
-    the arena's file, the region's byte offset and the request's metadata."""
+    the arena's file, the region's byte offset, the request's metadata and what rides
+    after its KV (graphcp.pd.riders)."""
 
     path: str
     offset: int
     meta: dict
+    riders: dict = field(default_factory=dict)
 
     def open(self) -> Export:
-        """The request as views of the mapped arena (no copy: a tensor whose offset is not a
+        """The request as views of the mapped arena, its token ids and first-token logits
+        too (no copy: a tensor whose offset is not a
         multiple of its item size, after tensors of a smaller dtype, is the exception). The
         views stay valid while this process holds them, after the region is released
         (the receiver may then reuse it: import before releasing)."""
-        m = meta_from_dict(self.meta, source=f"the held region of {self.path}")
-        arena = torch.from_file(self.path, shared=True, size=self.offset + m.nbytes, dtype=torch.uint8)
-        return m.make_export(m.unflatten(arena[self.offset:self.offset + m.nbytes]))
+        source = f"the held region of {self.path}"
+        m = meta_from_dict(self.meta, source=source)
+        riders = Riders.from_dict(self.riders, m.num_tokens, source)
+        n = riders.region_bytes(m.nbytes)
+        arena = torch.from_file(self.path, shared=True, size=self.offset + n, dtype=torch.uint8)
+        return _export(m, riders, arena[self.offset:self.offset + n])
+
+
+def _export(m: TensorLayout, riders: Riders, region: torch.Tensor) -> Export:
+    """The request in ``region`` (its whole region) as views of it."""
+    ids, logits = riders.views(region, m.nbytes)
+    return m.make_export(m.unflatten(region[:m.nbytes]), token_ids=ids, last_logits=logits)
 
 
 @dataclass
@@ -168,11 +188,13 @@ class KVReceiver:
         TransferTimeout if it is not complete within ``timeout_s`` (default: the
         receiver's)."""
         with self.hold(request_id, timeout_s) as held:
-            m = held.export.meta
+            e = held.export
+            m = e.meta
             layers: list[dict[str, torch.Tensor]] = [{} for _ in range(m.num_layers)]
             for i, n in m.tensors():
-                layers[i][n] = held.export.tensor(i, n).clone()
-            return m.make_export(layers)
+                layers[i][n] = e.tensor(i, n).clone()
+            return m.make_export(layers, token_ids=None if e.token_ids is None else e.token_ids.clone(),
+                                 last_logits=None if e.last_logits is None else e.last_logits.clone())
 
     def hold(self, request_id: str, timeout_s: float | None = None) -> HeldKV:
         """The request once complete, lent in place: views of the arena (no copy), its region
@@ -195,12 +217,12 @@ class KVReceiver:
                     raise TransferTimeout(f"request {request_id!r} not complete within {wait:g}s ({state})")
                 self._cond.wait(left)
         m = req.meta
-        export = m.make_export(m.unflatten(self.buffer[req.offset:req.offset + m.nbytes]))
-        ref = None if self.path is None else RegionRef(self.path, req.offset, m.to_dict())
+        export = _export(m, req.riders, self.buffer[req.offset:req.offset + req.nbytes])
+        ref = None if self.path is None else RegionRef(self.path, req.offset, m.to_dict(), req.riders.to_dict())
 
         def release() -> None:
             with self._cond:
-                self._arena.give(req.offset, m.nbytes)
+                self._arena.give(req.offset, req.nbytes)
                 self._cond.notify_all()
 
         return HeldKV(export, ref, release)
@@ -266,11 +288,12 @@ class KVReceiver:
                 req.done[int(msg.get("rank", -1))] = int(msg.get("bytes", 0))
                 if req.error is None and len(req.done) == req.senders:
                     got = sum(req.done.values())
-                    if got == req.meta.nbytes:
+                    if got == req.meta.nbytes + req.riders.nbytes:  # (the padding between is not written)
                         req.complete = True
                         self._notify(req, rid, op="ack")
                     else:
-                        self._fail(rid, req, f"the senders wrote {got} bytes, the request has {req.meta.nbytes}")
+                        self._fail(rid, req, f"the senders wrote {got} bytes, the request has {req.meta.nbytes} of "
+                                             f"KV and {req.riders.nbytes} of token ids and logits")
             elif op == "abort":
                 self._fail(rid, req, f"rank {msg.get('rank')} aborted: {msg.get('error')}")
             self._maybe_free(rid, req)
@@ -279,6 +302,7 @@ class KVReceiver:
     def _open(self, ch: Channel, rid: str, msg: dict) -> dict:
         try:
             meta = meta_from_dict(msg.get("meta"), source=f"request {rid!r}")
+            riders = Riders.from_dict(msg.get("riders"), meta.num_tokens, f"request {rid!r}")
         except KVFormatError as e:
             return {"op": "refused", "error": str(e)}
         for key in ("fingerprint", "dtype"):
@@ -289,12 +313,14 @@ class KVReceiver:
         with self._cond:
             req = self._requests.get(rid)
             if req is None:
-                offset = self._arena.take(meta.nbytes)
+                nbytes = riders.region_bytes(meta.nbytes)
+                offset = self._arena.take(nbytes)
                 if offset is None:
-                    return {"op": "refused", "error": f"receiver buffer full: the request needs {meta.nbytes} bytes, "
+                    return {"op": "refused", "error": f"receiver buffer full: the request needs {nbytes} bytes, "
                                                       f"{self._arena.free_bytes} of {self._arena.size} are free"}
-                req = self._requests[rid] = _Request(meta, offset, int(msg.get("senders", 1)), time.monotonic())
-            elif req.meta != meta or req.error is not None or req.complete:
+                req = self._requests[rid] = _Request(meta, riders, offset, int(msg.get("senders", 1)),
+                                                     time.monotonic())
+            elif req.meta != meta or req.riders != riders or req.error is not None or req.complete:
                 why = req.error or ("already complete" if req.complete else "opened with other metadata")
                 return {"op": "refused", "error": f"request {rid!r}: {why}"}
             req.channels.add(ch)
@@ -340,5 +366,5 @@ class KVReceiver:
         """A failed request's region is reused once every sender of it has settled; the
         request stays listed (its error is what ``get`` raises)."""
         if req.error is not None and req.offset >= 0 and req.settled >= req.channels:
-            self._arena.give(req.offset, req.meta.nbytes)
+            self._arena.give(req.offset, req.nbytes)
             req.offset = -1

@@ -10,7 +10,8 @@ the request on the control channel (the receiver answers with the request's regi
 copies its spans into a registered staging buffer in the export layout (any format:
 graphcp.pd.layout gives the runs), writes them
 with Mooncake writes (one batch a contiguous run) straight into the receiver's memory and says
-``done``. ``send`` returns when the receiver acknowledged every request; until then,
+``done``; rank 0 also writes the request's token ids and first-token logits after the KV
+(graphcp.pd.riders). ``send`` returns when the receiver acknowledged every request; until then,
 and after any error, the request's KV is still in the engine (nothing is released:
 ``engine.release`` after ``send`` returned; a retry or an export to file still works).
 """
@@ -25,6 +26,7 @@ from graphcp.errors import ConfigError
 from graphcp.pd.control import Channel, connect
 from graphcp.pd.errors import ReceiverDied, ReceiverUnreachable, TransferFailed, TransferTimeout
 from graphcp.pd.mooncake import MooncakeEngine
+from graphcp.pd.riders import Riders, as_ids
 
 
 class KVSender:
@@ -57,12 +59,19 @@ class KVSender:
         self._staging: torch.Tensor | None = None
         self._staging_addr = 0
 
-    def send(self, engine, handles: Sequence, request_ids: Sequence[str]) -> None:
-        """Send each handle's KV as ``request_ids[i]``; returns once the receiver
-        acknowledged all of them (module docstring). Raises ReceiverDied, TransferFailed
-        or TransferTimeout naming the request; releases nothing."""
-        if len(handles) != len(request_ids):
-            raise ValueError(f"{len(handles)} handles but {len(request_ids)} request ids")
+    def send(self, engine, handles: Sequence, request_ids: Sequence[str], token_ids: Sequence | None = None,
+             last_logits: Sequence[torch.Tensor] | torch.Tensor | None = None) -> None:
+        """Send each handle's KV as ``request_ids[i]``, with its prompt's ``token_ids[i]`` and
+        first-token ``last_logits[i]`` (the prefill's, float32 [vocab]) when given: they ride
+        after the KV in the region (graphcp.pd.riders), so the receiver's export carries them
+        as a file's does. Every rank passes the same; rank 0 writes them. Returns once the
+        receiver acknowledged every request (module docstring). Raises ReceiverDied,
+        TransferFailed or TransferTimeout naming the request; releases nothing."""
+        for what, given in (("request ids", request_ids), ("token_ids", token_ids), ("last_logits", last_logits)):
+            if given is not None and len(given) != len(handles):
+                raise ValueError(f"{len(handles)} handles but {len(given)} {what}")
+        ids = [None] * len(handles) if token_ids is None else [as_ids(t) for t in token_ids]
+        logits = [None] * len(handles) if last_logits is None else list(last_logits)
         if (self.rank, self.cp_size) != (engine.world_rank, engine.world.size):
             raise ConfigError(f"KVSender(rank={self.rank}, cp_size={self.cp_size}) sends for an engine that is rank "
                               f"{engine.world_rank} of {engine.world.size}: give each sender its engine's "
@@ -71,8 +80,8 @@ class KVSender:
             local = _local(h)
             if local is not None:
                 engine.parts.kv.check_handle(local)
-        for h, rid in zip(handles, request_ids):
-            self._send_one(engine, h, str(rid))
+        for h, rid, t, x in zip(handles, request_ids, ids, logits):
+            self._send_one(engine, h, str(rid), t, x)
         for rid in request_ids:
             self._wait_ack(str(rid))
 
@@ -100,20 +109,33 @@ class KVSender:
                                  "still in the prefill engine")
         return msg
 
-    def _send_one(self, engine, handle, rid: str) -> None:
+    def _send_one(self, engine, handle, rid: str, token_ids: torch.Tensor | None,
+                  last_logits: torch.Tensor | None) -> None:
         meta = engine.kv_meta(handle)  # either format: the runs come from its layout (graphcp.pd.layout)
+        riders = Riders.of(token_ids, last_logits)
+        if riders.num_tokens not in (0, meta.num_tokens):
+            raise ValueError(f"{self._what(rid)}: {riders.num_tokens} token ids for a request of {meta.num_tokens} "
+                             "tokens")
         # the spans this rank owns in its CP group (under pipeline stages: of its stage's layers)
         source = engine.parts.kv_source  # the cache, or what reads a family's cache state
         shard = _shard(engine)
         local = _local(handle)  # (under attention DP: None on the ranks of the replicas that do not hold it)
         mine = [s for s in source.kv_spans(local, engine.parts.group.size) if s.owner == engine.rank] \
             if shard != (0, 0) and local is not None else []
-        self.channel.send(op="open", id=rid, rank=self.rank, senders=self.cp_size, meta=meta.to_dict())
+        self.channel.send(op="open", id=rid, rank=self.rank, senders=self.cp_size, meta=meta.to_dict(),
+                          riders=riders.to_dict())
         base = int(self._reply(rid, ("region", "refused", "failed"), "region")["addr"])
-        staging = self._stage(sum(meta.nbytes_of(s.layer, n, s.num_tokens) for s in mine
-                                  for n in meta.layer_tensors(s.layer)))
+        extra = riders.pack(token_ids, last_logits) if self.rank == 0 else torch.empty(0, dtype=torch.uint8)
+        staging = self._stage(extra.numel() + sum(meta.nbytes_of(s.layer, n, s.num_tokens) for s in mine
+                                                  for n in meta.layer_tensors(s.layer)))
         src, dst, lengths = [], [], []
         pos = 0
+        if extra.numel():  # the ids and logits, after the KV (rank 0's)
+            staging[:extra.numel()].copy_(extra)
+            src.append(self._staging_addr)
+            dst.append(base + riders.offset(meta.nbytes))
+            lengths.append(extra.numel())
+            pos = extra.numel()
         for span in mine:
             for name, t in zip(meta.layer_tensors(span.layer), source.read_span(local, span)):
                 dtype = meta.tensor_dtype(span.layer, name)  # bytes: a format may mix dtypes (float32 gates)

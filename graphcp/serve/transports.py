@@ -5,7 +5,8 @@
   with its tokens and first-token logits), written by the run's rank 0 once every rank's
   part is assembled (``engine.export_kv(handle, dst=0)``).
 - ``mooncake``: the address is a :class:`graphcp.pd.receiver.KVReceiver`'s ``host:port``;
-  every rank writes its own spans into the receiver's memory (graphcp.pd.sender: one
+  every rank writes its own spans into the receiver's memory, rank 0 the request's
+  tokens and first-token logits after them (graphcp.pd.sender: one
   ``KVSender`` a rank and decode side, kept while the side answers, over the rank's one
   transfer engine).
 
@@ -118,7 +119,7 @@ class MooncakeTransport:
             sender = self._senders[address] = KVSender(address, self.rank, self.world_size, timeout_s=self.timeout_s,
                                                        transfer_engine=self.engine)
         try:
-            sender.send(engine, [handle], [request_id])
+            sender.send(engine, [handle], [request_id], [tokens], [last_logits])  # the ids and logits ride along
         except (ReceiverDied, ReceiverUnreachable):
             self._drop(address)  # the decode side is gone: a later request connects again
             raise
