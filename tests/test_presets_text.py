@@ -11,6 +11,9 @@ its greedy tokens equal transformers'.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -37,9 +40,10 @@ def _prompts(vocab: int) -> list[list[int]]:
 @torch.inference_mode()
 def _transformers_greedy(folder, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy continuations, STEPS tokens each (no stop at an end-of-sequence id)."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    arch = json.loads((Path(folder) / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(folder, dtype=torch.float32).eval()
     out = []
     for p in prompts:
         gen = model.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False, eos_token_id=None)
@@ -55,7 +59,8 @@ def greedy():
     def get(name: str):
         if name not in cache:
             folder = ensure_preset(name)
-            prompts = _prompts(PRESETS[name]["vocab_size"])
+            config = PRESETS[name]
+            prompts = _prompts(config.get("text_config", config)["vocab_size"])
             cache[name] = folder, prompts, _transformers_greedy(folder, prompts)
         return cache[name]
 

@@ -136,19 +136,20 @@ import numpy as np
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
-from graphcp.attention.kernels import paged_prefill as tk
+from graphcp.attention.kernels import paged_decode as dk, paged_prefill as tk
 
-fn = tk._paged_prefill_kernel
-binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
 seen = []
+# the prefill kernel and (the check's decode rows warm them too) the decode kernels
+for fn in (tk._paged_prefill_kernel, dk._paged_decode_kernel, dk._merge_splits_kernel):
+    binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
 
-def record(*args, grid, warmup, **kw):  # what each launch would compile for: no kernel runs
-    _, spec, opts = binder(*args, **kw)
-    key = json.dumps([[str(x) for x in spec], opts.get("num_warps"), opts.get("num_stages")])
-    if key not in seen:
-        seen.append(key)
+    def record(*args, grid, warmup, fn=fn, binder=binder, **kw):  # what a launch would compile for: none runs
+        _, spec, opts = binder(*args, **kw)
+        key = json.dumps([fn.__name__, [str(x) for x in spec], opts.get("num_warps"), opts.get("num_stages")])
+        if key not in seen:
+            seen.append(key)
 
-fn.run = record
+    fn.run = record
 # no kernel runs here (fn.run records), so the refusal of compiled Triton on a CPU (the
 # interpreter would change the launches' specialisations) is lifted for this harness
 import graphcp.attention.backends.triton as triton_backend

@@ -162,4 +162,13 @@ def step_kernels(kernels: KdaKernels) -> StepKernels:
         except ImportError:  # a causal-conv1d without the update: the torch step
             conv = None
     names = [n for n, on in (("fla", step is not recurrent_kda), ("causal-conv1d", conv is not None)) if on]
-    return StepKernels("+".join(names) or "torch", rule, conv or step_conv)
+    conv = conv or step_conv
+
+    def conv_rows(x, state, weight):  # n rows a request in order (the step's contract; no KDA draft uses it)
+        outs = []
+        for j in range(x.shape[1]):
+            out, state = conv(x[:, j], state, weight)
+            outs.append(out)
+        return torch.stack(outs, dim=1)
+
+    return StepKernels("+".join(names) or "torch", rule, conv, conv_rows)

@@ -42,5 +42,6 @@ PRESETS: dict[str, dict] = {
         "torch_dtype": "float32",
         "bos_token_id": 1,
         "eos_token_id": 2,
+        "pad_token_id": None,  # (transformers' default id is past this vocabulary)
     },
 }
