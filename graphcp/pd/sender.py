@@ -200,8 +200,8 @@ def shard_runs(meta, layer: int, name: str, runs: list[tuple[int, int, int]], si
     """The runs of attention-TP rank ``rank``'s share of tensor ``name`` (``runs``: the whole
     tensor's span, one a row along dim 0, before the token dimension, or a state's one run,
     cut into its rows here): its local row ``j``
-    is the whole tensor's row the format's ``take_heads`` gives it (K/V heads, a hybrid's
-    conv channels and recurrent heads), written unless a lower rank holds the same row
+    is the whole tensor's row the format's ``take_heads`` gives it (K/V heads, a state's
+    channels or heads), written unless a lower rank holds the same row
     (a KV head replicated over ranks: its first holder writes it)."""
     count = meta.tensor_shape(layer, name)[0]
     if len(runs) == 1 and count > 1:  # a whole tensor (a state) in one run: a run a row
