@@ -109,6 +109,16 @@ def varlen_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     (graphcp.model.hybrid.varlen's :class:`ChunkSlots`): the intra-chunk terms of every
     chunk at once, then step ``i`` advances the blocks that have an ``i``-th chunk. Returns
     the outputs ``[n, H, d_v]`` and the final states ``[nb, H, d_k, d_v]``."""
+    return varlen_chunks(_chunk_terms, q, k, v, g, beta, initial, slots, chunk)
+
+
+def varlen_chunks(chunk_terms: Callable[..., tuple[torch.Tensor, ...]], q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, initial: torch.Tensor, slots: ChunkSlots,
+                  chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The varlen chunked delta rule with a rule's own intra-chunk terms (``chunk_terms``:
+    Gated DeltaNet's per-head decay here, KDA's per-channel one in ``kimi_linear/kda.py``;
+    the inter-chunk step is affine in the state either way): the terms of every chunk at
+    once, then step ``i`` advances the blocks that have an ``i``-th chunk."""
     n, H = v.shape[:2]
     S = slots.rows.shape[0] // chunk
     if S == 0:
@@ -118,7 +128,7 @@ def varlen_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         rows = torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, slots.rows)
         return rows.view(S, chunk, *x.shape[1:]).movedim(1, 2)
 
-    q, k, u, w, intra, decay = (t[:, :, 0] for t in _chunk_terms(*(chunks(x) for x in (q, k, v, g, beta)), chunk))
+    q, k, u, w, intra, decay = (t[:, :, 0] for t in chunk_terms(*(chunks(x) for x in (q, k, v, g, beta)), chunk))
     state = initial.index_select(0, slots.order)
     out = torch.empty_like(u)
     for i in range(len(slots.steps) - 1):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphcp.model.hybrid.gdn import CHUNK, block_conv, conv_rows
+from graphcp.model.hybrid.gdn import CHUNK, block_conv, conv_rows, varlen_chunks
 from graphcp.model.hybrid.varlen import ChunkSlots, ConvRows
 
 #: transformers' softplus threshold in the forget gate (``where(g > 20, g, log(1 + exp(g)))``)
@@ -146,26 +146,7 @@ def varlen_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     (graphcp.model.hybrid.varlen's :class:`ChunkSlots`, as the Gated DeltaNet rule's
     ``varlen_gated_delta_rule``). Returns the outputs ``[n, H, d_v]`` and the final
     states ``[nb, H, d_k, d_v]``."""
-    n, H = v.shape[:2]
-    S = slots.rows.shape[0] // chunk
-    if S == 0:
-        return v.new_zeros(n, H, v.shape[-1]), initial.clone()
-
-    def chunks(x: torch.Tensor) -> torch.Tensor:  # rows -> [S, H, 1 chunk, ...] (a zero row past a block)
-        rows = torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, slots.rows)
-        return rows.view(S, chunk, *x.shape[1:]).movedim(1, 2)
-
-    q, k, u, w, intra, decay = (t[:, :, 0] for t in _chunk_terms(*(chunks(x) for x in (q, k, v, g, beta)), chunk))
-    state = initial.index_select(0, slots.order)
-    out = torch.empty_like(u)
-    for i in range(len(slots.steps) - 1):
-        a, b = slots.steps[i], slots.steps[i + 1]
-        now = state[: b - a]
-        v_new = u[a:b] - w[a:b] @ now
-        out[a:b] = q[a:b] @ now + intra[a:b] @ v_new
-        state[: b - a] = now * decay[a:b] + k[a:b].transpose(-1, -2) @ v_new
-    flat = out.movedim(1, 2).reshape(S * chunk, H, -1)
-    return flat.index_select(0, slots.position), state.index_select(0, slots.inverse)
+    return varlen_chunks(_chunk_terms, q, k, v, g, beta, initial, slots, chunk)
 
 
 def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
